@@ -1,0 +1,210 @@
+// XLA FFI handlers for CPU devices: decode buffers and attributes, find the device's runtime state by ordinal,
+// call the CPU implementation in kernels/cpu. Nothing else happens here.
+#include "cpu_handlers.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+
+#include "../kernels/cpu/normal.hpp"
+
+namespace ffi = xla::ffi;
+
+namespace uccl_ep::ffi_cpu {
+namespace {
+
+// Runs `body` with the runtime held alive, mapping our exceptions to XLA error codes.
+template <class Body>
+ffi::Error guarded(Body&& body) {
+  try {
+    std::shared_lock<std::shared_mutex> lock(Runtime::get().lifetime_mutex());
+    body();
+    return ffi::Error::Success();
+  } catch (const TimeoutError& e) {
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, e.what());
+  } catch (const InvalidArgument& e) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+}
+
+// UCCL_EP_POISON=1 fills outputs with 0xFF bytes before an op, so a row the op forgets to write shows as NaN
+// or -1 in tests instead of looking like valid data.
+bool poison_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("UCCL_EP_POISON");
+    return v && *v && std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+template <class... Buffers>
+void poison(Buffers&... buffers) {
+  if (poison_enabled()) (std::memset(buffers->untyped_data(), 0xFF, buffers->size_bytes()), ...);
+}
+
+int64_t dim(const ffi::AnyBuffer& b, int i) { return b.dimensions()[i]; }
+template <ffi::DataType T>
+int64_t dim(const ffi::Buffer<T>& b, int i) { return b.dimensions()[i]; }
+
+uint64_t row_bytes(const ffi::AnyBuffer& b) {
+  return b.dimensions()[0] == 0 ? 0 : b.size_bytes() / uint64_t(b.dimensions()[0]);
+}
+
+cpu::Group group_of(Device& dev, const ffi::Buffer<ffi::S32>& group, const char* op) {
+  return cpu::make_group(dev, group.typed_data(), int(group.element_count()), op);
+}
+
+ffi::Error DeviceRankImpl(int32_t ordinal, ffi::Result<ffi::Buffer<ffi::S32>> rank) {
+  return guarded([&] { *rank->typed_data() = int32_t(Runtime::get().device_by_ordinal(ordinal).rank()); });
+}
+
+ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64_t num_ranks,
+                      ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_rank,
+                      ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+                      ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank) {
+  return guarded([&] {
+    cpu::get_dispatch_layout(topk_idx.typed_data(), int(dim(topk_idx, 0)), int(dim(topk_idx, 1)), int(num_experts),
+                             int(num_ranks), num_tokens_per_rank->typed_data(), num_tokens_per_expert->typed_data(),
+                             is_token_in_rank->typed_data());
+  });
+}
+
+ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> group, int64_t num_experts,
+                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+                        ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+                        ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+  return guarded([&] {
+    poison(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert,
+           is_token_in_rank, recv_counts);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group, "dispatch");
+    const bool has_weights = topk_weights.element_count() != 0;
+    cpu::DispatchArgs a{};
+    a.x = static_cast<const uint8_t*>(x.untyped_data());
+    a.x_row_bytes = row_bytes(x);
+    a.scales = static_cast<const uint8_t*>(scales.untyped_data());
+    a.scale_row_bytes = row_bytes(scales);
+    a.topk_idx = topk_idx.typed_data();
+    a.topk_weights = has_weights ? topk_weights.typed_data() : nullptr;
+    a.num_tokens = int(dim(topk_idx, 0));
+    a.topk = int(dim(topk_idx, 1));
+    a.num_experts = int(num_experts);
+    a.capacity = int(dim(*recv_x, 0));
+    a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
+    a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
+    a.recv_topk_idx = recv_topk_idx->typed_data();
+    a.recv_topk_weights = has_weights ? recv_topk_weights->typed_data() : nullptr;
+    a.recv_num_tokens = recv_num_tokens->typed_data();
+    a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
+    a.is_token_in_rank = is_token_in_rank->typed_data();
+    a.recv_counts = recv_counts->typed_data();
+    cpu::dispatch(dev, g, a);
+  });
+}
+
+ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
+                              ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group,
+                              ffi::Result<ffi::AnyBuffer> recv_x) {
+  return guarded([&] {
+    poison(recv_x);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group, "cached_dispatch");
+    cpu::CachedDispatchArgs a{static_cast<const uint8_t*>(x.untyped_data()),
+                              row_bytes(x),
+                              int(dim(x, 0)),
+                              is_token_in_rank.typed_data(),
+                              recv_counts.typed_data(),
+                              int(dim(*recv_x, 0)),
+                              static_cast<uint8_t*>(recv_x->untyped_data())};
+    cpu::cached_dispatch(dev, g, a);
+  });
+}
+
+ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
+                       ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    poison(out);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group, "combine");
+    cpu::FloatType dtype;
+    if (y.element_type() == ffi::DataType::F32)
+      dtype = cpu::FloatType::kF32;
+    else if (y.element_type() == ffi::DataType::BF16)
+      dtype = cpu::FloatType::kBF16;
+    else
+      throw InvalidArgument("uccl_ep combine: y must be float32 or bfloat16");
+    cpu::CombineArgs a{static_cast<const uint8_t*>(y.untyped_data()),
+                       dtype,
+                       int(dim(y, 1)),
+                       int(dim(y, 0)),
+                       int(dim(is_token_in_rank, 0)),
+                       is_token_in_rank.typed_data(),
+                       recv_counts.typed_data(),
+                       static_cast<uint8_t*>(out->untyped_data())};
+    cpu::combine(dev, g, a);
+  });
+}
+
+}  // namespace
+}  // namespace uccl_ep::ffi_cpu
+
+using namespace uccl_ep::ffi_cpu;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDeviceRankCpu, DeviceRankImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // rank
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks")
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_rank
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
+                                  .Ret<ffi::Buffer<ffi::PRED>>());  // is_token_in_rank
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCpu, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::AnyBuffer>()           // scales (zero width unless FP8)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights (zero width if absent)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // group
+                                  .Attr<int64_t>("num_experts")
+                                  .Ret<ffi::AnyBuffer>()           // recv_x
+                                  .Ret<ffi::AnyBuffer>()           // recv_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_topk_idx
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_topk_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
+                                  .Ret<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // recv_counts
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu, CachedDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // group
+                                  .Ret<ffi::AnyBuffer>());         // recv_x
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // y
+                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // group
+                                  .Ret<ffi::AnyBuffer>());         // combined

@@ -1,0 +1,9 @@
+// FFI handler symbols for platform "cpu" (defined in cpu_handlers.cpp, registered from Python).
+#pragma once
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDeviceRankCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLayoutCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDispatchCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCombineCpu);

@@ -1,0 +1,150 @@
+// The Python extension `jax_uccl_ep._uccl_ep`: FFI handler capsules for registration, the runtime's lifecycle,
+// and a small transport API that tests and benchmarks drive directly.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "../proxy/runtime.hpp"
+#include "cpu_handlers.hpp"
+
+namespace nb = nanobind;
+using namespace uccl_ep;
+
+namespace {
+
+template <typename T>
+nb::capsule capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+std::vector<uint8_t> to_vec(const nb::bytes& b) {
+  const uint8_t* p = static_cast<const uint8_t*>(b.data());
+  return std::vector<uint8_t>(p, p + b.size());
+}
+
+// Commands per second through one ring with one consumer thread: the ring alone, no transport.
+double ring_commands_per_second(uint32_t capacity, uint64_t count) {
+  CommandRing ring(capacity);
+  std::atomic<uint64_t> seen{0};
+  std::thread consumer([&] {
+    Command c;
+    uint64_t n = 0;
+    while (n < count)
+      if (ring.try_pop(&c)) ++n;
+    seen.store(n);
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  Command cmd{Op::kWrite, 0, 0, 1, 0, 0, 64, 0};
+  for (uint64_t i = 0; i < count; ++i) {
+    cmd.local_offset = i;
+    while (!ring.try_push(cmd)) {
+    }
+  }
+  consumer.join();
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return double(seen.load()) / s;
+}
+
+}  // namespace
+
+NB_MODULE(_uccl_ep, m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("cpu_registrations", [] {
+    nb::dict d;
+    d["uccl_ep_device_rank"] = capsule(UcclEpDeviceRankCpu);
+    d["uccl_ep_layout"] = capsule(UcclEpLayoutCpu);
+    d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCpu);
+    d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCpu);
+    d["uccl_ep_combine"] = capsule(UcclEpCombineCpu);
+    return d;
+  });
+
+  nb::class_<Config>(m, "Config")
+      .def(nb::init<>())
+      .def_rw("providers", &Config::providers)
+      .def_rw("num_channels", &Config::num_channels)
+      .def_rw("buffer_bytes", &Config::buffer_bytes)
+      .def_rw("timeout_s", &Config::timeout_s)
+      .def_rw("reorder", &Config::reorder)
+      .def_rw("max_inflight_writes", &Config::max_inflight_writes)
+      .def_rw("max_write_bytes", &Config::max_write_bytes)
+      .def_rw("ring_capacity", &Config::ring_capacity);
+
+  m.def("start", [](const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
+    Runtime::get().start(config, num_ranks, local);
+  });
+  m.def("local_infos", [] {
+    std::vector<nb::bytes> out;
+    for (auto& v : Runtime::get().local_infos()) out.emplace_back(v.data(), v.size());
+    return out;
+  });
+  m.def("host_of_info", [](const nb::bytes& info) { return EndpointInfo::deserialize(to_vec(info)).host; });
+  m.def("connect", [](const std::vector<nb::bytes>& infos) {
+    std::vector<std::vector<uint8_t>> v;
+    for (auto& b : infos) v.push_back(to_vec(b));
+    nb::gil_scoped_release release;
+    Runtime::get().connect(v);
+  });
+  m.def("shutdown", [] {
+    nb::gil_scoped_release release;
+    Runtime::get().shutdown();
+  });
+  m.def("is_initialized", [] { return Runtime::get().initialized(); });
+
+  // Transport API on one local device, by global rank.
+  m.def("provider", [](uint32_t rank) { return Runtime::get().device_by_rank(rank).provider(); });
+  m.def("num_channels", [](uint32_t rank) { return Runtime::get().device_by_rank(rank).num_channels(); });
+  m.def("region_bytes", [](uint32_t rank) { return Runtime::get().device_by_rank(rank).region_bytes(); });
+  m.def("send_offset", [](uint32_t rank, uint32_t peer) { return Runtime::get().device_by_rank(rank).send_offset(peer); });
+  m.def("recv_offset", [](uint32_t rank, uint32_t peer) { return Runtime::get().device_by_rank(rank).recv_offset(peer); });
+  m.def("buffer", [](uint32_t rank) {
+    Device& d = Runtime::get().device_by_rank(rank);
+    size_t shape[1] = {d.buffer_bytes()};
+    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(d.buffer(), 1, shape, nb::handle());
+  }, nb::rv_policy::reference);
+  m.def("post_message", [](uint32_t rank, int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset,
+                           uint64_t length) {
+    Device& d = Runtime::get().device_by_rank(rank);
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(d.op_mutex());
+    d.post_message(channel, peer, local_offset, remote_offset, length, "post_message");
+  });
+  m.def("wait_message", [](uint32_t rank, int channel, uint32_t peer) {
+    Device& d = Runtime::get().device_by_rank(rank);
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(d.op_mutex());
+    d.wait_message(channel, peer, "wait_message");
+  });
+  m.def("quiet", [](uint32_t rank) {
+    Device& d = Runtime::get().device_by_rank(rank);
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(d.op_mutex());
+    d.quiet("quiet");
+  });
+  m.def("stats", [](uint32_t rank) {
+    DeviceStats s = Runtime::get().device_by_rank(rank).stats();
+    nb::dict d;
+    d["commands"] = s.commands;
+    d["writes_posted"] = s.writes_posted;
+    d["bytes_posted"] = s.bytes_posted;
+    d["messages_received"] = s.messages_received;
+    return d;
+  });
+  m.def("ring_commands_per_second", &ring_commands_per_second, nb::arg("capacity"), nb::arg("count"),
+        nb::call_guard<nb::gil_scoped_release>());
+}

@@ -1,0 +1,26 @@
+"""jax_uccl_ep: expert-parallel dispatch and combine for Mixture-of-Experts models in JAX.
+
+Call ``initialize()`` once per process, then use the ops inside ``jax.shard_map`` over the EP mesh axis.
+"""
+from ._runtime import initialize, is_initialized, shutdown
+from .normal import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    combine,
+    dispatch,
+    get_dispatch_layout,
+)
+
+__all__ = [
+    "initialize",
+    "shutdown",
+    "is_initialized",
+    "get_dispatch_layout",
+    "dispatch",
+    "combine",
+    "DispatchLayout",
+    "DispatchHandle",
+    "DispatchResult",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""The process-global proxy runtime: start, connect through jax.distributed's key-value store, shut down."""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from . import _uccl_ep
+
+_lock = threading.Lock()
+_generation = 0  # initialize() calls so far; every process makes the same calls, so keys never collide
+_atexit_registered = False
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """Settings read from the environment at initialize() (see the README for each variable)."""
+
+    providers: str | None
+    num_proxy_threads: int
+    buffer_bytes: int
+    timeout_s: float
+    reorder: bool
+    max_inflight_writes: int
+    max_write_bytes: int
+
+    @staticmethod
+    def from_env() -> "RuntimeSettings":
+        env = os.environ
+        return RuntimeSettings(
+            providers=env.get("UCCL_EP_FI_PROVIDER") or None,
+            num_proxy_threads=int(env.get("UCCL_EP_NUM_PROXY_THREADS", "1")),
+            buffer_bytes=int(env.get("UCCL_EP_BUFFER_BYTES", str(64 << 20))),
+            timeout_s=float(env.get("UCCL_EP_TIMEOUT_S", "120")),
+            reorder=env.get("UCCL_EP_REORDER", "0") not in ("", "0"),
+            max_inflight_writes=int(env.get("UCCL_EP_MAX_INFLIGHT_WRITES", "256")),
+            max_write_bytes=int(env.get("UCCL_EP_MAX_WRITE_BYTES", str(1 << 20))),
+        )
+
+
+def _distributed_client() -> Any | None:
+    from jax._src import distributed  # the key-value store has no public accessor yet
+
+    return distributed.global_state.client
+
+
+def _maybe_initialize_distributed(kwargs: dict) -> None:
+    if _distributed_client() is not None or not (kwargs or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        return
+    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+        # CPU collectives across processes (the all_gather that finds an EP group) need gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+
+
+def _exchange(client: Any, key: str, local: dict[int, bytes], count: int, timeout_ms: int) -> list[bytes]:
+    for index, value in local.items():
+        client.key_value_set_bytes(f"{key}/{index}", value)
+    return [
+        local[i] if i in local else client.blocking_key_value_get_bytes(f"{key}/{i}", timeout_ms)
+        for i in range(count)
+    ]
+
+
+def initialize(**kwargs: Any) -> None:
+    """Starts the process-global runtime (idempotent, thread-safe).
+
+    If jax.distributed is not initialized and `kwargs` (or the usual environment, e.g.
+    ``JAX_COORDINATOR_ADDRESS``) name a coordinator, calls ``jax.distributed.initialize(**kwargs)`` first.
+    A single process with several local devices needs no jax.distributed. Every process of the job must call
+    this. Peers exchange endpoint names and memory keys through jax.distributed's key-value store.
+    """
+    global _generation, _atexit_registered
+    with _lock:
+        if _uccl_ep.is_initialized():
+            return
+        _maybe_initialize_distributed(kwargs)
+        settings = RuntimeSettings.from_env()
+        _generation += 1
+        key = f"jax_uccl_ep/{_generation}"
+        client = _distributed_client()
+        timeout_ms = int(settings.timeout_s * 1000)
+
+        devices = sorted(jax.devices(), key=lambda d: d.id)
+        rank_of = {d.id: r for r, d in enumerate(devices)}
+        local = [(d.local_hardware_id, rank_of[d.id]) for d in jax.local_devices()]
+        num_processes = jax.process_count()
+        if num_processes > 1 and client is None:
+            raise RuntimeError("jax_uccl_ep.initialize: several processes but no jax.distributed client")
+
+        providers = settings.providers
+        if providers is None:
+            hosts = [socket.gethostname().encode()]
+            if num_processes > 1:
+                hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
+            # One host: shared memory. Several: the NICs' providers first, TCP as the portable fallback.
+            providers = "shm,tcp;ofi_rxm" if len(set(hosts)) == 1 else "efa,verbs;ofi_rxm,tcp;ofi_rxm"
+
+        config = _uccl_ep.Config()
+        config.providers = providers
+        config.num_channels = settings.num_proxy_threads
+        config.buffer_bytes = settings.buffer_bytes
+        config.timeout_s = settings.timeout_s
+        config.reorder = settings.reorder
+        config.max_inflight_writes = settings.max_inflight_writes
+        config.max_write_bytes = settings.max_write_bytes
+        _uccl_ep.start(config, len(devices), local)
+        try:
+            infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))
+            if num_processes > 1:
+                all_infos = _exchange(client, f"{key}/endpoint", infos, len(devices), timeout_ms)
+            else:
+                all_infos = [infos[r] for r in range(len(devices))]
+            _uccl_ep.connect(all_infos)
+            if num_processes > 1:
+                client.wait_at_barrier(f"{key}/connected", timeout_ms)
+        except BaseException:
+            _uccl_ep.shutdown()
+            raise
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stops the proxy threads, closes the endpoints and frees every buffer. initialize() may follow."""
+    with _lock:
+        if not _uccl_ep.is_initialized():
+            return
+        client = _distributed_client()
+        if client is not None and jax.process_count() > 1:
+            # Wait for peers so nobody still writes into buffers we free; a dead peer must not block exit.
+            try:
+                client.wait_at_barrier(f"jax_uccl_ep/{_generation}/shutdown", 10_000)
+            except Exception:
+                pass
+        _uccl_ep.shutdown()
+
+
+def is_initialized() -> bool:
+    """Whether the runtime is running in this process."""
+    return bool(_uccl_ep.is_initialized())
+
+
+def local_ranks() -> list[int]:
+    """Global ranks (indices into jax.devices() sorted by id) of this process's devices."""
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    local_ids = {d.id for d in jax.local_devices()}
+    return [r for r, d in enumerate(devices) if d.id in local_ids]

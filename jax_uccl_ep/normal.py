@@ -1,0 +1,263 @@
+"""Normal (high-throughput) mode: get_dispatch_layout, dispatch and combine, for use inside jax.shard_map.
+
+Rank r of an EP axis of size R owns experts [r*E/R, (r+1)*E/R). Dispatch sends each token once to every rank
+that owns one of its top-k experts; combine sends the rows back and sums them into the token's slot.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+
+AxisName = Union[str, Sequence[str]]
+Fp8Pair = tuple  # (x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)
+
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
+FP8_BLOCK = 128  # channels per FP8 scale
+
+
+class DispatchLayout(NamedTuple):
+    """Routing counts of this rank's tokens (no communication)."""
+
+    num_tokens_per_rank: jax.Array  # [R] int32: tokens sent to each rank
+    num_tokens_per_expert: jax.Array  # [num_experts] int32: top-k slots per expert
+    is_token_in_rank: jax.Array  # [T, R] bool
+
+
+class DispatchHandle(NamedTuple):
+    """What combine (and the backward passes) need from a dispatch."""
+
+    is_token_in_rank: jax.Array  # [T, R] bool: where this rank's tokens went
+    recv_counts: jax.Array  # [R] int32: rows received from each rank, in row order
+    group: jax.Array  # [R] int32: global ranks of the axis, in axis order
+
+
+class DispatchResult(NamedTuple):
+    """Output of dispatch. Rows [num_tokens, capacity) are padding (zeros, topk_idx -1)."""
+
+    x: jax.Array | Fp8Pair  # [capacity, H] (or the FP8 pair), by source rank then source token
+    topk_idx: jax.Array  # [capacity, K] int32: local expert index or -1
+    topk_weights: jax.Array | None  # [capacity, K] float32, 0 where topk_idx is -1
+    num_tokens: jax.Array  # int32 scalar: valid rows
+    num_tokens_per_expert: jax.Array  # [num_experts / R] int32
+    handle: DispatchHandle
+
+
+def _axis_size(axis_name: AxisName) -> int:
+    return int(jax.lax.axis_size(axis_name))
+
+
+def _group(axis_name: AxisName) -> jax.Array:
+    """Global runtime ranks of the members of `axis_name`, in axis order ([R] int32)."""
+    _ffi.register()
+    rank = jax.ffi.ffi_call("uccl_ep_device_rank", jax.ShapeDtypeStruct((), jnp.int32))()
+    return jax.lax.all_gather(rank, axis_name)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"jax_uccl_ep: {message}")
+
+
+def _check_topk(topk_idx: jax.Array, num_tokens: int | None, name: str = "topk_idx") -> None:
+    _check(topk_idx.ndim == 2, f"{name} must be 2-D [tokens, top_k], got shape {topk_idx.shape}")
+    _check(topk_idx.dtype == jnp.int32, f"{name} must be int32, got {topk_idx.dtype}")
+    if num_tokens is not None:
+        _check(topk_idx.shape[0] == num_tokens, f"{name} has {topk_idx.shape[0]} rows, x has {num_tokens}")
+
+
+def _check_experts(num_experts: int, num_ranks: int) -> None:
+    _check(isinstance(num_experts, (int, np.integer)) and num_experts > 0,
+           f"num_experts must be a positive int, got {num_experts!r}")
+    _check(num_experts % num_ranks == 0,
+           f"num_experts={num_experts} is not divisible by the axis size {num_ranks}")
+
+
+def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: AxisName) -> DispatchLayout:
+    """Counts tokens per rank and per expert and the token-in-rank mask for `topk_idx` [T, K] (-1 = none).
+
+    Raises at run time if an index is outside [-1, num_experts).
+    """
+    num_ranks = _axis_size(axis_name)
+    _check_topk(topk_idx, None)
+    _check_experts(num_experts, num_ranks)
+    _ffi.register()
+    t = topk_idx.shape[0]
+    return DispatchLayout(*jax.ffi.ffi_call(
+        "uccl_ep_layout",
+        (
+            jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+            jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+            jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
+        ),
+    )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks)))
+
+
+def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
+    """Returns (rows, scales or a zero-width array, is_fp8) after checking shapes and dtypes."""
+    if isinstance(x, (tuple, list)):
+        _check(len(x) == 2, "an FP8 x must be a pair (x_fp8, scales)")
+        x_fp8, scales = x
+        _check(x_fp8.ndim == 2, f"x_fp8 must be 2-D [tokens, hidden], got shape {x_fp8.shape}")
+        _check(x_fp8.dtype == jnp.float8_e4m3fn, f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}")
+        t, h = x_fp8.shape
+        _check(h % FP8_BLOCK == 0, f"FP8 hidden size must be a multiple of {FP8_BLOCK}, got {h}")
+        _check(scales.shape == (t, h // FP8_BLOCK),
+               f"scales must have shape {(t, h // FP8_BLOCK)} for x_fp8 {x_fp8.shape}, got {scales.shape}")
+        _check(scales.dtype == jnp.float32, f"scales must be float32, got {scales.dtype}")
+        return x_fp8, scales, True
+    _check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got shape {getattr(x, 'shape', x)}")
+    _check(x.dtype in _FLOAT_DTYPES, f"x must be float32 or bfloat16 (or an FP8 pair), got {x.dtype}")
+    return x, jnp.zeros((x.shape[0], 0), jnp.float32), False
+
+
+def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+    rows, scales, is_fp8 = _split_x(x)
+    t, h = rows.shape
+    k = topk_idx.shape[1]
+    num_ranks = _axis_size(axis_name)
+    group = _group(axis_name)
+    weights = topk_weights if topk_weights is not None else jnp.zeros((t, 0), jnp.float32)
+    outs = jax.ffi.ffi_call(
+        "uccl_ep_dispatch",
+        (
+            jax.ShapeDtypeStruct((capacity, h), rows.dtype),
+            jax.ShapeDtypeStruct((capacity, scales.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct((capacity, k), jnp.int32),
+            jax.ShapeDtypeStruct((capacity, weights.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((num_experts // num_ranks,), jnp.int32),
+            jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
+            jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+        ),
+        has_side_effect=True,  # keeps every rank's calls in program order, never merged or dropped
+    )(rows, scales, topk_idx, weights, group, num_experts=np.int64(num_experts))
+    recv_x, recv_scales, recv_idx, recv_w, n, per_expert, in_rank, counts = outs
+    return DispatchResult(
+        x=(recv_x, recv_scales) if is_fp8 else recv_x,
+        topk_idx=recv_idx,
+        topk_weights=recv_w if topk_weights is not None else None,
+        num_tokens=n,
+        num_tokens_per_expert=per_expert,
+        handle=DispatchHandle(in_rank, counts, group),
+    )
+
+
+def _combine_call(y: jax.Array, handle: DispatchHandle) -> jax.Array:
+    t = handle.is_token_in_rank.shape[0]
+    return jax.ffi.ffi_call(
+        "uccl_ep_combine", jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype), has_side_effect=True
+    )(y, handle.is_token_in_rank, handle.recv_counts, handle.group)
+
+
+def _cached_dispatch_call(x: jax.Array, handle: DispatchHandle, capacity: int) -> jax.Array:
+    return jax.ffi.ffi_call(
+        "uccl_ep_cached_dispatch", jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype), has_side_effect=True
+    )(x, handle.is_token_in_rank, handle.recv_counts, handle.group)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dispatch(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+    return _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+
+
+def _dispatch_fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+    out = _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+    return out, (out.handle, out.topk_idx)
+
+
+def _dispatch_bwd(num_experts, axis_name, capacity, residuals, g):
+    handle, recv_idx = residuals
+    dx = _combine_call(g.x, handle)  # the VJP of dispatch is a combine
+    dw = None
+    if g.topk_weights is not None:
+        # Only the owner of a slot received its weight; elsewhere the output is a constant 0.
+        owned = jnp.where(recv_idx >= 0, g.topk_weights, 0.0).astype(jnp.float32)
+        dw = _combine_call(owned, handle)
+    return dx, None, dw
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch(
+    x: jax.Array | Fp8Pair,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array | None = None,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    capacity: int | None = None,
+) -> DispatchResult:
+    """Sends each token to every rank of `axis_name` that owns one of its experts (call inside shard_map).
+
+    Args:
+      x: [T, H] float32 or bfloat16 rows, or an FP8 pair (x_fp8 [T, H] float8_e4m3fn, scales [T, H//128] float32).
+      topk_idx: [T, K] int32 global expert indices, -1 for an unused slot.
+      topk_weights: optional [T, K] float32 router weights, forwarded with the rows.
+      num_experts: total experts E; must be divisible by the axis size R.
+      axis_name: the EP mesh axis.
+      capacity: output rows (tokens) per rank; defaults to R * T, which never drops. More arrivals than
+        `capacity` raise an error that names the rank, the count and the capacity.
+
+    Returns:
+      A DispatchResult; rows are ordered by source rank, then source token index.
+    """
+    rows, _, is_fp8 = _split_x(x)
+    t = rows.shape[0]
+    _check(t >= 1, "x must hold at least one token")
+    _check_topk(topk_idx, t)
+    num_ranks = _axis_size(axis_name)
+    _check_experts(num_experts, num_ranks)
+    if topk_weights is not None:
+        _check(topk_weights.shape == topk_idx.shape,
+               f"topk_weights must have the shape of topk_idx {topk_idx.shape}, got {topk_weights.shape}")
+        _check(topk_weights.dtype == jnp.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
+    if capacity is None:
+        capacity = num_ranks * t
+    _check(isinstance(capacity, (int, np.integer)) and capacity >= 1,
+           f"capacity must be a positive int (tokens), got {capacity!r}")
+    if is_fp8:
+        return _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, int(capacity))
+    return _dispatch(x, topk_idx, topk_weights, num_experts, axis_name, int(capacity))
+
+
+@jax.custom_vjp
+def _combine(y, handle):
+    return _combine_call(y, handle)
+
+
+def _combine_fwd(y, handle):
+    return _combine_call(y, handle), (handle, y.shape[0])
+
+
+def _combine_bwd(residuals, g):
+    handle, capacity = residuals
+    # The VJP of combine is a dispatch of the cotangent along the same routing.
+    dy = _cached_dispatch_call(g, handle, capacity)
+    return dy, DispatchHandle(None, None, None)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
+    """Returns dispatched rows to their source ranks and sums the copies of each token (call inside shard_map).
+
+    Args:
+      y: [capacity, H] float32 or bfloat16, rows in the order dispatch produced them (padding rows ignored).
+      handle: the DispatchResult.handle of that dispatch.
+
+    Returns:
+      [T, H] in y's dtype, accumulated in float32; tokens that went nowhere get zeros.
+    """
+    _check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
+    _check(y.dtype in _FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
+    _check(isinstance(handle, DispatchHandle), "handle must be the DispatchResult.handle of a dispatch")
+    _ffi.register()
+    return _combine(y, handle)

@@ -1,0 +1,137 @@
+#include "exchange.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace uccl_ep::cpu {
+namespace {
+
+constexpr uint32_t kMagic = 0x55455031;  // "UEP1"
+constexpr size_t kHeaderBytes = 64;
+
+struct Header {
+  uint32_t magic;
+  uint32_t kind;
+  uint32_t sender;
+  uint32_t rows;
+  uint64_t row_bytes;
+  uint64_t shape_tag;
+  int32_t status;  // 0 fine, 1 the sender's input was bad
+  uint32_t reserved[7];
+};
+static_assert(sizeof(Header) == kHeaderBytes, "header size");
+
+// Splits [0, bytes) into the channels' parts; part c goes over channel c.
+std::pair<uint64_t, uint64_t> stripe(uint64_t bytes, int channels, int c) {
+  uint64_t per = (bytes + channels - 1) / channels;
+  per = (per + 63) / 64 * 64;
+  uint64_t begin = std::min(bytes, per * c), end = std::min(bytes, per * (c + 1));
+  return {begin, end - begin};
+}
+
+}  // namespace
+
+const char* op_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::kDispatch: return "dispatch";
+    case OpKind::kCachedDispatch: return "cached_dispatch";
+    case OpKind::kCombine: return "combine";
+  }
+  return "unknown";
+}
+
+Group make_group(const Device& dev, const int32_t* ranks, int size, const char* op) {
+  Group g{ranks, size, -1};
+  for (int i = 0; i < size; ++i) {
+    if (ranks[i] < 0 || uint32_t(ranks[i]) >= dev.num_ranks())
+      throw InvalidArgument(std::string("uccl_ep ") + op + ": group member " + std::to_string(ranks[i]) +
+                            " is not a rank of the runtime (" + std::to_string(dev.num_ranks()) + " ranks)");
+    if (uint32_t(ranks[i]) == dev.rank()) {
+      if (g.self >= 0) throw InvalidArgument(std::string("uccl_ep ") + op + ": rank appears twice in the group");
+      g.self = i;
+    }
+  }
+  if (g.self < 0)
+    throw InvalidArgument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
+                          " is not in the group it runs for");
+  return g;
+}
+
+std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
+                               const UnpackRows& unpack) {
+  const char* op = op_name(plan.kind);
+  const int channels = dev.num_channels();
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  dev.quiet(op);  // send staging is free again only once earlier writes completed
+
+  // Decide before sending anything: a rank that cannot send still takes part, with an error status.
+  std::string local_error = plan.local_error;
+  for (int d = 0; d < group.size && local_error.empty(); ++d) {
+    uint64_t bytes = kHeaderBytes + uint64_t(plan.rows_to[d]) * plan.row_bytes;
+    if (bytes > dev.region_bytes())
+      local_error = "rank " + std::to_string(dev.rank()) + " needs " + std::to_string(bytes) + " bytes to send " +
+                    std::to_string(plan.rows_to[d]) + " rows to rank " + std::to_string(group.ranks[d]) +
+                    ", but a buffer region holds " + std::to_string(dev.region_bytes()) +
+                    "; raise UCCL_EP_BUFFER_BYTES to at least " +
+                    std::to_string(kScratchBytes + 2 * uint64_t(dev.num_ranks()) * bytes);
+  }
+  const bool bad_input = !local_error.empty();
+  for (int d = 0; d < group.size; ++d) {
+    uint32_t peer = uint32_t(group.ranks[d]);
+    uint32_t rows = bad_input ? 0 : plan.rows_to[d];
+    uint64_t bytes = kHeaderBytes + uint64_t(rows) * plan.row_bytes;
+    // The peer must have read our previous message before we overwrite its region.
+    if (dev.awaiting_ack(peer)) {
+      dev.wait_message(0, peer, op);
+      dev.awaiting_ack(peer) = false;
+    }
+    uint8_t* region = reinterpret_cast<uint8_t*>(dev.buffer() + dev.send_offset(peer));
+    Header h{kMagic, uint32_t(plan.kind), dev.rank(), rows, plan.row_bytes, plan.shape_tag, bad_input ? 1 : 0, {}};
+    std::memcpy(region, &h, sizeof(h));
+    for (uint32_t i = 0; i < rows; ++i) pack(d, i, region + kHeaderBytes + uint64_t(i) * plan.row_bytes);
+    for (int c = 0; c < channels; ++c) {
+      auto [begin, len] = stripe(bytes, channels, c);
+      dev.post_message(c, peer, dev.send_offset(peer) + begin, dev.recv_offset(dev.rank()) + begin, len, op);
+    }
+  }
+
+  std::vector<uint32_t> received(group.size, 0);
+  std::string peer_error;
+  for (int s = 0; s < group.size; ++s) {
+    uint32_t peer = uint32_t(group.ranks[s]);
+    for (int c = 0; c < channels; ++c) dev.wait_message(c, peer, op);
+    const uint8_t* region = reinterpret_cast<const uint8_t*>(dev.buffer() + dev.recv_offset(peer));
+    Header h;
+    std::memcpy(&h, region, sizeof(h));
+    std::string problem;
+    if (h.magic != kMagic || h.sender != peer)
+      problem = "sent a corrupt message header";
+    else if (h.status != 0)
+      problem = "reported invalid input (see that rank's error)";
+    else if (h.kind != uint32_t(plan.kind) || h.row_bytes != plan.row_bytes || h.shape_tag != plan.shape_tag)
+      problem = std::string("ran ") + op_name(OpKind(h.kind)) + " with " + std::to_string(h.row_bytes) +
+                "-byte rows (shape tag " + std::to_string(h.shape_tag) + ") while this rank ran " + op + " with " +
+                std::to_string(plan.row_bytes) + "-byte rows (shape tag " + std::to_string(plan.shape_tag) +
+                "): shapes or op order differ across ranks";
+    if (!problem.empty()) {
+      if (peer_error.empty()) peer_error = "rank " + std::to_string(peer) + " " + problem;
+    } else if (!bad_input) {
+      received[s] = h.rows;
+      unpack(s, h.rows, region + kHeaderBytes);
+    }
+  }
+  // Region read: let every remote sender reuse it.
+  for (int s = 0; s < group.size; ++s) {
+    uint32_t peer = uint32_t(group.ranks[s]);
+    if (peer != dev.rank()) dev.post_message(0, peer, 0, 0, 0, op);
+  }
+  for (int d = 0; d < group.size; ++d)
+    if (uint32_t(group.ranks[d]) != dev.rank()) dev.awaiting_ack(uint32_t(group.ranks[d])) = true;
+
+  if (bad_input) throw InvalidArgument(std::string("uccl_ep ") + op + ": " + local_error);
+  if (!peer_error.empty())
+    throw Error(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + ": " + peer_error);
+  return received;
+}
+
+}  // namespace uccl_ep::cpu

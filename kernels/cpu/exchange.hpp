@@ -1,0 +1,49 @@
+// One round of all-to-all messages among the ranks of an EP group, through the proxy runtime: the CPU
+// counterpart of a dispatch or combine kernel. Each rank packs one message per destination into its send
+// staging region, the proxies write it into the destination's receive region (striped over the channels), and
+// the destination acknowledges once it has read the region, so the next round never overwrites unread data.
+//
+// Every message starts with a header that names the op and its row size, so ranks that run different ops or
+// shapes fail with a message instead of reading garbage, and a rank with bad input still takes part (with an
+// error status) so that its peers fail fast instead of timing out.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../../proxy/runtime.hpp"
+
+namespace uccl_ep::cpu {
+
+enum class OpKind : uint32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3 };
+const char* op_name(OpKind kind);
+
+struct Group {
+  const int32_t* ranks;  // global ranks in axis order
+  int size;
+  int self;              // this rank's index in `ranks`
+};
+// Checks the group against the device and finds this rank's index in it.
+Group make_group(const Device& dev, const int32_t* ranks, int size, const char* op);
+
+struct ExchangePlan {
+  OpKind kind;
+  uint64_t row_bytes;                      // every row of every message
+  uint64_t shape_tag;                      // op-specific shape summary that must agree across ranks
+  std::vector<uint32_t> rows_to;           // rows for each group member
+  std::string local_error;                 // non-empty: this rank's input is bad; it still takes part
+};
+
+// Packs row i of the message for group member `dst` at `out` (row_bytes bytes).
+using PackRow = std::function<void(int dst, uint32_t i, uint8_t* out)>;
+// Reads row i of the message from group member `src`.
+using UnpackRows = std::function<void(int src, uint32_t count, const uint8_t* rows)>;
+
+// Runs the round; returns the row count received from each member. Throws uccl_ep::Error naming the peer on a
+// peer's error status, a mismatched header, a timeout or a transport failure, and InvalidArgument with
+// `plan.local_error` after the round when this rank's own input was bad.
+std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
+                               const UnpackRows& unpack);
+
+}  // namespace uccl_ep::cpu

@@ -1,0 +1,236 @@
+#include "normal.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace uccl_ep::cpu {
+namespace {
+
+uint64_t round_up16(uint64_t n) { return (n + 15) / 16 * 16; }
+
+float bf16_to_f32(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return uint16_t((bits >> 16) | 0x40);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+// Tokens each member receives, ascending, from a [num_tokens, group size] mask.
+std::vector<std::vector<uint32_t>> tokens_by_member(const bool* mask, int num_tokens, int members) {
+  std::vector<std::vector<uint32_t>> out(members);
+  for (int t = 0; t < num_tokens; ++t)
+    for (int d = 0; d < members; ++d)
+      if (mask[size_t(t) * members + d]) out[d].push_back(uint32_t(t));
+  return out;
+}
+
+std::vector<uint32_t> sizes(const std::vector<std::vector<uint32_t>>& lists) {
+  std::vector<uint32_t> out;
+  for (auto& l : lists) out.push_back(uint32_t(l.size()));
+  return out;
+}
+
+std::string check_topk(const int32_t* topk_idx, int num_tokens, int topk, int num_experts) {
+  for (int t = 0; t < num_tokens; ++t)
+    for (int k = 0; k < topk; ++k) {
+      int32_t e = topk_idx[size_t(t) * topk + k];
+      if (e < -1 || e >= num_experts)
+        return "topk_idx[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(e) +
+               " is outside [-1, num_experts=" + std::to_string(num_experts) + ")";
+    }
+  return "";
+}
+
+// Bookkeeping of received rows against the output capacity: overflow is counted, never written.
+struct RowSink {
+  int capacity;
+  uint64_t total = 0;
+  int64_t claim(uint32_t count) {
+    int64_t first = int64_t(total);
+    total += count;
+    return first;
+  }
+  void check(const Device& dev, const char* op) const {
+    if (total > uint64_t(capacity))
+      throw InvalidArgument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + " received " +
+                            std::to_string(total) + " tokens but capacity is " + std::to_string(capacity) +
+                            "; pass a larger capacity (the default, group size * tokens per rank, never drops)");
+  }
+};
+
+}  // namespace
+
+void get_dispatch_layout(const int32_t* topk_idx, int num_tokens, int topk, int num_experts, int num_ranks,
+                         int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, bool* is_token_in_rank) {
+  std::string err = check_topk(topk_idx, num_tokens, topk, num_experts);
+  if (!err.empty()) throw InvalidArgument("uccl_ep get_dispatch_layout: " + err);
+  const int per_rank = num_experts / num_ranks;
+  std::memset(num_tokens_per_rank, 0, sizeof(int32_t) * num_ranks);
+  std::memset(num_tokens_per_expert, 0, sizeof(int32_t) * num_experts);
+  std::memset(is_token_in_rank, 0, size_t(num_tokens) * num_ranks);
+  for (int t = 0; t < num_tokens; ++t) {
+    bool* row = is_token_in_rank + size_t(t) * num_ranks;
+    for (int k = 0; k < topk; ++k) {
+      int32_t e = topk_idx[size_t(t) * topk + k];
+      if (e < 0) continue;
+      ++num_tokens_per_expert[e];
+      row[e / per_rank] = true;
+    }
+    for (int r = 0; r < num_ranks; ++r) num_tokens_per_rank[r] += row[r];
+  }
+}
+
+void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
+  const int R = group.size, K = a.topk;
+  const int local_experts = a.num_experts / R;
+  const int32_t first_expert = group.self * local_experts;
+
+  ExchangePlan plan{OpKind::kDispatch, 0, 0, {}, check_topk(a.topk_idx, a.num_tokens, K, a.num_experts)};
+  std::vector<int32_t> per_rank(R);
+  std::vector<int32_t> per_expert(a.num_experts);
+  if (plan.local_error.empty())
+    get_dispatch_layout(a.topk_idx, a.num_tokens, K, a.num_experts, R, per_rank.data(), per_expert.data(),
+                        a.is_token_in_rank);
+  else
+    std::memset(a.is_token_in_rank, 0, size_t(a.num_tokens) * R);
+  auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
+  plan.rows_to = sizes(tokens_to);
+
+  // Row: x | scales | topk_idx (global) | topk_weights | padding to 16 bytes.
+  const uint64_t idx_off = a.x_row_bytes + a.scale_row_bytes;
+  const uint64_t w_off = idx_off + 4ull * K;
+  plan.row_bytes = round_up16(w_off + (a.topk_weights ? 4ull * K : 0));
+  plan.shape_tag = (uint64_t(K) << 48) ^ (uint64_t(a.num_experts) << 24) ^ uint64_t(a.x_row_bytes) ^
+                   (uint64_t(a.topk_weights != nullptr) << 62);
+
+  auto pack = [&](int d, uint32_t i, uint8_t* out) {
+    uint32_t t = tokens_to[d][i];
+    std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
+    if (a.scale_row_bytes) std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
+    std::memcpy(out + idx_off, a.topk_idx + size_t(t) * K, 4ull * K);
+    if (a.topk_weights) std::memcpy(out + w_off, a.topk_weights + size_t(t) * K, 4ull * K);
+  };
+
+  RowSink sink{a.capacity};
+  std::memset(a.num_tokens_per_expert, 0, sizeof(int32_t) * local_experts);
+  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
+    int64_t first = sink.claim(count);
+    for (uint32_t j = 0; j < count && first + j < a.capacity; ++j) {
+      const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
+      size_t o = size_t(first + j);
+      std::memcpy(a.recv_x + o * a.x_row_bytes, in, a.x_row_bytes);
+      if (a.scale_row_bytes) std::memcpy(a.recv_scales + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
+      for (int k = 0; k < K; ++k) {
+        int32_t e;
+        std::memcpy(&e, in + idx_off + 4ull * k, 4);
+        bool mine = e >= first_expert && e < first_expert + local_experts;
+        a.recv_topk_idx[o * K + k] = mine ? e - first_expert : -1;
+        if (mine) ++a.num_tokens_per_expert[e - first_expert];
+        if (a.topk_weights) {
+          float w;
+          std::memcpy(&w, in + w_off + 4ull * k, 4);
+          a.recv_topk_weights[o * K + k] = mine ? w : 0.0f;
+        }
+      }
+    }
+    (void)s;
+  };
+  auto received = exchange(dev, group, plan, pack, unpack);
+  sink.check(dev, "dispatch");
+
+  // Padding rows are defined: zeros, no expert.
+  size_t valid = size_t(sink.total);
+  size_t pad = size_t(a.capacity) - valid;
+  std::memset(a.recv_x + valid * a.x_row_bytes, 0, pad * a.x_row_bytes);
+  if (a.scale_row_bytes) std::memset(a.recv_scales + valid * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
+  for (size_t i = valid * K; i < size_t(a.capacity) * K; ++i) a.recv_topk_idx[i] = -1;
+  if (a.topk_weights) std::memset(a.recv_topk_weights + valid * K, 0, pad * K * 4);
+  *a.recv_num_tokens = int32_t(valid);
+  for (int s = 0; s < R; ++s) a.recv_counts[s] = int32_t(received[s]);
+}
+
+void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& a) {
+  const int R = group.size;
+  auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
+  ExchangePlan plan{OpKind::kCachedDispatch, round_up16(a.row_bytes), a.row_bytes, sizes(tokens_to), ""};
+  auto pack = [&](int d, uint32_t i, uint8_t* out) {
+    std::memcpy(out, a.x + size_t(tokens_to[d][i]) * a.row_bytes, a.row_bytes);
+  };
+  RowSink sink{a.capacity};
+  std::string mismatch;
+  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
+    if (int32_t(count) != a.recv_counts[s] && mismatch.empty())
+      mismatch = "rank " + std::to_string(group.ranks[s]) + " sent " + std::to_string(count) +
+                 " rows where the handle records " + std::to_string(a.recv_counts[s]);
+    int64_t first = sink.claim(count);
+    for (uint32_t j = 0; j < count && first + j < a.capacity; ++j)
+      std::memcpy(a.recv_x + size_t(first + j) * a.row_bytes, rows + uint64_t(j) * plan.row_bytes, a.row_bytes);
+  };
+  exchange(dev, group, plan, pack, unpack);
+  if (!mismatch.empty()) throw InvalidArgument("uccl_ep cached_dispatch: " + mismatch + " (stale handle?)");
+  sink.check(dev, "cached_dispatch");
+  size_t valid = size_t(sink.total);
+  std::memset(a.recv_x + valid * a.row_bytes, 0, (size_t(a.capacity) - valid) * a.row_bytes);
+}
+
+void combine(Device& dev, const Group& group, const CombineArgs& a) {
+  const int R = group.size, H = a.hidden;
+  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2;
+  const uint64_t row_bytes = uint64_t(H) * elem;
+
+  // Rows received from member s sit at [offset[s], offset[s] + recv_counts[s]) of y, in dispatch order.
+  std::vector<uint64_t> offset(R + 1, 0);
+  for (int s = 0; s < R; ++s) offset[s + 1] = offset[s] + uint64_t(std::max(0, a.recv_counts[s]));
+  ExchangePlan plan{OpKind::kCombine, round_up16(row_bytes), row_bytes, {}, ""};
+  for (int s = 0; s < R; ++s) plan.rows_to.push_back(uint32_t(std::max(0, a.recv_counts[s])));
+  if (offset[R] > uint64_t(a.capacity)) {
+    plan.local_error = "the handle records " + std::to_string(offset[R]) + " received rows but y has " +
+                       std::to_string(a.capacity) + " (stale handle?)";
+    plan.rows_to.assign(R, 0);
+  }
+  auto pack = [&](int d, uint32_t i, uint8_t* out) {
+    std::memcpy(out, a.y + (offset[d] + i) * row_bytes, row_bytes);
+  };
+
+  auto tokens_from = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
+  std::vector<float> acc(size_t(a.num_tokens) * H, 0.0f);
+  std::string mismatch;
+  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
+    if (count != tokens_from[s].size()) {
+      if (mismatch.empty())
+        mismatch = "rank " + std::to_string(group.ranks[s]) + " returned " + std::to_string(count) +
+                   " rows where this rank sent it " + std::to_string(tokens_from[s].size()) + " tokens";
+      return;
+    }
+    for (uint32_t j = 0; j < count; ++j) {
+      float* dst = acc.data() + size_t(tokens_from[s][j]) * H;
+      const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
+      if (a.dtype == FloatType::kF32) {
+        const float* v = reinterpret_cast<const float*>(in);
+        for (int h = 0; h < H; ++h) dst[h] += v[h];
+      } else {
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(in);
+        for (int h = 0; h < H; ++h) dst[h] += bf16_to_f32(v[h]);
+      }
+    }
+  };
+  exchange(dev, group, plan, pack, unpack);
+  if (!mismatch.empty()) throw InvalidArgument("uccl_ep combine: " + mismatch + " (stale handle?)");
+  if (a.dtype == FloatType::kF32) {
+    std::memcpy(a.out, acc.data(), acc.size() * 4);
+  } else {
+    uint16_t* out = reinterpret_cast<uint16_t*>(a.out);
+    for (size_t i = 0; i < acc.size(); ++i) out[i] = f32_to_bf16(acc[i]);
+  }
+}
+
+}  // namespace uccl_ep::cpu

@@ -1,0 +1,26 @@
+// Commands that producers (CPU ops now, GPU kernels later) push into a ring for a proxy thread to post.
+// Plain data, 32 bytes: a GPU warp can write one with two 16-byte stores.
+#pragma once
+#include <cstdint>
+
+namespace uccl_ep {
+
+enum class Op : uint8_t {
+  kNop = 0,
+  kWrite = 1,  // RDMA write of `length` bytes, local offset -> peer's remote offset, tagged as data.
+  kFence = 2,  // Ends a message: the peer publishes it once every write it covers has landed.
+};
+
+struct Command {
+  Op op;
+  uint8_t reserved0;
+  uint16_t reserved1;
+  uint32_t peer;           // global rank (device index in the runtime's peer table)
+  uint64_t local_offset;   // bytes into this device's registered buffer
+  uint64_t remote_offset;  // bytes into the peer's registered buffer
+  uint32_t length;         // bytes
+  uint32_t imm;            // 32-bit immediate as posted; the proxy fills it in (see ordering.hpp)
+};
+static_assert(sizeof(Command) == 32, "Command must stay 32 bytes");
+
+}  // namespace uccl_ep

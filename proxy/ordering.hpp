@@ -1,0 +1,95 @@
+// Ordering emulation with 32-bit immediates (the seeds' core idea).
+//
+// Two RMA writes may land in any order, so a receiver cannot take "a later write arrived" as proof that an
+// earlier one did. Every write therefore carries an immediate naming its sender and its epoch (the message it
+// belongs to); the write that ends a message (a fence) also carries how many data writes the message holds.
+// The receiving proxy counts arrivals per (sender, channel, epoch) and publishes a message only when its fence
+// and all of its data writes have landed, in epoch order. Nothing depends on the order of arrival.
+//
+// Immediate layout (fits EFA's and verbs' 4 bytes of CQ data):
+//   bit 31      kind: 0 data, 1 fence
+//   bits 30..21 sender rank (up to 1024 ranks)
+//   bits 20..11 epoch modulo 1024 (messages in flight per sender and channel stay far below that)
+//   bits 10..0  fence only: data writes in the message (up to 2047)
+#pragma once
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace uccl_ep {
+
+constexpr uint32_t kMaxRanks = 1024;
+constexpr uint32_t kEpochWindow = 1024;
+constexpr uint32_t kMaxWritesPerMessage = 2047;
+
+struct Immediate {
+  bool fence;
+  uint32_t sender;
+  uint32_t epoch;  // modulo kEpochWindow
+  uint32_t count;  // fence only
+
+  uint32_t encode() const {
+    return (uint32_t(fence) << 31) | ((sender & 0x3FFu) << 21) | ((epoch & 0x3FFu) << 11) | (count & 0x7FFu);
+  }
+  static Immediate decode(uint32_t v) {
+    return Immediate{bool(v >> 31), (v >> 21) & 0x3FFu, (v >> 11) & 0x3FFu, v & 0x7FFu};
+  }
+};
+
+// Sender side, one per (peer, channel): numbers messages and counts the writes in the open one.
+class MessageSequencer {
+ public:
+  uint32_t data_imm(uint32_t self) {
+    if (writes_ >= kMaxWritesPerMessage)
+      throw std::runtime_error("uccl_ep: more than 2047 writes in one message; use larger writes");
+    ++writes_;
+    return Immediate{false, self, uint32_t(epoch_ % kEpochWindow), 0}.encode();
+  }
+  uint32_t fence_imm(uint32_t self) {
+    uint32_t imm = Immediate{true, self, uint32_t(epoch_ % kEpochWindow), writes_}.encode();
+    ++epoch_;
+    writes_ = 0;
+    return imm;
+  }
+
+ private:
+  uint64_t epoch_ = 0;
+  uint32_t writes_ = 0;
+};
+
+// Receiver side, one per (sender, channel), touched by one proxy thread only.
+class ArrivalCounter {
+ public:
+  ArrivalCounter() { expected_.fill(-1); landed_.fill(0); }
+
+  void on_data(uint32_t epoch) { ++landed_[epoch % kEpochWindow]; }
+  void on_fence(uint32_t epoch, uint32_t count) {
+    int32_t& e = expected_[epoch % kEpochWindow];
+    if (e >= 0) throw std::runtime_error("uccl_ep: two fences for one epoch (more than 1024 messages in flight?)");
+    e = int32_t(count);
+  }
+  // Releases every complete message in epoch order; returns how many were released.
+  uint32_t release() {
+    uint32_t n = 0;
+    for (;;) {
+      uint32_t slot = next_ % kEpochWindow;
+      if (expected_[slot] < 0 || landed_[slot] < uint32_t(expected_[slot])) break;
+      if (landed_[slot] > uint32_t(expected_[slot]))
+        throw std::runtime_error("uccl_ep: more data writes landed than the fence announced (epoch " +
+                                 std::to_string(slot) + ")");
+      expected_[slot] = -1;
+      landed_[slot] = 0;
+      ++next_;
+      ++n;
+    }
+    return n;
+  }
+
+ private:
+  std::array<int32_t, kEpochWindow> expected_;
+  std::array<uint32_t, kEpochWindow> landed_;
+  uint64_t next_ = 0;
+};
+
+}  // namespace uccl_ep

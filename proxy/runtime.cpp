@@ -1,0 +1,344 @@
+#include "runtime.hpp"
+
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+namespace uccl_ep {
+
+void Backoff::pause() {
+  ++spins_;
+  if (spins_ < 64) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  } else if (spins_ < 256) {
+    sched_yield();
+  } else {
+    timespec ts{0, 20000};  // 20 us: cheap enough for CPU peers, frees the core for the proxies
+    nanosleep(&ts, nullptr);
+  }
+}
+
+Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordinal)
+    : config_(config), rank_(rank), num_ranks_(num_ranks), ordinal_(ordinal) {
+  if (num_ranks == 0 || num_ranks > kMaxRanks)
+    throw InvalidArgument("uccl_ep: number of ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " +
+                          std::to_string(num_ranks));
+  if (config_.num_channels < 1 || config_.num_channels > 64)
+    throw InvalidArgument("uccl_ep: UCCL_EP_NUM_PROXY_THREADS must be in [1, 64]");
+  if (config_.buffer_bytes < kScratchBytes + 2 * num_ranks * 4096ull)
+    throw InvalidArgument("uccl_ep: UCCL_EP_BUFFER_BYTES=" + std::to_string(config_.buffer_bytes) +
+                          " is too small for " + std::to_string(num_ranks) + " ranks");
+  size_t page = 4096;
+  region_bytes_ = ((config_.buffer_bytes - kScratchBytes) / (2 * size_t(num_ranks))) / page * page;
+  buffer_ = static_cast<char*>(std::aligned_alloc(page, (config_.buffer_bytes + page - 1) / page * page));
+  if (!buffer_) throw Error("uccl_ep: could not allocate the communication buffer");
+  std::memset(buffer_, 0, config_.buffer_bytes);
+  try {
+    fabric_ = std::make_unique<FabricDevice>(config_.providers, rank, buffer_, config_.buffer_bytes,
+                                             config_.num_channels);
+  } catch (...) {
+    std::free(buffer_);
+    throw;
+  }
+  size_t slots = size_t(num_ranks) * config_.num_channels;
+  released_.reset(new std::atomic<uint64_t>[slots]);
+  for (size_t i = 0; i < slots; ++i) released_[i].store(0);
+  consumed_.assign(slots, 0);
+  awaiting_ack_.reset(new bool[num_ranks]());
+  retired_.reset(new std::atomic<uint64_t>[config_.num_channels]);
+  for (int c = 0; c < config_.num_channels; ++c) retired_[c].store(0);
+  sequencers_.resize(slots);
+  arrivals_.resize(slots);
+  peer_failure_.assign(num_ranks, "");
+  for (int c = 0; c < config_.num_channels; ++c)
+    rings_.push_back(std::make_unique<CommandRing>(config_.ring_capacity));
+}
+
+Device::~Device() {
+  running_.store(false);
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  fabric_.reset();
+  std::free(buffer_);
+}
+
+void Device::connect(const std::vector<EndpointInfo>& peers) {
+  fabric_->connect(peers);
+  running_.store(true);
+  for (int c = 0; c < config_.num_channels; ++c) threads_.emplace_back([this, c] { proxy_loop(c); });
+}
+
+void Device::push(int channel, const Command& cmd, const Deadline& deadline, const char* op) {
+  Backoff backoff;
+  while (!rings_[channel]->try_push(cmd)) {
+    if (failed_.load(std::memory_order_relaxed)) check_failed(cmd.peer, op);
+    if (deadline.expired())
+      throw TimeoutError(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) +
+                         " timed out after " + std::to_string(deadline.seconds()) +
+                         " s with the command ring of channel " + std::to_string(channel) +
+                         " full (rank " + std::to_string(cmd.peer) + " is not draining writes; UCCL_EP_TIMEOUT_S)");
+    backoff.pause();
+  }
+}
+
+void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset,
+                          uint64_t length, const char* op) {
+  if (peer >= num_ranks_) throw InvalidArgument(std::string("uccl_ep ") + op + ": no rank " + std::to_string(peer));
+  if (channel < 0 || channel >= config_.num_channels)
+    throw InvalidArgument(std::string("uccl_ep ") + op + ": no channel " + std::to_string(channel));
+  if (local_offset + length > config_.buffer_bytes || remote_offset + length > config_.buffer_bytes)
+    throw InvalidArgument(std::string("uccl_ep ") + op + ": message of " + std::to_string(length) +
+                          " bytes does not fit the communication buffer");
+  if (peer == rank_) {
+    // To self: a copy, published the same way an incoming message is.
+    std::memmove(buffer_ + remote_offset, buffer_ + local_offset, length);
+    released_[size_t(peer) * config_.num_channels + channel].fetch_add(1, std::memory_order_release);
+    return;
+  }
+  Deadline deadline(config_.timeout_s);
+  uint64_t chunk = std::max<uint64_t>(config_.max_write_bytes, (length + kMaxWritesPerMessage - 2) /
+                                                                    (kMaxWritesPerMessage - 1));
+  for (uint64_t done = 0; done < length; done += chunk) {
+    uint32_t n = uint32_t(std::min(chunk, length - done));
+    push(channel, Command{Op::kWrite, 0, 0, peer, local_offset + done, remote_offset + done, n, 0}, deadline, op);
+  }
+  push(channel, Command{Op::kFence, 0, 0, peer, 0, 8, 8, 0}, deadline, op);
+}
+
+void Device::wait_message(int channel, uint32_t peer, const char* op) {
+  size_t slot = size_t(peer) * config_.num_channels + channel;
+  uint64_t want = consumed_[slot] + 1;
+  Deadline deadline(config_.timeout_s);
+  Backoff backoff;
+  while (released_[slot].load(std::memory_order_acquire) < want) {
+    if (failed_.load(std::memory_order_relaxed)) check_failed(peer, op);
+    if (deadline.expired())
+      throw TimeoutError(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+                         std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) +
+                         " (channel " + std::to_string(channel) +
+                         "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S)");
+    backoff.pause();
+  }
+  consumed_[slot] = want;
+}
+
+void Device::quiet(const char* op) {
+  Deadline deadline(config_.timeout_s);
+  for (int c = 0; c < config_.num_channels; ++c) {
+    Backoff backoff;
+    while (retired_[c].load(std::memory_order_acquire) < rings_[c]->pushed()) {
+      if (failed_.load(std::memory_order_relaxed)) check_failed(rank_, op);
+      if (deadline.expired())
+        throw TimeoutError(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+                           std::to_string(deadline.seconds()) + " s waiting for its writes on channel " +
+                           std::to_string(c) + " to complete (UCCL_EP_TIMEOUT_S)");
+      backoff.pause();
+    }
+  }
+}
+
+void Device::fail(uint32_t peer, const std::string& message) {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  if (peer < num_ranks_) {
+    if (peer_failure_[peer].empty()) peer_failure_[peer] = message;
+  } else if (failure_.empty()) {
+    failure_ = message;
+  }
+  failed_.store(true, std::memory_order_release);
+}
+
+void Device::check_failed(uint32_t peer, const char* op) {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  std::string prefix = std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + ": ";
+  if (peer < num_ranks_ && !peer_failure_[peer].empty())
+    throw Error(prefix + "transport error with rank " + std::to_string(peer) + ": " + peer_failure_[peer]);
+  if (!failure_.empty()) throw Error(prefix + failure_);
+}
+
+DeviceStats Device::stats() const {
+  return DeviceStats{stat_commands_.load(), stat_writes_.load(), stat_bytes_.load(), stat_messages_.load()};
+}
+
+void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& contexts,
+                  std::vector<uint32_t>& free_list) {
+  Backoff backoff;
+  for (;;) {
+    if (!free_list.empty()) {
+      WriteContext& ctx = contexts[free_list.back()];
+      ctx.peer = cmd.peer;
+      if (fabric_->post_write(channel, cmd.peer, cmd.local_offset, cmd.remote_offset, cmd.length, cmd.imm, &ctx)) {
+        free_list.pop_back();
+        stat_writes_.fetch_add(1, std::memory_order_relaxed);
+        stat_bytes_.fetch_add(cmd.length, std::memory_order_relaxed);
+        return;
+      }
+    }
+    // Out of contexts or the provider asked to retry: make progress, then try again.
+    if (drain_completions(channel, contexts, free_list) == 0) backoff.pause();
+    if (!running_.load(std::memory_order_relaxed)) return;
+  }
+}
+
+int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list) {
+  Completion comps[64];
+  std::string error;
+  void* error_ctx = nullptr;
+  int n = fabric_->poll(channel, comps, 64, &error, &error_ctx);
+  if (n < 0) {
+    // Contexts are ours only when they point into our table.
+    auto* ctx = static_cast<WriteContext*>(error_ctx);
+    bool ours = ctx >= contexts.data() && ctx < contexts.data() + contexts.size();
+    fail(ours ? ctx->peer : num_ranks_, error);
+    if (ours) {
+      free_list.push_back(ctx->index);
+      retired_[channel].fetch_add(1, std::memory_order_release);
+    }
+    return 1;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (comps[i].remote_data) {
+      Immediate imm = Immediate::decode(comps[i].imm);
+      if (imm.sender >= num_ranks_) {
+        fail(num_ranks_, "immediate names rank " + std::to_string(imm.sender) + " of " + std::to_string(num_ranks_));
+        continue;
+      }
+      size_t slot = size_t(imm.sender) * config_.num_channels + channel;
+      try {
+        if (imm.fence)
+          arrivals_[slot].on_fence(imm.epoch, imm.count);
+        else
+          arrivals_[slot].on_data(imm.epoch);
+        uint32_t released = arrivals_[slot].release();
+        if (released) {
+          released_[slot].fetch_add(released, std::memory_order_release);
+          stat_messages_.fetch_add(released, std::memory_order_relaxed);
+        }
+      } catch (const std::exception& e) {
+        fail(imm.sender, e.what());
+      }
+    } else if (comps[i].context) {
+      auto* ctx = static_cast<WriteContext*>(comps[i].context);
+      free_list.push_back(ctx->index);
+      retired_[channel].fetch_add(1, std::memory_order_release);
+    }
+  }
+  return n;
+}
+
+void Device::proxy_loop(int channel) {
+  std::vector<WriteContext> contexts(config_.max_inflight_writes);
+  std::vector<uint32_t> free_list;
+  for (uint32_t i = 0; i < contexts.size(); ++i) {
+    contexts[i].index = i;
+    free_list.push_back(contexts.size() - 1 - i);
+  }
+  std::vector<Pending> held;  // reorder mode only
+  std::mt19937 rng(1234567u + rank_ * 131u + channel);
+  CommandRing& ring = *rings_[channel];
+  Backoff idle;
+  try {
+    while (running_.load(std::memory_order_relaxed)) {
+      bool busy = false;
+      Command cmd;
+      for (int i = 0; i < 64 && ring.try_pop(&cmd); ++i) {
+        busy = true;
+        stat_commands_.fetch_add(1, std::memory_order_relaxed);
+        // Immediates are assigned in ring order; only posting may be reordered.
+        MessageSequencer& seq = sequencers_[size_t(cmd.peer) * config_.num_channels + channel];
+        cmd.imm = cmd.op == Op::kFence ? seq.fence_imm(rank_) : seq.data_imm(rank_);
+        if (config_.reorder)
+          held.push_back(Pending{cmd, 0});
+        else
+          post(channel, cmd, contexts, free_list);
+      }
+      if (!held.empty()) {
+        // Test mode: post a random subset in random order; hold the rest a few rounds longer.
+        std::shuffle(held.begin(), held.end(), rng);
+        std::vector<Pending> keep;
+        for (auto& p : held) {
+          if (p.age >= 4 || (rng() & 1))
+            post(channel, p.cmd, contexts, free_list);
+          else
+            keep.push_back(Pending{p.cmd, p.age + 1});
+        }
+        held.swap(keep);
+        busy = true;
+      }
+      if (drain_completions(channel, contexts, free_list) > 0) busy = true;
+      if (busy)
+        idle.reset();
+      else
+        idle.pause();
+    }
+  } catch (const std::exception& e) {
+    fail(num_ranks_, std::string("proxy thread of channel ") + std::to_string(channel) + " stopped: " + e.what());
+  }
+}
+
+Runtime& Runtime::get() {
+  static Runtime* runtime = new Runtime();  // never destroyed: handlers may outlive static destructors
+  return *runtime;
+}
+
+void Runtime::start(const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
+  std::unique_lock<std::shared_mutex> lock(lifetime_);
+  if (initialized_.load() || !devices_.empty()) throw Error("uccl_ep: runtime already started");
+  std::vector<std::unique_ptr<Device>> devices;
+  for (auto [ordinal, rank] : local) devices.push_back(std::make_unique<Device>(config, rank, num_ranks, ordinal));
+  devices_ = std::move(devices);
+}
+
+std::vector<std::vector<uint8_t>> Runtime::local_infos() {
+  std::shared_lock<std::shared_mutex> lock(lifetime_);
+  std::vector<std::vector<uint8_t>> out;
+  for (auto& d : devices_) out.push_back(d->local_info().serialize());
+  return out;
+}
+
+void Runtime::connect(const std::vector<std::vector<uint8_t>>& all_infos) {
+  std::unique_lock<std::shared_mutex> lock(lifetime_);
+  std::vector<EndpointInfo> peers;
+  for (size_t r = 0; r < all_infos.size(); ++r) {
+    peers.push_back(EndpointInfo::deserialize(all_infos[r]));
+    if (peers.back().rank != r) throw Error("uccl_ep bootstrap: endpoint info out of rank order");
+  }
+  for (auto& d : devices_) {
+    if (peers.size() != d->num_ranks()) throw Error("uccl_ep bootstrap: wrong number of endpoint infos");
+    d->connect(peers);
+  }
+  initialized_.store(true, std::memory_order_release);
+}
+
+void Runtime::shutdown() {
+  std::unique_lock<std::shared_mutex> lock(lifetime_);
+  initialized_.store(false, std::memory_order_release);
+  devices_.clear();
+}
+
+Device& Runtime::device_by_ordinal(int ordinal) {
+  if (!initialized()) throw Error("uccl_ep: the runtime is not initialized; call jax_uccl_ep.initialize() first");
+  for (auto& d : devices_)
+    if (d->ordinal() == ordinal) return *d;
+  throw Error("uccl_ep: no runtime state for local device ordinal " + std::to_string(ordinal));
+}
+
+Device& Runtime::device_by_rank(uint32_t rank) {
+  if (!initialized()) throw Error("uccl_ep: the runtime is not initialized; call jax_uccl_ep.initialize() first");
+  for (auto& d : devices_)
+    if (d->rank() == rank) return *d;
+  throw Error("uccl_ep: rank " + std::to_string(rank) + " is not a local device of this process");
+}
+
+std::vector<Device*> Runtime::devices() {
+  std::vector<Device*> out;
+  for (auto& d : devices_) out.push_back(d.get());
+  return out;
+}
+
+}  // namespace uccl_ep

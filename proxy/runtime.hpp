@@ -1,0 +1,151 @@
+// The process-global proxy runtime: per local device a registered buffer, one command ring and one proxy
+// thread per channel, and the receive counters that the ordering protocol publishes.
+//
+// Buffer layout (every rank identical, so senders compute remote offsets from their own layout):
+//   [scratch: kScratchBytes][send staging: num_ranks regions][receive: num_ranks regions]
+// Region r of the send staging holds what this rank sends to rank r; region s of the receive area holds
+// what rank s sent here. A message is a run of writes into one region followed by a fence.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "errors.hpp"
+#include "ordering.hpp"
+#include "ring.hpp"
+#include "transport.hpp"
+
+namespace uccl_ep {
+
+constexpr size_t kScratchBytes = 4096;
+
+struct Config {
+  std::string providers = "shm,tcp;ofi_rxm";
+  int num_channels = 1;               // proxy threads (and rings, endpoints) per device
+  size_t buffer_bytes = 64ull << 20;  // registered bytes per device
+  double timeout_s = 120.0;
+  bool reorder = false;               // test mode: post writes out of order and late
+  uint32_t max_inflight_writes = 256; // per channel
+  uint32_t max_write_bytes = 1u << 20;
+  uint32_t ring_capacity = 4096;      // commands per ring
+};
+
+struct DeviceStats {
+  uint64_t commands = 0;       // popped by the proxies
+  uint64_t writes_posted = 0;  // fi_writedata calls that succeeded
+  uint64_t bytes_posted = 0;
+  uint64_t messages_received = 0;
+};
+
+class Device {
+ public:
+  Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordinal);
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  uint32_t rank() const { return rank_; }
+  uint32_t num_ranks() const { return num_ranks_; }
+  int ordinal() const { return ordinal_; }
+  int num_channels() const { return config_.num_channels; }
+  double timeout_s() const { return config_.timeout_s; }
+  const std::string& provider() const { return fabric_->provider(); }
+  char* buffer() { return buffer_; }
+  size_t buffer_bytes() const { return config_.buffer_bytes; }
+  // Bytes of one send or receive region, and their offsets.
+  size_t region_bytes() const { return region_bytes_; }
+  size_t send_offset(uint32_t peer) const { return kScratchBytes + size_t(peer) * region_bytes_; }
+  size_t recv_offset(uint32_t peer) const { return kScratchBytes + size_t(num_ranks_ + peer) * region_bytes_; }
+
+  EndpointInfo local_info() const { return fabric_->local_info(); }
+  void connect(const std::vector<EndpointInfo>& peers);
+
+  // Producer side (one producer per device at a time: take op_mutex()).
+  // Sends bytes [local_offset, +length) of this buffer to [remote_offset, +length) of peer's, as one message.
+  void post_message(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
+                    const char* op);
+  // Waits for (and consumes) the next message from `peer` on `channel`.
+  void wait_message(int channel, uint32_t peer, const char* op);
+  // Waits until every command pushed so far has completed locally.
+  void quiet(const char* op);
+  std::mutex& op_mutex() { return op_mutex_; }
+  // Consumer-side protocol state: whether this rank still waits for `peer` to acknowledge (free its receive
+  // region after) the last message sent to it. Guarded by op_mutex().
+  bool& awaiting_ack(uint32_t peer) { return awaiting_ack_[peer]; }
+  DeviceStats stats() const;
+
+ private:
+  struct WriteContext {
+    fi_context2 fi_ctx;  // first member: the provider's scratch space
+    uint32_t peer;
+    uint32_t index;
+  };
+  struct Pending {
+    Command cmd;
+    uint32_t age;
+  };
+  void push(int channel, const Command& cmd, const Deadline& deadline, const char* op);
+  void proxy_loop(int channel);
+  void post(int channel, const Command& cmd, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
+  int drain_completions(int channel, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
+  void fail(uint32_t peer, const std::string& message);
+  void check_failed(uint32_t peer, const char* op);
+
+  Config config_;
+  uint32_t rank_, num_ranks_;
+  int ordinal_;
+  char* buffer_ = nullptr;
+  size_t region_bytes_ = 0;
+  std::unique_ptr<FabricDevice> fabric_;
+  std::vector<std::unique_ptr<CommandRing>> rings_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> running_{false};
+  std::mutex op_mutex_;
+
+  // Receive side: released_ is written by the proxy of each channel, read by consumers.
+  std::unique_ptr<std::atomic<uint64_t>[]> released_;  // [num_ranks * num_channels]
+  std::vector<uint64_t> consumed_;                    // consumer-owned, same shape
+  std::unique_ptr<bool[]> awaiting_ack_;              // consumer-owned, [num_ranks]
+  std::unique_ptr<std::atomic<uint64_t>[]> retired_;  // commands completed, per channel
+  std::vector<MessageSequencer> sequencers_;          // proxy-owned, [num_ranks * num_channels]
+  std::vector<ArrivalCounter> arrivals_;              // proxy-owned, same shape
+
+  std::atomic<bool> failed_{false};
+  mutable std::mutex failure_mutex_;
+  std::vector<std::string> peer_failure_;  // per rank; "" when fine
+  std::string failure_;                    // not tied to one peer
+
+  std::atomic<uint64_t> stat_commands_{0}, stat_writes_{0}, stat_bytes_{0}, stat_messages_{0};
+};
+
+// Process-global registry of the local devices. Handlers take `lock_shared()` for the duration of an op;
+// shutdown takes the lock exclusively, so no op runs against freed state.
+class Runtime {
+ public:
+  static Runtime& get();
+
+  // Creates the local devices. `local` holds (device ordinal, global rank) pairs.
+  void start(const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local);
+  std::vector<std::vector<uint8_t>> local_infos();
+  void connect(const std::vector<std::vector<uint8_t>>& all_infos);  // indexed by rank
+  void shutdown();
+  bool initialized() const { return initialized_.load(std::memory_order_acquire); }
+
+  std::shared_mutex& lifetime_mutex() { return lifetime_; }
+  // Looks up the device of an XLA device ordinal; throws with a clear message before initialize().
+  Device& device_by_ordinal(int ordinal);
+  Device& device_by_rank(uint32_t rank);
+  std::vector<Device*> devices();
+
+ private:
+  std::shared_mutex lifetime_;
+  std::atomic<bool> initialized_{false};
+  std::vector<std::unique_ptr<Device>> devices_;
+};
+
+}  // namespace uccl_ep

@@ -1,0 +1,72 @@
+// libfabric transport: one domain and registered buffer per local device, one RDM endpoint (with its own
+// completion queue and address vector) per channel. Knows nothing of rings or ordering.
+#pragma once
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace uccl_ep {
+
+// What a peer needs to write into this device's buffer: endpoint names and the memory key.
+struct EndpointInfo {
+  uint32_t rank = 0;
+  uint64_t remote_base = 0;  // address to add offsets to (the buffer's address under FI_MR_VIRT_ADDR, else 0)
+  uint64_t key = 0;
+  std::string host;
+  std::vector<std::vector<uint8_t>> names;  // one per channel
+
+  std::vector<uint8_t> serialize() const;
+  static EndpointInfo deserialize(const std::vector<uint8_t>& bytes);
+};
+
+struct Completion {
+  bool remote_data;   // an incoming write carrying an immediate
+  uint32_t imm;       // valid when remote_data
+  void* context;      // our context for local completions
+};
+
+class FabricDevice {
+ public:
+  // Tries each provider of `providers` (comma-separated, e.g. "shm,tcp;ofi_rxm") in order.
+  FabricDevice(const std::string& providers, uint32_t rank, void* buffer, size_t bytes, int num_channels);
+  ~FabricDevice();
+  FabricDevice(const FabricDevice&) = delete;
+  FabricDevice& operator=(const FabricDevice&) = delete;
+
+  const std::string& provider() const { return provider_; }
+  EndpointInfo local_info() const;
+  void connect(const std::vector<EndpointInfo>& peers);  // indexed by rank
+
+  // Posts one write with an immediate; returns false if the provider asks to retry later (-FI_EAGAIN).
+  bool post_write(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, size_t length,
+                  uint32_t imm, void* context);
+  // Reads up to `max` completions of `channel`; error completions come back with their message in `error`
+  // and the context of the failed operation.
+  int poll(int channel, Completion* out, int max, std::string* error, void** error_context);
+
+ private:
+  struct Channel {
+    fid_ep* ep = nullptr;
+    fid_cq* cq = nullptr;
+    fid_av* av = nullptr;
+    std::vector<fi_addr_t> peer_addr;
+  };
+  std::string provider_;
+  uint32_t rank_;
+  char* buffer_;
+  size_t bytes_;
+  fi_info* info_ = nullptr;
+  fid_fabric* fabric_ = nullptr;
+  fid_domain* domain_ = nullptr;
+  fid_mr* mr_ = nullptr;
+  void* mr_desc_ = nullptr;
+  bool virt_addr_ = false;
+  std::vector<Channel> channels_;
+  std::vector<uint64_t> peer_base_;
+  std::vector<uint64_t> peer_key_;
+};
+
+}  // namespace uccl_ep
