@@ -49,8 +49,26 @@ def _distributed_client() -> Any | None:
     return distributed.global_state.client
 
 
+def _distributed_kwargs_from_env() -> dict:
+    """What `python -m jax_uccl_ep.launch` (or any launcher) puts in the environment."""
+    env = os.environ
+    if not env.get("JAX_COORDINATOR_ADDRESS"):
+        return {}
+    kwargs: dict[str, Any] = {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"]}
+    if env.get("JAX_NUM_PROCESSES"):
+        kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+    if env.get("JAX_PROCESS_ID"):
+        kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+    if env.get("JAX_LOCAL_DEVICE_IDS"):
+        kwargs["local_device_ids"] = [int(i) for i in env["JAX_LOCAL_DEVICE_IDS"].split(",")]
+    return kwargs
+
+
 def _maybe_initialize_distributed(kwargs: dict) -> None:
-    if _distributed_client() is not None or not (kwargs or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+    if _distributed_client() is not None:
+        return
+    kwargs = kwargs or _distributed_kwargs_from_env()
+    if not kwargs:
         return
     if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
         # CPU collectives across processes (the all_gather that finds an EP group) need gloo.

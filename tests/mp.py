@@ -1,0 +1,139 @@
+"""Launch N Python processes with jax.distributed on a free 127.0.0.1 port and collect what they return.
+
+Each child imports a test module by path, calls one of its functions and prints the JSON of the return value on
+a marked line. Children run in their own process group: on timeout every one of them is killed, and a child
+whose parent dies exits on its own, so no test leaves processes behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+RESULT_MARK = "@@uccl_ep_result@@"
+
+_CHILD = r"""
+import importlib.util, json, os, sys, threading, time
+parent = os.getppid()
+def _watch():
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+threading.Thread(target=_watch, daemon=True).start()
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+spec = importlib.util.spec_from_file_location("uccl_ep_test_target", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+result = getattr(module, sys.argv[2])(*json.loads(sys.argv[3]))
+print(%r + json.dumps(result), flush=True)
+if os.environ.get("UCCL_EP_TEST_HARD_EXIT") == "1":
+    os._exit(0)  # a dead peer would hold up jax.distributed's exit barrier
+""" % RESULT_MARK
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the timeout
+    result: Any
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.result is not None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    path: str,
+    function: str,
+    num_processes: int,
+    *,
+    args: list | None = None,
+    devices_per_process: int = 1,
+    timeout_s: float = 180.0,
+    env: dict[str, str] | None = None,
+    per_rank_env: list[dict[str, str]] | None = None,
+) -> list[RankResult]:
+    """Runs `function(*args)` from the file `path` in `num_processes` processes; returns one RankResult each."""
+    port = free_port()
+    procs = []
+    workdir = tempfile.mkdtemp(prefix="uccl_ep_mp_")  # not the repo root: import the installed package
+    start = time.monotonic()
+    for rank in range(num_processes):
+        child_env = dict(os.environ)
+        child_env.update(
+            JAX_PLATFORMS="cpu",
+            JAX_NUM_CPU_DEVICES=str(devices_per_process),
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES=str(num_processes),
+            JAX_PROCESS_ID=str(rank),
+            FI_TCP_IFACE="lo",  # test traffic stays on loopback
+            PYTHONUNBUFFERED="1",
+        )
+        child_env.update(env or {})
+        if per_rank_env:
+            child_env.update(per_rank_env[rank])
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _CHILD, os.path.abspath(path), function, json.dumps(args or [])],
+            cwd=workdir, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        ))
+    results = []
+    deadline = start + timeout_s
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            code = p.returncode
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                _kill(q)
+            out, err = p.communicate()
+            code = None
+        result = None
+        for line in out.splitlines():
+            if line.startswith(RESULT_MARK):
+                result = json.loads(line[len(RESULT_MARK):])
+        results.append(RankResult(rank, code, result, out, err, time.monotonic() - start))
+    for q in procs:
+        _kill(q)
+    return results
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def describe(results: list[RankResult]) -> str:
+    return "\n".join(
+        f"--- rank {r.rank}: exit {r.returncode}, {r.seconds:.1f} s\n{r.stderr[-3000:]}" for r in results
+    )
+
+
+def launch_ok(path: str, function: str, num_processes: int, **kwargs: Any) -> list[Any]:
+    """Like launch(), but asserts every rank succeeded and returns their results."""
+    results = launch(path, function, num_processes, **kwargs)
+    assert all(r.ok for r in results), describe(results)
+    return [r.result for r in results]

@@ -1,0 +1,173 @@
+"""The proxy runtime and libfabric transport, driven directly: payloads, immediates, ordering, dead peers."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from mp import launch, launch_ok, describe
+
+HERE = os.path.abspath(__file__)
+PROVIDERS = ["shm", "tcp;ofi_rxm"]
+
+
+def _payload(seed: int, rnd: int, src: int, dst: int, max_bytes: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, rnd, src, dst])
+    if rnd == 0:
+        size = 1
+    elif rnd == 1:
+        size = max_bytes
+    else:  # log-uniform between 1 byte and max_bytes
+        size = int(np.exp(rng.uniform(0, np.log(max_bytes))))
+    return rng.integers(0, 256, size, dtype=np.uint8)
+
+
+def _stripe(size: int, channels: int, c: int) -> tuple[int, int]:
+    per = -(-size // channels)
+    begin = min(size, per * c)
+    return begin, min(size, per * (c + 1)) - begin
+
+
+def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
+    """Child: every rank writes a random payload to every peer each round, then checks what it received."""
+    import jax
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import _uccl_ep as core
+
+    ep.initialize()
+    me = ep._runtime.local_ranks()[0]
+    n = jax.device_count()
+    buf = core.buffer(me)
+    channels = core.num_channels(me)
+    mismatches = []
+    moved = 0
+    for rnd in range(rounds):
+        for peer in range(n):
+            if peer == me:
+                continue
+            data = _payload(seed, rnd, me, peer, max_bytes)
+            off = core.send_offset(me, peer)
+            buf[off:off + data.size] = data
+            for c in range(channels):
+                begin, length = _stripe(data.size, channels, c)
+                core.post_message(me, c, peer, off + begin, core.recv_offset(me, me) + begin, length)
+        for peer in range(n):
+            if peer == me:
+                continue
+            for c in range(channels):
+                core.wait_message(me, c, peer)
+            want = _payload(seed, rnd, peer, me, max_bytes)
+            off = core.recv_offset(me, peer)
+            got = buf[off:off + want.size]
+            if not np.array_equal(got, want):
+                mismatches.append([rnd, peer, int(np.count_nonzero(got != want))])
+            moved += want.size
+        # Acknowledge, so nobody overwrites a region before its reader is done.
+        for peer in range(n):
+            if peer != me:
+                core.post_message(me, 0, peer, 0, 0, 0)
+        for peer in range(n):
+            if peer != me:
+                core.wait_message(me, 0, peer)
+    core.quiet(me)
+    stats = core.stats(me)
+    provider = core.provider(me)
+    ep.shutdown()
+    return {"mismatches": mismatches, "bytes": moved, "stats": stats, "provider": provider}
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("num_processes", [2, 4])
+@pytest.mark.parametrize("reorder", [False, True], ids=["inorder", "reorder"])
+def test_random_payloads_reach_every_peer(provider, num_processes, reorder):
+    env = {
+        "UCCL_EP_FI_PROVIDER": provider,
+        "UCCL_EP_REORDER": "1" if reorder else "0",
+        "UCCL_EP_NUM_PROXY_THREADS": "2",
+        "UCCL_EP_BUFFER_BYTES": str(80 << 20),
+        "UCCL_EP_MAX_WRITE_BYTES": str(256 << 10),  # several writes per message, so reordering bites
+    }
+    results = launch_ok(HERE, "exchange_rounds", num_processes, args=[6, 7, 8 << 20], env=env)
+    for r in results:
+        assert r["provider"] == provider
+        assert r["mismatches"] == []
+        assert r["bytes"] > 0
+        assert r["stats"]["messages_received"] >= 6 * 2 * (num_processes - 1)
+
+
+def test_hundred_thousand_commands_through_the_rings():
+    # 64-byte writes: each 64 KiB message is 1024 writes and a fence.
+    env = {"UCCL_EP_FI_PROVIDER": "shm", "UCCL_EP_MAX_WRITE_BYTES": "64", "UCCL_EP_REORDER": "1",
+           "UCCL_EP_BUFFER_BYTES": str(4 << 20)}
+    results = launch_ok(HERE, "many_commands", 2, args=[100, 64 << 10], env=env)
+    for r in results:
+        assert r["mismatches"] == 0
+        assert r["commands"] >= 100_000
+
+
+def many_commands(messages: int, size: int) -> dict:
+    """Child: `messages` messages of `size` bytes to the other rank, each checked on arrival."""
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import _uccl_ep as core
+
+    ep.initialize()
+    me = ep._runtime.local_ranks()[0]
+    peer = 1 - me
+    buf = core.buffer(me)
+    mismatches = 0
+    for i in range(messages):
+        data = np.random.default_rng([i, me]).integers(0, 256, size, dtype=np.uint8)
+        off = core.send_offset(me, peer)
+        buf[off:off + size] = data
+        core.post_message(me, 0, peer, off, core.recv_offset(me, me), size)
+        core.wait_message(me, 0, peer)
+        want = np.random.default_rng([i, peer]).integers(0, 256, size, dtype=np.uint8)
+        roff = core.recv_offset(me, peer)
+        mismatches += int(not np.array_equal(buf[roff:roff + size], want))
+        core.post_message(me, 0, peer, 0, 0, 0)
+        core.wait_message(me, 0, peer)
+    core.quiet(me)
+    commands = core.stats(me)["commands"]
+    ep.shutdown()
+    return {"mismatches": mismatches, "commands": commands}
+
+
+def wait_for_dead_peer(dead_rank: int) -> dict:
+    """Child: rank `dead_rank` exits right after initialize; the others wait for a message from it."""
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import _uccl_ep as core
+
+    ep.initialize()
+    me = ep._runtime.local_ranks()[0]
+    if me == dead_rank:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        core.wait_message(me, 0, dead_rank)
+        return {"error": None}
+    except TimeoutError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_dead_peer_is_named_within_the_deadline(provider):
+    env = {"UCCL_EP_FI_PROVIDER": provider, "UCCL_EP_TIMEOUT_S": "3", "UCCL_EP_TEST_HARD_EXIT": "1"}
+    results = launch(HERE, "wait_for_dead_peer", 3, args=[2], env=env, timeout_s=120)
+    survivors = results[:2]
+    assert all(r.ok for r in survivors), describe(results)
+    for r in survivors:
+        assert r.result["error"] is not None
+        assert "rank 2" in r.result["error"] and "UCCL_EP_TIMEOUT_S" in r.result["error"]
+        assert 2.5 <= r.result["seconds"] <= 8.0
+    assert results[2].returncode == 0 and results[2].result is None
+
+
+def test_ring_keeps_every_command_in_order():
+    from jax_uccl_ep import _uccl_ep as core
+
+    stats = core.ring_commands_per_second(1024, 1_000_000)
+    assert stats["out_of_order"] == 0
+    assert stats["received"] == 1_000_000
+    assert stats["commands_per_second"] > 0
