@@ -85,6 +85,15 @@ def _exchange(client: Any, key: str, local: dict[int, bytes], count: int, timeou
     ]
 
 
+def _ffi_device_ordinal(device: Any) -> int:
+    """The number XLA hands an FFI handler as its DeviceOrdinal for `device`.
+
+    GPUs report their local ordinal; CPU devices report their global id (seen with jax 0.10: process 1's
+    CPU devices are 2048, 2049, ...).
+    """
+    return device.id if device.platform == "cpu" else device.local_hardware_id
+
+
 def initialize(**kwargs: Any) -> None:
     """Starts the process-global runtime (idempotent, thread-safe).
 
@@ -106,7 +115,7 @@ def initialize(**kwargs: Any) -> None:
 
         devices = sorted(jax.devices(), key=lambda d: d.id)
         rank_of = {d.id: r for r, d in enumerate(devices)}
-        local = [(d.local_hardware_id, rank_of[d.id]) for d in jax.local_devices()]
+        local = [(_ffi_device_ordinal(d), rank_of[d.id]) for d in jax.local_devices()]
         num_processes = jax.process_count()
         if num_processes > 1 and client is None:
             raise RuntimeError("jax_uccl_ep.initialize: several processes but no jax.distributed client")

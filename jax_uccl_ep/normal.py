@@ -52,11 +52,44 @@ def _axis_size(axis_name: AxisName) -> int:
     return int(jax.lax.axis_size(axis_name))
 
 
+def _axes(axis_name: AxisName) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _varying(outputs, axes):
+    """Marks FFI outputs as varying over `axes` inside shard_map: each device computes its own values."""
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in _varying_axes(x))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)
+
+    return jax.tree.map(cast, outputs)
+
+
 def _group(axis_name: AxisName) -> jax.Array:
     """Global runtime ranks of the members of `axis_name`, in axis order ([R] int32)."""
     _ffi.register()
     rank = jax.ffi.ffi_call("uccl_ep_device_rank", jax.ShapeDtypeStruct((), jnp.int32))()
-    return jax.lax.all_gather(rank, axis_name)
+    return jax.lax.all_gather(_varying(rank, _axes(axis_name)), axis_name)
+
+
+def _inputs_axes(*arrays) -> tuple[str, ...]:
+    axes: set = set()
+    for a in jax.tree.leaves(arrays):
+        axes |= _varying_axes(a)
+    return tuple(sorted(axes))
 
 
 def _check(cond: bool, message: str) -> None:
@@ -88,14 +121,15 @@ def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: Axi
     _check_experts(num_experts, num_ranks)
     _ffi.register()
     t = topk_idx.shape[0]
-    return DispatchLayout(*jax.ffi.ffi_call(
+    outs = jax.ffi.ffi_call(
         "uccl_ep_layout",
         (
             jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
             jax.ShapeDtypeStruct((num_experts,), jnp.int32),
             jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
         ),
-    )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks)))
+    )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
+    return DispatchLayout(*_varying(outs, _inputs_axes(topk_idx)))
 
 
 def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
@@ -137,6 +171,7 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
         ),
         has_side_effect=True,  # keeps every rank's calls in program order, never merged or dropped
     )(rows, scales, topk_idx, weights, group, num_experts=np.int64(num_experts))
+    outs = _varying(outs, _axes(axis_name) + _inputs_axes(rows, scales, topk_idx, weights))
     recv_x, recv_scales, recv_idx, recv_w, n, per_expert, in_rank, counts = outs
     return DispatchResult(
         x=(recv_x, recv_scales) if is_fp8 else recv_x,
@@ -150,15 +185,17 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
 
 def _combine_call(y: jax.Array, handle: DispatchHandle) -> jax.Array:
     t = handle.is_token_in_rank.shape[0]
-    return jax.ffi.ffi_call(
+    out = jax.ffi.ffi_call(
         "uccl_ep_combine", jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype), has_side_effect=True
     )(y, handle.is_token_in_rank, handle.recv_counts, handle.group)
+    return _varying(out, _inputs_axes(y, handle))
 
 
 def _cached_dispatch_call(x: jax.Array, handle: DispatchHandle, capacity: int) -> jax.Array:
-    return jax.ffi.ffi_call(
+    out = jax.ffi.ffi_call(
         "uccl_ep_cached_dispatch", jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype), has_side_effect=True
     )(x, handle.is_token_in_rank, handle.recv_counts, handle.group)
+    return _varying(out, _inputs_axes(x, handle))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -9,6 +9,7 @@ enum class Op : uint8_t {
   kNop = 0,
   kWrite = 1,  // RDMA write of `length` bytes, local offset -> peer's remote offset, tagged as data.
   kFence = 2,  // Ends a message: the peer publishes it once every write it covers has landed.
+  kAbort = 3,  // Tells the peer this rank failed out of step; carries the reason as its payload.
 };
 
 struct Command {

@@ -16,6 +16,11 @@ struct InvalidArgument : Error {
 struct TimeoutError : Error {
   using Error::Error;
 };
+// Every rank of the group raises it in the same op (bad input is announced to all peers), so the ranks stay
+// in step and the runtime remains usable afterwards.
+struct CollectiveError : InvalidArgument {
+  using InvalidArgument::InvalidArgument;
+};
 
 // A wait with a deadline: every loop that waits on a peer or a ring checks one of these.
 class Deadline {

@@ -10,7 +10,7 @@
 //   bit 31      kind: 0 data, 1 fence
 //   bits 30..21 sender rank (up to 1024 ranks)
 //   bits 20..11 epoch modulo 1024 (messages in flight per sender and channel stay far below that)
-//   bits 10..0  fence only: data writes in the message (up to 2047)
+//   bits 10..0  fence: data writes in the message (up to 2047); data: 0, or 2047 for an abort
 #pragma once
 #include <array>
 #include <cstdint>
@@ -22,6 +22,7 @@ namespace uccl_ep {
 constexpr uint32_t kMaxRanks = 1024;
 constexpr uint32_t kEpochWindow = 1024;
 constexpr uint32_t kMaxWritesPerMessage = 2047;
+constexpr uint32_t kAbortMark = 0x7FF;  // in the count field of a data immediate
 
 struct Immediate {
   bool fence;
@@ -32,6 +33,8 @@ struct Immediate {
   uint32_t encode() const {
     return (uint32_t(fence) << 31) | ((sender & 0x3FFu) << 21) | ((epoch & 0x3FFu) << 11) | (count & 0x7FFu);
   }
+  bool is_abort() const { return !fence && count == kAbortMark; }
+  static Immediate abort(uint32_t sender) { return Immediate{false, sender, 0, kAbortMark}; }
   static Immediate decode(uint32_t v) {
     return Immediate{bool(v >> 31), (v >> 21) & 0x3FFu, (v >> 11) & 0x3FFu, v & 0x7FFu};
   }

@@ -143,6 +143,31 @@ void Device::quiet(const char* op) {
   }
 }
 
+void Device::abort(const std::vector<uint32_t>& peers, const std::string& reason) {
+  fail(num_ranks_, reason);
+  size_t n = std::min(reason.size(), kAbortReasonBytes - 1);
+  std::memcpy(buffer_ + kAbortOutOffset, reason.data(), n);
+  buffer_[kAbortOutOffset + n] = '\0';
+  Deadline deadline(1.0);  // best effort: a full ring to a dead peer must not delay the error
+  for (uint32_t peer : peers) {
+    if (peer == rank_ || peer >= num_ranks_) continue;
+    Command cmd{Op::kAbort, 0, 0, peer, kAbortOutOffset, kAbortInOffset, uint32_t(n + 1), 0};
+    Backoff backoff;
+    while (!rings_[0]->try_push(cmd) && !deadline.expired()) backoff.pause();
+  }
+}
+
+void Device::check_usable(const char* op) {
+  if (!failed_.load(std::memory_order_acquire)) return;
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  std::string cause = failure_;
+  for (uint32_t p = 0; cause.empty() && p < num_ranks_; ++p)
+    if (!peer_failure_[p].empty()) cause = "transport error with rank " + std::to_string(p) + ": " + peer_failure_[p];
+  throw Error(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) +
+              " is out of step with its peers after an earlier failure (" + cause +
+              "); call jax_uccl_ep.shutdown() and jax_uccl_ep.initialize() to reset");
+}
+
 void Device::fail(uint32_t peer, const std::string& message) {
   std::lock_guard<std::mutex> lock(failure_mutex_);
   if (peer < num_ranks_) {
@@ -208,6 +233,12 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
         fail(num_ranks_, "immediate names rank " + std::to_string(imm.sender) + " of " + std::to_string(num_ranks_));
         continue;
       }
+      if (imm.is_abort()) {
+        const char* text = buffer_ + kAbortInOffset;
+        fail(num_ranks_, "rank " + std::to_string(imm.sender) + " aborted: " +
+                             std::string(text, strnlen(text, kAbortReasonBytes)));
+        continue;
+      }
       size_t slot = size_t(imm.sender) * config_.num_channels + channel;
       try {
         if (imm.fence)
@@ -251,7 +282,10 @@ void Device::proxy_loop(int channel) {
         stat_commands_.fetch_add(1, std::memory_order_relaxed);
         // Immediates are assigned in ring order; only posting may be reordered.
         MessageSequencer& seq = sequencers_[size_t(cmd.peer) * config_.num_channels + channel];
-        cmd.imm = cmd.op == Op::kFence ? seq.fence_imm(rank_) : seq.data_imm(rank_);
+        if (cmd.op == Op::kAbort)
+          cmd.imm = Immediate::abort(rank_).encode();
+        else
+          cmd.imm = cmd.op == Op::kFence ? seq.fence_imm(rank_) : seq.data_imm(rank_);
         if (config_.reorder)
           held.push_back(Pending{cmd, 0});
         else

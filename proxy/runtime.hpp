@@ -22,7 +22,11 @@
 
 namespace uccl_ep {
 
+// Scratch: [0, 16) fence carriers, [1024, 2048) outgoing abort reason, [2048, 3072) incoming abort reason.
 constexpr size_t kScratchBytes = 4096;
+constexpr size_t kAbortOutOffset = 1024;
+constexpr size_t kAbortInOffset = 2048;
+constexpr size_t kAbortReasonBytes = 1024;
 
 struct Config {
   std::string providers = "shm,tcp;ofi_rxm";
@@ -73,6 +77,11 @@ class Device {
   void wait_message(int channel, uint32_t peer, const char* op);
   // Waits until every command pushed so far has completed locally.
   void quiet(const char* op);
+  // After an error that left this rank out of step with its peers: fail every later op here, and tell `peers`
+  // so that they fail at once (naming this rank and `reason`) instead of waiting for their deadline.
+  void abort(const std::vector<uint32_t>& peers, const std::string& reason);
+  // Throws if an earlier failure left this device out of step; initialize() again to recover.
+  void check_usable(const char* op);
   std::mutex& op_mutex() { return op_mutex_; }
   // Consumer-side protocol state: whether this rank still waits for `peer` to acknowledge (free its receive
   // region after) the last message sent to it. Guarded by op_mutex().

@@ -16,9 +16,11 @@ struct Header {
   uint32_t rows;
   uint64_t row_bytes;
   uint64_t shape_tag;
-  int32_t status;  // 0 fine, 1 the sender's input was bad
-  uint32_t reserved[7];
+  int32_t status;         // 0 fine, 1 the sender's input was bad
+  uint32_t error_bytes;   // status 1: length of the sender's error text, which follows the header
+  uint32_t reserved[6];
 };
+constexpr size_t kMaxErrorBytes = 1024;
 static_assert(sizeof(Header) == kHeaderBytes, "header size");
 
 // Splits [0, bytes) into the channels' parts; part c goes over channel c.
@@ -57,11 +59,16 @@ Group make_group(const Device& dev, const int32_t* ranks, int size, const char* 
   return g;
 }
 
-std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
-                               const UnpackRows& unpack) {
+std::vector<uint32_t> group_peers(const Group& group) {
+  return std::vector<uint32_t>(group.ranks, group.ranks + group.size);
+}
+
+namespace {
+
+std::vector<uint32_t> run_protocol(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
+                                   const UnpackRows& unpack) {
   const char* op = op_name(plan.kind);
   const int channels = dev.num_channels();
-  std::lock_guard<std::mutex> lock(dev.op_mutex());
   dev.quiet(op);  // send staging is free again only once earlier writes completed
 
   // Decide before sending anything: a rank that cannot send still takes part, with an error status.
@@ -86,8 +93,13 @@ std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePl
       dev.awaiting_ack(peer) = false;
     }
     uint8_t* region = reinterpret_cast<uint8_t*>(dev.buffer() + dev.send_offset(peer));
-    Header h{kMagic, uint32_t(plan.kind), dev.rank(), rows, plan.row_bytes, plan.shape_tag, bad_input ? 1 : 0, {}};
+    uint32_t error_bytes = bad_input ? uint32_t(std::min(local_error.size(), kMaxErrorBytes)) : 0;
+    Header h{kMagic, uint32_t(plan.kind), dev.rank(), rows, plan.row_bytes, plan.shape_tag, bad_input ? 1 : 0,
+             error_bytes, {}};
     std::memcpy(region, &h, sizeof(h));
+    // A rank with bad input sends its error text in place of rows, so every peer can report the cause.
+    std::memcpy(region + kHeaderBytes, local_error.data(), error_bytes);
+    if (bad_input) bytes += error_bytes;
     for (uint32_t i = 0; i < rows; ++i) pack(d, i, region + kHeaderBytes + uint64_t(i) * plan.row_bytes);
     for (int c = 0; c < channels; ++c) {
       auto [begin, len] = stripe(bytes, channels, c);
@@ -97,6 +109,7 @@ std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePl
 
   std::vector<uint32_t> received(group.size, 0);
   std::string peer_error;
+  bool peer_input_error = false;
   for (int s = 0; s < group.size; ++s) {
     uint32_t peer = uint32_t(group.ranks[s]);
     for (int c = 0; c < channels; ++c) dev.wait_message(c, peer, op);
@@ -107,14 +120,19 @@ std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePl
     if (h.magic != kMagic || h.sender != peer)
       problem = "sent a corrupt message header";
     else if (h.status != 0)
-      problem = "reported invalid input (see that rank's error)";
+      problem = "reported invalid input: " +
+                std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
+                            std::min<size_t>(h.error_bytes, kMaxErrorBytes));
     else if (h.kind != uint32_t(plan.kind) || h.row_bytes != plan.row_bytes || h.shape_tag != plan.shape_tag)
       problem = std::string("ran ") + op_name(OpKind(h.kind)) + " with " + std::to_string(h.row_bytes) +
                 "-byte rows (shape tag " + std::to_string(h.shape_tag) + ") while this rank ran " + op + " with " +
                 std::to_string(plan.row_bytes) + "-byte rows (shape tag " + std::to_string(plan.shape_tag) +
                 "): shapes or op order differ across ranks";
     if (!problem.empty()) {
-      if (peer_error.empty()) peer_error = "rank " + std::to_string(peer) + " " + problem;
+      if (peer_error.empty()) {
+        peer_error = "rank " + std::to_string(peer) + " " + problem;
+        peer_input_error = h.magic == kMagic && h.status != 0;
+      }
     } else if (!bad_input) {
       received[s] = h.rows;
       unpack(s, h.rows, region + kHeaderBytes);
@@ -128,10 +146,36 @@ std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePl
   for (int d = 0; d < group.size; ++d)
     if (uint32_t(group.ranks[d]) != dev.rank()) dev.awaiting_ack(uint32_t(group.ranks[d])) = true;
 
-  if (bad_input) throw InvalidArgument(std::string("uccl_ep ") + op + ": " + local_error);
-  if (!peer_error.empty())
-    throw Error(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + ": " + peer_error);
+  // Bad input is announced to every peer, so all ranks fail here together and stay in step.
+  if (bad_input) throw CollectiveError(std::string("uccl_ep ") + op + ": " + local_error);
+  std::string where = std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + ": ";
+  if (peer_input_error) throw CollectiveError(where + peer_error);
+  if (!peer_error.empty()) throw Error(where + peer_error);
   return received;
+}
+
+}  // namespace
+
+std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
+                               const UnpackRows& unpack) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  dev.check_usable(op_name(plan.kind));
+  try {
+    return run_protocol(dev, group, plan, pack, unpack);
+  } catch (const CollectiveError&) {
+    throw;
+  } catch (const std::exception& e) {
+    dev.abort(group_peers(group), e.what());  // out of step now: make the peers fail fast too
+    throw;
+  }
+}
+
+void abort_group(Device& dev, const Group& group, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(dev.op_mutex());
+    dev.abort(group_peers(group), message);
+  }
+  throw InvalidArgument(message);
 }
 
 }  // namespace uccl_ep::cpu

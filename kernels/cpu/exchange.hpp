@@ -40,10 +40,15 @@ using PackRow = std::function<void(int dst, uint32_t i, uint8_t* out)>;
 // Reads row i of the message from group member `src`.
 using UnpackRows = std::function<void(int src, uint32_t count, const uint8_t* rows)>;
 
-// Runs the round; returns the row count received from each member. Throws uccl_ep::Error naming the peer on a
-// peer's error status, a mismatched header, a timeout or a transport failure, and InvalidArgument with
-// `plan.local_error` after the round when this rank's own input was bad.
+// Runs the round; returns the row count received from each member. Bad input on any rank raises
+// CollectiveError on every rank (the runtime stays usable). Anything that leaves this rank out of step (a
+// mismatched header, a timeout, a transport failure) aborts: the peers are told, and later ops fail until the
+// runtime is initialized again.
 std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
                                const UnpackRows& unpack);
+
+// For a failure found after a successful round on this rank only (capacity exceeded, a stale handle): aborts
+// like above and throws InvalidArgument(message).
+[[noreturn]] void abort_group(Device& dev, const Group& group, const std::string& message);
 
 }  // namespace uccl_ep::cpu

@@ -59,11 +59,11 @@ struct RowSink {
     total += count;
     return first;
   }
-  void check(const Device& dev, const char* op) const {
+  void check(Device& dev, const Group& group, const char* op) const {
     if (total > uint64_t(capacity))
-      throw InvalidArgument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + " received " +
-                            std::to_string(total) + " tokens but capacity is " + std::to_string(capacity) +
-                            "; pass a larger capacity (the default, group size * tokens per rank, never drops)");
+      abort_group(dev, group, std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + " received " +
+                                  std::to_string(total) + " tokens but capacity is " + std::to_string(capacity) +
+                                  "; pass a larger capacity (the default, group size * tokens per rank, never drops)");
   }
 };
 
@@ -145,7 +145,7 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
     (void)s;
   };
   auto received = exchange(dev, group, plan, pack, unpack);
-  sink.check(dev, "dispatch");
+  sink.check(dev, group, "dispatch");
 
   // Padding rows are defined: zeros, no expert.
   size_t valid = size_t(sink.total);
@@ -176,8 +176,8 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
       std::memcpy(a.recv_x + size_t(first + j) * a.row_bytes, rows + uint64_t(j) * plan.row_bytes, a.row_bytes);
   };
   exchange(dev, group, plan, pack, unpack);
-  if (!mismatch.empty()) throw InvalidArgument("uccl_ep cached_dispatch: " + mismatch + " (stale handle?)");
-  sink.check(dev, "cached_dispatch");
+  if (!mismatch.empty()) abort_group(dev, group, "uccl_ep cached_dispatch: " + mismatch + " (stale handle?)");
+  sink.check(dev, group, "cached_dispatch");
   size_t valid = size_t(sink.total);
   std::memset(a.recv_x + valid * a.row_bytes, 0, (size_t(a.capacity) - valid) * a.row_bytes);
 }
@@ -224,7 +224,7 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
     }
   };
   exchange(dev, group, plan, pack, unpack);
-  if (!mismatch.empty()) throw InvalidArgument("uccl_ep combine: " + mismatch + " (stale handle?)");
+  if (!mismatch.empty()) abort_group(dev, group, "uccl_ep combine: " + mismatch + " (stale handle?)");
   if (a.dtype == FloatType::kF32) {
     std::memcpy(a.out, acc.data(), acc.size() * 4);
   } else {

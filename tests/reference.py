@@ -1,0 +1,76 @@
+"""Plain-NumPy reference for normal-mode dispatch and combine, written from the spec, not from the code."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def owner(expert: int, num_experts: int, num_ranks: int) -> int:
+    return expert // (num_experts // num_ranks)
+
+
+def dispatch(x, topk_idx, topk_weights, num_experts):
+    """x [R, T, ...], topk_idx/topk_weights [R, T, K] -> per destination rank a dict of expected outputs.
+
+    Rows arrive once per rank owning any of the token's experts, ordered by source rank, then token.
+    """
+    num_ranks, num_tokens, k = topk_idx.shape
+    per_rank = num_experts // num_ranks
+    out = []
+    for dst in range(num_ranks):
+        rows, idx, w, src = [], [], [], []
+        for s in range(num_ranks):
+            for t in range(num_tokens):
+                experts = topk_idx[s, t]
+                mine = [(e >= 0 and owner(e, num_experts, num_ranks) == dst) for e in experts]
+                if not any(mine):
+                    continue
+                rows.append(x[s, t])
+                idx.append([e - dst * per_rank if m else -1 for e, m in zip(experts, mine)])
+                if topk_weights is not None:
+                    w.append([topk_weights[s, t, j] if m else 0.0 for j, m in enumerate(mine)])
+                src.append((s, t))
+        counts = np.zeros(per_rank, np.int64)
+        for row in idx:
+            for e in row:
+                if e >= 0:
+                    counts[e] += 1
+        out.append({
+            "x": np.array(rows).reshape((len(rows),) + x.shape[2:]),
+            "topk_idx": np.array(idx, np.int64).reshape(len(rows), k),
+            "topk_weights": None if topk_weights is None else np.array(w, np.float64).reshape(len(rows), k),
+            "num_tokens": len(rows),
+            "num_tokens_per_expert": counts,
+            "sources": src,
+        })
+    return out
+
+
+def combine(ys, dispatched, num_tokens):
+    """ys: per rank [capacity, H] rows in dispatch order -> [R, T, H] float64 sums per source token."""
+    num_ranks = len(ys)
+    h = ys[0].shape[1]
+    out = np.zeros((num_ranks, num_tokens, h), np.float64)
+    for dst in range(num_ranks):
+        for row, (s, t) in enumerate(dispatched[dst]["sources"]):
+            out[s, t] += np.asarray(ys[dst][row], np.float64)
+    return out
+
+
+def random_routing(rng, num_ranks, num_tokens, topk, num_experts, *, mask_prob=0.2, skew=True,
+                   empty_rank=None):
+    """Distinct experts per token, some slots masked (-1); skewed popularity; optionally one rank gets nothing."""
+    per_rank = num_experts // num_ranks
+    allowed = np.arange(num_experts)
+    if empty_rank is not None:
+        allowed = allowed[(allowed // per_rank) != empty_rank]
+    popularity = rng.pareto(1.0, allowed.size) + 0.05 if skew else np.ones(allowed.size)
+    p = popularity / popularity.sum()
+    k_real = min(topk, allowed.size)
+    idx = np.full((num_ranks, num_tokens, topk), -1, np.int32)
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            chosen = rng.choice(allowed, size=k_real, replace=False, p=p)
+            idx[s, t, :k_real] = chosen
+            idx[s, t, rng.random(topk) < mask_prob] = -1
+            rng.shuffle(idx[s, t])
+    return idx

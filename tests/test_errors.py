@@ -1,0 +1,243 @@
+"""Bad input and misuse: each case fails with an error that names what is wrong, and the runtime stays usable."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_uccl_ep as ep
+import reference as ref
+from mp import describe, launch, launch_ok
+
+HERE = os.path.abspath(__file__)
+R, T, H, K, E = 4, 6, 128, 2, 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    ep.initialize()
+    yield
+
+
+def _call(x, idx, w=None, *, num_experts=E, capacity=None, ranks=R):
+    mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
+
+    def body(x, idx, *w):
+        res = ep.dispatch(x[0], idx[0], w[0][0] if w else None, num_experts=num_experts, axis_name="ep",
+                          capacity=capacity)
+        out = ep.combine(res.x, res.handle)
+        return out[None], res.num_tokens[None], (res.topk_weights[None] if w else res.num_tokens[None])
+
+    args = (x, idx) + ((w,) if w is not None else ())
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    return jax.tree.map(np.asarray, f(*args))
+
+
+def _inputs(seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((R, T, H)), dtype)
+    idx = ref.random_routing(rng, R, T, K, E)
+    w = jnp.asarray(rng.random((R, T, K)), jnp.float32)
+    return x, idx, w
+
+
+def _check_roundtrip_still_works():
+    x, idx, _ = _inputs(seed=99)
+    out, _, _ = _call(x, jnp.asarray(idx))
+    owners = np.where(idx >= 0, idx // (E // R), -1)
+    copies = np.stack([(owners == r).any(-1) for r in range(R)], -1).sum(-1)
+    np.testing.assert_allclose(out, np.asarray(x) * copies[..., None], rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["one_rank", "every_rank"])
+@pytest.mark.parametrize("bad", [E, 1000, -2])
+def test_expert_index_out_of_range(where, bad):
+    x, idx, _ = _inputs()
+    if where == "one_rank":
+        idx[2, 3, 1] = bad
+    else:
+        idx[:, 0, 0] = bad
+    with pytest.raises(Exception, match=rf"topk_idx\[\d+, \d\] = {bad} is outside \[-1, num_experts={E}\)"):
+        _call(x, jnp.asarray(idx))
+    _check_roundtrip_still_works()
+
+
+def test_layout_rejects_bad_expert_index():
+    _, idx, _ = _inputs()
+    idx[1, 2, 0] = E + 5
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    f = jax.jit(jax.shard_map(lambda i: ep.get_dispatch_layout(i[0], num_experts=E, axis_name="ep")[0][None],
+                              mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    with pytest.raises(Exception, match="is outside"):
+        np.asarray(f(jnp.asarray(idx)))
+
+
+def test_capacity_exceeded_names_rank_count_and_capacity():
+    x, idx, _ = _inputs()
+    idx[:] = -1
+    idx[:, :, 0] = 0  # every token of every rank goes to expert 0 on rank 0: R*T tokens arrive there
+    with pytest.raises(Exception, match=rf"rank 0 received {R * T} tokens but capacity is 5"):
+        _call(x, jnp.asarray(idx), capacity=5)
+    # Only rank 0 failed, so it is out of step with its peers: later ops fail fast and say how to recover.
+    with pytest.raises(Exception, match=r"out of step .* call jax_uccl_ep.shutdown\(\) and jax_uccl_ep.initialize\(\)"):
+        _check_roundtrip_still_works()
+    ep.shutdown()
+    ep.initialize()
+    _check_roundtrip_still_works()
+
+
+def test_capacity_large_enough_is_exact():
+    x, idx, _ = _inputs()
+    idx[:] = -1
+    idx[:, :, 0] = 0
+    out, n, _ = _call(x, jnp.asarray(idx), capacity=R * T)
+    assert n[0] == R * T and n[1:].sum() == 0
+    np.testing.assert_allclose(out, np.asarray(x))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda x, i, w: (x[..., 0], i, w), "x must be 2-D"),
+        (lambda x, i, w: (x.astype(jnp.int32), i, w), "x must be float32 or bfloat16"),
+        (lambda x, i, w: (x, i.astype(jnp.float32), w), "topk_idx must be int32"),
+        (lambda x, i, w: (x, i[..., 0], w), "topk_idx must be 2-D"),
+        (lambda x, i, w: (x, i, w[..., :1]), "topk_weights must have the shape of topk_idx"),
+        (lambda x, i, w: (x, i, w.astype(jnp.bfloat16)), "topk_weights must be float32"),
+    ],
+)
+def test_wrong_shapes_and_dtypes_fail_at_trace_time(change, message):
+    x, idx, w = _inputs()
+    x2, i2, w2 = change(x, jnp.asarray(idx), w)
+    with pytest.raises(ValueError, match=message):
+        _call(x2, i2, w2)
+
+
+def test_num_experts_must_divide_by_axis_size():
+    x, idx, _ = _inputs()
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by the axis size 4"):
+        _call(x, jnp.asarray(np.minimum(idx, 5)), num_experts=6)
+
+
+def test_fp8_hidden_must_be_multiple_of_128():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    x = jnp.ones((2, 4, 96), jnp.float8_e4m3fn)
+    s = jnp.ones((2, 4, 1), jnp.float32)
+    idx = jnp.zeros((2, 4, 1), jnp.int32)
+    f = jax.shard_map(lambda x, s, i: ep.dispatch((x[0], s[0]), i[0], num_experts=2, axis_name="ep").num_tokens[None],
+                      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(ValueError, match="FP8 hidden size must be a multiple of 128, got 96"):
+        jax.jit(f)(x, s, idx)
+
+
+def test_combine_rejects_wrong_dtype_and_handle():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+
+    def body(x, i):
+        res = ep.dispatch(x[0], i[0], num_experts=2, axis_name="ep")
+        return ep.combine(res.x.astype(jnp.float16), res.handle)[None]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(ValueError, match="y must be float32 or bfloat16"):
+        jax.jit(f)(jnp.ones((2, 3, 128)), jnp.zeros((2, 3, 1), jnp.int32))
+    with pytest.raises(ValueError, match="handle must be"):
+        ep.combine(jnp.ones((3, 128)), (1, 2, 3))
+
+
+def test_nan_weights_pass_through_unchanged():
+    x, idx, w = _inputs()
+    w = np.asarray(w).copy()
+    w[1, 2, :] = np.nan
+    _, _, recv_w = _call(x, jnp.asarray(idx), jnp.asarray(w))
+    expected = ref.dispatch(np.asarray(x), idx, w, E)
+    for r, e in enumerate(expected):
+        m = e["num_tokens"]
+        np.testing.assert_array_equal(recv_w[r, :m], e["topk_weights"].astype(np.float32))  # NaN == NaN here
+
+
+def lifecycle(cycles: int) -> dict:
+    """Child: ops before initialize and after shutdown fail clearly; initialize/shutdown many times."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jax_uccl_ep as ep
+
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 128)), jnp.float32)
+    idx = jnp.asarray(np.random.default_rng(1).integers(0, 4, (2, 4, 2)), jnp.int32)
+
+    def body(x, i):
+        res = ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep")
+        return ep.combine(res.x, res.handle)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    errors = []
+    try:
+        np.asarray(f(x, idx))
+        errors.append("no error before initialize")
+    except Exception as e:
+        before = str(e)
+    ok = 0
+    for _ in range(cycles):
+        ep.initialize()
+        ep.initialize()  # idempotent
+        ok += int(ep.is_initialized())
+        np.asarray(f(x, idx))
+        ep.shutdown()
+    try:
+        np.asarray(f(x, idx))
+        errors.append("no error after shutdown")
+    except Exception as e:
+        after = str(e)
+    return {"errors": errors, "before": before, "after": after, "ok": ok, "initialized": ep.is_initialized()}
+
+
+def test_calls_before_initialize_and_after_shutdown_fail_clearly():
+    env = {"JAX_NUM_CPU_DEVICES": "2", "JAX_COORDINATOR_ADDRESS": ""}
+    (r,) = launch_ok(HERE, "lifecycle", 1, args=[50], devices_per_process=2, env=env)
+    assert r["errors"] == []
+    for msg in (r["before"], r["after"]):
+        assert "not initialized" in msg and "jax_uccl_ep.initialize()" in msg
+    assert r["ok"] == 50 and r["initialized"] is False
+
+
+def mismatched_hidden() -> dict:
+    """Child: the two processes run dispatch with different hidden sizes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jax_uccl_ep as ep
+
+    ep.initialize()
+    hidden = 128 * (1 + jax.process_index())
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    sharding = jax.sharding.NamedSharding(mesh, P("ep"))
+    x = jax.make_array_from_callback((2, 4, hidden), sharding, lambda s: np.ones((1, 4, hidden), np.float32))
+    i = jax.make_array_from_callback((2, 4, 1), sharding, lambda s: np.zeros((1, 4, 1), np.int32) + 1)
+    f = jax.jit(jax.shard_map(lambda x, i: ep.dispatch(x[0], i[0], num_experts=2, axis_name="ep").x[None],
+                              mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    try:
+        f(x, i).block_until_ready()
+        return {"error": None}
+    except Exception as e:
+        return {"error": str(e)}
+
+
+def test_mismatched_shapes_across_ranks_are_detected_not_hung():
+    results = launch(HERE, "mismatched_hidden", 2, env={"UCCL_EP_TIMEOUT_S": "20", "UCCL_EP_TEST_HARD_EXIT": "1"},
+                     timeout_s=120)
+    assert all(r.ok for r in results), describe(results)
+    for r in results:
+        assert r.result["error"] is not None
+        assert "shapes or op order differ across ranks" in r.result["error"]
