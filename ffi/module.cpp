@@ -107,6 +107,10 @@ NB_MODULE(_uccl_ep, m) {
     nb::gil_scoped_release release;
     Runtime::get().connect(v);
   });
+  m.def("quiesce", [](double seconds) {
+    nb::gil_scoped_release release;
+    Runtime::get().quiesce(seconds);
+  });
   m.def("shutdown", [] {
     nb::gil_scoped_release release;
     Runtime::get().shutdown();

@@ -159,6 +159,7 @@ def shutdown() -> None:
     with _lock:
         if not _uccl_ep.is_initialized():
             return
+        _uccl_ep.quiesce(5.0)  # our last writes land before peers may close their endpoints
         client = _distributed_client()
         if client is not None and jax.process_count() > 1:
             # Wait for peers so nobody still writes into buffers we free; a dead peer must not block exit.

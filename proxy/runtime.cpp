@@ -60,10 +60,15 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
     rings_.push_back(std::make_unique<CommandRing>(config_.ring_capacity));
 }
 
-Device::~Device() {
+void Device::stop() {
   running_.store(false);
   for (auto& t : threads_)
     if (t.joinable()) t.join();
+  threads_.clear();
+}
+
+Device::~Device() {
+  stop();
   fabric_.reset();
   std::free(buffer_);
 }
@@ -128,8 +133,8 @@ void Device::wait_message(int channel, uint32_t peer, const char* op) {
   consumed_[slot] = want;
 }
 
-void Device::quiet(const char* op) {
-  Deadline deadline(config_.timeout_s);
+void Device::quiet(const char* op, double seconds) {
+  Deadline deadline(seconds < 0 ? config_.timeout_s : seconds);
   for (int c = 0; c < config_.num_channels; ++c) {
     Backoff backoff;
     while (retired_[c].load(std::memory_order_acquire) < rings_[c]->pushed()) {
@@ -349,9 +354,25 @@ void Runtime::connect(const std::vector<std::vector<uint8_t>>& all_infos) {
   initialized_.store(true, std::memory_order_release);
 }
 
+void Runtime::quiesce(double seconds) {
+  std::shared_lock<std::shared_mutex> lock(lifetime_);
+  for (auto& d : devices_) {
+    try {
+      std::lock_guard<std::mutex> op_lock(d->op_mutex());
+      d->quiet("shutdown", std::min(d->timeout_s(), seconds));
+    } catch (const std::exception&) {
+      // A dead peer's writes never complete; shut down regardless.
+    }
+  }
+}
+
 void Runtime::shutdown() {
+  // Three phases, because devices write into each other's endpoints: let queued writes (the last acks)
+  // finish, stop every proxy, and only then close endpoints and free buffers.
+  quiesce(5.0);
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   initialized_.store(false, std::memory_order_release);
+  for (auto& d : devices_) d->stop();
   devices_.clear();
 }
 

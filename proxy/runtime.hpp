@@ -68,6 +68,8 @@ class Device {
 
   EndpointInfo local_info() const { return fabric_->local_info(); }
   void connect(const std::vector<EndpointInfo>& peers);
+  // Stops and joins the proxy threads; the endpoints stay open until the Device is destroyed.
+  void stop();
 
   // Producer side (one producer per device at a time: take op_mutex()).
   // Sends bytes [local_offset, +length) of this buffer to [remote_offset, +length) of peer's, as one message.
@@ -75,8 +77,8 @@ class Device {
                     const char* op);
   // Waits for (and consumes) the next message from `peer` on `channel`.
   void wait_message(int channel, uint32_t peer, const char* op);
-  // Waits until every command pushed so far has completed locally.
-  void quiet(const char* op);
+  // Waits until every command pushed so far has completed locally (at most `seconds`, default the timeout).
+  void quiet(const char* op, double seconds = -1);
   // After an error that left this rank out of step with its peers: fail every later op here, and tell `peers`
   // so that they fail at once (naming this rank and `reason`) instead of waiting for their deadline.
   void abort(const std::vector<uint32_t>& peers, const std::string& reason);
@@ -142,6 +144,8 @@ class Runtime {
   void start(const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local);
   std::vector<std::vector<uint8_t>> local_infos();
   void connect(const std::vector<std::vector<uint8_t>>& all_infos);  // indexed by rank
+  // Waits (at most `seconds`) for every local device's queued writes to complete; errors are ignored.
+  void quiesce(double seconds);
   void shutdown();
   bool initialized() const { return initialized_.load(std::memory_order_acquire); }
 
