@@ -54,12 +54,14 @@ uint64_t row_bytes(const ffi::AnyBuffer& b) {
   return b.dimensions()[0] == 0 ? 0 : b.size_bytes() / uint64_t(b.dimensions()[0]);
 }
 
-cpu::Group group_of(Device& dev, const ffi::Buffer<ffi::S32>& group, const char* op) {
-  return cpu::make_group(dev, group.typed_data(), int(group.element_count()), op);
-}
-
-ffi::Error DeviceRankImpl(int32_t ordinal, ffi::Result<ffi::Buffer<ffi::S32>> rank) {
-  return guarded([&] { *rank->typed_data() = int32_t(Runtime::get().device_by_ordinal(ordinal).rank()); });
+// The lowering passes every EP group of the mesh ([groups, size], runtime ranks); this device's is the row
+// that holds its rank.
+cpu::Group group_of(Device& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
+  for (size_t row = 0; row + size <= table.size(); row += size)
+    for (int64_t i = 0; i < size; ++i)
+      if (uint32_t(table[row + i]) == dev.rank()) return cpu::make_group(dev, table.begin() + row, int(size), op);
+  throw InvalidArgument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
+                        " is in no EP group of the mesh");
 }
 
 ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64_t num_ranks,
@@ -74,7 +76,8 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
 }
 
 ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> group, int64_t num_experts,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Span<const int32_t> group_table,
+                        int64_t group_size, int64_t num_experts,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
@@ -86,7 +89,7 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
     poison(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert,
            is_token_in_rank, recv_counts);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group, "dispatch");
+    cpu::Group g = group_of(dev, group_table, group_size, "dispatch");
     const bool has_weights = topk_weights.element_count() != 0;
     cpu::DispatchArgs a{};
     a.x = static_cast<const uint8_t*>(x.untyped_data());
@@ -112,12 +115,12 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
 }
 
 ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                              ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group,
-                              ffi::Result<ffi::AnyBuffer> recv_x) {
+                              ffi::Buffer<ffi::S32> recv_counts, ffi::Span<const int32_t> group_table,
+                              int64_t group_size, ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     poison(recv_x);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group, "cached_dispatch");
+    cpu::Group g = group_of(dev, group_table, group_size, "cached_dispatch");
     cpu::CachedDispatchArgs a{static_cast<const uint8_t*>(x.untyped_data()),
                               row_bytes(x),
                               int(dim(x, 0)),
@@ -130,11 +133,12 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
 }
 
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                       ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Buffer<ffi::S32> recv_counts, ffi::Span<const int32_t> group_table, int64_t group_size,
+                       ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group, "combine");
+    cpu::Group g = group_of(dev, group_table, group_size, "combine");
     cpu::FloatType dtype;
     if (y.element_type() == ffi::DataType::F32)
       dtype = cpu::FloatType::kF32;
@@ -159,11 +163,6 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
 
 using namespace uccl_ep::ffi_cpu;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDeviceRankCpu, DeviceRankImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // rank
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
@@ -180,7 +179,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCpu, DispatchImpl,
                                   .Arg<ffi::AnyBuffer>()           // scales (zero width unless FP8)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
                                   .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights (zero width if absent)
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // group
+                                  .Attr<ffi::Span<const int32_t>>("group_table")
+                                  .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("num_experts")
                                   .Ret<ffi::AnyBuffer>()           // recv_x
                                   .Ret<ffi::AnyBuffer>()           // recv_scales
@@ -197,7 +197,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu, CachedDispatchImpl,
                                   .Arg<ffi::AnyBuffer>()           // x
                                   .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
                                   .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // group
+                                  .Attr<ffi::Span<const int32_t>>("group_table")
+                                  .Attr<int64_t>("group_size")
                                   .Ret<ffi::AnyBuffer>());         // recv_x
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
@@ -206,5 +207,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
                                   .Arg<ffi::AnyBuffer>()           // y
                                   .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
                                   .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // group
+                                  .Attr<ffi::Span<const int32_t>>("group_table")
+                                  .Attr<int64_t>("group_size")
                                   .Ret<ffi::AnyBuffer>());         // combined

@@ -2,7 +2,6 @@
 #pragma once
 #include "xla/ffi/api/ffi.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDeviceRankCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLayoutCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDispatchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu);

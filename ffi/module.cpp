@@ -73,7 +73,6 @@ NB_MODULE(_uccl_ep, m) {
 
   m.def("cpu_registrations", [] {
     nb::dict d;
-    d["uccl_ep_device_rank"] = capsule(UcclEpDeviceRankCpu);
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCpu);
     d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCpu);
     d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCpu);

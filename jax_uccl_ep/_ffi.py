@@ -1,7 +1,19 @@
-"""Registration of the XLA FFI targets (lowering lives with the ops that call them)."""
+"""FFI targets: registration with XLA, and the primitive that lowers to them.
+
+The ops need, on the host, the global ranks of their EP group (which peers to talk to). Inside shard_map the
+concrete mesh is not visible at trace time, but it is at lowering time: the lowering rule reads it from the
+lowering context and hands every device the table of groups as an attribute, so no handler ever reads device
+memory to learn its peers.
+"""
 from __future__ import annotations
 
+import math
+from typing import Any, Sequence
+
 import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from . import _uccl_ep
 
@@ -15,4 +27,70 @@ def register() -> None:
         return
     for name, capsule in _uccl_ep.cpu_registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if hasattr(_uccl_ep, "cuda_registrations"):
+        for name, capsule in _uccl_ep.cuda_registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     _registered = True
+
+
+def global_ranks() -> dict[int, int]:
+    """Runtime rank of every device of the job: its index in jax.devices() sorted by id."""
+    return {d.id: r for r, d in enumerate(sorted(jax.devices(), key=lambda d: d.id))}
+
+
+def axes_of(axis_name: str | Sequence[str]) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def group_table(mesh: Any, axis_name: str | Sequence[str]) -> np.ndarray:
+    """[groups, R] int32: the runtime ranks of each EP group of `mesh` along `axis_name`, in axis order."""
+    axes = axes_of(axis_name)
+    names = list(mesh.axis_names)
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise ValueError(f"jax_uccl_ep: axis {missing[0]!r} is not an axis of the mesh {names}")
+    rank_of = global_ranks()
+    ranks = np.vectorize(lambda d: rank_of[d.id], otypes=[np.int32])(mesh.devices)
+    ep_dims = [names.index(a) for a in axes]
+    other = [i for i in range(len(names)) if i not in ep_dims]
+    size = math.prod(mesh.devices.shape[i] for i in ep_dims)
+    return np.transpose(ranks, other + ep_dims).reshape(-1, size).astype(np.int32)
+
+
+ep_call_p = Primitive("uccl_ep_call")
+ep_call_p.multiple_results = True
+
+
+def _abstract_eval(*operands, target, results, axis_name, attrs, has_side_effect):
+    return [jax.core.ShapedArray(shape, dtype) for shape, dtype in results]
+
+
+def _lowering(ctx, *operands, target, results, axis_name, attrs, has_side_effect):
+    extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
+    if axis_name is not None:
+        mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+        if mesh is None or not hasattr(mesh, "devices"):
+            raise ValueError("jax_uccl_ep: dispatch and combine must run inside jax.shard_map over a concrete Mesh")
+        table = group_table(mesh, axis_name)
+        extra["group_table"] = table.reshape(-1)
+        extra["group_size"] = np.int64(table.shape[1])
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=has_side_effect)
+    return rule(ctx, *operands, **extra)
+
+
+ep_call_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(ep_call_p, _lowering)
+
+
+def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,
+         axis_name: str | Sequence[str] | None = None, has_side_effect: bool = True, **attrs: Any) -> list[jax.Array]:
+    """Binds FFI target `target`; with `axis_name`, the handler also gets the EP group table."""
+    register()
+    return ep_call_p.bind(
+        *operands,
+        target=target,
+        results=tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results),
+        axis_name=None if axis_name is None else axes_of(axis_name),
+        attrs=tuple(sorted(attrs.items())),
+        has_side_effect=has_side_effect,
+    )

@@ -29,12 +29,25 @@ class DispatchLayout(NamedTuple):
     is_token_in_rank: jax.Array  # [T, R] bool
 
 
-class DispatchHandle(NamedTuple):
-    """What combine (and the backward passes) need from a dispatch."""
+@jax.tree_util.register_pytree_node_class
+class DispatchHandle:
+    """What combine (and the backward passes) need from a dispatch: two arrays and the EP axis."""
 
-    is_token_in_rank: jax.Array  # [T, R] bool: where this rank's tokens went
-    recv_counts: jax.Array  # [R] int32: rows received from each rank, in row order
-    group: jax.Array  # [R] int32: global ranks of the axis, in axis order
+    def __init__(self, is_token_in_rank: jax.Array, recv_counts: jax.Array, axis_name: AxisName):
+        self.is_token_in_rank = is_token_in_rank  # [T, R] bool: where this rank's tokens went
+        self.recv_counts = recv_counts  # [R] int32: rows received from each rank, in row order
+        self.axis_name = axis_name
+
+    def tree_flatten(self):
+        return (self.is_token_in_rank, self.recv_counts), self.axis_name
+
+    @classmethod
+    def tree_unflatten(cls, axis_name, children):
+        return cls(*children, axis_name)
+
+    def __repr__(self) -> str:
+        return f"DispatchHandle(axis_name={self.axis_name!r}, is_token_in_rank={self.is_token_in_rank!r}, " \
+               f"recv_counts={self.recv_counts!r})"
 
 
 class DispatchResult(NamedTuple):
@@ -50,10 +63,6 @@ class DispatchResult(NamedTuple):
 
 def _axis_size(axis_name: AxisName) -> int:
     return int(jax.lax.axis_size(axis_name))
-
-
-def _axes(axis_name: AxisName) -> tuple[str, ...]:
-    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -78,18 +87,13 @@ def _varying(outputs, axes):
     return jax.tree.map(cast, outputs)
 
 
-def _group(axis_name: AxisName) -> jax.Array:
-    """Global runtime ranks of the members of `axis_name`, in axis order ([R] int32)."""
-    _ffi.register()
-    rank = jax.ffi.ffi_call("uccl_ep_device_rank", jax.ShapeDtypeStruct((), jnp.int32))()
-    return jax.lax.all_gather(_varying(rank, _axes(axis_name)), axis_name)
-
-
-def _inputs_axes(*arrays) -> tuple[str, ...]:
-    axes: set = set()
-    for a in jax.tree.leaves(arrays):
+def _ep_call(target, results, *operands, axis_name=None, varying_over=(), **attrs):
+    """An FFI call whose outputs vary over the EP axis and every axis its operands vary over."""
+    outs = _ffi.call(target, results, *operands, axis_name=axis_name, **attrs)
+    axes = set(varying_over) | set(_ffi.axes_of(axis_name) if axis_name is not None else ())
+    for a in operands:
         axes |= _varying_axes(a)
-    return tuple(sorted(axes))
+    return _varying(outs, tuple(sorted(axes)))
 
 
 def _check(cond: bool, message: str) -> None:
@@ -119,17 +123,20 @@ def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: Axi
     num_ranks = _axis_size(axis_name)
     _check_topk(topk_idx, None)
     _check_experts(num_experts, num_ranks)
-    _ffi.register()
     t = topk_idx.shape[0]
-    outs = jax.ffi.ffi_call(
+    outs = _ep_call(
         "uccl_ep_layout",
         (
             jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
             jax.ShapeDtypeStruct((num_experts,), jnp.int32),
             jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
         ),
-    )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
-    return DispatchLayout(*_varying(outs, _inputs_axes(topk_idx)))
+        topk_idx,
+        varying_over=_ffi.axes_of(axis_name),
+        num_experts=num_experts,
+        num_ranks=num_ranks,
+    )
+    return DispatchLayout(*outs)
 
 
 def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
@@ -155,9 +162,8 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
     t, h = rows.shape
     k = topk_idx.shape[1]
     num_ranks = _axis_size(axis_name)
-    group = _group(axis_name)
     weights = topk_weights if topk_weights is not None else jnp.zeros((t, 0), jnp.float32)
-    outs = jax.ffi.ffi_call(
+    outs = _ep_call(
         "uccl_ep_dispatch",
         (
             jax.ShapeDtypeStruct((capacity, h), rows.dtype),
@@ -169,9 +175,10 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
             jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
             jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
         ),
-        has_side_effect=True,  # keeps every rank's calls in program order, never merged or dropped
-    )(rows, scales, topk_idx, weights, group, num_experts=np.int64(num_experts))
-    outs = _varying(outs, _axes(axis_name) + _inputs_axes(rows, scales, topk_idx, weights))
+        rows, scales, topk_idx, weights,
+        axis_name=axis_name,
+        num_experts=num_experts,
+    )
     recv_x, recv_scales, recv_idx, recv_w, n, per_expert, in_rank, counts = outs
     return DispatchResult(
         x=(recv_x, recv_scales) if is_fp8 else recv_x,
@@ -179,23 +186,21 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
         topk_weights=recv_w if topk_weights is not None else None,
         num_tokens=n,
         num_tokens_per_expert=per_expert,
-        handle=DispatchHandle(in_rank, counts, group),
+        handle=DispatchHandle(in_rank, counts, axis_name),
     )
 
 
 def _combine_call(y: jax.Array, handle: DispatchHandle) -> jax.Array:
     t = handle.is_token_in_rank.shape[0]
-    out = jax.ffi.ffi_call(
-        "uccl_ep_combine", jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype), has_side_effect=True
-    )(y, handle.is_token_in_rank, handle.recv_counts, handle.group)
-    return _varying(out, _inputs_axes(y, handle))
+    (out,) = _ep_call("uccl_ep_combine", (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
+                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name)
+    return out
 
 
 def _cached_dispatch_call(x: jax.Array, handle: DispatchHandle, capacity: int) -> jax.Array:
-    out = jax.ffi.ffi_call(
-        "uccl_ep_cached_dispatch", jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype), has_side_effect=True
-    )(x, handle.is_token_in_rank, handle.recv_counts, handle.group)
-    return _varying(out, _inputs_axes(x, handle))
+    (out,) = _ep_call("uccl_ep_cached_dispatch", (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
+                      x, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name)
+    return out
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -277,7 +282,7 @@ def _combine_bwd(residuals, g):
     handle, capacity = residuals
     # The VJP of combine is a dispatch of the cotangent along the same routing.
     dy = _cached_dispatch_call(g, handle, capacity)
-    return dy, DispatchHandle(None, None, None)
+    return dy, DispatchHandle(None, None, handle.axis_name)
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
@@ -296,5 +301,4 @@ def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
     _check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
     _check(y.dtype in _FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
     _check(isinstance(handle, DispatchHandle), "handle must be the DispatchResult.handle of a dispatch")
-    _ffi.register()
     return _combine(y, handle)
