@@ -11,6 +11,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -83,14 +84,25 @@ mlir.register_lowering(ep_call_p, _lowering)
 
 
 def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,
-         axis_name: str | Sequence[str] | None = None, has_side_effect: bool = True, **attrs: Any) -> list[jax.Array]:
-    """Binds FFI target `target`; with `axis_name`, the handler also gets the EP group table."""
+         axis_name: str | Sequence[str] | None = None, ordered: bool = True, after: jax.Array | None = None,
+         **attrs: Any) -> list[jax.Array]:
+    """Binds FFI target `target`.
+
+    With `axis_name`, the handler also gets the EP group table. An `ordered` op is never merged or dropped and
+    takes one extra operand its handler ignores: one element of `after`, if given, which makes it run after the
+    op that produced `after`. Every rank must run the communicating ops in one order, and XLA:CPU starts
+    independent custom calls in any order (seen: the two combines of dispatch's backward pass ran in opposite
+    orders on two ranks), so ops that do not depend on each other through data must be chained this way.
+    """
     register()
+    if ordered:
+        order = after.reshape(-1)[:1] if after is not None and after.size else jnp.zeros((1,), jnp.int8)
+        operands = operands + (order,)
     return ep_call_p.bind(
         *operands,
         target=target,
         results=tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results),
         axis_name=None if axis_name is None else axes_of(axis_name),
         attrs=tuple(sorted(attrs.items())),
-        has_side_effect=has_side_effect,
+        has_side_effect=ordered,
     )

@@ -11,9 +11,11 @@ Each of the N children runs ``python script.py args...`` with the environment th
 * ``FI_TCP_IFACE=lo`` unless already set (libfabric's tcp provider stays on loopback), ``PYTHONUNBUFFERED=1``.
 
 Every output line of child i is printed as ``[rank i] line`` (stdout to stdout, stderr to stderr). Ctrl-C and
-SIGTERM are forwarded to every child. When a child fails, the others get ``--grace-period`` seconds to finish (or
-to report their own error), then SIGTERM, then SIGKILL; the launcher exits with the first failing child's code
-(128 + signal for a child killed by a signal). Each child runs in its own process group (and session), and the
+SIGTERM (and SIGHUP) are forwarded to every child's process group; the children then get ``--grace-period``
+seconds plus a few more to exit before SIGKILL (a second Ctrl-C kills at once), and the launcher exits with
+128 + the signal number. When a child fails, the others get ``--grace-period`` seconds to finish (or to report
+their own error), then SIGTERM, then SIGKILL; the launcher exits with the first failing child's code (128 + signal
+for a child killed by a signal). Each child runs in its own process group (and session), and the
 launcher kills the whole group when the child ends, so no process outlives the job; on Linux a child also dies if
 the launcher itself is killed.
 
@@ -253,7 +255,7 @@ def _supervise(children: list[_Child], grace_period: float, received: list[int])
         now = time.monotonic()
         if received and kill_at is None:
             kill_at = now + grace_period + _KILL_AFTER_TERM_S  # the signal went out already
-        if first_failure is not None and stop_at is None:
+        if first_failure is not None and stop_at is None and not received:
             stop_at = now + grace_period
             with_survivors = ", ".join(str(c.rank) for c in running)
             print(f"jax_uccl_ep.launch: rank {first_failure.rank} exited with status "
@@ -269,10 +271,10 @@ def _supervise(children: list[_Child], grace_period: float, received: list[int])
                 child.signal_group(signal.SIGKILL)
             kill_at = float("inf")
         time.sleep(_POLL_S)
+    if received:  # interrupted: report the signal, as a shell does
+        return 128 + received[0]
     if first_failure is not None:
         return _exit_code(first_failure.returncode) or 1
-    if received:
-        return 128 + received[0]
     return 0
 
 

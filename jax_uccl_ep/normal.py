@@ -87,9 +87,9 @@ def _varying(outputs, axes):
     return jax.tree.map(cast, outputs)
 
 
-def _ep_call(target, results, *operands, axis_name=None, varying_over=(), **attrs):
+def _ep_call(target, results, *operands, axis_name=None, varying_over=(), ordered=True, after=None, **attrs):
     """An FFI call whose outputs vary over the EP axis and every axis its operands vary over."""
-    outs = _ffi.call(target, results, *operands, axis_name=axis_name, **attrs)
+    outs = _ffi.call(target, results, *operands, axis_name=axis_name, ordered=ordered, after=after, **attrs)
     axes = set(varying_over) | set(_ffi.axes_of(axis_name) if axis_name is not None else ())
     for a in operands:
         axes |= _varying_axes(a)
@@ -133,6 +133,7 @@ def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: Axi
         ),
         topk_idx,
         varying_over=_ffi.axes_of(axis_name),
+        ordered=False,  # local: no peers involved
         num_experts=num_experts,
         num_ranks=num_ranks,
     )
@@ -190,10 +191,10 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
     )
 
 
-def _combine_call(y: jax.Array, handle: DispatchHandle) -> jax.Array:
+def _combine_call(y: jax.Array, handle: DispatchHandle, after: jax.Array | None = None) -> jax.Array:
     t = handle.is_token_in_rank.shape[0]
     (out,) = _ep_call("uccl_ep_combine", (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
-                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name)
+                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name, after=after)
     return out
 
 
@@ -220,7 +221,7 @@ def _dispatch_bwd(num_experts, axis_name, capacity, residuals, g):
     if g.topk_weights is not None:
         # Only the owner of a slot received its weight; elsewhere the output is a constant 0.
         owned = jnp.where(recv_idx >= 0, g.topk_weights, 0.0).astype(jnp.float32)
-        dw = _combine_call(owned, handle)
+        dw = _combine_call(owned, handle, after=dx)  # independent of dx: chain it, or ranks may disagree on order
     return dx, None, dw
 
 

@@ -33,6 +33,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 spec = importlib.util.spec_from_file_location("uccl_ep_test_target", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module  # dataclasses in the target look their module up
 spec.loader.exec_module(module)
 result = getattr(module, sys.argv[2])(*json.loads(sys.argv[3]))
 print(%r + json.dumps(result), flush=True)

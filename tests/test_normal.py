@@ -271,3 +271,49 @@ def test_across_processes(provider, reorder):
     for r in results:
         assert r["ranks"] == 4
         assert r["errors"] == []
+
+
+def independent_chains(iterations: int) -> dict:
+    """Child: gradients through dispatch with weights (two independent combines in the backward pass)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_uccl_ep as ep
+
+    ep.initialize()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+    num_ranks = jax.device_count()
+    num_tokens, hidden, topk, num_experts = 256, 64, 2, 2 * num_ranks
+    sharding = jax.sharding.NamedSharding(mesh, P("ep"))
+    errors = []
+
+    def loss(x, w, i):
+        def body(x, w, i):
+            res = ep.dispatch(x[0], i[0], w[0], num_experts=num_experts, axis_name="ep")
+            y = jnp.tanh(res.x) * res.topk_weights.sum(-1, keepdims=True)
+            return jax.lax.psum(jnp.sum(ep.combine(y, res.handle)), "ep")[None]
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(x, w, i)[0]
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for it in range(iterations):
+        rng = np.random.default_rng(it)
+        x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+        w = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
+        i = np.stack([np.stack([rng.choice(num_experts, topk, replace=False) for _ in range(num_tokens)])
+                      for _ in range(num_ranks)]).astype(np.int32)
+        args = [jax.make_array_from_callback(a.shape, sharding, lambda s, a=a: a[s]) for a in (x, w, i)]
+        try:
+            jax.block_until_ready(g(*args))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(str(e)[:300])
+            break
+    ep.shutdown()
+    return {"errors": errors}
+
+
+def test_backward_pass_ops_keep_one_order_across_processes():
+    results = launch_ok(HERE, "independent_chains", 4, args=[15], env={"UCCL_EP_TIMEOUT_S": "20"})
+    for r in results:
+        assert r["errors"] == []

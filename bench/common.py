@@ -1,0 +1,586 @@
+"""Shared helpers for the benchmarks in bench/.
+
+- Timing: a jitted function runs the op `iters` times inside one jit (a fori_loop that carries data, so XLA can
+  neither hoist nor merge the calls); the wall time of a whole call, after block_until_ready, divided by `iters`
+  is the time per op; the median over `repeats` calls is reported.
+- Bandwidth, both ways DESIGN.md asks for: DeepEP's formula (every byte a rank receives, its own rows included)
+  and remote-only (bytes that cross between ranks). Both are per rank, averaged over the ranks.
+- A fixed-width table printer (benchmarks print their table last).
+- A spawner for multi-process CPU runs: tests/mp.py's launcher (jax.distributed on a free 127.0.0.1 port, process
+  groups killed on timeout), reused as is.
+- The EP problem (random top-k routing, random normal x) and the ops measured on it, shared by normal.py (CPU)
+  and intranode.py (GPU): jax_uccl_ep dispatch/combine, jax.lax.all_to_all on the padded payload and
+  jax.lax.ragged_all_to_all on the exact ragged payload, each in its own jit inside one jax.shard_map.
+
+This module imports jax lazily: proxy.py uses the table and the spawner without starting a backend.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------------
+
+def looped(step: Callable[[Any], Any], iters: int) -> Callable[[Any], Any]:
+    """Returns carry -> step(step(...step(carry))) (`iters` times) as one lax.fori_loop.
+
+    `step` must feed the op's output into the next call's input, so nothing is loop-invariant: the collectives
+    carry their output buffer; the jax_uccl_ep ops carry a scalar taken from their output that enters the next
+    call's small routing input (writing a row back into a large x would copy or convert all of x on XLA:CPU).
+    """
+    import jax
+
+    def run(carry):
+        return jax.lax.fori_loop(0, iters, lambda _, c: step(c), carry)
+
+    return run
+
+
+@dataclass
+class Timing:
+    median_s: float  # per op
+    min_s: float
+    max_s: float
+    iters: int
+    repeats: int
+    compile_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def time_jitted(fn: Callable, args: Sequence[Any], *, iters: int, repeats: int = 5, warmup: int = 2) -> Timing:
+    """Times `fn(*args)` (a jitted function that runs the op `iters` times); returns seconds per op.
+
+    Compiles first (compile time reported apart), runs `warmup` untimed calls, then `repeats` timed calls, each
+    ended by block_until_ready.
+    """
+    import jax
+
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args).compile() if hasattr(fn, "lower") else fn
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    per_op = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        per_op.append((time.perf_counter() - t0) / iters)
+    return Timing(statistics.median(per_op), min(per_op), max(per_op), iters, repeats, compile_s)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bandwidth
+# ----------------------------------------------------------------------------------------------------------------
+
+def received_bytes(matrix) -> tuple[float, float]:
+    """Mean bytes received per rank from a [src, dst] byte matrix: (all incl. local = DeepEP, remote only)."""
+    import numpy as np
+
+    m = np.asarray(matrix, dtype=np.float64)
+    r = m.shape[0]
+    total = m.sum() / r
+    remote = (m.sum() - np.trace(m)) / r
+    return float(total), float(remote)
+
+
+def gbps(nbytes: float, seconds: float | None) -> float | None:
+    if seconds is None or seconds <= 0 or not math.isfinite(seconds):
+        return None
+    return nbytes / seconds / 1e9
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    if seconds < 1e-6:
+        return f"{seconds * 1e9:.1f} ns"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds:.3f} s"
+
+
+def fmt_gbps(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def short_error(e: BaseException | str, limit: int = 90) -> str:
+    """One line of an exception, for a table cell."""
+    text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+    line = next((l.strip() for l in text.splitlines() if l.strip()), text)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------------------------
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """Fixed-width table; the first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    out = ([title] if title else []) + [line(cells[0]), rule] + [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
+    print(format_table(headers, rows, title), flush=True)
+
+
+def run_header(device: str) -> dict:
+    """What RESULTS.md entries start with: date, device, command."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "host": platform.node(),
+        "command": " ".join([os.path.relpath(sys.argv[0], REPO_ROOT) if sys.argv[0] else "?"] + sys.argv[1:]),
+        "python": platform.python_version(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # other work on a shared machine shows here
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-process CPU runs (tests/mp.py's launcher)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _load_mp():
+    name = "uccl_ep_tests_mp"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(REPO_ROOT, "tests", "mp.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def spawn(
+    path: str,
+    function: str,
+    num_processes: int,
+    *,
+    args: list | None = None,
+    devices_per_process: int = 1,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+    distributed: bool = True,
+) -> list[Any]:
+    """Runs `function(*args)` of the file `path` in `num_processes` fresh CPU processes; returns their results.
+
+    Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process and (if `distributed`) the
+    jax.distributed coordinator of the job in its environment; jax_uccl_ep.initialize() picks those up.
+    With distributed=False (one process only) the child runs without jax.distributed, JAX's usual
+    one-process-per-host mode. Raises with every rank's stderr if a rank fails.
+    """
+    mp = _load_mp()
+    child_env = dict(env or {})
+    if not distributed:
+        if num_processes != 1:
+            raise ValueError("distributed=False needs exactly one process")
+        child_env.update(JAX_COORDINATOR_ADDRESS="", JAX_NUM_PROCESSES="", JAX_PROCESS_ID="")
+    results = mp.launch(path, function, num_processes, args=args, devices_per_process=devices_per_process,
+                        timeout_s=timeout_s, env=child_env)
+    if not all(r.ok for r in results):
+        raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{mp.describe(results)}")
+    return [r.result for r in results]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The EP problem and the ops measured on it
+# ----------------------------------------------------------------------------------------------------------------
+
+FP8_BLOCK = 128
+
+
+@dataclass
+class EPProblem:
+    """Random routing for R ranks of T tokens each (same on every process: seeded)."""
+
+    ranks: int
+    tokens: int
+    hidden: int
+    topk: int
+    experts: int
+    dtype: str  # "bfloat16" | "float32" (the payload dtype; FP8 dispatch is an extra op)
+    seed: int = 0
+    topk_idx: Any = None  # [R, T, K] int32
+    topk_weights: Any = None  # [R, T, K] float32
+    in_rank: Any = None  # [R, T, R] bool: token t of rank s goes to rank d
+    counts: Any = None  # [src, dst] int64: tokens src sends to dst (once per rank, as dispatch does)
+
+    def __post_init__(self):
+        import numpy as np
+
+        if self.experts % self.ranks:
+            raise ValueError(f"--experts {self.experts} must be divisible by --ranks {self.ranks}")
+        if self.topk > self.experts:
+            raise ValueError("--topk must not exceed --experts")
+        rng = np.random.default_rng(self.seed)
+        r, t, k, e = self.ranks, self.tokens, self.topk, self.experts
+        scores = rng.random((r, t, e), dtype=np.float32)
+        idx = np.argpartition(scores, e - k, axis=-1)[..., e - k:]  # k distinct experts per token, uniform
+        self.topk_idx = idx.astype(np.int32)
+        w = rng.random((r, t, k), dtype=np.float32) + 0.1
+        self.topk_weights = (w / w.sum(-1, keepdims=True)).astype(np.float32)
+        owner = self.topk_idx // (e // r)
+        self.in_rank = np.zeros((r, t, r), bool)
+        for d in range(r):
+            self.in_rank[..., d] = (owner == d).any(-1)
+        self.counts = self.in_rank.sum(1).astype(np.int64)  # [src, dst]
+
+    @property
+    def elem_bytes(self) -> int:
+        return {"bfloat16": 2, "float32": 4, "float16": 2}[self.dtype]
+
+    @property
+    def capacity_per_peer(self) -> int:
+        """Rows per (src, dst) pair of the padded all_to_all payload: the largest pair, so nothing drops."""
+        return max(1, int(self.counts.max()))
+
+    @property
+    def max_recv(self) -> int:
+        """Rows the busiest rank receives: dispatch's output capacity (exact, nothing drops)."""
+        return max(1, int(self.counts.sum(0).max()))
+
+    @property
+    def max_send(self) -> int:
+        return max(1, int(self.counts.sum(1).max()))
+
+    def token_bytes(self, fp8: bool = False) -> float:
+        """Bytes of one token's payload as DeepEP counts it (FP8: 1 byte per channel + a float32 per 128)."""
+        if fp8:
+            return self.hidden + 4 * (self.hidden // FP8_BLOCK)
+        return self.hidden * self.elem_bytes
+
+    def exact_bytes(self, fp8: bool = False) -> tuple[float, float]:
+        """(DeepEP, remote-only) bytes received per rank for the exact ragged payload (dispatch, combine)."""
+        return received_bytes(self.counts * self.token_bytes(fp8))
+
+    def padded_bytes(self) -> tuple[float, float]:
+        """(all, remote-only) bytes received per rank for the padded [R, capacity_per_peer, H] all_to_all."""
+        import numpy as np
+
+        per_pair = self.capacity_per_peer * self.token_bytes()
+        return received_bytes(np.full((self.ranks, self.ranks), per_pair))
+
+    def uccl_buffer_bytes(self) -> int:
+        """UCCL_EP_BUFFER_BYTES that fits one dispatch (x, scales, top-k, weights per row) and one combine."""
+        def r16(n):
+            return (n + 15) // 16 * 16
+
+        row = max(r16(self.hidden * max(self.elem_bytes, 2) + 4 * (self.hidden // FP8_BLOCK) + 8 * self.topk),
+                  r16(self.hidden * 4))
+        region = 64 + self.tokens * row
+        region = (region + 4095) // 4096 * 4096 + 4096
+        return 4096 + 2 * self.ranks * region + (1 << 20)
+
+    def describe(self) -> dict:
+        c = self.counts
+        return {
+            "ranks": self.ranks, "tokens": self.tokens, "hidden": self.hidden, "topk": self.topk,
+            "experts": self.experts, "dtype": self.dtype, "seed": self.seed,
+            "tokens_sent_per_rank_mean": float(c.sum(1).mean()),
+            "tokens_recv_per_rank_max": int(c.sum(0).max()),
+            "capacity_per_peer": self.capacity_per_peer,
+        }
+
+
+@dataclass
+class OpResult:
+    name: str
+    timing: Timing | None = None
+    error: str | None = None
+    bytes_deepep: float = 0.0
+    bytes_remote: float = 0.0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "timing"}
+        d["timing"] = self.timing.as_dict() if self.timing else None
+        return d
+
+
+def set_uccl_env_defaults(prob: EPProblem) -> None:
+    """Sizes the runtime's buffer for `prob` unless the caller set it; a short deadline keeps failures quick."""
+    os.environ.setdefault("UCCL_EP_BUFFER_BYTES", str(prob.uccl_buffer_bytes()))
+    os.environ.setdefault("UCCL_EP_TIMEOUT_S", "60")
+
+
+def _global_array(mesh, spec, host_array):
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    host_array = np.asarray(host_array)
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
+
+
+class EPBench:
+    """The ops of one EP problem on a 1-D mesh ('ep'), each its own jit with a fori_loop inside shard_map."""
+
+    AXIS = "ep"
+
+    def __init__(self, prob: EPProblem, devices=None, *, iters: int = 10, repeats: int = 5):
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+
+        self.prob = prob
+        self.iters = iters
+        self.repeats = repeats
+        devices = list(devices if devices is not None else jax.devices())
+        if len(devices) != prob.ranks:
+            raise ValueError(f"{len(devices)} devices but the problem has {prob.ranks} ranks")
+        self.mesh = Mesh(np.array(devices), (self.AXIS,))
+        self.P = P
+        r, t, h, k = prob.ranks, prob.tokens, prob.hidden, prob.topk
+        rng = np.random.default_rng(prob.seed + 1)
+        x32 = rng.standard_normal((r * t, h), dtype=np.float32)
+        self.x_host = x32
+        spec = P(self.AXIS)
+        jdtype = getattr(jax.numpy, prob.dtype)
+        self.x = _global_array(self.mesh, spec, x32.astype(np.dtype(jdtype)))
+        self.topk_idx = _global_array(self.mesh, spec, prob.topk_idx.reshape(r * t, k))
+        self.topk_weights = _global_array(self.mesh, spec, prob.topk_weights.reshape(r * t, k))
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _smap(self, body, n_in: int, n_out: int | None = None):
+        import jax
+
+        spec = self.P(self.AXIS)
+        out_specs = spec if n_out is None else tuple([spec] * n_out)
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=tuple([spec] * n_in), out_specs=out_specs))
+
+    def _run(self, name: str, make: Callable[[], tuple[Callable, tuple]], nbytes: tuple[float, float],
+             note: str = "") -> OpResult:
+        res = OpResult(name, bytes_deepep=nbytes[0], bytes_remote=nbytes[1], note=note)
+        try:
+            fn, args = make()
+            res.timing = time_jitted(fn, args, iters=self.iters, repeats=self.repeats)
+        except Exception as e:  # one op failing (not implemented on this platform, say) must not stop the rest
+            res.error = short_error(e, 400)
+        return res
+
+    # -- jax_uccl_ep -----------------------------------------------------------------------------------------
+    def fp8_inputs(self):
+        """(x float8_e4m3fn [R*T, H], scales [R*T, H/128] float32): per-128-channel absmax scaling."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        p = self.prob
+        x = self.x_host.reshape(p.ranks * p.tokens, p.hidden // FP8_BLOCK, FP8_BLOCK)
+        amax = np.maximum(np.abs(x).max(-1), 1e-4)
+        scales = (amax / 448.0).astype(np.float32)
+        q = (x / scales[..., None]).reshape(p.ranks * p.tokens, p.hidden)
+        xq = _global_array(self.mesh, self.P(self.AXIS), q.astype(jnp.float8_e4m3fn))
+        sc = _global_array(self.mesh, self.P(self.AXIS), scales)
+        return xq, sc
+
+    def uccl_dispatch(self, fp8: bool = False) -> OpResult:
+        p = self.prob
+        name = "uccl_ep dispatch " + ("fp8" if fp8 else p.dtype)
+
+        def make():
+            import jax.numpy as jnp
+            import jax_uccl_ep as ep
+
+            cap = p.max_recv
+
+            # The loop carries a scalar: the previous call's row count, fed into this call's top-k indices
+            # (where(tok < 0, 0, idx) is idx at run time but not to the compiler). Nothing big is copied.
+            def body(*arrays):
+                *xs, idx, w = arrays
+                x = tuple(xs) if fp8 else xs[0]
+
+                def step(tok):
+                    out = ep.dispatch(x, jnp.where(tok < 0, 0, idx), w, num_experts=p.experts,
+                                      axis_name=self.AXIS, capacity=cap)
+                    return out.num_tokens
+
+                return looped(step, self.iters)(idx[0, 0] * 0)[None]  # (a zero that varies over the axis, as the carry)
+
+            xs = self.fp8_inputs() if fp8 else (self.x,)
+            return self._smap(body, len(xs) + 2), (*xs, self.topk_idx, self.topk_weights)
+
+        return self._run(name, make, p.exact_bytes(fp8), note=f"capacity {p.max_recv} rows")
+
+    def uccl_combine(self) -> OpResult:
+        p = self.prob
+        name = f"uccl_ep combine {p.dtype}"
+
+        def make():
+            import jax
+            import jax.numpy as jnp
+            import jax_uccl_ep as ep
+
+            def dispatch_once(x, idx, w):
+                out = ep.dispatch(x, idx, w, num_experts=p.experts, axis_name=self.AXIS, capacity=p.max_recv)
+                hd = out.handle
+                return out.x, hd.is_token_in_rank, hd.recv_counts, hd.group
+
+            y, in_rank, counts, group = self._smap(dispatch_once, 3, 4)(self.x, self.topk_idx, self.topk_weights)
+            jax.block_until_ready(y)
+
+            def body(y, in_rank, counts, group):
+                def step(tok):  # as in dispatch: a scalar from the last output feeds the next call's mask
+                    mask = jnp.logical_and(in_rank, tok != -jnp.inf)
+                    out = ep.combine(y, ep.DispatchHandle(mask, counts, group))
+                    return out[0, 0].astype(jnp.float32)
+
+                return looped(step, self.iters)(counts[0].astype(jnp.float32) * 0)[None]
+
+            return self._smap(body, 4), (y, in_rank, counts, group)
+
+        return self._run(name, make, p.exact_bytes(False))
+
+    # -- peers -----------------------------------------------------------------------------------------------
+    def all_to_all(self) -> OpResult:
+        import numpy as np
+
+        p = self.prob
+        c = p.capacity_per_peer
+        name = f"jax.lax.all_to_all {p.dtype}"
+
+        def make():
+            import jax
+
+            jdtype = getattr(jax.numpy, p.dtype)
+            host = np.resize(self.x_host, (p.ranks * p.ranks * c, p.hidden)).reshape(p.ranks * p.ranks, c, p.hidden)
+            buf = _global_array(self.mesh, self.P(self.AXIS), host.astype(np.dtype(jdtype)))
+
+            def body(b):
+                return looped(lambda v: jax.lax.all_to_all(v, self.AXIS, 0, 0, tiled=True), self.iters)(b)
+
+            return self._smap(body, 1), (buf,)
+
+        return self._run(name, make, p.padded_bytes(), note=f"padded [R, {c}, H]")
+
+    def ragged_all_to_all(self) -> OpResult:
+        import numpy as np
+
+        p = self.prob
+        name = f"jax.lax.ragged_all_to_all {p.dtype}"
+        r = p.ranks
+
+        def make():
+            import jax
+
+            jdtype = np.dtype(getattr(jax.numpy, p.dtype))
+            n = p.counts.astype(np.int32)  # [src, dst]
+            send_rows, recv_rows = p.max_send, p.max_recv
+            operand = np.zeros((r, send_rows, p.hidden), jdtype)
+            for s in range(r):  # rows sorted by destination rank, as a dispatch would pack them
+                rows = np.concatenate([np.nonzero(p.in_rank[s, :, d])[0] for d in range(r)])
+                operand[s, : rows.size] = self.x_host[s * p.tokens + rows].astype(jdtype)
+            input_offsets = np.concatenate([np.zeros((r, 1), np.int32), np.cumsum(n, 1)[:, :-1]], 1)
+            send_sizes = n
+            # Where src's chunk lands in dst's output: after the chunks of lower source ranks.
+            col_offsets = np.concatenate([np.zeros((1, r), np.int32), np.cumsum(n, 0)[:-1]], 0)  # [src, dst]
+            output_offsets = col_offsets  # row s: offsets in each destination's output
+            recv_sizes = n.T.copy()  # row d: rows from each source
+            spec = self.P(self.AXIS)
+            args = [
+                _global_array(self.mesh, spec, operand.reshape(r * send_rows, p.hidden)),
+                _global_array(self.mesh, spec, np.zeros((r * recv_rows, p.hidden), jdtype)),
+                *[_global_array(self.mesh, spec, a.reshape(-1).astype(np.int32))
+                  for a in (input_offsets, send_sizes, output_offsets, recv_sizes)],
+            ]
+
+            def body(operand, output, io, ss, oo, rs):
+                step = lambda out: jax.lax.ragged_all_to_all(operand, out, io, ss, oo, rs, axis_name=self.AXIS)
+                return looped(step, self.iters)(output)
+
+            return self._smap(body, 6), tuple(args)
+
+        return self._run(name, make, p.exact_bytes(False), note="exact ragged rows")
+
+
+def run_ep_ops(prob: EPProblem, ops: Sequence[str], *, iters: int, repeats: int, devices=None) -> list[dict]:
+    """Runs the named ops ('dispatch', 'dispatch_fp8', 'combine', 'all_to_all', 'ragged_all_to_all')."""
+    bench = EPBench(prob, devices, iters=iters, repeats=repeats)
+    table = {
+        "dispatch": lambda: bench.uccl_dispatch(False),
+        "dispatch_fp8": lambda: bench.uccl_dispatch(True),
+        "combine": bench.uccl_combine,
+        "all_to_all": bench.all_to_all,
+        "ragged_all_to_all": bench.ragged_all_to_all,
+    }
+    return [table[o]().as_dict() for o in ops]
+
+
+def merge_rank_results(per_rank: list[list[dict]]) -> list[dict]:
+    """Combines the results of several processes: the slowest rank's median is the op's time."""
+    merged = []
+    for rows in zip(*per_rank):
+        base = dict(rows[0])
+        errors = [r["error"] for r in rows if r["error"]]
+        if errors:
+            base["error"], base["timing"] = errors[0], None
+        else:
+            slowest = max(rows, key=lambda r: r["timing"]["median_s"])
+            base["timing"] = dict(slowest["timing"])
+            base["timing"]["per_rank_median_s"] = [r["timing"]["median_s"] for r in rows]
+        merged.append(base)
+    return merged
+
+
+def op_table_rows(results: list[dict], mode: str) -> list[list[str]]:
+    rows = []
+    for r in results:
+        if r["error"]:
+            rows.append([r["name"], mode, "n/a", "n/a", "n/a", "n/a", fmt_bytes(r["bytes_deepep"]),
+                         f"n/a ({short_error(r['error'], 100)})"])
+            continue
+        t = r["timing"]["median_s"]
+        rows.append([r["name"], mode, fmt_time(t), fmt_time(r["timing"]["min_s"]),
+                     fmt_gbps(gbps(r["bytes_deepep"], t)), fmt_gbps(gbps(r["bytes_remote"], t)),
+                     fmt_bytes(r["bytes_deepep"]), r.get("note", "")])
+    return rows
+
+
+OP_HEADERS = ["op", "mode", "time/call", "min", "GB/s DeepEP", "GB/s remote", "bytes/rank", "note"]

@@ -1,0 +1,350 @@
+"""Intranode normal-mode benchmark for one GPU host (2x H200 first): jax_uccl_ep dispatch/combine beside
+jax.lax.all_to_all, jax.lax.ragged_all_to_all and NCCL all_to_all_single (torch.distributed), in one run.
+
+Defaults are DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts, random routing (uniform top-k,
+random normal x), BF16 payload. Measured:
+  - jax_uccl_ep dispatch BF16, dispatch FP8 (x float8_e4m3fn + scales [T, H/128] float32), combine BF16 — "n/a"
+    rows (with the reason) where the package or its ops are not available on this platform yet;
+  - jax.lax.all_to_all on the padded [R, capacity_per_peer, H] payload (capacity = the largest src->dst count);
+  - jax.lax.ragged_all_to_all on the exact rows (those dispatch moves);
+  - NCCL all_to_all_single, padded and ragged (split sizes = the same counts), BF16, and the FP8 row bytes
+    (H + 4*H/128 bytes per token, as uint8) ragged — one process per GPU via torch.multiprocessing, timed with
+    torch.cuda.Event over --iters calls, median of --repeats; NCCL_NVLS_ENABLE=0. Runs before JAX takes the GPUs.
+JAX ops run --iters times inside one jit (a fori_loop in jax.shard_map over all R devices of this process);
+time = median over --repeats of wall time / iters after block_until_ready (JAX exposes no device events; the loop
+amortizes launch overhead). GB/s per rank, mean over ranks: "DeepEP" = all received token bytes incl. the rank's
+own (DeepEP's test formula: x only, FP8 = (1 + 4/128)/2 of BF16), "remote" = bytes from other ranks (NVLink).
+
+    python bench/intranode.py --out $OUT/intranode.json               # on the GPU host
+    python bench/intranode.py --cpu --tokens 64 --hidden 256          # smoke test on CPU devices
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+# DESIGN.md's reference figures on 2xH200 (2026-11-21), DeepSeek-V3 sizes.
+REFERENCE_US = {
+    "DeepEP v1 dispatch fp8": 245.0,
+    "DeepEP v1 dispatch bfloat16": 345.0,
+    "DeepEP v1 combine bfloat16": 408.0,
+    "NCCL all-to-all (DESIGN.md)": 256.0,
+    "JAX all_to_all (DESIGN.md)": 558.0,
+}
+DEEPSEEK = dict(tokens=4096, hidden=7168, topk=8, experts=256)
+HEADERS = ["op", "impl", "time/call", "min", "GB/s DeepEP", "GB/s remote", "SMs", "note"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# NCCL through torch.distributed
+# ------------------------------------------------------------------------------------------------------------
+
+def torch_status(ranks: int) -> str | None:
+    """None if torch with CUDA, NCCL and `ranks` GPUs is usable, else why not (no CUDA context is created)."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as e:
+        return f"torch not importable: {common.short_error(e, 60)}"
+    if not torch.cuda.is_available():
+        return "torch has no CUDA"
+    if not dist.is_available() or not dist.is_nccl_available():
+        return "torch.distributed without NCCL"
+    if torch.cuda.device_count() < ranks:
+        return f"{torch.cuda.device_count()} GPUs < {ranks} ranks"
+    return None
+
+
+def nccl_worker(rank: int, world: int, port: int, cfg: dict, outdir: str) -> None:
+    """One process per GPU: times all_to_all_single on the padded and the ragged payloads."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev)
+    counts = np.array(cfg["counts"], dtype=np.int64)  # [src, dst]
+    h, cap, iters, repeats = cfg["hidden"], cfg["capacity_per_peer"], cfg["iters"], cfg["repeats"]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["dtype"]]
+    fp8_row = h + 4 * (h // 128)
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / iters)
+        return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+    results = {}
+    try:
+        send = torch.randn(world * cap, h, device=dev, generator=gen).to(dtype)
+        recv = torch.empty_like(send)
+        results["padded"] = timed(lambda: dist.all_to_all_single(recv, send))
+        del send, recv
+        in_splits = [int(c) for c in counts[rank]]
+        out_splits = [int(c) for c in counts[:, rank]]
+        send = torch.randn(sum(in_splits), h, device=dev, generator=gen).to(dtype)
+        recv = torch.empty(sum(out_splits), h, device=dev, dtype=dtype)
+        results["ragged"] = timed(lambda: dist.all_to_all_single(recv, send, out_splits, in_splits))
+        del send, recv
+        send = torch.randint(0, 255, (sum(in_splits), fp8_row), device=dev, dtype=torch.uint8, generator=gen)
+        recv = torch.empty(sum(out_splits), fp8_row, device=dev, dtype=torch.uint8)
+        results["ragged_fp8"] = timed(lambda: dist.all_to_all_single(recv, send, out_splits, in_splits))
+    except Exception as e:
+        results["error"] = common.short_error(e, 300)
+    results["device"] = torch.cuda.get_device_name(dev)
+    results["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_nccl(prob: common.EPProblem, iters: int, repeats: int, timeout_s: float) -> dict:
+    import torch.multiprocessing as tmp
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on the lent machines
+    cfg = {"counts": prob.counts.tolist(), "hidden": prob.hidden, "capacity_per_peer": prob.capacity_per_peer,
+           "iters": iters, "repeats": repeats, "dtype": prob.dtype}
+    with tempfile.TemporaryDirectory(prefix="uccl_ep_nccl_") as outdir:
+        ctx = tmp.spawn(nccl_worker, args=(prob.ranks, free_port(), cfg, outdir), nprocs=prob.ranks, join=False)
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"NCCL workers did not finish in {timeout_s:.0f} s")
+        per_rank = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(prob.ranks)]
+    return {"per_rank": per_rank}
+
+
+def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) -> list[common.OpResult]:
+    specs = [
+        ("padded", f"NCCL all_to_all_single {prob.dtype} padded", prob.padded_bytes(),
+         f"[R*{prob.capacity_per_peer}, H]"),
+        ("ragged", f"NCCL all_to_all_single {prob.dtype} ragged", prob.exact_bytes(False), "exact split sizes"),
+        ("ragged_fp8", "NCCL all_to_all_single fp8 rows ragged", prob.exact_bytes(True),
+         "uint8 rows of H + H/32 bytes"),
+    ]
+    out = []
+    for key, name, nbytes, note in specs:
+        res = common.OpResult(name, bytes_deepep=nbytes[0], bytes_remote=nbytes[1], note=note,
+                              extra={"impl": "torch/NCCL"})
+        if nccl is None:
+            res.error = reason or "not run"
+        else:
+            ranks = nccl["per_rank"]
+            err = next((r["error"] for r in ranks if "error" in r), None)
+            if err or any(key not in r for r in ranks):
+                res.error = err or "missing"
+            else:
+                slowest = max(ranks, key=lambda r: r[key]["median_s"])[key]
+                res.timing = common.Timing(slowest["median_s"], slowest["min_s"], slowest["max_s"],
+                                           0, 0)
+                res.note += f"; NCCL {ranks[0].get('nccl', '?')}"
+        out.append(res)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# JAX
+# ------------------------------------------------------------------------------------------------------------
+
+def sms_used() -> str:
+    """SMs the jax_uccl_ep kernels use: UCCL_EP_NUM_SMS, else a package attribute, else '?'."""
+    if os.environ.get("UCCL_EP_NUM_SMS"):
+        return os.environ["UCCL_EP_NUM_SMS"]
+    try:
+        import jax_uccl_ep as ep
+
+        for name in ("num_sms", "NUM_SMS", "get_num_sms"):
+            v = getattr(ep, name, None)
+            if v is not None:
+                return str(v() if callable(v) else v)
+    except Exception:
+        pass
+    return "?"
+
+
+def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int) -> tuple[list[common.OpResult], dict]:
+    import jax
+
+    devices = jax.devices()[: prob.ranks]
+    info = {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
+            "jax": jax.__version__, "num_devices": len(jax.devices())}
+    if len(devices) < prob.ranks:
+        raise SystemExit(f"{len(devices)} JAX devices < --ranks {prob.ranks}")
+    uccl_error = None
+    if any(o in ops for o in ("dispatch", "dispatch_fp8", "combine")):
+        try:
+            common.set_uccl_env_defaults(prob)
+            import jax_uccl_ep as ep
+
+            ep.initialize()
+            info["jax_uccl_ep"] = getattr(ep, "__version__", "?")
+        except BaseException as e:  # the package may not be built for this platform yet
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            uccl_error = f"jax_uccl_ep unavailable: {common.short_error(e, 200)}"
+    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats)
+    table = {
+        "dispatch": lambda: bench.uccl_dispatch(False),
+        "dispatch_fp8": lambda: bench.uccl_dispatch(True),
+        "combine": bench.uccl_combine,
+        "all_to_all": bench.all_to_all,
+        "ragged_all_to_all": bench.ragged_all_to_all,
+    }
+    results = []
+    for op in ops:
+        if uccl_error and op in ("dispatch", "dispatch_fp8", "combine"):
+            name = {"dispatch": f"uccl_ep dispatch {prob.dtype}", "dispatch_fp8": "uccl_ep dispatch fp8",
+                    "combine": f"uccl_ep combine {prob.dtype}"}[op]
+            nbytes = prob.exact_bytes(op == "dispatch_fp8")
+            results.append(common.OpResult(name, error=uccl_error, bytes_deepep=nbytes[0], bytes_remote=nbytes[1]))
+            continue
+        t0 = time.perf_counter()
+        res = table[op]()
+        print(f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        results.append(res)
+    if uccl_error is None and any(o in ops for o in ("dispatch", "dispatch_fp8", "combine")):
+        import jax_uccl_ep as ep
+
+        ep.shutdown()
+    for r in results:
+        r.extra.setdefault("impl", "jax_uccl_ep" if r.name.startswith("uccl_ep") else "XLA")
+    return results, info
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+def rows_of(results: list[common.OpResult], sms: str) -> list[list[str]]:
+    rows = []
+    for r in results:
+        impl = r.extra.get("impl", "")
+        s = sms if impl == "jax_uccl_ep" else "?"
+        if r.error or r.timing is None:
+            rows.append([r.name, impl, "n/a", "n/a", "n/a", "n/a", s, f"n/a ({common.short_error(r.error or '', 90)})"])
+            continue
+        t = r.timing.median_s
+        rows.append([r.name, impl, common.fmt_time(t), common.fmt_time(r.timing.min_s),
+                     common.fmt_gbps(common.gbps(r.bytes_deepep, t)), common.fmt_gbps(common.gbps(r.bytes_remote, t)),
+                     s, r.note])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=DEEPSEEK["tokens"], help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=DEEPSEEK["hidden"])
+    ap.add_argument("--topk", type=int, default=DEEPSEEK["topk"])
+    ap.add_argument("--experts", type=int, default=DEEPSEEK["experts"])
+    ap.add_argument("--ranks", type=int, default=None, help="GPUs (default: every local device, or 2 with --cpu)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--ops", default="dispatch,dispatch_fp8,combine,all_to_all,ragged_all_to_all")
+    ap.add_argument("--iters", type=int, default=50, help="calls per timed loop")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu", action="store_true", help="CPU devices (smoke test); skips NCCL")
+    ap.add_argument("--no-torch", action="store_true", help="skip the NCCL rows")
+    ap.add_argument("--torch-timeout", type=float, default=300.0)
+    ap.add_argument("--out", default="intranode.json", help="JSON of the results")
+    args = ap.parse_args(argv)
+
+    if args.cpu:
+        ranks = args.ranks or 2
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_NUM_CPU_DEVICES"] = str(ranks)
+    else:
+        ranks = args.ranks
+        if ranks is None:
+            try:
+                import torch
+
+                ranks = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            except Exception:
+                ranks = 0
+            if ranks < 2:  # ask JAX (this starts its backend; fine, torch is not used then)
+                import jax
+
+                ranks = len(jax.devices())
+    ops = [o for o in args.ops.split(",") if o]
+    prob = common.EPProblem(ranks, args.tokens, args.hidden, args.topk, args.experts, args.dtype, seed=args.seed)
+    header = common.run_header("CPU devices (smoke test)" if args.cpu else "GPU")
+    print(f"# {header['date']}  {header['command']}  (load average {header['load_avg_1m']})", flush=True)
+    print(f"# problem: {prob.describe()}", flush=True)
+
+    results: list[common.OpResult] = []
+    record = {"header": header, "problem": prob.describe(), "args": vars(args)}
+    # NCCL first: the torch workers must have the GPUs before JAX preallocates their memory.
+    reason = "--cpu" if args.cpu else "--no-torch" if args.no_torch else torch_status(ranks)
+    nccl = None
+    if reason is None:
+        try:
+            t0 = time.perf_counter()
+            nccl = run_nccl(prob, args.iters, args.repeats, args.torch_timeout)
+            print(f"# NCCL part: {time.perf_counter() - t0:.1f} s", flush=True)
+        except Exception as e:
+            reason = common.short_error(e, 200)
+            print(f"# NCCL part failed: {e}", file=sys.stderr, flush=True)
+    record["nccl"] = nccl
+
+    jax_results, info = run_jax(prob, ops, args.iters, args.repeats)
+    record["jax"] = info
+    results += jax_results
+    results += nccl_results(prob, nccl, reason)
+    sms = sms_used()
+    record["sms"] = sms
+    record["results"] = [r.as_dict() for r in results]
+    for r in record["results"]:
+        t = r["timing"]["median_s"] if r["timing"] else None
+        r["gbps_deepep"], r["gbps_remote"] = common.gbps(r["bytes_deepep"], t), common.gbps(r["bytes_remote"], t)
+    rows = rows_of(results, sms)
+    is_deepseek = all(getattr(args, k) == v for k, v in DEEPSEEK.items()) and ranks == 2 and not args.cpu
+    if is_deepseek:
+        for name, us in REFERENCE_US.items():
+            fp8 = "fp8" in name
+            nbytes = prob.padded_bytes() if "JAX all_to_all" in name else prob.exact_bytes(fp8)
+            t = us * 1e-6
+            rows.append([name, "reference", common.fmt_time(t), "", common.fmt_gbps(common.gbps(nbytes[0], t)),
+                         common.fmt_gbps(common.gbps(nbytes[1], t)), "", "DESIGN.md figure, this payload's bytes"])
+    common.write_json(args.out, record)
+    print(f"# wrote {args.out}", flush=True)
+    print()
+    kind = info.get("device_kind", "?")
+    common.print_table(HEADERS, rows, title=f"intranode normal mode on {ranks}x {kind}: T={args.tokens}/rank, "
+                                            f"H={args.hidden}, top-{args.topk} of {args.experts}, {args.iters} "
+                                            f"calls/loop, median of {args.repeats}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Train a small MoE transformer with expert parallelism (jax_uccl_ep dispatch/combine) on synthetic data.
+
+The data are sequences of a fixed random Markov chain over a small vocabulary, so the best achievable loss is the
+chain's entropy rate (printed at the end) and the loss visibly falls towards it. The model: token + position
+embeddings, ``--layers`` blocks of [causal multi-head attention, MoE feed-forward] with pre-RMSNorm and residuals,
+and an output head. Training is data parallel over the mesh axis "ep" (each device its own slice of the batch) and
+expert parallel over the same axis (each device its ``experts / R`` experts).
+
+Run it on 4 local CPU processes, one device each::
+
+    python -m jax_uccl_ep.launch -n 4 examples/train_moe.py --steps 50
+
+or in one process with 4 CPU devices, or on the GPUs of a machine (one process per GPU)::
+
+    JAX_NUM_CPU_DEVICES=4 python examples/train_moe.py --steps 5
+    python -m jax_uccl_ep.launch -n 8 examples/train_moe.py --steps 50
+
+``--ep-impl dense`` swaps dispatch/combine for the reference formulation (every expert on every token, expert
+weights all-gathered): the same math, so the loss curves agree to float rounding.
+
+Timing columns are honest about what they measure: ``ms/step`` and ``tok/s`` are the wall time of a whole training
+step (forward, backward, optimizer; host-synchronized). Every ``--time-every`` steps the script also times, in
+separate jitted calls on this step's shapes (tokens per device, d_model, top-k; median of 3), one MoE layer
+forward (``moe fwd``) and, for ``--ep-impl uccl``, one standalone ``dispatch`` and one standalone ``combine`` with
+random routing. Those are not slices of the training step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from functools import partial
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_layer  # noqa: E402  (the example's MoE layer, next to this file)
+
+import jax_uccl_ep as ep  # noqa: E402
+
+AXIS = "ep"
+JSON_MARK = "TRAIN_MOE_JSON "
+
+
+class Config(NamedTuple):
+    """Model sizes."""
+
+    vocab: int = 64
+    seq_len: int = 32
+    d_model: int = 64
+    num_heads: int = 4
+    d_ff: int = 128
+    num_experts: int = 8
+    top_k: int = 2
+    num_layers: int = 2
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+class MarkovData:
+    """Sequences from a fixed random Markov chain: each token has a few likely successors."""
+
+    def __init__(self, vocab: int, seed: int, successors: int = 4):
+        rng = np.random.default_rng([seed, 1234])
+        trans = np.zeros((vocab, vocab))
+        for i in range(vocab):
+            nxt = rng.choice(vocab, size=successors, replace=False)
+            trans[i, nxt] = rng.dirichlet(np.ones(successors))
+        self.trans = trans
+        self.cum = np.cumsum(trans, axis=1)
+        self.vocab = vocab
+        self.seed = seed
+
+    def entropy_rate(self) -> float:
+        """Nats per token of an ideal predictor (the loss floor), under the stationary distribution."""
+        pi = np.full(self.vocab, 1.0 / self.vocab)
+        for _ in range(1000):
+            pi = pi @ self.trans
+        logs = np.log(np.where(self.trans > 0, self.trans, 1.0))
+        return float(-(pi[:, None] * self.trans * logs).sum())
+
+    def batch(self, step: int, num_sequences: int, length: int) -> np.ndarray:
+        """[num_sequences, length] int32, a pure function of (seed, step): every process builds the same batch."""
+        rng = np.random.default_rng([self.seed, step])
+        out = np.empty((num_sequences, length), np.int32)
+        out[:, 0] = rng.integers(0, self.vocab, num_sequences)
+        for t in range(1, length):
+            u = rng.random(num_sequences)
+            nxt = (self.cum[out[:, t - 1]] < u[:, None]).sum(axis=1)
+            out[:, t] = np.minimum(nxt, self.vocab - 1)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def init_params(key: jax.Array, cfg: Config) -> dict:
+    """Global parameters (all experts). Shard them with `param_specs`."""
+    keys = jax.random.split(key, 3 + cfg.num_layers)
+    d = cfg.d_model
+    params: dict[str, Any] = {
+        "embed": jax.random.normal(keys[0], (cfg.vocab, d)) * 0.02,
+        "pos": jax.random.normal(keys[1], (cfg.seq_len, d)) * 0.02,
+        "head": jax.random.normal(keys[2], (d, cfg.vocab)) * d**-0.5,
+        "norm_f": jnp.ones((d,)),
+        "layers": [],
+    }
+    for i in range(cfg.num_layers):
+        k_qkv, k_out, k_moe = jax.random.split(keys[3 + i], 3)
+        params["layers"].append({
+            "norm_attn": jnp.ones((d,)),
+            "qkv": jax.random.normal(k_qkv, (d, 3 * d)) * d**-0.5,
+            "out": jax.random.normal(k_out, (d, d)) * d**-0.5 / cfg.num_layers,
+            "norm_moe": jnp.ones((d,)),
+            "moe": moe_layer.init_moe_params(k_moe, d_model=d, d_ff=cfg.d_ff, num_experts=cfg.num_experts),
+        })
+    return params
+
+
+def param_specs(cfg: Config) -> dict:
+    """Everything replicated except the experts, which are split over the EP axis."""
+    layer = {"norm_attn": P(), "qkv": P(), "out": P(), "norm_moe": P(), "moe": moe_layer.moe_param_specs(AXIS)}
+    return {"embed": P(), "pos": P(), "head": P(), "norm_f": P(), "layers": [layer] * cfg.num_layers}
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def attention(layer: dict, x: jax.Array, num_heads: int) -> jax.Array:
+    """Causal multi-head self-attention over x [B, S, D]."""
+    b, s, d = x.shape
+    q, k, v = jnp.split(x @ layer["qkv"], 3, axis=-1)
+    q, k, v = (a.reshape(b, s, num_heads, d // num_heads) for a in (q, k, v))
+    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) * (d // num_heads) ** -0.5
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    scores = jnp.where(causal, scores, -1e30)
+    out = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(scores, axis=-1), v).reshape(b, s, d)
+    return out @ layer["out"]
+
+
+MoeFn = Callable[[dict, jax.Array], jax.Array]
+
+
+def moe_fn_for(impl: str, cfg: Config, capacity: int | None) -> MoeFn:
+    """The MoE feed-forward of one rank: [tokens, D] -> [tokens, D] (inside shard_map)."""
+    if impl == "uccl":
+        return partial(moe_layer.moe_ffn, num_experts=cfg.num_experts, top_k=cfg.top_k, axis_name=AXIS,
+                       capacity=capacity)
+    if impl == "dense":
+        return partial(moe_layer.moe_ffn_dense, num_experts=cfg.num_experts, top_k=cfg.top_k, axis_name=AXIS)
+    raise ValueError(f"unknown --ep-impl {impl!r}")
+
+
+def forward(params: dict, tokens: jax.Array, cfg: Config, moe_fn: MoeFn) -> jax.Array:
+    """Logits [B, S, vocab] for this rank's tokens [B, S] (inside shard_map)."""
+    b, s = tokens.shape
+    x = params["embed"][tokens] + params["pos"][None, :s]
+    for layer in params["layers"]:
+        x = x + attention(layer, rms_norm(x, layer["norm_attn"]), cfg.num_heads)
+        h = rms_norm(x, layer["norm_moe"]).reshape(b * s, cfg.d_model)
+        x = x + moe_fn(layer["moe"], h).reshape(b, s, cfg.d_model)
+    return rms_norm(x, params["norm_f"]) @ params["head"]
+
+
+def local_loss(params: dict, batch: jax.Array, cfg: Config, moe_fn: MoeFn) -> jax.Array:
+    """Mean next-token cross-entropy over the whole (global) batch; each rank sees its slice [B, S+1]."""
+    logits = forward(params, batch[:, :-1], cfg, moe_fn)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)
+    return jax.lax.pmean(jnp.mean(nll), AXIS)
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times))
+
+
+class LayerTimer:
+    """Standalone jitted MoE-layer / dispatch / combine calls on the training step's shapes."""
+
+    def __init__(self, mesh: Mesh, cfg: Config, impl: str, tokens_per_rank: int, capacity: int | None, seed: int):
+        self.impl = impl
+        r = mesh.size
+        rng = np.random.default_rng([seed, 99])
+        shard = NamedSharding(mesh, P(AXIS))
+        self.x = _global_array(rng.standard_normal((r * tokens_per_rank, cfg.d_model), np.float32), shard)
+        # Random routing: top_k distinct experts per token, random weights summing to one.
+        idx = np.argsort(rng.random((r * tokens_per_rank, cfg.num_experts)), axis=1)[:, :cfg.top_k]
+        w = rng.random(idx.shape).astype(np.float32)
+        self.idx = _global_array(idx.astype(np.int32), shard)
+        self.w = _global_array(w / w.sum(axis=1, keepdims=True), shard)
+        moe_fn = moe_fn_for(impl, cfg, capacity)
+        specs = moe_layer.moe_param_specs(AXIS)
+        self.layer = jax.jit(jax.shard_map(moe_fn, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P(AXIS)))
+
+        def dispatch(x, idx, w):
+            res = ep.dispatch(x, idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=capacity)
+            return res.x, res.handle
+
+        def combine(y, handle):
+            return ep.combine(y, handle)
+
+        self.dispatch = jax.jit(jax.shard_map(dispatch, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        self.combine = jax.jit(jax.shard_map(combine, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+    def measure(self, moe_params: dict) -> dict[str, float]:
+        out = {"moe_fwd_ms": _median_ms(lambda: self.layer(moe_params, self.x))}
+        if self.impl == "uccl":
+            recv_x, handle = self.dispatch(self.x, self.idx, self.w)
+            out["dispatch_ms"] = _median_ms(lambda: self.dispatch(self.x, self.idx, self.w))
+            out["combine_ms"] = _median_ms(lambda: self.combine(recv_x, handle))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def _global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global jax.Array from a host array that every process holds in full (works multi-process)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--ep-impl", choices=["uccl", "dense"], default="uccl",
+                   help="uccl: jax_uccl_ep dispatch/combine; dense: reference without dispatch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-per-device", type=int, default=8, help="sequences per device per step")
+    p.add_argument("--seq-len", type=int, default=Config().seq_len)
+    p.add_argument("--d-model", type=int, default=Config().d_model)
+    p.add_argument("--d-ff", type=int, default=Config().d_ff)
+    p.add_argument("--experts", type=int, default=Config().num_experts)
+    p.add_argument("--top-k", type=int, default=Config().top_k)
+    p.add_argument("--layers", type=int, default=Config().num_layers)
+    p.add_argument("--capacity", type=int, default=None,
+                   help="rows each device may receive per dispatch (default: devices * tokens, never drops)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--time-every", type=int, default=10, help="time the MoE layer every N steps (0: never)")
+    p.add_argument("--json", action="store_true", help=f"print a final '{JSON_MARK}{{...}}' line on process 0")
+    return p.parse_args(argv)
+
+
+def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
+    """Runs the training; returns {"losses": [...], ...} on every process (the losses are global)."""
+    import optax
+
+    args = parse_args(argv)
+    ep.initialize()  # joins jax.distributed when a launcher set JAX_COORDINATOR_ADDRESS
+    cfg = Config(seq_len=args.seq_len, d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts,
+                 top_k=args.top_k, num_layers=args.layers)
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devices), (AXIS,))
+    r = mesh.size
+    if cfg.num_experts % r:
+        raise SystemExit(f"--experts {cfg.num_experts} must be divisible by the number of devices ({r})")
+    log = verbose and jax.process_index() == 0
+
+    def say(*a: Any) -> None:
+        if log:
+            print(*a, flush=True)
+
+    say(f"train_moe: {r} device(s) [{devices[0].platform}] in {jax.process_count()} process(es), "
+        f"ep-impl={args.ep_impl}, {cfg.num_experts} experts ({cfg.num_experts // r}/device), top-{cfg.top_k}, "
+        f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, layers={cfg.num_layers}, "
+        f"batch {args.batch_per_device}x{cfg.seq_len} tokens/device")
+
+    specs = param_specs(cfg)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    params = jax.jit(lambda: init_params(jax.random.key(args.seed), cfg), out_shardings=shardings)()
+    optimizer = optax.adamw(args.lr, weight_decay=0.01)
+    # The optimizer's moments are sharded like the parameters (its step count is replicated). Say so explicitly:
+    # zeros that depend on no input would otherwise land on one device.
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
+                                          shardings, transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+
+    moe_fn = moe_fn_for(args.ep_impl, cfg, args.capacity)
+    loss_fn = jax.shard_map(partial(local_loss, cfg=cfg, moe_fn=moe_fn), mesh=mesh,
+                            in_specs=(specs, P(AXIS)), out_specs=P())
+
+    @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(shardings, opt_shardings, replicated))
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    data = MarkovData(cfg.vocab, args.seed)
+    batch_sharding = NamedSharding(mesh, P(AXIS))
+    tokens_per_device = args.batch_per_device * cfg.seq_len
+    tokens_per_step = r * tokens_per_device
+    timer = (LayerTimer(mesh, cfg, args.ep_impl, tokens_per_device, args.capacity, args.seed)
+             if args.time_every > 0 else None)
+
+    losses: list[float] = []
+    step_s: list[float] = []
+    timings: list[dict[str, float]] = []
+    for step in range(1, args.steps + 1):
+        batch = _global_array(data.batch(step, r * args.batch_per_device, cfg.seq_len + 1), batch_sharding)
+        start = time.perf_counter()
+        params, opt_state, loss = train_step(params, opt_state, batch)
+        loss = float(loss)  # waits for the step
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        step_s.append(elapsed)
+        line = (f"step {step:4d}/{args.steps}  loss {loss:.4f}  {tokens_per_step / elapsed:9.0f} tok/s  "
+                f"{elapsed * 1e3:8.1f} ms/step" + ("  (includes compilation)" if step == 1 else ""))
+        if timer is not None and (step % args.time_every == 0 or step == args.steps):
+            t = timer.measure(params["layers"][0]["moe"])
+            timings.append(t)
+            line += f"  | moe fwd {t['moe_fwd_ms']:.2f} ms"
+            if "dispatch_ms" in t:
+                line += f", dispatch {t['dispatch_ms']:.2f} ms, combine {t['combine_ms']:.2f} ms"
+        say(line)
+
+    steady = step_s[1:] or step_s
+    summary: dict[str, Any] = {
+        "ep_impl": args.ep_impl,
+        "devices": r,
+        "processes": jax.process_count(),
+        "steps": args.steps,
+        "losses": losses,
+        "loss_floor": data.entropy_rate(),
+        "tokens_per_s": tokens_per_step / float(np.median(steady)) if steady else 0.0,
+    }
+    for key in ("moe_fwd_ms", "dispatch_ms", "combine_ms"):
+        values = [t[key] for t in timings if key in t]
+        if values:
+            summary[key] = float(np.median(values))
+    if losses:
+        k = min(5, len(losses))
+        timed = [f"{key[:-3].replace('_', ' ')} {summary[key]:.2f} ms"
+                 for key in ("moe_fwd_ms", "dispatch_ms", "combine_ms") if key in summary]
+        say(f"summary: loss {np.mean(losses[:k]):.4f} (first {k} steps) -> {np.mean(losses[-k:]):.4f} "
+            f"(last {k}); floor (chain entropy) {summary['loss_floor']:.4f}; "
+            f"{summary['tokens_per_s']:.0f} tok/s (median step after the first)"
+            + (f"; {', '.join(timed)} (standalone calls on the step's shapes, median)" if timed else ""))
+    if args.json and jax.process_index() == 0:
+        print(JSON_MARK + json.dumps(summary), flush=True)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    train(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
