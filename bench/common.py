@@ -461,20 +461,20 @@ class EPBench:
             def dispatch_once(x, idx, w):
                 out = ep.dispatch(x, idx, w, num_experts=p.experts, axis_name=self.AXIS, capacity=p.max_recv)
                 hd = out.handle
-                return out.x, hd.is_token_in_rank, hd.recv_counts, hd.group
+                return out.x, hd.is_token_in_rank, hd.recv_counts
 
-            y, in_rank, counts, group = self._smap(dispatch_once, 3, 4)(self.x, self.topk_idx, self.topk_weights)
+            y, in_rank, counts = self._smap(dispatch_once, 3, 3)(self.x, self.topk_idx, self.topk_weights)
             jax.block_until_ready(y)
 
-            def body(y, in_rank, counts, group):
+            def body(y, in_rank, counts):
                 def step(tok):  # as in dispatch: a scalar from the last output feeds the next call's mask
                     mask = jnp.logical_and(in_rank, tok != -jnp.inf)
-                    out = ep.combine(y, ep.DispatchHandle(mask, counts, group))
+                    out = ep.combine(y, ep.DispatchHandle(mask, counts, self.AXIS))
                     return out[0, 0].astype(jnp.float32)
 
                 return looped(step, self.iters)(counts[0].astype(jnp.float32) * 0)[None]
 
-            return self._smap(body, 4), (y, in_rank, counts, group)
+            return self._smap(body, 3), (y, in_rank, counts)
 
         return self._run(name, make, p.exact_bytes(False))
 

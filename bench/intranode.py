@@ -185,6 +185,8 @@ def sms_used() -> str:
     try:
         import jax_uccl_ep as ep
 
+        if hasattr(ep._uccl_ep, "nvl_num_sms"):
+            return str(ep._uccl_ep.nvl_num_sms())
         for name in ("num_sms", "NUM_SMS", "get_num_sms"):
             v = getattr(ep, name, None)
             if v is not None:
@@ -208,7 +210,15 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int) ->
             common.set_uccl_env_defaults(prob)
             import jax_uccl_ep as ep
 
-            ep.initialize()
+            if devices[0].platform == "gpu":
+                # The NVLink buffer sized from the shapes, and reported: DeepEP's users meet ~2-3 GB per GPU.
+                nbytes = ep.nvl_buffer_bytes(prob.tokens, prob.hidden, num_ranks=len(jax.devices()),
+                                             topk=prob.topk, dtype=prob.dtype)
+                info["nvl_buffer_bytes"] = nbytes
+                print(f"# NVLink buffer per GPU: {nbytes / 2**20:.1f} MiB", flush=True)
+                ep.initialize(buffer_bytes=nbytes)
+            else:
+                ep.initialize()
             info["jax_uccl_ep"] = getattr(ep, "__version__", "?")
         except BaseException as e:  # the package may not be built for this platform yet
             if isinstance(e, KeyboardInterrupt):

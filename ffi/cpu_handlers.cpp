@@ -76,7 +76,8 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
 }
 
 ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::Span<const int32_t> group_table,
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                        ffi::Span<const int32_t> group_table,
                         int64_t group_size, int64_t num_experts,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
@@ -115,8 +116,9 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
 }
 
 ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                              ffi::Buffer<ffi::S32> recv_counts, ffi::Span<const int32_t> group_table,
-                              int64_t group_size, ffi::Result<ffi::AnyBuffer> recv_x) {
+                              ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
+                              ffi::Span<const int32_t> group_table, int64_t group_size,
+                              ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     poison(recv_x);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
@@ -133,8 +135,8 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
 }
 
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                       ffi::Buffer<ffi::S32> recv_counts, ffi::Span<const int32_t> group_table, int64_t group_size,
-                       ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
+                       ffi::Span<const int32_t> group_table, int64_t group_size, ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
@@ -179,6 +181,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCpu, DispatchImpl,
                                   .Arg<ffi::AnyBuffer>()           // scales (zero width unless FP8)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
                                   .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights (zero width if absent)
+                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
                                   .Attr<ffi::Span<const int32_t>>("group_table")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("num_experts")
@@ -197,6 +200,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu, CachedDispatchImpl,
                                   .Arg<ffi::AnyBuffer>()           // x
                                   .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
                                   .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
+                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
                                   .Attr<ffi::Span<const int32_t>>("group_table")
                                   .Attr<int64_t>("group_size")
                                   .Ret<ffi::AnyBuffer>());         // recv_x
@@ -207,6 +211,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
                                   .Arg<ffi::AnyBuffer>()           // y
                                   .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
                                   .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
+                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
                                   .Attr<ffi::Span<const int32_t>>("group_table")
                                   .Attr<int64_t>("group_size")
                                   .Ret<ffi::AnyBuffer>());         // combined

@@ -6,12 +6,18 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <stdexcept>
 #include <thread>
 
 #include "../proxy/runtime.hpp"
 #include "cpu_handlers.hpp"
+#ifdef UCCL_EP_WITH_CUDA
+#include "../kernels/nvl/api.hpp"
+#include "cuda_handlers.hpp"
+#endif
 
 namespace nb = nanobind;
 using namespace uccl_ep;
@@ -68,6 +74,8 @@ NB_MODULE(_uccl_ep, m) {
       PyErr_SetString(PyExc_TimeoutError, e.what());
     } catch (const InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
 
@@ -79,6 +87,51 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_combine"] = capsule(UcclEpCombineCpu);
     return d;
   });
+
+#ifdef UCCL_EP_WITH_CUDA
+  // GPUs: NVLink buffers mapped among the GPUs of a host.
+  m.def("cuda_registrations", [] {
+    nb::dict d;
+    d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCuda);
+    d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCuda);
+    d["uccl_ep_combine"] = capsule(UcclEpCombineCuda);
+    return d;
+  });
+  m.def("nvl_start", [](size_t buffer_bytes, int num_ranks, const std::vector<std::pair<int, int>>& local) {
+    nb::gil_scoped_release release;
+    nvl::NvlRuntime::get().start(buffer_bytes, num_ranks, local);
+  });
+  m.def("nvl_ipc_handles", [] {
+    nb::dict d;
+    for (auto& [rank, h] : nvl::NvlRuntime::get().ipc_handles()) d[nb::int_(rank)] = nb::bytes(h.data(), h.size());
+    return d;
+  });
+  m.def("nvl_connect", [](const std::vector<nb::bytes>& handles) {
+    std::vector<std::vector<uint8_t>> v;
+    for (auto& b : handles) v.push_back(to_vec(b));
+    nb::gil_scoped_release release;
+    nvl::NvlRuntime::get().connect(v);
+  });
+  m.def("nvl_shutdown", [] {
+    nb::gil_scoped_release release;
+    nvl::NvlRuntime::get().shutdown();
+  });
+  m.def("nvl_is_initialized", [] { return nvl::NvlRuntime::get().initialized(); });
+  m.def("nvl_check_errors", [] {
+    for (auto* d : nvl::NvlRuntime::get().devices()) {
+      cudaSetDevice(d->cuda_device());
+      cudaDeviceSynchronize();
+      d->check_errors("check_errors");
+    }
+  });
+  m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
+                               bool weights, int combine_hidden, bool combine_bf16) {
+    size_t msg = std::max(nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
+                          nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16));
+    return nvl::NvlDevice::buffer_bytes_for(num_ranks, msg);
+  });
+  m.def("nvl_num_sms", [] { return nvl::num_sms(); });
+#endif
 
   nb::class_<Config>(m, "Config")
       .def(nb::init<>())

@@ -2,7 +2,7 @@
 
 Call ``initialize()`` once per process, then use the ops inside ``jax.shard_map`` over the EP mesh axis.
 """
-from ._runtime import initialize, is_initialized, shutdown
+from ._runtime import check_errors, initialize, is_initialized, nvl_buffer_bytes, shutdown
 from .normal import (
     DispatchHandle,
     DispatchLayout,
@@ -16,6 +16,8 @@ __all__ = [
     "initialize",
     "shutdown",
     "is_initialized",
+    "check_errors",
+    "nvl_buffer_bytes",
     "get_dispatch_layout",
     "dispatch",
     "combine",

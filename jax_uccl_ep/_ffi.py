@@ -62,17 +62,33 @@ ep_call_p = Primitive("uccl_ep_call")
 ep_call_p.multiple_results = True
 
 
+try:
+    from jax.extend.core import ShapedArray  # type: ignore[attr-defined]
+except ImportError:
+    from jax._src.core import ShapedArray
+
+
 def _abstract_eval(*operands, target, results, axis_name, attrs, has_side_effect):
-    return [jax.core.ShapedArray(shape, dtype) for shape, dtype in results]
+    return [ShapedArray(shape, dtype) for shape, dtype in results]
+
+
+def _concrete_mesh(ctx) -> Any:
+    """The mesh (with devices) the op is lowered for."""
+    module = ctx.module_context
+    mesh = getattr(module.axis_context, "mesh", None)
+    if mesh is not None and getattr(mesh, "devices", None) is not None and hasattr(mesh.devices, "shape"):
+        return mesh
+    # Newer JAX may keep only an abstract mesh there; the module's device assignment lists its devices in order.
+    devices = getattr(module, "device_assignment", None)
+    if mesh is not None and devices is not None and len(devices) == math.prod(mesh.axis_sizes):
+        return jax.sharding.Mesh(np.array(devices).reshape(mesh.axis_sizes), mesh.axis_names)
+    raise ValueError("jax_uccl_ep: dispatch and combine must run inside jax.shard_map over a concrete Mesh")
 
 
 def _lowering(ctx, *operands, target, results, axis_name, attrs, has_side_effect):
     extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
     if axis_name is not None:
-        mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-        if mesh is None or not hasattr(mesh, "devices"):
-            raise ValueError("jax_uccl_ep: dispatch and combine must run inside jax.shard_map over a concrete Mesh")
-        table = group_table(mesh, axis_name)
+        table = group_table(_concrete_mesh(ctx), axis_name)
         extra["group_table"] = table.reshape(-1)
         extra["group_size"] = np.int64(table.shape[1])
     rule = jax.ffi.ffi_lowering(target, has_side_effect=has_side_effect)

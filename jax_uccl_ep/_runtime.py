@@ -94,17 +94,27 @@ def _ffi_device_ordinal(device: Any) -> int:
     return device.id if device.platform == "cpu" else device.local_hardware_id
 
 
-def initialize(**kwargs: Any) -> None:
+def _is_initialized() -> bool:
+    return bool(_uccl_ep.is_initialized()) or bool(getattr(_uccl_ep, "nvl_is_initialized", lambda: False)())
+
+
+def initialize(*, buffer_bytes: int | None = None, **kwargs: Any) -> None:
     """Starts the process-global runtime (idempotent, thread-safe).
 
     If jax.distributed is not initialized and `kwargs` (or the usual environment, e.g.
     ``JAX_COORDINATOR_ADDRESS``) name a coordinator, calls ``jax.distributed.initialize(**kwargs)`` first.
     A single process with several local devices needs no jax.distributed. Every process of the job must call
-    this. Peers exchange endpoint names and memory keys through jax.distributed's key-value store.
+    this. Peers exchange endpoint names, memory keys and CUDA IPC handles through jax.distributed's key-value
+    store.
+
+    Args:
+      buffer_bytes: GPUs only: bytes of the NVLink buffer per GPU (default ``UCCL_EP_NVL_BUFFER_BYTES`` or
+        1 GiB). ``nvl_buffer_bytes(...)`` gives the exact need for a shape. CPU devices size their buffers
+        from ``UCCL_EP_BUFFER_BYTES``.
     """
     global _generation, _atexit_registered
     with _lock:
-        if _uccl_ep.is_initialized():
+        if _is_initialized():
             return
         _maybe_initialize_distributed(kwargs)
         settings = RuntimeSettings.from_env()
@@ -120,45 +130,82 @@ def initialize(**kwargs: Any) -> None:
         if num_processes > 1 and client is None:
             raise RuntimeError("jax_uccl_ep.initialize: several processes but no jax.distributed client")
 
-        providers = settings.providers
-        if providers is None:
-            hosts = [socket.gethostname().encode()]
-            if num_processes > 1:
-                hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
-            # One host: shared memory. Several: the NICs' providers first, TCP as the portable fallback.
-            providers = "shm,tcp;ofi_rxm" if len(set(hosts)) == 1 else "efa,verbs;ofi_rxm,tcp;ofi_rxm"
-
-        config = _uccl_ep.Config()
-        config.providers = providers
-        config.num_channels = settings.num_proxy_threads
-        config.buffer_bytes = settings.buffer_bytes
-        config.timeout_s = settings.timeout_s
-        config.reorder = settings.reorder
-        config.max_inflight_writes = settings.max_inflight_writes
-        config.max_write_bytes = settings.max_write_bytes
-        _uccl_ep.start(config, len(devices), local)
-        try:
-            infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))
-            if num_processes > 1:
-                all_infos = _exchange(client, f"{key}/endpoint", infos, len(devices), timeout_ms)
-            else:
-                all_infos = [infos[r] for r in range(len(devices))]
-            _uccl_ep.connect(all_infos)
-            if num_processes > 1:
-                client.wait_at_barrier(f"{key}/connected", timeout_ms)
-        except BaseException:
-            _uccl_ep.shutdown()
-            raise
+        hosts = [socket.gethostname().encode()]
+        if num_processes > 1:
+            hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
+        if devices[0].platform == "gpu":
+            _start_gpus(buffer_bytes, devices, local, len(set(hosts)), client, key, timeout_ms)
+        else:
+            _start_cpus(settings, devices, local, len(set(hosts)), client, key, timeout_ms)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
 
 
+def _start_gpus(buffer_bytes: int | None, devices: list, local: list, num_hosts: int, client: Any, key: str,
+                timeout_ms: int) -> None:
+    if not hasattr(_uccl_ep, "nvl_start"):
+        raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
+    if num_hosts > 1:
+        raise NotImplementedError("jax_uccl_ep: GPUs on several hosts need the internode path, not built yet")
+    if buffer_bytes is None:
+        buffer_bytes = int(os.environ.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)))
+    _uccl_ep.nvl_start(int(buffer_bytes), len(devices), local)
+    try:
+        handles = {r: bytes(h) for r, h in _uccl_ep.nvl_ipc_handles().items()}
+        if jax.process_count() > 1:
+            all_handles = _exchange(client, f"{key}/ipc", handles, len(devices), timeout_ms)
+        else:
+            all_handles = [handles[r] for r in range(len(devices))]
+        _uccl_ep.nvl_connect(all_handles)
+        if jax.process_count() > 1:
+            client.wait_at_barrier(f"{key}/connected", timeout_ms)
+    except BaseException:
+        _uccl_ep.nvl_shutdown()
+        raise
+
+
+def _start_cpus(settings: RuntimeSettings, devices: list, local: list, num_hosts: int, client: Any, key: str,
+                timeout_ms: int) -> None:
+    num_processes = jax.process_count()
+    providers = settings.providers
+    if providers is None:
+        # One host: shared memory. Several: the NICs' providers first, TCP as the portable fallback.
+        providers = "shm,tcp;ofi_rxm" if num_hosts == 1 else "efa,verbs;ofi_rxm,tcp;ofi_rxm"
+
+    config = _uccl_ep.Config()
+    config.providers = providers
+    config.num_channels = settings.num_proxy_threads
+    config.buffer_bytes = settings.buffer_bytes
+    config.timeout_s = settings.timeout_s
+    config.reorder = settings.reorder
+    config.max_inflight_writes = settings.max_inflight_writes
+    config.max_write_bytes = settings.max_write_bytes
+    _uccl_ep.start(config, len(devices), local)
+    try:
+        infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))
+        if num_processes > 1:
+            all_infos = _exchange(client, f"{key}/endpoint", infos, len(devices), timeout_ms)
+        else:
+            all_infos = [infos[r] for r in range(len(devices))]
+        _uccl_ep.connect(all_infos)
+        if num_processes > 1:
+            client.wait_at_barrier(f"{key}/connected", timeout_ms)
+    except BaseException:
+        _uccl_ep.shutdown()
+        raise
+
+
 def shutdown() -> None:
     """Stops the proxy threads, closes the endpoints and frees every buffer. initialize() may follow."""
     with _lock:
-        if not _uccl_ep.is_initialized():
+        if not _is_initialized():
             return
+        if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
+            try:
+                jax.effects_barrier()  # queued kernels and copies still use the buffers
+            except Exception:
+                pass
         _uccl_ep.quiesce(5.0)  # our last writes land before peers may close their endpoints
         client = _distributed_client()
         if client is not None and jax.process_count() > 1:
@@ -168,11 +215,39 @@ def shutdown() -> None:
             except Exception:
                 pass
         _uccl_ep.shutdown()
+        if hasattr(_uccl_ep, "nvl_shutdown"):
+            _uccl_ep.nvl_shutdown()
 
 
 def is_initialized() -> bool:
     """Whether the runtime is running in this process."""
-    return bool(_uccl_ep.is_initialized())
+    return _is_initialized()
+
+
+def check_errors() -> None:
+    """Raises an error a GPU kernel found earlier (bad expert index, capacity exceeded), if any.
+
+    Kernels cannot fail the call that launched them; the next op on that GPU raises instead, or this does
+    (it waits for the GPUs first).
+    """
+    if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
+        _uccl_ep.nvl_check_errors()
+
+
+def nvl_buffer_bytes(num_tokens: int, hidden: int, *, num_ranks: int, topk: int, dtype: Any = "bfloat16",
+                     fp8: bool = False, with_weights: bool = True, combine_dtype: Any = "bfloat16") -> int:
+    """Bytes of NVLink buffer per GPU that dispatch and combine need for these shapes (pass to initialize()).
+
+    num_tokens: tokens per rank; hidden: channels; dtype: of x (ignored with fp8, whose rows are hidden bytes
+    plus hidden/128 float32 scales).
+    """
+    import numpy as np
+
+    x_row = hidden if fp8 else hidden * np.dtype(dtype).itemsize
+    scale_row = (hidden // 128) * 4 if fp8 else 0
+    combine_bf16 = np.dtype(combine_dtype).itemsize == 2
+    return int(_uccl_ep.nvl_bytes_needed(num_ranks, num_tokens, x_row, scale_row, topk, with_weights, hidden,
+                                         combine_bf16))
 
 
 def local_ranks() -> list[int]:

@@ -72,17 +72,24 @@ def launch(
     timeout_s: float = 180.0,
     env: dict[str, str] | None = None,
     per_rank_env: list[dict[str, str]] | None = None,
+    platform: str = "cpu",
 ) -> list[RankResult]:
-    """Runs `function(*args)` from the file `path` in `num_processes` processes; returns one RankResult each."""
+    """Runs `function(*args)` from the file `path` in `num_processes` processes; returns one RankResult each.
+
+    platform "cpu": `devices_per_process` CPU devices each; "gpu": the GPUs the environment leaves visible.
+    """
     port = free_port()
     procs = []
     workdir = tempfile.mkdtemp(prefix="uccl_ep_mp_")  # not the repo root: import the installed package
     start = time.monotonic()
     for rank in range(num_processes):
         child_env = dict(os.environ)
+        if platform == "cpu":
+            child_env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices_per_process))
+        else:
+            child_env.pop("JAX_NUM_CPU_DEVICES", None)
+            child_env["JAX_PLATFORMS"] = "cuda"
         child_env.update(
-            JAX_PLATFORMS="cpu",
-            JAX_NUM_CPU_DEVICES=str(devices_per_process),
             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             JAX_NUM_PROCESSES=str(num_processes),
             JAX_PROCESS_ID=str(rank),

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: build this tree against the preinstalled jax, run the GPU tests, then the
+# intranode benchmark. Logs go to $OUT; the benchmark's table is printed last.
+#   usage (from the repo root, on the device): bash bench/device_run.sh [tests|bench|all] [bench args...]
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/uccl_ep_out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+
+# libfabric headers may be missing there: use the ones carried in .deps/ with the system's library.
+if ! pkg-config --exists libfabric 2>/dev/null; then
+  lib=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
+  mkdir -p .deps/lib .deps/pkgconfig
+  ln -sf "$lib" .deps/lib/libfabric.so
+  printf 'Name: libfabric\nDescription: carried headers\nVersion: 1.17.0\nCflags: -I%s\nLibs: -L%s -lfabric\n' \
+    "$PWD/.deps/include" "$PWD/.deps/lib" > .deps/pkgconfig/libfabric.pc
+  export PKG_CONFIG_PATH=$PWD/.deps/pkgconfig
+  echo "# libfabric: carried headers, system library $lib"
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+start=$(date +%s)
+if ! pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+echo "# build: $(( $(date +%s) - start )) s"
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  start=$(date +%s)
+  python -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -40
+  echo "# gpu tests: $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python bench/intranode.py --out "$OUT/intranode.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
+fi

@@ -1,0 +1,171 @@
+// XLA FFI handlers for platform "CUDA": decode, find the GPU's NVLink state by device ordinal, call
+// kernels/nvl on XLA's stream. Built only with CUDA.
+#include "cuda_handlers.hpp"
+
+#include <cuda_runtime.h>
+
+#include <exception>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+
+#include "../kernels/nvl/api.hpp"
+
+namespace ffi = xla::ffi;
+using uccl_ep::nvl::NvlDevice;
+using uccl_ep::nvl::NvlRuntime;
+
+namespace {
+
+template <class Body>
+ffi::Error guarded(Body&& body) {
+  try {
+    std::shared_lock<std::shared_mutex> lock(NvlRuntime::get().lifetime_mutex());
+    body();
+    return ffi::Error::Success();
+  } catch (const std::invalid_argument& e) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+}
+
+// The row of the lowering's group table that holds this GPU's rank (see jax_uccl_ep/_ffi.py).
+uccl_ep::nvl::Group group_of(const NvlDevice& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
+  for (size_t row = 0; row + size <= table.size(); row += size)
+    for (int64_t i = 0; i < size; ++i)
+      if (table[row + i] == dev.rank()) return uccl_ep::nvl::Group{table.begin() + row, int(size), int(i)};
+  throw std::invalid_argument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
+                              " is in no EP group of the mesh");
+}
+
+int64_t row_bytes(const ffi::AnyBuffer& b) {
+  return b.dimensions()[0] == 0 ? 0 : int64_t(b.size_bytes() / b.dimensions()[0]);
+}
+
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t num_experts,
+                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+                        ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+                        ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+  return guarded([&] {
+    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+    auto g = group_of(dev, group_table, group_size, "dispatch");
+    const bool has_w = topk_weights.element_count() != 0;
+    uccl_ep::nvl::DispatchArgs a{};
+    a.x = x.untyped_data();
+    a.x_row_bytes = row_bytes(x);
+    a.scales = scales.untyped_data();
+    a.scale_row_bytes = row_bytes(scales);
+    a.topk_idx = topk_idx.typed_data();
+    a.topk_weights = has_w ? topk_weights.typed_data() : nullptr;
+    a.num_tokens = int(topk_idx.dimensions()[0]);
+    a.topk = int(topk_idx.dimensions()[1]);
+    a.num_experts = int(num_experts);
+    a.capacity = int(recv_x->dimensions()[0]);
+    a.recv_x = recv_x->untyped_data();
+    a.recv_scales = recv_scales->untyped_data();
+    a.recv_topk_idx = recv_topk_idx->typed_data();
+    a.recv_topk_weights = has_w ? recv_topk_weights->typed_data() : nullptr;
+    a.recv_num_tokens = recv_num_tokens->typed_data();
+    a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
+    a.is_token_in_rank = is_token_in_rank->typed_data();
+    a.recv_counts = recv_counts->typed_data();
+    uccl_ep::nvl::dispatch(dev, g, a, stream);
+  });
+}
+
+ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                              ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
+                              ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
+                              ffi::Result<ffi::AnyBuffer> recv_x) {
+  return guarded([&] {
+    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+    auto g = group_of(dev, group_table, group_size, "cached_dispatch");
+    uccl_ep::nvl::CachedDispatchArgs a{x.untyped_data(),
+                                       row_bytes(x),
+                                       int(x.dimensions()[0]),
+                                       int(recv_x->dimensions()[0]),
+                                       is_token_in_rank.typed_data(),
+                                       recv_counts.typed_data(),
+                                       recv_x->untyped_data()};
+    uccl_ep::nvl::cached_dispatch(dev, g, a, stream);
+  });
+}
+
+ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
+                       ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
+                       ffi::Span<const int32_t> group_table, int64_t group_size, ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+    auto g = group_of(dev, group_table, group_size, "combine");
+    bool bf16;
+    if (y.element_type() == ffi::DataType::BF16)
+      bf16 = true;
+    else if (y.element_type() == ffi::DataType::F32)
+      bf16 = false;
+    else
+      throw std::invalid_argument("uccl_ep combine: y must be float32 or bfloat16");
+    uccl_ep::nvl::CombineArgs a{y.untyped_data(),
+                                bf16,
+                                int(y.dimensions()[1]),
+                                int(y.dimensions()[0]),
+                                int(is_token_in_rank.dimensions()[0]),
+                                is_token_in_rank.typed_data(),
+                                recv_counts.typed_data(),
+                                out->untyped_data()};
+    uccl_ep::nvl::combine(dev, g, a, stream);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCuda, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::AnyBuffer>()           // scales (zero width unless FP8)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights (zero width if absent)
+                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
+                                  .Attr<ffi::Span<const int32_t>>("group_table")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("num_experts")
+                                  .Ret<ffi::AnyBuffer>()           // recv_x
+                                  .Ret<ffi::AnyBuffer>()           // recv_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_topk_idx
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_topk_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
+                                  .Ret<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // recv_counts
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCuda, CachedDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
+                                  .Arg<ffi::AnyBuffer>()           // order: ignored
+                                  .Attr<ffi::Span<const int32_t>>("group_table")
+                                  .Attr<int64_t>("group_size")
+                                  .Ret<ffi::AnyBuffer>());         // recv_x
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCuda, CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // y
+                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
+                                  .Arg<ffi::AnyBuffer>()           // order: ignored
+                                  .Attr<ffi::Span<const int32_t>>("group_table")
+                                  .Attr<int64_t>("group_size")
+                                  .Ret<ffi::AnyBuffer>());         // combined

@@ -1,0 +1,7 @@
+// FFI handler symbols for platform "CUDA" (cuda_handlers.cpp; built only with CUDA).
+#pragma once
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDispatchCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCachedDispatchCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCombineCuda);

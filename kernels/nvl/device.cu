@@ -1,0 +1,238 @@
+// NvlDevice: the per-GPU buffer, its mapping into peers, and the driver's stream memory operations.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "api.hpp"
+
+namespace uccl_ep::nvl {
+namespace {
+
+void check(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw std::runtime_error("uccl_ep nvl: " + what + ": " + cudaGetErrorString(e));
+}
+
+struct DriverMemOps {
+  PFN_cuStreamWriteValue64_v11070 write = nullptr;
+  PFN_cuStreamWaitValue64_v11070 wait = nullptr;
+};
+
+const DriverMemOps& memops() {
+  static const DriverMemOps ops = [] {
+    DriverMemOps o;
+    cudaDriverEntryPointQueryResult found;
+    check(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", reinterpret_cast<void**>(&o.write), 11070,
+                                           cudaEnableDefault, &found),
+          "looking up cuStreamWriteValue64");
+    if (found != cudaDriverEntryPointSuccess) throw std::runtime_error("uccl_ep nvl: no cuStreamWriteValue64");
+    check(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait), 11070,
+                                           cudaEnableDefault, &found),
+          "looking up cuStreamWaitValue64");
+    if (found != cudaDriverEntryPointSuccess) throw std::runtime_error("uccl_ep nvl: no cuStreamWaitValue64");
+    return o;
+  }();
+  return ops;
+}
+
+}  // namespace
+
+void stream_write_value(cudaStream_t stream, uint64_t* address, uint64_t value) {
+  // The default flags put a memory barrier before the write: everything this stream wrote earlier (the copy of
+  // the message) is visible to whoever sees the new value.
+  CUresult r = memops().write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
+                              CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != CUDA_SUCCESS) throw std::runtime_error("uccl_ep nvl: cuStreamWriteValue64 failed: " + std::to_string(r));
+}
+
+void stream_wait_value(cudaStream_t stream, uint64_t* address, uint64_t value) {
+  CUresult r = memops().wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
+                             CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS) throw std::runtime_error("uccl_ep nvl: cuStreamWaitValue64 failed: " + std::to_string(r));
+}
+
+int num_sms() {
+  static const int n = [] {
+    const char* v = std::getenv("UCCL_EP_NUM_SMS");
+    int k = v ? std::atoi(v) : 24;
+    return k > 0 ? k : 24;
+  }();
+  return n;
+}
+
+size_t NvlDevice::buffer_bytes_for(int num_ranks, size_t message_bytes) {
+  size_t region = (message_bytes + 4095) / 4096 * 4096;
+  return kFlagBytes + 2 * size_t(num_ranks) * region;
+}
+
+NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_bytes)
+    : device_(cuda_device), rank_(rank), num_ranks_(num_ranks), buffer_bytes_(buffer_bytes) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks)
+    throw std::invalid_argument("uccl_ep nvl: NVLink groups hold 1 to 8 GPUs, got " + std::to_string(num_ranks));
+  if (buffer_bytes < kFlagBytes + 2 * size_t(num_ranks) * 4096)
+    throw std::invalid_argument("uccl_ep nvl: buffer of " + std::to_string(buffer_bytes) + " bytes is too small");
+  region_bytes_ = (buffer_bytes - kFlagBytes) / (2 * size_t(num_ranks)) / 4096 * 4096;
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  check(cudaMalloc(&buffer_, buffer_bytes_), "cudaMalloc of " + std::to_string(buffer_bytes_) + " bytes");
+  check(cudaMemset(buffer_, 0, kFlagBytes), "cudaMemset");
+  check(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(DeviceErrors), cudaHostAllocMapped),
+        "cudaHostAlloc");
+  std::memset(errors_host_, 0, sizeof(DeviceErrors));
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_device_), errors_host_, 0),
+        "cudaHostGetDevicePointer");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  peer_buffers_.assign(num_ranks, nullptr);
+  opened_ipc_.assign(num_ranks, false);
+  peer_buffers_[rank] = buffer_;
+}
+
+NvlDevice::~NvlDevice() {
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();
+  for (int p = 0; p < num_ranks_; ++p)
+    if (opened_ipc_[p]) cudaIpcCloseMemHandle(peer_buffers_[p]);
+  if (scratch_) cudaFree(scratch_);
+  if (buffer_) cudaFree(buffer_);
+  if (errors_host_) cudaFreeHost(errors_host_);
+}
+
+std::vector<uint8_t> NvlDevice::ipc_handle() const {
+  cudaIpcMemHandle_t h;
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  check(cudaIpcGetMemHandle(&h, buffer_), "cudaIpcGetMemHandle");
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(&h);
+  return std::vector<uint8_t>(p, p + sizeof(h));
+}
+
+void NvlDevice::connect(const std::vector<std::vector<uint8_t>>& ipc_handles,
+                        const std::vector<NvlDevice*>& same_process) {
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  for (int p = 0; p < num_ranks_; ++p) {
+    if (p == rank_) continue;
+    if (same_process[p]) {
+      // Same process: map the peer's allocation directly.
+      cudaError_t e = cudaDeviceEnablePeerAccess(same_process[p]->cuda_device(), 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled)
+        cudaGetLastError();
+      else
+        check(e, "cudaDeviceEnablePeerAccess to GPU " + std::to_string(same_process[p]->cuda_device()));
+      peer_buffers_[p] = same_process[p]->buffer_;
+    } else {
+      if (ipc_handles[p].size() != sizeof(cudaIpcMemHandle_t))
+        throw std::invalid_argument("uccl_ep nvl: bad IPC handle for rank " + std::to_string(p));
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, ipc_handles[p].data(), sizeof(h));
+      void* ptr = nullptr;
+      check(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess),
+            "cudaIpcOpenMemHandle for rank " + std::to_string(p));
+      peer_buffers_[p] = static_cast<char*>(ptr);
+      opened_ipc_[p] = true;
+    }
+  }
+}
+
+char* NvlDevice::in_region(int peer) const { return buffer_ + kFlagBytes + size_t(peer) * region_bytes_; }
+char* NvlDevice::out_region(int peer) const {
+  return buffer_ + kFlagBytes + size_t(num_ranks_ + peer) * region_bytes_;
+}
+char* NvlDevice::peer_in_region(int peer) const {
+  return peer_buffers_[peer] + kFlagBytes + size_t(rank_) * region_bytes_;
+}
+uint64_t* NvlDevice::data_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + peer; }
+uint64_t* NvlDevice::ack_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + kMaxRanks + peer; }
+uint64_t* NvlDevice::peer_data_flag(int peer) const {
+  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + rank_;
+}
+uint64_t* NvlDevice::peer_ack_flag(int peer) const {
+  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + kMaxRanks + rank_;
+}
+
+void NvlDevice::ensure_scratch(size_t bytes) {
+  if (bytes <= scratch_bytes_) return;
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  // The old scratch may still be in use by queued kernels: free it only after they finish.
+  if (scratch_) {
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cudaFree(scratch_);
+  }
+  check(cudaMalloc(&scratch_, bytes), "cudaMalloc scratch");
+  scratch_bytes_ = bytes;
+}
+
+void NvlDevice::check_errors(const char* op) {
+  DeviceErrors e;
+  std::memcpy(&e, const_cast<const DeviceErrors*>(errors_host_), sizeof(e));
+  if (e.code == 0) return;
+  std::memset(errors_host_, 0, sizeof(DeviceErrors));
+  std::string where = std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(e.rank) + " ";
+  if (e.code == 1)
+    throw std::invalid_argument(where + "found topk_idx[" + std::to_string(e.a) + ", " + std::to_string(e.b) +
+                                "] = " + std::to_string(e.c) + " outside [-1, num_experts) (that slot was skipped)");
+  if (e.code == 2)
+    throw std::invalid_argument(where + "received " + std::to_string(e.a) + " tokens but capacity is " +
+                                std::to_string(e.b) + " (rows past the capacity were dropped)");
+  if (e.code == 3)
+    throw std::invalid_argument(where + "got " + std::to_string(e.b) + " rows from group member " +
+                                std::to_string(e.a) + " where the handle records " + std::to_string(e.c) +
+                                " (stale handle?)");
+  if (e.code == 4)
+    throw std::invalid_argument(where + "was handed a handle recording " + std::to_string(e.a) +
+                                " received rows for a y of " + std::to_string(e.b) + " rows (stale handle?)");
+  throw std::runtime_error(where + "failed with device error code " + std::to_string(e.code));
+}
+
+}  // namespace uccl_ep::nvl
+
+namespace uccl_ep::nvl {
+
+NvlRuntime& NvlRuntime::get() {
+  static NvlRuntime* runtime = new NvlRuntime();  // never destroyed: handlers may outlive static destructors
+  return *runtime;
+}
+
+void NvlRuntime::start(size_t buffer_bytes, int num_ranks, const std::vector<std::pair<int, int>>& local) {
+  std::unique_lock<std::shared_mutex> lock(lifetime_);
+  if (!devices_.empty()) throw std::runtime_error("uccl_ep nvl: already started");
+  for (auto [ordinal, rank] : local) devices_.push_back(std::make_unique<NvlDevice>(ordinal, rank, num_ranks, buffer_bytes));
+}
+
+std::vector<std::pair<int, std::vector<uint8_t>>> NvlRuntime::ipc_handles() {
+  std::shared_lock<std::shared_mutex> lock(lifetime_);
+  std::vector<std::pair<int, std::vector<uint8_t>>> out;
+  for (auto& d : devices_) out.emplace_back(d->rank(), d->ipc_handle());
+  return out;
+}
+
+void NvlRuntime::connect(const std::vector<std::vector<uint8_t>>& handles_by_rank) {
+  std::unique_lock<std::shared_mutex> lock(lifetime_);
+  if (devices_.empty()) return;
+  std::vector<NvlDevice*> same_process(devices_.front()->num_ranks(), nullptr);
+  for (auto& d : devices_) same_process[d->rank()] = d.get();
+  for (auto& d : devices_) d->connect(handles_by_rank, same_process);
+  initialized_.store(true);
+}
+
+void NvlRuntime::shutdown() {
+  std::unique_lock<std::shared_mutex> lock(lifetime_);
+  initialized_.store(false);
+  devices_.clear();
+}
+
+NvlDevice& NvlRuntime::device_by_ordinal(int ordinal) {
+  if (!initialized_.load())
+    throw std::runtime_error("uccl_ep: the runtime is not initialized; call jax_uccl_ep.initialize() first");
+  for (auto& d : devices_)
+    if (d->cuda_device() == ordinal) return *d;
+  throw std::runtime_error("uccl_ep: no NVLink state for local GPU " + std::to_string(ordinal));
+}
+
+std::vector<NvlDevice*> NvlRuntime::devices() {
+  std::vector<NvlDevice*> out;
+  for (auto& d : devices_) out.push_back(d.get());
+  return out;
+}
+
+}  // namespace uccl_ep::nvl

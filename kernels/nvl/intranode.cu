@@ -1,0 +1,509 @@
+// Intranode normal mode: routing scans, gathers and the combine reduction, and the host code that orders
+// them with the copy-engine transfers and stream flags (see api.hpp for the scheme).
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_bf16.h>
+
+#include "api.hpp"
+
+namespace uccl_ep::nvl {
+namespace {
+
+constexpr int kScanThreads = 1024;
+constexpr int kWarp = 32;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep nvl: ") + what + ": " + cudaGetErrorString(e));
+}
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+struct Regions {
+  char* p[kMaxRanks];  // by group position; unused for this rank
+};
+
+// Where each source's routing lives (group position s -> pointer valid on this GPU).
+struct Sources {
+  const int32_t* topk_idx[kMaxRanks];  // topk mode
+  const bool* mask[kMaxRanks];         // mask mode: [T, R] of the source
+  const char* x[kMaxRanks];
+  const char* scales[kMaxRanks];
+  const float* weights[kMaxRanks];
+};
+
+__device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
+  if (atomicCAS(&err->code, 0, code) == 0) {
+    err->rank = rank;
+    err->a = a;
+    err->b = b;
+    err->c = c;
+    __threadfence_system();
+  }
+}
+
+// Exclusive scan of one value per thread over the block; returns the prefix and sets *total.
+__device__ int block_exclusive_scan(int value, int* total) {
+  __shared__ int warp_sums[kScanThreads / kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  int inclusive = value;
+  for (int d = 1; d < kWarp; d <<= 1) {
+    int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == kWarp - 1) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < blockDim.x / kWarp ? warp_sums[lane] : 0;
+    for (int d = 1; d < kWarp; d <<= 1) {
+      int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  int warp_prefix = warp == 0 ? 0 : warp_sums[warp - 1];
+  *total = warp_sums[blockDim.x / kWarp - 1];
+  __syncthreads();  // warp_sums is reused by the next call
+  return warp_prefix + inclusive - value;
+}
+
+__device__ bool owns(const int32_t* idx, int t, int topk, int first, int count) {
+  for (int k = 0; k < topk; ++k) {
+    int e = idx[t * topk + k];
+    if (e >= first && e < first + count) return true;
+  }
+  return false;
+}
+
+// One block: for each source in group order, find the rows this rank receives and where they go.
+// Writes row_map[o] = (source, token) for o < capacity, the counts, and (topk mode) this rank's own layout.
+__global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(
+    Sources src, bool topk_mode, int num_tokens, int topk, int num_experts, int num_ranks, int self, int rank,
+    int capacity, const int32_t* own_topk_idx, int2* row_map, int32_t* recv_counts, int32_t* recv_num_tokens,
+    int32_t* num_tokens_per_expert, bool* is_token_in_rank, const int32_t* expected_counts, DeviceErrors* err) {
+  const int local_experts = topk_mode ? num_experts / num_ranks : 0;
+  const int first = self * local_experts;
+  if (topk_mode) {
+    for (int e = threadIdx.x; e < local_experts; e += blockDim.x) num_tokens_per_expert[e] = 0;
+    // This rank's own layout (the handle), and the check of its indices.
+    for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
+      bool row[kMaxRanks] = {};
+      for (int k = 0; k < topk; ++k) {
+        int e = own_topk_idx[t * topk + k];
+        if (e < -1 || e >= num_experts) {
+          report(err, 1, rank, t, k, e);
+        } else if (e >= 0) {
+          row[e / local_experts] = true;
+        }
+      }
+      for (int r = 0; r < num_ranks; ++r) is_token_in_rank[t * num_ranks + r] = row[r];
+    }
+  }
+  __syncthreads();
+  const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
+  int offset = 0;
+  for (int s = 0; s < num_ranks; ++s) {
+    const int t0 = min(num_tokens, threadIdx.x * per_thread), t1 = min(num_tokens, t0 + per_thread);
+    int mine = 0;
+    for (int t = t0; t < t1; ++t)
+      mine += topk_mode ? owns(src.topk_idx[s], t, topk, first, local_experts)
+                        : src.mask[s][t * num_ranks + self];
+    int total;
+    int o = offset + block_exclusive_scan(mine, &total);
+    for (int t = t0; t < t1; ++t) {
+      bool take;
+      if (topk_mode) {
+        take = false;
+        for (int k = 0; k < topk; ++k) {
+          int e = src.topk_idx[s][t * topk + k];
+          if (e >= first && e < first + local_experts) {
+            take = true;
+            if (o < capacity) atomicAdd(&num_tokens_per_expert[e - first], 1);
+          }
+        }
+      } else {
+        take = src.mask[s][t * num_ranks + self];
+      }
+      if (take) {
+        if (o < capacity) row_map[o] = make_int2(s, t);
+        ++o;
+      }
+    }
+    if (threadIdx.x == 0) {
+      recv_counts[s] = total;
+      if (expected_counts && expected_counts[s] != total) report(err, 3, rank, s, total, expected_counts[s]);
+    }
+    offset += total;
+  }
+  if (threadIdx.x == 0) {
+    if (offset > capacity) report(err, 2, rank, offset, capacity, 0);
+    *recv_num_tokens = min(offset, capacity);
+  }
+}
+
+// Copies `bytes` (a multiple of 16, 16-byte aligned) with one warp.
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  for (int64_t i = lane; i < bytes / 16; i += kWarp) d[i] = s[i];
+}
+__device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
+  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0)
+    return warp_copy16(dst, src, bytes, lane);
+  for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = src[i];
+}
+__device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
+  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = lane; i < bytes / 16; i += kWarp) d[i] = make_int4(0, 0, 0, 0);
+    return;
+  }
+  for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = 0;
+}
+
+// One warp per output row: copy the row from its source, localize its expert indices; padding gets zeros.
+__global__ void dispatch_gather_kernel(Sources src, bool topk_mode, int topk, int num_experts, int num_ranks,
+                                       int self, int capacity, const int2* row_map, const int32_t* recv_num_tokens,
+                                       int64_t x_row_bytes, int64_t scale_row_bytes, char* recv_x,
+                                       char* recv_scales, int32_t* recv_topk_idx, float* recv_topk_weights) {
+  const int lane = threadIdx.x % kWarp;
+  const int warps = gridDim.x * blockDim.x / kWarp;
+  const int n = *recv_num_tokens;
+  const int local_experts = topk_mode ? num_experts / num_ranks : 0;
+  const int first = self * local_experts;
+  for (int o = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; o < capacity; o += warps) {
+    char* out_x = recv_x + int64_t(o) * x_row_bytes;
+    if (o < n) {
+      const int2 st = row_map[o];
+      warp_copy(out_x, src.x[st.x] + int64_t(st.y) * x_row_bytes, x_row_bytes, lane);
+      if (scale_row_bytes)
+        warp_copy(recv_scales + int64_t(o) * scale_row_bytes, src.scales[st.x] + int64_t(st.y) * scale_row_bytes,
+                  scale_row_bytes, lane);
+      if (topk_mode)
+        for (int k = lane; k < topk; k += kWarp) {
+          int e = src.topk_idx[st.x][st.y * topk + k];
+          bool mine = e >= first && e < first + local_experts;
+          recv_topk_idx[o * topk + k] = mine ? e - first : -1;
+          if (recv_topk_weights) recv_topk_weights[o * topk + k] = mine ? src.weights[st.x][st.y * topk + k] : 0.f;
+        }
+    } else {
+      warp_zero(out_x, x_row_bytes, lane);
+      if (scale_row_bytes) warp_zero(recv_scales + int64_t(o) * scale_row_bytes, scale_row_bytes, lane);
+      if (topk_mode)
+        for (int k = lane; k < topk; k += kWarp) {
+          recv_topk_idx[o * topk + k] = -1;
+          if (recv_topk_weights) recv_topk_weights[o * topk + k] = 0.f;
+        }
+    }
+  }
+}
+
+// Combine routing: offsets of each source's rows in y, and each own token's position in each member's rows.
+__global__ void __launch_bounds__(kScanThreads) combine_scan_kernel(const bool* mask, const int32_t* recv_counts,
+                                                                    int num_tokens, int num_ranks, int capacity,
+                                                                    int rank, int32_t* offsets, int32_t* positions,
+                                                                    DeviceErrors* err) {
+  if (threadIdx.x == 0) {
+    int o = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+      offsets[s] = o;
+      o += recv_counts[s];
+    }
+    offsets[num_ranks] = o;
+    if (o > capacity) report(err, 4, rank, o, capacity, 0);
+  }
+  const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
+  const int t0 = min(num_tokens, threadIdx.x * per_thread), t1 = min(num_tokens, t0 + per_thread);
+  for (int d = 0; d < num_ranks; ++d) {
+    int mine = 0;
+    for (int t = t0; t < t1; ++t) mine += mask[t * num_ranks + d];
+    int total;
+    int p = block_exclusive_scan(mine, &total);
+    for (int t = t0; t < t1; ++t) positions[t * num_ranks + d] = mask[t * num_ranks + d] ? p++ : -1;
+  }
+}
+
+// Rows received from each remote member go back to it: stage them at the start of its out-region.
+__global__ void combine_stage_kernel(const char* y, int64_t row_bytes, int num_ranks, int self,
+                                     const int32_t* offsets, Regions out_regions, int max_rows) {
+  const int lane = threadIdx.x % kWarp;
+  const int warps = gridDim.x * blockDim.x / kWarp;
+  for (int s = 0; s < num_ranks; ++s) {
+    if (s == self) continue;
+    const int begin = offsets[s], count = offsets[s + 1] - offsets[s];
+    for (int j = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; j < min(count, max_rows); j += warps)
+      warp_copy(out_regions.p[s] + int64_t(j) * row_bytes, y + int64_t(begin + j) * row_bytes, row_bytes, lane);
+  }
+}
+
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  static constexpr int kN = 4;
+  __device__ static void add(float* acc, const int4& v) {
+    const float* f = reinterpret_cast<const float*>(&v);
+    for (int i = 0; i < kN; ++i) acc[i] += f[i];
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    float* f = reinterpret_cast<float*>(&v);
+    for (int i = 0; i < kN; ++i) f[i] = acc[i];
+    return v;
+  }
+};
+template <>
+struct Vec<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ static void add(float* acc, const int4& v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int i = 0; i < kN / 2; ++i) {
+      float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+    for (int i = 0; i < kN / 2; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return v;
+  }
+};
+
+// One warp per own token: sum the copies returned by every member that received it, in float32.
+template <typename T>
+__global__ void combine_reduce_kernel(const char* y, int64_t row_bytes, int num_tokens, int num_ranks, int self,
+                                      const int32_t* offsets, const int32_t* positions, Regions in_regions,
+                                      char* out) {
+  const int lane = threadIdx.x % kWarp;
+  const int warps = gridDim.x * blockDim.x / kWarp;
+  const int64_t vecs = row_bytes / 16;
+  for (int t = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; t < num_tokens; t += warps) {
+    const int4* rows[kMaxRanks];
+    int n = 0;
+    for (int d = 0; d < num_ranks; ++d) {
+      int p = positions[t * num_ranks + d];
+      if (p < 0) continue;
+      const char* base = d == self ? y + int64_t(offsets[self] + p) * row_bytes : in_regions.p[d] + int64_t(p) * row_bytes;
+      rows[n++] = reinterpret_cast<const int4*>(base);
+    }
+    int4* dst = reinterpret_cast<int4*>(out + int64_t(t) * row_bytes);
+    for (int64_t i = lane; i < vecs; i += kWarp) {
+      float acc[Vec<T>::kN] = {};
+      for (int j = 0; j < n; ++j) Vec<T>::add(acc, rows[j][i]);
+      dst[i] = Vec<T>::pack(acc);
+    }
+  }
+}
+
+int gather_blocks() { return num_sms(); }
+
+// The peer a group position stands for, checked against this GPU's ranks.
+int peer_of(const NvlDevice& dev, const Group& g, int s) {
+  int p = g.ranks[s];
+  if (p < 0 || p >= dev.num_ranks())
+    throw std::invalid_argument("uccl_ep nvl: group member " + std::to_string(p) + " is not a GPU of this host");
+  return p;
+}
+
+void check_group(const NvlDevice& dev, const Group& g, const char* op) {
+  if (g.size > kMaxRanks)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": NVLink groups hold at most 8 GPUs");
+  if (g.ranks[g.self] != dev.rank()) throw std::logic_error("uccl_ep nvl: group does not hold this rank");
+}
+
+void check_fits(const NvlDevice& dev, size_t message, const char* op) {
+  if (message > dev.region_bytes())
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": a message of this shape needs " +
+                                std::to_string(message) + " bytes per peer but the NVLink buffer holds " +
+                                std::to_string(dev.region_bytes()) + "; initialize with buffer_bytes >= " +
+                                std::to_string(NvlDevice::buffer_bytes_for(dev.num_ranks(), message)) +
+                                " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
+}
+
+// Copies the pieces of a message into every remote member's in-region and announces it.
+struct Piece {
+  const void* src;
+  size_t offset, bytes;
+};
+void send_message(NvlDevice& dev, const Group& g, const Piece* pieces, int num_pieces, cudaStream_t stream) {
+  for (int s = 0; s < g.size; ++s) {
+    if (s == g.self) continue;
+    int p = peer_of(dev, g, s);
+    stream_wait_value(stream, dev.ack_flag(p), dev.sent(p));  // p has read our previous message
+    for (int i = 0; i < num_pieces; ++i)
+      if (pieces[i].bytes)
+        check(cudaMemcpyAsync(dev.peer_in_region(p) + pieces[i].offset, pieces[i].src, pieces[i].bytes,
+                              cudaMemcpyDeviceToDevice, stream),
+              "cudaMemcpyAsync to peer");
+    stream_write_value(stream, dev.peer_data_flag(p), ++dev.sent(p));
+  }
+}
+void wait_messages(NvlDevice& dev, const Group& g, cudaStream_t stream) {
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self) {
+      int p = peer_of(dev, g, s);
+      stream_wait_value(stream, dev.data_flag(p), ++dev.received(p));
+    }
+}
+void ack_messages(NvlDevice& dev, const Group& g, cudaStream_t stream) {
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self) {
+      int p = peer_of(dev, g, s);
+      stream_write_value(stream, dev.peer_ack_flag(p), dev.received(p));
+    }
+}
+
+struct DispatchLayoutBytes {
+  size_t x, scales, idx, weights, total;
+};
+DispatchLayoutBytes dispatch_layout(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
+                                    bool weights) {
+  DispatchLayoutBytes l;
+  l.x = 0;
+  l.scales = l.x + align16(size_t(num_tokens) * x_row_bytes);
+  l.idx = l.scales + align16(size_t(num_tokens) * scale_row_bytes);
+  l.weights = l.idx + align16(size_t(num_tokens) * topk * 4);
+  l.total = l.weights + (weights ? align16(size_t(num_tokens) * topk * 4) : 0);
+  return l;
+}
+
+}  // namespace
+
+size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights) {
+  return dispatch_layout(num_tokens, x_row_bytes, scale_row_bytes, topk, weights).total;
+}
+
+size_t combine_message_bytes(int num_tokens, int hidden, bool bf16) {
+  return align16(size_t(num_tokens) * hidden * (bf16 ? 2 : 4));
+}
+
+void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  dev.check_errors("dispatch");
+  check_group(dev, g, "dispatch");
+  const bool has_w = a.topk_weights != nullptr;
+  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
+  check_fits(dev, l.total, "dispatch");
+  dev.ensure_scratch(size_t(a.capacity) * sizeof(int2) + 256);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+
+  Piece pieces[4] = {{a.x, l.x, size_t(a.num_tokens) * a.x_row_bytes},
+                     {a.scales, l.scales, size_t(a.num_tokens) * a.scale_row_bytes},
+                     {a.topk_idx, l.idx, size_t(a.num_tokens) * a.topk * 4},
+                     {a.topk_weights, l.weights, has_w ? size_t(a.num_tokens) * a.topk * 4 : 0}};
+  send_message(dev, g, pieces, 4, stream);
+  wait_messages(dev, g, stream);
+
+  Sources src{};
+  for (int s = 0; s < g.size; ++s) {
+    const char* base = s == g.self ? nullptr : dev.in_region(peer_of(dev, g, s));
+    src.topk_idx[s] = s == g.self ? a.topk_idx : reinterpret_cast<const int32_t*>(base + l.idx);
+    src.x[s] = s == g.self ? static_cast<const char*>(a.x) : base + l.x;
+    src.scales[s] = s == g.self ? static_cast<const char*>(a.scales) : base + l.scales;
+    src.weights[s] = s == g.self ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
+  }
+  int2* row_map = static_cast<int2*>(dev.scratch());
+  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(
+      src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, a.topk_idx, row_map,
+      a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr, dev.errors_device());
+  check(cudaGetLastError(), "dispatch_scan_kernel");
+  dispatch_gather_kernel<<<gather_blocks(), 1024, 0, stream>>>(
+      src, true, a.topk, a.num_experts, g.size, g.self, a.capacity, row_map, a.recv_num_tokens, a.x_row_bytes,
+      a.scale_row_bytes, static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales), a.recv_topk_idx,
+      a.recv_topk_weights);
+  check(cudaGetLastError(), "dispatch_gather_kernel");
+  ack_messages(dev, g, stream);
+}
+
+void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  dev.check_errors("cached_dispatch");
+  check_group(dev, g, "cached_dispatch");
+  const size_t x_bytes = align16(size_t(a.num_tokens) * a.row_bytes);
+  const size_t total = x_bytes + align16(size_t(a.num_tokens) * g.size);
+  check_fits(dev, total, "cached_dispatch");
+  dev.ensure_scratch(size_t(a.capacity) * sizeof(int2) + 256);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+
+  Piece pieces[2] = {{a.x, 0, size_t(a.num_tokens) * a.row_bytes},
+                     {a.is_token_in_rank, x_bytes, size_t(a.num_tokens) * g.size}};
+  send_message(dev, g, pieces, 2, stream);
+  wait_messages(dev, g, stream);
+
+  Sources src{};
+  for (int s = 0; s < g.size; ++s) {
+    const char* base = s == g.self ? nullptr : dev.in_region(peer_of(dev, g, s));
+    src.mask[s] = s == g.self ? a.is_token_in_rank : reinterpret_cast<const bool*>(base + x_bytes);
+    src.x[s] = s == g.self ? static_cast<const char*>(a.x) : base;
+  }
+  int2* row_map = static_cast<int2*>(dev.scratch());
+  // Counts land in the scratch tail; they are checked against the handle's.
+  int32_t* counts = reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + size_t(a.capacity) * sizeof(int2));
+  int32_t* num_rows = counts + kMaxRanks;
+  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(),
+                                                       a.capacity, nullptr, row_map, counts, num_rows, nullptr,
+                                                       nullptr, a.recv_counts, dev.errors_device());
+  check(cudaGetLastError(), "dispatch_scan_kernel");
+  dispatch_gather_kernel<<<gather_blocks(), 1024, 0, stream>>>(src, false, 0, 0, g.size, g.self, a.capacity, row_map,
+                                                                num_rows, a.row_bytes, 0,
+                                                                static_cast<char*>(a.recv_x), nullptr, nullptr,
+                                                                nullptr);
+  check(cudaGetLastError(), "dispatch_gather_kernel");
+  ack_messages(dev, g, stream);
+}
+
+void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  dev.check_errors("combine");
+  check_group(dev, g, "combine");
+  const int64_t row_bytes = int64_t(a.hidden) * (a.bf16 ? 2 : 4);
+  if (row_bytes % 16 != 0)
+    throw std::invalid_argument("uccl_ep combine: on GPUs the hidden size must make rows a multiple of 16 bytes");
+  const size_t message = combine_message_bytes(a.num_tokens, a.hidden, a.bf16);
+  check_fits(dev, message, "combine");
+  // Scratch: offsets [R + 1], then positions [T, R].
+  const size_t positions_at = 64;
+  dev.ensure_scratch(positions_at + size_t(a.num_tokens) * g.size * 4);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  char* scratch = static_cast<char*>(dev.scratch());
+  int32_t* offsets = reinterpret_cast<int32_t*>(scratch);
+  int32_t* positions = reinterpret_cast<int32_t*>(scratch + positions_at);
+  Regions out_regions{}, in_regions{};
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self) {
+      out_regions.p[s] = dev.out_region(peer_of(dev, g, s));
+      in_regions.p[s] = dev.in_region(peer_of(dev, g, s));
+    }
+
+  combine_scan_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.recv_counts, a.num_tokens, g.size,
+                                                      a.capacity, dev.rank(), offsets, positions, dev.errors_device());
+  check(cudaGetLastError(), "combine_scan_kernel");
+  combine_stage_kernel<<<gather_blocks(), 1024, 0, stream>>>(static_cast<const char*>(a.y), row_bytes, g.size, g.self,
+                                                             offsets, out_regions, a.num_tokens);
+  check(cudaGetLastError(), "combine_stage_kernel");
+  for (int s = 0; s < g.size; ++s) {
+    if (s == g.self) continue;
+    int p = peer_of(dev, g, s);
+    stream_wait_value(stream, dev.ack_flag(p), dev.sent(p));
+    check(cudaMemcpyAsync(dev.peer_in_region(p), dev.out_region(p), message, cudaMemcpyDeviceToDevice, stream),
+          "cudaMemcpyAsync to peer");
+    stream_write_value(stream, dev.peer_data_flag(p), ++dev.sent(p));
+  }
+  wait_messages(dev, g, stream);
+  if (a.bf16)
+    combine_reduce_kernel<__nv_bfloat16><<<gather_blocks(), 1024, 0, stream>>>(
+        static_cast<const char*>(a.y), row_bytes, a.num_tokens, g.size, g.self, offsets, positions,
+        in_regions, static_cast<char*>(a.out));
+  else
+    combine_reduce_kernel<float><<<gather_blocks(), 1024, 0, stream>>>(
+        static_cast<const char*>(a.y), row_bytes, a.num_tokens, g.size, g.self, offsets, positions,
+        in_regions, static_cast<char*>(a.out));
+  check(cudaGetLastError(), "combine_reduce_kernel");
+  ack_messages(dev, g, stream);
+}
+
+}  // namespace uccl_ep::nvl

@@ -1,0 +1,184 @@
+"""Checks shared by the CPU and GPU tests: run an op on a mesh, compare with the NumPy reference.
+
+Functions return lists of problems instead of asserting, so child processes can report them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_uccl_ep as ep
+import reference as ref
+
+
+def mesh_of(devices) -> Mesh:
+    return Mesh(np.array(devices), ("ep",))
+
+
+def shard(mesh: Mesh, a):
+    """A global [R, ...] array from host data, one slice per device of the EP axis (any process count)."""
+    a = np.asarray(a) if not isinstance(a, jax.Array) else a
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("ep")), lambda i: host[i])
+
+
+def gather(a) -> np.ndarray:
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def roundtrip(mesh: Mesh, x, topk_idx, topk_weights, num_experts: int, capacity: int | None = None):
+    """Dispatch, a rank-dependent transform of the received rows, combine; inputs and outputs are [R, ...]."""
+    fp8 = isinstance(x, tuple)
+    has_w = topk_weights is not None
+
+    def step(*args):
+        if fp8:
+            xs, ss, idx, w = args
+            xs = (xs[0], ss[0])
+        else:
+            xs, idx, w = args
+            xs = xs[0]
+        res = ep.dispatch(xs, idx[0], w[0] if has_w else None, num_experts=num_experts, axis_name="ep",
+                          capacity=capacity)
+        rows = res.x[0].astype(jnp.float32) if fp8 else res.x
+        rank = jax.lax.axis_index("ep")
+        valid = jnp.arange(rows.shape[0]) < res.num_tokens
+        # Padding rows get huge values: combine must ignore them.
+        y = jnp.where(valid[:, None], rows * (rank + 1).astype(rows.dtype) + 1, 1e6).astype(rows.dtype)
+        combined = ep.combine(y, res.handle)
+        out = (res.x, res.topk_idx, res.topk_weights if has_w else jnp.zeros((), jnp.float32),
+               res.num_tokens[None], res.num_tokens_per_expert, combined)
+        return jax.tree.map(lambda a: a[None], out)
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    num_ranks = mesh.devices.size
+    w = topk_weights if has_w else np.zeros((num_ranks, 1), np.float32)
+    inputs = (list(x) if fp8 else [x]) + [topk_idx, w]
+    outs = f(*[shard(mesh, a) for a in inputs])
+    return jax.tree.map(gather, outs)
+
+
+def check_roundtrip(outs, x_ref, idx, w, num_experts, dtype, *, fp8_scales=None, empty=None) -> list[str]:
+    """Compares roundtrip() outputs with the reference; x_ref is what went in, as float32 [R, T, H]."""
+    recv_x, recv_idx, recv_w, n, per_expert, combined = outs
+    if fp8_scales is not None:
+        recv_x, recv_s = recv_x
+    problems = []
+    num_ranks, num_tokens = idx.shape[:2]
+    expected = ref.dispatch(x_ref, idx, w, num_experts)
+    exp_scales = ref.dispatch(fp8_scales, idx, None, num_experts) if fp8_scales is not None else None
+    for r, e in enumerate(expected):
+        m = e["num_tokens"]
+        if n[r, 0] != m:
+            problems.append(f"rank {r}: num_tokens {n[r, 0]} != {m}")
+            continue
+        if not np.array_equal(np.asarray(recv_x[r, :m], np.float32), e["x"]):
+            problems.append(f"rank {r}: received rows differ")
+        if not np.array_equal(recv_idx[r, :m], e["topk_idx"]):
+            problems.append(f"rank {r}: topk_idx differs")
+        if w is not None and not np.array_equal(recv_w[r, :m], e["topk_weights"].astype(np.float32)):
+            problems.append(f"rank {r}: topk_weights differ")
+        if not np.array_equal(per_expert[r], e["num_tokens_per_expert"]):
+            problems.append(f"rank {r}: num_tokens_per_expert differs")
+        if exp_scales is not None and not np.array_equal(recv_s[r, :m], exp_scales[r]["x"]):
+            problems.append(f"rank {r}: scales differ")
+        if recv_x.shape[1] != num_ranks * num_tokens:
+            problems.append(f"rank {r}: capacity {recv_x.shape[1]}")
+        if not (np.all(np.asarray(recv_x[r, m:], np.float32) == 0) and np.all(recv_idx[r, m:] == -1)):
+            problems.append(f"rank {r}: padding rows not zero / -1")
+        if w is not None and not np.all(recv_w[r, m:] == 0):
+            problems.append(f"rank {r}: padding weights not zero")
+        if empty is not None and r == empty and m != 0:
+            problems.append(f"rank {r} should receive nothing")
+    # Combine: each received row was transformed as rows*(rank+1)+1 on its receiving rank, in the rows' dtype.
+    ys = []
+    for r, e in enumerate(expected):
+        y = e["x"].astype(np.float64) * (r + 1) + 1
+        ys.append(np.asarray(jnp.asarray(y, dtype).astype(jnp.float32)))
+    want = ref.combine(ys, expected, num_tokens)
+    tol = dict(rtol=1e-6, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
+    if not np.allclose(np.asarray(combined, np.float32), want, **tol):
+        err = np.abs(np.asarray(combined, np.float32) - want).max()
+        problems.append(f"combine differs (max abs error {err})")
+    never_sent = ~(idx >= 0).any(-1)
+    if not np.all(np.asarray(combined, np.float32)[never_sent] == 0):
+        problems.append("tokens sent nowhere are not zero after combine")
+    return problems
+
+
+def random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype, *, empty_rank=None):
+    rng = np.random.default_rng(seed)
+    idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts, empty_rank=empty_rank)
+    x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    w = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
+    x_dev = np.asarray(jnp.asarray(x, dtype))  # host copy in the op's dtype
+    x_ref = np.asarray(x_dev.astype(np.float32))
+    return x_dev, x_ref, idx, w
+
+
+def check_case(mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, empty_rank=None) -> list[str]:
+    num_ranks = mesh.devices.size
+    x_dev, x_ref, idx, w = random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype,
+                                       empty_rank=empty_rank)
+    outs = roundtrip(mesh, x_dev, idx, w, num_experts)
+    return check_roundtrip(outs, x_ref, idx, w, num_experts, dtype, empty=empty_rank)
+
+
+def check_fp8(mesh, seed, num_tokens, hidden, topk, num_experts) -> list[str]:
+    num_ranks = mesh.devices.size
+    rng = np.random.default_rng(seed)
+    idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
+    x = np.asarray(jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)) * 3, jnp.float8_e4m3fn))
+    scales = (rng.random((num_ranks, num_tokens, hidden // 128)) + 0.5).astype(np.float32)
+    outs = roundtrip(mesh, (x, scales), idx, None, num_experts)
+    x_ref = np.asarray(x.astype(np.float32))
+    problems = check_roundtrip(outs, x_ref, idx, None, num_experts, jnp.float8_e4m3fn, fp8_scales=scales)
+    # The FP8 combine check above compares against float8-rounded transforms; keep only dispatch problems.
+    problems = [p for p in problems if not p.startswith("combine")]
+    if outs[0][0].dtype != jnp.float8_e4m3fn:
+        problems.append(f"FP8 rows came back as {outs[0][0].dtype}")
+    return problems
+
+
+def check_gradients(mesh, seed, num_tokens, hidden, topk, num_experts) -> list[str]:
+    """jax.grad through dispatch (x and weights) and combine against a dense formulation."""
+    num_ranks = mesh.devices.size
+    rng = np.random.default_rng(seed)
+    idx_h = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
+    x_h = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    w_h = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
+    c_h = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    idx, x, w, c = (shard(mesh, a) for a in (idx_h, x_h, w_h, c_h))
+
+    def ep_loss(x, w, idx, c):
+        def body(x, idx, w, c):
+            res = ep.dispatch(x[0], idx[0], w[0], num_experts=num_experts, axis_name="ep")
+            rank = jax.lax.axis_index("ep").astype(jnp.float32)
+            y = jnp.tanh(res.x) * (rank + 1) * res.topk_weights.sum(-1, keepdims=True)
+            out = ep.combine(y, res.handle)
+            return jax.lax.psum(jnp.sum(out * c[0]), "ep")[None]
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        return f(x, idx, w, c)[0]
+
+    def dense_loss(x, w):
+        owner = np.where(idx_h >= 0, idx_h // (num_experts // num_ranks), 0).astype(np.float32)
+        scale = jnp.sum(jnp.where(idx_h >= 0, w * (owner + 1), 0.0), -1, keepdims=True)
+        return jnp.sum(jnp.tanh(x) * scale * c_h)
+
+    value, (gx, gw) = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1)))(x, w, idx, c)
+    want_value, (want_gx, want_gw) = jax.value_and_grad(dense_loss, argnums=(0, 1))(x_h, w_h)
+    problems = []
+    if not np.allclose(float(value), float(want_value), rtol=1e-4):
+        problems.append(f"loss {float(value)} != {float(want_value)}")
+    if not np.allclose(gather(gx), np.asarray(want_gx), rtol=1e-4, atol=1e-5):
+        problems.append("grad x differs")
+    if not np.allclose(gather(gw), np.asarray(want_gw), rtol=1e-4, atol=1e-5):
+        problems.append("grad weights differs")
+    if np.abs(gather(gw)).sum() == 0:
+        problems.append("grad weights is zero")
+    return problems
