@@ -17,6 +17,14 @@ if ! pkg-config --exists libfabric 2>/dev/null; then
   export PKG_CONFIG_PATH=$PWD/.deps/pkgconfig
   echo "# libfabric: carried headers, system library $lib"
 fi
+# Build tools missing there travel as wheels in .whl/ (pip download on the dev machine).
+for mod in scikit_build_core nanobind; do
+  if ! python -c "import $mod" 2>/dev/null; then
+    python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    echo "# build tools from .whl/ ($mod was missing)"; break
+  fi
+done
+python -c "import jax, jaxlib; print('# jax', jax.__version__)"; cmake --version | head -1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 start=$(date +%s)
 if ! pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1; then
