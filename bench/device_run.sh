@@ -18,16 +18,16 @@ if ! pkg-config --exists libfabric 2>/dev/null; then
   echo "# libfabric: carried headers, system library $lib"
 fi
 # Build tools missing there travel as wheels in .whl/ (pip download on the dev machine).
-for mod in scikit_build_core nanobind; do
-  if ! python -c "import $mod" 2>/dev/null; then
-    python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    echo "# build tools from .whl/ ($mod was missing)"; break
-  fi
-done
+if ! python -c "import scikit_build_core.build, nanobind" 2>/dev/null; then
+  python -c "import scikit_build_core.build" 2>&1 | tail -1
+  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  echo "# build tools from .whl/"
+fi
+echo "# $(which python) $(python -m pip --version)"
 python -c "import jax, jaxlib; print('# jax', jax.__version__)"; cmake --version | head -1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 start=$(date +%s)
-if ! pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1; then
+if ! python -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "# build: $(( $(date +%s) - start )) s"
