@@ -8,9 +8,11 @@
 // routing scans, gathers into the output and the float32 reduction of combine.
 //
 // Per GPU one buffer: [flags 4 KiB][in-region of each peer][out-region of each peer]. Peer p copies its
-// messages into our in-region(p); combine stages rows for p in out-region(p). Flags: data[p] (written by p:
-// sequence of the last message it put in in-region(p)) and ack[p] (written by p: last message of ours it has
-// finished reading).
+// messages into our in-region(p); combine stages rows for p in out-region(p). Flags, all written by p:
+// meta[p] = k once the small leading pieces of message k (routing) landed; data[p] = k * chunks + c + 1 once
+// chunk c of its bulk rows landed (the receiver works on chunks as they arrive, overlapping the copy engine);
+// ack[p] = k once p has finished reading our message k (we may overwrite its in-region then).
+// Sends run on a side stream of ours, so the copy engine moves bulk bytes while SMs gather what has arrived.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -59,9 +61,16 @@ class NvlDevice {
   char* out_region(int peer) const;       // ours, staging for `peer`
   char* peer_in_region(int peer) const;   // peer's in-region for us
   uint64_t* data_flag(int peer) const;    // ours
+  uint64_t* meta_flag(int peer) const;    // ours
   uint64_t* ack_flag(int peer) const;     // ours
   uint64_t* peer_data_flag(int peer) const;
+  uint64_t* peer_meta_flag(int peer) const;
   uint64_t* peer_ack_flag(int peer) const;
+  // Side stream for sends, and events to fork it from and join it to XLA's stream.
+  cudaStream_t send_stream() const { return send_stream_; }
+  cudaEvent_t fork_event() const { return fork_event_; }
+  cudaEvent_t join_event() const { return join_event_; }
+  int chunks() const { return chunks_; }
 
   // Message sequencing (host side, under op_mutex): both ends of a pair enqueue ops in the same order.
   std::mutex& op_mutex() { return op_mutex_; }
@@ -87,6 +96,9 @@ class NvlDevice {
   DeviceErrors* errors_device_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  cudaStream_t send_stream_ = nullptr;
+  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
+  int chunks_ = 8;
 };
 
 // Process-global registry of this process's GPUs. Handlers hold lifetime_mutex() shared for an op.

@@ -2,6 +2,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -83,6 +84,10 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   std::memset(errors_host_, 0, sizeof(DeviceErrors));
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_device_), errors_host_, 0),
         "cudaHostGetDevicePointer");
+  check(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  check(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), "cudaEventCreate");
+  check(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), "cudaEventCreate");
+  if (const char* v = std::getenv("UCCL_EP_CHUNKS")) chunks_ = std::max(1, std::min(64, std::atoi(v)));
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   peer_buffers_.assign(num_ranks, nullptr);
   opened_ipc_.assign(num_ranks, false);
@@ -96,6 +101,9 @@ NvlDevice::~NvlDevice() {
     if (opened_ipc_[p]) cudaIpcCloseMemHandle(peer_buffers_[p]);
   if (scratch_) cudaFree(scratch_);
   if (buffer_) cudaFree(buffer_);
+  if (send_stream_) cudaStreamDestroy(send_stream_);
+  if (fork_event_) cudaEventDestroy(fork_event_);
+  if (join_event_) cudaEventDestroy(join_event_);
   if (errors_host_) cudaFreeHost(errors_host_);
 }
 
@@ -141,13 +149,18 @@ char* NvlDevice::out_region(int peer) const {
 char* NvlDevice::peer_in_region(int peer) const {
   return peer_buffers_[peer] + kFlagBytes + size_t(rank_) * region_bytes_;
 }
+// Flag words: [data x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks], indexed by the writing peer.
 uint64_t* NvlDevice::data_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + peer; }
-uint64_t* NvlDevice::ack_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + kMaxRanks + peer; }
+uint64_t* NvlDevice::meta_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + kMaxRanks + peer; }
+uint64_t* NvlDevice::ack_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + 2 * kMaxRanks + peer; }
 uint64_t* NvlDevice::peer_data_flag(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + rank_;
 }
-uint64_t* NvlDevice::peer_ack_flag(int peer) const {
+uint64_t* NvlDevice::peer_meta_flag(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + kMaxRanks + rank_;
+}
+uint64_t* NvlDevice::peer_ack_flag(int peer) const {
+  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 2 * kMaxRanks + rank_;
 }
 
 void NvlDevice::ensure_scratch(size_t bytes) {

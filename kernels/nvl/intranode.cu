@@ -143,15 +143,26 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(
   }
 }
 
-// Copies `bytes` (a multiple of 16, 16-byte aligned) with one warp.
-__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  for (int64_t i = lane; i < bytes / 16; i += kWarp) d[i] = s[i];
-}
-__device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
-  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0)
-    return warp_copy16(dst, src, bytes, lane);
+// Copies `bytes` with one warp. 16-byte rows move as int4 with several loads in flight per lane before their
+// stores (one load at a time leaves the memory system idle), through the read-only path.
+constexpr int kUnroll = 4;
+__device__ __forceinline__ void warp_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes,
+                                          int lane) {
+  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int64_t n = bytes / 16;
+    int64_t i = lane;
+    for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(s + i + u * kWarp);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) d[i + u * kWarp] = v[u];
+    }
+    for (; i < n; i += kWarp) d[i] = __ldg(s + i);
+    return;
+  }
   for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = src[i];
 }
 __device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
@@ -164,10 +175,13 @@ __device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
 }
 
 // One warp per output row: copy the row from its source, localize its expert indices; padding gets zeros.
+// Only rows from group member `only_src` whose source token is in [t_begin, t_end) are copied (the part that
+// has arrived); with `pad`, rows past the received count are filled too.
 __global__ void dispatch_gather_kernel(Sources src, bool topk_mode, int topk, int num_experts, int num_ranks,
                                        int self, int capacity, const int2* row_map, const int32_t* recv_num_tokens,
                                        int64_t x_row_bytes, int64_t scale_row_bytes, char* recv_x,
-                                       char* recv_scales, int32_t* recv_topk_idx, float* recv_topk_weights) {
+                                       char* recv_scales, int32_t* recv_topk_idx, float* recv_topk_weights,
+                                       int only_src, int t_begin, int t_end, bool pad) {
   const int lane = threadIdx.x % kWarp;
   const int warps = gridDim.x * blockDim.x / kWarp;
   const int n = *recv_num_tokens;
@@ -177,6 +191,7 @@ __global__ void dispatch_gather_kernel(Sources src, bool topk_mode, int topk, in
     char* out_x = recv_x + int64_t(o) * x_row_bytes;
     if (o < n) {
       const int2 st = row_map[o];
+      if (st.x != only_src || st.y < t_begin || st.y >= t_end) continue;
       warp_copy(out_x, src.x[st.x] + int64_t(st.y) * x_row_bytes, x_row_bytes, lane);
       if (scale_row_bytes)
         warp_copy(recv_scales + int64_t(o) * scale_row_bytes, src.scales[st.x] + int64_t(st.y) * scale_row_bytes,
@@ -188,7 +203,7 @@ __global__ void dispatch_gather_kernel(Sources src, bool topk_mode, int topk, in
           recv_topk_idx[o * topk + k] = mine ? e - first : -1;
           if (recv_topk_weights) recv_topk_weights[o * topk + k] = mine ? src.weights[st.x][st.y * topk + k] : 0.f;
         }
-    } else {
+    } else if (pad) {
       warp_zero(out_x, x_row_bytes, lane);
       if (scale_row_bytes) warp_zero(recv_scales + int64_t(o) * scale_row_bytes, scale_row_bytes, lane);
       if (topk_mode)
@@ -226,14 +241,15 @@ __global__ void __launch_bounds__(kScanThreads) combine_scan_kernel(const bool* 
 }
 
 // Rows received from each remote member go back to it: stage them at the start of its out-region.
+// (Rows [j_begin, j_end) of each remote member's message only: one chunk.)
 __global__ void combine_stage_kernel(const char* y, int64_t row_bytes, int num_ranks, int self,
-                                     const int32_t* offsets, Regions out_regions, int max_rows) {
+                                     const int32_t* offsets, Regions out_regions, int j_begin, int j_end) {
   const int lane = threadIdx.x % kWarp;
   const int warps = gridDim.x * blockDim.x / kWarp;
   for (int s = 0; s < num_ranks; ++s) {
     if (s == self) continue;
     const int begin = offsets[s], count = offsets[s + 1] - offsets[s];
-    for (int j = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; j < min(count, max_rows); j += warps)
+    for (int j = j_begin + (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; j < min(count, j_end); j += warps)
       warp_copy(out_regions.p[s] + int64_t(j) * row_bytes, y + int64_t(begin + j) * row_bytes, row_bytes, lane);
   }
 }
@@ -275,13 +291,28 @@ struct Vec<__nv_bfloat16> {
 
 // One warp per own token: sum the copies returned by every member that received it, in float32.
 template <typename T>
-__global__ void combine_reduce_kernel(const char* y, int64_t row_bytes, int num_tokens, int num_ranks, int self,
-                                      const int32_t* offsets, const int32_t* positions, Regions in_regions,
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Tokens [t_begin, t_end) only: one chunk, once the rows it needs have arrived.
+template <typename T>
+__global__ void combine_reduce_kernel(const char* y, int64_t row_bytes, int t_begin, int t_end, int num_ranks,
+                                      int self, const int32_t* offsets, const int32_t* positions, Regions in_regions,
                                       char* out) {
   const int lane = threadIdx.x % kWarp;
   const int warps = gridDim.x * blockDim.x / kWarp;
   const int64_t vecs = row_bytes / 16;
-  for (int t = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; t < num_tokens; t += warps) {
+  const bool vector = row_bytes % 16 == 0;
+  for (int t = t_begin + (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; t < t_end; t += warps) {
     const int4* rows[kMaxRanks];
     int n = 0;
     for (int d = 0; d < num_ranks; ++d) {
@@ -290,16 +321,27 @@ __global__ void combine_reduce_kernel(const char* y, int64_t row_bytes, int num_
       const char* base = d == self ? y + int64_t(offsets[self] + p) * row_bytes : in_regions.p[d] + int64_t(p) * row_bytes;
       rows[n++] = reinterpret_cast<const int4*>(base);
     }
+    if (!vector) {  // rows of a few elements (a weight gradient, say): one element per lane
+      T* dst = reinterpret_cast<T*>(out + int64_t(t) * row_bytes);
+      for (int64_t i = lane; i < row_bytes / int64_t(sizeof(T)); i += kWarp) {
+        float acc = 0.f;
+        for (int j = 0; j < n; ++j) acc += to_float(reinterpret_cast<const T*>(rows[j])[i]);
+        dst[i] = from_float<T>(acc);
+      }
+      continue;
+    }
     int4* dst = reinterpret_cast<int4*>(out + int64_t(t) * row_bytes);
     for (int64_t i = lane; i < vecs; i += kWarp) {
       float acc[Vec<T>::kN] = {};
-      for (int j = 0; j < n; ++j) Vec<T>::add(acc, rows[j][i]);
+      for (int j = 0; j < n; ++j) Vec<T>::add(acc, __ldg(rows[j] + i));
       dst[i] = Vec<T>::pack(acc);
     }
   }
 }
 
-int gather_blocks() { return num_sms(); }
+// SM budget: gathers and reductions on XLA's stream; combine's staging on the send stream, at the same time.
+int main_blocks(bool staging_alongside) { return staging_alongside ? std::max(1, num_sms() * 2 / 3) : num_sms(); }
+int stage_blocks() { return std::max(1, num_sms() / 3); }
 
 // The peer a group position stands for, checked against this GPU's ranks.
 int peer_of(const NvlDevice& dev, const Group& g, int s) {
@@ -324,30 +366,80 @@ void check_fits(const NvlDevice& dev, size_t message, const char* op) {
                                 " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
 }
 
-// Copies the pieces of a message into every remote member's in-region and announces it.
+// Token (or message row) range of chunk c out of `chunks` over n.
+int chunk_begin(int n, int chunks, int c) { return int(int64_t(n) * c / chunks); }
+
+// A message: small leading pieces (routing: announced by the meta flag), then bulk rows in chunks (each
+// announced by the data flag). Copied by the copy engine on the send stream.
 struct Piece {
   const void* src;
   size_t offset, bytes;
 };
-void send_message(NvlDevice& dev, const Group& g, const Piece* pieces, int num_pieces, cudaStream_t stream) {
+struct Message {
+  Piece meta[4];
+  int num_meta = 0;
+  const char* rows = nullptr;  // bulk rows, chunk c = rows [chunk_begin(c), chunk_begin(c + 1)) of `num_rows`
+  size_t rows_offset = 0;
+  int64_t row_bytes = 0;
+  int num_rows = 0;
+};
+
+// Forks the send stream off XLA's stream, waits for each peer to have read our previous message, and sends the
+// meta pieces. `msg_for(s)` gives the message for group member s (its rows may differ per member).
+template <class MessageFor>
+void send_meta(NvlDevice& dev, const Group& g, cudaStream_t stream, const MessageFor& msg_for) {
+  cudaStream_t side = dev.send_stream();
+  check(cudaEventRecord(dev.fork_event(), stream), "cudaEventRecord");
+  check(cudaStreamWaitEvent(side, dev.fork_event(), 0), "cudaStreamWaitEvent");
   for (int s = 0; s < g.size; ++s) {
     if (s == g.self) continue;
     int p = peer_of(dev, g, s);
-    stream_wait_value(stream, dev.ack_flag(p), dev.sent(p));  // p has read our previous message
-    for (int i = 0; i < num_pieces; ++i)
-      if (pieces[i].bytes)
-        check(cudaMemcpyAsync(dev.peer_in_region(p) + pieces[i].offset, pieces[i].src, pieces[i].bytes,
-                              cudaMemcpyDeviceToDevice, stream),
+    stream_wait_value(side, dev.ack_flag(p), dev.sent(p));  // p has read our previous message
+    const Message m = msg_for(s);
+    for (int i = 0; i < m.num_meta; ++i)
+      if (m.meta[i].bytes)
+        check(cudaMemcpyAsync(dev.peer_in_region(p) + m.meta[i].offset, m.meta[i].src, m.meta[i].bytes,
+                              cudaMemcpyDeviceToDevice, side),
               "cudaMemcpyAsync to peer");
-    stream_write_value(stream, dev.peer_data_flag(p), ++dev.sent(p));
+    stream_write_value(side, dev.peer_meta_flag(p), ++dev.sent(p));
   }
 }
-void wait_messages(NvlDevice& dev, const Group& g, cudaStream_t stream) {
+
+// Sends chunk c of every member's rows and announces it.
+template <class MessageFor>
+void send_chunk(NvlDevice& dev, const Group& g, int c, const MessageFor& msg_for) {
+  cudaStream_t side = dev.send_stream();
+  const uint64_t chunks = uint64_t(dev.chunks());
+  for (int s = 0; s < g.size; ++s) {
+    if (s == g.self) continue;
+    int p = peer_of(dev, g, s);
+    const Message m = msg_for(s);
+    int r0 = chunk_begin(m.num_rows, int(chunks), c), r1 = chunk_begin(m.num_rows, int(chunks), c + 1);
+    if (r1 > r0)
+      check(cudaMemcpyAsync(dev.peer_in_region(p) + m.rows_offset + size_t(r0) * m.row_bytes,
+                            m.rows + size_t(r0) * m.row_bytes, size_t(r1 - r0) * m.row_bytes,
+                            cudaMemcpyDeviceToDevice, side),
+            "cudaMemcpyAsync to peer");
+    stream_write_value(side, dev.peer_data_flag(p), (dev.sent(p) - 1) * chunks + c + 1);
+  }
+}
+
+void join_send(NvlDevice& dev, cudaStream_t stream) {
+  check(cudaEventRecord(dev.join_event(), dev.send_stream()), "cudaEventRecord");
+  check(cudaStreamWaitEvent(stream, dev.join_event(), 0), "cudaStreamWaitEvent");
+}
+
+// Receive side, on XLA's stream.
+void wait_meta(NvlDevice& dev, const Group& g, cudaStream_t stream) {
   for (int s = 0; s < g.size; ++s)
     if (s != g.self) {
       int p = peer_of(dev, g, s);
-      stream_wait_value(stream, dev.data_flag(p), ++dev.received(p));
+      stream_wait_value(stream, dev.meta_flag(p), ++dev.received(p));
     }
+}
+void wait_chunk(NvlDevice& dev, const Group& g, int s, int c, cudaStream_t stream) {
+  int p = peer_of(dev, g, s);
+  stream_wait_value(stream, dev.data_flag(p), (dev.received(p) - 1) * uint64_t(dev.chunks()) + c + 1);
 }
 void ack_messages(NvlDevice& dev, const Group& g, cudaStream_t stream) {
   for (int s = 0; s < g.size; ++s)
@@ -371,6 +463,28 @@ DispatchLayoutBytes dispatch_layout(int num_tokens, int64_t x_row_bytes, int64_t
   return l;
 }
 
+// Rows gathered as they arrive: own rows (and padding) first, then each member's chunks.
+void gather_all(NvlDevice& dev, const Group& g, const Sources& src, bool topk_mode, int topk, int num_experts,
+                int num_tokens, int capacity, const int2* row_map, const int32_t* num_rows, int64_t x_row_bytes,
+                int64_t scale_row_bytes, void* recv_x, void* recv_scales, int32_t* recv_topk_idx,
+                float* recv_topk_weights, cudaStream_t stream) {
+  auto launch = [&](int only_src, int t0, int t1, bool pad) {
+    dispatch_gather_kernel<<<main_blocks(false), 1024, 0, stream>>>(
+        src, topk_mode, topk, num_experts, g.size, g.self, capacity, row_map, num_rows, x_row_bytes,
+        scale_row_bytes, static_cast<char*>(recv_x), static_cast<char*>(recv_scales), recv_topk_idx,
+        recv_topk_weights, only_src, t0, t1, pad);
+    check(cudaGetLastError(), "dispatch_gather_kernel");
+  };
+  launch(g.self, 0, num_tokens, true);
+  for (int c = 0; c < dev.chunks(); ++c)
+    for (int s = 0; s < g.size; ++s) {
+      if (s == g.self) continue;
+      wait_chunk(dev, g, s, c, stream);
+      int t0 = chunk_begin(num_tokens, dev.chunks(), c), t1 = chunk_begin(num_tokens, dev.chunks(), c + 1);
+      if (t1 > t0) launch(s, t0, t1, false);
+    }
+}
+
 }  // namespace
 
 size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights) {
@@ -391,13 +505,21 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   dev.ensure_scratch(size_t(a.capacity) * sizeof(int2) + 256);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
 
-  Piece pieces[4] = {{a.x, l.x, size_t(a.num_tokens) * a.x_row_bytes},
-                     {a.scales, l.scales, size_t(a.num_tokens) * a.scale_row_bytes},
-                     {a.topk_idx, l.idx, size_t(a.num_tokens) * a.topk * 4},
-                     {a.topk_weights, l.weights, has_w ? size_t(a.num_tokens) * a.topk * 4 : 0}};
-  send_message(dev, g, pieces, 4, stream);
-  wait_messages(dev, g, stream);
+  // Routing first (small), then the rows in chunks.
+  Message m;
+  m.meta[0] = {a.topk_idx, l.idx, size_t(a.num_tokens) * a.topk * 4};
+  m.meta[1] = {a.topk_weights, l.weights, has_w ? size_t(a.num_tokens) * a.topk * 4 : 0};
+  m.meta[2] = {a.scales, l.scales, size_t(a.num_tokens) * a.scale_row_bytes};
+  m.num_meta = 3;
+  m.rows = static_cast<const char*>(a.x);
+  m.rows_offset = l.x;
+  m.row_bytes = a.x_row_bytes;
+  m.num_rows = a.num_tokens;
+  auto msg_for = [&](int) { return m; };
+  send_meta(dev, g, stream, msg_for);
+  for (int c = 0; c < dev.chunks(); ++c) send_chunk(dev, g, c, msg_for);
 
+  wait_meta(dev, g, stream);
   Sources src{};
   for (int s = 0; s < g.size; ++s) {
     const char* base = s == g.self ? nullptr : dev.in_region(peer_of(dev, g, s));
@@ -411,11 +533,9 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
       src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, a.topk_idx, row_map,
       a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr, dev.errors_device());
   check(cudaGetLastError(), "dispatch_scan_kernel");
-  dispatch_gather_kernel<<<gather_blocks(), 1024, 0, stream>>>(
-      src, true, a.topk, a.num_experts, g.size, g.self, a.capacity, row_map, a.recv_num_tokens, a.x_row_bytes,
-      a.scale_row_bytes, static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales), a.recv_topk_idx,
-      a.recv_topk_weights);
-  check(cudaGetLastError(), "dispatch_gather_kernel");
+  gather_all(dev, g, src, true, a.topk, a.num_experts, a.num_tokens, a.capacity, row_map, a.recv_num_tokens,
+             a.x_row_bytes, a.scale_row_bytes, a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights, stream);
+  join_send(dev, stream);  // x may be freed only after the copy engine has read it
   ack_messages(dev, g, stream);
 }
 
@@ -429,11 +549,18 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   dev.ensure_scratch(size_t(a.capacity) * sizeof(int2) + 256);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
 
-  Piece pieces[2] = {{a.x, 0, size_t(a.num_tokens) * a.row_bytes},
-                     {a.is_token_in_rank, x_bytes, size_t(a.num_tokens) * g.size}};
-  send_message(dev, g, pieces, 2, stream);
-  wait_messages(dev, g, stream);
+  Message m;
+  m.meta[0] = {a.is_token_in_rank, x_bytes, size_t(a.num_tokens) * g.size};
+  m.num_meta = 1;
+  m.rows = static_cast<const char*>(a.x);
+  m.rows_offset = 0;
+  m.row_bytes = a.row_bytes;
+  m.num_rows = a.num_tokens;
+  auto msg_for = [&](int) { return m; };
+  send_meta(dev, g, stream, msg_for);
+  for (int c = 0; c < dev.chunks(); ++c) send_chunk(dev, g, c, msg_for);
 
+  wait_meta(dev, g, stream);
   Sources src{};
   for (int s = 0; s < g.size; ++s) {
     const char* base = s == g.self ? nullptr : dev.in_region(peer_of(dev, g, s));
@@ -448,11 +575,9 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
                                                        a.capacity, nullptr, row_map, counts, num_rows, nullptr,
                                                        nullptr, a.recv_counts, dev.errors_device());
   check(cudaGetLastError(), "dispatch_scan_kernel");
-  dispatch_gather_kernel<<<gather_blocks(), 1024, 0, stream>>>(src, false, 0, 0, g.size, g.self, a.capacity, row_map,
-                                                                num_rows, a.row_bytes, 0,
-                                                                static_cast<char*>(a.recv_x), nullptr, nullptr,
-                                                                nullptr);
-  check(cudaGetLastError(), "dispatch_gather_kernel");
+  gather_all(dev, g, src, false, 0, 0, a.num_tokens, a.capacity, row_map, num_rows, a.row_bytes, 0, a.recv_x,
+             nullptr, nullptr, nullptr, stream);
+  join_send(dev, stream);
   ack_messages(dev, g, stream);
 }
 
@@ -461,8 +586,6 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   dev.check_errors("combine");
   check_group(dev, g, "combine");
   const int64_t row_bytes = int64_t(a.hidden) * (a.bf16 ? 2 : 4);
-  if (row_bytes % 16 != 0)
-    throw std::invalid_argument("uccl_ep combine: on GPUs the hidden size must make rows a multiple of 16 bytes");
   const size_t message = combine_message_bytes(a.num_tokens, a.hidden, a.bf16);
   check_fits(dev, message, "combine");
   // Scratch: offsets [R + 1], then positions [T, R].
@@ -482,27 +605,43 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   combine_scan_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.recv_counts, a.num_tokens, g.size,
                                                       a.capacity, dev.rank(), offsets, positions, dev.errors_device());
   check(cudaGetLastError(), "combine_scan_kernel");
-  combine_stage_kernel<<<gather_blocks(), 1024, 0, stream>>>(static_cast<const char*>(a.y), row_bytes, g.size, g.self,
-                                                             offsets, out_regions, a.num_tokens);
-  check(cudaGetLastError(), "combine_stage_kernel");
-  for (int s = 0; s < g.size; ++s) {
-    if (s == g.self) continue;
-    int p = peer_of(dev, g, s);
-    stream_wait_value(stream, dev.ack_flag(p), dev.sent(p));
-    check(cudaMemcpyAsync(dev.peer_in_region(p), dev.out_region(p), message, cudaMemcpyDeviceToDevice, stream),
-          "cudaMemcpyAsync to peer");
-    stream_write_value(stream, dev.peer_data_flag(p), ++dev.sent(p));
+
+  // Send side: stage chunk c of the rows going back to each member, then copy it out, chunk by chunk.
+  auto msg_for = [&](int s) {
+    Message m;
+    m.rows = out_regions.p[s];
+    m.row_bytes = row_bytes;
+    m.num_rows = a.num_tokens;  // at most T rows go back to a member; the copy engine moves the whole chunk
+    return m;
+  };
+  send_meta(dev, g, stream, msg_for);  // forks after the scan: offsets are ready for the staging kernels
+  for (int c = 0; c < dev.chunks(); ++c) {
+    int j0 = chunk_begin(a.num_tokens, dev.chunks(), c), j1 = chunk_begin(a.num_tokens, dev.chunks(), c + 1);
+    combine_stage_kernel<<<stage_blocks(), 1024, 0, dev.send_stream()>>>(static_cast<const char*>(a.y), row_bytes,
+                                                                         g.size, g.self, offsets, out_regions, j0, j1);
+    check(cudaGetLastError(), "combine_stage_kernel");
+    send_chunk(dev, g, c, msg_for);
   }
-  wait_messages(dev, g, stream);
-  if (a.bf16)
-    combine_reduce_kernel<__nv_bfloat16><<<gather_blocks(), 1024, 0, stream>>>(
-        static_cast<const char*>(a.y), row_bytes, a.num_tokens, g.size, g.self, offsets, positions,
-        in_regions, static_cast<char*>(a.out));
-  else
-    combine_reduce_kernel<float><<<gather_blocks(), 1024, 0, stream>>>(
-        static_cast<const char*>(a.y), row_bytes, a.num_tokens, g.size, g.self, offsets, positions,
-        in_regions, static_cast<char*>(a.out));
-  check(cudaGetLastError(), "combine_reduce_kernel");
+
+  // Receive side: a token's rows from a member sit at positions <= the token's index, so tokens of chunk c
+  // need that member's chunks up to c only.
+  wait_meta(dev, g, stream);
+  for (int c = 0; c < dev.chunks(); ++c) {
+    for (int s = 0; s < g.size; ++s)
+      if (s != g.self) wait_chunk(dev, g, s, c, stream);
+    int t0 = chunk_begin(a.num_tokens, dev.chunks(), c), t1 = chunk_begin(a.num_tokens, dev.chunks(), c + 1);
+    if (t1 == t0) continue;
+    if (a.bf16)
+      combine_reduce_kernel<__nv_bfloat16><<<main_blocks(true), 1024, 0, stream>>>(
+          static_cast<const char*>(a.y), row_bytes, t0, t1, g.size, g.self, offsets, positions, in_regions,
+          static_cast<char*>(a.out));
+    else
+      combine_reduce_kernel<float><<<main_blocks(true), 1024, 0, stream>>>(
+          static_cast<const char*>(a.y), row_bytes, t0, t1, g.size, g.self, offsets, positions, in_regions,
+          static_cast<char*>(a.out));
+    check(cudaGetLastError(), "combine_reduce_kernel");
+  }
+  join_send(dev, stream);
   ack_messages(dev, g, stream);
 }
 
