@@ -42,6 +42,8 @@ def gpu_suite() -> dict:
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
     r = mesh.devices.size
+    # Kernel-found errors are raised where they happened: the process that drives rank 0 (both cases below).
+    owns_rank0 = any(d.id == mesh.devices.flat[0].id for d in jax.local_devices())
     problems = {}
     shapes = [
         # tokens, hidden, topk, experts, dtype, empty rank
@@ -63,10 +65,11 @@ def gpu_suite() -> dict:
     try:
         cases.roundtrip(mesh, x, idx, w, 2 * r, capacity=3)
         ep.check_errors()
-        problems["capacity"] = ["no error for capacity 3"]
+        problems["capacity"] = ["no error for capacity 3"] if owns_rank0 else []
     except Exception as exc:  # noqa: BLE001
         msg = str(exc)
-        problems["capacity"] = [] if f"received {16 * r} tokens but capacity is 3" in msg else [msg[:300]]
+        ok = owns_rank0 and f"received {16 * r} tokens but capacity is 3" in msg
+        problems["capacity"] = [] if ok else [msg[:300]]
     # The runtime keeps working afterwards.
     problems["after_capacity"] = cases.check_case(mesh, 77, 20, 256, 2, 2 * r, jnp.float32)
 
@@ -76,9 +79,9 @@ def gpu_suite() -> dict:
     try:
         cases.roundtrip(mesh, x[:, :8], idx2, w[:, :8], 2 * r)
         ep.check_errors()
-        problems["bad_index"] = ["no error for expert 99"]
+        problems["bad_index"] = ["no error for expert 99"] if owns_rank0 else []
     except Exception as exc:  # noqa: BLE001
-        problems["bad_index"] = [] if "= 99 outside" in str(exc) else [str(exc)[:300]]
+        problems["bad_index"] = [] if owns_rank0 and "= 99 outside" in str(exc) else [str(exc)[:300]]
     ep.shutdown()
     return {"problems": problems, "ranks": r}
 

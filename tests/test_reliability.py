@@ -303,3 +303,260 @@ def test_soak_random_routing_nothing_lost_or_duplicated():
     assert sum(r["got_sum"] for r in res) == pytest.approx(res[0]["want_sum"], rel=1e-12, abs=1e-6)
     print(f"soak: {SOAK_STEPS} steps in {max(r['seconds'] for r in res):.1f} s, "
           f"{res[0]['want_rows']} rows dispatched")
+
+
+# ----------------------------------------------------------------------------------------------- 3. memory
+
+def _roundtrip_4(num_tokens=16, hidden=256, topk=2, num_experts=8):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    f = jax.jit(jax.shard_map(roundtrip_body(num_experts), mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    return f, (4, num_tokens, hidden, topk, num_experts)
+
+
+def memory_many_calls(calls: int, warmup: int) -> dict:
+    """Child (one process, 4 CPU devices): RSS every 100 calls from `warmup` on."""
+    import gc
+
+    import jax_uccl_ep as ep
+
+    ep.initialize()
+    f, shape = _roundtrip_4()
+    errors = []
+    samples = {}
+    for i in range(calls):
+        x, idx, w = make_inputs([7, i], *shape)
+        outs = jax.tree.map(np.asarray, f(x, idx, w))
+        if i % 97 == 0:  # check a sample of calls; checking all would dominate the time
+            expected, combined = expected_roundtrip(x, idx, w, shape[-1])
+            for r in range(4):
+                errors += check_rank(r, expected[r], combined[r], [o[r] for o in outs])
+        if i + 1 >= warmup and (i + 1) % 100 == 0:
+            gc.collect()
+            samples[i + 1] = rss_bytes()
+    ep.shutdown()
+    return {"errors": errors, "samples": samples}
+
+
+def test_rss_flat_over_many_calls():
+    env = {"JAX_COORDINATOR_ADDRESS": ""}
+    (r,) = [x for x in launch(HERE, "memory_many_calls", 1, args=[2000, 200], devices_per_process=4, env=env,
+                              timeout_s=300)]
+    assert r.ok, describe([r])
+    res = r.result
+    assert res["errors"] == []
+    s = {int(k): v for k, v in res["samples"].items()}
+    warm, mid, end = s[200], s[1100], s[2000]
+    mib = 1 << 20
+    # 1,800 calls after warm-up. Each call allocates ~1.1 MiB of outputs and runtime scratch (4 devices x
+    # capacity 64 x 256 float32 rows, plus inputs); leaking even one 4 KiB page per call would add ~7 MiB.
+    # The slack covers malloc arena growth on XLA's and the proxies' threads, which settles after warm-up.
+    assert end - warm < 4 * mib, f"RSS grew {(end - warm) / mib:.1f} MiB over 1800 calls ({s})"
+    assert end - mid < 2 * mib, f"RSS still growing in the second half: {(end - mid) / mib:.1f} MiB ({s})"
+
+
+def memory_init_shutdown(cycles: int) -> dict:
+    """Child (one process, 4 CPU devices): initialize, one round trip, shutdown, `cycles` times."""
+    import gc
+
+    import jax_uccl_ep as ep
+
+    f, shape = _roundtrip_4()
+    errors = []
+    threads, rss, segments = [], [], []
+    for c in range(cycles):
+        ep.initialize()
+        x, idx, w = make_inputs([8, c], *shape)
+        outs = jax.tree.map(np.asarray, f(x, idx, w))
+        running_threads = thread_count()
+        expected, combined = expected_roundtrip(x, idx, w, shape[-1])
+        for r in range(4):
+            errors += check_rank(r, expected[r], combined[r], [o[r] for o in outs])
+        segments_running = len(owned_by(shm_entries(), [os.getpid()]))
+        ep.shutdown()
+        gc.collect()
+        threads.append([running_threads, thread_count()])
+        rss.append(rss_bytes())
+        segments.append([segments_running, len(owned_by(shm_entries(), [os.getpid()]))])
+    return {"errors": errors, "threads": threads, "rss": rss, "segments": segments,
+            "initialized": ep.is_initialized()}
+
+
+def test_initialize_shutdown_cycles_leave_no_threads_or_memory():
+    env = {"JAX_COORDINATOR_ADDRESS": ""}
+    cycles = 50
+    (r,) = launch(HERE, "memory_init_shutdown", 1, args=[cycles], devices_per_process=4, env=env, timeout_s=300)
+    assert r.ok, describe([r])
+    res = r.result
+    assert res["errors"] == []
+    assert res["initialized"] is False
+    threads = res["threads"]
+    # While running there are more threads (one proxy per device and channel); after shutdown they are gone,
+    # and neither count grows from cycle to cycle.
+    assert threads[0][0] >= threads[0][1] + 4, threads[0]
+    assert {t[0] for t in threads[1:]} == {threads[1][0]}, threads
+    assert {t[1] for t in threads[1:]} == {threads[1][1]}, threads
+    # Each cycle allocates and frees 4 x 64 MiB communication buffers; what is left after shutdown must not
+    # grow. Measured from cycle 5 (after warm-up) to cycle 50, with 8 MiB of slack for allocator growth.
+    rss = res["rss"]
+    mib = 1 << 20
+    assert rss[-1] - rss[4] < 8 * mib, f"RSS grew {(rss[-1] - rss[4]) / mib:.1f} MiB: {[v // mib for v in rss]}"
+    # libfabric's shm segments exist while running and are unlinked by every shutdown.
+    assert all(run >= 1 and after == 0 for run, after in res["segments"]), res["segments"]
+
+
+# ------------------------------------------------------------------------------------------ 4. concurrency
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    ep.initialize()
+    yield
+
+
+def _mesh4():
+    return Mesh(np.array(jax.devices()[:4]), ("ep",))
+
+
+def _check_roundtrip_outputs(outs, inputs, num_experts, ranks=None):
+    """outs: the (stacked) outputs of roundtrip_body for the ranks `ranks` of the global inputs."""
+    x, idx, w = inputs
+    ranks = list(range(x.shape[0])) if ranks is None else ranks
+    expected, combined = expected_roundtrip(x[ranks], idx[ranks], w[ranks], num_experts)
+    errors = []
+    for j, r in enumerate(ranks):
+        errors += check_rank(j, expected[j], combined[j], [np.asarray(o)[r] for o in outs])
+    return errors
+
+
+def test_back_to_back_calls_without_host_sync(runtime):
+    f, shape = _roundtrip_4(num_tokens=20, hidden=128, topk=3, num_experts=8)
+    calls = 40
+    inputs = [make_inputs([31, i], *shape) for i in range(calls)]
+    device_inputs = [jax.device_put(a) for a in inputs]
+    jax.block_until_ready(device_inputs)
+    outs = [f(*a) for a in device_inputs]  # every call queued before any result is read
+    jax.block_until_ready(outs)
+    errors = []
+    for i, (o, a) in enumerate(zip(outs, inputs)):
+        errors += [f"call {i}: {m}" for m in _check_roundtrip_outputs(o, a, shape[-1])]
+    assert errors == []
+
+
+def _bf16_roundtrip(num_experts):
+    def body(x, idx):
+        res = ep.dispatch(x[0], idx[0], num_experts=num_experts, axis_name="ep")
+        return res.num_tokens[None, None], ep.combine(res.x * 2, res.handle)[None]
+
+    return jax.jit(jax.shard_map(body, mesh=_mesh4(), in_specs=P("ep"), out_specs=P("ep")))
+
+
+def _fp8_dispatch(num_experts, capacity):
+    def body(x, s, idx):
+        lay = ep.get_dispatch_layout(idx[0], num_experts=num_experts, axis_name="ep")
+        res = ep.dispatch((x[0], s[0]), idx[0], num_experts=num_experts, axis_name="ep", capacity=capacity)
+        return res.x[0][None], res.x[1][None], res.num_tokens[None, None], lay.num_tokens_per_rank[None]
+
+    return jax.jit(jax.shard_map(body, mesh=_mesh4(), in_specs=P("ep"), out_specs=P("ep")))
+
+
+def _grad_fn(num_experts):
+    def loss(x, w, idx, c):
+        def body(x, w, idx, c):
+            res = ep.dispatch(x[0], idx[0], w[0], num_experts=num_experts, axis_name="ep")
+            rank = jax.lax.axis_index("ep").astype(jnp.float32)
+            y = res.x * (rank + 1) * res.topk_weights.sum(-1, keepdims=True)
+            return jax.lax.psum(jnp.sum(ep.combine(y, res.handle) * c[0]), "ep")[None]
+
+        return jax.shard_map(body, mesh=_mesh4(), in_specs=P("ep"), out_specs=P("ep"))(x, w, idx, c)[0]
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _dense_grad(x, w, idx, c, num_experts):
+    owner = np.where(idx >= 0, idx // (num_experts // 4), 0).astype(np.float64)
+    scale = np.sum(np.where(idx >= 0, w * (owner + 1), 0.0), -1, keepdims=True)
+    dx = scale * c
+    dw = np.where(idx >= 0, (owner + 1) * np.sum(x * c, -1, keepdims=True), 0.0)
+    return dx, dw
+
+
+def test_different_jitted_functions_interleaved(runtime):
+    """Four programs (f32 with weights, bf16, FP8 with layout and capacity, gradients) queued in turn."""
+    e_a, e_b, e_c, e_d = 8, 16, 12, 8
+    f_a, shape_a = _roundtrip_4(num_tokens=12, hidden=256, topk=4, num_experts=e_a)
+    f_b, f_c, f_d = _bf16_roundtrip(e_b), _fp8_dispatch(e_c, capacity=4 * 10), _grad_fn(e_d)
+    queued = []
+    for i in range(8):
+        rng = np.random.default_rng([41, i])
+        a = make_inputs([42, i], *shape_a)
+        xb, idx_b, _ = make_inputs([43, i], 4, 9, 128, 2, e_b)
+        xc = jnp.asarray(exact_values(rng, (4, 10, 256)) / 4, jnp.float8_e4m3fn)
+        sc = (rng.integers(1, 64, (4, 10, 2)) / 8).astype(np.float32)
+        idx_c = ref.random_routing(rng, 4, 10, 3, e_c)
+        xd, idx_d, wd = make_inputs([44, i], 4, 8, 128, 2, e_d)
+        cd = exact_values(rng, xd.shape)
+        queued.append((
+            (a, f_a(*a)),
+            ((xb, idx_b), f_b(jnp.asarray(xb, jnp.bfloat16), idx_b)),
+            ((xc, sc, idx_c), f_c(xc, sc, idx_c)),
+            ((xd, wd, idx_d, cd), f_d(xd, wd, idx_d, cd)),
+        ))
+    jax.block_until_ready([q[j][1] for q in queued for j in range(4)])
+    errors = []
+    for i, (qa, qb, qc, qd) in enumerate(queued):
+        errors += [f"{i} f32: {m}" for m in _check_roundtrip_outputs(qa[1], qa[0], e_a)]
+        # bf16: the inputs are exact in bf16 after the cast, and sums of <= 4 copies are exact in float32.
+        (xb, idx_b), (n_b, comb_b) = qb[0], qb[1]
+        xb16 = np.asarray(jnp.asarray(xb, jnp.bfloat16).astype(jnp.float32), np.float64)
+        exp_b = ref.dispatch(xb16, idx_b, None, e_b)
+        want_b = ref.combine([2 * e["x"] for e in exp_b], exp_b, 9)
+        if not np.array_equal(np.asarray(n_b)[:, 0], [e["num_tokens"] for e in exp_b]):
+            errors.append(f"{i} bf16: num_tokens")
+        if not np.array_equal(np.asarray(comb_b.astype(jnp.float32), np.float64), want_b):
+            errors.append(f"{i} bf16: combined differs")
+        # FP8 rows travel with their scales, bit-exactly; layout counts agree with the reference.
+        (xc, sc, idx_c), (rx, rs, n_c, per_rank) = qc
+        exp_x = ref.dispatch(np.asarray(xc.astype(jnp.float32)), idx_c, None, e_c)
+        exp_s = ref.dispatch(sc, idx_c, None, e_c)
+        for r in range(4):
+            m = exp_x[r]["num_tokens"]
+            if int(n_c[r, 0]) != m or not np.array_equal(np.asarray(rx[r, :m].astype(jnp.float32)), exp_x[r]["x"]) \
+                    or not np.array_equal(np.asarray(rs[r, :m]), exp_s[r]["x"]):
+                errors.append(f"{i} fp8: rank {r} differs")
+            owners = np.where(idx_c[r] >= 0, idx_c[r] // (e_c // 4), -1)
+            want_per_rank = [(owners == d).any(-1).sum() for d in range(4)]
+            if not np.array_equal(np.asarray(per_rank[r]), want_per_rank):
+                errors.append(f"{i} fp8: layout of rank {r} differs")
+        # Gradients (backward: a cached dispatch and two chained combines) against the dense formula.
+        (xd, wd, idx_d, cd), (gx, gw) = qd
+        dx, dw = _dense_grad(xd.astype(np.float64), wd.astype(np.float64), idx_d, cd.astype(np.float64), e_d)
+        if not (np.allclose(np.asarray(gx), dx, rtol=1e-6, atol=1e-6)
+                and np.allclose(np.asarray(gw), dw, rtol=1e-5, atol=1e-4)):
+            errors.append(f"{i} grad differs")
+    assert errors == []
+
+
+def test_two_ep_meshes_used_alternately(runtime):
+    """A 1-D mesh of 4 and a 2x2 mesh (EP over either axis), called in turn without host sync."""
+    devices = np.array(jax.devices()[:4])
+    mesh22 = Mesh(devices.reshape(2, 2), ("dp", "ep"))
+    num_tokens, hidden, topk, num_experts = 14, 128, 2, 8
+    f4, _ = _roundtrip_4(num_tokens, hidden, topk, num_experts)
+    spec = P(("dp", "ep"))  # global row r = 2 * dp + ep lives on device r
+    f_ep = jax.jit(jax.shard_map(roundtrip_body(num_experts, "ep"), mesh=mesh22, in_specs=spec, out_specs=spec))
+    f_dp = jax.jit(jax.shard_map(roundtrip_body(num_experts, "dp"), mesh=mesh22, in_specs=spec, out_specs=spec))
+    queued = []
+    for i in range(12):
+        a = make_inputs([51, i], 4, num_tokens, hidden, topk, num_experts)
+        which = ("4", "ep", "dp")[i % 3]
+        fn = {"4": f4, "ep": f_ep, "dp": f_dp}[which]
+        queued.append((which, a, fn(*a)))
+    jax.block_until_ready([q[2] for q in queued])
+    errors = []
+    # EP groups: all 4 ranks; {0,1},{2,3} along "ep"; {0,2},{1,3} along "dp". Each group is its own EP.
+    groups = {"4": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
+    for i, (which, a, outs) in enumerate(queued):
+        for g in groups[which]:
+            errors += [f"call {i} ({which}) group {g}: {m}"
+                       for m in _check_roundtrip_outputs(outs, a, num_experts, ranks=g)]
+    assert errors == []

@@ -70,6 +70,10 @@ class NvlDevice {
   cudaStream_t send_stream() const { return send_stream_; }
   cudaEvent_t fork_event() const { return fork_event_; }
   cudaEvent_t join_event() const { return join_event_; }
+  // Combine stages rows on a stream of its own, so staging chunk c+1 overlaps the copy of chunk c.
+  cudaStream_t stage_stream() const { return stage_stream_; }
+  cudaEvent_t chunk_event(int c) const { return chunk_events_[c]; }
+  cudaEvent_t stage_done_event() const { return stage_done_event_; }
   int chunks() const { return chunks_; }
 
   // Message sequencing (host side, under op_mutex): both ends of a pair enqueue ops in the same order.
@@ -98,6 +102,9 @@ class NvlDevice {
   size_t scratch_bytes_ = 0;
   cudaStream_t send_stream_ = nullptr;
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
+  cudaStream_t stage_stream_ = nullptr;
+  std::vector<cudaEvent_t> chunk_events_;
+  cudaEvent_t stage_done_event_ = nullptr;
   int chunks_ = 8;
 };
 

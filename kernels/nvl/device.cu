@@ -88,6 +88,10 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   check(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), "cudaEventCreate");
   check(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), "cudaEventCreate");
   if (const char* v = std::getenv("UCCL_EP_CHUNKS")) chunks_ = std::max(1, std::min(64, std::atoi(v)));
+  check(cudaStreamCreateWithFlags(&stage_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  check(cudaEventCreateWithFlags(&stage_done_event_, cudaEventDisableTiming), "cudaEventCreate");
+  chunk_events_.resize(chunks_);
+  for (auto& e : chunk_events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   peer_buffers_.assign(num_ranks, nullptr);
   opened_ipc_.assign(num_ranks, false);
@@ -104,6 +108,9 @@ NvlDevice::~NvlDevice() {
   if (send_stream_) cudaStreamDestroy(send_stream_);
   if (fork_event_) cudaEventDestroy(fork_event_);
   if (join_event_) cudaEventDestroy(join_event_);
+  if (stage_stream_) cudaStreamDestroy(stage_stream_);
+  if (stage_done_event_) cudaEventDestroy(stage_done_event_);
+  for (auto e : chunk_events_) cudaEventDestroy(e);
   if (errors_host_) cudaFreeHost(errors_host_);
 }
 

@@ -175,24 +175,32 @@ __device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
 }
 
 // One warp per output row: copy the row from its source, localize its expert indices; padding gets zeros.
-// Only rows from group member `only_src` whose source token is in [t_begin, t_end) are copied (the part that
-// has arrived); with `pad`, rows past the received count are filled too.
+// Work is spread as (row, 2 KiB segment) items so that a chunk of a few hundred rows still keeps every warp of
+// the grid busy. Only rows from group member `only_src` whose source token is in [t_begin, t_end) are copied
+// (the part that has arrived); with `pad`, rows past the received count are filled too.
+constexpr int64_t kSegmentBytes = 2048;
+
 __global__ void dispatch_gather_kernel(Sources src, bool topk_mode, int topk, int num_experts, int num_ranks,
                                        int self, int capacity, const int2* row_map, const int32_t* recv_num_tokens,
                                        int64_t x_row_bytes, int64_t scale_row_bytes, char* recv_x,
                                        char* recv_scales, int32_t* recv_topk_idx, float* recv_topk_weights,
                                        int only_src, int t_begin, int t_end, bool pad) {
   const int lane = threadIdx.x % kWarp;
-  const int warps = gridDim.x * blockDim.x / kWarp;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
   const int n = *recv_num_tokens;
   const int local_experts = topk_mode ? num_experts / num_ranks : 0;
   const int first = self * local_experts;
-  for (int o = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; o < capacity; o += warps) {
+  const int64_t segments = max(int64_t(1), (x_row_bytes + kSegmentBytes - 1) / kSegmentBytes);
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; w < capacity * segments; w += warps) {
+    const int o = int(w / segments);
+    const int64_t seg = w % segments;
+    const int64_t b0 = seg * kSegmentBytes, b1 = min(x_row_bytes, b0 + kSegmentBytes);
     char* out_x = recv_x + int64_t(o) * x_row_bytes;
     if (o < n) {
       const int2 st = row_map[o];
       if (st.x != only_src || st.y < t_begin || st.y >= t_end) continue;
-      warp_copy(out_x, src.x[st.x] + int64_t(st.y) * x_row_bytes, x_row_bytes, lane);
+      warp_copy(out_x + b0, src.x[st.x] + int64_t(st.y) * x_row_bytes + b0, b1 - b0, lane);
+      if (seg != 0) continue;
       if (scale_row_bytes)
         warp_copy(recv_scales + int64_t(o) * scale_row_bytes, src.scales[st.x] + int64_t(st.y) * scale_row_bytes,
                   scale_row_bytes, lane);
@@ -204,7 +212,8 @@ __global__ void dispatch_gather_kernel(Sources src, bool topk_mode, int topk, in
           if (recv_topk_weights) recv_topk_weights[o * topk + k] = mine ? src.weights[st.x][st.y * topk + k] : 0.f;
         }
     } else if (pad) {
-      warp_zero(out_x, x_row_bytes, lane);
+      warp_zero(out_x + b0, b1 - b0, lane);
+      if (seg != 0) continue;
       if (scale_row_bytes) warp_zero(recv_scales + int64_t(o) * scale_row_bytes, scale_row_bytes, lane);
       if (topk_mode)
         for (int k = lane; k < topk; k += kWarp) {
@@ -241,16 +250,22 @@ __global__ void __launch_bounds__(kScanThreads) combine_scan_kernel(const bool* 
 }
 
 // Rows received from each remote member go back to it: stage them at the start of its out-region.
-// (Rows [j_begin, j_end) of each remote member's message only: one chunk.)
+// (Rows [j_begin, j_end) of each remote member's message only: one chunk; (row, segment) work items.)
 __global__ void combine_stage_kernel(const char* y, int64_t row_bytes, int num_ranks, int self,
                                      const int32_t* offsets, Regions out_regions, int j_begin, int j_end) {
   const int lane = threadIdx.x % kWarp;
-  const int warps = gridDim.x * blockDim.x / kWarp;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
+  const int64_t segments = max(int64_t(1), (row_bytes + kSegmentBytes - 1) / kSegmentBytes);
   for (int s = 0; s < num_ranks; ++s) {
     if (s == self) continue;
-    const int begin = offsets[s], count = offsets[s + 1] - offsets[s];
-    for (int j = j_begin + (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; j < min(count, j_end); j += warps)
-      warp_copy(out_regions.p[s] + int64_t(j) * row_bytes, y + int64_t(begin + j) * row_bytes, row_bytes, lane);
+    const int begin = offsets[s], end = min(offsets[s + 1] - offsets[s], j_end);
+    for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; w < int64_t(end - j_begin) * segments;
+         w += warps) {
+      const int j = j_begin + int(w / segments);
+      const int64_t b0 = (w % segments) * kSegmentBytes, b1 = min(row_bytes, b0 + kSegmentBytes);
+      warp_copy(out_regions.p[s] + int64_t(j) * row_bytes + b0, y + int64_t(begin + j) * row_bytes + b0, b1 - b0,
+                lane);
+    }
   }
 }
 
@@ -303,27 +318,30 @@ __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// Tokens [t_begin, t_end) only: one chunk, once the rows it needs have arrived.
+// Tokens [t_begin, t_end) only: one chunk, once the rows it needs have arrived. (Token, segment) work items;
+// each lane sums up to four 16-byte vectors with their loads issued together.
 template <typename T>
 __global__ void combine_reduce_kernel(const char* y, int64_t row_bytes, int t_begin, int t_end, int num_ranks,
                                       int self, const int32_t* offsets, const int32_t* positions, Regions in_regions,
-                                      char* out) {
+                                      char* __restrict__ out) {
   const int lane = threadIdx.x % kWarp;
-  const int warps = gridDim.x * blockDim.x / kWarp;
-  const int64_t vecs = row_bytes / 16;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
   const bool vector = row_bytes % 16 == 0;
-  for (int t = t_begin + (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; t < t_end; t += warps) {
-    const int4* rows[kMaxRanks];
+  const int64_t segments = max(int64_t(1), (row_bytes + kSegmentBytes - 1) / kSegmentBytes);
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; w < int64_t(t_end - t_begin) * segments;
+       w += warps) {
+    const int t = t_begin + int(w / segments);
+    const int64_t b0 = (w % segments) * kSegmentBytes, b1 = min(row_bytes, b0 + kSegmentBytes);
+    const char* rows[kMaxRanks];
     int n = 0;
     for (int d = 0; d < num_ranks; ++d) {
       int p = positions[t * num_ranks + d];
       if (p < 0) continue;
-      const char* base = d == self ? y + int64_t(offsets[self] + p) * row_bytes : in_regions.p[d] + int64_t(p) * row_bytes;
-      rows[n++] = reinterpret_cast<const int4*>(base);
+      rows[n++] = d == self ? y + int64_t(offsets[self] + p) * row_bytes : in_regions.p[d] + int64_t(p) * row_bytes;
     }
     if (!vector) {  // rows of a few elements (a weight gradient, say): one element per lane
       T* dst = reinterpret_cast<T*>(out + int64_t(t) * row_bytes);
-      for (int64_t i = lane; i < row_bytes / int64_t(sizeof(T)); i += kWarp) {
+      for (int64_t i = b0 / int64_t(sizeof(T)) + lane; i < b1 / int64_t(sizeof(T)); i += kWarp) {
         float acc = 0.f;
         for (int j = 0; j < n; ++j) acc += to_float(reinterpret_cast<const T*>(rows[j])[i]);
         dst[i] = from_float<T>(acc);
@@ -331,17 +349,29 @@ __global__ void combine_reduce_kernel(const char* y, int64_t row_bytes, int t_be
       continue;
     }
     int4* dst = reinterpret_cast<int4*>(out + int64_t(t) * row_bytes);
-    for (int64_t i = lane; i < vecs; i += kWarp) {
-      float acc[Vec<T>::kN] = {};
-      for (int j = 0; j < n; ++j) Vec<T>::add(acc, __ldg(rows[j] + i));
-      dst[i] = Vec<T>::pack(acc);
+    const int64_t v0 = b0 / 16, v1 = b1 / 16;
+    for (int64_t i = v0 + lane; i < v1; i += kUnroll * kWarp) {
+      float acc[kUnroll][Vec<T>::kN] = {};
+      for (int j = 0; j < n; ++j) {
+        const int4* r = reinterpret_cast<const int4*>(rows[j]);
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + u * kWarp < v1) v[u] = __ldg(r + i + u * kWarp);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + u * kWarp < v1) Vec<T>::add(acc[u], v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + u * kWarp < v1) dst[i + u * kWarp] = Vec<T>::pack(acc[u]);
     }
   }
 }
 
-// SM budget: gathers and reductions on XLA's stream; combine's staging on the send stream, at the same time.
-int main_blocks(bool staging_alongside) { return staging_alongside ? std::max(1, num_sms() * 2 / 3) : num_sms(); }
-int stage_blocks() { return std::max(1, num_sms() / 3); }
+// SM budget: at most num_sms() blocks run at any time. Combine's staging (its own stream) finishes before its
+// reduction (XLA's stream) starts, so the two never share the GPU.
+int blocks() { return num_sms(); }
 
 // The peer a group position stands for, checked against this GPU's ranks.
 int peer_of(const NvlDevice& dev, const Group& g, int s) {
@@ -469,7 +499,7 @@ void gather_all(NvlDevice& dev, const Group& g, const Sources& src, bool topk_mo
                 int64_t scale_row_bytes, void* recv_x, void* recv_scales, int32_t* recv_topk_idx,
                 float* recv_topk_weights, cudaStream_t stream) {
   auto launch = [&](int only_src, int t0, int t1, bool pad) {
-    dispatch_gather_kernel<<<main_blocks(false), 1024, 0, stream>>>(
+    dispatch_gather_kernel<<<blocks(), 1024, 0, stream>>>(
         src, topk_mode, topk, num_experts, g.size, g.self, capacity, row_map, num_rows, x_row_bytes,
         scale_row_bytes, static_cast<char*>(recv_x), static_cast<char*>(recv_scales), recv_topk_idx,
         recv_topk_weights, only_src, t0, t1, pad);
@@ -606,7 +636,8 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
                                                       a.capacity, dev.rank(), offsets, positions, dev.errors_device());
   check(cudaGetLastError(), "combine_scan_kernel");
 
-  // Send side: stage chunk c of the rows going back to each member, then copy it out, chunk by chunk.
+  // Send side: the stage stream copies chunk c of the rows going back to each member into its out-region; the
+  // send stream copies each staged chunk out as soon as it is ready.
   auto msg_for = [&](int s) {
     Message m;
     m.rows = out_regions.p[s];
@@ -615,28 +646,34 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
     return m;
   };
   send_meta(dev, g, stream, msg_for);  // forks after the scan: offsets are ready for the staging kernels
+  cudaStream_t stage = dev.stage_stream();
+  check(cudaStreamWaitEvent(stage, dev.fork_event(), 0), "cudaStreamWaitEvent");
   for (int c = 0; c < dev.chunks(); ++c) {
     int j0 = chunk_begin(a.num_tokens, dev.chunks(), c), j1 = chunk_begin(a.num_tokens, dev.chunks(), c + 1);
-    combine_stage_kernel<<<stage_blocks(), 1024, 0, dev.send_stream()>>>(static_cast<const char*>(a.y), row_bytes,
-                                                                         g.size, g.self, offsets, out_regions, j0, j1);
+    combine_stage_kernel<<<blocks(), 1024, 0, stage>>>(static_cast<const char*>(a.y), row_bytes, g.size, g.self,
+                                                       offsets, out_regions, j0, j1);
     check(cudaGetLastError(), "combine_stage_kernel");
+    check(cudaEventRecord(dev.chunk_event(c), stage), "cudaEventRecord");
+    check(cudaStreamWaitEvent(dev.send_stream(), dev.chunk_event(c), 0), "cudaStreamWaitEvent");
     send_chunk(dev, g, c, msg_for);
   }
+  check(cudaEventRecord(dev.stage_done_event(), stage), "cudaEventRecord");
 
   // Receive side: a token's rows from a member sit at positions <= the token's index, so tokens of chunk c
   // need that member's chunks up to c only.
   wait_meta(dev, g, stream);
+  check(cudaStreamWaitEvent(stream, dev.stage_done_event(), 0), "cudaStreamWaitEvent");
   for (int c = 0; c < dev.chunks(); ++c) {
     for (int s = 0; s < g.size; ++s)
       if (s != g.self) wait_chunk(dev, g, s, c, stream);
     int t0 = chunk_begin(a.num_tokens, dev.chunks(), c), t1 = chunk_begin(a.num_tokens, dev.chunks(), c + 1);
     if (t1 == t0) continue;
     if (a.bf16)
-      combine_reduce_kernel<__nv_bfloat16><<<main_blocks(true), 1024, 0, stream>>>(
+      combine_reduce_kernel<__nv_bfloat16><<<blocks(), 1024, 0, stream>>>(
           static_cast<const char*>(a.y), row_bytes, t0, t1, g.size, g.self, offsets, positions, in_regions,
           static_cast<char*>(a.out));
     else
-      combine_reduce_kernel<float><<<main_blocks(true), 1024, 0, stream>>>(
+      combine_reduce_kernel<float><<<blocks(), 1024, 0, stream>>>(
           static_cast<const char*>(a.y), row_bytes, t0, t1, g.size, g.self, offsets, positions, in_regions,
           static_cast<char*>(a.out));
     check(cudaGetLastError(), "combine_reduce_kernel");
