@@ -180,7 +180,7 @@ __device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
 // (the part that has arrived); with `pad`, rows past the received count are filled too.
 constexpr int64_t kSegmentBytes = 2048;
 
-__global__ void dispatch_gather_kernel(Sources src, bool topk_mode, int topk, int num_experts, int num_ranks,
+__global__ void __launch_bounds__(1024) dispatch_gather_kernel(Sources src, bool topk_mode, int topk, int num_experts, int num_ranks,
                                        int self, int capacity, const int2* row_map, const int32_t* recv_num_tokens,
                                        int64_t x_row_bytes, int64_t scale_row_bytes, char* recv_x,
                                        char* recv_scales, int32_t* recv_topk_idx, float* recv_topk_weights,
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kScanThreads) combine_scan_kernel(const bool* 
 
 // Rows received from each remote member go back to it: stage them at the start of its out-region.
 // (Rows [j_begin, j_end) of each remote member's message only: one chunk; (row, segment) work items.)
-__global__ void combine_stage_kernel(const char* y, int64_t row_bytes, int num_ranks, int self,
+__global__ void __launch_bounds__(1024) combine_stage_kernel(const char* y, int64_t row_bytes, int num_ranks, int self,
                                      const int32_t* offsets, Regions out_regions, int j_begin, int j_end) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
@@ -321,7 +321,7 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 // Tokens [t_begin, t_end) only: one chunk, once the rows it needs have arrived. (Token, segment) work items;
 // each lane sums up to four 16-byte vectors with their loads issued together.
 template <typename T>
-__global__ void combine_reduce_kernel(const char* y, int64_t row_bytes, int t_begin, int t_end, int num_ranks,
+__global__ void __launch_bounds__(1024) combine_reduce_kernel(const char* y, int64_t row_bytes, int t_begin, int t_end, int num_ranks,
                                       int self, const int32_t* offsets, const int32_t* positions, Regions in_regions,
                                       char* __restrict__ out) {
   const int lane = threadIdx.x % kWarp;
