@@ -34,10 +34,10 @@ echo "# build: $(( $(date +%s) - start )) s"
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
   start=$(date +%s)
-  timeout 300 python -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -40
+  timeout ${TEST_TIMEOUT:-300} python -m pytest -q -x ${TESTS:-tests/test_gpu.py} 2>&1 | tee "$OUT/tests.log" | tail -40
   echo "# gpu tests: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # A GPU stream waiting on a peer's flag has no deadline yet: bound the whole run.
-  timeout 240 python bench/intranode.py --out "$OUT/intranode.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
+  timeout ${BENCH_TIMEOUT:-240} python bench/intranode.py --out "$OUT/intranode.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
 fi

@@ -54,8 +54,11 @@ def gpu_suite() -> dict:
     ]
     for i, (t, h, k, e, dtype, empty) in enumerate(shapes):
         problems[f"case{i}"] = cases.check_case(mesh, 100 + i, t, h, k, e, dtype, empty_rank=empty)
+        print(f"case{i}: {problems[f'case{i}']}", flush=True)
     problems["fp8"] = cases.check_fp8(mesh, 7, 41, 256, 3, 4 * r)
+    print(f"fp8: {problems['fp8']}", flush=True)
     problems["gradients"] = cases.check_gradients(mesh, 9, 24, 128, 3, 4 * r)
+    print(f"gradients: {problems['gradients']}", flush=True)
     ep.check_errors()  # nothing pending so far
 
     # Capacity exceeded: the kernel cannot fail its own call; the next op (or check_errors) says so.
