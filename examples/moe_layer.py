@@ -110,8 +110,8 @@ def moe_ffn(
 
     # 1. Send each token to every rank that owns one of its experts. On arrival, recv_idx holds *local* expert
     #    indices (-1 for slots owned elsewhere) and recv_weights the matching router weights (0 elsewhere).
-    recv_x, recv_idx, recv_weights, handle = dispatch_with_weights(
-        x, idx, weights, num_experts=num_experts, axis_name=axis_name, capacity=capacity)
+    recv = ep.dispatch(x, idx, weights, num_experts=num_experts, axis_name=axis_name, capacity=capacity)
+    recv_x, recv_idx, recv_weights, handle = recv.x, recv.topk_idx, recv.topk_weights, recv.handle
 
     # 2. Run the local experts. For clarity every local expert sees every received row (padding rows included)
     #    and a [rows, local_experts] weight matrix keeps only the chosen (row, expert) pairs. That costs
@@ -123,33 +123,6 @@ def moe_ffn(
 
     # 3. Send the weighted rows home; combine sums the copies of each token (one per rank it visited).
     return ep.combine(y, handle)
-
-
-def dispatch_with_weights(
-    x: jax.Array,
-    topk_idx: jax.Array,
-    topk_weights: jax.Array,
-    *,
-    num_experts: int,
-    axis_name: str,
-    capacity: int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, ep.DispatchHandle]:
-    """``jax_uccl_ep.dispatch`` of rows and router weights, differentiable in both.
-
-    Returns ``(recv_x [C, D], recv_idx [C, K] local expert or -1, recv_weights [C, K] (0 where recv_idx is -1),
-    handle)``.
-
-    Why not ``ep.dispatch(x, topk_idx, topk_weights)``: in jax_uccl_ep 0.1.0 the backward pass of that call runs
-    two combines (one for d/dx, one for d/dweights) with no data dependency between them; XLA's CPU runtime may
-    start them in a different order on different ranks, and the ranks then fail with "shapes or op order differ
-    across ranks". Shipping the weights as K extra columns of x makes it one dispatch forward and one combine
-    backward. (For bfloat16 x the weights travel rounded to bfloat16.)
-    """
-    d = x.shape[1]
-    rows = jnp.concatenate([x, topk_weights.astype(x.dtype)], axis=1)  # [T, D + K]
-    recv = ep.dispatch(rows, topk_idx, num_experts=num_experts, axis_name=axis_name, capacity=capacity)
-    recv_weights = jnp.where(recv.topk_idx >= 0, recv.x[:, d:].astype(jnp.float32), 0.0)
-    return recv.x[:, :d], recv.topk_idx, recv_weights, recv.handle
 
 
 def moe_ffn_dense(
