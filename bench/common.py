@@ -539,18 +539,22 @@ class EPBench:
 
         return self._run(name, make, p.exact_bytes(False), note="exact ragged rows")
 
+    def op(self, name: str) -> "OpResult":
+        """Runs one op by name: 'dispatch', 'dispatch_fp8', 'combine', 'all_to_all', 'ragged_all_to_all'."""
+        table = {
+            "dispatch": lambda: self.uccl_dispatch(False),
+            "dispatch_fp8": lambda: self.uccl_dispatch(True),
+            "combine": self.uccl_combine,
+            "all_to_all": self.all_to_all,
+            "ragged_all_to_all": self.ragged_all_to_all,
+        }
+        return table[name]()
+
 
 def run_ep_ops(prob: EPProblem, ops: Sequence[str], *, iters: int, repeats: int, devices=None) -> list[dict]:
-    """Runs the named ops ('dispatch', 'dispatch_fp8', 'combine', 'all_to_all', 'ragged_all_to_all')."""
+    """Runs the named ops (see EPBench.op)."""
     bench = EPBench(prob, devices, iters=iters, repeats=repeats)
-    table = {
-        "dispatch": lambda: bench.uccl_dispatch(False),
-        "dispatch_fp8": lambda: bench.uccl_dispatch(True),
-        "combine": bench.uccl_combine,
-        "all_to_all": bench.all_to_all,
-        "ragged_all_to_all": bench.ragged_all_to_all,
-    }
-    return [table[o]().as_dict() for o in ops]
+    return [bench.op(o).as_dict() for o in ops]
 
 
 def merge_rank_results(per_rank: list[list[dict]]) -> list[dict]:

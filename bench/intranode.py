@@ -225,13 +225,6 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int) ->
                 raise
             uccl_error = f"jax_uccl_ep unavailable: {common.short_error(e, 200)}"
     bench = common.EPBench(prob, devices, iters=iters, repeats=repeats)
-    table = {
-        "dispatch": lambda: bench.uccl_dispatch(False),
-        "dispatch_fp8": lambda: bench.uccl_dispatch(True),
-        "combine": bench.uccl_combine,
-        "all_to_all": bench.all_to_all,
-        "ragged_all_to_all": bench.ragged_all_to_all,
-    }
     results = []
     for op in ops:
         if uccl_error and op in ("dispatch", "dispatch_fp8", "combine"):
@@ -241,7 +234,7 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int) ->
             results.append(common.OpResult(name, error=uccl_error, bytes_deepep=nbytes[0], bytes_remote=nbytes[1]))
             continue
         t0 = time.perf_counter()
-        res = table[op]()
+        res = bench.op(op)
         print(f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
         results.append(res)

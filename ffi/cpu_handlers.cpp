@@ -10,6 +10,7 @@
 #include <string>
 
 #include "../kernels/cpu/normal.hpp"
+#include "common.hpp"
 
 namespace ffi = xla::ffi;
 
@@ -57,11 +58,11 @@ uint64_t row_bytes(const ffi::AnyBuffer& b) {
 // The lowering passes every EP group of the mesh ([groups, size], runtime ranks); this device's is the row
 // that holds its rank.
 cpu::Group group_of(Device& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
-  for (size_t row = 0; row + size <= table.size(); row += size)
-    for (int64_t i = 0; i < size; ++i)
-      if (uint32_t(table[row + i]) == dev.rank()) return cpu::make_group(dev, table.begin() + row, int(size), op);
-  throw InvalidArgument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
-                        " is in no EP group of the mesh");
+  auto [row, index] = ffi_common::find_group(table, size, dev.rank());
+  if (!row)
+    throw InvalidArgument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
+                          " is in no EP group of the mesh");
+  return cpu::make_group(dev, row, int(size), op);
 }
 
 ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64_t num_ranks,
@@ -164,6 +165,7 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
 }  // namespace uccl_ep::ffi_cpu
 
 using namespace uccl_ep::ffi_cpu;
+namespace ffi_common = uccl_ep::ffi_common;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
                               ffi::Ffi::Bind()
@@ -175,43 +177,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
                                   .Ret<ffi::Buffer<ffi::PRED>>());  // is_token_in_rank
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCpu, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::AnyBuffer>()           // scales (zero width unless FP8)
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights (zero width if absent)
-                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
-                                  .Attr<ffi::Span<const int32_t>>("group_table")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("num_experts")
-                                  .Ret<ffi::AnyBuffer>()           // recv_x
-                                  .Ret<ffi::AnyBuffer>()           // recv_scales
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_topk_idx
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_topk_weights
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // recv_counts
+                              ffi_common::dispatch_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu, CachedDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
-                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
-                                  .Attr<ffi::Span<const int32_t>>("group_table")
-                                  .Attr<int64_t>("group_size")
-                                  .Ret<ffi::AnyBuffer>());         // recv_x
+                              ffi_common::handle_op_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // y
-                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
-                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
-                                  .Attr<ffi::Span<const int32_t>>("group_table")
-                                  .Attr<int64_t>("group_size")
-                                  .Ret<ffi::AnyBuffer>());         // combined
+                              ffi_common::handle_op_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));

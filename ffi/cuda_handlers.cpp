@@ -10,6 +10,7 @@
 #include <string>
 
 #include "../kernels/nvl/api.hpp"
+#include "common.hpp"
 
 namespace ffi = xla::ffi;
 using uccl_ep::nvl::NvlDevice;
@@ -32,11 +33,11 @@ ffi::Error guarded(Body&& body) {
 
 // The row of the lowering's group table that holds this GPU's rank (see jax_uccl_ep/_ffi.py).
 uccl_ep::nvl::Group group_of(const NvlDevice& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
-  for (size_t row = 0; row + size <= table.size(); row += size)
-    for (int64_t i = 0; i < size; ++i)
-      if (table[row + i] == dev.rank()) return uccl_ep::nvl::Group{table.begin() + row, int(size), int(i)};
-  throw std::invalid_argument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
-                              " is in no EP group of the mesh");
+  auto [row, index] = uccl_ep::ffi_common::find_group(table, size, dev.rank());
+  if (!row)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
+                                " is in no EP group of the mesh");
+  return uccl_ep::nvl::Group{row, int(size), index};
 }
 
 int64_t row_bytes(const ffi::AnyBuffer& b) {
@@ -125,47 +126,14 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, f
 
 }  // namespace
 
+// CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
+#define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCuda, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::AnyBuffer>()           // scales (zero width unless FP8)
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights (zero width if absent)
-                                  .Arg<ffi::AnyBuffer>()           // order: ignored (see _ffi.py)
-                                  .Attr<ffi::Span<const int32_t>>("group_table")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("num_experts")
-                                  .Ret<ffi::AnyBuffer>()           // recv_x
-                                  .Ret<ffi::AnyBuffer>()           // recv_scales
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_topk_idx
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_topk_weights
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
-                                  .Ret<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // recv_counts
+                              uccl_ep::ffi_common::dispatch_signature(UCCL_EP_CUDA_BIND()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCuda, CachedDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
-                                  .Arg<ffi::AnyBuffer>()           // order: ignored
-                                  .Attr<ffi::Span<const int32_t>>("group_table")
-                                  .Attr<int64_t>("group_size")
-                                  .Ret<ffi::AnyBuffer>());         // recv_x
+                              uccl_ep::ffi_common::handle_op_signature(UCCL_EP_CUDA_BIND()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCuda, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // y
-                                  .Arg<ffi::Buffer<ffi::PRED>>()   // is_token_in_rank
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_counts
-                                  .Arg<ffi::AnyBuffer>()           // order: ignored
-                                  .Attr<ffi::Span<const int32_t>>("group_table")
-                                  .Attr<int64_t>("group_size")
-                                  .Ret<ffi::AnyBuffer>());         // combined
+                              uccl_ep::ffi_common::handle_op_signature(UCCL_EP_CUDA_BIND()));

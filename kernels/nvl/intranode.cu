@@ -449,6 +449,13 @@ void send_chunk(NvlDevice& dev, const Group& g, int c, const MessageFor& msg_for
   }
 }
 
+// The whole message, meta then every chunk, when nothing has to happen between the chunks.
+void send_message(NvlDevice& dev, const Group& g, cudaStream_t stream, const Message& m) {
+  auto msg_for = [&](int) { return m; };
+  send_meta(dev, g, stream, msg_for);
+  for (int c = 0; c < dev.chunks(); ++c) send_chunk(dev, g, c, msg_for);
+}
+
 void join_send(NvlDevice& dev, cudaStream_t stream) {
   check(cudaEventRecord(dev.join_event(), dev.send_stream()), "cudaEventRecord");
   check(cudaStreamWaitEvent(stream, dev.join_event(), 0), "cudaStreamWaitEvent");
@@ -540,9 +547,7 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   m.rows_offset = l.x;
   m.row_bytes = a.x_row_bytes;
   m.num_rows = a.num_tokens;
-  auto msg_for = [&](int) { return m; };
-  send_meta(dev, g, stream, msg_for);
-  for (int c = 0; c < dev.chunks(); ++c) send_chunk(dev, g, c, msg_for);
+  send_message(dev, g, stream, m);
 
   wait_meta(dev, g, stream);
   Sources src{};
@@ -581,9 +586,7 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   m.rows_offset = 0;
   m.row_bytes = a.row_bytes;
   m.num_rows = a.num_tokens;
-  auto msg_for = [&](int) { return m; };
-  send_meta(dev, g, stream, msg_for);
-  for (int c = 0; c < dev.chunks(); ++c) send_chunk(dev, g, c, msg_for);
+  send_message(dev, g, stream, m);
 
   wait_meta(dev, g, stream);
   Sources src{};

@@ -1,0 +1,54 @@
+// What the CPU and CUDA handlers share: each op's argument list (one line per argument, as in XLA's FFI
+// examples; the platform puts its context in front) and the lookup of this device's EP group.
+#pragma once
+#include <cstdint>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace uccl_ep::ffi_common {
+
+namespace ffi = xla::ffi;
+
+template <class Binding>
+auto dispatch_signature(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()               // scales (zero width unless FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights (zero width if absent)
+      .template Arg<ffi::AnyBuffer>()               // order: ignored (see jax_uccl_ep/_ffi.py)
+      .template Attr<ffi::Span<const int32_t>>("group_table")
+      .template Attr<int64_t>("group_size")
+      .template Attr<int64_t>("num_experts")
+      .template Ret<ffi::AnyBuffer>()               // recv_x
+      .template Ret<ffi::AnyBuffer>()               // recv_scales
+      .template Ret<ffi::Buffer<ffi::S32>>()        // recv_topk_idx
+      .template Ret<ffi::Buffer<ffi::F32>>()        // recv_topk_weights
+      .template Ret<ffi::Buffer<ffi::S32>>()        // num_tokens
+      .template Ret<ffi::Buffer<ffi::S32>>()        // num_tokens_per_expert
+      .template Ret<ffi::Buffer<ffi::PRED>>()       // is_token_in_rank
+      .template Ret<ffi::Buffer<ffi::S32>>();       // recv_counts
+}
+
+// cached_dispatch (x -> recv_x) and combine (y -> combined) take the same arguments.
+template <class Binding>
+auto handle_op_signature(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x or y
+      .template Arg<ffi::Buffer<ffi::PRED>>()       // is_token_in_rank
+      .template Arg<ffi::Buffer<ffi::S32>>()        // recv_counts
+      .template Arg<ffi::AnyBuffer>()               // order: ignored
+      .template Attr<ffi::Span<const int32_t>>("group_table")
+      .template Attr<int64_t>("group_size")
+      .template Ret<ffi::AnyBuffer>();              // recv_x or combined
+}
+
+// The lowering passes every EP group of the mesh ([groups, size] runtime ranks). Returns the start of the row
+// that holds `rank` and the rank's index in it, or {nullptr, -1}.
+inline std::pair<const int32_t*, int> find_group(ffi::Span<const int32_t> table, int64_t size, int64_t rank) {
+  for (size_t row = 0; size > 0 && row + size <= table.size(); row += size)
+    for (int64_t i = 0; i < size; ++i)
+      if (table[row + i] == rank) return {table.begin() + row, int(i)};
+  return {nullptr, -1};
+}
+
+}  // namespace uccl_ep::ffi_common
