@@ -19,6 +19,7 @@ auto dispatch_signature(Binding b) {
       .template Arg<ffi::AnyBuffer>()               // order: ignored (see jax_uccl_ep/_ffi.py)
       .template Attr<ffi::Span<const int32_t>>("group_table")
       .template Attr<int64_t>("group_size")
+      .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
       .template Attr<int64_t>("num_experts")
       .template Ret<ffi::AnyBuffer>()               // recv_x
       .template Ret<ffi::AnyBuffer>()               // recv_scales
@@ -39,6 +40,7 @@ auto handle_op_signature(Binding b) {
       .template Arg<ffi::AnyBuffer>()               // order: ignored
       .template Attr<ffi::Span<const int32_t>>("group_table")
       .template Attr<int64_t>("group_size")
+      .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
       .template Ret<ffi::AnyBuffer>();              // recv_x or combined
 }
 

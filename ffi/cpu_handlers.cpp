@@ -79,7 +79,7 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
 ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                         ffi::Span<const int32_t> group_table,
-                        int64_t group_size, int64_t num_experts,
+                        int64_t group_size, int64_t op_index, int64_t num_experts,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
@@ -112,13 +112,14 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
     a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
     a.is_token_in_rank = is_token_in_rank->typed_data();
     a.recv_counts = recv_counts->typed_data();
+    a.op_index = uint32_t(op_index);
     cpu::dispatch(dev, g, a);
   });
 }
 
 ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
                               ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                              ffi::Span<const int32_t> group_table, int64_t group_size,
+                              ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
                               ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     poison(recv_x);
@@ -130,14 +131,16 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
                               is_token_in_rank.typed_data(),
                               recv_counts.typed_data(),
                               int(dim(*recv_x, 0)),
-                              static_cast<uint8_t*>(recv_x->untyped_data())};
+                              static_cast<uint8_t*>(recv_x->untyped_data()),
+                              uint32_t(op_index)};
     cpu::cached_dispatch(dev, g, a);
   });
 }
 
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                       ffi::Span<const int32_t> group_table, int64_t group_size, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                       ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
@@ -156,7 +159,8 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
                        int(dim(is_token_in_rank, 0)),
                        is_token_in_rank.typed_data(),
                        recv_counts.typed_data(),
-                       static_cast<uint8_t*>(out->untyped_data())};
+                       static_cast<uint8_t*>(out->untyped_data()),
+                       uint32_t(op_index)};
     cpu::combine(dev, g, a);
   });
 }

@@ -46,7 +46,8 @@ int64_t row_bytes(const ffi::AnyBuffer& b) {
 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t num_experts,
+                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
+                        int64_t num_experts,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
@@ -84,7 +85,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
 ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
                               ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                              ffi::Result<ffi::AnyBuffer> recv_x) {
+                              int64_t /*op_index*/, ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
     auto g = group_of(dev, group_table, group_size, "cached_dispatch");
@@ -101,7 +102,8 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
 
 ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                       ffi::Span<const int32_t> group_table, int64_t group_size, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
+                       ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
     auto g = group_of(dev, group_table, group_size, "combine");

@@ -85,8 +85,31 @@ def _concrete_mesh(ctx) -> Any:
     raise ValueError("jax_uccl_ep: dispatch and combine must run inside jax.shard_map over a concrete Mesh")
 
 
+class _OpCounter:
+    """Numbers the ordered ops of one lowered program; kept in the module context's keepalives."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+
+def _next_op_index(ctx) -> int:
+    # Every process lowers the same program the same way, so an op has the same index on every rank; the
+    # message headers carry it and a rank that runs the ops in another order fails instead of mixing data.
+    keepalives = getattr(ctx.module_context, "keepalives", None)
+    if keepalives is None:
+        return 0
+    counter = next((k for k in keepalives if isinstance(k, _OpCounter)), None)
+    if counter is None:
+        counter = _OpCounter()
+        keepalives.append(counter)
+    counter.next += 1
+    return counter.next - 1
+
+
 def _lowering(ctx, *operands, target, results, axis_name, attrs, has_side_effect):
     extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
+    if has_side_effect:
+        extra["op_index"] = np.int64(_next_op_index(ctx))
     if axis_name is not None:
         table = group_table(_concrete_mesh(ctx), axis_name)
         extra["group_table"] = table.reshape(-1)
@@ -96,7 +119,11 @@ def _lowering(ctx, *operands, target, results, axis_name, attrs, has_side_effect
 
 
 ep_call_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(ep_call_p, _lowering)
+try:
+    # Lowered once per op: a cached lowering would give two identical ops one op_index.
+    mlir.register_lowering(ep_call_p, _lowering, cacheable=False)
+except TypeError:
+    mlir.register_lowering(ep_call_p, _lowering)
 
 
 def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,

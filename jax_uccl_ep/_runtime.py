@@ -206,12 +206,14 @@ def shutdown() -> None:
                 jax.effects_barrier()  # queued kernels and copies still use the buffers
             except Exception:
                 pass
-        _uccl_ep.quiesce(5.0)  # our last writes land before peers may close their endpoints
+        # Bounded by the same deadline as every other wait, and by 10 s: a dead peer must not hold up exit.
+        wait_s = min(RuntimeSettings.from_env().timeout_s, 10.0)
+        _uccl_ep.quiesce(min(wait_s, 5.0))  # our last writes land before peers may close their endpoints
         client = _distributed_client()
         if client is not None and jax.process_count() > 1:
-            # Wait for peers so nobody still writes into buffers we free; a dead peer must not block exit.
+            # Wait for peers so nobody still writes into buffers we free.
             try:
-                client.wait_at_barrier(f"jax_uccl_ep/{_generation}/shutdown", 10_000)
+                client.wait_at_barrier(f"jax_uccl_ep/{_generation}/shutdown", int(wait_s * 1000))
             except Exception:
                 pass
         _uccl_ep.shutdown()

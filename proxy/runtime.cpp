@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -51,6 +52,10 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   for (size_t i = 0; i < slots; ++i) released_[i].store(0);
   consumed_.assign(slots, 0);
   awaiting_ack_.reset(new bool[num_ranks]());
+  inflight_.reset(new std::atomic<int64_t>[num_ranks]);
+  for (uint32_t p = 0; p < num_ranks; ++p) inflight_[p].store(0);
+  exited_.reset(new std::atomic<bool>[config_.num_channels]);
+  for (int c = 0; c < config_.num_channels; ++c) exited_[c].store(false);
   retired_.reset(new std::atomic<uint64_t>[config_.num_channels]);
   for (int c = 0; c < config_.num_channels; ++c) retired_[c].store(0);
   sequencers_.resize(slots);
@@ -60,15 +65,26 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
     rings_.push_back(std::make_unique<CommandRing>(config_.ring_capacity));
 }
 
-void Device::stop() {
+bool Device::stop(double seconds) {
   running_.store(false);
-  for (auto& t : threads_)
-    if (t.joinable()) t.join();
+  Deadline deadline(seconds);
+  Backoff backoff;
+  for (size_t c = 0; c < threads_.size(); ++c) {
+    while (!exited_[c].load(std::memory_order_acquire) && !deadline.expired()) backoff.pause();
+    if (exited_[c].load(std::memory_order_acquire)) {
+      threads_[c].join();
+    } else {
+      threads_[c].detach();
+      abandoned_ = true;
+    }
+  }
   threads_.clear();
+  return !abandoned_;
 }
 
 Device::~Device() {
-  stop();
+  stop(config_.timeout_s);
+  if (abandoned_) return;  // a stuck proxy may still use the endpoints and the buffer: leak them, do not hang
   fabric_.reset();
   std::free(buffer_);
 }
@@ -139,10 +155,15 @@ void Device::quiet(const char* op, double seconds) {
     Backoff backoff;
     while (retired_[c].load(std::memory_order_acquire) < rings_[c]->pushed()) {
       if (failed_.load(std::memory_order_relaxed)) check_failed(rank_, op);
-      if (deadline.expired())
+      if (deadline.expired()) {
+        std::string peers;
+        for (uint32_t p = 0; p < num_ranks_; ++p)
+          if (inflight_[p].load() > 0) peers += (peers.empty() ? "" : ", ") + std::to_string(p);
         throw TimeoutError(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
                            std::to_string(deadline.seconds()) + " s waiting for its writes on channel " +
-                           std::to_string(c) + " to complete (UCCL_EP_TIMEOUT_S)");
+                           std::to_string(c) + " to complete; rank(s) " + (peers.empty() ? "?" : peers) +
+                           " did not take them (dead or hung; UCCL_EP_TIMEOUT_S)");
+      }
       backoff.pause();
     }
   }
@@ -204,6 +225,7 @@ void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& co
       ctx.peer = cmd.peer;
       if (fabric_->post_write(channel, cmd.peer, cmd.local_offset, cmd.remote_offset, cmd.length, cmd.imm, &ctx)) {
         free_list.pop_back();
+        inflight_[cmd.peer].fetch_add(1, std::memory_order_relaxed);
         stat_writes_.fetch_add(1, std::memory_order_relaxed);
         stat_bytes_.fetch_add(cmd.length, std::memory_order_relaxed);
         return;
@@ -224,9 +246,11 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
     // Contexts are ours only when they point into our table.
     auto* ctx = static_cast<WriteContext*>(error_ctx);
     bool ours = ctx >= contexts.data() && ctx < contexts.data() + contexts.size();
-    fail(ours ? ctx->peer : num_ranks_, error);
+    fail(ours ? ctx->peer : num_ranks_, ours ? error : "transport error on channel " + std::to_string(channel) +
+                                                      " (the failed operation names no peer): " + error);
     if (ours) {
       free_list.push_back(ctx->index);
+      inflight_[ctx->peer].fetch_sub(1, std::memory_order_relaxed);
       retired_[channel].fetch_add(1, std::memory_order_release);
     }
     return 1;
@@ -261,6 +285,7 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
     } else if (comps[i].context) {
       auto* ctx = static_cast<WriteContext*>(comps[i].context);
       free_list.push_back(ctx->index);
+      inflight_[ctx->peer].fetch_sub(1, std::memory_order_relaxed);
       retired_[channel].fetch_add(1, std::memory_order_release);
     }
   }
@@ -318,6 +343,7 @@ void Device::proxy_loop(int channel) {
   } catch (const std::exception& e) {
     fail(num_ranks_, std::string("proxy thread of channel ") + std::to_string(channel) + " stopped: " + e.what());
   }
+  exited_[channel].store(true, std::memory_order_release);
 }
 
 Runtime& Runtime::get() {
@@ -372,7 +398,12 @@ void Runtime::shutdown() {
   quiesce(5.0);
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   initialized_.store(false, std::memory_order_release);
-  for (auto& d : devices_) d->stop();
+  for (auto& d : devices_)
+    if (!d->stop(std::min(d->timeout_s(), 5.0)))
+      std::fprintf(stderr,
+                   "uccl_ep shutdown: a proxy thread of rank %u did not stop (stuck in libfabric, most likely on a "
+                   "lock a dead peer held); it and its endpoints are left behind\n",
+                   d->rank());
   devices_.clear();
 }
 

@@ -68,8 +68,10 @@ class Device {
 
   EndpointInfo local_info() const { return fabric_->local_info(); }
   void connect(const std::vector<EndpointInfo>& peers);
-  // Stops and joins the proxy threads; the endpoints stay open until the Device is destroyed.
-  void stop();
+  // Stops and joins the proxy threads; the endpoints stay open until the Device is destroyed. A thread that
+  // does not stop within `seconds` (stuck in libfabric on a lock a dead peer held) is left behind, and so are
+  // the endpoints and buffer it may still touch; returns false then.
+  bool stop(double seconds);
 
   // Producer side (one producer per device at a time: take op_mutex()).
   // Sends bytes [local_offset, +length) of this buffer to [remote_offset, +length) of peer's, as one message.
@@ -116,6 +118,9 @@ class Device {
   std::vector<std::unique_ptr<CommandRing>> rings_;
   std::vector<std::thread> threads_;
   std::atomic<bool> running_{false};
+  std::unique_ptr<std::atomic<bool>[]> exited_;  // per proxy thread
+  bool abandoned_ = false;                       // a proxy thread was left behind by stop()
+  std::unique_ptr<std::atomic<int64_t>[]> inflight_;  // posted, uncompleted writes per peer
   std::mutex op_mutex_;
 
   // Receive side: released_ is written by the proxy of each channel, read by consumers.

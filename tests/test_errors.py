@@ -229,9 +229,11 @@ def mismatched_hidden() -> dict:
                               mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     try:
         f(x, i).block_until_ready()
-        return {"error": None}
+        result = {"error": None}
     except Exception as e:
-        return {"error": str(e)}
+        result = {"error": str(e)}
+    ep.shutdown()
+    return result
 
 
 def test_mismatched_shapes_across_ranks_are_detected_not_hung():

@@ -146,9 +146,11 @@ def wait_for_dead_peer(dead_rank: int) -> dict:
     start = time.monotonic()
     try:
         core.wait_message(me, 0, dead_rank)
-        return {"error": None}
+        result = {"error": None}
     except TimeoutError as e:
-        return {"error": str(e), "seconds": time.monotonic() - start}
+        result = {"error": str(e), "seconds": time.monotonic() - start}
+    ep.shutdown()  # frees this process's shared-memory segments; must not hang on the dead peer
+    return result
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

@@ -18,7 +18,8 @@ struct Header {
   uint64_t shape_tag;
   int32_t status;         // 0 fine, 1 the sender's input was bad
   uint32_t error_bytes;   // status 1: length of the sender's error text, which follows the header
-  uint32_t reserved[6];
+  uint32_t op_index;      // the op's position in the sender's program
+  uint32_t reserved[5];
 };
 constexpr size_t kMaxErrorBytes = 1024;
 static_assert(sizeof(Header) == kHeaderBytes, "header size");
@@ -95,7 +96,7 @@ std::vector<uint32_t> run_protocol(Device& dev, const Group& group, const Exchan
     uint8_t* region = reinterpret_cast<uint8_t*>(dev.buffer() + dev.send_offset(peer));
     uint32_t error_bytes = bad_input ? uint32_t(std::min(local_error.size(), kMaxErrorBytes)) : 0;
     Header h{kMagic, uint32_t(plan.kind), dev.rank(), rows, plan.row_bytes, plan.shape_tag, bad_input ? 1 : 0,
-             error_bytes, {}};
+             error_bytes, plan.op_index, {}};
     std::memcpy(region, &h, sizeof(h));
     // A rank with bad input sends its error text in place of rows, so every peer can report the cause.
     std::memcpy(region + kHeaderBytes, local_error.data(), error_bytes);
@@ -123,6 +124,10 @@ std::vector<uint32_t> run_protocol(Device& dev, const Group& group, const Exchan
       problem = "reported invalid input: " +
                 std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
                             std::min<size_t>(h.error_bytes, kMaxErrorBytes));
+    else if (h.op_index != plan.op_index)
+      problem = std::string("ran op #") + std::to_string(h.op_index) + " (" + op_name(OpKind(h.kind)) +
+                ") of its program while this rank ran op #" + std::to_string(plan.op_index) + " (" + op + "): " +
+                "op order differs across ranks (make one op depend on the other's output)";
     else if (h.kind != uint32_t(plan.kind) || h.row_bytes != plan.row_bytes || h.shape_tag != plan.shape_tag)
       problem = std::string("ran ") + op_name(OpKind(h.kind)) + " with " + std::to_string(h.row_bytes) +
                 "-byte rows (shape tag " + std::to_string(h.shape_tag) + ") while this rank ran " + op + " with " +

@@ -29,6 +29,7 @@ Group make_group(const Device& dev, const int32_t* ranks, int size, const char* 
 
 struct ExchangePlan {
   OpKind kind;
+  uint32_t op_index;                       // position in the program: the same on every rank
   uint64_t row_bytes;                      // every row of every message
   uint64_t shape_tag;                      // op-specific shape summary that must agree across ranks
   std::vector<uint32_t> rows_to;           // rows for each group member

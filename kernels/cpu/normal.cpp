@@ -94,7 +94,7 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
   const int local_experts = a.num_experts / R;
   const int32_t first_expert = group.self * local_experts;
 
-  ExchangePlan plan{OpKind::kDispatch, 0, 0, {}, check_topk(a.topk_idx, a.num_tokens, K, a.num_experts)};
+  ExchangePlan plan{OpKind::kDispatch, a.op_index, 0, 0, {}, check_topk(a.topk_idx, a.num_tokens, K, a.num_experts)};
   std::vector<int32_t> per_rank(R);
   std::vector<int32_t> per_expert(a.num_experts);
   if (plan.local_error.empty())
@@ -161,7 +161,7 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& a) {
   const int R = group.size;
   auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
-  ExchangePlan plan{OpKind::kCachedDispatch, round_up16(a.row_bytes), a.row_bytes, sizes(tokens_to), ""};
+  ExchangePlan plan{OpKind::kCachedDispatch, a.op_index, round_up16(a.row_bytes), a.row_bytes, sizes(tokens_to), ""};
   auto pack = [&](int d, uint32_t i, uint8_t* out) {
     std::memcpy(out, a.x + size_t(tokens_to[d][i]) * a.row_bytes, a.row_bytes);
   };
@@ -190,7 +190,7 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
   // Rows received from member s sit at [offset[s], offset[s] + recv_counts[s]) of y, in dispatch order.
   std::vector<uint64_t> offset(R + 1, 0);
   for (int s = 0; s < R; ++s) offset[s + 1] = offset[s] + uint64_t(std::max(0, a.recv_counts[s]));
-  ExchangePlan plan{OpKind::kCombine, round_up16(row_bytes), row_bytes, {}, ""};
+  ExchangePlan plan{OpKind::kCombine, a.op_index, round_up16(row_bytes), row_bytes, {}, ""};
   for (int s = 0; s < R; ++s) plan.rows_to.push_back(uint32_t(std::max(0, a.recv_counts[s])));
   if (offset[R] > uint64_t(a.capacity)) {
     plan.local_error = "the handle records " + std::to_string(offset[R]) + " received rows but y has " +

@@ -33,6 +33,7 @@ struct DispatchArgs {
   int32_t* num_tokens_per_expert;  // [num_experts / group size]
   bool* is_token_in_rank;          // [num_tokens, group size] (handle)
   int32_t* recv_counts;            // [group size] rows from each member (handle)
+  uint32_t op_index;               // position in the program, checked against the peers'
 };
 void dispatch(Device& dev, const Group& group, const DispatchArgs& args);
 
@@ -45,6 +46,7 @@ struct CachedDispatchArgs {
   const int32_t* recv_counts;    // [group size]
   int capacity;
   uint8_t* recv_x;  // [capacity, row_bytes]
+  uint32_t op_index;
 };
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& args);
 
@@ -56,6 +58,7 @@ struct CombineArgs {
   const bool* is_token_in_rank;  // [num_tokens, group size]
   const int32_t* recv_counts;    // [group size]
   uint8_t* out;                  // [num_tokens, hidden]
+  uint32_t op_index;
 };
 void combine(Device& dev, const Group& group, const CombineArgs& args);
 
