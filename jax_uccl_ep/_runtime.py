@@ -204,8 +204,11 @@ def shutdown() -> None:
         if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
             try:
                 jax.effects_barrier()  # queued kernels and copies still use the buffers
-            except Exception:
-                pass
+                _uccl_ep.nvl_check_errors()
+            except Exception as e:  # an error nobody collected with check_errors(): say it, then shut down
+                import warnings
+
+                warnings.warn(f"jax_uccl_ep.shutdown: {e}", RuntimeWarning, stacklevel=2)
         # Bounded by the same deadline as every other wait, and by 10 s: a dead peer must not hold up exit.
         wait_s = min(RuntimeSettings.from_env().timeout_s, 10.0)
         _uccl_ep.quiesce(min(wait_s, 5.0))  # our last writes land before peers may close their endpoints
@@ -229,8 +232,9 @@ def is_initialized() -> bool:
 def check_errors() -> None:
     """Raises an error a GPU kernel found earlier (bad expert index, capacity exceeded), if any.
 
-    Kernels cannot fail the call that launched them; the next op on that GPU raises instead, or this does
-    (it waits for the GPUs first).
+    Kernels cannot fail the call that launched them, and an op must not fail on one rank only (its peers would
+    wait for it), so GPU ops never raise these themselves: call this (it waits for the GPUs first) where a
+    step's results are checked. CPU devices raise such errors from the op itself.
     """
     if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
         _uccl_ep.nvl_check_errors()

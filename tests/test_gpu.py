@@ -61,7 +61,8 @@ def gpu_suite() -> dict:
     print(f"gradients: {problems['gradients']}", flush=True)
     ep.check_errors()  # nothing pending so far
 
-    # Capacity exceeded: the kernel cannot fail its own call; the next op (or check_errors) says so.
+    # Capacity exceeded: the kernel cannot fail its own call, and ops never raise it (that would strand the
+    # peers); check_errors() says so, in the process that drives the failing rank.
     x, _, idx, w = cases.random_case(5, r, 16, 128, 2, 2 * r, jnp.float32)
     idx[:] = -1
     idx[:, :, 0] = 0

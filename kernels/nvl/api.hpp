@@ -30,8 +30,9 @@ namespace uccl_ep::nvl {
 constexpr int kMaxRanks = 8;
 constexpr size_t kFlagBytes = 4096;
 
-// Errors kernels find (bad expert index, capacity exceeded) land in host-mapped memory and are raised by the
-// next op on that GPU, or by check_errors(): a kernel cannot fail the call that launched it.
+// Errors kernels find (bad expert index, capacity exceeded) land in host-mapped memory and are raised by
+// check_errors(): a kernel cannot fail the call that launched it, and an op must not fail on one rank only
+// (its peers' streams would wait for it forever), so ops never raise them themselves.
 struct DeviceErrors {
   int32_t code;  // 0 none, 1 bad expert index, 2 capacity exceeded
   int32_t rank;

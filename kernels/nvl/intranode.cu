@@ -529,7 +529,6 @@ size_t combine_message_bytes(int num_tokens, int hidden, bool bf16) {
 
 void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  dev.check_errors("dispatch");
   check_group(dev, g, "dispatch");
   const bool has_w = a.topk_weights != nullptr;
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
@@ -571,7 +570,6 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
 
 void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  dev.check_errors("cached_dispatch");
   check_group(dev, g, "cached_dispatch");
   const size_t x_bytes = align16(size_t(a.num_tokens) * a.row_bytes);
   const size_t total = x_bytes + align16(size_t(a.num_tokens) * g.size);
@@ -611,7 +609,6 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
 
 void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  dev.check_errors("combine");
   check_group(dev, g, "combine");
   const int64_t row_bytes = int64_t(a.hidden) * (a.bf16 ? 2 : 4);
   const size_t message = combine_message_bytes(a.num_tokens, a.hidden, a.bf16);
