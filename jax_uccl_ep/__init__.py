@@ -2,6 +2,7 @@
 
 Call ``initialize()`` once per process, then use the ops inside ``jax.shard_map`` over the EP mesh axis.
 """
+from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ._runtime import check_errors, initialize, is_initialized, nvl_buffer_bytes, shutdown
 from .normal import (
     DispatchHandle,
@@ -24,5 +25,7 @@ __all__ = [
     "DispatchLayout",
     "DispatchHandle",
     "DispatchResult",
+    "per_token_cast_to_fp8",
+    "per_token_cast_back",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,45 @@
+"""FP8 casts: round trip within float8_e4m3fn's precision, scales per 128 channels, and the bad-shape errors."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_uccl_ep as ep
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 128), (37, 256), (16, 7168)])
+def test_round_trip_within_fp8_precision(tokens, hidden):
+    rng = np.random.default_rng(tokens * hidden)
+    # Blocks of very different magnitudes: each must be scaled on its own.
+    x = rng.standard_normal((tokens, hidden)) * np.exp(rng.uniform(-6, 6, (tokens, hidden // 128, 1))).repeat(128, 2).reshape(tokens, hidden)
+    x = jnp.asarray(x, jnp.float32)
+    x_fp8, scales = ep.per_token_cast_to_fp8(x)
+    assert x_fp8.dtype == jnp.float8_e4m3fn and x_fp8.shape == x.shape
+    assert scales.dtype == jnp.float32 and scales.shape == (tokens, hidden // 128)
+    back = np.asarray(ep.per_token_cast_back(x_fp8, scales, jnp.float32))
+    xs = np.asarray(x)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normal numbers; tiny values round to a grid of
+    # scale * 2^-9, so the bound is relative to each block's largest value for those.
+    blocks_max = np.abs(xs).reshape(tokens, hidden // 128, 128).max(-1).repeat(128, 1).reshape(tokens, hidden)
+    err = np.abs(back - xs)
+    assert np.all(err <= np.maximum(np.abs(xs) * 2.0**-4, blocks_max * 2.0**-9) * 1.01)
+    # Each block's largest value maps to the largest FP8 number.
+    amax_fp8 = np.abs(np.asarray(x_fp8.astype(jnp.float32))).reshape(tokens, hidden // 128, 128).max(-1)
+    np.testing.assert_allclose(amax_fp8, 448.0)
+
+
+def test_zero_block_keeps_finite_scale():
+    x = jnp.zeros((2, 256), jnp.float32).at[0, 200].set(3.0)
+    x_fp8, scales = ep.per_token_cast_to_fp8(x)
+    assert np.all(np.isfinite(np.asarray(scales)))
+    back = np.asarray(ep.per_token_cast_back(x_fp8, scales, jnp.float32))
+    np.testing.assert_allclose(back, np.asarray(x), rtol=1e-6)
+    assert np.count_nonzero(back) == 1
+
+
+def test_bad_shapes_name_the_problem():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ep.per_token_cast_to_fp8(jnp.ones((4, 96)))
+    with pytest.raises(ValueError, match="scales must have shape"):
+        ep.per_token_cast_back(jnp.ones((4, 128), jnp.float8_e4m3fn), jnp.ones((4, 2)))
