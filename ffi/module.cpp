@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../proxy/host_memory.hpp"
 #include "../proxy/runtime.hpp"
 #include "cpu_handlers.hpp"
 #ifdef UCCL_EP_WITH_CUDA
@@ -131,7 +132,9 @@ NB_MODULE(_uccl_ep, m) {
     return nvl::NvlDevice::buffer_bytes_for(num_ranks, msg);
   });
   m.def("nvl_num_sms", [] { return nvl::num_sms(); });
+  m.def("install_pinned_host_allocator", &nvl::install_pinned_host_allocator);
 #endif
+  m.def("host_allocator", [] { return std::string(host_allocator_name()); });
 
   nb::class_<Config>(m, "Config")
       .def(nb::init<>())

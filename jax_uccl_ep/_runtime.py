@@ -168,6 +168,9 @@ def _start_gpus(buffer_bytes: int | None, devices: list, local: list, num_hosts:
 def _start_cpus(settings: RuntimeSettings, devices: list, local: list, num_hosts: int, client: Any, key: str,
                 timeout_ms: int) -> None:
     num_processes = jax.process_count()
+    if hasattr(_uccl_ep, "install_pinned_host_allocator") and os.environ.get("UCCL_EP_PINNED", "1") != "0":
+        # On a machine with GPUs, rings and buffers in pinned, mapped memory (GPU producers, staging).
+        _uccl_ep.install_pinned_host_allocator()
     providers = settings.providers
     if providers is None:
         # One host: shared memory. Several: the NICs' providers first, TCP as the portable fallback.

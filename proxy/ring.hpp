@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "command.hpp"
+#include "host_memory.hpp"
 
 namespace uccl_ep {
 
@@ -18,10 +19,9 @@ class CommandRing {
   explicit CommandRing(uint32_t capacity_pow2) : mask_(capacity_pow2 - 1) {
     if (capacity_pow2 == 0 || (capacity_pow2 & mask_) != 0)
       throw std::invalid_argument("CommandRing capacity must be a power of two");
-    slots_ = static_cast<Command*>(std::aligned_alloc(64, sizeof(Command) * capacity_pow2));
-    if (!slots_) throw std::bad_alloc();
+    slots_ = static_cast<Command*>(host_alloc(sizeof(Command) * capacity_pow2));
   }
-  ~CommandRing() { std::free(slots_); }
+  ~CommandRing() { host_free(slots_); }
   CommandRing(const CommandRing&) = delete;
   CommandRing& operator=(const CommandRing&) = delete;
 

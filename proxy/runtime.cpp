@@ -37,14 +37,13 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
                           " is too small for " + std::to_string(num_ranks) + " ranks");
   size_t page = 4096;
   region_bytes_ = ((config_.buffer_bytes - kScratchBytes) / (2 * size_t(num_ranks))) / page * page;
-  buffer_ = static_cast<char*>(std::aligned_alloc(page, (config_.buffer_bytes + page - 1) / page * page));
-  if (!buffer_) throw Error("uccl_ep: could not allocate the communication buffer");
+  buffer_ = static_cast<char*>(host_alloc((config_.buffer_bytes + page - 1) / page * page));
   std::memset(buffer_, 0, config_.buffer_bytes);
   try {
     fabric_ = std::make_unique<FabricDevice>(config_.providers, rank, buffer_, config_.buffer_bytes,
                                              config_.num_channels);
   } catch (...) {
-    std::free(buffer_);
+    host_free(buffer_);
     throw;
   }
   size_t slots = size_t(num_ranks) * config_.num_channels;
@@ -86,7 +85,7 @@ Device::~Device() {
   stop(config_.timeout_s);
   if (abandoned_) return;  // a stuck proxy may still use the endpoints and the buffer: leak them, do not hang
   fabric_.reset();
-  std::free(buffer_);
+  host_free(buffer_);
 }
 
 void Device::connect(const std::vector<EndpointInfo>& peers) {

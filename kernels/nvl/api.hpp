@@ -130,6 +130,10 @@ class NvlRuntime {
   std::vector<std::unique_ptr<NvlDevice>> devices_;
 };
 
+// Installs pinned, device-mapped host memory as the proxy runtime's host allocator when a GPU is present
+// (command rings a kernel can write, staging for providers without GPU memory support). Returns whether it did.
+bool install_pinned_host_allocator();
+
 // Stream memory operations from the driver, found at run time (no libcuda at link time).
 void stream_write_value(cudaStream_t stream, uint64_t* address, uint64_t value);
 void stream_wait_value(cudaStream_t stream, uint64_t* address, uint64_t value);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../../proxy/host_memory.hpp"
 #include "api.hpp"
 
 namespace uccl_ep::nvl {
@@ -53,6 +54,28 @@ void stream_wait_value(cudaStream_t stream, uint64_t* address, uint64_t value) {
   CUresult r = memops().wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
                              CU_STREAM_WAIT_VALUE_GEQ);
   if (r != CUDA_SUCCESS) throw std::runtime_error("uccl_ep nvl: cuStreamWaitValue64 failed: " + std::to_string(r));
+}
+
+namespace {
+void* pinned_alloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+void pinned_free(void* p) { cudaFreeHost(p); }
+}  // namespace
+
+bool install_pinned_host_allocator() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // no driver or no GPU: keep ordinary memory
+    return false;
+  }
+  set_host_allocator(HostAllocator{pinned_alloc, pinned_free, "pinned, mapped (cudaHostAlloc)"});
+  return true;
 }
 
 int num_sms() {
