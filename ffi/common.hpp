@@ -2,13 +2,35 @@
 // examples; the platform puts its context in front) and the lookup of this device's EP group.
 #pragma once
 #include <cstdint>
+#include <exception>
+#include <shared_mutex>
+#include <stdexcept>
 #include <utility>
 
+#include "../proxy/errors.hpp"
 #include "xla/ffi/api/ffi.h"
 
 namespace uccl_ep::ffi_common {
 
 namespace ffi = xla::ffi;
+
+// Runs `body` while holding the runtime alive (`lifetime` shared), mapping exceptions to XLA error codes.
+template <class Body>
+ffi::Error guarded(std::shared_mutex& lifetime, Body&& body) {
+  try {
+    std::shared_lock<std::shared_mutex> lock(lifetime);
+    body();
+    return ffi::Error::Success();
+  } catch (const TimeoutError& e) {
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, e.what());
+  } catch (const InvalidArgument& e) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
+  } catch (const std::invalid_argument& e) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+}
 
 template <class Binding>
 auto dispatch_signature(Binding b) {

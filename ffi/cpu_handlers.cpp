@@ -17,20 +17,11 @@ namespace ffi = xla::ffi;
 namespace uccl_ep::ffi_cpu {
 namespace {
 
-// Runs `body` with the runtime held alive, mapping our exceptions to XLA error codes.
+namespace ffi_common = uccl_ep::ffi_common;
+
 template <class Body>
 ffi::Error guarded(Body&& body) {
-  try {
-    std::shared_lock<std::shared_mutex> lock(Runtime::get().lifetime_mutex());
-    body();
-    return ffi::Error::Success();
-  } catch (const TimeoutError& e) {
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, e.what());
-  } catch (const InvalidArgument& e) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
-  } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
-  }
+  return ffi_common::guarded(Runtime::get().lifetime_mutex(), std::forward<Body>(body));
 }
 
 // UCCL_EP_POISON=1 fills outputs with 0xFF bytes before an op, so a row the op forgets to write shows as NaN
@@ -169,7 +160,6 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
 }  // namespace uccl_ep::ffi_cpu
 
 using namespace uccl_ep::ffi_cpu;
-namespace ffi_common = uccl_ep::ffi_common;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
                               ffi::Ffi::Bind()

@@ -20,15 +20,7 @@ namespace {
 
 template <class Body>
 ffi::Error guarded(Body&& body) {
-  try {
-    std::shared_lock<std::shared_mutex> lock(NvlRuntime::get().lifetime_mutex());
-    body();
-    return ffi::Error::Success();
-  } catch (const std::invalid_argument& e) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
-  } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
-  }
+  return uccl_ep::ffi_common::guarded(NvlRuntime::get().lifetime_mutex(), std::forward<Body>(body));
 }
 
 // The row of the lowering's group table that holds this GPU's rank (see jax_uccl_ep/_ffi.py).
