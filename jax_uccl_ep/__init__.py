@@ -2,6 +2,28 @@
 
 Call ``initialize()`` once per process, then use the ops inside ``jax.shard_map`` over the EP mesh axis.
 """
+import glob as _glob
+import os as _os
+import sys as _sys
+
+
+def _find_extension() -> None:
+    """Imported from a source checkout (``python -m jax_uccl_ep.launch`` in the repository root, say), this
+    package has no compiled extension: use the one ``pip install .`` put in site-packages."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    if _glob.glob(_os.path.join(here, "_uccl_ep*")):
+        return
+    for entry in _sys.path:
+        candidate = _os.path.join(_os.path.abspath(entry or "."), "jax_uccl_ep")
+        if candidate != here and _glob.glob(_os.path.join(candidate, "_uccl_ep*")):
+            __path__.append(candidate)
+            return
+    raise ImportError(
+        f"jax_uccl_ep's compiled extension is missing (importing the sources at {here}): "
+        "install the package first (pip install .), or build in place (pip install -e . -Ceditable.mode=inplace)")
+
+
+_find_extension()
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ._runtime import check_errors, initialize, is_initialized, nvl_buffer_bytes, shutdown
 from .normal import (
