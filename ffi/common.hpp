@@ -66,6 +66,39 @@ auto handle_op_signature(Binding b) {
       .template Ret<ffi::AnyBuffer>();              // recv_x or combined
 }
 
+template <class Binding>
+auto low_latency_dispatch_signature(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x [T, H] (FP8 rows when scales are given)
+      .template Arg<ffi::AnyBuffer>()               // scales [T, H / 128] (zero width without FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
+      .template Arg<ffi::AnyBuffer>()               // order: ignored
+      .template Attr<ffi::Span<const int32_t>>("group_table")
+      .template Attr<int64_t>("group_size")
+      .template Attr<int64_t>("op_index")
+      .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("max_tokens_per_rank")
+      .template Ret<ffi::AnyBuffer>()               // recv_x [L, R * N, H]
+      .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
+      .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
+      .template Ret<ffi::Buffer<ffi::S32>>()        // layout [L, R] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>();       // src_token [L, R * N] (handle)
+}
+
+template <class Binding>
+auto low_latency_combine_signature(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // y [L, R * N, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights
+      .template Arg<ffi::Buffer<ffi::S32>>()        // layout (handle)
+      .template Arg<ffi::AnyBuffer>()               // order: ignored
+      .template Attr<ffi::Span<const int32_t>>("group_table")
+      .template Attr<int64_t>("group_size")
+      .template Attr<int64_t>("op_index")
+      .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("max_tokens_per_rank")
+      .template Ret<ffi::AnyBuffer>();              // combined [T, H]
+}
+
 // The lowering passes every EP group of the mesh ([groups, size] runtime ranks). Returns the start of the row
 // that holds `rank` and the rank's index in it, or {nullptr, -1}.
 inline std::pair<const int32_t*, int> find_group(ffi::Span<const int32_t> table, int64_t size, int64_t rank) {

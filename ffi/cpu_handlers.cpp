@@ -9,6 +9,7 @@
 #include <shared_mutex>
 #include <string>
 
+#include "../kernels/cpu/low_latency.hpp"
 #include "../kernels/cpu/normal.hpp"
 #include "common.hpp"
 
@@ -128,6 +129,12 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
   });
 }
 
+cpu::FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
+  if (b.element_type() == ffi::DataType::F32) return cpu::FloatType::kF32;
+  if (b.element_type() == ffi::DataType::BF16) return cpu::FloatType::kBF16;
+  throw InvalidArgument(std::string("uccl_ep ") + op + ": expected float32 or bfloat16 rows");
+}
+
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
@@ -136,15 +143,8 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "combine");
-    cpu::FloatType dtype;
-    if (y.element_type() == ffi::DataType::F32)
-      dtype = cpu::FloatType::kF32;
-    else if (y.element_type() == ffi::DataType::BF16)
-      dtype = cpu::FloatType::kBF16;
-    else
-      throw InvalidArgument("uccl_ep combine: y must be float32 or bfloat16");
     cpu::CombineArgs a{static_cast<const uint8_t*>(y.untyped_data()),
-                       dtype,
+                       float_type(y, "combine"),
                        int(dim(y, 1)),
                        int(dim(y, 0)),
                        int(dim(is_token_in_rank, 0)),
@@ -153,6 +153,64 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
                        static_cast<uint8_t*>(out->untyped_data()),
                        uint32_t(op_index)};
     cpu::combine(dev, g, a);
+  });
+}
+
+ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                  ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                  int64_t num_experts, int64_t max_tokens_per_rank,
+                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> layout,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+  return guarded([&] {
+    poison(recv_x, recv_scales, recv_count, layout, src_token);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
+    cpu::LowLatencyDispatchArgs a{};
+    a.x = static_cast<const uint8_t*>(x.untyped_data());
+    a.x_row_bytes = row_bytes(x);
+    a.scales = static_cast<const uint8_t*>(scales.untyped_data());
+    a.scale_row_bytes = row_bytes(scales);
+    a.topk_idx = topk_idx.typed_data();
+    a.num_tokens = int(dim(topk_idx, 0));
+    a.topk = int(dim(topk_idx, 1));
+    a.num_experts = int(num_experts);
+    a.max_tokens_per_rank = int(max_tokens_per_rank);
+    a.op_index = uint32_t(op_index);
+    a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
+    a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
+    a.recv_count = recv_count->typed_data();
+    a.layout = layout->typed_data();
+    a.src_token = src_token->typed_data();
+    cpu::low_latency_dispatch(dev, g, a);
+  });
+}
+
+ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> topk_idx,
+                                 ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> layout,
+                                 ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
+                                 int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    poison(out);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
+    cpu::LowLatencyCombineArgs a{};
+    a.y = static_cast<const uint8_t*>(y.untyped_data());
+    a.dtype = float_type(y, "low_latency_combine");
+    a.hidden = int(y.dimensions()[2]);
+    a.max_tokens_per_rank = int(max_tokens_per_rank);
+    a.num_experts = int(num_experts);
+    a.topk_idx = topk_idx.typed_data();
+    a.topk_weights = topk_weights.typed_data();
+    a.num_tokens = int(dim(topk_idx, 0));
+    a.topk = int(dim(topk_idx, 1));
+    a.layout = layout.typed_data();
+    a.op_index = uint32_t(op_index);
+    a.out = static_cast<uint8_t*>(out->untyped_data());
+    cpu::low_latency_combine(dev, g, a);
   });
 }
 
@@ -178,3 +236,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu, CachedDispatchImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
                               ffi_common::handle_op_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchCpu, LowLatencyDispatchImpl,
+                              ffi_common::low_latency_dispatch_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLowLatencyCombineCpu, LowLatencyCombineImpl,
+                              ffi_common::low_latency_combine_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));

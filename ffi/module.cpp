@@ -86,6 +86,8 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCpu);
     d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCpu);
     d["uccl_ep_combine"] = capsule(UcclEpCombineCpu);
+    d["uccl_ep_low_latency_dispatch"] = capsule(UcclEpLowLatencyDispatchCpu);
+    d["uccl_ep_low_latency_combine"] = capsule(UcclEpLowLatencyCombineCpu);
     return d;
   });
 

@@ -24,7 +24,8 @@ def _find_extension() -> None:
 
 
 _find_extension()
-from .fp8 import per_token_cast_back, per_token_cast_to_fp8
+from .fp8 import pack_ue8m0, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
+from .low_latency import LowLatencyHandle, low_latency_combine, low_latency_dispatch
 from ._runtime import check_errors, initialize, is_initialized, nvl_buffer_bytes, shutdown
 from .normal import (
     DispatchHandle,
@@ -49,5 +50,10 @@ __all__ = [
     "DispatchResult",
     "per_token_cast_to_fp8",
     "per_token_cast_back",
+    "pack_ue8m0",
+    "unpack_ue8m0",
+    "low_latency_dispatch",
+    "low_latency_combine",
+    "LowLatencyHandle",
 ]
 __version__ = "0.1.0"

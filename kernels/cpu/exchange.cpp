@@ -39,6 +39,8 @@ const char* op_name(OpKind kind) {
     case OpKind::kDispatch: return "dispatch";
     case OpKind::kCachedDispatch: return "cached_dispatch";
     case OpKind::kCombine: return "combine";
+    case OpKind::kLowLatencyDispatch: return "low_latency_dispatch";
+    case OpKind::kLowLatencyCombine: return "low_latency_combine";
   }
   return "unknown";
 }

@@ -16,7 +16,13 @@
 
 namespace uccl_ep::cpu {
 
-enum class OpKind : uint32_t { kDispatch = 1, kCachedDispatch = 2, kCombine = 3 };
+enum class OpKind : uint32_t {
+  kDispatch = 1,
+  kCachedDispatch = 2,
+  kCombine = 3,
+  kLowLatencyDispatch = 4,
+  kLowLatencyCombine = 5,
+};
 const char* op_name(OpKind kind);
 
 struct Group {

@@ -1,0 +1,134 @@
+"""Low-latency (decode) mode: low_latency_dispatch and low_latency_combine, for use inside jax.shard_map.
+
+Each token goes to every selected expert (one copy per expert slot) into static expert-major buffers that keep
+their size from step to step: recv_x is [L, R * N, H] for L = num_experts / R local experts and N =
+max_tokens_per_rank. Combine weights each returned row by its router weight on the token's own rank.
+(CPU devices for now; the GPU kernels are not built yet.)
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import normal
+from .fp8 import FP8_BLOCK, pack_ue8m0, per_token_cast_to_fp8
+
+AxisName = Union[str, Sequence[str]]
+
+
+@jax.tree_util.register_pytree_node_class
+class LowLatencyHandle:
+    """What low_latency_combine needs from a low_latency_dispatch."""
+
+    def __init__(self, layout: jax.Array, src_token: jax.Array, axis_name: AxisName, num_experts: int,
+                 max_tokens_per_rank: int):
+        self.layout = layout  # [L, R] int32: rows of each local expert from each source rank
+        self.src_token = src_token  # [L, R * N] int32: the row's token index on its source rank, -1 on padding
+        self.axis_name = axis_name
+        self.num_experts = num_experts
+        self.max_tokens_per_rank = max_tokens_per_rank
+
+    def tree_flatten(self):
+        return (self.layout, self.src_token), (self.axis_name, self.num_experts, self.max_tokens_per_rank)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+
+def _check_platform() -> None:
+    if jax.devices()[0].platform != "cpu":
+        raise NotImplementedError("jax_uccl_ep: low-latency mode runs on CPU devices only so far (GPU kernels are "
+                                  "not built yet); use dispatch/combine on GPUs")
+
+
+def low_latency_dispatch(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    axis_name: AxisName,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+):
+    """Sends each token to each of its experts (call inside shard_map).
+
+    Args:
+      x: [T, H] bfloat16 or float32 tokens, T <= max_tokens_per_rank (H a multiple of 128 with use_fp8).
+      topk_idx: [T, K] int32 global experts, -1 for an unused slot.
+      num_experts: E, divisible by the axis size R. max_tokens_per_rank: N, the static row budget per source.
+      use_fp8: send float8_e4m3fn rows with float32 scales per 128 channels; round_scale rounds the scales to
+        powers of two; use_ue8m0 (implies round_scale) returns them packed as UE8M0 exponents, four per int32.
+
+    Returns:
+      (recv_x, recv_count, handle): recv_x [L, R * N, H] (with use_fp8 a pair with scales [L, R * N, H / 128]
+      float32, or [L, R * N, H / 512] int32 with use_ue8m0); recv_count [L] int32 valid rows per local expert, rows
+      [0, recv_count) grouped by source rank ascending, then token; padding rows are zeros.
+    """
+    _check_platform()
+    normal._check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
+    normal._check(x.dtype in (jnp.float32, jnp.bfloat16), f"x must be float32 or bfloat16, got {x.dtype}")
+    t, h = x.shape
+    normal._check_topk(topk_idx, t)
+    num_ranks = normal._axis_size(axis_name)
+    normal._check_experts(num_experts, num_ranks)
+    normal._check(isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
+                  f"max_tokens_per_rank must be an int >= the tokens per rank ({t}), got {max_tokens_per_rank!r}")
+    if use_ue8m0:
+        round_scale = True
+        normal._check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
+    if use_fp8:
+        normal._check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
+        rows, scales = per_token_cast_to_fp8(x, round_scale=round_scale)
+    else:
+        rows, scales = x, jnp.zeros((t, 0), jnp.float32)
+    local = num_experts // num_ranks
+    slab = num_ranks * max_tokens_per_rank
+    recv_x, recv_scales, recv_count, layout, src_token = normal._ep_call(
+        "uccl_ep_low_latency_dispatch",
+        (
+            jax.ShapeDtypeStruct((local, slab, h), rows.dtype),
+            jax.ShapeDtypeStruct((local, slab, scales.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct((local,), jnp.int32),
+            jax.ShapeDtypeStruct((local, num_ranks), jnp.int32),
+            jax.ShapeDtypeStruct((local, slab), jnp.int32),
+        ),
+        rows, scales, topk_idx,
+        axis_name=axis_name,
+        num_experts=num_experts,
+        max_tokens_per_rank=int(max_tokens_per_rank),
+    )
+    if use_fp8:
+        recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
+    handle = LowLatencyHandle(layout, src_token, axis_name, num_experts, int(max_tokens_per_rank))
+    return recv_x, recv_count, handle
+
+
+def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                        handle: LowLatencyHandle) -> jax.Array:
+    """Returns expert outputs y [L, R * N, H] (rows as low_latency_dispatch laid them out) to their tokens and sums
+    them weighted by topk_weights [T, K] (slots with topk_idx -1 contribute nothing), in float32; [T, H] in y's
+    dtype."""
+    _check_platform()
+    normal._check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
+    normal._check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
+    normal._check(y.dtype in (jnp.float32, jnp.bfloat16), f"y must be float32 or bfloat16, got {y.dtype}")
+    normal._check_topk(topk_idx, None)
+    normal._check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
+                  f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
+    normal._check(y.shape[:2] == handle.src_token.shape,
+                  f"y must have {handle.src_token.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
+    (out,) = normal._ep_call(
+        "uccl_ep_low_latency_combine",
+        (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
+        y, topk_idx, topk_weights, handle.layout,
+        axis_name=handle.axis_name,
+        num_experts=handle.num_experts,
+        max_tokens_per_rank=handle.max_tokens_per_rank,
+    )
+    return out

@@ -1,0 +1,179 @@
+#include "low_latency.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace uccl_ep::cpu {
+namespace {
+
+uint64_t round_up16(uint64_t n) { return (n + 15) / 16 * 16; }
+
+float to_f32(const uint8_t* p, FloatType t) {
+  if (t == FloatType::kF32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void from_f32(float f, uint8_t* p, FloatType t) {
+  if (t == FloatType::kF32) {
+    std::memcpy(p, &f, 4);
+    return;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint16_t v;
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu))
+    v = uint16_t((bits >> 16) | 0x40);
+  else
+    v = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  std::memcpy(p, &v, 2);
+}
+
+// (token, slot) pairs of this rank's tokens for each global expert, in token then slot order.
+std::vector<std::vector<std::pair<int, int>>> slots_by_expert(const int32_t* topk_idx, int num_tokens, int topk,
+                                                              int num_experts) {
+  std::vector<std::vector<std::pair<int, int>>> out(num_experts);
+  for (int t = 0; t < num_tokens; ++t)
+    for (int k = 0; k < topk; ++k) {
+      int32_t e = topk_idx[size_t(t) * topk + k];
+      if (e >= 0 && e < num_experts) out[e].push_back({t, k});
+    }
+  return out;
+}
+
+std::string check_topk(const int32_t* topk_idx, int num_tokens, int topk, int num_experts) {
+  for (int t = 0; t < num_tokens; ++t)
+    for (int k = 0; k < topk; ++k) {
+      int32_t e = topk_idx[size_t(t) * topk + k];
+      if (e < -1 || e >= num_experts)
+        return "topk_idx[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(e) +
+               " is outside [-1, num_experts=" + std::to_string(num_experts) + ")";
+    }
+  return "";
+}
+
+}  // namespace
+
+void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+  const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
+  ExchangePlan plan{OpKind::kLowLatencyDispatch, a.op_index, 0, 0, {},
+                    check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
+  if (plan.local_error.empty() && a.num_tokens > N)
+    plan.local_error = "rank " + std::to_string(dev.rank()) + " has " + std::to_string(a.num_tokens) +
+                       " tokens, more than max_tokens_per_rank=" + std::to_string(N);
+  auto slots = slots_by_expert(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
+  // Message to member d: for each of its local experts, the tokens that chose it.
+  for (int d = 0; d < R; ++d) {
+    uint32_t rows = 0;
+    for (int l = 0; l < L; ++l) rows += uint32_t(slots[d * L + l].size());
+    plan.rows_to.push_back(rows);
+  }
+  // Row: x | scales | local expert (int32) | token (int32) | padding.
+  const uint64_t meta = a.x_row_bytes + a.scale_row_bytes;
+  plan.row_bytes = round_up16(meta + 8);
+  plan.shape_tag = (uint64_t(N) << 40) ^ (uint64_t(a.num_experts) << 20) ^ a.x_row_bytes ^ (a.scale_row_bytes << 52);
+  auto pack = [&](int d, uint32_t i, uint8_t* out) {
+    int l = 0;
+    while (i >= slots[d * L + l].size()) i -= uint32_t(slots[d * L + l++].size());
+    int t = slots[d * L + l][i].first;
+    std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
+    if (a.scale_row_bytes) std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
+    int32_t lt[2] = {l, t};
+    std::memcpy(out + meta, lt, 8);
+  };
+  const size_t slab = size_t(R) * N;  // rows per local expert
+  std::vector<int32_t> fill(L, 0);
+  std::memset(a.layout, 0, sizeof(int32_t) * L * R);
+  std::string bad;
+  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
+    for (uint32_t j = 0; j < count; ++j) {
+      const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
+      int32_t lt[2];
+      std::memcpy(lt, in + meta, 8);
+      if (lt[0] < 0 || lt[0] >= L || fill[lt[0]] >= int32_t(slab)) {
+        if (bad.empty()) bad = "rank " + std::to_string(group.ranks[s]) + " sent a row for local expert " +
+                               std::to_string(lt[0]) + " that does not fit";
+        continue;
+      }
+      size_t o = size_t(lt[0]) * slab + size_t(fill[lt[0]]++);
+      std::memcpy(a.recv_x + o * a.x_row_bytes, in, a.x_row_bytes);
+      if (a.scale_row_bytes) std::memcpy(a.recv_scales + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
+      a.src_token[o] = lt[1];
+      ++a.layout[size_t(lt[0]) * R + s];
+    }
+  };
+  exchange(dev, group, plan, pack, unpack);
+  if (!bad.empty()) abort_group(dev, group, "uccl_ep low_latency_dispatch: " + bad);
+  // Padding rows are defined: zeros, no source token.
+  for (int l = 0; l < L; ++l) {
+    a.recv_count[l] = fill[l];
+    size_t first = size_t(l) * slab + size_t(fill[l]), pad = slab - size_t(fill[l]);
+    std::memset(a.recv_x + first * a.x_row_bytes, 0, pad * a.x_row_bytes);
+    if (a.scale_row_bytes) std::memset(a.recv_scales + first * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
+    for (size_t i = 0; i < pad; ++i) a.src_token[first + i] = -1;
+  }
+}
+
+void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
+  const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
+  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2, row_bytes = uint64_t(a.hidden) * elem;
+  const size_t slab = size_t(R) * N;
+  // Rows from source s of local expert l sit at [begin[l][s], + layout[l][s]) of y[l].
+  std::vector<int32_t> begin(size_t(L) * R, 0);
+  ExchangePlan plan{OpKind::kLowLatencyCombine, a.op_index, round_up16(row_bytes),
+                    (uint64_t(N) << 40) ^ (uint64_t(a.num_experts) << 20) ^ row_bytes, {},
+                    check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
+  for (int s = 0; s < R; ++s) {
+    uint32_t rows = 0;
+    for (int l = 0; l < L; ++l) {
+      int32_t n = a.layout[size_t(l) * R + s];
+      begin[size_t(l) * R + s] = s == 0 ? 0 : begin[size_t(l) * R + s - 1] + a.layout[size_t(l) * R + s - 1];
+      if (n < 0 || begin[size_t(l) * R + s] + n > int64_t(slab)) plan.local_error = "the handle's layout does not fit y";
+      rows += uint32_t(std::max(0, n));
+    }
+    plan.rows_to.push_back(rows);
+  }
+  if (!plan.local_error.empty()) plan.rows_to.assign(R, 0);
+  auto pack = [&](int s, uint32_t i, uint8_t* out) {
+    int l = 0;
+    while (i >= uint32_t(a.layout[size_t(l) * R + s])) i -= uint32_t(a.layout[size_t(l++) * R + s]);
+    size_t row = size_t(l) * slab + size_t(begin[size_t(l) * R + s]) + i;
+    std::memcpy(out, a.y + row * row_bytes, row_bytes);
+  };
+  auto slots = slots_by_expert(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
+  std::vector<float> acc(size_t(a.num_tokens) * a.hidden, 0.0f);
+  std::string mismatch;
+  auto unpack = [&](int r, uint32_t count, const uint8_t* rows) {
+    uint32_t expected = 0;
+    for (int l = 0; l < L; ++l) expected += uint32_t(slots[r * L + l].size());
+    if (count != expected) {
+      if (mismatch.empty())
+        mismatch = "rank " + std::to_string(group.ranks[r]) + " returned " + std::to_string(count) +
+                   " rows where this rank sent it " + std::to_string(expected);
+      return;
+    }
+    uint32_t j = 0;
+    for (int l = 0; l < L; ++l)
+      for (auto [t, k] : slots[r * L + l]) {
+        const uint8_t* in = rows + uint64_t(j++) * plan.row_bytes;
+        const float w = a.topk_weights[size_t(t) * a.topk + k];
+        float* dst = acc.data() + size_t(t) * a.hidden;
+        for (int h = 0; h < a.hidden; ++h) dst[h] += w * to_f32(in + h * elem, a.dtype);
+      }
+  };
+  exchange(dev, group, plan, pack, unpack);
+  if (!mismatch.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + mismatch + " (stale handle?)");
+  for (size_t i = 0; i < acc.size(); ++i) from_f32(acc[i], a.out + i * elem, a.dtype);
+}
+
+}  // namespace uccl_ep::cpu

@@ -1,0 +1,172 @@
+"""Low-latency mode on CPU devices against a NumPy reference written from the spec."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_uccl_ep as ep
+import reference as ref
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    ep.initialize()
+    yield
+
+
+def _reference_dispatch(x, idx, num_experts, n):
+    """Per destination rank: for each local expert, rows (source rank, token) in that order."""
+    num_ranks, num_tokens, _ = idx.shape
+    local = num_experts // num_ranks
+    out = []
+    for r in range(num_ranks):
+        experts = []
+        for l in range(local):
+            e = r * local + l
+            rows = [(s, t) for s in range(num_ranks) for t in range(num_tokens) if e in idx[s, t]]
+            experts.append(rows)
+        out.append(experts)
+    return out
+
+
+def _run(num_ranks, x, idx, w, num_experts, n, **kw):
+    mesh = Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
+    use_fp8 = kw.get("use_fp8", True)
+
+    def body(x, idx, w):
+        recv, count, handle = ep.low_latency_dispatch(x[0], idx[0], num_experts=num_experts, max_tokens_per_rank=n,
+                                                      axis_name="ep", **kw)
+        if use_fp8:
+            rows, scales = recv
+            if kw.get("use_ue8m0"):
+                scales = ep.unpack_ue8m0(scales)
+            local, slab, h = rows.shape
+            deq = (rows.astype(jnp.float32).reshape(local, slab, h // 128, 128) * scales[..., None]).reshape(rows.shape)
+        else:
+            deq = recv.astype(jnp.float32)
+        # Expert l of rank r computes rows * (r * L + l + 1): each expert distinct.
+        rank = jax.lax.axis_index("ep")
+        local = deq.shape[0]
+        factor = (rank * local + jnp.arange(local) + 1).astype(jnp.float32)[:, None, None]
+        y = (deq * factor).astype(jnp.bfloat16)
+        out = ep.low_latency_combine(y, idx[0], w[0], handle)
+        return deq[None], count[None], handle.layout[None], handle.src_token[None], out[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    return [np.asarray(a) for a in f(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w))]
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens,n,hidden,topk,num_experts,kw", [
+    (1, 5, 8, 128, 2, 4, dict(use_fp8=False)),
+    (2, 16, 16, 256, 3, 8, dict(use_fp8=True)),
+    (4, 13, 20, 512, 4, 16, dict(use_fp8=True, round_scale=True)),
+    (4, 9, 9, 512, 2, 8, dict(use_fp8=True, use_ue8m0=True)),
+    (4, 11, 12, 128, 3, 8, dict(use_fp8=False)),
+])
+def test_dispatch_and_weighted_combine_match_reference(num_ranks, num_tokens, n, hidden, topk, num_experts, kw):
+    rng = np.random.default_rng(num_ranks * 100 + num_tokens)
+    idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
+    x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    w = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
+    deq, count, layout, src_token, out = _run(num_ranks, jnp.asarray(x, jnp.bfloat16), idx, w, num_experts, n, **kw)
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    expected = _reference_dispatch(xb, idx, num_experts, n)
+    local = num_experts // num_ranks
+    fp8 = kw.get("use_fp8", True)
+    for r in range(num_ranks):
+        for l in range(local):
+            rows = expected[r][l]
+            assert count[r, l] == len(rows)
+            for s in range(num_ranks):
+                assert layout[r, l, s] == sum(1 for (ss, _) in rows if ss == s)
+            for j, (s, t) in enumerate(rows):
+                assert src_token[r, l, j] == t
+                if fp8:  # e4m3: relative error <= 2^-4 against the block's values
+                    assert np.all(np.abs(deq[r, l, j] - xb[s, t]) <= np.abs(xb[s, t]) * 2**-4 + 1e-3 * np.abs(xb[s, t]).max())
+                else:
+                    np.testing.assert_array_equal(deq[r, l, j], xb[s, t])
+            assert np.all(deq[r, l, len(rows):] == 0) and np.all(src_token[r, l, len(rows):] == -1)
+    # Combine: out[s, t] = sum_k w[s, t, k] * (expert e's output for that row) = sum_k w * deq_row * (e + 1).
+    want = np.zeros_like(xb)
+    for r in range(num_ranks):
+        for l in range(local):
+            e = r * local + l
+            for j, (s, t) in enumerate(expected[r][l]):
+                k = list(idx[s, t]).index(e)
+                y = np.asarray(jnp.asarray(deq[r, l, j] * (e + 1), jnp.bfloat16).astype(jnp.float32))
+                want[s, t] += w[s, t, k] * y
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-2, atol=2e-2)
+    assert np.all(out[~(idx >= 0).any(-1)] == 0)
+
+
+def test_ue8m0_scales_are_powers_of_two():
+    scales = jnp.asarray([[0.25, 1.0, 2.0**-20, 8.0]], jnp.float32)
+    packed = ep.pack_ue8m0(scales)
+    assert packed.shape == (1, 1) and packed.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(ep.unpack_ue8m0(packed)), np.asarray(scales))
+
+
+def test_too_many_tokens_and_bad_hidden_are_named():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    x = jnp.ones((2, 8, 128), jnp.bfloat16)
+    idx = jnp.zeros((2, 8, 1), jnp.int32)
+
+    def call(n, **kw):
+        f = jax.shard_map(lambda x, i: ep.low_latency_dispatch(x[0], i[0], num_experts=2, max_tokens_per_rank=n,
+                                                               axis_name="ep", **kw)[1][None],
+                          mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        return jax.jit(f)(x, idx)
+
+    with pytest.raises(ValueError, match="max_tokens_per_rank must be an int >= the tokens per rank"):
+        call(4)
+    with pytest.raises(ValueError, match="use_ue8m0 needs hidden a multiple of 512"):
+        call(8, use_ue8m0=True)
+
+
+def multi_process_low_latency(seed: int) -> dict:
+    """Child: low-latency dispatch and combine over every device of 2 processes (R = 4)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import cases
+    import jax_uccl_ep as ep
+    import reference as ref
+
+    ep.initialize()
+    mesh = cases.mesh_of(jax.devices())
+    r = mesh.devices.size
+    rng = np.random.default_rng(seed)
+    t, n, h, k, e = 10, 12, 256, 3, 4 * r
+    idx = ref.random_routing(rng, r, t, k, e)
+    x = rng.standard_normal((r, t, h)).astype(np.float32)
+    w = rng.random((r, t, k)).astype(np.float32)
+
+    def body(x, idx, w):
+        recv, count, handle = ep.low_latency_dispatch(x[0], idx[0], num_experts=e, max_tokens_per_rank=n,
+                                                      axis_name="ep", use_fp8=False)
+        return ep.low_latency_combine(recv * 2, idx[0], w[0], handle)[None], count[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
+    out, count = (cases.gather(a) for a in f(*(cases.shard(mesh, a) for a in (x, idx, w))))
+    problems = []
+    want = 2 * x * np.where(idx >= 0, w, 0).sum(-1, keepdims=True)
+    if not np.allclose(out, want, rtol=1e-5, atol=1e-5):
+        problems.append(f"combine differs by {np.abs(out - want).max()}")
+    per_expert = np.bincount(idx[idx >= 0], minlength=e).reshape(r, e // r)
+    if not np.array_equal(count, per_expert):
+        problems.append("recv_count differs")
+    ep.shutdown()
+    return {"problems": problems}
+
+
+def test_low_latency_across_processes():
+    from mp import launch_ok
+
+    for res in launch_ok(__file__, "multi_process_low_latency", 2, args=[4], devices_per_process=2,
+                         env={"UCCL_EP_REORDER": "1"}):
+        assert res["problems"] == []
