@@ -1,5 +1,7 @@
 #include "low_latency.hpp"
 
+#include "rows.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -7,8 +9,6 @@
 
 namespace uccl_ep::cpu {
 namespace {
-
-uint64_t round_up16(uint64_t n) { return (n + 15) / 16 * 16; }
 
 float to_f32(const uint8_t* p, FloatType t) {
   if (t == FloatType::kF32) {
@@ -18,10 +18,7 @@ float to_f32(const uint8_t* p, FloatType t) {
   }
   uint16_t v;
   std::memcpy(&v, p, 2);
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return bf16_to_f32(v);
 }
 
 void from_f32(float f, uint8_t* p, FloatType t) {
@@ -29,13 +26,7 @@ void from_f32(float f, uint8_t* p, FloatType t) {
     std::memcpy(p, &f, 4);
     return;
   }
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  uint16_t v;
-  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu))
-    v = uint16_t((bits >> 16) | 0x40);
-  else
-    v = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  uint16_t v = f32_to_bf16(f);
   std::memcpy(p, &v, 2);
 }
 
@@ -49,17 +40,6 @@ std::vector<std::vector<std::pair<int, int>>> slots_by_expert(const int32_t* top
       if (e >= 0 && e < num_experts) out[e].push_back({t, k});
     }
   return out;
-}
-
-std::string check_topk(const int32_t* topk_idx, int num_tokens, int topk, int num_experts) {
-  for (int t = 0; t < num_tokens; ++t)
-    for (int k = 0; k < topk; ++k) {
-      int32_t e = topk_idx[size_t(t) * topk + k];
-      if (e < -1 || e >= num_experts)
-        return "topk_idx[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(e) +
-               " is outside [-1, num_experts=" + std::to_string(num_experts) + ")";
-    }
-  return "";
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "normal.hpp"
 
+#include "rows.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -7,22 +9,6 @@
 
 namespace uccl_ep::cpu {
 namespace {
-
-uint64_t round_up16(uint64_t n) { return (n + 15) / 16 * 16; }
-
-float bf16_to_f32(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return uint16_t((bits >> 16) | 0x40);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
 
 // Tokens each member receives, ascending, from a [num_tokens, group size] mask.
 std::vector<std::vector<uint32_t>> tokens_by_member(const bool* mask, int num_tokens, int members) {
@@ -37,17 +23,6 @@ std::vector<uint32_t> sizes(const std::vector<std::vector<uint32_t>>& lists) {
   std::vector<uint32_t> out;
   for (auto& l : lists) out.push_back(uint32_t(l.size()));
   return out;
-}
-
-std::string check_topk(const int32_t* topk_idx, int num_tokens, int topk, int num_experts) {
-  for (int t = 0; t < num_tokens; ++t)
-    for (int k = 0; k < topk; ++k) {
-      int32_t e = topk_idx[size_t(t) * topk + k];
-      if (e < -1 || e >= num_experts)
-        return "topk_idx[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(e) +
-               " is outside [-1, num_experts=" + std::to_string(num_experts) + ")";
-    }
-  return "";
 }
 
 // Bookkeeping of received rows against the output capacity: overflow is counted, never written.
