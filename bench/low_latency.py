@@ -1,0 +1,106 @@
+"""Low-latency mode: low_latency_dispatch (FP8) and low_latency_combine (BF16) beside jax.lax.all_to_all.
+
+Decode sizes by default: 128 tokens per rank, hidden 7168, top-8 of 256 experts, random routing. Every op runs
+`--iters` times inside one jit (a fori_loop in a shard_map; each call's output feeds the next call's input) and
+the time is the median over `--repeats` of (call time / iters). all_to_all moves the static equivalent of the
+LL payload: [R, N * K, H] BF16 rows per rank (every destination could receive up to N * K rows).
+Reference on 2xH200 (DeepEP v1 LL): dispatch 28.4 us, combine 39.8 us (DESIGN.md).
+
+    python bench/low_latency.py                 # the devices JAX finds (GPUs: LL kernels not built yet -> n/a)
+    python bench/low_latency.py --cpu --ranks 2 --tokens 32 --hidden 512 --experts 16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per rank (= max_tokens_per_rank)")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--ranks", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES=--ranks)")
+    args = ap.parse_args(argv)
+    if args.cpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_NUM_CPU_DEVICES"] = str(args.ranks or 2)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import common
+    import jax_uccl_ep as ep
+
+    devices = jax.devices()[: args.ranks] if args.ranks else jax.devices()
+    r, t, h, k, e = len(devices), args.tokens, args.hidden, args.topk, args.experts
+    mesh = Mesh(np.array(devices), ("ep",))
+    rng = np.random.default_rng(0)
+    idx = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(t)]) for _ in range(r)]).astype(np.int32)
+    sharding = NamedSharding(mesh, P("ep"))
+
+    def put(a):
+        return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+
+    x = put(rng.standard_normal((r, t, h)).astype(jnp.bfloat16))
+    topk_idx, weights = put(idx), put(rng.random((r, t, k)).astype(np.float32))
+    header = common.run_header(f"{r}x {devices[0].device_kind}")
+    ep.initialize()
+
+    def smap(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+    def ll_dispatch(x, i, w):
+        def step(tok):
+            recv, count, _ = ep.low_latency_dispatch(x[0], jnp.where(tok < 0, 0, i[0]), num_experts=e,
+                                                     max_tokens_per_rank=t, axis_name="ep")
+            return count[0]
+        return common.looped(step, args.iters)(i[0, 0, 0] * 0)[None]
+
+    def ll_roundtrip(x, i, w):
+        def step(tok):
+            recv, count, handle = ep.low_latency_dispatch(x[0], jnp.where(tok < 0, 0, i[0]), num_experts=e,
+                                                          max_tokens_per_rank=t, axis_name="ep")
+            y = ep.per_token_cast_back(recv[0].reshape(-1, h), recv[1].reshape(-1, h // 128)).reshape(recv[0].shape)
+            return ep.low_latency_combine(y, i[0], w[0], handle)[0, 0].astype(jnp.int32) * 0 + count[0]
+        return common.looped(step, args.iters)(i[0, 0, 0] * 0)[None]
+
+    def all_to_all(x, i, w):
+        def step(buf):
+            return jax.lax.all_to_all(buf, "ep", 0, 0, tiled=True)
+        buf = jnp.zeros((r * t * k, h), jnp.bfloat16) + x[0, :1]
+        return common.looped(step, args.iters)(buf)[:1, :1][None]
+
+    rows = []
+    timings = {}
+    for name, body in (("uccl_ep low_latency_dispatch fp8", ll_dispatch),
+                       ("uccl_ep LL dispatch + combine (bf16)", ll_roundtrip),
+                       ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all)):
+        try:
+            tm = common.time_jitted(smap(body), (x, topk_idx, weights), iters=args.iters, repeats=args.repeats)
+            timings[name] = tm.median_s
+            rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(tm.min_s)])
+        except Exception as exc:  # LL mode is CPU-only so far
+            rows.append([name, "n/a", common.short_error(exc, 80)])
+    if all(n in timings for n in list(timings)[:2]) and len(timings) >= 2:
+        names = list(timings)
+        rows.append(["  => LL combine (round trip - dispatch)", common.fmt_time(timings[names[1]] - timings[names[0]]), ""])
+    ep.shutdown()
+    print(f"# {header}")
+    common.print_table(["op", "time/call", "min"], rows,
+                       title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
