@@ -66,17 +66,29 @@ auto handle_op_signature(Binding b) {
       .template Ret<ffi::AnyBuffer>();              // recv_x or combined
 }
 
+// Low-latency ops come in halves: *_send returns a token that its *_recv takes.
+#define UCCL_EP_LL_ATTRS                                          \
+  template Attr<ffi::Span<const int32_t>>("group_table")          \
+      .template Attr<int64_t>("group_size")                       \
+      .template Attr<int64_t>("op_index")                         \
+      .template Attr<int64_t>("num_experts")                      \
+      .template Attr<int64_t>("max_tokens_per_rank")
+
 template <class Binding>
-auto low_latency_dispatch_signature(Binding b) {
+auto low_latency_dispatch_send_signature(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // x [T, H] (FP8 rows when scales are given)
       .template Arg<ffi::AnyBuffer>()               // scales [T, H / 128] (zero width without FP8)
       .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
       .template Arg<ffi::AnyBuffer>()               // order: ignored
-      .template Attr<ffi::Span<const int32_t>>("group_table")
-      .template Attr<int64_t>("group_size")
-      .template Attr<int64_t>("op_index")
-      .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("max_tokens_per_rank")
+      .UCCL_EP_LL_ATTRS
+      .template Ret<ffi::Buffer<ffi::S32>>();       // token for the receive half
+}
+
+template <class Binding>
+auto low_latency_dispatch_recv_signature(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // token of the send half
+      .template Arg<ffi::AnyBuffer>()               // order: ignored
+      .UCCL_EP_LL_ATTRS
       .template Ret<ffi::AnyBuffer>()               // recv_x [L, R * N, H]
       .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
@@ -85,17 +97,21 @@ auto low_latency_dispatch_signature(Binding b) {
 }
 
 template <class Binding>
-auto low_latency_combine_signature(Binding b) {
+auto low_latency_combine_send_signature(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // y [L, R * N, H]
-      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
-      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights
       .template Arg<ffi::Buffer<ffi::S32>>()        // layout (handle)
       .template Arg<ffi::AnyBuffer>()               // order: ignored
-      .template Attr<ffi::Span<const int32_t>>("group_table")
-      .template Attr<int64_t>("group_size")
-      .template Attr<int64_t>("op_index")
-      .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("max_tokens_per_rank")
+      .UCCL_EP_LL_ATTRS
+      .template Ret<ffi::Buffer<ffi::S32>>();       // token for the receive half
+}
+
+template <class Binding>
+auto low_latency_combine_recv_signature(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // token of the send half
+      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights
+      .template Arg<ffi::AnyBuffer>()               // order: ignored
+      .UCCL_EP_LL_ATTRS
       .template Ret<ffi::AnyBuffer>();              // combined [T, H]
 }
 

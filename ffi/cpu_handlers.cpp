@@ -156,16 +156,17 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
   });
 }
 
-ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
-                                  ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
-                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                  int64_t num_experts, int64_t max_tokens_per_rank,
-                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
-                                  ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
-                                  ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                  ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+uint64_t row_bytes_3d(const ffi::AnyBuffer& b) {  // [L, rows, width] -> bytes of one row
+  uint64_t rows = uint64_t(b.dimensions()[0]) * uint64_t(b.dimensions()[1]);
+  return rows == 0 ? 0 : b.size_bytes() / rows;
+}
+
+ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                      ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                      int64_t num_experts, int64_t max_tokens_per_rank,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return guarded([&] {
-    poison(recv_x, recv_scales, recv_count, layout, src_token);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
     cpu::LowLatencyDispatchArgs a{};
@@ -179,22 +180,41 @@ ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuf
     a.num_experts = int(num_experts);
     a.max_tokens_per_rank = int(max_tokens_per_rank);
     a.op_index = uint32_t(op_index);
+    cpu::low_latency_dispatch_send(dev, g, a);
+    *token->typed_data() = int32_t(op_index);
+  });
+}
+
+ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::AnyBuffer /*order*/,
+                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
+                                      int64_t num_experts, int64_t max_tokens_per_rank,
+                                      ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> layout,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+  return guarded([&] {
+    poison(recv_x, recv_scales, recv_count, layout, src_token);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
+    cpu::LowLatencyDispatchArgs a{};
+    a.x_row_bytes = row_bytes_3d(*recv_x);
+    a.scale_row_bytes = row_bytes_3d(*recv_scales);
+    a.num_experts = int(num_experts);
+    a.max_tokens_per_rank = int(max_tokens_per_rank);
     a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
     a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
     a.recv_count = recv_count->typed_data();
     a.layout = layout->typed_data();
     a.src_token = src_token->typed_data();
-    cpu::low_latency_dispatch(dev, g, a);
+    cpu::low_latency_dispatch_receive(dev, g, a);
   });
 }
 
-ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> topk_idx,
-                                 ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> layout,
-                                 ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                                 int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
-                                 ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
+                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
+                                     int64_t group_size, int64_t op_index, int64_t num_experts,
+                                     int64_t max_tokens_per_rank, ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return guarded([&] {
-    poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
     cpu::LowLatencyCombineArgs a{};
@@ -203,14 +223,33 @@ ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<
     a.hidden = int(y.dimensions()[2]);
     a.max_tokens_per_rank = int(max_tokens_per_rank);
     a.num_experts = int(num_experts);
+    a.layout = layout.typed_data();
+    a.op_index = uint32_t(op_index);
+    cpu::low_latency_combine_send(dev, g, a);
+    *token->typed_data() = int32_t(op_index);
+  });
+}
+
+ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::Buffer<ffi::S32> topk_idx,
+                                     ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                     ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
+                                     int64_t num_experts, int64_t max_tokens_per_rank,
+                                     ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    poison(out);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
+    cpu::LowLatencyCombineArgs a{};
+    a.dtype = float_type(*out, "low_latency_combine");
+    a.hidden = int(out->dimensions()[1]);
+    a.max_tokens_per_rank = int(max_tokens_per_rank);
+    a.num_experts = int(num_experts);
     a.topk_idx = topk_idx.typed_data();
     a.topk_weights = topk_weights.typed_data();
     a.num_tokens = int(dim(topk_idx, 0));
     a.topk = int(dim(topk_idx, 1));
-    a.layout = layout.typed_data();
-    a.op_index = uint32_t(op_index);
     a.out = static_cast<uint8_t*>(out->untyped_data());
-    cpu::low_latency_combine(dev, g, a);
+    cpu::low_latency_combine_receive(dev, g, a);
   });
 }
 
@@ -237,8 +276,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu, CachedDispatchImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
                               ffi_common::handle_op_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchCpu, LowLatencyDispatchImpl,
-                              ffi_common::low_latency_dispatch_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
+#define UCCL_EP_CPU_HANDLER(symbol, impl, signature) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()))
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLowLatencyCombineCpu, LowLatencyCombineImpl,
-                              ffi_common::low_latency_combine_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
+UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchSendCpu, LowLatencyDispatchSendImpl, low_latency_dispatch_send_signature);
+UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchRecvCpu, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
+UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineSendCpu, LowLatencyCombineSendImpl, low_latency_combine_send_signature);
+UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineRecvCpu, LowLatencyCombineRecvImpl, low_latency_combine_recv_signature);

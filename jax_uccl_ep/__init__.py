@@ -25,7 +25,16 @@ def _find_extension() -> None:
 
 _find_extension()
 from .fp8 import pack_ue8m0, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
-from .low_latency import LowLatencyHandle, low_latency_combine, low_latency_dispatch
+from .low_latency import (
+    LowLatencyHandle,
+    LowLatencyPending,
+    low_latency_combine,
+    low_latency_combine_recv,
+    low_latency_combine_send,
+    low_latency_dispatch,
+    low_latency_dispatch_recv,
+    low_latency_dispatch_send,
+)
 from ._runtime import check_errors, initialize, is_initialized, nvl_buffer_bytes, shutdown
 from .normal import (
     DispatchHandle,
@@ -55,5 +64,10 @@ __all__ = [
     "low_latency_dispatch",
     "low_latency_combine",
     "LowLatencyHandle",
+    "LowLatencyPending",
+    "low_latency_dispatch_send",
+    "low_latency_dispatch_recv",
+    "low_latency_combine_send",
+    "low_latency_combine_recv",
 ]
 __version__ = "0.1.0"

@@ -45,6 +45,81 @@ def _check_platform() -> None:
                                   "not built yet); use dispatch/combine on GPUs")
 
 
+@jax.tree_util.register_pytree_node_class
+class LowLatencyPending:
+    """A low-latency op whose send half ran: pass it to the matching *_recv. Between the two, compute freely but
+    run no other EP op on these devices."""
+
+    def __init__(self, token: jax.Array, static: tuple):
+        self.token = token  # [1] int32: makes the receive half run after the send half
+        self.static = static
+
+    def tree_flatten(self):
+        return (self.token,), self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, children):
+        return cls(*children, static)
+
+
+def low_latency_dispatch_send(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    axis_name: AxisName,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+) -> LowLatencyPending:
+    """The send half of low_latency_dispatch (same arguments); finish with low_latency_dispatch_recv."""
+    _check_platform()
+    normal._check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
+    normal._check(x.dtype in (jnp.float32, jnp.bfloat16), f"x must be float32 or bfloat16, got {x.dtype}")
+    t, h = x.shape
+    normal._check_topk(topk_idx, t)
+    num_ranks = normal._axis_size(axis_name)
+    normal._check_experts(num_experts, num_ranks)
+    normal._check(isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
+                  f"max_tokens_per_rank must be an int >= the tokens per rank ({t}), got {max_tokens_per_rank!r}")
+    if use_ue8m0:
+        round_scale = True
+        normal._check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
+    if use_fp8:
+        normal._check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
+        rows, scales = per_token_cast_to_fp8(x, round_scale=round_scale)
+    else:
+        rows, scales = x, jnp.zeros((t, 0), jnp.float32)
+    n = int(max_tokens_per_rank)
+    (token,) = normal._ep_call(
+        "uccl_ep_low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
+        rows, scales, topk_idx, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
+    static = ("dispatch", axis_name, num_experts, n, num_ranks, h, np.dtype(rows.dtype).name, scales.shape[1],
+              use_fp8, use_ue8m0)
+    return LowLatencyPending(token, static)
+
+
+def low_latency_dispatch_recv(pending: LowLatencyPending):
+    """The receive half of low_latency_dispatch: returns (recv_x, recv_count, handle) as it does."""
+    kind, axis_name, num_experts, n, num_ranks, h, dtype, scale_width, use_fp8, use_ue8m0 = pending.static
+    normal._check(kind == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
+    local, slab = num_experts // num_ranks, num_ranks * n
+    recv_x, recv_scales, recv_count, layout, src_token = normal._ep_call(
+        "uccl_ep_low_latency_dispatch_recv",
+        (
+            jax.ShapeDtypeStruct((local, slab, h), jnp.dtype(dtype)),
+            jax.ShapeDtypeStruct((local, slab, scale_width), jnp.float32),
+            jax.ShapeDtypeStruct((local,), jnp.int32),
+            jax.ShapeDtypeStruct((local, num_ranks), jnp.int32),
+            jax.ShapeDtypeStruct((local, slab), jnp.int32),
+        ),
+        pending.token, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
+    if use_fp8:
+        recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
+    return recv_x, recv_count, LowLatencyHandle(layout, src_token, axis_name, num_experts, n)
+
+
 def low_latency_dispatch(
     x: jax.Array,
     topk_idx: jax.Array,
@@ -69,66 +144,46 @@ def low_latency_dispatch(
       (recv_x, recv_count, handle): recv_x [L, R * N, H] (with use_fp8 a pair with scales [L, R * N, H / 128]
       float32, or [L, R * N, H / 512] int32 with use_ue8m0); recv_count [L] int32 valid rows per local expert, rows
       [0, recv_count) grouped by source rank ascending, then token; padding rows are zeros.
+      To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
+    return low_latency_dispatch_recv(low_latency_dispatch_send(
+        x, topk_idx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, axis_name=axis_name,
+        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+
+
+def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLatencyPending:
+    """The send half of low_latency_combine: y [L, R * N, H] float32 or bfloat16, rows as the dispatch laid them."""
     _check_platform()
-    normal._check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
-    normal._check(x.dtype in (jnp.float32, jnp.bfloat16), f"x must be float32 or bfloat16, got {x.dtype}")
-    t, h = x.shape
-    normal._check_topk(topk_idx, t)
-    num_ranks = normal._axis_size(axis_name)
-    normal._check_experts(num_experts, num_ranks)
-    normal._check(isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
-                  f"max_tokens_per_rank must be an int >= the tokens per rank ({t}), got {max_tokens_per_rank!r}")
-    if use_ue8m0:
-        round_scale = True
-        normal._check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
-    if use_fp8:
-        normal._check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
-        rows, scales = per_token_cast_to_fp8(x, round_scale=round_scale)
-    else:
-        rows, scales = x, jnp.zeros((t, 0), jnp.float32)
-    local = num_experts // num_ranks
-    slab = num_ranks * max_tokens_per_rank
-    recv_x, recv_scales, recv_count, layout, src_token = normal._ep_call(
-        "uccl_ep_low_latency_dispatch",
-        (
-            jax.ShapeDtypeStruct((local, slab, h), rows.dtype),
-            jax.ShapeDtypeStruct((local, slab, scales.shape[1]), jnp.float32),
-            jax.ShapeDtypeStruct((local,), jnp.int32),
-            jax.ShapeDtypeStruct((local, num_ranks), jnp.int32),
-            jax.ShapeDtypeStruct((local, slab), jnp.int32),
-        ),
-        rows, scales, topk_idx,
-        axis_name=axis_name,
-        num_experts=num_experts,
-        max_tokens_per_rank=int(max_tokens_per_rank),
-    )
-    if use_fp8:
-        recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
-    handle = LowLatencyHandle(layout, src_token, axis_name, num_experts, int(max_tokens_per_rank))
-    return recv_x, recv_count, handle
+    normal._check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
+    normal._check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
+    normal._check(y.dtype in (jnp.float32, jnp.bfloat16), f"y must be float32 or bfloat16, got {y.dtype}")
+    normal._check(y.shape[:2] == handle.src_token.shape,
+                  f"y must have {handle.src_token.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
+    (token,) = normal._ep_call(
+        "uccl_ep_low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
+        y, handle.layout, axis_name=handle.axis_name, num_experts=handle.num_experts,
+        max_tokens_per_rank=handle.max_tokens_per_rank)
+    static = ("combine", handle.axis_name, handle.num_experts, handle.max_tokens_per_rank, y.shape[2],
+              np.dtype(y.dtype).name)
+    return LowLatencyPending(token, static)
+
+
+def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, topk_weights: jax.Array) -> jax.Array:
+    """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K], in y's dtype."""
+    kind, axis_name, num_experts, n, h, dtype = pending.static
+    normal._check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
+    normal._check_topk(topk_idx, None)
+    normal._check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
+                  f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
+    (out,) = normal._ep_call(
+        "uccl_ep_low_latency_combine_recv", (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
+        pending.token, topk_idx, topk_weights, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
+    return out
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
                         handle: LowLatencyHandle) -> jax.Array:
     """Returns expert outputs y [L, R * N, H] (rows as low_latency_dispatch laid them out) to their tokens and sums
     them weighted by topk_weights [T, K] (slots with topk_idx -1 contribute nothing), in float32; [T, H] in y's
-    dtype."""
-    _check_platform()
-    normal._check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
-    normal._check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
-    normal._check(y.dtype in (jnp.float32, jnp.bfloat16), f"y must be float32 or bfloat16, got {y.dtype}")
-    normal._check_topk(topk_idx, None)
-    normal._check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
-                  f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
-    normal._check(y.shape[:2] == handle.src_token.shape,
-                  f"y must have {handle.src_token.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
-    (out,) = normal._ep_call(
-        "uccl_ep_low_latency_combine",
-        (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
-        y, topk_idx, topk_weights, handle.layout,
-        axis_name=handle.axis_name,
-        num_experts=handle.num_experts,
-        max_tokens_per_rank=handle.max_tokens_per_rank,
-    )
-    return out
+    dtype. To overlap other work with the transfer, call low_latency_combine_send and low_latency_combine_recv."""
+    return low_latency_combine_recv(low_latency_combine_send(y, handle), topk_idx, topk_weights)

@@ -6,6 +6,7 @@
 // Region r of the send staging holds what this rank sends to rank r; region s of the receive area holds
 // what rank s sent here. A message is a run of writes into one region followed by a fence.
 #pragma once
+#include <any>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -90,6 +91,9 @@ class Device {
   // Consumer-side protocol state: whether this rank still waits for `peer` to acknowledge (free its receive
   // region after) the last message sent to it. Guarded by op_mutex().
   bool& awaiting_ack(uint32_t peer) { return awaiting_ack_[peer]; }
+  // State the op layer keeps between calls (a round waiting for its receive half), opaque here; it lives and
+  // dies with the device. Guarded by op_mutex().
+  std::any& op_state() { return op_state_; }
   DeviceStats stats() const;
 
  private:
@@ -127,6 +131,7 @@ class Device {
   std::unique_ptr<std::atomic<uint64_t>[]> released_;  // [num_ranks * num_channels]
   std::vector<uint64_t> consumed_;                    // consumer-owned, same shape
   std::unique_ptr<bool[]> awaiting_ack_;              // consumer-owned, [num_ranks]
+  std::any op_state_;
   std::unique_ptr<std::atomic<uint64_t>[]> retired_;  // commands completed, per channel
   std::vector<MessageSequencer> sequencers_;          // proxy-owned, [num_ranks * num_channels]
   std::vector<ArrivalCounter> arrivals_;              // proxy-owned, same shape

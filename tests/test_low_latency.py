@@ -170,3 +170,62 @@ def test_low_latency_across_processes():
     for res in launch_ok(__file__, "multi_process_low_latency", 2, args=[4], devices_per_process=2,
                          env={"UCCL_EP_REORDER": "1"}):
         assert res["problems"] == []
+
+
+def test_split_halves_give_identical_results_with_work_between():
+    num_ranks, t, n, h, k, e = 4, 12, 16, 256, 3, 16
+    rng = np.random.default_rng(12)
+    idx = jnp.asarray(ref.random_routing(rng, num_ranks, t, k, e))
+    x = jnp.asarray(rng.standard_normal((num_ranks, t, h)), jnp.bfloat16)
+    w = jnp.asarray(rng.random((num_ranks, t, k)), jnp.float32)
+    other = jnp.asarray(rng.standard_normal((num_ranks, 64, 64)), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
+    kw = dict(num_experts=e, max_tokens_per_rank=n, axis_name="ep")
+
+    def fused(x, i, w, o):
+        recv, count, handle = ep.low_latency_dispatch(x[0], i[0], **kw)
+        y = recv[0].astype(jnp.bfloat16)
+        return ep.low_latency_combine(y, i[0], w[0], handle)[None], count[None], (o[0] @ o[0])[None]
+
+    def split(x, i, w, o):
+        pending = ep.low_latency_dispatch_send(x[0], i[0], **kw)
+        busy = o[0] @ o[0]  # work that XLA may run while the tokens travel
+        recv, count, handle = ep.low_latency_dispatch_recv(pending)
+        pending = ep.low_latency_combine_send(recv[0].astype(jnp.bfloat16), handle)
+        busy = busy @ o[0]
+        out = ep.low_latency_combine_recv(pending, i[0], w[0])
+        return out[None], count[None], (busy @ jnp.linalg.pinv(o[0]))[None]
+
+    run = lambda body: [np.asarray(a) for a in jax.jit(jax.shard_map(  # noqa: E731
+        body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w, other)]
+    a, b = run(fused), run(split)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    assert np.abs(a[0]).sum() > 0
+
+
+def test_another_ep_op_between_the_halves_is_refused():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 4, 128)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 4, (2, 4, 1)), jnp.int32)
+
+    def body(x, i):
+        pending = ep.low_latency_dispatch_send(x[0], i[0], num_experts=4, max_tokens_per_rank=4, axis_name="ep",
+                                               use_fp8=False)
+        # A normal dispatch between the halves (data dependencies pin it there): not allowed.
+        xi = x[0] + jnp.where(pending.token[0] < -1000, 1.0, 0.0)  # not foldable: XLA cannot see the value
+        r = ep.dispatch(xi, i[0], num_experts=4, axis_name="ep")
+        pending = ep.LowLatencyPending(pending.token + jnp.where(r.num_tokens < 0, 1, 0), pending.static)
+        recv, _, _ = ep.low_latency_dispatch_recv(pending)
+        return r.x[None], recv[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    with pytest.raises(Exception, match="still waits for its receive half"):
+        jax.block_until_ready(f(x, idx))
+    # The waiting round's messages were never read: the ranks are out of step until the runtime is reset.
+    ep.shutdown()
+    ep.initialize()
+    g = jax.jit(jax.shard_map(lambda x, i: ep.combine(*(lambda r: (r.x, r.handle))(
+        ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep")))[None], mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    np.testing.assert_allclose(np.asarray(g(x, idx)), np.asarray(x))

@@ -1,6 +1,7 @@
 #include "exchange.hpp"
 
 #include <algorithm>
+#include <any>
 #include <cstring>
 
 namespace uccl_ep::cpu {
@@ -68,8 +69,15 @@ std::vector<uint32_t> group_peers(const Group& group) {
 
 namespace {
 
-std::vector<uint32_t> run_protocol(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
-                                   const UnpackRows& unpack) {
+// What the receive half of a round needs from its send half.
+struct SentRound {
+  OpKind kind;
+  uint32_t op_index;
+  uint64_t row_bytes, shape_tag;
+  std::string local_error;  // non-empty: this rank sent an error status instead of rows
+};
+
+SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack) {
   const char* op = op_name(plan.kind);
   const int channels = dev.num_channels();
   dev.quiet(op);  // send staging is free again only once earlier writes completed
@@ -109,7 +117,13 @@ std::vector<uint32_t> run_protocol(Device& dev, const Group& group, const Exchan
       dev.post_message(c, peer, dev.send_offset(peer) + begin, dev.recv_offset(dev.rank()) + begin, len, op);
     }
   }
+  return SentRound{plan.kind, plan.op_index, plan.row_bytes, plan.shape_tag, local_error};
+}
 
+std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRound& sent, const UnpackRows& unpack) {
+  const char* op = op_name(sent.kind);
+  const int channels = dev.num_channels();
+  const bool bad_input = !sent.local_error.empty();
   std::vector<uint32_t> received(group.size, 0);
   std::string peer_error;
   bool peer_input_error = false;
@@ -126,14 +140,14 @@ std::vector<uint32_t> run_protocol(Device& dev, const Group& group, const Exchan
       problem = "reported invalid input: " +
                 std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
                             std::min<size_t>(h.error_bytes, kMaxErrorBytes));
-    else if (h.op_index != plan.op_index)
+    else if (h.op_index != sent.op_index)
       problem = std::string("ran op #") + std::to_string(h.op_index) + " (" + op_name(OpKind(h.kind)) +
-                ") of its program while this rank ran op #" + std::to_string(plan.op_index) + " (" + op + "): " +
+                ") of its program while this rank ran op #" + std::to_string(sent.op_index) + " (" + op + "): " +
                 "op order differs across ranks (make one op depend on the other's output)";
-    else if (h.kind != uint32_t(plan.kind) || h.row_bytes != plan.row_bytes || h.shape_tag != plan.shape_tag)
+    else if (h.kind != uint32_t(sent.kind) || h.row_bytes != sent.row_bytes || h.shape_tag != sent.shape_tag)
       problem = std::string("ran ") + op_name(OpKind(h.kind)) + " with " + std::to_string(h.row_bytes) +
                 "-byte rows (shape tag " + std::to_string(h.shape_tag) + ") while this rank ran " + op + " with " +
-                std::to_string(plan.row_bytes) + "-byte rows (shape tag " + std::to_string(plan.shape_tag) +
+                std::to_string(sent.row_bytes) + "-byte rows (shape tag " + std::to_string(sent.shape_tag) +
                 "): shapes or op order differ across ranks";
     if (!problem.empty()) {
       if (peer_error.empty()) {
@@ -154,27 +168,67 @@ std::vector<uint32_t> run_protocol(Device& dev, const Group& group, const Exchan
     if (uint32_t(group.ranks[d]) != dev.rank()) dev.awaiting_ack(uint32_t(group.ranks[d])) = true;
 
   // Bad input is announced to every peer, so all ranks fail here together and stay in step.
-  if (bad_input) throw CollectiveError(std::string("uccl_ep ") + op + ": " + local_error);
+  if (bad_input) throw CollectiveError(std::string("uccl_ep ") + op + ": " + sent.local_error);
   std::string where = std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + ": ";
   if (peer_input_error) throw CollectiveError(where + peer_error);
   if (!peer_error.empty()) throw Error(where + peer_error);
   return received;
 }
 
+// Runs `half` under the device's op lock; anything but a collective error leaves this rank out of step, so the
+// peers are told at once.
+template <class Half>
+auto guarded_half(Device& dev, const Group& group, const char* op, Half&& half) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  dev.check_usable(op);
+  try {
+    return half();
+  } catch (const CollectiveError&) {
+    throw;
+  } catch (const std::exception& e) {
+    dev.abort(group_peers(group), e.what());
+    throw;
+  }
+}
+
+// Low-latency rounds may be split: a send half whose receive half runs later, kept in the device's op state.
+// One such round at most per device, and no other round in between. (Call with the op lock held.)
+// Refusing leaves the waiting round's messages unread, so this is an out-of-step failure (peers are told).
+void check_no_pending(Device& dev, const char* op) {
+  if (const SentRound* sent = std::any_cast<SentRound>(&dev.op_state()))
+    throw Error(std::string("uccl_ep ") + op + ": the send half of " + op_name(sent->kind) + " (op #" +
+                          std::to_string(sent->op_index) +
+                          ") still waits for its receive half on this device; run the receive first");
+}
+
 }  // namespace
 
 std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
                                const UnpackRows& unpack) {
-  std::lock_guard<std::mutex> lock(dev.op_mutex());
-  dev.check_usable(op_name(plan.kind));
-  try {
-    return run_protocol(dev, group, plan, pack, unpack);
-  } catch (const CollectiveError&) {
-    throw;
-  } catch (const std::exception& e) {
-    dev.abort(group_peers(group), e.what());  // out of step now: make the peers fail fast too
-    throw;
-  }
+  return guarded_half(dev, group, op_name(plan.kind), [&] {
+    check_no_pending(dev, op_name(plan.kind));
+    SentRound sent = send_half(dev, group, plan, pack);
+    return receive_half(dev, group, sent, unpack);
+  });
+}
+
+void exchange_send(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack) {
+  guarded_half(dev, group, op_name(plan.kind), [&] {
+    check_no_pending(dev, op_name(plan.kind));
+    dev.op_state() = send_half(dev, group, plan, pack);
+  });
+}
+
+std::vector<uint32_t> exchange_receive(Device& dev, const Group& group, OpKind kind, const UnpackRows& unpack) {
+  return guarded_half(dev, group, op_name(kind), [&] {
+    const SentRound* pending = std::any_cast<SentRound>(&dev.op_state());
+    if (!pending || pending->kind != kind)
+      throw CollectiveError(std::string("uccl_ep ") + op_name(kind) + ": no send half of " + op_name(kind) +
+                            " is waiting on this device");
+    SentRound sent = *pending;
+    dev.op_state().reset();
+    return receive_half(dev, group, sent, unpack);
+  });
 }
 
 void abort_group(Device& dev, const Group& group, const std::string& message) {

@@ -54,6 +54,11 @@ using UnpackRows = std::function<void(int src, uint32_t count, const uint8_t* ro
 std::vector<uint32_t> exchange(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack,
                                const UnpackRows& unpack);
 
+// The same round in two halves, for ops that let the caller work between sending and receiving. At most one
+// round may wait between its halves on a device, and no other round may run there meanwhile (both are errors).
+void exchange_send(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack);
+std::vector<uint32_t> exchange_receive(Device& dev, const Group& group, OpKind kind, const UnpackRows& unpack);
+
 // For a failure found after a successful round on this rank only (capacity exceeded, a stale handle): aborts
 // like above and throws InvalidArgument(message).
 [[noreturn]] void abort_group(Device& dev, const Group& group, const std::string& message);

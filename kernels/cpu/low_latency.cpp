@@ -44,10 +44,27 @@ std::vector<std::vector<std::pair<int, int>>> slots_by_expert(const int32_t* top
 
 }  // namespace
 
-void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+namespace {
+
+// Row: x | scales | local expert (int32) | token (int32) | padding.
+uint64_t dispatch_meta_offset(const LowLatencyDispatchArgs& a) { return a.x_row_bytes + a.scale_row_bytes; }
+uint64_t dispatch_shape_tag(const LowLatencyDispatchArgs& a) {
+  return (uint64_t(a.max_tokens_per_rank) << 40) ^ (uint64_t(a.num_experts) << 20) ^ a.x_row_bytes ^
+         (a.scale_row_bytes << 52);
+}
+uint64_t combine_row_bytes(const LowLatencyCombineArgs& a) {
+  return uint64_t(a.hidden) * (a.dtype == FloatType::kF32 ? 4 : 2);
+}
+uint64_t combine_shape_tag(const LowLatencyCombineArgs& a) {
+  return (uint64_t(a.max_tokens_per_rank) << 40) ^ (uint64_t(a.num_experts) << 20) ^ combine_row_bytes(a);
+}
+
+}  // namespace
+
+void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
-  ExchangePlan plan{OpKind::kLowLatencyDispatch, a.op_index, 0, 0, {},
-                    check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
+  ExchangePlan plan{OpKind::kLowLatencyDispatch, a.op_index, round_up16(dispatch_meta_offset(a) + 8),
+                    dispatch_shape_tag(a), {}, check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
   if (plan.local_error.empty() && a.num_tokens > N)
     plan.local_error = "rank " + std::to_string(dev.rank()) + " has " + std::to_string(a.num_tokens) +
                        " tokens, more than max_tokens_per_rank=" + std::to_string(N);
@@ -58,10 +75,7 @@ void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispa
     for (int l = 0; l < L; ++l) rows += uint32_t(slots[d * L + l].size());
     plan.rows_to.push_back(rows);
   }
-  // Row: x | scales | local expert (int32) | token (int32) | padding.
-  const uint64_t meta = a.x_row_bytes + a.scale_row_bytes;
-  plan.row_bytes = round_up16(meta + 8);
-  plan.shape_tag = (uint64_t(N) << 40) ^ (uint64_t(a.num_experts) << 20) ^ a.x_row_bytes ^ (a.scale_row_bytes << 52);
+  const uint64_t meta = dispatch_meta_offset(a);
   auto pack = [&](int d, uint32_t i, uint8_t* out) {
     int l = 0;
     while (i >= slots[d * L + l].size()) i -= uint32_t(slots[d * L + l++].size());
@@ -71,13 +85,19 @@ void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispa
     int32_t lt[2] = {l, t};
     std::memcpy(out + meta, lt, 8);
   };
+  exchange_send(dev, group, plan, pack);
+}
+
+void low_latency_dispatch_receive(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+  const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
+  const uint64_t meta = dispatch_meta_offset(a), row_bytes = round_up16(meta + 8);
   const size_t slab = size_t(R) * N;  // rows per local expert
   std::vector<int32_t> fill(L, 0);
   std::memset(a.layout, 0, sizeof(int32_t) * L * R);
   std::string bad;
   auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
     for (uint32_t j = 0; j < count; ++j) {
-      const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
+      const uint8_t* in = rows + uint64_t(j) * row_bytes;
       int32_t lt[2];
       std::memcpy(lt, in + meta, 8);
       if (lt[0] < 0 || lt[0] >= L || fill[lt[0]] >= int32_t(slab)) {
@@ -92,7 +112,7 @@ void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispa
       ++a.layout[size_t(lt[0]) * R + s];
     }
   };
-  exchange(dev, group, plan, pack, unpack);
+  exchange_receive(dev, group, OpKind::kLowLatencyDispatch, unpack);
   if (!bad.empty()) abort_group(dev, group, "uccl_ep low_latency_dispatch: " + bad);
   // Padding rows are defined: zeros, no source token.
   for (int l = 0; l < L; ++l) {
@@ -104,15 +124,13 @@ void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispa
   }
 }
 
-void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
+void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
-  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2, row_bytes = uint64_t(a.hidden) * elem;
+  const uint64_t row_bytes = combine_row_bytes(a);
   const size_t slab = size_t(R) * N;
   // Rows from source s of local expert l sit at [begin[l][s], + layout[l][s]) of y[l].
   std::vector<int32_t> begin(size_t(L) * R, 0);
-  ExchangePlan plan{OpKind::kLowLatencyCombine, a.op_index, round_up16(row_bytes),
-                    (uint64_t(N) << 40) ^ (uint64_t(a.num_experts) << 20) ^ row_bytes, {},
-                    check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
+  ExchangePlan plan{OpKind::kLowLatencyCombine, a.op_index, round_up16(row_bytes), combine_shape_tag(a), {}, ""};
   for (int s = 0; s < R; ++s) {
     uint32_t rows = 0;
     for (int l = 0; l < L; ++l) {
@@ -130,6 +148,13 @@ void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombin
     size_t row = size_t(l) * slab + size_t(begin[size_t(l) * R + s]) + i;
     std::memcpy(out, a.y + row * row_bytes, row_bytes);
   };
+  exchange_send(dev, group, plan, pack);
+}
+
+void low_latency_combine_receive(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
+  const int R = group.size, L = a.num_experts / R;
+  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2, row_bytes = round_up16(combine_row_bytes(a));
+  std::string bad_input = check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   auto slots = slots_by_expert(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   std::vector<float> acc(size_t(a.num_tokens) * a.hidden, 0.0f);
   std::string mismatch;
@@ -145,14 +170,16 @@ void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombin
     uint32_t j = 0;
     for (int l = 0; l < L; ++l)
       for (auto [t, k] : slots[r * L + l]) {
-        const uint8_t* in = rows + uint64_t(j++) * plan.row_bytes;
+        const uint8_t* in = rows + uint64_t(j++) * row_bytes;
         const float w = a.topk_weights[size_t(t) * a.topk + k];
         float* dst = acc.data() + size_t(t) * a.hidden;
         for (int h = 0; h < a.hidden; ++h) dst[h] += w * to_f32(in + h * elem, a.dtype);
       }
   };
-  exchange(dev, group, plan, pack, unpack);
+  exchange_receive(dev, group, OpKind::kLowLatencyCombine, unpack);
+  // topk_idx is the dispatch's, checked there; a different one here shows as a row-count mismatch.
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + mismatch + " (stale handle?)");
+  if (!bad_input.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + bad_input);
   for (size_t i = 0; i < acc.size(); ++i) from_f32(acc[i], a.out + i * elem, a.dtype);
 }
 
