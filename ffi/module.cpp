@@ -159,7 +159,6 @@ NB_MODULE(_uccl_ep, m) {
     for (auto& v : Runtime::get().local_infos()) out.emplace_back(v.data(), v.size());
     return out;
   });
-  m.def("host_of_info", [](const nb::bytes& info) { return EndpointInfo::deserialize(to_vec(info)).host; });
   m.def("connect", [](const std::vector<nb::bytes>& infos) {
     std::vector<std::vector<uint8_t>> v;
     for (auto& b : infos) v.push_back(to_vec(b));

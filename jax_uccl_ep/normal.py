@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from .fp8 import FP8_BLOCK
 
 AxisName = Union[str, Sequence[str]]
 Fp8Pair = tuple  # (x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
-FP8_BLOCK = 128  # channels per FP8 scale
 
 
 class DispatchLayout(NamedTuple):

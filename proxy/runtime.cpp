@@ -420,10 +420,4 @@ Device& Runtime::device_by_rank(uint32_t rank) {
   throw Error("uccl_ep: rank " + std::to_string(rank) + " is not a local device of this process");
 }
 
-std::vector<Device*> Runtime::devices() {
-  std::vector<Device*> out;
-  for (auto& d : devices_) out.push_back(d.get());
-  return out;
-}
-
 }  // namespace uccl_ep

@@ -163,7 +163,6 @@ class Runtime {
   // Looks up the device of an XLA device ordinal; throws with a clear message before initialize().
   Device& device_by_ordinal(int ordinal);
   Device& device_by_rank(uint32_t rank);
-  std::vector<Device*> devices();
 
  private:
   std::shared_mutex lifetime_;

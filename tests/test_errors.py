@@ -212,7 +212,6 @@ def test_calls_before_initialize_and_after_shutdown_fail_clearly():
 def mismatched_hidden() -> dict:
     """Child: the two processes run dispatch with different hidden sizes."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P

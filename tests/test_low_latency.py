@@ -130,7 +130,6 @@ def test_too_many_tokens_and_bad_hidden_are_named():
 def multi_process_low_latency(seed: int) -> dict:
     """Child: low-latency dispatch and combine over every device of 2 processes (R = 4)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import cases
