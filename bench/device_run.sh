@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build this tree against the preinstalled jax, run the GPU tests, then the
 # intranode benchmark. Logs go to $OUT; the benchmark's table is printed last.
-#   usage (from the repo root, on the device): bash bench/device_run.sh [tests|bench|all] [bench args...]
+#   usage (from the repo root, on the device): bash bench/device_run.sh [tests|bench|all|none] [bench args...]
+#
+# The GPU machine has no package registry and (seen 2026-11-22) neither libfabric headers nor scikit-build-core.
+# Prepare both on the dev machine, in folders git ignores, and name them in the device call's `carry`:
+#   echo /.deps/ >> .git/info/exclude; echo /.whl/ >> .git/info/exclude
+#   mkdir -p .deps && (cd .deps && apt-get download libfabric-dev && dpkg -x libfabric-dev_*.deb ex \
+#     && mv ex/usr/include include && rm -rf ex *.deb)
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform any -d .whl scikit-build-core nanobind pathspec packaging
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/uccl_ep_out}; mkdir -p "$OUT"
