@@ -136,9 +136,11 @@ def multi_process_roundtrip(seed: int) -> dict:
     return {"errors": problems, "ranks": num_ranks}
 
 
-@pytest.mark.parametrize("provider,reorder", [("shm", "0"), ("tcp;ofi_rxm", "1")])
-def test_across_processes(provider, reorder):
-    env = {"UCCL_EP_FI_PROVIDER": provider, "UCCL_EP_REORDER": reorder, "UCCL_EP_POISON": "1"}
+@pytest.mark.parametrize("provider,reorder,threads", [("shm", "0", "1"), ("tcp;ofi_rxm", "1", "1"), ("shm", "1", "3")])
+def test_across_processes(provider, reorder, threads):
+    # Several proxy threads: each message is striped over their channels, the acks ride channel 0.
+    env = {"UCCL_EP_FI_PROVIDER": provider, "UCCL_EP_REORDER": reorder, "UCCL_EP_POISON": "1",
+           "UCCL_EP_NUM_PROXY_THREADS": threads, "UCCL_EP_MAX_WRITE_BYTES": "4096"}
     results = launch_ok(HERE, "multi_process_roundtrip", 2, args=[17], devices_per_process=2, env=env)
     for r in results:
         assert r["ranks"] == 4
