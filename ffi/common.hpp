@@ -75,6 +75,31 @@ auto handle_op_signature(Binding b) {
       .template Attr<int64_t>("max_tokens_per_rank")
 
 template <class Binding>
+auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x [T, H] (FP8 rows when scales are given)
+      .template Arg<ffi::AnyBuffer>()               // scales [T, H / 128] (zero width without FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
+      .template Arg<ffi::AnyBuffer>()               // order: ignored
+      .UCCL_EP_LL_ATTRS
+      .template Ret<ffi::AnyBuffer>()               // recv_x [L, R * N, H]
+      .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
+      .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
+      .template Ret<ffi::Buffer<ffi::S32>>()        // layout [L, R] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>();       // src_token [L, R * N] (handle)
+}
+
+template <class Binding>
+auto low_latency_combine_signature(Binding b) {  // both halves in one call
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // y [L, R * N, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // layout (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights
+      .template Arg<ffi::AnyBuffer>()               // order: ignored
+      .UCCL_EP_LL_ATTRS
+      .template Ret<ffi::AnyBuffer>();              // combined [T, H]
+}
+
+template <class Binding>
 auto low_latency_dispatch_send_signature(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // x [T, H] (FP8 rows when scales are given)
       .template Arg<ffi::AnyBuffer>()               // scales [T, H / 128] (zero width without FP8)

@@ -161,6 +161,79 @@ uint64_t row_bytes_3d(const ffi::AnyBuffer& b) {  // [L, rows, width] -> bytes o
   return rows == 0 ? 0 : b.size_bytes() / rows;
 }
 
+// Argument filling shared by the one-call and two-call forms of the low-latency ops.
+void set_dispatch_inputs(cpu::LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
+                         const ffi::Buffer<ffi::S32>& topk_idx, int64_t op_index) {
+  a.x = static_cast<const uint8_t*>(x.untyped_data());
+  a.x_row_bytes = row_bytes(x);
+  a.scales = static_cast<const uint8_t*>(scales.untyped_data());
+  a.scale_row_bytes = row_bytes(scales);
+  a.topk_idx = topk_idx.typed_data();
+  a.num_tokens = int(dim(topk_idx, 0));
+  a.topk = int(dim(topk_idx, 1));
+  a.op_index = uint32_t(op_index);
+}
+
+void set_dispatch_outputs(cpu::LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
+                          ffi::Result<ffi::AnyBuffer>& recv_scales, ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
+                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_token) {
+  poison(recv_x, recv_scales, recv_count, layout, src_token);
+  a.x_row_bytes = row_bytes_3d(*recv_x);
+  a.scale_row_bytes = row_bytes_3d(*recv_scales);
+  a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
+  a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
+  a.recv_count = recv_count->typed_data();
+  a.layout = layout->typed_data();
+  a.src_token = src_token->typed_data();
+}
+
+void set_combine_send(cpu::LowLatencyCombineArgs& a, const ffi::AnyBuffer& y, const ffi::Buffer<ffi::S32>& layout,
+                      int64_t op_index) {
+  a.y = static_cast<const uint8_t*>(y.untyped_data());
+  a.dtype = float_type(y, "low_latency_combine");
+  a.hidden = int(y.dimensions()[2]);
+  a.layout = layout.typed_data();
+  a.op_index = uint32_t(op_index);
+}
+
+void set_combine_receive(cpu::LowLatencyCombineArgs& a, const ffi::Buffer<ffi::S32>& topk_idx,
+                         const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out) {
+  poison(out);
+  a.dtype = float_type(*out, "low_latency_combine");
+  a.hidden = int(out->dimensions()[1]);
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_weights = topk_weights.typed_data();
+  a.num_tokens = int(dim(topk_idx, 0));
+  a.topk = int(dim(topk_idx, 1));
+  a.out = static_cast<uint8_t*>(out->untyped_data());
+}
+
+template <class Args>
+Args ll_args(int64_t num_experts, int64_t max_tokens_per_rank) {
+  Args a{};
+  a.num_experts = int(num_experts);
+  a.max_tokens_per_rank = int(max_tokens_per_rank);
+  return a;
+}
+
+ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                  ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                  int64_t num_experts, int64_t max_tokens_per_rank,
+                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> layout,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+  return guarded([&] {
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
+    auto a = ll_args<cpu::LowLatencyDispatchArgs>(num_experts, max_tokens_per_rank);
+    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+    set_dispatch_inputs(a, x, scales, topk_idx, op_index);
+    cpu::low_latency_dispatch(dev, g, a);
+  });
+}
+
 ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                       ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
@@ -169,17 +242,8 @@ ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::An
   return guarded([&] {
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
-    cpu::LowLatencyDispatchArgs a{};
-    a.x = static_cast<const uint8_t*>(x.untyped_data());
-    a.x_row_bytes = row_bytes(x);
-    a.scales = static_cast<const uint8_t*>(scales.untyped_data());
-    a.scale_row_bytes = row_bytes(scales);
-    a.topk_idx = topk_idx.typed_data();
-    a.num_tokens = int(dim(topk_idx, 0));
-    a.topk = int(dim(topk_idx, 1));
-    a.num_experts = int(num_experts);
-    a.max_tokens_per_rank = int(max_tokens_per_rank);
-    a.op_index = uint32_t(op_index);
+    auto a = ll_args<cpu::LowLatencyDispatchArgs>(num_experts, max_tokens_per_rank);
+    set_dispatch_inputs(a, x, scales, topk_idx, op_index);
     cpu::low_latency_dispatch_send(dev, g, a);
     *token->typed_data() = int32_t(op_index);
   });
@@ -193,20 +257,26 @@ ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
   return guarded([&] {
-    poison(recv_x, recv_scales, recv_count, layout, src_token);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
-    cpu::LowLatencyDispatchArgs a{};
-    a.x_row_bytes = row_bytes_3d(*recv_x);
-    a.scale_row_bytes = row_bytes_3d(*recv_scales);
-    a.num_experts = int(num_experts);
-    a.max_tokens_per_rank = int(max_tokens_per_rank);
-    a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
-    a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
-    a.recv_count = recv_count->typed_data();
-    a.layout = layout->typed_data();
-    a.src_token = src_token->typed_data();
+    auto a = ll_args<cpu::LowLatencyDispatchArgs>(num_experts, max_tokens_per_rank);
+    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
     cpu::low_latency_dispatch_receive(dev, g, a);
+  });
+}
+
+ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
+                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                 ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
+                                 int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
+    auto a = ll_args<cpu::LowLatencyCombineArgs>(num_experts, max_tokens_per_rank);
+    set_combine_receive(a, topk_idx, topk_weights, out);
+    set_combine_send(a, y, layout, op_index);
+    cpu::low_latency_combine(dev, g, a);
   });
 }
 
@@ -217,14 +287,8 @@ ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buf
   return guarded([&] {
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
-    cpu::LowLatencyCombineArgs a{};
-    a.y = static_cast<const uint8_t*>(y.untyped_data());
-    a.dtype = float_type(y, "low_latency_combine");
-    a.hidden = int(y.dimensions()[2]);
-    a.max_tokens_per_rank = int(max_tokens_per_rank);
-    a.num_experts = int(num_experts);
-    a.layout = layout.typed_data();
-    a.op_index = uint32_t(op_index);
+    auto a = ll_args<cpu::LowLatencyCombineArgs>(num_experts, max_tokens_per_rank);
+    set_combine_send(a, y, layout, op_index);
     cpu::low_latency_combine_send(dev, g, a);
     *token->typed_data() = int32_t(op_index);
   });
@@ -236,19 +300,10 @@ ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, 
                                      int64_t num_experts, int64_t max_tokens_per_rank,
                                      ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
-    poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
-    cpu::LowLatencyCombineArgs a{};
-    a.dtype = float_type(*out, "low_latency_combine");
-    a.hidden = int(out->dimensions()[1]);
-    a.max_tokens_per_rank = int(max_tokens_per_rank);
-    a.num_experts = int(num_experts);
-    a.topk_idx = topk_idx.typed_data();
-    a.topk_weights = topk_weights.typed_data();
-    a.num_tokens = int(dim(topk_idx, 0));
-    a.topk = int(dim(topk_idx, 1));
-    a.out = static_cast<uint8_t*>(out->untyped_data());
+    auto a = ll_args<cpu::LowLatencyCombineArgs>(num_experts, max_tokens_per_rank);
+    set_combine_receive(a, topk_idx, topk_weights, out);
     cpu::low_latency_combine_receive(dev, g, a);
   });
 }
@@ -279,6 +334,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
 #define UCCL_EP_CPU_HANDLER(symbol, impl, signature) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()))
 
+UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchCpu, LowLatencyDispatchImpl, low_latency_dispatch_signature);
+UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineCpu, LowLatencyCombineImpl, low_latency_combine_signature);
 UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchSendCpu, LowLatencyDispatchSendImpl, low_latency_dispatch_send_signature);
 UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchRecvCpu, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
 UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineSendCpu, LowLatencyCombineSendImpl, low_latency_combine_send_signature);

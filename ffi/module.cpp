@@ -86,6 +86,8 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCpu);
     d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCpu);
     d["uccl_ep_combine"] = capsule(UcclEpCombineCpu);
+    d["uccl_ep_low_latency_dispatch"] = capsule(UcclEpLowLatencyDispatchCpu);
+    d["uccl_ep_low_latency_combine"] = capsule(UcclEpLowLatencyCombineCpu);
     d["uccl_ep_low_latency_dispatch_send"] = capsule(UcclEpLowLatencyDispatchSendCpu);
     d["uccl_ep_low_latency_dispatch_recv"] = capsule(UcclEpLowLatencyDispatchRecvCpu);
     d["uccl_ep_low_latency_combine_send"] = capsule(UcclEpLowLatencyCombineSendCpu);

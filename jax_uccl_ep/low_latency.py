@@ -24,19 +24,23 @@ class LowLatencyHandle:
     """What low_latency_combine needs from a low_latency_dispatch."""
 
     def __init__(self, layout: jax.Array, src_token: jax.Array, axis_name: AxisName, num_experts: int,
-                 max_tokens_per_rank: int):
+                 max_tokens_per_rank: int, cumulative_local_expert_recv_stats: jax.Array | None = None):
         self.layout = layout  # [L, R] int32: rows of each local expert from each source rank
         self.src_token = src_token  # [L, R * N] int32: the row's token index on its source rank, -1 on padding
         self.axis_name = axis_name
         self.num_experts = num_experts
         self.max_tokens_per_rank = max_tokens_per_rank
+        # [L] int32: the running count passed to the dispatch plus this step's rows (None if none was passed)
+        self.cumulative_local_expert_recv_stats = cumulative_local_expert_recv_stats
 
     def tree_flatten(self):
-        return (self.layout, self.src_token), (self.axis_name, self.num_experts, self.max_tokens_per_rank)
+        return ((self.layout, self.src_token, self.cumulative_local_expert_recv_stats),
+                (self.axis_name, self.num_experts, self.max_tokens_per_rank))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        layout, src_token, stats = children
+        return cls(layout, src_token, *aux, stats)
 
 
 def _check_platform() -> None:
@@ -62,18 +66,8 @@ class LowLatencyPending:
         return cls(*children, static)
 
 
-def low_latency_dispatch_send(
-    x: jax.Array,
-    topk_idx: jax.Array,
-    *,
-    num_experts: int,
-    max_tokens_per_rank: int,
-    axis_name: AxisName,
-    use_fp8: bool = True,
-    round_scale: bool = False,
-    use_ue8m0: bool = False,
-) -> LowLatencyPending:
-    """The send half of low_latency_dispatch (same arguments); finish with low_latency_dispatch_recv."""
+def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0):
+    """Checks the arguments; returns (rows, scales, static) for the FFI calls."""
     _check_platform()
     normal._check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
     normal._check(x.dtype in (jnp.float32, jnp.bfloat16), f"x must be float32 or bfloat16, got {x.dtype}")
@@ -91,33 +85,69 @@ def low_latency_dispatch_send(
         rows, scales = per_token_cast_to_fp8(x, round_scale=round_scale)
     else:
         rows, scales = x, jnp.zeros((t, 0), jnp.float32)
-    n = int(max_tokens_per_rank)
+    static = ("dispatch", axis_name, num_experts, int(max_tokens_per_rank), num_ranks, h, np.dtype(rows.dtype).name,
+              scales.shape[1], use_fp8, use_ue8m0)
+    return rows, scales, static
+
+
+def _dispatch_outputs(static) -> tuple:
+    _, _, num_experts, n, num_ranks, h, dtype, scale_width, _, _ = static
+    local, slab = num_experts // num_ranks, num_ranks * n
+    return (
+        jax.ShapeDtypeStruct((local, slab, h), jnp.dtype(dtype)),
+        jax.ShapeDtypeStruct((local, slab, scale_width), jnp.float32),
+        jax.ShapeDtypeStruct((local,), jnp.int32),
+        jax.ShapeDtypeStruct((local, num_ranks), jnp.int32),
+        jax.ShapeDtypeStruct((local, slab), jnp.int32),
+    )
+
+
+def _dispatch_result(static, outs, cumulative_local_expert_recv_stats):
+    _, axis_name, num_experts, n, num_ranks, _, _, _, use_fp8, use_ue8m0 = static
+    recv_x, recv_scales, recv_count, layout, src_token = outs
+    if use_fp8:
+        recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
+    stats = None
+    if cumulative_local_expert_recv_stats is not None:
+        normal._check(cumulative_local_expert_recv_stats.shape == recv_count.shape,
+                      f"cumulative_local_expert_recv_stats must have shape {recv_count.shape} (local experts), "
+                      f"got {cumulative_local_expert_recv_stats.shape}")
+        stats = cumulative_local_expert_recv_stats + recv_count.astype(cumulative_local_expert_recv_stats.dtype)
+    return recv_x, recv_count, LowLatencyHandle(layout, src_token, axis_name, num_experts, n, stats)
+
+
+def low_latency_dispatch_send(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    axis_name: AxisName,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+) -> LowLatencyPending:
+    """The send half of low_latency_dispatch (same arguments); finish with low_latency_dispatch_recv.
+
+    XLA may move independent ops across the halves: make the work you put between them, and the next EP op,
+    depend on the data so that no other EP op lands in between (that fails with an out-of-step error).
+    """
+    rows, scales, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
+                                             round_scale, use_ue8m0)
     (token,) = normal._ep_call(
         "uccl_ep_low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        rows, scales, topk_idx, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
-    static = ("dispatch", axis_name, num_experts, n, num_ranks, h, np.dtype(rows.dtype).name, scales.shape[1],
-              use_fp8, use_ue8m0)
+        rows, scales, topk_idx, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3])
     return LowLatencyPending(token, static)
 
 
-def low_latency_dispatch_recv(pending: LowLatencyPending):
+def low_latency_dispatch_recv(pending: LowLatencyPending,
+                              cumulative_local_expert_recv_stats: jax.Array | None = None):
     """The receive half of low_latency_dispatch: returns (recv_x, recv_count, handle) as it does."""
-    kind, axis_name, num_experts, n, num_ranks, h, dtype, scale_width, use_fp8, use_ue8m0 = pending.static
-    normal._check(kind == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
-    local, slab = num_experts // num_ranks, num_ranks * n
-    recv_x, recv_scales, recv_count, layout, src_token = normal._ep_call(
-        "uccl_ep_low_latency_dispatch_recv",
-        (
-            jax.ShapeDtypeStruct((local, slab, h), jnp.dtype(dtype)),
-            jax.ShapeDtypeStruct((local, slab, scale_width), jnp.float32),
-            jax.ShapeDtypeStruct((local,), jnp.int32),
-            jax.ShapeDtypeStruct((local, num_ranks), jnp.int32),
-            jax.ShapeDtypeStruct((local, slab), jnp.int32),
-        ),
-        pending.token, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
-    if use_fp8:
-        recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
-    return recv_x, recv_count, LowLatencyHandle(layout, src_token, axis_name, num_experts, n)
+    static = pending.static
+    normal._check(static[0] == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
+    outs = normal._ep_call("uccl_ep_low_latency_dispatch_recv", _dispatch_outputs(static), pending.token,
+                           axis_name=static[1], num_experts=static[2], max_tokens_per_rank=static[3])
+    return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
 
 def low_latency_dispatch(
@@ -130,6 +160,7 @@ def low_latency_dispatch(
     use_fp8: bool = True,
     round_scale: bool = False,
     use_ue8m0: bool = False,
+    cumulative_local_expert_recv_stats: jax.Array | None = None,
 ):
     """Sends each token to each of its experts (call inside shard_map).
 
@@ -139,6 +170,8 @@ def low_latency_dispatch(
       num_experts: E, divisible by the axis size R. max_tokens_per_rank: N, the static row budget per source.
       use_fp8: send float8_e4m3fn rows with float32 scales per 128 channels; round_scale rounds the scales to
         powers of two; use_ue8m0 (implies round_scale) returns them packed as UE8M0 exponents, four per int32.
+      cumulative_local_expert_recv_stats: optional [L] running count of rows received per local expert (load
+        statistics for balancing); handle.cumulative_local_expert_recv_stats is it plus this step's recv_count.
 
     Returns:
       (recv_x, recv_count, handle): recv_x [L, R * N, H] (with use_fp8 a pair with scales [L, R * N, H / 128]
@@ -146,19 +179,31 @@ def low_latency_dispatch(
       [0, recv_count) grouped by source rank ascending, then token; padding rows are zeros.
       To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
-    return low_latency_dispatch_recv(low_latency_dispatch_send(
-        x, topk_idx, num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank, axis_name=axis_name,
-        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+    rows, scales, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
+                                             round_scale, use_ue8m0)
+    outs = normal._ep_call("uccl_ep_low_latency_dispatch", _dispatch_outputs(static), rows, scales, topk_idx,
+                           axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3])
+    return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
 
-def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLatencyPending:
-    """The send half of low_latency_combine: y [L, R * N, H] float32 or bfloat16, rows as the dispatch laid them."""
+def _check_combine_send(y, handle):
     _check_platform()
     normal._check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
     normal._check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
     normal._check(y.dtype in (jnp.float32, jnp.bfloat16), f"y must be float32 or bfloat16, got {y.dtype}")
     normal._check(y.shape[:2] == handle.src_token.shape,
                   f"y must have {handle.src_token.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
+
+
+def _check_combine_receive(topk_idx, topk_weights):
+    normal._check_topk(topk_idx, None)
+    normal._check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
+                  f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
+
+
+def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLatencyPending:
+    """The send half of low_latency_combine: y [L, R * N, H] float32 or bfloat16, rows as the dispatch laid them."""
+    _check_combine_send(y, handle)
     (token,) = normal._ep_call(
         "uccl_ep_low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
         y, handle.layout, axis_name=handle.axis_name, num_experts=handle.num_experts,
@@ -172,9 +217,7 @@ def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, to
     """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K], in y's dtype."""
     kind, axis_name, num_experts, n, h, dtype = pending.static
     normal._check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
-    normal._check_topk(topk_idx, None)
-    normal._check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
-                  f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
+    _check_combine_receive(topk_idx, topk_weights)
     (out,) = normal._ep_call(
         "uccl_ep_low_latency_combine_recv", (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
         pending.token, topk_idx, topk_weights, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
@@ -186,4 +229,10 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     """Returns expert outputs y [L, R * N, H] (rows as low_latency_dispatch laid them out) to their tokens and sums
     them weighted by topk_weights [T, K] (slots with topk_idx -1 contribute nothing), in float32; [T, H] in y's
     dtype. To overlap other work with the transfer, call low_latency_combine_send and low_latency_combine_recv."""
-    return low_latency_combine_recv(low_latency_combine_send(y, handle), topk_idx, topk_weights)
+    _check_combine_send(y, handle)
+    _check_combine_receive(topk_idx, topk_weights)
+    (out,) = normal._ep_call(
+        "uccl_ep_low_latency_combine", (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
+        y, handle.layout, topk_idx, topk_weights, axis_name=handle.axis_name, num_experts=handle.num_experts,
+        max_tokens_per_rank=handle.max_tokens_per_rank)
+    return out

@@ -228,3 +228,24 @@ def test_another_ep_op_between_the_halves_is_refused():
     g = jax.jit(jax.shard_map(lambda x, i: ep.combine(*(lambda r: (r.x, r.handle))(
         ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep")))[None], mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     np.testing.assert_allclose(np.asarray(g(x, idx)), np.asarray(x))
+
+
+def test_running_per_expert_counter_adds_up_over_steps():
+    num_ranks, t, k, e, steps = 4, 10, 2, 8, 3
+    rng = np.random.default_rng(33)
+    idx = np.stack([ref.random_routing(rng, num_ranks, t, k, e) for _ in range(steps)], 1)
+    x = jnp.asarray(rng.standard_normal((num_ranks, t, 128)), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
+
+    def body(x, idx):
+        stats = jnp.zeros((e // num_ranks,), jnp.int32)
+        for s in range(steps):
+            _, _, handle = ep.low_latency_dispatch(x[0], idx[0, s], num_experts=e, max_tokens_per_rank=t,
+                                                   axis_name="ep", use_fp8=False,
+                                                   cumulative_local_expert_recv_stats=stats)
+            stats = handle.cumulative_local_expert_recv_stats
+        return stats[None]
+
+    got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, jnp.asarray(idx)))
+    want = np.bincount(idx[idx >= 0], minlength=e).reshape(num_ranks, e // num_ranks)
+    np.testing.assert_array_equal(got, want)

@@ -61,7 +61,11 @@ uint64_t combine_shape_tag(const LowLatencyCombineArgs& a) {
 
 }  // namespace
 
-void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+namespace {
+
+// Builds the send side of a dispatch round (plan and packer) and hands it to `run`.
+template <class Run>
+void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
   ExchangePlan plan{OpKind::kLowLatencyDispatch, a.op_index, round_up16(dispatch_meta_offset(a) + 8),
                     dispatch_shape_tag(a), {}, check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
@@ -76,7 +80,7 @@ void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatency
     plan.rows_to.push_back(rows);
   }
   const uint64_t meta = dispatch_meta_offset(a);
-  auto pack = [&](int d, uint32_t i, uint8_t* out) {
+  PackRow pack = [&](int d, uint32_t i, uint8_t* out) {
     int l = 0;
     while (i >= slots[d * L + l].size()) i -= uint32_t(slots[d * L + l++].size());
     int t = slots[d * L + l][i].first;
@@ -85,17 +89,20 @@ void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatency
     int32_t lt[2] = {l, t};
     std::memcpy(out + meta, lt, 8);
   };
-  exchange_send(dev, group, plan, pack);
+  run(plan, pack);
 }
 
-void low_latency_dispatch_receive(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+// Builds the receive side of a dispatch round (unpacker into the outputs), hands it to `run`, then finishes the
+// outputs (padding, counts).
+template <class Run>
+void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDispatchArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
   const uint64_t meta = dispatch_meta_offset(a), row_bytes = round_up16(meta + 8);
   const size_t slab = size_t(R) * N;  // rows per local expert
   std::vector<int32_t> fill(L, 0);
   std::memset(a.layout, 0, sizeof(int32_t) * L * R);
   std::string bad;
-  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
+  UnpackRows unpack = [&](int s, uint32_t count, const uint8_t* rows) {
     for (uint32_t j = 0; j < count; ++j) {
       const uint8_t* in = rows + uint64_t(j) * row_bytes;
       int32_t lt[2];
@@ -112,7 +119,7 @@ void low_latency_dispatch_receive(Device& dev, const Group& group, const LowLate
       ++a.layout[size_t(lt[0]) * R + s];
     }
   };
-  exchange_receive(dev, group, OpKind::kLowLatencyDispatch, unpack);
+  run(unpack);
   if (!bad.empty()) abort_group(dev, group, "uccl_ep low_latency_dispatch: " + bad);
   // Padding rows are defined: zeros, no source token.
   for (int l = 0; l < L; ++l) {
@@ -124,7 +131,8 @@ void low_latency_dispatch_receive(Device& dev, const Group& group, const LowLate
   }
 }
 
-void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
+template <class Run>
+void with_combine_send(const Group& group, const LowLatencyCombineArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
   const uint64_t row_bytes = combine_row_bytes(a);
   const size_t slab = size_t(R) * N;
@@ -142,23 +150,24 @@ void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyC
     plan.rows_to.push_back(rows);
   }
   if (!plan.local_error.empty()) plan.rows_to.assign(R, 0);
-  auto pack = [&](int s, uint32_t i, uint8_t* out) {
+  PackRow pack = [&](int s, uint32_t i, uint8_t* out) {
     int l = 0;
     while (i >= uint32_t(a.layout[size_t(l) * R + s])) i -= uint32_t(a.layout[size_t(l++) * R + s]);
     size_t row = size_t(l) * slab + size_t(begin[size_t(l) * R + s]) + i;
     std::memcpy(out, a.y + row * row_bytes, row_bytes);
   };
-  exchange_send(dev, group, plan, pack);
+  run(plan, pack);
 }
 
-void low_latency_combine_receive(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
-  const int R = group.size, L = a.num_experts / R;
+template <class Run>
+void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombineArgs& a, Run&& run) {
+  const int L = a.num_experts / group.size;
   const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2, row_bytes = round_up16(combine_row_bytes(a));
   std::string bad_input = check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   auto slots = slots_by_expert(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   std::vector<float> acc(size_t(a.num_tokens) * a.hidden, 0.0f);
   std::string mismatch;
-  auto unpack = [&](int r, uint32_t count, const uint8_t* rows) {
+  UnpackRows unpack = [&](int r, uint32_t count, const uint8_t* rows) {
     uint32_t expected = 0;
     for (int l = 0; l < L; ++l) expected += uint32_t(slots[r * L + l].size());
     if (count != expected) {
@@ -176,11 +185,47 @@ void low_latency_combine_receive(Device& dev, const Group& group, const LowLaten
         for (int h = 0; h < a.hidden; ++h) dst[h] += w * to_f32(in + h * elem, a.dtype);
       }
   };
-  exchange_receive(dev, group, OpKind::kLowLatencyCombine, unpack);
+  run(unpack);
   // topk_idx is the dispatch's, checked there; a different one here shows as a row-count mismatch.
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + mismatch + " (stale handle?)");
   if (!bad_input.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + bad_input);
   for (size_t i = 0; i < acc.size(); ++i) from_f32(acc[i], a.out + i * elem, a.dtype);
+}
+
+}  // namespace
+
+void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+  with_dispatch_send(dev, group, a, [&](const ExchangePlan& plan, const PackRow& pack) {
+    with_dispatch_receive(dev, group, a, [&](const UnpackRows& unpack) { exchange(dev, group, plan, pack, unpack); });
+  });
+}
+
+void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+  with_dispatch_send(dev, group, a,
+                     [&](const ExchangePlan& plan, const PackRow& pack) { exchange_send(dev, group, plan, pack); });
+}
+
+void low_latency_dispatch_receive(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
+  with_dispatch_receive(dev, group, a, [&](const UnpackRows& unpack) {
+    exchange_receive(dev, group, OpKind::kLowLatencyDispatch, unpack);
+  });
+}
+
+void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
+  with_combine_send(group, a, [&](const ExchangePlan& plan, const PackRow& pack) {
+    with_combine_receive(dev, group, a, [&](const UnpackRows& unpack) { exchange(dev, group, plan, pack, unpack); });
+  });
+}
+
+void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
+  with_combine_send(group, a,
+                    [&](const ExchangePlan& plan, const PackRow& pack) { exchange_send(dev, group, plan, pack); });
+}
+
+void low_latency_combine_receive(Device& dev, const Group& group, const LowLatencyCombineArgs& a) {
+  with_combine_receive(dev, group, a, [&](const UnpackRows& unpack) {
+    exchange_receive(dev, group, OpKind::kLowLatencyCombine, unpack);
+  });
 }
 
 }  // namespace uccl_ep::cpu

@@ -24,6 +24,8 @@ struct LowLatencyDispatchArgs {
   int32_t* layout;          // [L, R]: rows from each source rank (handle)
   int32_t* src_token;       // [L, R * N]: the row's token index on its source rank, -1 on padding (handle)
 };
+// One call, both halves under one lock: nothing can run in between.
+void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& args);
 // The two halves: send reads the inputs, receive (later, on the same device) writes the outputs. Between them
 // the caller may compute, but run no other EP op on the device.
 void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& args);
@@ -40,6 +42,7 @@ struct LowLatencyCombineArgs {
   uint32_t op_index;
   uint8_t* out;                 // [T, hidden]
 };
+void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& args);
 void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyCombineArgs& args);     // y, layout
 void low_latency_combine_receive(Device& dev, const Group& group, const LowLatencyCombineArgs& args);  // topk, out
 
