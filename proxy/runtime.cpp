@@ -353,6 +353,7 @@ Runtime& Runtime::get() {
 void Runtime::start(const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   if (initialized_.load() || !devices_.empty()) throw Error("uccl_ep: runtime already started");
+  if (config.providers.find("shm") != std::string::npos) remove_stale_shm_segments();  // none of ours is open now
   std::vector<std::unique_ptr<Device>> devices;
   for (auto [ordinal, rank] : local) devices.push_back(std::make_unique<Device>(config, rank, num_ranks, ordinal));
   devices_ = std::move(devices);

@@ -3,6 +3,7 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
+#include <dirent.h>
 #include <rdma/fi_rma.h>
 #include <unistd.h>
 
@@ -58,6 +59,17 @@ struct Reader {
 };
 
 }  // namespace
+
+void remove_stale_shm_segments() {
+  const std::string prefix = std::to_string(getpid()) + ":";
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return;
+  while (dirent* entry = readdir(dir)) {
+    if (std::strncmp(entry->d_name, prefix.c_str(), prefix.size()) == 0)
+      unlink((std::string("/dev/shm/") + entry->d_name).c_str());
+  }
+  closedir(dir);
+}
 
 std::vector<uint8_t> EndpointInfo::serialize() const {
   Writer w;

@@ -28,6 +28,11 @@ struct Completion {
   void* context;      // our context for local completions
 };
 
+// libfabric's shm provider names its segments /dev/shm/<pid>:<domain>:<endpoint>. A process killed before it
+// closed its endpoints leaves them behind, and a later process that gets the same pid then fails in fi_enable
+// (EBUSY). Call before this process opens any endpoint: segments named after our own pid are stale then.
+void remove_stale_shm_segments();
+
 class FabricDevice {
  public:
   // Tries each provider of `providers` (comma-separated, e.g. "shm,tcp;ofi_rxm") in order.

@@ -173,3 +173,20 @@ def test_ring_keeps_every_command_in_order():
     assert stats["out_of_order"] == 0
     assert stats["received"] == 1_000_000
     assert stats["commands_per_second"] > 0
+
+
+def stale_segment_then_initialize() -> dict:
+    """Child: a killed process with this pid left a libfabric shm segment; initialize() must still work."""
+    import jax_uccl_ep as ep
+
+    stale = f"/dev/shm/{os.getpid()}:0:0"
+    with open(stale, "w") as f:
+        f.write("left by a killed process")
+    ep.initialize()
+    ep.shutdown()
+    return {"left": os.path.exists(stale)}
+
+
+def test_stale_shm_segment_of_a_reused_pid_does_not_block_initialize():
+    (r,) = launch_ok(HERE, "stale_segment_then_initialize", 1, env={"UCCL_EP_FI_PROVIDER": "shm"})
+    assert r["left"] is False
