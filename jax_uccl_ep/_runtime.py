@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from . import _uccl_ep
+from . import _ffi, _uccl_ep
 
 _lock = threading.Lock()
 _generation = 0  # initialize() calls so far; every process makes the same calls, so keys never collide
@@ -71,7 +71,7 @@ def _maybe_initialize_distributed(kwargs: dict) -> None:
     if not kwargs:
         return
     if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
-        # CPU collectives across processes (the all_gather that finds an EP group) need gloo.
+        # XLA's CPU collectives across processes (psum, all_gather in user code and tests) need gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
 
@@ -124,7 +124,7 @@ def initialize(*, buffer_bytes: int | None = None, **kwargs: Any) -> None:
         timeout_ms = int(settings.timeout_s * 1000)
 
         devices = sorted(jax.devices(), key=lambda d: d.id)
-        rank_of = {d.id: r for r, d in enumerate(devices)}
+        rank_of = _ffi.global_ranks()  # the numbering the lowering's group tables use
         local = [(_ffi_device_ordinal(d), rank_of[d.id]) for d in jax.local_devices()]
         num_processes = jax.process_count()
         if num_processes > 1 and client is None:
@@ -261,6 +261,5 @@ def nvl_buffer_bytes(num_tokens: int, hidden: int, *, num_ranks: int, topk: int,
 
 def local_ranks() -> list[int]:
     """Global ranks (indices into jax.devices() sorted by id) of this process's devices."""
-    devices = sorted(jax.devices(), key=lambda d: d.id)
-    local_ids = {d.id for d in jax.local_devices()}
-    return [r for r, d in enumerate(devices) if d.id in local_ids]
+    rank_of = _ffi.global_ranks()
+    return sorted(rank_of[d.id] for d in jax.local_devices())
