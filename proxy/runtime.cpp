@@ -94,17 +94,23 @@ void Device::connect(const std::vector<EndpointInfo>& peers) {
   for (int c = 0; c < config_.num_channels; ++c) threads_.emplace_back([this, c] { proxy_loop(c); });
 }
 
-void Device::push(int channel, const Command& cmd, const Deadline& deadline, const char* op) {
+template <class Done, class Message>
+void Device::wait_until(const Deadline& deadline, uint32_t peer, const char* op, Done&& done,
+                        Message&& timeout_message) {
   Backoff backoff;
-  while (!rings_[channel]->try_push(cmd)) {
-    if (failed_.load(std::memory_order_relaxed)) check_failed(cmd.peer, op);
-    if (deadline.expired())
-      throw TimeoutError(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) +
-                         " timed out after " + std::to_string(deadline.seconds()) +
-                         " s with the command ring of channel " + std::to_string(channel) +
-                         " full (rank " + std::to_string(cmd.peer) + " is not draining writes; UCCL_EP_TIMEOUT_S)");
+  while (!done()) {
+    if (failed_.load(std::memory_order_relaxed)) check_failed(peer, op);
+    if (deadline.expired()) throw TimeoutError(timeout_message());
     backoff.pause();
   }
+}
+
+void Device::push(int channel, const Command& cmd, const Deadline& deadline, const char* op) {
+  wait_until(deadline, cmd.peer, op, [&] { return rings_[channel]->try_push(cmd); }, [&] {
+    return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+           std::to_string(deadline.seconds()) + " s with the command ring of channel " + std::to_string(channel) +
+           " full (rank " + std::to_string(cmd.peer) + " is not draining writes; UCCL_EP_TIMEOUT_S)";
+  });
 }
 
 void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset,
@@ -135,36 +141,28 @@ void Device::wait_message(int channel, uint32_t peer, const char* op) {
   size_t slot = size_t(peer) * config_.num_channels + channel;
   uint64_t want = consumed_[slot] + 1;
   Deadline deadline(config_.timeout_s);
-  Backoff backoff;
-  while (released_[slot].load(std::memory_order_acquire) < want) {
-    if (failed_.load(std::memory_order_relaxed)) check_failed(peer, op);
-    if (deadline.expired())
-      throw TimeoutError(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
-                         std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) +
-                         " (channel " + std::to_string(channel) +
-                         "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S)");
-    backoff.pause();
-  }
+  wait_until(deadline, peer, op, [&] { return released_[slot].load(std::memory_order_acquire) >= want; }, [&] {
+    return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+           std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) + " (channel " +
+           std::to_string(channel) +
+           "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S)";
+  });
   consumed_[slot] = want;
 }
 
 void Device::quiet(const char* op, double seconds) {
   Deadline deadline(seconds < 0 ? config_.timeout_s : seconds);
   for (int c = 0; c < config_.num_channels; ++c) {
-    Backoff backoff;
-    while (retired_[c].load(std::memory_order_acquire) < rings_[c]->pushed()) {
-      if (failed_.load(std::memory_order_relaxed)) check_failed(rank_, op);
-      if (deadline.expired()) {
-        std::string peers;
-        for (uint32_t p = 0; p < num_ranks_; ++p)
-          if (inflight_[p].load() > 0) peers += (peers.empty() ? "" : ", ") + std::to_string(p);
-        throw TimeoutError(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
-                           std::to_string(deadline.seconds()) + " s waiting for its writes on channel " +
-                           std::to_string(c) + " to complete; rank(s) " + (peers.empty() ? "?" : peers) +
-                           " did not take them (dead or hung; UCCL_EP_TIMEOUT_S)");
-      }
-      backoff.pause();
-    }
+    wait_until(deadline, rank_, op, [&] { return retired_[c].load(std::memory_order_acquire) >= rings_[c]->pushed(); },
+               [&] {
+                 std::string peers;
+                 for (uint32_t p = 0; p < num_ranks_; ++p)
+                   if (inflight_[p].load() > 0) peers += (peers.empty() ? "" : ", ") + std::to_string(p);
+                 return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+                        std::to_string(deadline.seconds()) + " s waiting for its writes on channel " +
+                        std::to_string(c) + " to complete; rank(s) " + (peers.empty() ? "?" : peers) +
+                        " did not take them (dead or hung; UCCL_EP_TIMEOUT_S)";
+               });
   }
 }
 

@@ -107,6 +107,10 @@ class Device {
     uint32_t age;
   };
   void push(int channel, const Command& cmd, const Deadline& deadline, const char* op);
+  // The one wait loop: backs off until done(), fails fast on a recorded failure (naming `peer`), and throws
+  // TimeoutError(timeout_message()) past the deadline.
+  template <class Done, class Message>
+  void wait_until(const Deadline& deadline, uint32_t peer, const char* op, Done&& done, Message&& timeout_message);
   void proxy_loop(int channel);
   void post(int channel, const Command& cmd, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
   int drain_completions(int channel, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
