@@ -208,12 +208,18 @@ void set_combine_receive(cpu::LowLatencyCombineArgs& a, const ffi::Buffer<ffi::S
   a.out = static_cast<uint8_t*>(out->untyped_data());
 }
 
-template <class Args>
-Args ll_args(int64_t num_experts, int64_t max_tokens_per_rank) {
-  Args a{};
-  a.num_experts = int(num_experts);
-  a.max_tokens_per_rank = int(max_tokens_per_rank);
-  return a;
+// What every low-latency handler does first: find the device and its group, set the static sizes.
+template <class Args, class Body>
+ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table, int64_t group_size, const char* op,
+                          int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
+  return guarded([&] {
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    cpu::Group g = group_of(dev, group_table, group_size, op);
+    Args a{};
+    a.num_experts = int(num_experts);
+    a.max_tokens_per_rank = int(max_tokens_per_rank);
+    body(dev, g, a);
+  });
 }
 
 ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
@@ -224,14 +230,13 @@ ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuf
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
-  return guarded([&] {
-    Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
-    auto a = ll_args<cpu::LowLatencyDispatchArgs>(num_experts, max_tokens_per_rank);
-    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
-    set_dispatch_inputs(a, x, scales, topk_idx, op_index);
-    cpu::low_latency_dispatch(dev, g, a);
-  });
+  return low_latency_op<cpu::LowLatencyDispatchArgs>(
+      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
+      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
+        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+        set_dispatch_inputs(a, x, scales, topk_idx, op_index);
+        cpu::low_latency_dispatch(dev, g, a);
+      });
 }
 
 ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
@@ -239,14 +244,13 @@ ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::An
                                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
                                       int64_t num_experts, int64_t max_tokens_per_rank,
                                       ffi::Result<ffi::Buffer<ffi::S32>> token) {
-  return guarded([&] {
-    Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
-    auto a = ll_args<cpu::LowLatencyDispatchArgs>(num_experts, max_tokens_per_rank);
-    set_dispatch_inputs(a, x, scales, topk_idx, op_index);
-    cpu::low_latency_dispatch_send(dev, g, a);
-    *token->typed_data() = int32_t(op_index);
-  });
+  return low_latency_op<cpu::LowLatencyDispatchArgs>(
+      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
+      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
+        set_dispatch_inputs(a, x, scales, topk_idx, op_index);
+        cpu::low_latency_dispatch_send(dev, g, a);
+        *token->typed_data() = int32_t(op_index);
+      });
 }
 
 ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::AnyBuffer /*order*/,
@@ -256,13 +260,12 @@ ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
-  return guarded([&] {
-    Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_dispatch");
-    auto a = ll_args<cpu::LowLatencyDispatchArgs>(num_experts, max_tokens_per_rank);
-    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
-    cpu::low_latency_dispatch_receive(dev, g, a);
-  });
+  return low_latency_op<cpu::LowLatencyDispatchArgs>(
+      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
+      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
+        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+        cpu::low_latency_dispatch_receive(dev, g, a);
+      });
 }
 
 ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
@@ -270,28 +273,26 @@ ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<
                                  ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
                                  int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
                                  ffi::Result<ffi::AnyBuffer> out) {
-  return guarded([&] {
-    Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
-    auto a = ll_args<cpu::LowLatencyCombineArgs>(num_experts, max_tokens_per_rank);
-    set_combine_receive(a, topk_idx, topk_weights, out);
-    set_combine_send(a, y, layout, op_index);
-    cpu::low_latency_combine(dev, g, a);
-  });
+  return low_latency_op<cpu::LowLatencyCombineArgs>(
+      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
+      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyCombineArgs& a) {
+        set_combine_receive(a, topk_idx, topk_weights, out);
+        set_combine_send(a, y, layout, op_index);
+        cpu::low_latency_combine(dev, g, a);
+      });
 }
 
 ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
                                      ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                      int64_t group_size, int64_t op_index, int64_t num_experts,
                                      int64_t max_tokens_per_rank, ffi::Result<ffi::Buffer<ffi::S32>> token) {
-  return guarded([&] {
-    Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
-    auto a = ll_args<cpu::LowLatencyCombineArgs>(num_experts, max_tokens_per_rank);
-    set_combine_send(a, y, layout, op_index);
-    cpu::low_latency_combine_send(dev, g, a);
-    *token->typed_data() = int32_t(op_index);
-  });
+  return low_latency_op<cpu::LowLatencyCombineArgs>(
+      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
+      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyCombineArgs& a) {
+        set_combine_send(a, y, layout, op_index);
+        cpu::low_latency_combine_send(dev, g, a);
+        *token->typed_data() = int32_t(op_index);
+      });
 }
 
 ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::Buffer<ffi::S32> topk_idx,
@@ -299,13 +300,12 @@ ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, 
                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
                                      int64_t num_experts, int64_t max_tokens_per_rank,
                                      ffi::Result<ffi::AnyBuffer> out) {
-  return guarded([&] {
-    Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "low_latency_combine");
-    auto a = ll_args<cpu::LowLatencyCombineArgs>(num_experts, max_tokens_per_rank);
-    set_combine_receive(a, topk_idx, topk_weights, out);
-    cpu::low_latency_combine_receive(dev, g, a);
-  });
+  return low_latency_op<cpu::LowLatencyCombineArgs>(
+      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
+      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyCombineArgs& a) {
+        set_combine_receive(a, topk_idx, topk_weights, out);
+        cpu::low_latency_combine_receive(dev, g, a);
+      });
 }
 
 }  // namespace
