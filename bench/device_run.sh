@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build this tree against the preinstalled jax, run the GPU tests, then the
-# intranode benchmark. Logs go to $OUT; the benchmark's table is printed last.
+# benchmarks named in BENCHES (default: intranode low_latency). Logs go to $OUT; the tables are printed last.
 #   usage (from the repo root, on the device): bash bench/device_run.sh [tests|bench|all|none] [bench args...]
+#   e.g. TESTS="tests/test_gpu.py -k low_latency" BENCHES=low_latency bash bench/device_run.sh all
 #
 # The GPU machine has no package registry and (seen 2026-11-22) neither libfabric headers nor scikit-build-core.
 # Prepare both on the dev machine, in folders git ignores, and name them in the device call's `carry`:
@@ -46,6 +47,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "# gpu tests: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  # A GPU stream waiting on a peer's flag has no deadline yet: bound the whole run.
-  timeout ${BENCH_TIMEOUT:-240} python bench/intranode.py --out "$OUT/intranode.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
+  # Normal mode's stream waits on a peer's flag have no deadline yet: bound every run.
+  for b in ${BENCHES:-intranode low_latency}; do
+    timeout ${BENCH_TIMEOUT:-240} python bench/$b.py --out "$OUT/$b.json" "$@" 2>&1 | tee "$OUT/$b.log" | tail -16
+  done
 fi

@@ -2,11 +2,12 @@
 
 Decode sizes by default: 128 tokens per rank, hidden 7168, top-8 of 256 experts, random routing. Every op runs
 `--iters` times inside one jit (a fori_loop in a shard_map; each call's output feeds the next call's input) and
-the time is the median over `--repeats` of (call time / iters). all_to_all moves the static equivalent of the
-LL payload: [R, N * K, H] BF16 rows per rank (every destination could receive up to N * K rows).
+the time is the median over `--repeats` of (call time / iters). Dispatch includes the FP8 cast (in JAX); combine
+is timed alone on fixed expert outputs. all_to_all moves the static equivalent of the LL payload: [R, N * K, H]
+BF16 rows per rank (every destination could receive up to N * K rows).
 Reference on 2xH200 (DeepEP v1 LL): dispatch 28.4 us, combine 39.8 us (DESIGN.md).
 
-    python bench/low_latency.py                 # the devices JAX finds (GPUs: LL kernels not built yet -> n/a)
+    python bench/low_latency.py                 # the devices JAX finds
     python bench/low_latency.py --cpu --ranks 2 --tokens 32 --hidden 512 --experts 16
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES=--ranks)")
+    ap.add_argument("--out", default=None, help="write the timings as JSON here")
     args = ap.parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -55,23 +57,40 @@ def main(argv=None) -> int:
     x = put(rng.standard_normal((r, t, h)).astype(jnp.bfloat16))
     topk_idx, weights = put(idx), put(rng.random((r, t, k)).astype(np.float32))
     header = common.run_header(f"{r}x {devices[0].device_kind}")
-    ep.initialize()
+    gpu = devices[0].platform == "gpu"
+    ll_bytes = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k) if gpu else None
+    ep.initialize(buffer_bytes=16 << 20, low_latency_buffer_bytes=ll_bytes)
+    local = e // r
+    kw = dict(num_experts=e, max_tokens_per_rank=t, axis_name="ep")
 
     def smap(body):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
-    def ll_dispatch(x, i, w):
+    def routing(i, tok):  # the previous call's output enters the next call's routing (nothing loop-invariant)
+        return jnp.where(tok < 0, 0, i[0])
+
+    def ll_dispatch(use_fp8):
+        def body(x, i, w):
+            def step(tok):
+                _, count, _ = ep.low_latency_dispatch(x[0], routing(i, tok), use_fp8=use_fp8, **kw)
+                return count[0]
+            return common.looped(step, args.iters)(i[0, 0, 0] * 0)[None]
+        return body
+
+    def ll_combine(x, i, w):
+        _, _, handle = ep.low_latency_dispatch(x[0], i[0], **kw)
+        y = jnp.ones((local, r * t, h), jnp.bfloat16)  # expert outputs: fixed, so only the combine is timed
+
         def step(tok):
-            recv, count, _ = ep.low_latency_dispatch(x[0], jnp.where(tok < 0, 0, i[0]), num_experts=e,
-                                                     max_tokens_per_rank=t, axis_name="ep")
-            return count[0]
-        return common.looped(step, args.iters)(i[0, 0, 0] * 0)[None]
+            out = ep.low_latency_combine(y, i[0], w[0] + tok * 0, handle)
+            return out[0, 0].astype(jnp.float32)
+        return common.looped(step, args.iters)(w[0, 0, 0] * 0)[None]
 
     def ll_roundtrip(x, i, w):
+        y = jnp.ones((local, r * t, h), jnp.bfloat16)
+
         def step(tok):
-            recv, count, handle = ep.low_latency_dispatch(x[0], jnp.where(tok < 0, 0, i[0]), num_experts=e,
-                                                          max_tokens_per_rank=t, axis_name="ep")
-            y = ep.per_token_cast_back(recv[0].reshape(-1, h), recv[1].reshape(-1, h // 128)).reshape(recv[0].shape)
+            _, count, handle = ep.low_latency_dispatch(x[0], routing(i, tok), **kw)
             return ep.low_latency_combine(y, i[0], w[0], handle)[0, 0].astype(jnp.int32) * 0 + count[0]
         return common.looped(step, args.iters)(i[0, 0, 0] * 0)[None]
 
@@ -81,25 +100,40 @@ def main(argv=None) -> int:
         buf = jnp.zeros((r * t * k, h), jnp.bfloat16) + x[0, :1]
         return common.looped(step, args.iters)(buf)[:1, :1][None]
 
-    rows = []
-    timings = {}
-    for name, body in (("uccl_ep low_latency_dispatch fp8", ll_dispatch),
-                       ("uccl_ep LL dispatch + combine (bf16)", ll_roundtrip),
-                       ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all)):
+    ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6),
+           ("uccl_ep LL dispatch bf16", ll_dispatch(False), None),
+           ("uccl_ep LL combine bf16", ll_combine, 39.8e-6),
+           ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6),
+           ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None))
+    rows, results = [], {}
+    for name, body, deepep in ops:
         try:
             tm = common.time_jitted(smap(body), (x, topk_idx, weights), iters=args.iters, repeats=args.repeats)
-            timings[name] = tm.median_s
-            rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(tm.min_s)])
-        except Exception as exc:  # LL mode is CPU-only so far
-            rows.append([name, "n/a", common.short_error(exc, 80)])
-    if all(n in timings for n in list(timings)[:2]) and len(timings) >= 2:
-        names = list(timings)
-        rows.append(["  => LL combine (round trip - dispatch)", common.fmt_time(timings[names[1]] - timings[names[0]]), ""])
+            results[name] = tm.as_dict()
+            ratio = f"{deepep / tm.median_s:.2f}x" if deepep and gpu else ""
+            rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(tm.min_s),
+                         common.fmt_time(deepep) if deepep else "", ratio])
+        except Exception as exc:  # noqa: BLE001
+            results[name] = {"error": str(exc)[:500]}
+            rows.append([name, "n/a", common.short_error(exc, 60), "", ""])
+    held = ep.buffer_bytes_held()
+    ep.check_errors()
     ep.shutdown()
     print(f"# {header}")
-    common.print_table(["op", "time/call", "min"], rows,
+    if gpu:
+        print(f"# low-latency buffer per GPU: {common.fmt_bytes(ll_bytes)} (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
+              f"held per GPU (normal, LL): {held.get(0)}; blocks per LL kernel: {_uccl_ep_blocks()}")
+    common.print_table(["op", "time/call", "min", "DeepEP", "DeepEP/ours"], rows,
                        title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}")
+    if args.out:
+        common.write_json(args.out, {"header": header, "results": results, "low_latency_buffer_bytes": ll_bytes})
     return 0
+
+
+def _uccl_ep_blocks() -> int:
+    from jax_uccl_ep import _uccl_ep
+
+    return int(_uccl_ep.nvl_low_latency_blocks())
 
 
 if __name__ == "__main__":

@@ -118,6 +118,158 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, f
   });
 }
 
+// Low-latency halves. The fused calls run both halves back to back on XLA's stream.
+int64_t row_bytes_3d(const ffi::AnyBuffer& b) {  // [L, R * N, row]
+  const int64_t rows = b.dimensions()[0] * b.dimensions()[1];
+  return rows == 0 ? 0 : int64_t(b.size_bytes()) / rows;
+}
+
+bool is_bf16(const ffi::AnyBuffer& b, const char* op) {
+  if (b.element_type() == ffi::DataType::BF16) return true;
+  if (b.element_type() == ffi::DataType::F32) return false;
+  throw std::invalid_argument(std::string("uccl_ep ") + op + ": rows must be float32 or bfloat16");
+}
+
+template <class Args, class Body>
+ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table, int64_t group_size, const char* op,
+                          int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
+  return guarded([&] {
+    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+    auto g = group_of(dev, group_table, group_size, op);
+    Args a{};
+    a.num_experts = int(num_experts);
+    a.max_tokens_per_rank = int(max_tokens_per_rank);
+    body(dev, g, a);
+  });
+}
+
+void set_dispatch_inputs(uccl_ep::nvl::LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x,
+                         const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx) {
+  a.x = x.untyped_data();
+  a.x_row_bytes = row_bytes(x);
+  a.scales = scales.untyped_data();
+  a.scale_row_bytes = row_bytes(scales);
+  a.topk_idx = topk_idx.typed_data();
+  a.num_tokens = int(topk_idx.dimensions()[0]);
+  a.topk = int(topk_idx.dimensions()[1]);
+}
+
+void set_dispatch_outputs(uccl_ep::nvl::LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
+                          ffi::Result<ffi::AnyBuffer>& recv_scales, ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
+                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_token) {
+  a.x_row_bytes = row_bytes_3d(*recv_x);
+  a.scale_row_bytes = row_bytes_3d(*recv_scales);
+  a.recv_x = recv_x->untyped_data();
+  a.recv_scales = recv_scales->untyped_data();
+  a.recv_count = recv_count->typed_data();
+  a.layout = layout->typed_data();
+  a.src_token = src_token->typed_data();
+}
+
+void set_combine_send(uccl_ep::nvl::LowLatencyCombineArgs& a, const ffi::AnyBuffer& y,
+                      const ffi::Buffer<ffi::S32>& layout) {
+  a.y = y.untyped_data();
+  a.bf16 = is_bf16(y, "low_latency_combine");
+  a.hidden = int(y.dimensions()[2]);
+  a.layout = layout.typed_data();
+}
+
+void set_combine_recv(uccl_ep::nvl::LowLatencyCombineArgs& a, const ffi::Buffer<ffi::S32>& topk_idx,
+                      const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out) {
+  a.bf16 = is_bf16(*out, "low_latency_combine");
+  a.hidden = int(out->dimensions()[1]);
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_weights = topk_weights.typed_data();
+  a.num_tokens = int(topk_idx.dimensions()[0]);
+  a.topk = int(topk_idx.dimensions()[1]);
+  a.out = out->untyped_data();
+}
+
+using LLDispatch = uccl_ep::nvl::LowLatencyDispatchArgs;
+using LLCombine = uccl_ep::nvl::LowLatencyCombineArgs;
+
+ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                  ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
+                                  int64_t num_experts, int64_t max_tokens_per_rank,
+                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> layout,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+  return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
+                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+    set_dispatch_inputs(a, x, scales, topk_idx);
+    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+    uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
+    uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
+  });
+}
+
+ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                                      ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                      ffi::Span<const int32_t> group_table, int64_t group_size,
+                                      int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+  return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
+                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+    set_dispatch_inputs(a, x, scales, topk_idx);
+    uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
+  });
+}
+
+ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
+                                      ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
+                                      int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
+                                      int64_t max_tokens_per_rank, ffi::Result<ffi::AnyBuffer> recv_x,
+                                      ffi::Result<ffi::AnyBuffer> recv_scales,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> layout,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+  return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
+                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+    uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
+  });
+}
+
+ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
+                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                 ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
+                                 int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
+                                   max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+    set_combine_send(a, y, layout);
+    set_combine_recv(a, topk_idx, topk_weights, out);
+    uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
+    uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
+  });
+}
+
+ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
+                                     ffi::Buffer<ffi::S32> layout, ffi::AnyBuffer /*order*/,
+                                     ffi::Span<const int32_t> group_table, int64_t group_size,
+                                     int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
+                                     ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+  return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
+                                   max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+    set_combine_send(a, y, layout);
+    uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
+  });
+}
+
+ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
+                                     ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
+                                     int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
+                                     int64_t max_tokens_per_rank, ffi::Result<ffi::AnyBuffer> out) {
+  return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
+                                   max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+    set_combine_recv(a, topk_idx, topk_weights, out);
+    uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
+  });
+}
+
 }  // namespace
 
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
@@ -131,3 +283,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCuda, CachedDispatchImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCuda, CombineImpl,
                               uccl_ep::ffi_common::handle_op_signature(UCCL_EP_CUDA_BIND()));
+
+#define UCCL_EP_CUDA_HANDLER(symbol, impl, signature) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()))
+
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchCuda, LowLatencyDispatchImpl, low_latency_dispatch_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineCuda, LowLatencyCombineImpl, low_latency_combine_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchSendCuda, LowLatencyDispatchSendImpl, low_latency_dispatch_send_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchRecvCuda, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineSendCuda, LowLatencyCombineSendImpl, low_latency_combine_send_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineRecvCuda, LowLatencyCombineRecvImpl, low_latency_combine_recv_signature);

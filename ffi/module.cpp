@@ -102,11 +102,18 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCuda);
     d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCuda);
     d["uccl_ep_combine"] = capsule(UcclEpCombineCuda);
+    d["uccl_ep_low_latency_dispatch"] = capsule(UcclEpLowLatencyDispatchCuda);
+    d["uccl_ep_low_latency_combine"] = capsule(UcclEpLowLatencyCombineCuda);
+    d["uccl_ep_low_latency_dispatch_send"] = capsule(UcclEpLowLatencyDispatchSendCuda);
+    d["uccl_ep_low_latency_dispatch_recv"] = capsule(UcclEpLowLatencyDispatchRecvCuda);
+    d["uccl_ep_low_latency_combine_send"] = capsule(UcclEpLowLatencyCombineSendCuda);
+    d["uccl_ep_low_latency_combine_recv"] = capsule(UcclEpLowLatencyCombineRecvCuda);
     return d;
   });
-  m.def("nvl_start", [](size_t buffer_bytes, int num_ranks, const std::vector<std::pair<int, int>>& local) {
+  m.def("nvl_start", [](size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
+                        const std::vector<std::pair<int, int>>& local) {
     nb::gil_scoped_release release;
-    nvl::NvlRuntime::get().start(buffer_bytes, num_ranks, local);
+    nvl::NvlRuntime::get().start(buffer_bytes, low_latency_bytes, num_ranks, local);
   });
   m.def("nvl_ipc_handles", [] {
     nb::dict d;
@@ -138,6 +145,13 @@ NB_MODULE(_uccl_ep, m) {
     return nvl::NvlDevice::buffer_bytes_for(num_ranks, msg);
   });
   m.def("nvl_num_sms", [] { return nvl::num_sms(); });
+  m.def("nvl_low_latency_blocks", [] { return nvl::low_latency_blocks(); });
+  m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
+  m.def("nvl_buffer_bytes_held", [] {  // per local GPU: (normal, low-latency) bytes allocated
+    std::vector<std::pair<size_t, size_t>> out;
+    for (auto* d : nvl::NvlRuntime::get().devices()) out.emplace_back(d->buffer_bytes(), d->low_latency_bytes());
+    return out;
+  });
   m.def("install_pinned_host_allocator", &nvl::install_pinned_host_allocator);
 #endif
   m.def("host_allocator", [] { return std::string(host_allocator_name()); });

@@ -35,7 +35,15 @@ from .low_latency import (
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
 )
-from ._runtime import check_errors, initialize, is_initialized, nvl_buffer_bytes, shutdown
+from ._runtime import (
+    buffer_bytes_held,
+    check_errors,
+    initialize,
+    is_initialized,
+    low_latency_buffer_bytes,
+    nvl_buffer_bytes,
+    shutdown,
+)
 from .normal import (
     DispatchHandle,
     DispatchLayout,
@@ -51,6 +59,8 @@ __all__ = [
     "is_initialized",
     "check_errors",
     "nvl_buffer_bytes",
+    "low_latency_buffer_bytes",
+    "buffer_bytes_held",
     "get_dispatch_layout",
     "dispatch",
     "combine",

@@ -98,7 +98,8 @@ def _is_initialized() -> bool:
     return bool(_uccl_ep.is_initialized()) or bool(getattr(_uccl_ep, "nvl_is_initialized", lambda: False)())
 
 
-def initialize(*, buffer_bytes: int | None = None, **kwargs: Any) -> None:
+def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int | None = None,
+               **kwargs: Any) -> None:
     """Starts the process-global runtime (idempotent, thread-safe).
 
     If jax.distributed is not initialized and `kwargs` (or the usual environment, e.g.
@@ -111,6 +112,9 @@ def initialize(*, buffer_bytes: int | None = None, **kwargs: Any) -> None:
       buffer_bytes: GPUs only: bytes of the NVLink buffer per GPU (default ``UCCL_EP_NVL_BUFFER_BYTES`` or
         1 GiB). ``nvl_buffer_bytes(...)`` gives the exact need for a shape. CPU devices size their buffers
         from ``UCCL_EP_BUFFER_BYTES``.
+      low_latency_buffer_bytes: GPUs only: bytes per GPU for low-latency mode (default
+        ``UCCL_EP_LL_BUFFER_BYTES`` or 256 MiB; 0 turns the mode off). ``low_latency_buffer_bytes(...)`` gives the
+        need for a shape.
     """
     global _generation, _atexit_registered
     with _lock:
@@ -134,7 +138,7 @@ def initialize(*, buffer_bytes: int | None = None, **kwargs: Any) -> None:
         if num_processes > 1:
             hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
         if devices[0].platform == "gpu":
-            _start_gpus(buffer_bytes, devices, local, len(set(hosts)), client, key, timeout_ms)
+            _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, len(set(hosts)), client, key, timeout_ms)
         else:
             _start_cpus(settings, devices, local, len(set(hosts)), client, key, timeout_ms)
         if not _atexit_registered:
@@ -142,7 +146,7 @@ def initialize(*, buffer_bytes: int | None = None, **kwargs: Any) -> None:
             _atexit_registered = True
 
 
-def _start_gpus(buffer_bytes: int | None, devices: list, local: list, num_hosts: int, client: Any, key: str,
+def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, num_hosts: int, client: Any, key: str,
                 timeout_ms: int) -> None:
     if not hasattr(_uccl_ep, "nvl_start"):
         raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
@@ -150,7 +154,9 @@ def _start_gpus(buffer_bytes: int | None, devices: list, local: list, num_hosts:
         raise NotImplementedError("jax_uccl_ep: GPUs on several hosts need the internode path, not built yet")
     if buffer_bytes is None:
         buffer_bytes = int(os.environ.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)))
-    _uccl_ep.nvl_start(int(buffer_bytes), len(devices), local)
+    if low_latency_bytes is None:
+        low_latency_bytes = int(os.environ.get("UCCL_EP_LL_BUFFER_BYTES", str(256 << 20)))
+    _uccl_ep.nvl_start(int(buffer_bytes), int(low_latency_bytes), len(devices), local)
     try:
         handles = {r: bytes(h) for r, h in _uccl_ep.nvl_ipc_handles().items()}
         if jax.process_count() > 1:
@@ -257,6 +263,33 @@ def nvl_buffer_bytes(num_tokens: int, hidden: int, *, num_ranks: int, topk: int,
     combine_bf16 = np.dtype(combine_dtype).itemsize == 2
     return int(_uccl_ep.nvl_bytes_needed(num_ranks, num_tokens, x_row, scale_row, topk, with_weights, hidden,
                                          combine_bf16))
+
+
+def low_latency_buffer_bytes(max_tokens_per_rank: int, hidden: int, *, num_ranks: int, num_experts: int,
+                             topk: int, fp8: bool = True, dispatch_dtype: Any = "bfloat16",
+                             combine_dtype: Any = "bfloat16") -> int:
+    """Bytes of low-latency buffer per GPU that low_latency_dispatch/combine need for these shapes (pass to
+    initialize(low_latency_buffer_bytes=...)). Two halves (consecutive ops alternate) of one region per sending
+    rank, each holding max_tokens_per_rank * topk rows (a sender's worst case for one receiver).
+
+    hidden: channels; fp8: dispatch rows are hidden bytes plus hidden/128 float32 scales (else dispatch_dtype).
+    """
+    import numpy as np
+
+    x_row = hidden if fp8 else hidden * np.dtype(dispatch_dtype).itemsize
+    scale_row = (hidden // 128) * 4 if fp8 else 0
+    combine_row = hidden * np.dtype(combine_dtype).itemsize
+    if not hasattr(_uccl_ep, "nvl_low_latency_bytes_needed"):
+        raise RuntimeError("jax_uccl_ep: low_latency_buffer_bytes is for GPUs; this build has no CUDA")
+    return int(_uccl_ep.nvl_low_latency_bytes_needed(num_ranks, num_experts, max_tokens_per_rank, topk, x_row,
+                                                     scale_row, combine_row))
+
+
+def buffer_bytes_held() -> dict[int, tuple[int, int]]:
+    """GPUs: {cuda ordinal index: (normal-mode bytes, low-latency bytes)} this process holds per local GPU."""
+    if not getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
+        return {}
+    return dict(enumerate(tuple(x) for x in _uccl_ep.nvl_buffer_bytes_held()))
 
 
 def local_ranks() -> list[int]:

@@ -3,7 +3,9 @@
 Each token goes to every selected expert (one copy per expert slot) into static expert-major buffers that keep
 their size from step to step: recv_x is [L, R * N, H] for L = num_experts / R local experts and N =
 max_tokens_per_rank. Combine weights each returned row by its router weight on the token's own rank.
-(CPU devices for now; the GPU kernels are not built yet.)
+
+CPU devices go through the proxy runtime; GPUs of one host store rows straight into each other's buffers over
+NVLink (kernels/nvl/low_latency.cu), with a flag per sender and a deadline on every wait.
 """
 from __future__ import annotations
 
@@ -44,9 +46,9 @@ class LowLatencyHandle:
 
 
 def _check_platform() -> None:
-    if jax.devices()[0].platform != "cpu":
-        raise NotImplementedError("jax_uccl_ep: low-latency mode runs on CPU devices only so far (GPU kernels are "
-                                  "not built yet); use dispatch/combine on GPUs")
+    if jax.devices()[0].platform not in ("cpu", "gpu"):
+        raise NotImplementedError(f"jax_uccl_ep: low-latency mode runs on CPU devices and NVIDIA GPUs, not on "
+                                  f"{jax.devices()[0].platform}")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -176,7 +178,8 @@ def low_latency_dispatch(
     Returns:
       (recv_x, recv_count, handle): recv_x [L, R * N, H] (with use_fp8 a pair with scales [L, R * N, H / 128]
       float32, or [L, R * N, H / 512] int32 with use_ue8m0); recv_count [L] int32 valid rows per local expert, rows
-      [0, recv_count) grouped by source rank ascending, then token; padding rows are zeros.
+      [0, recv_count) grouped by source rank ascending, then token. Padding rows are zeros on CPU devices; on GPUs
+      they are not written (whatever the buffer held: mask with recv_count); handle.src_token is -1 there.
       To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
     rows, scales, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,

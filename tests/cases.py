@@ -182,3 +182,93 @@ def check_gradients(mesh, seed, num_tokens, hidden, topk, num_experts) -> list[s
     if np.abs(gather(gw)).sum() == 0:
         problems.append("grad weights is zero")
     return problems
+
+
+def low_latency_reference(idx, num_experts):
+    """Per destination rank, per local expert: the (source rank, token) rows it receives, in that order."""
+    num_ranks = idx.shape[0]
+    local = num_experts // num_ranks
+    out = []
+    for r in range(num_ranks):
+        out.append([list(zip(*np.nonzero((idx == r * local + l).any(-1)))) for l in range(local)])
+    return out
+
+
+def check_low_latency(mesh, seed, num_tokens, n, hidden, topk, num_experts, *, split=False, zero_padding=True,
+                      **kw) -> list[str]:
+    """low_latency_dispatch, a per-expert transform, low_latency_combine (fused or split into halves) against
+    the reference: counts, layout, source tags, rows (FP8 within e4m3's bound) and the weighted combine."""
+    num_ranks = mesh.devices.size
+    rng = np.random.default_rng(seed)
+    idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
+    xb = np.asarray(jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)), jnp.bfloat16))
+    w = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
+    use_fp8 = kw.get("use_fp8", True)
+    args = dict(num_experts=num_experts, max_tokens_per_rank=n, axis_name="ep", **kw)
+
+    def body(x, idx, w):
+        if split:
+            recv, count, handle = ep.low_latency_dispatch_recv(ep.low_latency_dispatch_send(x[0], idx[0], **args))
+        else:
+            recv, count, handle = ep.low_latency_dispatch(x[0], idx[0], **args)
+        if use_fp8:
+            rows, scales = recv
+            if kw.get("use_ue8m0"):
+                scales = ep.unpack_ue8m0(scales)
+            local, slab, h = rows.shape
+            deq = (rows.astype(jnp.float32).reshape(local, slab, h // 128, 128) * scales[..., None]).reshape(rows.shape)
+        else:
+            deq = recv.astype(jnp.float32)
+        # Expert l of rank r multiplies by r * L + l + 1: every expert distinct.
+        local = deq.shape[0]
+        factor = (jax.lax.axis_index("ep") * local + jnp.arange(local) + 1).astype(jnp.float32)[:, None, None]
+        y = (deq * factor).astype(jnp.bfloat16)
+        if split:
+            out = ep.low_latency_combine_recv(ep.low_latency_combine_send(y, handle), idx[0], w[0])
+        else:
+            out = ep.low_latency_combine(y, idx[0], w[0], handle)
+        return deq[None], count[None], handle.layout[None], handle.src_token[None], out[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    deq, count, layout, src_token, out = (gather(a) for a in f(*(shard(mesh, a) for a in (xb, idx, w))))
+    x32 = xb.astype(np.float32)
+    expected = low_latency_reference(idx, num_experts)
+    local = num_experts // num_ranks
+    problems = []
+    want = np.zeros_like(x32)
+    for r in range(num_ranks):
+        for l in range(local):
+            rows = expected[r][l]
+            m = len(rows)
+            if count[r, l] != m:
+                problems.append(f"rank {r} expert {l}: count {count[r, l]} != {m}")
+                continue
+            per_source = [sum(1 for s, _ in rows if s == src) for src in range(num_ranks)]
+            if list(layout[r, l]) != per_source:
+                problems.append(f"rank {r} expert {l}: layout {list(layout[r, l])} != {per_source}")
+            src = np.array([s for s, _ in rows], int)
+            tok = np.array([t for _, t in rows], int)
+            if not np.array_equal(src_token[r, l, :m], tok):
+                problems.append(f"rank {r} expert {l}: source tokens differ")
+                continue
+            if not np.all(src_token[r, l, m:] == -1):
+                problems.append(f"rank {r} expert {l}: padding source tokens are not -1")
+            got, sent = deq[r, l, :m], x32[src, tok]
+            if use_fp8:  # e4m3: relative error <= 2^-4 of the value, plus the block's underflow
+                bound = np.abs(sent) * 2**-4 + 1e-3 * np.abs(sent).max(initial=0)
+                if not np.all(np.abs(got - sent) <= bound):
+                    problems.append(f"rank {r} expert {l}: FP8 rows off by {np.abs(got - sent).max()}")
+            elif not np.array_equal(got, sent):
+                problems.append(f"rank {r} expert {l}: rows differ")
+            if zero_padding and not np.all(deq[r, l, m:] == 0):
+                problems.append(f"rank {r} expert {l}: padding rows are not zero")
+            e = r * local + l
+            y = np.asarray(jnp.asarray(got * (e + 1), jnp.bfloat16).astype(jnp.float32))
+            k = np.argmax(idx[src, tok] == e, axis=-1)
+            np.add.at(want, (src, tok), w[src, tok, k][:, None] * y)
+    out = np.asarray(out, np.float32)
+    if not np.allclose(out, want, rtol=2e-2, atol=2e-2):
+        problems.append(f"combine differs by {np.abs(out - want).max()}")
+    if not np.all(out[~(idx >= 0).any(-1)] == 0):
+        problems.append("tokens sent nowhere are not zero after combine")
+    return problems

@@ -86,8 +86,63 @@ def gpu_suite() -> dict:
         problems["bad_index"] = ["no error for expert 99"] if owns_rank0 else []
     except Exception as exc:  # noqa: BLE001
         problems["bad_index"] = [] if owns_rank0 and "= 99 outside" in str(exc) else [str(exc)[:300]]
+    # Low-latency mode: padding rows are not written on GPUs.
+    ll_cases = [
+        # tokens, N, hidden, topk, experts, options
+        (5, 8, 128, 2, 4 * r, dict(use_fp8=False)),
+        (13, 20, 512, 4, 16 * r, dict(round_scale=True)),
+        (9, 9, 512, 2, 8 * r, dict(use_ue8m0=True)),
+        (128, 128, 7168, 8, 128 * r, {}),
+        (0, 4, 256, 2, 2 * r, {}),
+    ]
+    for i, (t, n, h, k, e, kw) in enumerate(ll_cases):
+        problems[f"ll{i}"] = cases.check_low_latency(mesh, 300 + i, t, n, h, k, e, zero_padding=False, **kw)
+        print(f"ll{i}: {problems[f'll{i}']}", flush=True)
+    problems["ll_split"] = cases.check_low_latency(mesh, 310, 40, 48, 1024, 4, 8 * r, split=True, zero_padding=False)
+    ep.check_errors()
     ep.shutdown()
     return {"problems": problems, "ranks": r}
+
+
+def gpu_missing_peer() -> dict:
+    """Child: rank 1 never joins a low-latency dispatch; rank 0's kernel gives up after UCCL_EP_TIMEOUT_S and
+    check_errors() names the missing rank."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import cases
+    import jax_uccl_ep as ep
+    from jax._src import distributed
+
+    ep.initialize()
+    mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
+    client = distributed.global_state.client
+    result = {"process": jax.process_index()}
+    if jax.process_index() == 0:
+        r = mesh.devices.size
+        x = cases.shard(mesh, np.ones((r, 4, 128), np.float32))
+        idx = cases.shard(mesh, np.zeros((r, 4, 1), np.int32) + r)  # every token to an expert of rank 1
+        f = jax.jit(jax.shard_map(
+            lambda x, i: ep.low_latency_dispatch(x[0], i[0], num_experts=2 * r, max_tokens_per_rank=4,
+                                                 axis_name="ep", use_fp8=False)[1][None],
+            mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
+        start = time.monotonic()
+        try:
+            # Only this process runs the program (its own device's part): rank 1's part never starts.
+            jax.block_until_ready(f(x, idx))
+            ep.check_errors()
+            result["error"] = None
+        except Exception as exc:  # noqa: BLE001
+            result["error"] = str(exc)
+        result["seconds"] = time.monotonic() - start
+        client.key_value_set("gpu_missing_peer/done", "1")
+    else:
+        client.blocking_key_value_get("gpu_missing_peer/done", 120_000)
+    ep.shutdown()
+    return result
 
 
 def _check(results, num_ranks):
@@ -108,3 +163,13 @@ def test_one_process_per_gpu():
     results = launch(HERE, "gpu_suite", NUM_GPUS, platform="gpu", per_rank_env=per_rank, timeout_s=400,
                      env={"UCCL_EP_NVL_BUFFER_BYTES": str(256 << 20)})
     _check(results, NUM_GPUS)
+
+
+def test_low_latency_missing_peer_is_named_within_the_deadline():
+    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(2)]
+    results = launch(HERE, "gpu_missing_peer", 2, platform="gpu", per_rank_env=per_rank, timeout_s=200,
+                     env={"UCCL_EP_TIMEOUT_S": "5", "UCCL_EP_NVL_BUFFER_BYTES": str(64 << 20)})
+    assert all(x.ok for x in results), describe(results)
+    first = next(x.result for x in results if x.result["process"] == 0)
+    assert first["error"] and "did not arrive" in first["error"] and "from rank 1" in first["error"], first
+    assert first["seconds"] < 60, first

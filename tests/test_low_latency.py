@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import cases
 import jax_uccl_ep as ep
 import reference as ref
 
@@ -18,48 +19,6 @@ def runtime():
     yield
 
 
-def _reference_dispatch(x, idx, num_experts, n):
-    """Per destination rank: for each local expert, rows (source rank, token) in that order."""
-    num_ranks, num_tokens, _ = idx.shape
-    local = num_experts // num_ranks
-    out = []
-    for r in range(num_ranks):
-        experts = []
-        for l in range(local):
-            e = r * local + l
-            rows = [(s, t) for s in range(num_ranks) for t in range(num_tokens) if e in idx[s, t]]
-            experts.append(rows)
-        out.append(experts)
-    return out
-
-
-def _run(num_ranks, x, idx, w, num_experts, n, **kw):
-    mesh = Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
-    use_fp8 = kw.get("use_fp8", True)
-
-    def body(x, idx, w):
-        recv, count, handle = ep.low_latency_dispatch(x[0], idx[0], num_experts=num_experts, max_tokens_per_rank=n,
-                                                      axis_name="ep", **kw)
-        if use_fp8:
-            rows, scales = recv
-            if kw.get("use_ue8m0"):
-                scales = ep.unpack_ue8m0(scales)
-            local, slab, h = rows.shape
-            deq = (rows.astype(jnp.float32).reshape(local, slab, h // 128, 128) * scales[..., None]).reshape(rows.shape)
-        else:
-            deq = recv.astype(jnp.float32)
-        # Expert l of rank r computes rows * (r * L + l + 1): each expert distinct.
-        rank = jax.lax.axis_index("ep")
-        local = deq.shape[0]
-        factor = (rank * local + jnp.arange(local) + 1).astype(jnp.float32)[:, None, None]
-        y = (deq * factor).astype(jnp.bfloat16)
-        out = ep.low_latency_combine(y, idx[0], w[0], handle)
-        return deq[None], count[None], handle.layout[None], handle.src_token[None], out[None]
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    return [np.asarray(a) for a in f(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w))]
-
-
 @pytest.mark.parametrize("num_ranks,num_tokens,n,hidden,topk,num_experts,kw", [
     (1, 5, 8, 128, 2, 4, dict(use_fp8=False)),
     (2, 16, 16, 256, 3, 8, dict(use_fp8=True)),
@@ -68,39 +27,15 @@ def _run(num_ranks, x, idx, w, num_experts, n, **kw):
     (4, 11, 12, 128, 3, 8, dict(use_fp8=False)),
 ])
 def test_dispatch_and_weighted_combine_match_reference(num_ranks, num_tokens, n, hidden, topk, num_experts, kw):
-    rng = np.random.default_rng(num_ranks * 100 + num_tokens)
-    idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
-    x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
-    w = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
-    deq, count, layout, src_token, out = _run(num_ranks, jnp.asarray(x, jnp.bfloat16), idx, w, num_experts, n, **kw)
-    xb = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-    expected = _reference_dispatch(xb, idx, num_experts, n)
-    local = num_experts // num_ranks
-    fp8 = kw.get("use_fp8", True)
-    for r in range(num_ranks):
-        for l in range(local):
-            rows = expected[r][l]
-            assert count[r, l] == len(rows)
-            for s in range(num_ranks):
-                assert layout[r, l, s] == sum(1 for (ss, _) in rows if ss == s)
-            for j, (s, t) in enumerate(rows):
-                assert src_token[r, l, j] == t
-                if fp8:  # e4m3: relative error <= 2^-4 against the block's values
-                    assert np.all(np.abs(deq[r, l, j] - xb[s, t]) <= np.abs(xb[s, t]) * 2**-4 + 1e-3 * np.abs(xb[s, t]).max())
-                else:
-                    np.testing.assert_array_equal(deq[r, l, j], xb[s, t])
-            assert np.all(deq[r, l, len(rows):] == 0) and np.all(src_token[r, l, len(rows):] == -1)
-    # Combine: out[s, t] = sum_k w[s, t, k] * (expert e's output for that row) = sum_k w * deq_row * (e + 1).
-    want = np.zeros_like(xb)
-    for r in range(num_ranks):
-        for l in range(local):
-            e = r * local + l
-            for j, (s, t) in enumerate(expected[r][l]):
-                k = list(idx[s, t]).index(e)
-                y = np.asarray(jnp.asarray(deq[r, l, j] * (e + 1), jnp.bfloat16).astype(jnp.float32))
-                want[s, t] += w[s, t, k] * y
-    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-2, atol=2e-2)
-    assert np.all(out[~(idx >= 0).any(-1)] == 0)
+    mesh = Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
+    problems = cases.check_low_latency(mesh, num_ranks * 100 + num_tokens, num_tokens, n, hidden, topk,
+                                       num_experts, **kw)
+    assert problems == []
+
+
+def test_split_halves_match_reference():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    assert cases.check_low_latency(mesh, 5, 10, 12, 256, 3, 8, split=True) == []
 
 
 def test_ue8m0_scales_are_powers_of_two():

@@ -7,7 +7,7 @@
 // copy before it) and awaited with cuStreamWaitValue64, so no SM spins either. SM kernels only do local work:
 // routing scans, gathers into the output and the float32 reduction of combine.
 //
-// Per GPU one buffer: [flags 4 KiB][in-region of each peer][out-region of each peer]. Peer p copies its
+// Per GPU one buffer: [flags 4 KiB][in-region of each peer][out-region of each peer][low-latency area]. Peer p copies its
 // messages into our in-region(p); combine stages rows for p in out-region(p). Flags, all written by p:
 // meta[p] = k once the small leading pieces of message k (routing) landed; data[p] = k * chunks + c + 1 once
 // chunk c of its bulk rows landed (the receiver works on chunks as they arrive, overlapping the copy engine);
@@ -41,7 +41,8 @@ struct DeviceErrors {
 
 class NvlDevice {
  public:
-  NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_bytes);
+  // `buffer_bytes` for normal mode's regions, `low_latency_bytes` for low-latency mode's (see low_latency.cu).
+  NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_bytes, size_t low_latency_bytes);
   ~NvlDevice();
   NvlDevice(const NvlDevice&) = delete;
   NvlDevice& operator=(const NvlDevice&) = delete;
@@ -82,6 +83,21 @@ class NvlDevice {
   uint64_t& sent(int peer) { return sent_[peer]; }
   uint64_t& received(int peer) { return received_[peer]; }
 
+  // Low-latency area: two halves (the parity of the pair's op count), each split into one region per sending
+  // rank. SM kernels write rows straight into the peer's region; a flag per sender carries the op count.
+  size_t low_latency_bytes() const { return ll_bytes_; }
+  size_t low_latency_stride() const { return ll_stride_; }  // bytes of one sender's region
+  char* low_latency_region(int parity, int sender) const;   // ours, written by `sender`
+  char* peer_low_latency_region(int peer, int parity) const;  // peer's region for us
+  uint64_t* low_latency_flag(int sender) const;             // ours
+  uint64_t* peer_low_latency_flag(int peer) const;
+  // Blocks of our low-latency send kernels count themselves here; the last block of a launch raises the flags.
+  unsigned long long* low_latency_done() const;
+  // The value the done counter reaches when a launch of `blocks` blocks, enqueued now, has finished.
+  unsigned long long next_done_target(int blocks) { return done_target_ += unsigned(blocks); }
+  uint64_t& low_latency_sent(int peer) { return ll_sent_[peer]; }
+  uint64_t& low_latency_received(int peer) { return ll_received_[peer]; }
+
   DeviceErrors* errors_device() const { return errors_device_; }
   // Raises (std::runtime_error) and clears a pending kernel-detected error.
   void check_errors(const char* op);
@@ -92,6 +108,9 @@ class NvlDevice {
  private:
   int device_, rank_, num_ranks_;
   size_t buffer_bytes_, region_bytes_;
+  size_t ll_offset_ = 0, ll_bytes_ = 0, ll_half_ = 0, ll_stride_ = 0;
+  uint64_t ll_sent_[kMaxRanks] = {}, ll_received_[kMaxRanks] = {};
+  unsigned long long done_target_ = 0;
   char* buffer_ = nullptr;
   std::vector<char*> peer_buffers_;
   std::vector<bool> opened_ipc_;
@@ -114,7 +133,8 @@ class NvlRuntime {
  public:
   static NvlRuntime& get();
   // `local`: (CUDA device ordinal, global rank) of each GPU this process drives.
-  void start(size_t buffer_bytes, int num_ranks, const std::vector<std::pair<int, int>>& local);
+  void start(size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
+             const std::vector<std::pair<int, int>>& local);
   std::vector<std::pair<int, std::vector<uint8_t>>> ipc_handles();  // (rank, handle) of local GPUs
   // `handles_by_rank[r]`: rank r's IPC handle; entries of this process's own GPUs are not used.
   void connect(const std::vector<std::vector<uint8_t>>& handles_by_rank);
@@ -188,5 +208,50 @@ void combine(NvlDevice& dev, const Group& group, const CombineArgs& args, cudaSt
 
 // SMs the routing and gather kernels may occupy (UCCL_EP_NUM_SMS, default 24).
 int num_sms();
+// Blocks of the low-latency kernels (UCCL_EP_LL_NUM_SMS, default 32): decode is bound by latency, not SMs.
+int low_latency_blocks();
+// How long a kernel waits for a peer's message before it reports the peer as missing (UCCL_EP_TIMEOUT_S).
+uint64_t timeout_ns();
+
+// Low-latency mode (low_latency.cu). Shapes as in jax_uccl_ep.low_latency: L = num_experts / R local experts,
+// N = max_tokens_per_rank; recv_x [L, R * N, x_row_bytes], rows of local expert l: [0, recv_count[l]) valid,
+// grouped by source (group order), then token. Padding rows of recv_x are not written (src_token is -1 there).
+struct LowLatencyDispatchArgs {
+  const void* x;             // [T, x_row_bytes] (FP8 or 16/32-bit rows)
+  int64_t x_row_bytes;
+  const void* scales;        // [T, scale_row_bytes] or null
+  int64_t scale_row_bytes;
+  const int32_t* topk_idx;   // [T, K]
+  int num_tokens, topk, num_experts, max_tokens_per_rank;
+  void* recv_x;
+  void* recv_scales;
+  int32_t* recv_count;  // [L]
+  int32_t* layout;      // [L, R] rows from each source
+  int32_t* src_token;   // [L, R * N] token index on the source, -1 on padding
+};
+// The send half reads x, scales, topk_idx; the receive half (later on the same stream, no EP op between) writes
+// the outputs.
+void low_latency_dispatch_send(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
+                               cudaStream_t stream);
+void low_latency_dispatch_recv(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
+                               cudaStream_t stream);
+
+struct LowLatencyCombineArgs {
+  const void* y;  // [L, R * N, hidden]
+  bool bf16;      // else float32 (y and out)
+  int hidden, num_experts, max_tokens_per_rank;
+  const int32_t* layout;       // [L, R] from the dispatch
+  const int32_t* topk_idx;     // [T, K] this rank's routing (as dispatched)
+  const float* topk_weights;   // [T, K]
+  int num_tokens, topk;
+  void* out;                   // [T, hidden]
+};
+void low_latency_combine_send(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
+                              cudaStream_t stream);
+void low_latency_combine_recv(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
+                              cudaStream_t stream);
+// Bytes of low-latency area per GPU for these shapes (rows: the larger of a dispatch row and a combine row).
+size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
+                             int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row_bytes);
 
 }  // namespace uccl_ep::nvl

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../../proxy/errors.hpp"
 #include "../../proxy/host_memory.hpp"
 #include "api.hpp"
 
@@ -87,20 +88,43 @@ int num_sms() {
   return n;
 }
 
+int low_latency_blocks() {
+  static const int n = [] {
+    const char* v = std::getenv("UCCL_EP_LL_NUM_SMS");
+    int k = v ? std::atoi(v) : 32;
+    return k > 0 ? k : 32;
+  }();
+  return n;
+}
+
+uint64_t timeout_ns() {
+  static const uint64_t ns = [] {
+    const char* v = std::getenv("UCCL_EP_TIMEOUT_S");
+    double s = v ? std::atof(v) : 120.0;
+    return uint64_t((s > 0 ? s : 120.0) * 1e9);
+  }();
+  return ns;
+}
+
 size_t NvlDevice::buffer_bytes_for(int num_ranks, size_t message_bytes) {
   size_t region = (message_bytes + 4095) / 4096 * 4096;
   return kFlagBytes + 2 * size_t(num_ranks) * region;
 }
 
-NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_bytes)
+NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_bytes, size_t low_latency_bytes)
     : device_(cuda_device), rank_(rank), num_ranks_(num_ranks), buffer_bytes_(buffer_bytes) {
   if (num_ranks < 1 || num_ranks > kMaxRanks)
     throw std::invalid_argument("uccl_ep nvl: NVLink groups hold 1 to 8 GPUs, got " + std::to_string(num_ranks));
   if (buffer_bytes < kFlagBytes + 2 * size_t(num_ranks) * 4096)
     throw std::invalid_argument("uccl_ep nvl: buffer of " + std::to_string(buffer_bytes) + " bytes is too small");
   region_bytes_ = (buffer_bytes - kFlagBytes) / (2 * size_t(num_ranks)) / 4096 * 4096;
+  ll_offset_ = (buffer_bytes + 4095) / 4096 * 4096;
+  ll_half_ = low_latency_bytes / 2 / 4096 * 4096;
+  ll_stride_ = ll_half_ / size_t(num_ranks) / 256 * 256;
+  ll_bytes_ = 2 * ll_half_;
   check(cudaSetDevice(device_), "cudaSetDevice");
-  check(cudaMalloc(&buffer_, buffer_bytes_), "cudaMalloc of " + std::to_string(buffer_bytes_) + " bytes");
+  check(cudaMalloc(&buffer_, ll_offset_ + ll_bytes_),
+        "cudaMalloc of " + std::to_string(ll_offset_ + ll_bytes_) + " bytes");
   check(cudaMemset(buffer_, 0, kFlagBytes), "cudaMemset");
   check(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(DeviceErrors), cudaHostAllocMapped),
         "cudaHostAlloc");
@@ -179,7 +203,23 @@ char* NvlDevice::out_region(int peer) const {
 char* NvlDevice::peer_in_region(int peer) const {
   return peer_buffers_[peer] + kFlagBytes + size_t(rank_) * region_bytes_;
 }
-// Flag words: [data x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks], indexed by the writing peer.
+char* NvlDevice::low_latency_region(int parity, int sender) const {
+  return buffer_ + ll_offset_ + size_t(parity) * ll_half_ + size_t(sender) * ll_stride_;
+}
+char* NvlDevice::peer_low_latency_region(int peer, int parity) const {
+  return peer_buffers_[peer] + ll_offset_ + size_t(parity) * ll_half_ + size_t(rank_) * ll_stride_;
+}
+// Flag words: [data x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks][low-latency x kMaxRanks][done], indexed by
+// the writing peer.
+uint64_t* NvlDevice::low_latency_flag(int sender) const {
+  return reinterpret_cast<uint64_t*>(buffer_) + 3 * kMaxRanks + sender;
+}
+uint64_t* NvlDevice::peer_low_latency_flag(int peer) const {
+  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 3 * kMaxRanks + rank_;
+}
+unsigned long long* NvlDevice::low_latency_done() const {
+  return reinterpret_cast<unsigned long long*>(buffer_) + 4 * kMaxRanks;
+}
 uint64_t* NvlDevice::data_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + peer; }
 uint64_t* NvlDevice::meta_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + kMaxRanks + peer; }
 uint64_t* NvlDevice::ack_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + 2 * kMaxRanks + peer; }
@@ -221,6 +261,21 @@ void NvlDevice::check_errors(const char* op) {
     throw std::invalid_argument(where + "got " + std::to_string(e.b) + " rows from group member " +
                                 std::to_string(e.a) + " where the handle records " + std::to_string(e.c) +
                                 " (stale handle?)");
+  if (e.code == 5)
+    throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for low-latency message " +
+                       std::to_string(e.b) + " from rank " + std::to_string(e.a) +
+                       ", which did not arrive (peer dead or out of step; UCCL_EP_TIMEOUT_S); results of that op "
+                       "are not valid");
+  if (e.code == 6)
+    throw std::invalid_argument(where + "got " + std::to_string(e.a) + " rows for local expert " +
+                                std::to_string(e.b) + " from rank " + std::to_string(e.c) +
+                                " in low_latency_combine where its dispatch sent a different number (was topk_idx "
+                                "the dispatch's?)");
+  if (e.code == 8)
+    throw std::invalid_argument(where + "had " + std::to_string(e.a) + " low_latency_combine rows of " +
+                                std::to_string(e.c) + " bytes for one rank where its low-latency buffer holds " +
+                                std::to_string(e.b) + " (rows past it were dropped); initialize with a larger "
+                                "low_latency_buffer_bytes (jax_uccl_ep.low_latency_buffer_bytes gives it)");
   if (e.code == 4)
     throw std::invalid_argument(where + "was handed a handle recording " + std::to_string(e.a) +
                                 " received rows for a y of " + std::to_string(e.b) + " rows (stale handle?)");
@@ -236,10 +291,12 @@ NvlRuntime& NvlRuntime::get() {
   return *runtime;
 }
 
-void NvlRuntime::start(size_t buffer_bytes, int num_ranks, const std::vector<std::pair<int, int>>& local) {
+void NvlRuntime::start(size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
+                       const std::vector<std::pair<int, int>>& local) {
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   if (!devices_.empty()) throw std::runtime_error("uccl_ep nvl: already started");
-  for (auto [ordinal, rank] : local) devices_.push_back(std::make_unique<NvlDevice>(ordinal, rank, num_ranks, buffer_bytes));
+  for (auto [ordinal, rank] : local)
+    devices_.push_back(std::make_unique<NvlDevice>(ordinal, rank, num_ranks, buffer_bytes, low_latency_bytes));
 }
 
 std::vector<std::pair<int, std::vector<uint8_t>>> NvlRuntime::ipc_handles() {

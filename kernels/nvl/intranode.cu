@@ -7,18 +7,12 @@
 #include <cuda_bf16.h>
 
 #include "api.hpp"
+#include "device_common.cuh"
 
 namespace uccl_ep::nvl {
 namespace {
 
 constexpr int kScanThreads = 1024;
-constexpr int kWarp = 32;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep nvl: ") + what + ": " + cudaGetErrorString(e));
-}
-
-size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
 struct Regions {
   char* p[kMaxRanks];  // by group position; unused for this rank
@@ -33,15 +27,6 @@ struct Sources {
   const float* weights[kMaxRanks];
 };
 
-__device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
-  if (atomicCAS(&err->code, 0, code) == 0) {
-    err->rank = rank;
-    err->a = a;
-    err->b = b;
-    err->c = c;
-    __threadfence_system();
-  }
-}
 
 // Exclusive scan of one value per thread over the block; returns the prefix and sets *total.
 __device__ int block_exclusive_scan(int value, int* total) {
@@ -143,36 +128,6 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(
   }
 }
 
-// Copies `bytes` with one warp. 16-byte rows move as int4 with several loads in flight per lane before their
-// stores (one load at a time leaves the memory system idle), through the read-only path.
-constexpr int kUnroll = 4;
-__device__ __forceinline__ void warp_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes,
-                                          int lane) {
-  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    const int64_t n = bytes / 16;
-    int64_t i = lane;
-    for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(s + i + u * kWarp);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) d[i + u * kWarp] = v[u];
-    }
-    for (; i < n; i += kWarp) d[i] = __ldg(s + i);
-    return;
-  }
-  for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = src[i];
-}
-__device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
-  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
-    int4* d = reinterpret_cast<int4*>(dst);
-    for (int64_t i = lane; i < bytes / 16; i += kWarp) d[i] = make_int4(0, 0, 0, 0);
-    return;
-  }
-  for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = 0;
-}
 
 // One warp per output row: copy the row from its source, localize its expert indices; padding gets zeros.
 // One warp per output row. Only rows from group member `only_src` whose source token is in [t_begin, t_end)
@@ -264,54 +219,8 @@ __global__ void __launch_bounds__(1024) combine_stage_kernel(const char* y, int6
   }
 }
 
-template <typename T>
-struct Vec;
-template <>
-struct Vec<float> {
-  static constexpr int kN = 4;
-  __device__ static void add(float* acc, const int4& v) {
-    const float* f = reinterpret_cast<const float*>(&v);
-    for (int i = 0; i < kN; ++i) acc[i] += f[i];
-  }
-  __device__ static int4 pack(const float* acc) {
-    int4 v;
-    float* f = reinterpret_cast<float*>(&v);
-    for (int i = 0; i < kN; ++i) f[i] = acc[i];
-    return v;
-  }
-};
-template <>
-struct Vec<__nv_bfloat16> {
-  static constexpr int kN = 8;
-  __device__ static void add(float* acc, const int4& v) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    for (int i = 0; i < kN / 2; ++i) {
-      float2 f = __bfloat1622float2(h[i]);
-      acc[2 * i] += f.x;
-      acc[2 * i + 1] += f.y;
-    }
-  }
-  __device__ static int4 pack(const float* acc) {
-    int4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-    for (int i = 0; i < kN / 2; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return v;
-  }
-};
 
 // One warp per own token: sum the copies returned by every member that received it, in float32.
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // Tokens [t_begin, t_end) only: one chunk, once the rows it needs have arrived. (Token, segment) work items;
 // each lane sums up to four 16-byte vectors with their loads issued together.
@@ -367,20 +276,6 @@ __global__ void __launch_bounds__(1024) combine_reduce_kernel(const char* y, int
 // SM budget: at most num_sms() blocks run at any time. Combine's staging (its own stream) finishes before its
 // reduction (XLA's stream) starts, so the two never share the GPU.
 int blocks() { return num_sms(); }
-
-// The peer a group position stands for, checked against this GPU's ranks.
-int peer_of(const NvlDevice& dev, const Group& g, int s) {
-  int p = g.ranks[s];
-  if (p < 0 || p >= dev.num_ranks())
-    throw std::invalid_argument("uccl_ep nvl: group member " + std::to_string(p) + " is not a GPU of this host");
-  return p;
-}
-
-void check_group(const NvlDevice& dev, const Group& g, const char* op) {
-  if (g.size > kMaxRanks)
-    throw std::invalid_argument(std::string("uccl_ep ") + op + ": NVLink groups hold at most 8 GPUs");
-  if (g.ranks[g.self] != dev.rank()) throw std::logic_error("uccl_ep nvl: group does not hold this rank");
-}
 
 void check_fits(const NvlDevice& dev, size_t message, const char* op) {
   if (message > dev.region_bytes())

@@ -1,0 +1,140 @@
+// Device helpers the NVLink kernels share: error reports, warp copies, 16-byte vectors of float32 or bfloat16.
+// Included by the .cu files of kernels/nvl only (everything is in an anonymous namespace).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "api.hpp"
+
+namespace uccl_ep::nvl {
+namespace {
+
+constexpr int kWarp = 32;
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep nvl: ") + what + ": " + cudaGetErrorString(e));
+}
+
+inline size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+// The peer a group position stands for, checked against this GPU's ranks.
+inline int peer_of(const NvlDevice& dev, const Group& g, int s) {
+  int p = g.ranks[s];
+  if (p < 0 || p >= dev.num_ranks())
+    throw std::invalid_argument("uccl_ep nvl: group member " + std::to_string(p) + " is not a GPU of this host");
+  return p;
+}
+
+inline void check_group(const NvlDevice& dev, const Group& g, const char* op) {
+  if (g.size > kMaxRanks)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": NVLink groups hold at most 8 GPUs");
+  if (g.ranks[g.self] != dev.rank()) throw std::logic_error("uccl_ep nvl: group does not hold this rank");
+}
+
+// The first error of a kernel wins; check_errors() raises it on the host.
+__device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
+  if (atomicCAS(&err->code, 0, code) == 0) {
+    err->rank = rank;
+    err->a = a;
+    err->b = b;
+    err->c = c;
+    __threadfence_system();
+  }
+}
+
+// Loads for warp_copy: the read-only path for data that no one writes while the kernel runs, L2 only (the
+// point of coherence for peers' NVLink stores) for data a peer wrote while this kernel waited for it.
+enum class Load { kReadOnly, kCoherent };
+template <Load kLoad>
+__device__ __forceinline__ int4 load16(const int4* p) {
+  if constexpr (kLoad == Load::kReadOnly) return __ldg(p);
+  else return __ldcg(p);
+}
+
+// Copies `bytes` with one warp. 16-byte rows move as int4 with several loads in flight per lane before their
+// stores (one load at a time leaves the memory system idle).
+constexpr int kUnroll = 4;
+template <Load kLoad = Load::kReadOnly>
+__device__ __forceinline__ void warp_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes,
+                                          int lane) {
+  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int64_t n = bytes / 16;
+    int64_t i = lane;
+    for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = load16<kLoad>(s + i + u * kWarp);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) d[i + u * kWarp] = v[u];
+    }
+    for (; i < n; i += kWarp) d[i] = load16<kLoad>(s + i);
+    return;
+  }
+  for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = kLoad == Load::kReadOnly ? src[i] : __ldcg(src + i);
+}
+__device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
+  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = lane; i < bytes / 16; i += kWarp) d[i] = make_int4(0, 0, 0, 0);
+    return;
+  }
+  for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = 0;
+}
+
+// 16 bytes of T as float32 lanes: acc += scale * v, and back.
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  static constexpr int kN = 4;
+  __device__ static void add(float* acc, const int4& v, float scale = 1.f) {
+    const float* f = reinterpret_cast<const float*>(&v);
+    for (int i = 0; i < kN; ++i) acc[i] += scale * f[i];
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    float* f = reinterpret_cast<float*>(&v);
+    for (int i = 0; i < kN; ++i) f[i] = acc[i];
+    return v;
+  }
+};
+template <>
+struct Vec<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ static void add(float* acc, const int4& v, float scale = 1.f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int i = 0; i < kN / 2; ++i) {
+      float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += scale * f.x;
+      acc[2 * i + 1] += scale * f.y;
+    }
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+    for (int i = 0; i < kN / 2; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return v;
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+}  // namespace
+}  // namespace uccl_ep::nvl

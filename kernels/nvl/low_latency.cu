@@ -1,0 +1,510 @@
+// Low-latency (decode) mode over NVLink: SM kernels store each token's rows straight into the peers' buffers
+// (peer memory mapped through CUDA IPC), one row per selected expert, and raise a flag per receiver; the receive
+// kernels wait for the flags (with a deadline) and unpack into XLA's static expert-major outputs.
+//
+// Every ordered pair of ranks counts its low-latency ops (sends on one side, receives on the other). Op j of a
+// pair uses half j % 2 of the receiver's low-latency area, in the sender's region; the sender's flag in the
+// receiver's flag words carries j once the rows and counts are there. Two halves suffice: a sender starts op
+// j + 2 only after its receive of op j + 1 finished, which waited for the receiver's send of op j + 1, which the
+// receiver's stream ran after the receive that read op j. So no acknowledgement travels back.
+//
+// A region: [counts: int32 per local expert of the receiver, 256-byte aligned][rows]. Rows are grouped by the
+// receiver's local expert, then the sender's token order; the sender computes every position itself (a stable
+// counting pass over its routing), so no atomics decide the layout and results are deterministic.
+//   dispatch row: [x | scales | (local expert, token, position, 0)], each part 16-byte aligned
+//   combine row:  [y row], in the order the dispatch delivered that (expert rank, source) pair
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "api.hpp"
+#include "device_common.cuh"
+
+namespace uccl_ep::nvl {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
+
+__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Where a send kernel writes (by group position).
+struct Outbox {
+  char* region[kMaxRanks];
+  uint64_t* flag[kMaxRanks];
+  uint64_t seq[kMaxRanks];
+};
+// What a receive kernel reads (by group position).
+struct Inbox {
+  const char* region[kMaxRanks];
+  const uint64_t* flag[kMaxRanks];
+  uint64_t seq[kMaxRanks];
+  int rank[kMaxRanks];
+};
+
+struct Shape {
+  int num_ranks, local_experts, max_tokens;  // R, L, N
+  int64_t counts_bytes, row_bytes, capacity_rows;  // region layout
+  int rank;                                        // this GPU's global rank (error reports)
+};
+
+// Warp 0: the position of each (token, slot) among this rank's slots for the same expert, in token order, and
+// the slots per expert. Out-of-range indices count nowhere (reported once with `report_bad`).
+__device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* pos, int* count,
+                            DeviceErrors* err, int rank, bool report_bad) {
+  const int lane = threadIdx.x % kWarp;
+  for (int base = 0; base < pairs; base += kWarp) {
+    const int p = base + lane;
+    int e = p < pairs ? topk_idx[p] : -1;
+    if (e < -1 || e >= num_experts) {
+      if (report_bad) report(err, 1, rank, p / topk, p % topk, e);
+      e = -1;
+    }
+    const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
+    const int before_warp = e >= 0 ? count[e] : 0;
+    __syncwarp();
+    if (e >= 0) {
+      const int before_lane = __popc(same & ((1u << lane) - 1));
+      pos[p] = before_warp + before_lane;
+      if (before_lane == 0) count[e] = before_warp + __popc(same);
+    }
+    __syncwarp();
+  }
+}
+
+// first[e]: where expert e's rows start among the rows for e's rank (exclusive prefix over that rank's experts).
+__device__ void expert_offsets(const int* count, int* first, int num_ranks, int local) {
+  for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
+    int acc = 0;
+    for (int l = 0; l < local; ++l) {
+      first[d * local + l] = acc;
+      acc += count[d * local + l];
+    }
+  }
+}
+
+// After the block's stores: the last block of the launch writes each target's counts (write_counts(), every
+// thread) and raises the flags. Fences make every block's rows visible before any flag.
+template <class WriteCounts>
+__device__ void finish_send(unsigned long long* done, unsigned long long done_target, const Outbox& to,
+                            int num_ranks, WriteCounts&& write_counts) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(done, 1ull) + 1 == done_target;
+    if (last) __threadfence_system();
+  }
+  __syncthreads();
+  if (!last) return;
+  write_counts();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int d = 0; d < num_ranks; ++d) store_release(to.flag[d], to.seq[d]);
+  }
+}
+
+// Thread `waiter` waits for every source's flag; false (on every thread) if one did not come in time. An earlier
+// timeout (error code 5 pending) ends the wait at once: the stream is out of step after it.
+__device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_ns, DeviceErrors* err, int rank,
+                             int waiter) {
+  __shared__ bool ok;
+  if (threadIdx.x == waiter) {
+    ok = true;
+    const uint64_t start = now_ns();
+    uint32_t spins = 0;
+    for (int s = 0; s < num_ranks && ok; ++s)
+      while (load_acquire(from.flag[s]) < from.seq[s]) {
+        // The clock and the error word (host memory, across PCIe) are read now and then, not on every poll.
+        if ((++spins & 255) == 0 &&
+            (now_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == 5)) {
+          report(err, 5, rank, from.rank[s], int64_t(from.seq[s]), int64_t(timeout_ns / 1000000000ull));
+          ok = false;
+          break;
+        }
+      }
+  }
+  __syncthreads();
+  return ok;
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
+    const char* x, int64_t x_row_bytes, const char* scales, int64_t scale_row_bytes, int64_t scales_at,
+    const int32_t* topk_idx, int num_tokens, int topk, int num_experts, Shape shape, Outbox to,
+    unsigned long long* done, unsigned long long done_target, DeviceErrors* err) {
+  extern __shared__ int smem[];
+  const int pairs = num_tokens * topk, local = shape.local_experts;
+  int* pos = smem;
+  int* count = pos + pairs;
+  int* first = count + num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  if (threadIdx.x < kWarp) route_slots(topk_idx, pairs, topk, num_experts, pos, count, err, shape.rank, blockIdx.x == 0);
+  __syncthreads();
+  expert_offsets(count, first, shape.num_ranks, local);
+  __syncthreads();
+
+  // One warp per (token, slot): the rows of a token are read K times, from L2.
+  const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
+  for (int p = blockIdx.x * warps_per_block + threadIdx.x / kWarp; p < pairs; p += gridDim.x * warps_per_block) {
+    const int e = topk_idx[p];
+    if (e < 0 || e >= num_experts) continue;
+    const int d = e / local, t = p / topk, j = first[e] + pos[p];
+    if (j >= shape.capacity_rows) continue;  // the host refused shapes where this can happen
+    char* row = to.region[d] + shape.counts_bytes + int64_t(j) * shape.row_bytes;
+    warp_copy(row, x + int64_t(t) * x_row_bytes, x_row_bytes, lane);
+    if (scale_row_bytes) warp_copy(row + scales_at, scales + int64_t(t) * scale_row_bytes, scale_row_bytes, lane);
+    if (lane == 0) *reinterpret_cast<int4*>(row + shape.row_bytes - 16) = make_int4(e % local, t, pos[p], 0);
+  }
+  finish_send(done, done_target, to, shape.num_ranks, [&] {
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x)
+      reinterpret_cast<int*>(to.region[i / local])[i % local] = count[i];
+  });
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
+    Inbox from, Shape shape, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t scales_at, char* recv_x,
+    char* recv_scales, int32_t* recv_count, int32_t* layout, int32_t* src_token, uint64_t timeout_ns,
+    DeviceErrors* err) {
+  extern __shared__ int smem[];
+  const int R = shape.num_ranks, L = shape.local_experts;
+  const int64_t slab = int64_t(R) * shape.max_tokens;  // rows per local expert
+  int* count = smem;         // [s * L + l]
+  int* offset = count + R * L;  // [l * R + s]: where source s's rows of expert l start
+  int* total = offset + R * L;  // [l]
+  int* rows_from = total + L;   // [R + 1]: prefix of each source's rows
+  if (!wait_sources(from, R, timeout_ns, err, shape.rank, 0)) return;
+  for (int i = threadIdx.x; i < R * L; i += blockDim.x)
+    count[i] = __ldcg(reinterpret_cast<const int*>(from.region[i / L]) + i % L);
+  __syncthreads();
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      offset[l * R + s] = acc;
+      acc += count[s * L + l];
+      if (blockIdx.x == 0) layout[l * R + s] = count[s * L + l];
+    }
+    total[l] = acc;
+    if (blockIdx.x == 0) {
+      recv_count[l] = int(min(int64_t(acc), slab));
+      if (acc > slab) report(err, 2, shape.rank, acc, slab, 0);
+    }
+  }
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      rows_from[s] = acc;
+      for (int l = 0; l < L; ++l) acc += count[s * L + l];
+    }
+    rows_from[R] = acc;
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
+  for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < rows_from[R]; i += gridDim.x * warps_per_block) {
+    int s = 0;
+    while (i >= rows_from[s + 1]) ++s;
+    if (i - rows_from[s] >= shape.capacity_rows) continue;  // the sender refused such shapes already
+    const char* row = from.region[s] + shape.counts_bytes + int64_t(i - rows_from[s]) * shape.row_bytes;
+    int4 tail = make_int4(0, 0, 0, 0);
+    if (lane == 0) tail = __ldcg(reinterpret_cast<const int4*>(row + shape.row_bytes - 16));
+    const int l = __shfl_sync(0xffffffffu, tail.x, 0), t = __shfl_sync(0xffffffffu, tail.y, 0),
+              j = __shfl_sync(0xffffffffu, tail.z, 0);
+    if (l < 0 || l >= L || j < 0 || j >= count[s * L + l] || offset[l * R + s] + j >= slab) continue;
+    const int64_t o = int64_t(l) * slab + offset[l * R + s] + j;
+    warp_copy<Load::kCoherent>(recv_x + o * x_row_bytes, row, x_row_bytes, lane);
+    if (scale_row_bytes)
+      warp_copy<Load::kCoherent>(recv_scales + o * scale_row_bytes, row + scales_at, scale_row_bytes, lane);
+    if (lane == 0) src_token[o] = t;
+  }
+  // Padding rows: no source token (their data is not written).
+  for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < int64_t(L) * slab; o += int64_t(gridDim.x) * blockDim.x)
+    if (o % slab >= total[o / slab]) src_token[o] = -1;
+}
+
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(const char* y, int64_t y_row_bytes,
+                                                                const int32_t* layout, Shape shape, Outbox to,
+                                                                unsigned long long* done,
+                                                                unsigned long long done_target, DeviceErrors* err) {
+  extern __shared__ int smem[];
+  const int R = shape.num_ranks, L = shape.local_experts;
+  const int64_t slab = int64_t(R) * shape.max_tokens;
+  int* rows = smem;            // [l * R + s]: the handle's layout
+  int* begin = rows + R * L;   // [l * R + s]: where source s's rows start in y[l]
+  int* first = begin + R * L;  // [s * L + l]: where expert l's rows start in source s's region
+  int* cum = first + R * L;    // [L + 1]: prefix of rows per expert
+  __shared__ bool valid;
+  for (int i = threadIdx.x; i < R * L; i += blockDim.x) rows[i] = max(0, layout[i]);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    valid = true;
+    int acc = 0;
+    for (int l = 0; l < L; ++l) {
+      cum[l] = acc;
+      int in_l = 0;
+      for (int s = 0; s < R; ++s) {
+        begin[l * R + s] = in_l;
+        in_l += rows[l * R + s];
+      }
+      if (in_l > slab) valid = false;
+      acc += in_l;
+    }
+    cum[L] = acc;
+    if (!valid && blockIdx.x == 0) report(err, 4, shape.rank, acc, int64_t(L) * slab, 0);
+  }
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    int acc = 0;
+    for (int l = 0; l < L; ++l) {
+      first[s * L + l] = acc;
+      acc += rows[l * R + s];
+    }
+    if (acc > shape.capacity_rows && blockIdx.x == 0) report(err, 8, shape.rank, acc, shape.capacity_rows, shape.row_bytes);
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
+  const int all_rows = valid ? cum[L] : 0;
+  for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < all_rows; i += gridDim.x * warps_per_block) {
+    int lo = 0, hi = L;  // the expert: the last l with cum[l] <= i
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (cum[mid] <= i) lo = mid; else hi = mid;
+    }
+    const int l = lo, r = i - cum[l];
+    int s = 0;
+    while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
+    const int64_t j = first[s * L + l] + (r - begin[l * R + s]);
+    if (j >= shape.capacity_rows) continue;
+    warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, y + (int64_t(l) * slab + r) * y_row_bytes,
+              y_row_bytes, lane);
+  }
+  finish_send(done, done_target, to, R, [&] {
+    for (int i = threadIdx.x; i < R * L; i += blockDim.x)
+      reinterpret_cast<int*>(to.region[i / L])[i % L] = valid ? rows[(i % L) * R + i / L] : 0;
+  });
+}
+
+// (token, 1 KiB segment) work items: each lane sums two 16-byte vectors of every selected expert's row, weighted,
+// in float32.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shape shape, const int32_t* topk_idx,
+                                                                const float* topk_weights, int num_tokens, int topk,
+                                                                int num_experts, int64_t y_row_bytes, char* out,
+                                                                uint64_t timeout_ns, DeviceErrors* err) {
+  extern __shared__ int smem[];
+  const int pairs = num_tokens * topk, L = shape.local_experts;
+  int* pos = smem;
+  int* count = pos + pairs;
+  int* first = count + num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  if (threadIdx.x < kWarp) route_slots(topk_idx, pairs, topk, num_experts, pos, count, err, shape.rank, false);
+  // Warp 1 waits for the rows meanwhile.
+  if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank, kWarp)) return;
+  expert_offsets(count, first, shape.num_ranks, L);
+  for (int e = threadIdx.x; e < num_experts && blockIdx.x == 0; e += blockDim.x) {
+    const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
+    if (got != count[e]) report(err, 6, shape.rank, got, e % L, from.rank[e / L]);
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
+  const int64_t segments = (y_row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
+  constexpr int kVecs = kCombineSegmentBytes / 16 / kWarp;
+  for (int64_t w = blockIdx.x * warps_per_block + threadIdx.x / kWarp; w < int64_t(num_tokens) * segments;
+       w += int64_t(gridDim.x) * warps_per_block) {
+    const int t = int(w / segments);
+    const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16, v1 = min(y_row_bytes / 16, v0 + kCombineSegmentBytes / 16);
+    float acc[kVecs][Vec<T>::kN] = {};
+    for (int k = 0; k < topk; ++k) {
+      const int e = topk_idx[t * topk + k];
+      if (e < 0 || e >= num_experts) continue;
+      const int64_t j = first[e] + pos[t * topk + k];
+      if (j >= shape.capacity_rows) continue;
+      const int4* row = reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes + j * shape.row_bytes);
+      const float weight = topk_weights[t * topk + k];
+      int4 v[kVecs];
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u)
+        if (v0 + lane + u * kWarp < v1) v[u] = __ldcg(row + v0 + lane + u * kWarp);
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u)
+        if (v0 + lane + u * kWarp < v1) Vec<T>::add(acc[u], v[u], weight);
+    }
+    int4* dst = reinterpret_cast<int4*>(out + int64_t(t) * y_row_bytes);
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u)
+      if (v0 + lane + u * kWarp < v1) dst[v0 + lane + u * kWarp] = Vec<T>::pack(acc[u]);
+  }
+}
+
+int64_t counts_bytes(int local_experts) { return (int64_t(local_experts) * 4 + 255) / 256 * 256; }
+int64_t dispatch_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
+  return int64_t(align16(x_row_bytes) + align16(scale_row_bytes)) + 16;
+}
+
+Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_tokens, int64_t row_bytes,
+               const char* op) {
+  check_group(dev, g, op);
+  if (num_experts % g.size != 0)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": num_experts must be divisible by the group size");
+  if (dev.low_latency_stride() == 0)
+    throw std::invalid_argument(std::string("uccl_ep ") + op +
+                                ": no low-latency buffer; initialize with low_latency_buffer_bytes > 0");
+  Shape s;
+  s.num_ranks = g.size;
+  s.local_experts = num_experts / g.size;
+  s.max_tokens = max_tokens;
+  s.counts_bytes = counts_bytes(s.local_experts);
+  s.row_bytes = row_bytes;
+  s.capacity_rows = std::max<int64_t>(0, (int64_t(dev.low_latency_stride()) - s.counts_bytes) / row_bytes);
+  s.rank = dev.rank();
+  return s;
+}
+
+// Shared memory of a kernel; above the default 48 KiB it must be allowed first.
+template <class Kernel>
+size_t shared_bytes(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                               "cudaFuncSetAttribute (shared memory; fewer tokens or experts per call)");
+  return bytes;
+}
+
+// Send side: the next op of each pair, its half and the peer's region and flag for us.
+Outbox outbox(NvlDevice& dev, const Group& g) {
+  Outbox to{};
+  for (int s = 0; s < g.size; ++s) {
+    const int p = peer_of(dev, g, s);
+    const uint64_t seq = ++dev.low_latency_sent(p);
+    to.region[s] = dev.peer_low_latency_region(p, int(seq & 1));
+    to.flag[s] = dev.peer_low_latency_flag(p);
+    to.seq[s] = seq;
+  }
+  return to;
+}
+
+Inbox inbox(NvlDevice& dev, const Group& g) {
+  Inbox from{};
+  for (int s = 0; s < g.size; ++s) {
+    const int p = peer_of(dev, g, s);
+    const uint64_t seq = ++dev.low_latency_received(p);
+    from.region[s] = dev.low_latency_region(int(seq & 1), p);
+    from.flag[s] = dev.low_latency_flag(p);
+    from.seq[s] = seq;
+    from.rank[s] = p;
+  }
+  return from;
+}
+
+std::string bytes_advice(const NvlDevice& dev, int64_t need_per_sender) {
+  const size_t need = size_t(2) * dev.num_ranks() * ((need_per_sender + 255) / 256 * 256);
+  return "the low-latency buffer holds " + std::to_string(dev.low_latency_stride()) + " bytes per sender, these " +
+         "shapes need " + std::to_string(need_per_sender) + "; initialize with low_latency_buffer_bytes >= " +
+         std::to_string((need + 8191) / 8192 * 8192) + " (jax_uccl_ep.low_latency_buffer_bytes gives it)";
+}
+
+}  // namespace
+
+size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
+                             int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row) {
+  const int64_t row = std::max(dispatch_row_bytes(x_row_bytes, scale_row_bytes), int64_t(align16(combine_row)));
+  const int64_t region = counts_bytes(num_experts / std::max(1, num_ranks)) + int64_t(max_tokens_per_rank) * topk * row;
+  const size_t half = size_t(num_ranks) * ((region + 255) / 256 * 256);
+  return 2 * ((half + 4095) / 4096 * 4096);
+}
+
+void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  const int64_t row_bytes = dispatch_row_bytes(a.x_row_bytes, a.scale_row_bytes);
+  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_dispatch");
+  // A source sends a receiver at most N * K rows: refuse shapes that might not fit before anything moves (every
+  // rank has the same shapes and buffer, so every rank refuses).
+  const int64_t need = shape.counts_bytes + int64_t(a.max_tokens_per_rank) * a.topk * row_bytes;
+  if (need > int64_t(dev.low_latency_stride()))
+    throw std::invalid_argument("uccl_ep low_latency_dispatch: " + bytes_advice(dev, need));
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const int blocks = low_latency_blocks();
+  const Outbox to = outbox(dev, g);
+  const size_t smem = shared_bytes(dispatch_send_kernel,
+                                   (size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int));
+  dispatch_send_kernel<<<blocks, kThreads, smem, stream>>>(
+      static_cast<const char*>(a.x), a.x_row_bytes, static_cast<const char*>(a.scales), a.scale_row_bytes,
+      int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts, shape, to,
+      dev.low_latency_done(), dev.next_done_target(blocks), dev.errors_device());
+  check(cudaGetLastError(), "low_latency dispatch_send_kernel");
+}
+
+void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  const int64_t row_bytes = dispatch_row_bytes(a.x_row_bytes, a.scale_row_bytes);
+  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_dispatch");
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const Inbox from = inbox(dev, g);
+  const int R = g.size, L = shape.local_experts;
+  const size_t smem = shared_bytes(dispatch_recv_kernel, (2 * size_t(R) * L + L + R + 1) * sizeof(int));
+  dispatch_recv_kernel<<<low_latency_blocks(), kThreads, smem, stream>>>(
+      from, shape, a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
+      static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_token, timeout_ns(), dev.errors_device());
+  check(cudaGetLastError(), "low_latency dispatch_recv_kernel");
+}
+
+namespace {
+int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * (a.bf16 ? 2 : 4); }
+void check_combine_row(const LowLatencyCombineArgs& a) {
+  if (combine_row_bytes(a) % 16 != 0)
+    throw std::invalid_argument("uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
+                                "a multiple of 8 for bfloat16, 4 for float32), got hidden " + std::to_string(a.hidden));
+}
+}  // namespace
+
+void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  check_combine_row(a);
+  const int64_t row_bytes = combine_row_bytes(a);
+  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_combine");
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const int blocks = low_latency_blocks();
+  const Outbox to = outbox(dev, g);
+  const size_t smem = shared_bytes(combine_send_kernel, (3 * size_t(g.size) * shape.local_experts + shape.local_experts + 1) * sizeof(int));
+  combine_send_kernel<<<blocks, kThreads, smem, stream>>>(static_cast<const char*>(a.y), row_bytes, a.layout, shape,
+                                                          to, dev.low_latency_done(), dev.next_done_target(blocks),
+                                                          dev.errors_device());
+  check(cudaGetLastError(), "low_latency combine_send_kernel");
+}
+
+void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  check_combine_row(a);
+  const int64_t row_bytes = combine_row_bytes(a);
+  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_combine");
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const Inbox from = inbox(dev, g);
+  const size_t smem_bytes = (size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int);
+  if (a.bf16) {
+    const size_t smem = shared_bytes(combine_recv_kernel<__nv_bfloat16>, smem_bytes);
+    combine_recv_kernel<__nv_bfloat16><<<low_latency_blocks(), kThreads, smem, stream>>>(
+        from, shape, a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, row_bytes,
+        static_cast<char*>(a.out), timeout_ns(), dev.errors_device());
+  } else {
+    const size_t smem = shared_bytes(combine_recv_kernel<float>, smem_bytes);
+    combine_recv_kernel<float><<<low_latency_blocks(), kThreads, smem, stream>>>(
+        from, shape, a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, row_bytes,
+        static_cast<char*>(a.out), timeout_ns(), dev.errors_device());
+  }
+  check(cudaGetLastError(), "low_latency combine_recv_kernel");
+}
+
+}  // namespace uccl_ep::nvl
