@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--ranks", type=int, default=None)
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--fori", action="store_true", help="loop with lax.fori_loop instead of unrolling the calls")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES=--ranks)")
     ap.add_argument("--out", default=None, help="write the timings as JSON here")
@@ -58,9 +59,14 @@ def main(argv=None) -> int:
     topk_idx, weights = put(idx), put(rng.random((r, t, k)).astype(np.float32))
     header = common.run_header(f"{r}x {devices[0].device_kind}")
     gpu = devices[0].platform == "gpu"
-    ll_bytes = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k) if gpu else None
+    # Sized for the largest rows timed here (BF16 dispatch); FP8 dispatch + BF16 combine alone need the first.
+    ll_need = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k) if gpu else None
+    ll_bytes = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k, fp8=False) if gpu else None
     ep.initialize(buffer_bytes=16 << 20, low_latency_buffer_bytes=ll_bytes)
     local = e // r
+    unroll = not args.fori
+    y_rows = jax.make_array_from_callback((r * local, r * t, h), sharding,  # fixed expert outputs, made once
+                                          lambda i: np.ones((local, r * t, h), jnp.bfloat16))
     kw = dict(num_experts=e, max_tokens_per_rank=t, axis_name="ep")
 
     def smap(body):
@@ -74,31 +80,28 @@ def main(argv=None) -> int:
             def step(tok):
                 _, count, _ = ep.low_latency_dispatch(x[0], routing(i, tok), use_fp8=use_fp8, **kw)
                 return count[0]
-            return common.looped(step, args.iters)(i[0, 0, 0] * 0)[None]
+            return common.looped(step, args.iters, unroll)(i[0, 0, 0] * 0)[None]
         return body
 
-    def ll_combine(x, i, w):
+    def ll_combine(x, i, w, y):
         _, _, handle = ep.low_latency_dispatch(x[0], i[0], **kw)
-        y = jnp.ones((local, r * t, h), jnp.bfloat16)  # expert outputs: fixed, so only the combine is timed
 
         def step(tok):
             out = ep.low_latency_combine(y, i[0], w[0] + tok * 0, handle)
             return out[0, 0].astype(jnp.float32)
-        return common.looped(step, args.iters)(w[0, 0, 0] * 0)[None]
+        return common.looped(step, args.iters, unroll)(w[0, 0, 0] * 0)[None]
 
-    def ll_roundtrip(x, i, w):
-        y = jnp.ones((local, r * t, h), jnp.bfloat16)
-
+    def ll_roundtrip(x, i, w, y):
         def step(tok):
             _, count, handle = ep.low_latency_dispatch(x[0], routing(i, tok), **kw)
             return ep.low_latency_combine(y, i[0], w[0], handle)[0, 0].astype(jnp.int32) * 0 + count[0]
-        return common.looped(step, args.iters)(i[0, 0, 0] * 0)[None]
+        return common.looped(step, args.iters, unroll)(i[0, 0, 0] * 0)[None]
 
     def all_to_all(x, i, w):
         def step(buf):
             return jax.lax.all_to_all(buf, "ep", 0, 0, tiled=True)
         buf = jnp.zeros((r * t * k, h), jnp.bfloat16) + x[0, :1]
-        return common.looped(step, args.iters)(buf)[:1, :1][None]
+        return common.looped(step, args.iters, unroll)(buf)[:1, :1][None]
 
     ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6),
            ("uccl_ep LL dispatch bf16", ll_dispatch(False), None),
@@ -108,7 +111,9 @@ def main(argv=None) -> int:
     rows, results = [], {}
     for name, body, deepep in ops:
         try:
-            tm = common.time_jitted(smap(body), (x, topk_idx, weights), iters=args.iters, repeats=args.repeats)
+            takes_y = body in (ll_combine, ll_roundtrip)
+            inputs = (x, topk_idx, weights, y_rows) if takes_y else (x, topk_idx, weights)
+            tm = common.time_jitted(smap(body), inputs, iters=args.iters, repeats=args.repeats)
             results[name] = tm.as_dict()
             ratio = f"{deepep / tm.median_s:.2f}x" if deepep and gpu else ""
             rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(tm.min_s),
@@ -121,10 +126,12 @@ def main(argv=None) -> int:
     ep.shutdown()
     print(f"# {header}")
     if gpu:
-        print(f"# low-latency buffer per GPU: {common.fmt_bytes(ll_bytes)} (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
+        print(f"# low-latency buffer per GPU: {common.fmt_bytes(ll_need)} for FP8 dispatch + BF16 combine, "
+              f"{common.fmt_bytes(ll_bytes)} with BF16 dispatch (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
               f"held per GPU (normal, LL): {held.get(0)}; blocks per LL kernel: {_uccl_ep_blocks()}")
     common.print_table(["op", "time/call", "min", "DeepEP", "DeepEP/ours"], rows,
-                       title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}")
+                       title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}, "
+                             f"{'fori_loop' if args.fori else 'unrolled'} x{args.iters}")
     if args.out:
         common.write_json(args.out, {"header": header, "results": results, "low_latency_buffer_bytes": ll_bytes})
     return 0

@@ -132,10 +132,28 @@ NB_MODULE(_uccl_ep, m) {
   });
   m.def("nvl_is_initialized", [] { return nvl::NvlRuntime::get().initialized(); });
   m.def("nvl_check_errors", [] {
+    // Every local GPU is checked (and cleared); one error names them all, with the first one's type.
+    std::exception_ptr first;
+    std::string messages;
     for (auto* d : nvl::NvlRuntime::get().devices()) {
       cudaSetDevice(d->cuda_device());
       cudaDeviceSynchronize();
-      d->check_errors("check_errors");
+      try {
+        d->check_errors("check_errors");
+      } catch (const std::exception& e) {
+        if (!first) first = std::current_exception();
+        messages += (messages.empty() ? "" : "; ") + std::string(e.what());
+      }
+    }
+    if (!first) return;
+    try {
+      std::rethrow_exception(first);
+    } catch (const TimeoutError&) {
+      throw TimeoutError(messages);
+    } catch (const std::invalid_argument&) {
+      throw std::invalid_argument(messages);
+    } catch (const std::exception&) {
+      throw std::runtime_error(messages);
     }
   });
   m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,

@@ -136,8 +136,13 @@ def _kill(p: subprocess.Popen) -> None:
 
 def describe(results: list[RankResult]) -> str:
     return "\n".join(
-        f"--- rank {r.rank}: exit {r.returncode}, {r.seconds:.1f} s\n{r.stderr[-3000:]}" for r in results
+        f"--- rank {r.rank}: exit {r.returncode}, {r.seconds:.1f} s\n"
+        f"stdout: {_without_result(r.stdout)[-1500:]}\nstderr: {r.stderr[-3000:]}" for r in results
     )
+
+
+def _without_result(out: str) -> str:
+    return "\n".join(line for line in out.splitlines() if not line.startswith(RESULT_MARK))
 
 
 def launch_ok(path: str, function: str, num_processes: int, **kwargs: Any) -> list[Any]:

@@ -201,8 +201,11 @@ __global__ void __launch_bounds__(kScanThreads) combine_scan_kernel(const bool* 
 
 // Rows received from each remote member go back to it: stage them at the start of its out-region.
 // (Rows [j_begin, j_end) of each remote member's message only: one chunk; (row, segment) work items.)
+// Rows past y's `capacity` were dropped by the dispatch (an error check_errors() reports): they return zeros, and
+// y is never read past its end.
 __global__ void __launch_bounds__(1024) combine_stage_kernel(const char* y, int64_t row_bytes, int num_ranks, int self,
-                                     const int32_t* offsets, Regions out_regions, int j_begin, int j_end) {
+                                     int capacity, const int32_t* offsets, Regions out_regions, int j_begin,
+                                     int j_end) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
   const int64_t segments = max(int64_t(1), (row_bytes + kSegmentBytes - 1) / kSegmentBytes);
@@ -213,8 +216,11 @@ __global__ void __launch_bounds__(1024) combine_stage_kernel(const char* y, int6
          w += warps) {
       const int j = j_begin + int(w / segments);
       const int64_t b0 = (w % segments) * kSegmentBytes, b1 = min(row_bytes, b0 + kSegmentBytes);
-      warp_copy(out_regions.p[s] + int64_t(j) * row_bytes + b0, y + int64_t(begin + j) * row_bytes + b0, b1 - b0,
-                lane);
+      if (begin + j < capacity)
+        warp_copy(out_regions.p[s] + int64_t(j) * row_bytes + b0, y + int64_t(begin + j) * row_bytes + b0, b1 - b0,
+                  lane);
+      else
+        warp_zero(out_regions.p[s] + int64_t(j) * row_bytes + b0, b1 - b0, lane);
     }
   }
 }
@@ -225,7 +231,7 @@ __global__ void __launch_bounds__(1024) combine_stage_kernel(const char* y, int6
 // Tokens [t_begin, t_end) only: one chunk, once the rows it needs have arrived. (Token, segment) work items;
 // each lane sums up to four 16-byte vectors with their loads issued together.
 template <typename T>
-__global__ void __launch_bounds__(1024) combine_reduce_kernel(const char* y, int64_t row_bytes, int t_begin, int t_end, int num_ranks,
+__global__ void __launch_bounds__(1024) combine_reduce_kernel(const char* y, int64_t row_bytes, int capacity, int t_begin, int t_end, int num_ranks,
                                       int self, const int32_t* offsets, const int32_t* positions, Regions in_regions,
                                       char* __restrict__ out) {
   const int lane = threadIdx.x % kWarp;
@@ -241,6 +247,7 @@ __global__ void __launch_bounds__(1024) combine_reduce_kernel(const char* y, int
     for (int d = 0; d < num_ranks; ++d) {
       int p = positions[t * num_ranks + d];
       if (p < 0) continue;
+      if (d == self && offsets[self] + p >= capacity) continue;  // dropped by the dispatch
       rows[n++] = d == self ? y + int64_t(offsets[self] + p) * row_bytes : in_regions.p[d] + int64_t(p) * row_bytes;
     }
     if (!vector) {  // rows of a few elements (a weight gradient, say): one element per lane
@@ -540,7 +547,7 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   check(cudaStreamWaitEvent(stage, dev.fork_event(), 0), "cudaStreamWaitEvent");
   for (int c = 0; c < dev.chunks(); ++c) {
     int j0 = chunk_begin(a.num_tokens, dev.chunks(), c), j1 = chunk_begin(a.num_tokens, dev.chunks(), c + 1);
-    combine_stage_kernel<<<blocks(), 1024, 0, stage>>>(static_cast<const char*>(a.y), row_bytes, g.size, g.self,
+    combine_stage_kernel<<<blocks(), 1024, 0, stage>>>(static_cast<const char*>(a.y), row_bytes, g.size, g.self, a.capacity,
                                                        offsets, out_regions, j0, j1);
     check(cudaGetLastError(), "combine_stage_kernel");
     check(cudaEventRecord(dev.chunk_event(c), stage), "cudaEventRecord");
@@ -560,11 +567,11 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
     if (t1 == t0) continue;
     if (a.bf16)
       combine_reduce_kernel<__nv_bfloat16><<<blocks(), 1024, 0, stream>>>(
-          static_cast<const char*>(a.y), row_bytes, t0, t1, g.size, g.self, offsets, positions, in_regions,
+          static_cast<const char*>(a.y), row_bytes, a.capacity, t0, t1, g.size, g.self, offsets, positions, in_regions,
           static_cast<char*>(a.out));
     else
       combine_reduce_kernel<float><<<blocks(), 1024, 0, stream>>>(
-          static_cast<const char*>(a.y), row_bytes, t0, t1, g.size, g.self, offsets, positions, in_regions,
+          static_cast<const char*>(a.y), row_bytes, a.capacity, t0, t1, g.size, g.self, offsets, positions, in_regions,
           static_cast<char*>(a.out));
     check(cudaGetLastError(), "combine_reduce_kernel");
   }

@@ -60,39 +60,66 @@ struct Shape {
   int rank;                                        // this GPU's global rank (error reports)
 };
 
-// Warp 0: the position of each (token, slot) among this rank's slots for the same expert, in token order, and
-// the slots per expert. Out-of-range indices count nowhere (reported once with `report_bad`).
-__device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* pos, int* count,
-                            DeviceErrors* err, int rank, bool report_bad) {
-  const int lane = threadIdx.x % kWarp;
-  for (int base = 0; base < pairs; base += kWarp) {
-    const int p = base + lane;
-    int e = p < pairs ? topk_idx[p] : -1;
+// The whole block: copies topk_idx into shared `idx` (out-of-range entries become -1, reported once with
+// `report_bad`), then warp 0 finds the position of each (token, slot) among this rank's slots for the same expert,
+// in token order, and the slots per expert (`count`). Ends with the block synchronized.
+__device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* idx, int* pos,
+                            int* count, DeviceErrors* err, int rank, bool report_bad) {
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    int e = topk_idx[p];
     if (e < -1 || e >= num_experts) {
       if (report_bad) report(err, 1, rank, p / topk, p % topk, e);
       e = -1;
     }
-    const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
-    const int before_warp = e >= 0 ? count[e] : 0;
-    __syncwarp();
-    if (e >= 0) {
-      const int before_lane = __popc(same & ((1u << lane) - 1));
-      pos[p] = before_warp + before_lane;
-      if (before_lane == 0) count[e] = before_warp + __popc(same);
-    }
-    __syncwarp();
+    idx[p] = e;
   }
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  if (threadIdx.x < kWarp) {
+    const int lane = threadIdx.x;
+    for (int base = 0; base < pairs; base += kWarp) {
+      const int p = base + lane;
+      const int e = p < pairs ? idx[p] : -1;
+      const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
+      const int before_warp = e >= 0 ? count[e] : 0;
+      __syncwarp();
+      if (e >= 0) {
+        const int before_lane = __popc(same & ((1u << lane) - 1));
+        pos[p] = before_warp + before_lane;
+        if (before_lane == 0) count[e] = before_warp + __popc(same);
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
 }
 
-// first[e]: where expert e's rows start among the rows for e's rank (exclusive prefix over that rank's experts).
-__device__ void expert_offsets(const int* count, int* first, int num_ranks, int local) {
-  for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
-    int acc = 0;
-    for (int l = 0; l < local; ++l) {
-      first[d * local + l] = acc;
-      acc += count[d * local + l];
+// One warp: exclusive prefix sums of load(0..n) into store(i, prefix); returns the total on every lane.
+template <class Load, class Store>
+__device__ int warp_exclusive_scan(int n, Load&& load, Store&& store) {
+  const int lane = threadIdx.x % kWarp;
+  int carry = 0;
+  for (int base = 0; base < n; base += kWarp) {
+    const int i = base + lane;
+    const int v = i < n ? load(i) : 0;
+    int inclusive = v;
+    for (int d = 1; d < kWarp; d <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += u;
     }
+    if (i < n) store(i, carry + inclusive - v);
+    carry += __shfl_sync(0xffffffffu, inclusive, kWarp - 1);
   }
+  return carry;
+}
+
+// first[e]: where expert e's rows start among the rows for e's rank (one warp per rank). Ends synchronized.
+__device__ void expert_offsets(const int* count, int* first, int num_ranks, int local) {
+  const int warp = threadIdx.x / kWarp;
+  if (warp < num_ranks)
+    warp_exclusive_scan(local, [&](int l) { return count[warp * local + l]; },
+                        [&](int l, int v) { first[warp * local + l] = v; });
+  __syncthreads();
 }
 
 // After the block's stores: the last block of the launch writes each target's counts (write_counts(), every
@@ -147,21 +174,18 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
     unsigned long long* done, unsigned long long done_target, DeviceErrors* err) {
   extern __shared__ int smem[];
   const int pairs = num_tokens * topk, local = shape.local_experts;
-  int* pos = smem;
+  int* idx = smem;
+  int* pos = idx + pairs;
   int* count = pos + pairs;
   int* first = count + num_experts;
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
-  __syncthreads();
-  if (threadIdx.x < kWarp) route_slots(topk_idx, pairs, topk, num_experts, pos, count, err, shape.rank, blockIdx.x == 0);
-  __syncthreads();
+  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, err, shape.rank, blockIdx.x == 0);
   expert_offsets(count, first, shape.num_ranks, local);
-  __syncthreads();
 
   // One warp per (token, slot): the rows of a token are read K times, from L2.
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   for (int p = blockIdx.x * warps_per_block + threadIdx.x / kWarp; p < pairs; p += gridDim.x * warps_per_block) {
-    const int e = topk_idx[p];
-    if (e < 0 || e >= num_experts) continue;
+    const int e = idx[p];
+    if (e < 0) continue;
     const int d = e / local, t = p / topk, j = first[e] + pos[p];
     if (j >= shape.capacity_rows) continue;  // the host refused shapes where this can happen
     char* row = to.region[d] + shape.counts_bytes + int64_t(j) * shape.row_bytes;
@@ -203,13 +227,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
       if (acc > slab) report(err, 2, shape.rank, acc, slab, 0);
     }
   }
+  const int warp = threadIdx.x / kWarp;
+  if (warp < R) {  // rows of source `warp`, then their prefix over sources
+    const int rows = warp_exclusive_scan(L, [&](int l) { return count[warp * L + l]; }, [](int, int) {});
+    if (threadIdx.x % kWarp == 0) rows_from[warp + 1] = rows;
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    int acc = 0;
-    for (int s = 0; s < R; ++s) {
-      rows_from[s] = acc;
-      for (int l = 0; l < L; ++l) acc += count[s * L + l];
-    }
-    rows_from[R] = acc;
+    rows_from[0] = 0;
+    for (int s = 0; s < R; ++s) rows_from[s + 1] += rows_from[s];
   }
   __syncthreads();
 
@@ -246,32 +272,35 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const char* y, i
   int* begin = rows + R * L;   // [l * R + s]: where source s's rows start in y[l]
   int* first = begin + R * L;  // [s * L + l]: where expert l's rows start in source s's region
   int* cum = first + R * L;    // [L + 1]: prefix of rows per expert
+  int* in_expert = cum + L + 1;  // [L]: rows of expert l
   __shared__ bool valid;
+  if (threadIdx.x == 0) valid = true;
   for (int i = threadIdx.x; i < R * L; i += blockDim.x) rows[i] = max(0, layout[i]);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    valid = true;
-    int acc = 0;
-    for (int l = 0; l < L; ++l) {
-      cum[l] = acc;
-      int in_l = 0;
-      for (int s = 0; s < R; ++s) {
-        begin[l * R + s] = in_l;
-        in_l += rows[l * R + s];
-      }
-      if (in_l > slab) valid = false;
-      acc += in_l;
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int in_l = 0;
+    for (int s = 0; s < R; ++s) {
+      begin[l * R + s] = in_l;
+      in_l += rows[l * R + s];
     }
-    cum[L] = acc;
-    if (!valid && blockIdx.x == 0) report(err, 4, shape.rank, acc, int64_t(L) * slab, 0);
+    in_expert[l] = in_l;
+    if (in_l > slab) valid = false;
   }
-  for (int s = threadIdx.x; s < R; s += blockDim.x) {
-    int acc = 0;
-    for (int l = 0; l < L; ++l) {
-      first[s * L + l] = acc;
-      acc += rows[l * R + s];
+  __syncthreads();
+  const int warp = threadIdx.x / kWarp;
+  if (warp == 0) {
+    const int all = warp_exclusive_scan(L, [&](int l) { return in_expert[l]; }, [&](int l, int v) { cum[l] = v; });
+    if (threadIdx.x == 0) {
+      cum[L] = all;
+      if (!valid && blockIdx.x == 0) report(err, 4, shape.rank, all, int64_t(L) * slab, 0);
     }
-    if (acc > shape.capacity_rows && blockIdx.x == 0) report(err, 8, shape.rank, acc, shape.capacity_rows, shape.row_bytes);
+  }
+  if (warp >= 1 && warp <= R) {  // warp s + 1: where each expert's rows start in source s's region
+    const int s = warp - 1;
+    const int all = warp_exclusive_scan(L, [&](int l) { return rows[l * R + s]; },
+                                        [&](int l, int v) { first[s * L + l] = v; });
+    if (threadIdx.x % kWarp == 0 && all > shape.capacity_rows && blockIdx.x == 0)
+      report(err, 8, shape.rank, all, shape.capacity_rows, shape.row_bytes);
   }
   __syncthreads();
 
@@ -306,20 +335,17 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shap
                                                                 uint64_t timeout_ns, DeviceErrors* err) {
   extern __shared__ int smem[];
   const int pairs = num_tokens * topk, L = shape.local_experts;
-  int* pos = smem;
+  int* idx = smem;
+  int* pos = idx + pairs;
   int* count = pos + pairs;
   int* first = count + num_experts;
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
-  __syncthreads();
-  if (threadIdx.x < kWarp) route_slots(topk_idx, pairs, topk, num_experts, pos, count, err, shape.rank, false);
-  // Warp 1 waits for the rows meanwhile.
-  if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank, kWarp)) return;
+  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, err, shape.rank, false);
   expert_offsets(count, first, shape.num_ranks, L);
+  if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank, 0)) return;
   for (int e = threadIdx.x; e < num_experts && blockIdx.x == 0; e += blockDim.x) {
     const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
     if (got != count[e]) report(err, 6, shape.rank, got, e % L, from.rank[e / L]);
   }
-  __syncthreads();
 
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int64_t segments = (y_row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
@@ -330,8 +356,8 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shap
     const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16, v1 = min(y_row_bytes / 16, v0 + kCombineSegmentBytes / 16);
     float acc[kVecs][Vec<T>::kN] = {};
     for (int k = 0; k < topk; ++k) {
-      const int e = topk_idx[t * topk + k];
-      if (e < 0 || e >= num_experts) continue;
+      const int e = idx[t * topk + k];
+      if (e < 0) continue;
       const int64_t j = first[e] + pos[t * topk + k];
       if (j >= shape.capacity_rows) continue;
       const int4* row = reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes + j * shape.row_bytes);
@@ -439,7 +465,7 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
   const int blocks = low_latency_blocks();
   const Outbox to = outbox(dev, g);
   const size_t smem = shared_bytes(dispatch_send_kernel,
-                                   (size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int));
+                                   (2 * size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int));
   dispatch_send_kernel<<<blocks, kThreads, smem, stream>>>(
       static_cast<const char*>(a.x), a.x_row_bytes, static_cast<const char*>(a.scales), a.scale_row_bytes,
       int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts, shape, to,
@@ -478,7 +504,7 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const int blocks = low_latency_blocks();
   const Outbox to = outbox(dev, g);
-  const size_t smem = shared_bytes(combine_send_kernel, (3 * size_t(g.size) * shape.local_experts + shape.local_experts + 1) * sizeof(int));
+  const size_t smem = shared_bytes(combine_send_kernel, (3 * size_t(g.size) * shape.local_experts + 2 * shape.local_experts + 1) * sizeof(int));
   combine_send_kernel<<<blocks, kThreads, smem, stream>>>(static_cast<const char*>(a.y), row_bytes, a.layout, shape,
                                                           to, dev.low_latency_done(), dev.next_done_target(blocks),
                                                           dev.errors_device());
@@ -492,7 +518,7 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
   Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_combine");
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Inbox from = inbox(dev, g);
-  const size_t smem_bytes = (size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int);
+  const size_t smem_bytes = (2 * size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int);
   if (a.bf16) {
     const size_t smem = shared_bytes(combine_recv_kernel<__nv_bfloat16>, smem_bytes);
     combine_recv_kernel<__nv_bfloat16><<<low_latency_blocks(), kThreads, smem, stream>>>(
