@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES=--ranks)")
     ap.add_argument("--out", default=None, help="write the timings as JSON here")
     args = ap.parse_args(argv)
+    os.environ.setdefault("UCCL_EP_KERNEL_TIMING", "1")  # GPU: events around our kernels (see kernel_spans)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.ranks or 2)
@@ -103,24 +104,29 @@ def main(argv=None) -> int:
         buf = jnp.zeros((r * t * k, h), jnp.bfloat16) + x[0, :1]
         return common.looped(step, args.iters, unroll)(buf)[:1, :1][None]
 
-    ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6),
-           ("uccl_ep LL dispatch bf16", ll_dispatch(False), None),
-           ("uccl_ep LL combine bf16", ll_combine, 39.8e-6),
-           ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6),
-           ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None))
+    d, c = "low_latency_dispatch", "low_latency_combine"
+    ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6, [d]),
+           ("uccl_ep LL dispatch bf16", ll_dispatch(False), None, [d]),
+           ("uccl_ep LL combine bf16", ll_combine, 39.8e-6, [c]),
+           ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6, [d, c]),
+           ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None, []))
     rows, results = [], {}
-    for name, body, deepep in ops:
+    for name, body, deepep, labels in ops:
         try:
             takes_y = body in (ll_combine, ll_roundtrip)
             inputs = (x, topk_idx, weights, y_rows) if takes_y else (x, topk_idx, weights)
+            kernel_spans(gpu)  # drop earlier spans
             tm = common.time_jitted(smap(body), inputs, iters=args.iters, repeats=args.repeats)
-            results[name] = tm.as_dict()
-            ratio = f"{deepep / tm.median_s:.2f}x" if deepep and gpu else ""
-            rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(tm.min_s),
-                         common.fmt_time(deepep) if deepep else "", ratio])
+            spans = {k: v for k, v in kernel_spans(gpu).items() if k in labels}
+            results[name] = dict(tm.as_dict(), kernel_spans_us=spans)
+            span_s = sum(spans.values()) * 1e-6 if spans else None
+            ratio = f"{deepep / span_s:.2f}x" if deepep and span_s else ""
+            rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(span_s),
+                         " + ".join(f"{v:.1f}" for v in spans.values()), common.fmt_time(deepep) if deepep else "",
+                         ratio])
         except Exception as exc:  # noqa: BLE001
             results[name] = {"error": str(exc)[:500]}
-            rows.append([name, "n/a", common.short_error(exc, 60), "", ""])
+            rows.append([name, "n/a", common.short_error(exc, 60), "", "", ""])
     held = ep.buffer_bytes_held()
     ep.check_errors()
     ep.shutdown()
@@ -129,12 +135,28 @@ def main(argv=None) -> int:
         print(f"# low-latency buffer per GPU: {common.fmt_bytes(ll_need)} for FP8 dispatch + BF16 combine, "
               f"{common.fmt_bytes(ll_bytes)} with BF16 dispatch (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
               f"held per GPU (normal, LL): {held.get(0)}; blocks per LL kernel: {_uccl_ep_blocks()}")
-    common.print_table(["op", "time/call", "min", "DeepEP", "DeepEP/ours"], rows,
+    print("# time/call: jitted calls end to end (host launch included); kernels: median GPU span of our kernels "
+          "(send start to receive end, waiting for the peer included; the FP8 cast runs in JAX before it)")
+    common.print_table(["op", "time/call", "kernels", "spans us", "DeepEP", "DeepEP/kernels"], rows,
                        title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}, "
                              f"{'fori_loop' if args.fori else 'unrolled'} x{args.iters}")
     if args.out:
         common.write_json(args.out, {"header": header, "results": results, "low_latency_buffer_bytes": ll_bytes})
     return 0
+
+
+def kernel_spans(gpu: bool) -> dict:
+    """Median span (microseconds) of each kind of op on local GPU 0 since the last call."""
+    if not gpu:
+        return {}
+    import statistics
+
+    from jax_uccl_ep import _uccl_ep
+
+    spans: dict = {}
+    for label, us in _uccl_ep.nvl_kernel_times()[0]:
+        spans.setdefault(label, []).append(us)
+    return {k: statistics.median(v) for k, v in spans.items()}
 
 
 def _uccl_ep_blocks() -> int:

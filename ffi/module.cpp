@@ -163,6 +163,11 @@ NB_MODULE(_uccl_ep, m) {
     return nvl::NvlDevice::buffer_bytes_for(num_ranks, msg);
   });
   m.def("nvl_num_sms", [] { return nvl::num_sms(); });
+  m.def("nvl_kernel_times", [] {  // {local GPU index: [(op, microseconds)]} since the last call
+    std::vector<std::vector<std::pair<std::string, float>>> out;
+    for (auto* d : nvl::NvlRuntime::get().devices()) out.push_back(d->kernel_times());
+    return out;
+  });
   m.def("nvl_low_latency_blocks", [] { return nvl::low_latency_blocks(); });
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
   m.def("nvl_buffer_bytes_held", [] {  // per local GPU: (normal, low-latency) bytes allocated

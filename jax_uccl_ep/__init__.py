@@ -24,6 +24,10 @@ def _find_extension() -> None:
 
 
 _find_extension()
+# CUDA loads kernels lazily by default, at first launch, and a load can wait for the GPU to go idle while a stream
+# waits for a peer; with one process driving several GPUs that can deadlock. Load eagerly (read when CUDA starts,
+# so this takes effect if jax_uccl_ep is imported before JAX first touches a GPU).
+_os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 from .fp8 import pack_ue8m0, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
 from .low_latency import (
     LowLatencyHandle,

@@ -98,6 +98,13 @@ class NvlDevice {
   uint64_t& low_latency_sent(int peer) { return ll_sent_[peer]; }
   uint64_t& low_latency_received(int peer) { return ll_received_[peer]; }
 
+  // Kernel timing (UCCL_EP_KERNEL_TIMING=1): events around each op's work on the GPU, read by kernel_times().
+  // An op's span runs from its first kernel's start to its last kernel's end (for low-latency ops, from the
+  // send half's start to the receive half's end), so it includes waiting for peers but no host overhead.
+  void timing_begin(cudaStream_t stream);
+  void timing_end(cudaStream_t stream, const char* label);
+  std::vector<std::pair<std::string, float>> kernel_times();  // (label, microseconds); waits for the GPU
+
   DeviceErrors* errors_device() const { return errors_device_; }
   // Raises (std::runtime_error) and clears a pending kernel-detected error.
   void check_errors(const char* op);
@@ -111,6 +118,11 @@ class NvlDevice {
   size_t ll_offset_ = 0, ll_bytes_ = 0, ll_half_ = 0, ll_stride_ = 0;
   uint64_t ll_sent_[kMaxRanks] = {}, ll_received_[kMaxRanks] = {};
   unsigned long long done_target_ = 0;
+  bool timing_ = false;
+  cudaEvent_t timing_start_ = nullptr;  // begun, not yet ended
+  std::vector<std::pair<std::string, std::pair<cudaEvent_t, cudaEvent_t>>> timings_;
+  std::vector<cudaEvent_t> spare_events_;
+  cudaEvent_t timing_event();
   char* buffer_ = nullptr;
   std::vector<char*> peer_buffers_;
   std::vector<bool> opened_ipc_;
@@ -205,6 +217,12 @@ struct CombineArgs {
 };
 size_t combine_message_bytes(int num_tokens, int hidden, bool bf16);
 void combine(NvlDevice& dev, const Group& group, const CombineArgs& args, cudaStream_t stream);
+
+// Loads every kernel of normal and low-latency mode on the current device. CUDA loads modules lazily, at a
+// kernel's first launch, and a load can wait for the device to go idle, which a stream blocked on a peer's
+// flag never does (in one process driving several GPUs that can deadlock): load them all at start instead.
+void preload_intranode_kernels();
+void preload_low_latency_kernels();
 
 // SMs the routing and gather kernels may occupy (UCCL_EP_NUM_SMS, default 24).
 int num_sms();

@@ -139,6 +139,9 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   check(cudaEventCreateWithFlags(&stage_done_event_, cudaEventDisableTiming), "cudaEventCreate");
   chunk_events_.resize(chunks_);
   for (auto& e : chunk_events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  if (const char* v = std::getenv("UCCL_EP_KERNEL_TIMING")) timing_ = std::string(v) != "0" && *v;
+  preload_intranode_kernels();
+  preload_low_latency_kernels();
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   peer_buffers_.assign(num_ranks, nullptr);
   opened_ipc_.assign(num_ranks, false);
@@ -158,6 +161,9 @@ NvlDevice::~NvlDevice() {
   if (stage_stream_) cudaStreamDestroy(stage_stream_);
   if (stage_done_event_) cudaEventDestroy(stage_done_event_);
   for (auto e : chunk_events_) cudaEventDestroy(e);
+  for (auto& t : timings_) spare_events_.insert(spare_events_.end(), {t.second.first, t.second.second});
+  if (timing_start_) spare_events_.push_back(timing_start_);
+  for (auto e : spare_events_) cudaEventDestroy(e);
   if (errors_host_) cudaFreeHost(errors_host_);
 }
 
@@ -243,6 +249,45 @@ void NvlDevice::ensure_scratch(size_t bytes) {
   }
   check(cudaMalloc(&scratch_, bytes), "cudaMalloc scratch");
   scratch_bytes_ = bytes;
+}
+
+cudaEvent_t NvlDevice::timing_event() {
+  if (!spare_events_.empty()) {
+    cudaEvent_t e = spare_events_.back();
+    spare_events_.pop_back();
+    return e;
+  }
+  cudaEvent_t e;
+  check(cudaEventCreate(&e), "cudaEventCreate");
+  return e;
+}
+
+void NvlDevice::timing_begin(cudaStream_t stream) {
+  if (!timing_ || timings_.size() >= 100000) return;
+  if (!timing_start_) timing_start_ = timing_event();
+  check(cudaEventRecord(timing_start_, stream), "cudaEventRecord");
+}
+
+void NvlDevice::timing_end(cudaStream_t stream, const char* label) {
+  if (!timing_ || !timing_start_) return;
+  cudaEvent_t end = timing_event();
+  check(cudaEventRecord(end, stream), "cudaEventRecord");
+  timings_.push_back({label, {timing_start_, end}});
+  timing_start_ = nullptr;
+}
+
+std::vector<std::pair<std::string, float>> NvlDevice::kernel_times() {
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  std::vector<std::pair<std::string, float>> out;
+  for (auto& [label, events] : timings_) {
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, events.first, events.second), "cudaEventElapsedTime");
+    out.emplace_back(label, ms * 1000.f);
+    spare_events_.insert(spare_events_.end(), {events.first, events.second});
+  }
+  timings_.clear();
+  return out;
 }
 
 void NvlDevice::check_errors(const char* op) {

@@ -437,6 +437,7 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   check_fits(dev, l.total, "dispatch");
   dev.ensure_scratch(size_t(a.capacity) * sizeof(int2) + 256);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  dev.timing_begin(stream);
 
   // Routing first (small), then the rows in chunks.
   Message m;
@@ -468,6 +469,7 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
              a.x_row_bytes, a.scale_row_bytes, a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights, stream);
   join_send(dev, stream);  // x may be freed only after the copy engine has read it
   ack_messages(dev, g, stream);
+  dev.timing_end(stream, "dispatch");
 }
 
 void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
@@ -519,6 +521,7 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   const size_t positions_at = 64;
   dev.ensure_scratch(positions_at + size_t(a.num_tokens) * g.size * 4);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  dev.timing_begin(stream);
   char* scratch = static_cast<char*>(dev.scratch());
   int32_t* offsets = reinterpret_cast<int32_t*>(scratch);
   int32_t* positions = reinterpret_cast<int32_t*>(scratch + positions_at);
@@ -577,6 +580,17 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   }
   join_send(dev, stream);
   ack_messages(dev, g, stream);
+  dev.timing_end(stream, "combine");
+}
+
+void preload_intranode_kernels() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, dispatch_scan_kernel), "loading dispatch_scan_kernel");
+  check(cudaFuncGetAttributes(&attr, dispatch_gather_kernel), "loading dispatch_gather_kernel");
+  check(cudaFuncGetAttributes(&attr, combine_scan_kernel), "loading combine_scan_kernel");
+  check(cudaFuncGetAttributes(&attr, combine_stage_kernel), "loading combine_stage_kernel");
+  check(cudaFuncGetAttributes(&attr, combine_reduce_kernel<float>), "loading combine_reduce_kernel");
+  check(cudaFuncGetAttributes(&attr, combine_reduce_kernel<__nv_bfloat16>), "loading combine_reduce_kernel");
 }
 
 }  // namespace uccl_ep::nvl

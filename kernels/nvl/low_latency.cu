@@ -464,6 +464,7 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const int blocks = low_latency_blocks();
   const Outbox to = outbox(dev, g);
+  dev.timing_begin(stream);
   const size_t smem = shared_bytes(dispatch_send_kernel,
                                    (2 * size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int));
   dispatch_send_kernel<<<blocks, kThreads, smem, stream>>>(
@@ -485,6 +486,7 @@ void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyD
       from, shape, a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
       static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_token, timeout_ns(), dev.errors_device());
   check(cudaGetLastError(), "low_latency dispatch_recv_kernel");
+  dev.timing_end(stream, "low_latency_dispatch");
 }
 
 namespace {
@@ -504,6 +506,7 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const int blocks = low_latency_blocks();
   const Outbox to = outbox(dev, g);
+  dev.timing_begin(stream);
   const size_t smem = shared_bytes(combine_send_kernel, (3 * size_t(g.size) * shape.local_experts + 2 * shape.local_experts + 1) * sizeof(int));
   combine_send_kernel<<<blocks, kThreads, smem, stream>>>(static_cast<const char*>(a.y), row_bytes, a.layout, shape,
                                                           to, dev.low_latency_done(), dev.next_done_target(blocks),
@@ -531,6 +534,16 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
         static_cast<char*>(a.out), timeout_ns(), dev.errors_device());
   }
   check(cudaGetLastError(), "low_latency combine_recv_kernel");
+  dev.timing_end(stream, "low_latency_combine");
+}
+
+void preload_low_latency_kernels() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, dispatch_send_kernel), "loading dispatch_send_kernel");
+  check(cudaFuncGetAttributes(&attr, dispatch_recv_kernel), "loading dispatch_recv_kernel");
+  check(cudaFuncGetAttributes(&attr, combine_send_kernel), "loading combine_send_kernel");
+  check(cudaFuncGetAttributes(&attr, combine_recv_kernel<float>), "loading combine_recv_kernel");
+  check(cudaFuncGetAttributes(&attr, combine_recv_kernel<__nv_bfloat16>), "loading combine_recv_kernel");
 }
 
 }  // namespace uccl_ep::nvl
