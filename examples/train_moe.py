@@ -15,8 +15,18 @@ or in one process with 4 CPU devices, or on the GPUs of a machine (one process p
     JAX_NUM_CPU_DEVICES=4 python examples/train_moe.py --steps 5
     python -m jax_uccl_ep.launch -n 8 examples/train_moe.py --steps 50
 
-``--ep-impl dense`` swaps dispatch/combine for the reference formulation (every expert on every token, expert
-weights all-gathered): the same math, so the loss curves agree to float rounding.
+``--ep-impl`` picks the MoE layer's expert parallelism (``examples/moe_layer.py``); all give the same math, so the
+loss curves agree to float rounding:
+
+* ``uccl`` (default): jax_uccl_ep dispatch/combine (``moe_ffn``);
+* ``all_to_all``: ``jax.lax.all_to_all`` on a fixed-capacity ``[R, C, D]`` buffer, GShard/MaxText style
+  (``moe_ffn_all_to_all``; ``--capacity`` is C, default tokens * top-k: never drops);
+* ``ragged``: ``jax.lax.ragged_all_to_all``, MaxText's dropless path (``moe_ffn_ragged``; not on XLA:CPU);
+* ``dense``: the reference formulation (every expert on every token, expert weights all-gathered).
+
+``--expert-compute masked|grouped`` picks how the EP layers run their local experts (every local expert on every
+received row, or ``jax.lax.ragged_dot`` over the chosen rows); the default is each layer's own (uccl and all_to_all
+masked, ragged grouped). ``bench/train_step.py`` times the four side by side.
 
 Timing columns are honest about what they measure: ``ms/step`` and ``tok/s`` are the wall time of a whole training
 step (forward, backward, optimizer; host-synchronized). Every ``--time-every`` steps the script also times, in
@@ -147,13 +157,24 @@ def attention(layer: dict, x: jax.Array, num_heads: int) -> jax.Array:
 
 
 MoeFn = Callable[[dict, jax.Array], jax.Array]
+EP_IMPLS = ("uccl", "all_to_all", "ragged", "dense")
 
 
-def moe_fn_for(impl: str, cfg: Config, capacity: int | None) -> MoeFn:
-    """The MoE feed-forward of one rank: [tokens, D] -> [tokens, D] (inside shard_map)."""
+def moe_fn_for(impl: str, cfg: Config, capacity: int | None, expert_compute: str | None = None) -> MoeFn:
+    """The MoE feed-forward of one rank: [tokens, D] -> [tokens, D] (inside shard_map).
+
+    capacity: uccl's rows per receiving device, all_to_all's slots per (sender, receiver); ignored otherwise.
+    expert_compute: "masked" or "grouped" for the EP layers; None keeps the layer's default. Ignored by dense.
+    """
+    kwargs: dict[str, Any] = dict(num_experts=cfg.num_experts, top_k=cfg.top_k, axis_name=AXIS)
+    if expert_compute is not None and impl != "dense":
+        kwargs["expert_compute"] = expert_compute
     if impl == "uccl":
-        return partial(moe_layer.moe_ffn, num_experts=cfg.num_experts, top_k=cfg.top_k, axis_name=AXIS,
-                       capacity=capacity)
+        return partial(moe_layer.moe_ffn, capacity=capacity, **kwargs)
+    if impl == "all_to_all":
+        return partial(moe_layer.moe_ffn_all_to_all, capacity=capacity, **kwargs)
+    if impl == "ragged":
+        return partial(moe_layer.moe_ffn_ragged, **kwargs)
     if impl == "dense":
         return partial(moe_layer.moe_ffn_dense, num_experts=cfg.num_experts, top_k=cfg.top_k, axis_name=AXIS)
     raise ValueError(f"unknown --ep-impl {impl!r}")
@@ -193,7 +214,8 @@ def _median_ms(fn: Callable[[], Any], repeats: int = 3) -> float:
 class LayerTimer:
     """Standalone jitted MoE-layer / dispatch / combine calls on the training step's shapes."""
 
-    def __init__(self, mesh: Mesh, cfg: Config, impl: str, tokens_per_rank: int, capacity: int | None, seed: int):
+    def __init__(self, mesh: Mesh, cfg: Config, impl: str, tokens_per_rank: int, capacity: int | None, seed: int,
+                 expert_compute: str | None = None):
         self.impl = impl
         r = mesh.size
         rng = np.random.default_rng([seed, 99])
@@ -204,7 +226,7 @@ class LayerTimer:
         w = rng.random(idx.shape).astype(np.float32)
         self.idx = _global_array(idx.astype(np.int32), shard)
         self.w = _global_array(w / w.sum(axis=1, keepdims=True), shard)
-        moe_fn = moe_fn_for(impl, cfg, capacity)
+        moe_fn = moe_fn_for(impl, cfg, capacity, expert_compute)
         specs = moe_layer.moe_param_specs(AXIS)
         self.layer = jax.jit(jax.shard_map(moe_fn, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P(AXIS)))
 
@@ -238,18 +260,25 @@ def _global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--ep-impl", choices=["uccl", "dense"], default="uccl",
-                   help="uccl: jax_uccl_ep dispatch/combine; dense: reference without dispatch")
+    p.add_argument("--ep-impl", choices=EP_IMPLS, default="uccl",
+                   help="uccl: jax_uccl_ep dispatch/combine; all_to_all: jax.lax.all_to_all, fixed capacity; "
+                        "ragged: jax.lax.ragged_all_to_all, dropless (GPU/TPU); dense: reference without dispatch")
+    p.add_argument("--expert-compute", choices=["masked", "grouped"], default=None,
+                   help="local experts of the EP layers: masked (every expert on every received row) or grouped "
+                        "(jax.lax.ragged_dot); default: the layer's own (ragged grouped, the others masked)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-per-device", type=int, default=8, help="sequences per device per step")
     p.add_argument("--seq-len", type=int, default=Config().seq_len)
     p.add_argument("--d-model", type=int, default=Config().d_model)
     p.add_argument("--d-ff", type=int, default=Config().d_ff)
+    p.add_argument("--heads", type=int, default=Config().num_heads)
     p.add_argument("--experts", type=int, default=Config().num_experts)
     p.add_argument("--top-k", type=int, default=Config().top_k)
     p.add_argument("--layers", type=int, default=Config().num_layers)
     p.add_argument("--capacity", type=int, default=None,
-                   help="rows each device may receive per dispatch (default: devices * tokens, never drops)")
+                   help="uccl: rows each device may receive per dispatch (default: devices * tokens); all_to_all: "
+                        "slots each device sends to each device (default: tokens * top-k); both never drop by "
+                        "default; ignored by ragged and dense")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--time-every", type=int, default=10, help="time the MoE layer every N steps (0: never)")
     p.add_argument("--json", action="store_true", help=f"print a final '{JSON_MARK}{{...}}' line on process 0")
@@ -262,8 +291,8 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
 
     args = parse_args(argv)
     ep.initialize()  # joins jax.distributed when a launcher set JAX_COORDINATOR_ADDRESS
-    cfg = Config(seq_len=args.seq_len, d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts,
-                 top_k=args.top_k, num_layers=args.layers)
+    cfg = Config(seq_len=args.seq_len, d_model=args.d_model, num_heads=args.heads, d_ff=args.d_ff,
+                 num_experts=args.experts, top_k=args.top_k, num_layers=args.layers)
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mesh = Mesh(np.array(devices), (AXIS,))
     r = mesh.size
@@ -276,8 +305,9 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
             print(*a, flush=True)
 
     say(f"train_moe: {r} device(s) [{devices[0].platform}] in {jax.process_count()} process(es), "
-        f"ep-impl={args.ep_impl}, {cfg.num_experts} experts ({cfg.num_experts // r}/device), top-{cfg.top_k}, "
-        f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, layers={cfg.num_layers}, "
+        f"ep-impl={args.ep_impl}" + (f" ({args.expert_compute})" if args.expert_compute else "") + ", "
+        f"{cfg.num_experts} experts ({cfg.num_experts // r}/device), top-{cfg.top_k}, "
+        f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, heads={cfg.num_heads}, layers={cfg.num_layers}, "
         f"batch {args.batch_per_device}x{cfg.seq_len} tokens/device")
 
     specs = param_specs(cfg)
@@ -291,7 +321,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
                                           shardings, transform_non_params=lambda _: replicated)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
 
-    moe_fn = moe_fn_for(args.ep_impl, cfg, args.capacity)
+    moe_fn = moe_fn_for(args.ep_impl, cfg, args.capacity, args.expert_compute)
     loss_fn = jax.shard_map(partial(local_loss, cfg=cfg, moe_fn=moe_fn), mesh=mesh,
                             in_specs=(specs, P(AXIS)), out_specs=P())
 
@@ -305,7 +335,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     batch_sharding = NamedSharding(mesh, P(AXIS))
     tokens_per_device = args.batch_per_device * cfg.seq_len
     tokens_per_step = r * tokens_per_device
-    timer = (LayerTimer(mesh, cfg, args.ep_impl, tokens_per_device, args.capacity, args.seed)
+    timer = (LayerTimer(mesh, cfg, args.ep_impl, tokens_per_device, args.capacity, args.seed, args.expert_compute)
              if args.time_every > 0 else None)
 
     losses: list[float] = []
@@ -329,14 +359,20 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
                 line += f", dispatch {t['dispatch_ms']:.2f} ms, combine {t['combine_ms']:.2f} ms"
         say(line)
 
+    ep.check_errors()  # GPU kernels report bad routing or exceeded capacity here (CPU ops raise themselves)
     steady = step_s[1:] or step_s
     summary: dict[str, Any] = {
         "ep_impl": args.ep_impl,
+        "expert_compute": args.expert_compute,
         "devices": r,
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
         "processes": jax.process_count(),
         "steps": args.steps,
         "losses": losses,
         "loss_floor": data.entropy_rate(),
+        "tokens_per_step": tokens_per_step,
+        "step_ms": [t * 1e3 for t in step_s],  # wall time of each step, the first one with compilation
         "tokens_per_s": tokens_per_step / float(np.median(steady)) if steady else 0.0,
     }
     for key in ("moe_fwd_ms", "dispatch_ms", "combine_ms"):

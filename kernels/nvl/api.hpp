@@ -99,8 +99,8 @@ class NvlDevice {
   uint64_t& low_latency_received(int peer) { return ll_received_[peer]; }
 
   // Kernel timing (UCCL_EP_KERNEL_TIMING=1): events around each op's work on the GPU, read by kernel_times().
-  // An op's span runs from its first kernel's start to its last kernel's end (for low-latency ops, from the
-  // send half's start to the receive half's end), so it includes waiting for peers but no host overhead.
+  // An op's span runs from its first kernel's start to its last kernel's end, so it includes waiting for peers
+  // but no host overhead; low-latency ops report their send kernel and the rest (receive, waiting) apart.
   void timing_begin(cudaStream_t stream);
   void timing_end(cudaStream_t stream, const char* label);
   std::vector<std::pair<std::string, float>> kernel_times();  // (label, microseconds); waits for the GPU

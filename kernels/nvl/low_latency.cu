@@ -472,6 +472,8 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
       int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts, shape, to,
       dev.low_latency_done(), dev.next_done_target(blocks), dev.errors_device());
   check(cudaGetLastError(), "low_latency dispatch_send_kernel");
+  dev.timing_end(stream, "low_latency_dispatch send");
+  dev.timing_begin(stream);
 }
 
 void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
@@ -486,7 +488,7 @@ void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyD
       from, shape, a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
       static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_token, timeout_ns(), dev.errors_device());
   check(cudaGetLastError(), "low_latency dispatch_recv_kernel");
-  dev.timing_end(stream, "low_latency_dispatch");
+  dev.timing_end(stream, "low_latency_dispatch receive");
 }
 
 namespace {
@@ -512,6 +514,8 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
                                                           to, dev.low_latency_done(), dev.next_done_target(blocks),
                                                           dev.errors_device());
   check(cudaGetLastError(), "low_latency combine_send_kernel");
+  dev.timing_end(stream, "low_latency_combine send");
+  dev.timing_begin(stream);
 }
 
 void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
@@ -534,7 +538,7 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
         static_cast<char*>(a.out), timeout_ns(), dev.errors_device());
   }
   check(cudaGetLastError(), "low_latency combine_recv_kernel");
-  dev.timing_end(stream, "low_latency_combine");
+  dev.timing_end(stream, "low_latency_combine receive");
 }
 
 void preload_low_latency_kernels() {

@@ -1,0 +1,212 @@
+"""Training step time of the same MoE transformer with each expert-parallel implementation, in one run.
+
+Trains examples/train_moe.py's model (token + position embeddings, causal attention, MoE feed-forward with top-k
+routing, AdamW; float32) once per implementation, with the same sizes, seed and data:
+
+  uccl        jax_uccl_ep dispatch/combine                              (moe_layer.moe_ffn)
+  all_to_all  jax.lax.all_to_all on a fixed-capacity [R, C, D] buffer    (moe_layer.moe_ffn_all_to_all; GShard/MaxText)
+  ragged      jax.lax.ragged_all_to_all, dropless                       (moe_layer.moe_ffn_ragged; MaxText)
+  dense       every expert on every token, expert weights all-gathered  (moe_layer.moe_ffn_dense; no EP)
+
+Each implementation runs in its own child process (`python examples/train_moe.py --json ...`) that drives every
+local device (one process, R devices, data and expert parallel over them), so one that fails, hangs (--timeout) or
+runs out of memory prints n/a and the others still run. Step time: the wall time of each whole training step
+(forward, backward, AdamW; host-synchronized by reading the loss), median over the steps after --warmup;
+tokens/s = tokens per step (all devices) / that median. "vs uccl" is step time / uccl's step time (> 1: slower).
+The losses of all implementations should agree to float rounding (same model, data and initialization): the
+"|loss - dense|" column is the largest difference over the steps.
+
+The three EP implementations run their local experts the same way, set by --expert-compute: grouped (default),
+jax.lax.ragged_dot over the chosen (row, expert) pairs, whose static size is R * tokens * top-k pairs per device
+for all three; or masked, every local expert on every received row (uccl receives R * tokens rows, all_to_all and
+ragged R * tokens * top-k: masked costs them top-k times uccl's FLOPs). dense runs every expert on every token.
+all_to_all's buffer holds C = tokens * top-k slots per destination by default (never drops; --a2a-capacity to
+shrink it); uccl's dispatch sends a token once to each rank that owns one of its experts, the others once per
+(token, expert) pair.
+
+    python bench/train_step.py --out $OUT/train_step.json        # GPUs: defaults sized for 2x H200
+    python bench/train_step.py --cpu --small                     # smoke run on 2 CPU devices (ragged: n/a)
+    JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=2 python bench/train_step.py --small
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+TRAIN = os.path.join(common.REPO_ROOT, "examples", "train_moe.py")
+JSON_MARK = "TRAIN_MOE_JSON "
+IMPLS = ["uccl", "all_to_all", "ragged", "dense"]
+
+# Model sizes: a small Mixtral-like MoE (8 experts, top-2) for 2 GPUs, and a smoke-test size for CPUs.
+GPU_SIZES = dict(d_model=2048, d_ff=4096, heads=16, experts=8, top_k=2, layers=4, seq_len=1024, batch_per_device=4,
+                 steps=30, warmup=5)
+SMALL_SIZES = dict(d_model=64, d_ff=128, heads=4, experts=4, top_k=2, layers=2, seq_len=32, batch_per_device=4,
+                   steps=6, warmup=2)
+HEADERS = ["impl", "experts", "step ms", "min ms", "tokens/s", "vs uccl", "final loss", "|loss - dense|",
+           "1st step s", "error"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}, in run order")
+    ap.add_argument("--small", action="store_true", help=f"smoke-test sizes {SMALL_SIZES}")
+    ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=--devices)")
+    ap.add_argument("--devices", type=int, default=2, help="CPU devices with --cpu")
+    for name, value in GPU_SIZES.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                        help=f"default {value} ({SMALL_SIZES[name]} with --small)")
+    ap.add_argument("--expert-compute", choices=["grouped", "masked"], default="grouped",
+                    help="how uccl, all_to_all and ragged run their local experts (dense: every expert)")
+    ap.add_argument("--a2a-capacity", type=int, default=None,
+                    help="all_to_all: slots per (sender, receiver); default tokens * top-k (never drops)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=240.0,
+                    help="seconds per implementation (its child process is killed after that: n/a)")
+    ap.add_argument("--verbose", action="store_true", help="echo each child's per-step lines")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    sizes = SMALL_SIZES if args.small else GPU_SIZES
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not 0 <= args.warmup < args.steps:
+        ap.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = set(impls) - set(IMPLS)
+    if unknown or not impls:
+        ap.error(f"--impls: unknown {sorted(unknown)}; choose from {IMPLS}")
+    args.impl_list = impls
+    return args
+
+
+def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
+    """examples/train_moe.py's arguments for one implementation (the same model for all)."""
+    argv = ["--ep-impl", impl, "--json", "--time-every", "0", "--seed", str(args.seed), "--steps", str(args.steps),
+            "--batch-per-device", str(args.batch_per_device), "--seq-len", str(args.seq_len),
+            "--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--heads", str(args.heads),
+            "--experts", str(args.experts), "--top-k", str(args.top_k), "--layers", str(args.layers)]
+    if impl != "dense":
+        argv += ["--expert-compute", args.expert_compute]
+    if impl == "all_to_all" and args.a2a_capacity is not None:
+        argv += ["--capacity", str(args.a2a_capacity)]
+    return argv
+
+
+def error_line(text: str, limit: int = 160) -> str:
+    """The exception line of a child's traceback (JAX adds notes after it), shortened for a table cell."""
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    pattern = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)|Killed|Segmentation fault)\b")
+    found = [l for l in lines if pattern.match(l)]
+    line = found[-1] if found else (lines[-1] if lines else "no output")
+    return common.short_error(line, limit)
+
+
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment. jax_uccl_ep's NVLink buffer keeps its default (UCCL_EP_NVL_BUFFER_BYTES, 1 GiB):
+    float32 dispatch/combine of 16384 tokens x 2048 on 2 GPUs need 513 MiB (jax_uccl_ep.nvl_buffer_bytes)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.cpu:
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(args.devices))
+    env.setdefault("UCCL_EP_TIMEOUT_S", "120")
+    return env
+
+
+def run_impl(args: argparse.Namespace, impl: str, env: dict[str, str]) -> dict[str, Any]:
+    """Trains with one implementation in a child process; returns its summary plus timing, or an error."""
+    cmd = [sys.executable, TRAIN, *train_argv(args, impl)]
+    result: dict[str, Any] = {"impl": impl, "command": " ".join(["python", os.path.relpath(TRAIN)] + cmd[2:])}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        result["error"] = f"timed out after {args.timeout:.0f} s"
+        result["stdout_tail"] = out[-2000:]
+        return result
+    result["wall_s"] = time.perf_counter() - start
+    if args.verbose:
+        print(proc.stdout, end="", flush=True)
+    summary = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(JSON_MARK):
+            summary = json.loads(line[len(JSON_MARK):])
+    if proc.returncode != 0 or summary is None:
+        result["error"] = error_line(proc.stderr or proc.stdout)
+        if proc.returncode < 0:
+            result["error"] = f"killed by signal {-proc.returncode}; " + result["error"]
+        result["stderr_tail"] = proc.stderr[-4000:]
+        return result
+    steps_ms = summary["step_ms"][args.warmup:]
+    median_ms = statistics.median(steps_ms)
+    result.update(summary)
+    result.update(step_ms_median=median_ms, step_ms_min=min(steps_ms), first_step_s=summary["step_ms"][0] / 1e3,
+                  tokens_per_s=summary["tokens_per_step"] / (median_ms / 1e3), final_loss=summary["losses"][-1])
+    result["header"] = next((l for l in proc.stdout.splitlines() if l.startswith("train_moe:")), "")
+    return result
+
+
+def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    by_impl = {r["impl"]: r for r in results if "error" not in r}
+    uccl_ms = by_impl["uccl"]["step_ms_median"] if "uccl" in by_impl else None
+    dense_losses = by_impl["dense"]["losses"] if "dense" in by_impl else None
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["impl"], "", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", r["error"]])
+            continue
+        ms = r["step_ms_median"]
+        ratio = f"{ms / uccl_ms:.2f}x" if uccl_ms else "n/a"
+        diff = (f"{max(abs(a - b) for a, b in zip(r['losses'], dense_losses)):.1e}"
+                if dense_losses and len(dense_losses) == len(r["losses"]) else "n/a")
+        experts = "all" if r["impl"] == "dense" else (r.get("expert_compute") or "default")
+        rows.append([r["impl"], experts, f"{ms:.1f}", f"{r['step_ms_min']:.1f}", f"{r['tokens_per_s']:.0f}", ratio,
+                     f"{r['final_loss']:.4f}", diff, f"{r['first_step_s']:.1f}", ""])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = child_env(args)
+    # The parent never imports jax: on GPUs that would take the devices' memory away from the children.
+    header = common.run_header("see the table's title")
+    tokens = args.batch_per_device * args.seq_len
+    config = {k: getattr(args, k) for k in GPU_SIZES} | {
+        "expert_compute": args.expert_compute, "a2a_capacity": args.a2a_capacity, "seed": args.seed,
+        "tokens_per_device": tokens, "cpu": args.cpu}
+    print(f"# {header}", flush=True)
+    print(f"# config: {config}", flush=True)
+
+    results = []
+    for impl in args.impl_list:
+        res = run_impl(args, impl, env)
+        status = res.get("error") or (f"{res['step_ms_median']:.1f} ms/step, {res['tokens_per_s']:.0f} tok/s, "
+                                      f"final loss {res['final_loss']:.4f}")
+        print(f"# {impl}: {status} ({res.get('wall_s', args.timeout):.1f} s)", flush=True)
+        if "header" in res:
+            print(f"#   {res['header']}", flush=True)
+        results.append(res)
+
+    ok = [r for r in results if "error" not in r]
+    desc = f"{ok[0]['devices']}x {ok[0]['device_kind']}" if ok else "? (no implementation ran)"
+    header["device"] = desc
+    if args.out:
+        common.write_json(args.out, {"header": header, "config": config, "results": results})
+    title = (f"training step on {desc}, one process: d_model {args.d_model}, d_ff {args.d_ff}, heads {args.heads}, "
+             f"{args.experts} experts top-{args.top_k}, {args.layers} layers, {args.batch_per_device}x{args.seq_len} "
+             f"tokens/device, float32 AdamW, median of steps {args.warmup + 1}-{args.steps}")
+    common.print_table(HEADERS, table_rows(results), title=title)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
