@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--a2a-capacity", type=int, default=None,
                     help="all_to_all: slots per (sender, receiver); default tokens * top-k (never drops)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: train_moe's)")
     ap.add_argument("--timeout", type=float, default=240.0,
                     help="seconds per implementation (its child process is killed after that: n/a)")
     ap.add_argument("--verbose", action="store_true", help="echo each child's per-step lines")
@@ -91,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
     """examples/train_moe.py's arguments for one implementation (the same model for all)."""
-    argv = ["--ep-impl", impl, "--json", "--time-every", "0", "--seed", str(args.seed), "--steps", str(args.steps),
+    argv = (["--lr", str(args.lr)] if args.lr is not None else []) + [
+            "--ep-impl", impl, "--json", "--time-every", "0", "--seed", str(args.seed), "--steps", str(args.steps),
             "--batch-per-device", str(args.batch_per_device), "--seq-len", str(args.seq_len),
             "--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--heads", str(args.heads),
             "--experts", str(args.experts), "--top-k", str(args.top_k), "--layers", str(args.layers)]

@@ -89,12 +89,8 @@ class NvlDevice {
   size_t low_latency_stride() const { return ll_stride_; }  // bytes of one sender's region
   char* low_latency_region(int parity, int sender) const;   // ours, written by `sender`
   char* peer_low_latency_region(int peer, int parity) const;  // peer's region for us
-  uint64_t* low_latency_flag(int sender) const;             // ours
+  uint64_t* low_latency_flag(int sender) const;             // ours: the sender's arrival counter
   uint64_t* peer_low_latency_flag(int peer) const;
-  // Blocks of our low-latency send kernels count themselves here; the last block of a launch raises the flags.
-  unsigned long long* low_latency_done() const;
-  // The value the done counter reaches when a launch of `blocks` blocks, enqueued now, has finished.
-  unsigned long long next_done_target(int blocks) { return done_target_ += unsigned(blocks); }
   uint64_t& low_latency_sent(int peer) { return ll_sent_[peer]; }
   uint64_t& low_latency_received(int peer) { return ll_received_[peer]; }
 
@@ -117,7 +113,6 @@ class NvlDevice {
   size_t buffer_bytes_, region_bytes_;
   size_t ll_offset_ = 0, ll_bytes_ = 0, ll_half_ = 0, ll_stride_ = 0;
   uint64_t ll_sent_[kMaxRanks] = {}, ll_received_[kMaxRanks] = {};
-  unsigned long long done_target_ = 0;
   bool timing_ = false;
   cudaEvent_t timing_start_ = nullptr;  // begun, not yet ended
   std::vector<std::pair<std::string, std::pair<cudaEvent_t, cudaEvent_t>>> timings_;
@@ -226,7 +221,7 @@ void preload_low_latency_kernels();
 
 // SMs the routing and gather kernels may occupy (UCCL_EP_NUM_SMS, default 24).
 int num_sms();
-// Blocks of the low-latency kernels (UCCL_EP_LL_NUM_SMS, default 32): decode is bound by latency, not SMs.
+// Blocks of the low-latency receive kernels (UCCL_EP_LL_NUM_SMS, default 32; send kernels use 32).
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing (UCCL_EP_TIMEOUT_S).
 uint64_t timeout_ns();

@@ -215,17 +215,15 @@ char* NvlDevice::low_latency_region(int parity, int sender) const {
 char* NvlDevice::peer_low_latency_region(int peer, int parity) const {
   return peer_buffers_[peer] + ll_offset_ + size_t(parity) * ll_half_ + size_t(rank_) * ll_stride_;
 }
-// Flag words: [data x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks][low-latency x kMaxRanks][done], indexed by
-// the writing peer.
+// Flag words: [data x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks][low-latency x kMaxRanks], indexed by the
+// writing peer.
 uint64_t* NvlDevice::low_latency_flag(int sender) const {
   return reinterpret_cast<uint64_t*>(buffer_) + 3 * kMaxRanks + sender;
 }
 uint64_t* NvlDevice::peer_low_latency_flag(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 3 * kMaxRanks + rank_;
 }
-unsigned long long* NvlDevice::low_latency_done() const {
-  return reinterpret_cast<unsigned long long*>(buffer_) + 4 * kMaxRanks;
-}
+
 uint64_t* NvlDevice::data_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + peer; }
 uint64_t* NvlDevice::meta_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + kMaxRanks + peer; }
 uint64_t* NvlDevice::ack_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + 2 * kMaxRanks + peer; }

@@ -3,10 +3,12 @@
 // kernels wait for the flags (with a deadline) and unpack into XLA's static expert-major outputs.
 //
 // Every ordered pair of ranks counts its low-latency ops (sends on one side, receives on the other). Op j of a
-// pair uses half j % 2 of the receiver's low-latency area, in the sender's region; the sender's flag in the
-// receiver's flag words carries j once the rows and counts are there. Two halves suffice: a sender starts op
-// j + 2 only after its receive of op j + 1 finished, which waited for the receiver's send of op j + 1, which the
-// receiver's stream ran after the receive that read op j. So no acknowledgement travels back.
+// pair uses half j % 2 of the receiver's low-latency area, in the sender's region. Each of the sender's
+// kSendBlocks blocks adds 1 to the sender's arrival counter in the receiver's flag words, with release
+// semantics, once its rows (and block 0's counts) are stored; the receiver waits for j * kSendBlocks. Two halves
+// suffice: a sender starts op j + 2 only after its receive of op j + 1 finished, which waited for the
+// receiver's send of op j + 1, which the receiver's stream ran after the receive that read op j. So no
+// acknowledgement travels back.
 //
 // A region: [counts: int32 per local expert of the receiver, 256-byte aligned][rows]. Rows are grouped by the
 // receiver's local expert, then the sender's token order; the sender computes every position itself (a stable
@@ -24,10 +26,14 @@ namespace uccl_ep::nvl {
 namespace {
 
 constexpr int kThreads = 1024;
+// Blocks of a send kernel: fixed, because receivers count arrivals by block (UCCL_EP_LL_NUM_SMS sets the
+// receive kernels' blocks).
+constexpr int kSendBlocks = 64;
+constexpr int kSendThreads = 512;  // 128 registers a thread: the copy loop keeps its loads in flight unspilled
 constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
 
-__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void add_release(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   uint64_t v;
@@ -122,26 +128,14 @@ __device__ void expert_offsets(const int* count, int* first, int num_ranks, int 
   __syncthreads();
 }
 
-// After the block's stores: the last block of the launch writes each target's counts (write_counts(), every
-// thread) and raises the flags. Fences make every block's rows visible before any flag.
+// After the block's stores: block 0 writes each target's counts (write_counts(), its threads), then every block
+// announces itself to every target with one release add (ordering all of the block's stores before it).
 template <class WriteCounts>
-__device__ void finish_send(unsigned long long* done, unsigned long long done_target, const Outbox& to,
-                            int num_ranks, WriteCounts&& write_counts) {
-  __shared__ bool last;
+__device__ void finish_send(const Outbox& to, int num_ranks, WriteCounts&& write_counts) {
+  if (blockIdx.x == 0) write_counts();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicAdd(done, 1ull) + 1 == done_target;
-    if (last) __threadfence_system();
-  }
-  __syncthreads();
-  if (!last) return;
-  write_counts();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int d = 0; d < num_ranks; ++d) store_release(to.flag[d], to.seq[d]);
-  }
+  if (threadIdx.x == 0)
+    for (int d = 0; d < num_ranks; ++d) add_release(to.flag[d], 1);
 }
 
 // Thread `waiter` waits for every source's flag; false (on every thread) if one did not come in time. An earlier
@@ -154,7 +148,7 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
     const uint64_t start = now_ns();
     uint32_t spins = 0;
     for (int s = 0; s < num_ranks && ok; ++s)
-      while (load_acquire(from.flag[s]) < from.seq[s]) {
+      while (load_acquire(from.flag[s]) < from.seq[s] * kSendBlocks) {
         // The clock and the error word (host memory, across PCIe) are read now and then, not on every poll.
         if ((++spins & 255) == 0 &&
             (now_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == 5)) {
@@ -168,10 +162,10 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
   return ok;
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
+__global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(
     const char* x, int64_t x_row_bytes, const char* scales, int64_t scale_row_bytes, int64_t scales_at,
     const int32_t* topk_idx, int num_tokens, int topk, int num_experts, Shape shape, Outbox to,
-    unsigned long long* done, unsigned long long done_target, DeviceErrors* err) {
+    DeviceErrors* err) {
   extern __shared__ int smem[];
   const int pairs = num_tokens * topk, local = shape.local_experts;
   int* idx = smem;
@@ -193,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(
     if (scale_row_bytes) warp_copy(row + scales_at, scales + int64_t(t) * scale_row_bytes, scale_row_bytes, lane);
     if (lane == 0) *reinterpret_cast<int4*>(row + shape.row_bytes - 16) = make_int4(e % local, t, pos[p], 0);
   }
-  finish_send(done, done_target, to, shape.num_ranks, [&] {
+  finish_send(to, shape.num_ranks, [&] {
     for (int i = threadIdx.x; i < num_experts; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / local])[i % local] = count[i];
   });
@@ -261,10 +255,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
     if (o % slab >= total[o / slab]) src_token[o] = -1;
 }
 
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(const char* y, int64_t y_row_bytes,
+__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* y, int64_t y_row_bytes,
                                                                 const int32_t* layout, Shape shape, Outbox to,
-                                                                unsigned long long* done,
-                                                                unsigned long long done_target, DeviceErrors* err) {
+                                                                DeviceErrors* err) {
   extern __shared__ int smem[];
   const int R = shape.num_ranks, L = shape.local_experts;
   const int64_t slab = int64_t(R) * shape.max_tokens;
@@ -320,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(const char* y, i
     warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, y + (int64_t(l) * slab + r) * y_row_bytes,
               y_row_bytes, lane);
   }
-  finish_send(done, done_target, to, R, [&] {
+  finish_send(to, R, [&] {
     for (int i = threadIdx.x; i < R * L; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / L])[i % L] = valid ? rows[(i % L) * R + i / L] : 0;
   });
@@ -462,15 +455,14 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
   if (need > int64_t(dev.low_latency_stride()))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: " + bytes_advice(dev, need));
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  const int blocks = low_latency_blocks();
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
   const size_t smem = shared_bytes(dispatch_send_kernel,
                                    (2 * size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int));
-  dispatch_send_kernel<<<blocks, kThreads, smem, stream>>>(
+  dispatch_send_kernel<<<kSendBlocks, kSendThreads, smem, stream>>>(
       static_cast<const char*>(a.x), a.x_row_bytes, static_cast<const char*>(a.scales), a.scale_row_bytes,
       int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts, shape, to,
-      dev.low_latency_done(), dev.next_done_target(blocks), dev.errors_device());
+      dev.errors_device());
   check(cudaGetLastError(), "low_latency dispatch_send_kernel");
   dev.timing_end(stream, "low_latency_dispatch send");
   dev.timing_begin(stream);
@@ -506,13 +498,11 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
   const int64_t row_bytes = combine_row_bytes(a);
   Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_combine");
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  const int blocks = low_latency_blocks();
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
   const size_t smem = shared_bytes(combine_send_kernel, (3 * size_t(g.size) * shape.local_experts + 2 * shape.local_experts + 1) * sizeof(int));
-  combine_send_kernel<<<blocks, kThreads, smem, stream>>>(static_cast<const char*>(a.y), row_bytes, a.layout, shape,
-                                                          to, dev.low_latency_done(), dev.next_done_target(blocks),
-                                                          dev.errors_device());
+  combine_send_kernel<<<kSendBlocks, kSendThreads, smem, stream>>>(static_cast<const char*>(a.y), row_bytes, a.layout,
+                                                               shape, to, dev.errors_device());
   check(cudaGetLastError(), "low_latency combine_send_kernel");
   dev.timing_end(stream, "low_latency_combine send");
   dev.timing_begin(stream);
