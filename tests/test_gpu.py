@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from mp import describe, launch
@@ -188,3 +189,65 @@ def test_low_latency_missing_peer_is_named_within_the_deadline():
     first = next(x.result for x in results if x.result["process"] == 0)
     assert first["error"] and "did not arrive" in first["error"] and "from rank 1" in first["error"], first
     assert first["seconds"] < 60, first
+
+
+def gpu_soak(steps: int) -> dict:
+    """Child: `steps` rounds of normal and low-latency round trips in one jitted loop, fresh random routing each
+    round (some slots masked), checked on the GPUs against what identity experts must give back."""
+    import jax
+    import jax.numpy as jnp
+
+    import cases
+    import jax_uccl_ep as ep
+
+    ep.initialize()
+    mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
+    r = mesh.devices.size
+    t, h, k, e = 256, 512, 4, 8 * r
+
+    def body(x):
+        rank = jax.lax.axis_index("ep")
+
+        def step(i, worst):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(7), i), rank)
+            idx = jnp.argsort(jax.random.uniform(key, (t, e)), axis=-1)[:, :k].astype(jnp.int32)
+            idx = jnp.where(jax.random.uniform(jax.random.fold_in(key, 1), (t, k)) < 0.1, -1, idx)
+            xi = x[0] * (1.0 + (i % 7).astype(jnp.float32))
+            valid = idx >= 0
+            owner = jnp.where(valid, idx // (e // r), -1)
+            ranks_hit = jnp.any(owner[:, :, None] == jnp.arange(r), axis=1).sum(-1).astype(jnp.float32)
+            # Normal mode, identity experts: each token comes back once per rank that received it.
+            res = ep.dispatch(xi, idx, num_experts=e, axis_name="ep")
+            out = ep.combine(res.x, res.handle)
+            err_normal = jnp.max(jnp.abs(out - xi * ranks_hit[:, None]))
+            # Low-latency mode, identity experts and unit weights: once per valid slot.
+            recv, count, handle = ep.low_latency_dispatch(xi, idx, num_experts=e, max_tokens_per_rank=t,
+                                                          axis_name="ep", use_fp8=False)
+            out_ll = ep.low_latency_combine(recv, idx, jnp.ones((t, k), jnp.float32), handle)
+            err_ll = jnp.max(jnp.abs(out_ll - xi * valid.sum(-1, keepdims=True)))
+            # Nothing lost or duplicated: rows received everywhere = valid slots sent everywhere.
+            lost = jnp.abs(jax.lax.psum(count.sum(), "ep") - jax.lax.psum(valid.sum(), "ep")).astype(jnp.float32)
+            return jnp.maximum(worst, jnp.stack([err_normal, err_ll, lost]))
+
+        worst = jnp.zeros(3, jnp.float32) + 0 * x[0, 0, :3]  # varies over "ep", as the loop's result does
+        return jax.lax.fori_loop(0, steps, step, worst)[None]
+
+    x = cases.shard(mesh, np.random.default_rng(0).standard_normal((r, t, h)).astype(np.float32))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
+    import time
+
+    start = time.monotonic()
+    worst = cases.gather(f(x)).max(0)
+    seconds = time.monotonic() - start
+    ep.check_errors()
+    ep.shutdown()
+    return {"normal": float(worst[0]), "low_latency": float(worst[1]), "lost": float(worst[2]), "seconds": seconds}
+
+
+def test_soak_round_trips_stay_exact():
+    results = launch(HERE, "gpu_soak", 1, args=[2000], platform="gpu", timeout_s=300, env=SUITE_ENV)
+    assert all(x.ok for x in results), describe(results)
+    res = results[0].result
+    print(res)
+    # x * (1..7) summed at most 8 times in float32: a few ulps of |x| <= ~5 * 7 * 8.
+    assert res["normal"] < 1e-3 and res["low_latency"] < 1e-3 and res["lost"] == 0, res
