@@ -169,6 +169,22 @@ NB_MODULE(_uccl_ep, m) {
     return out;
   });
   m.def("nvl_low_latency_blocks", [] { return nvl::low_latency_blocks(); });
+  m.def("nvl_ring_bench", [](int device, int num_rings, uint64_t commands_per_ring, uint32_t capacity,
+                             uint64_t ping_rounds) {
+    nvl::RingBenchResult r;
+    {
+      nb::gil_scoped_release release;
+      r = nvl::ring_bench(device, num_rings, commands_per_ring, capacity, ping_rounds);
+    }
+    nb::dict d;
+    d["seconds"] = r.seconds;
+    d["push_seconds"] = r.push_seconds;
+    d["commands"] = r.commands;
+    d["out_of_order"] = r.out_of_order;
+    d["round_trip_median_ns"] = r.round_trip_median_ns;
+    d["round_trip_p99_ns"] = r.round_trip_p99_ns;
+    return d;
+  });
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
   m.def("nvl_buffer_bytes_held", [] {  // per local GPU: (normal, low-latency) bytes allocated
     std::vector<std::pair<size_t, size_t>> out;

@@ -70,45 +70,7 @@ def ep_runtime():
 
 @pytest.mark.parametrize("top_k", [2, 3])  # top-1 renormalized weights are constant: no router gradient
 def test_moe_layer_matches_dense_reference_with_gradients(ep_runtime, top_k):
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
-
-    ml = _load("moe_layer")
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
-    r = mesh.size
-    num_experts, d_model, d_ff, tokens = 2 * r, 24, 40, 20
-    keys = jax.random.split(jax.random.key(11 + top_k), 4)
-    params = ml.init_moe_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
-    # Skew the router so that some experts (and ranks) get far more tokens than others.
-    params["router"] = params["router"] + 2.0 * jax.random.normal(keys[1], (1, num_experts))
-    x = jax.random.normal(keys[2], (r * tokens, d_model))
-    cotangent = jax.random.normal(keys[3], (r * tokens, d_model))
-    specs = ml.moe_param_specs("ep")
-
-    def ep_loss(p, x):
-        layer = jax.shard_map(
-            lambda p, x: ml.moe_ffn(p, x, num_experts=num_experts, top_k=top_k, axis_name="ep"),
-            mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep"))
-        y = layer(p, x)
-        return jnp.sum(y * cotangent), y
-
-    def dense_loss(p, x):  # plain JAX on the full arrays: no shard_map, no collectives
-        y = ml.moe_ffn_dense(p, x, num_experts=num_experts, top_k=top_k)
-        return jnp.sum(y * cotangent), y
-
-    (_, y), grads = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1), has_aux=True))(params, x)
-    (_, y_ref), grads_ref = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True))(params, x)
-
-    assert float(jnp.std(y_ref)) > 1e-2  # a non-trivial output
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-4, atol=1e-5)
-    flat, _ = jax.tree.flatten_with_path(grads)
-    flat_ref, _ = jax.tree.flatten_with_path(grads_ref)
-    for (path, g), (_, g_ref) in zip(flat, flat_ref):
-        g, g_ref = np.asarray(g), np.asarray(g_ref)
-        assert np.abs(g_ref).max() > 1e-3, f"{jax.tree_util.keystr(path)}: reference gradient vanished"
-        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5 * np.abs(g_ref).max(),
-                                   err_msg=f"gradient {jax.tree_util.keystr(path)}")
+    _layer_vs_dense(_load("moe_layer").moe_ffn, top_k=top_k, seed=11 + top_k)
 
 
 # The other EP formulations (moe_ffn_all_to_all, moe_ffn_ragged, grouped experts) against the dense reference.

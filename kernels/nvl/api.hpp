@@ -213,6 +213,18 @@ struct CombineArgs {
 size_t combine_message_bytes(int num_tokens, int hidden, bool bf16);
 void combine(NvlDevice& dev, const Group& group, const CombineArgs& args, cudaStream_t stream);
 
+// The GPU -> proxy command path without a transport (ring_bench.cu): `num_rings` warps each push
+// `commands_per_ring` no-op commands into their own ring, host threads drain them as proxies would.
+struct RingBenchResult {
+  double seconds;             // launch until every command was drained
+  double push_seconds;        // launch until the kernel finished
+  uint64_t commands;          // drained
+  uint64_t out_of_order;      // arrived out of sequence (must be 0)
+  double round_trip_median_ns, round_trip_p99_ns;  // ping-pong: push one command, see the host's echo
+};
+RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
+                           uint64_t ping_rounds);
+
 // Loads every kernel of normal and low-latency mode on the current device. CUDA loads modules lazily, at a
 // kernel's first launch, and a load can wait for the device to go idle, which a stream blocked on a peer's
 // flag never does (in one process driving several GPUs that can deadlock): load them all at start instead.

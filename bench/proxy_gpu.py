@@ -1,0 +1,62 @@
+"""GPU -> proxy command path: commands per second from GPU warps through the host rings, and the round trip.
+
+Each of `--rings` warps owns a command ring in pinned, mapped host memory (proxy/ring.hpp) and pushes numbered
+no-op commands with the device producer (kernels/nvl/ring_producer.cuh); one host thread per ring pops them as a
+proxy thread would and checks each arrives once, in order. No transport: this is the ring path alone. The
+round trip is a ping-pong through one ring: the warp pushes one command and waits until the host thread has seen
+it (GPU clock), so a push-to-proxy latency is at most half of it plus the echo's PCIe write.
+Goal (issue 4): 20 M commands/s per GPU, under 2 us push to proxy.
+
+    python bench/proxy_gpu.py [--rings 1,2,4,8] [--commands 2000000] [--capacity 4096] [--ping 20000]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rings", default="1,2,4,8", help="rings (producer warps and host threads) to try")
+    ap.add_argument("--commands", type=int, default=2_000_000, help="commands per run, split over the rings")
+    ap.add_argument("--capacity", type=int, default=4096, help="slots per ring (a power of two)")
+    ap.add_argument("--ping", type=int, default=20_000, help="ping-pong rounds for the round trip")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    import common
+    from jax_uccl_ep import _uccl_ep
+
+    if not hasattr(_uccl_ep, "nvl_ring_bench"):
+        print("jax_uccl_ep was built without CUDA: nothing to measure")
+        return 1
+    header = common.run_header("GPU %d" % args.device)
+    rows, results = [], []
+    for i, rings in enumerate(int(r) for r in args.rings.split(",")):
+        per_ring = max(1, args.commands // rings)
+        try:
+            res = dict(_uccl_ep.nvl_ring_bench(args.device, rings, per_ring, args.capacity,
+                                               args.ping if i == 0 else 0), rings=rings)
+        except RuntimeError as exc:
+            print(f"proxy_gpu: {exc}")
+            return 1
+        results.append(res)
+        rows.append([rings, res["commands"], f"{res['commands'] / res['seconds'] / 1e6:.1f}",
+                     f"{res['commands'] / res['push_seconds'] / 1e6:.1f}", res["out_of_order"],
+                     f"{res['round_trip_median_ns'] / 1e3:.2f} / {res['round_trip_p99_ns'] / 1e3:.2f}" if i == 0
+                     else ""])
+    print(f"# {header}")
+    common.print_table(["rings", "commands", "M cmd/s drained", "M cmd/s pushed", "out of order",
+                        "round trip us (median / p99)"], rows,
+                       title=f"GPU -> host command rings, capacity {args.capacity}, no transport")
+    if args.out:
+        common.write_json(args.out, {"header": header, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+// Measures the GPU -> proxy command path without a transport: one warp per ring pushes numbered no-op commands
+// (ring_producer.cuh), one host thread per ring pops them as a proxy thread would and checks that each arrives
+// once, in order. A second kernel plays ping-pong with one host thread (push one command, wait until the host has
+// seen it) for the round-trip latency.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../proxy/ring.hpp"
+#include "api.hpp"
+#include "device_common.cuh"
+#include "ring_producer.cuh"
+
+namespace uccl_ep::nvl {
+namespace {
+
+__global__ void push_kernel(const DeviceRing* rings, uint64_t commands_per_ring, uint64_t timeout_ns, int* failed) {
+  const DeviceRing ring = rings[blockIdx.x];
+  const int lane = threadIdx.x % 32;
+  uint64_t head = 0, tail_seen = 0;
+  const uint64_t deadline = ring_clock_ns() + timeout_ns;
+  for (uint64_t i = 0; i < commands_per_ring; i += 32) {
+    const int count = int(min(uint64_t(32), commands_per_ring - i));
+    Command cmd{};
+    cmd.op = Op::kNop;
+    cmd.peer = blockIdx.x;
+    cmd.local_offset = i + uint64_t(lane);  // the sequence number the consumer checks
+    if (!warp_push(ring, cmd, count, head, tail_seen, deadline)) {
+      if (lane == 0) atomicExch(failed, 1);
+      return;
+    }
+  }
+}
+
+// One command at a time; the host writes how many it has seen into `seen` (mapped memory).
+__global__ void ping_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* seen, uint64_t* round_trip_ns,
+                            uint64_t timeout_ns, int* failed) {
+  const int lane = threadIdx.x % 32;
+  uint64_t head = 0, tail_seen = 0;
+  const uint64_t deadline = ring_clock_ns() + timeout_ns;
+  for (uint64_t r = 0; r < rounds; ++r) {
+    const uint64_t start = ring_clock_ns();
+    Command cmd{};
+    cmd.op = Op::kNop;
+    cmd.local_offset = r;
+    if (!warp_push(ring, cmd, 1, head, tail_seen, deadline)) {
+      if (lane == 0) atomicExch(failed, 1);
+      return;
+    }
+    int late = 0;
+    if (lane == 0) {
+      while (ring_load_acquire(seen) < r + 1)
+        if (ring_clock_ns() > deadline) {
+          atomicExch(failed, 1);
+          late = 1;
+          break;
+        }
+      round_trip_ns[r] = ring_clock_ns() - start;
+    }
+    if (__shfl_sync(0xffffffffu, late, 0)) return;
+  }
+}
+
+template <class T>
+T* device_view(T* host) {
+  void* d = nullptr;
+  check(cudaHostGetDevicePointer(&d, const_cast<void*>(static_cast<const void*>(host)), 0),
+        "cudaHostGetDevicePointer (ring memory must be pinned and mapped)");
+  return static_cast<T*>(d);
+}
+
+DeviceRing device_ring(CommandRing& ring) {
+  return DeviceRing{device_view(ring.slots()), device_view(ring.head_word()),
+                    device_view(const_cast<uint64_t*>(ring.tail_word())), ring.capacity() - 1};
+}
+
+struct Pinned {  // one mapped host allocation, freed on scope exit
+  void* p = nullptr;
+  explicit Pinned(size_t bytes) {
+    check(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+    std::memset(p, 0, bytes);
+  }
+  ~Pinned() { cudaFreeHost(p); }
+};
+
+}  // namespace
+
+RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
+                           uint64_t ping_rounds) {
+  if (num_rings < 1 || num_rings > 1024) throw std::invalid_argument("ring_bench: 1 to 1024 rings");
+  if (!install_pinned_host_allocator()) throw std::runtime_error("ring_bench: no GPU");
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  const uint64_t timeout = timeout_ns();
+  RingBenchResult result{};
+
+  // Throughput: every ring's warp pushes at once; one host thread drains each ring.
+  std::vector<std::unique_ptr<CommandRing>> rings;
+  std::vector<DeviceRing> views;
+  for (int i = 0; i < num_rings; ++i) {
+    rings.push_back(std::make_unique<CommandRing>(ring_capacity));
+    views.push_back(device_ring(*rings.back()));
+  }
+  DeviceRing* views_device = nullptr;
+  check(cudaMalloc(&views_device, sizeof(DeviceRing) * views.size()), "cudaMalloc");
+  Pinned failed(sizeof(int));
+  check(cudaMemcpy(views_device, views.data(), sizeof(DeviceRing) * views.size(), cudaMemcpyHostToDevice),
+        "cudaMemcpy");
+  std::atomic<uint64_t> out_of_order{0}, received{0};
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> consumers;
+  for (int i = 0; i < num_rings; ++i)
+    consumers.emplace_back([&, i] {
+      CommandRing& ring = *rings[i];
+      uint64_t expected = 0;
+      Command cmd;
+      while (expected < commands_per_ring && !stop.load(std::memory_order_relaxed)) {
+        if (!ring.try_pop(&cmd)) continue;
+        if (cmd.local_offset != expected || cmd.peer != uint32_t(i)) out_of_order.fetch_add(1);
+        ++expected;
+      }
+      received.fetch_add(expected);
+    });
+  const auto start = std::chrono::steady_clock::now();
+  push_kernel<<<num_rings, 32>>>(views_device, commands_per_ring, timeout, static_cast<int*>(device_view(failed.p)));
+  cudaError_t launched = cudaGetLastError();
+  if (launched == cudaSuccess) launched = cudaDeviceSynchronize();
+  const auto pushed = std::chrono::steady_clock::now();
+  if (launched != cudaSuccess || *static_cast<volatile int*>(failed.p)) stop.store(true);
+  for (auto& t : consumers) t.join();
+  const auto drained = std::chrono::steady_clock::now();
+  cudaFree(views_device);
+  check(launched, "push_kernel");
+  if (*static_cast<volatile int*>(failed.p))
+    throw std::runtime_error("ring_bench: a ring stayed full past UCCL_EP_TIMEOUT_S (consumer stuck?)");
+  result.seconds = std::chrono::duration<double>(drained - start).count();
+  result.push_seconds = std::chrono::duration<double>(pushed - start).count();
+  result.commands = received.load();
+  result.out_of_order = out_of_order.load();
+
+  // Latency: ping-pong through one ring.
+  if (ping_rounds > 0) {
+    CommandRing ring(ring_capacity);
+    Pinned seen(sizeof(uint64_t));
+    *static_cast<int*>(failed.p) = 0;
+    uint64_t* round_trips = nullptr;
+    check(cudaMalloc(&round_trips, sizeof(uint64_t) * ping_rounds), "cudaMalloc");
+    std::thread echo([&] {
+      Command cmd;
+      uint64_t n = 0;
+      while (n < ping_rounds && !stop.load(std::memory_order_relaxed)) {
+        if (!ring.try_pop(&cmd)) continue;
+        reinterpret_cast<std::atomic<uint64_t>*>(seen.p)->store(++n, std::memory_order_release);
+      }
+    });
+    stop.store(false);
+    ping_kernel<<<1, 32>>>(device_ring(ring), ping_rounds, device_view(static_cast<uint64_t*>(seen.p)), round_trips,
+                           timeout, static_cast<int*>(device_view(failed.p)));
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e != cudaSuccess || *static_cast<volatile int*>(failed.p)) stop.store(true);
+    echo.join();
+    std::vector<uint64_t> ns(ping_rounds);
+    if (e == cudaSuccess)
+      e = cudaMemcpy(ns.data(), round_trips, sizeof(uint64_t) * ping_rounds, cudaMemcpyDeviceToHost);
+    cudaFree(round_trips);
+    check(e, "ping_kernel");
+    if (*static_cast<volatile int*>(failed.p)) throw std::runtime_error("ring_bench: the ping-pong timed out");
+    std::sort(ns.begin(), ns.end());
+    result.round_trip_median_ns = double(ns[ns.size() / 2]);
+    result.round_trip_p99_ns = double(ns[std::min(ns.size() - 1, ns.size() * 99 / 100)]);
+  }
+  return result;
+}
+
+}  // namespace uccl_ep::nvl

@@ -1,0 +1,74 @@
+// A GPU warp as the producer of a proxy command ring (proxy/ring.hpp), the first piece of the GPU proxy path:
+// kernels write compact commands into pinned, mapped host memory and the proxy threads post them.
+//
+// One warp owns a ring (single producer). Lanes write up to 32 commands into consecutive slots with two 16-byte
+// stores each; lane 0 then publishes the new head after a system-scope fence, so the proxy never sees a slot
+// before its command. A full ring makes the warp wait for the proxy's tail (it never overwrites), up to a
+// deadline on the GPU's global timer.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "../../proxy/command.hpp"
+
+namespace uccl_ep::nvl {
+
+// Device view of a CommandRing (addresses valid on the GPU: mapped host memory).
+struct DeviceRing {
+  Command* slots;
+  uint64_t* head;
+  const uint64_t* tail;
+  uint32_t mask;  // capacity - 1
+};
+
+__device__ __forceinline__ uint64_t ring_clock_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t ring_load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Every lane of the warp calls it; lanes [0, count) each give one command (count <= 32). `head` is the warp's
+// own copy of the ring's head, `tail_seen` its last view of the consumer's tail; both stay in step on all lanes.
+// Returns false (on every lane, nothing published) if the ring stayed full until `deadline_ns`.
+__device__ __forceinline__ bool warp_push(const DeviceRing& ring, const Command& cmd, int count, uint64_t& head,
+                                          uint64_t& tail_seen, uint64_t deadline_ns) {
+  const int lane = threadIdx.x % 32;
+  int ok = 1;
+  if (lane == 0) {
+    // The proxy reads the tail across PCIe from the GPU's point of view: read it only when the cached view says
+    // the ring may be full.
+    while (head + uint64_t(count) - tail_seen > uint64_t(ring.mask) + 1) {
+      tail_seen = ring_load_acquire(ring.tail);
+      if (head + uint64_t(count) - tail_seen <= uint64_t(ring.mask) + 1) break;
+      if (ring_clock_ns() > deadline_ns) {
+        ok = 0;
+        break;
+      }
+    }
+  }
+  ok = __shfl_sync(0xffffffffu, ok, 0);
+  tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
+  if (!ok) return false;
+  if (lane < count) {
+    int4 v[2];  // slots are 32 bytes apart from a page-aligned base: 16-byte stores fit
+    memcpy(v, &cmd, sizeof(v));
+    int4* dst = reinterpret_cast<int4*>(&ring.slots[(head + uint64_t(lane)) & ring.mask]);
+    dst[0] = v[0];
+    dst[1] = v[1];
+  }
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence_system();
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ring.head), "l"(head + uint64_t(count)) : "memory");
+  }
+  head += uint64_t(count);
+  return true;
+}
+
+}  // namespace uccl_ep::nvl
