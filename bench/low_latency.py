@@ -9,6 +9,7 @@ Reference on 2xH200 (DeepEP v1 LL): dispatch 28.4 us, combine 39.8 us (DESIGN.md
 
     python bench/low_latency.py                 # the devices JAX finds
     python bench/low_latency.py --cpu --ranks 2 --tokens 32 --hidden 512 --experts 16
+    UCCL_EP_KERNEL_TIMING=2 python bench/low_latency.py    # GPUs: also where each kernel spends its time
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES=--ranks)")
     ap.add_argument("--out", default=None, help="write the timings as JSON here")
     args = ap.parse_args(argv)
-    os.environ.setdefault("UCCL_EP_KERNEL_TIMING", "1")  # GPU: events around our kernels (see kernel_spans)
+    # GPU: events around our kernels (kernel_spans); 2 also stamps each kernel's phases (kernel_phases)
+    os.environ.setdefault("UCCL_EP_KERNEL_TIMING", "1")
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.ranks or 2)
@@ -129,7 +131,10 @@ def main(argv=None) -> int:
             kernel_spans(gpu)  # drop earlier spans
             tm = common.time_jitted(smap(body), inputs, iters=args.iters, repeats=args.repeats)
             spans = {k: v for k, v in kernel_spans(gpu).items() if k in labels}
-            results[name] = dict(tm.as_dict(), kernel_spans_us=spans)
+            phases = kernel_phases(gpu)
+            results[name] = dict(tm.as_dict(), kernel_spans_us=spans, kernel_phases_us=phases)
+            if phases:
+                print(f"# {name}: phases of the last call (block 0, us): {phases}")
             span_s = sum(spans.values()) * 1e-6 if spans else None
             ratio = f"{deepep / span_s:.2f}x" if deepep and span_s else ""
             rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(span_s),
@@ -169,6 +174,29 @@ def kernel_spans(gpu: bool) -> dict:
     for label, us in _uccl_ep.nvl_kernel_times()[0]:
         spans.setdefault(label, []).append(us)
     return {k: statistics.median(v) for k, v in spans.items()}
+
+
+PHASES = {  # kernel: names of the intervals between its stamps (kernels/nvl/low_latency.cu)
+    0: ("dispatch send", ["routing", "copies", "announce"]),
+    1: ("dispatch receive", ["wait", "counts", "copies", "padding"]),
+    2: ("combine send", ["layout", "copies", "announce"]),
+    3: ("combine receive", ["routing", "wait", "reduce"]),
+}
+
+
+def kernel_phases(gpu: bool) -> dict:
+    """With UCCL_EP_KERNEL_TIMING=2: each low-latency kernel's phase lengths (us) in its last launch on GPU 0."""
+    if not gpu:
+        return {}
+    from jax_uccl_ep import _uccl_ep
+
+    stamps = _uccl_ep.nvl_kernel_phases()[0]
+    out = {}
+    for k, (kernel, names) in PHASES.items():
+        ts = stamps[k * 8: k * 8 + len(names) + 1]
+        if all(t > 0 for t in ts):
+            out[kernel] = {n: round(b - a, 2) for n, a, b in zip(names, ts, ts[1:])}
+    return out
 
 
 def _uccl_ep_blocks() -> int:

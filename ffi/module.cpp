@@ -169,6 +169,17 @@ NB_MODULE(_uccl_ep, m) {
     return out;
   });
   m.def("nvl_low_latency_blocks", [] { return nvl::low_latency_blocks(); });
+  m.def("nvl_kernel_phases", [] {  // per local GPU: the low-latency kernels' phase stamps in microseconds
+    std::vector<std::vector<double>> out;
+    for (auto* d : nvl::NvlRuntime::get().devices()) {
+      int khz = 0;
+      cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, d->cuda_device());
+      std::vector<double> us;
+      for (uint64_t c : d->kernel_phases()) us.push_back(khz > 0 ? double(c) / khz * 1000.0 : 0.0);
+      out.push_back(us);
+    }
+    return out;
+  });
   m.def("nvl_ring_bench", [](int device, int num_rings, uint64_t commands_per_ring, uint32_t capacity,
                              uint64_t ping_rounds) {
     nvl::RingBenchResult r;

@@ -100,6 +100,11 @@ class NvlDevice {
   void timing_begin(cudaStream_t stream);
   void timing_end(cudaStream_t stream, const char* label);
   std::vector<std::pair<std::string, float>> kernel_times();  // (label, microseconds); waits for the GPU
+  // With UCCL_EP_KERNEL_TIMING=2, low-latency kernels also stamp SM clocks at their phases (block 0, thread 0,
+  // the last launch of each kernel) into kPhaseWords mapped words: [kernel * 8 + phase], see low_latency.cu.
+  static constexpr int kPhaseWords = 32;
+  uint64_t* phases_device() const { return phases_device_; }  // null unless enabled
+  std::vector<uint64_t> kernel_phases();                       // waits for the GPU
 
   DeviceErrors* errors_device() const { return errors_device_; }
   // Raises (std::runtime_error) and clears a pending kernel-detected error.
@@ -114,6 +119,8 @@ class NvlDevice {
   size_t ll_offset_ = 0, ll_bytes_ = 0, ll_half_ = 0, ll_stride_ = 0;
   uint64_t ll_sent_[kMaxRanks] = {}, ll_received_[kMaxRanks] = {};
   bool timing_ = false;
+  uint64_t* phases_host_ = nullptr;
+  uint64_t* phases_device_ = nullptr;
   cudaEvent_t timing_start_ = nullptr;  // begun, not yet ended
   std::vector<std::pair<std::string, std::pair<cudaEvent_t, cudaEvent_t>>> timings_;
   std::vector<cudaEvent_t> spare_events_;

@@ -139,7 +139,16 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   check(cudaEventCreateWithFlags(&stage_done_event_, cudaEventDisableTiming), "cudaEventCreate");
   chunk_events_.resize(chunks_);
   for (auto& e : chunk_events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-  if (const char* v = std::getenv("UCCL_EP_KERNEL_TIMING")) timing_ = std::string(v) != "0" && *v;
+  if (const char* v = std::getenv("UCCL_EP_KERNEL_TIMING")) {
+    timing_ = std::string(v) != "0" && *v;
+    if (std::string(v) == "2") {
+      check(cudaHostAlloc(reinterpret_cast<void**>(&phases_host_), kPhaseWords * sizeof(uint64_t), cudaHostAllocMapped),
+            "cudaHostAlloc");
+      std::memset(phases_host_, 0, kPhaseWords * sizeof(uint64_t));
+      check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&phases_device_), phases_host_, 0),
+            "cudaHostGetDevicePointer");
+    }
+  }
   preload_intranode_kernels();
   preload_low_latency_kernels();
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -165,6 +174,7 @@ NvlDevice::~NvlDevice() {
   if (timing_start_) spare_events_.push_back(timing_start_);
   for (auto e : spare_events_) cudaEventDestroy(e);
   if (errors_host_) cudaFreeHost(errors_host_);
+  if (phases_host_) cudaFreeHost(phases_host_);
 }
 
 std::vector<uint8_t> NvlDevice::ipc_handle() const {
@@ -286,6 +296,13 @@ std::vector<std::pair<std::string, float>> NvlDevice::kernel_times() {
   }
   timings_.clear();
   return out;
+}
+
+std::vector<uint64_t> NvlDevice::kernel_phases() {
+  if (!phases_host_) return {};
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return std::vector<uint64_t>(phases_host_, phases_host_ + kPhaseWords);
 }
 
 void NvlDevice::check_errors(const char* op) {

@@ -64,7 +64,14 @@ struct Shape {
   int num_ranks, local_experts, max_tokens;  // R, L, N
   int64_t counts_bytes, row_bytes, capacity_rows;  // region layout
   int rank;                                        // this GPU's global rank (error reports)
+  uint64_t* phases;                                // UCCL_EP_KERNEL_TIMING=2: SM clock stamps, else null
 };
+
+// Phase stamps for profiling (block 0, thread 0; SM clock): word kernel * 8 + phase.
+enum PhaseKernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
+__device__ __forceinline__ void stamp(const Shape& shape, int kernel, int phase) {
+  if (shape.phases && blockIdx.x == 0 && threadIdx.x == 0) shape.phases[kernel * 8 + phase] = clock64();
+}
 
 // The whole block: copies topk_idx into shared `idx` (out-of-range entries become -1, reported once with
 // `report_bad`), then warp 0 finds the position of each (token, slot) among this rank's slots for the same expert,
@@ -172,8 +179,10 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(
   int* pos = idx + pairs;
   int* count = pos + pairs;
   int* first = count + num_experts;
+  stamp(shape, kDispatchSend, 0);
   route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, err, shape.rank, blockIdx.x == 0);
   expert_offsets(count, first, shape.num_ranks, local);
+  stamp(shape, kDispatchSend, 1);
 
   // One warp per (token, slot): the rows of a token are read K times, from L2.
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
@@ -187,10 +196,12 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(
     if (scale_row_bytes) warp_copy(row + scales_at, scales + int64_t(t) * scale_row_bytes, scale_row_bytes, lane);
     if (lane == 0) *reinterpret_cast<int4*>(row + shape.row_bytes - 16) = make_int4(e % local, t, pos[p], 0);
   }
+  stamp(shape, kDispatchSend, 2);
   finish_send(to, shape.num_ranks, [&] {
     for (int i = threadIdx.x; i < num_experts; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / local])[i % local] = count[i];
   });
+  stamp(shape, kDispatchSend, 3);
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
@@ -204,7 +215,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
   int* offset = count + R * L;  // [l * R + s]: where source s's rows of expert l start
   int* total = offset + R * L;  // [l]
   int* rows_from = total + L;   // [R + 1]: prefix of each source's rows
+  stamp(shape, kDispatchRecv, 0);
   if (!wait_sources(from, R, timeout_ns, err, shape.rank, 0)) return;
+  stamp(shape, kDispatchRecv, 1);
   for (int i = threadIdx.x; i < R * L; i += blockDim.x)
     count[i] = __ldcg(reinterpret_cast<const int*>(from.region[i / L]) + i % L);
   __syncthreads();
@@ -233,6 +246,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
   }
   __syncthreads();
 
+  stamp(shape, kDispatchRecv, 2);
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < rows_from[R]; i += gridDim.x * warps_per_block) {
     int s = 0;
@@ -250,9 +264,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
       warp_copy<Load::kCoherent>(recv_scales + o * scale_row_bytes, row + scales_at, scale_row_bytes, lane);
     if (lane == 0) src_token[o] = t;
   }
+  stamp(shape, kDispatchRecv, 3);
   // Padding rows: no source token (their data is not written).
   for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < int64_t(L) * slab; o += int64_t(gridDim.x) * blockDim.x)
     if (o % slab >= total[o / slab]) src_token[o] = -1;
+  stamp(shape, kDispatchRecv, 4);
 }
 
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* y, int64_t y_row_bytes,
@@ -267,6 +283,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* 
   int* cum = first + R * L;    // [L + 1]: prefix of rows per expert
   int* in_expert = cum + L + 1;  // [L]: rows of expert l
   __shared__ bool valid;
+  stamp(shape, kCombineSend, 0);
   if (threadIdx.x == 0) valid = true;
   for (int i = threadIdx.x; i < R * L; i += blockDim.x) rows[i] = max(0, layout[i]);
   __syncthreads();
@@ -297,6 +314,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* 
   }
   __syncthreads();
 
+  stamp(shape, kCombineSend, 1);
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int all_rows = valid ? cum[L] : 0;
   for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < all_rows; i += gridDim.x * warps_per_block) {
@@ -313,10 +331,12 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* 
     warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, y + (int64_t(l) * slab + r) * y_row_bytes,
               y_row_bytes, lane);
   }
+  stamp(shape, kCombineSend, 2);
   finish_send(to, R, [&] {
     for (int i = threadIdx.x; i < R * L; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / L])[i % L] = valid ? rows[(i % L) * R + i / L] : 0;
   });
+  stamp(shape, kCombineSend, 3);
 }
 
 // (token, 1 KiB segment) work items: each lane sums two 16-byte vectors of every selected expert's row, weighted,
@@ -332,9 +352,12 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shap
   int* pos = idx + pairs;
   int* count = pos + pairs;
   int* first = count + num_experts;
+  stamp(shape, kCombineRecv, 0);
   route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, err, shape.rank, false);
   expert_offsets(count, first, shape.num_ranks, L);
+  stamp(shape, kCombineRecv, 1);
   if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank, 0)) return;
+  stamp(shape, kCombineRecv, 2);
   for (int e = threadIdx.x; e < num_experts && blockIdx.x == 0; e += blockDim.x) {
     const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
     if (got != count[e]) report(err, 6, shape.rank, got, e % L, from.rank[e / L]);
@@ -368,6 +391,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shap
     for (int u = 0; u < kVecs; ++u)
       if (v0 + lane + u * kWarp < v1) dst[v0 + lane + u * kWarp] = Vec<T>::pack(acc[u]);
   }
+  stamp(shape, kCombineRecv, 3);
 }
 
 int64_t counts_bytes(int local_experts) { return (int64_t(local_experts) * 4 + 255) / 256 * 256; }
@@ -391,6 +415,7 @@ Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_to
   s.row_bytes = row_bytes;
   s.capacity_rows = std::max<int64_t>(0, (int64_t(dev.low_latency_stride()) - s.counts_bytes) / row_bytes);
   s.rank = dev.rank();
+  s.phases = dev.phases_device();
   return s;
 }
 
