@@ -79,21 +79,22 @@ bool install_pinned_host_allocator() {
   return true;
 }
 
+namespace {
+// A positive integer from the environment, read once per variable by the caller's static.
+int positive_env(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  const int k = v ? std::atoi(v) : fallback;
+  return k > 0 ? k : fallback;
+}
+}  // namespace
+
 int num_sms() {
-  static const int n = [] {
-    const char* v = std::getenv("UCCL_EP_NUM_SMS");
-    int k = v ? std::atoi(v) : 24;
-    return k > 0 ? k : 24;
-  }();
+  static const int n = positive_env("UCCL_EP_NUM_SMS", 24);
   return n;
 }
 
 int low_latency_blocks() {
-  static const int n = [] {
-    const char* v = std::getenv("UCCL_EP_LL_NUM_SMS");
-    int k = v ? std::atoi(v) : 32;
-    return k > 0 ? k : 32;
-  }();
+  static const int n = positive_env("UCCL_EP_LL_NUM_SMS", 32);
   return n;
 }
 

@@ -35,6 +35,13 @@ inline void check_group(const NvlDevice& dev, const Group& g, const char* op) {
   if (g.ranks[g.self] != dev.rank()) throw std::logic_error("uccl_ep nvl: group does not hold this rank");
 }
 
+// Loads kernels now (see preload_intranode_kernels in api.hpp for why).
+template <class... Kernels>
+void load_kernels(const Kernels&... kernels) {
+  cudaFuncAttributes attr;
+  (check(cudaFuncGetAttributes(&attr, kernels), "loading a kernel"), ...);
+}
+
 // The first error of a kernel wins; check_errors() raises it on the host.
 __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
   if (atomicCAS(&err->code, 0, code) == 0) {

@@ -584,13 +584,8 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
 }
 
 void preload_intranode_kernels() {
-  cudaFuncAttributes attr;
-  check(cudaFuncGetAttributes(&attr, dispatch_scan_kernel), "loading dispatch_scan_kernel");
-  check(cudaFuncGetAttributes(&attr, dispatch_gather_kernel), "loading dispatch_gather_kernel");
-  check(cudaFuncGetAttributes(&attr, combine_scan_kernel), "loading combine_scan_kernel");
-  check(cudaFuncGetAttributes(&attr, combine_stage_kernel), "loading combine_stage_kernel");
-  check(cudaFuncGetAttributes(&attr, combine_reduce_kernel<float>), "loading combine_reduce_kernel");
-  check(cudaFuncGetAttributes(&attr, combine_reduce_kernel<__nv_bfloat16>), "loading combine_reduce_kernel");
+  load_kernels(dispatch_scan_kernel, dispatch_gather_kernel, combine_scan_kernel, combine_stage_kernel,
+               combine_reduce_kernel<float>, combine_reduce_kernel<__nv_bfloat16>);
 }
 
 }  // namespace uccl_ep::nvl

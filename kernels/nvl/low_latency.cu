@@ -557,12 +557,8 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 }
 
 void preload_low_latency_kernels() {
-  cudaFuncAttributes attr;
-  check(cudaFuncGetAttributes(&attr, dispatch_send_kernel), "loading dispatch_send_kernel");
-  check(cudaFuncGetAttributes(&attr, dispatch_recv_kernel), "loading dispatch_recv_kernel");
-  check(cudaFuncGetAttributes(&attr, combine_send_kernel), "loading combine_send_kernel");
-  check(cudaFuncGetAttributes(&attr, combine_recv_kernel<float>), "loading combine_recv_kernel");
-  check(cudaFuncGetAttributes(&attr, combine_recv_kernel<__nv_bfloat16>), "loading combine_recv_kernel");
+  load_kernels(dispatch_send_kernel, dispatch_recv_kernel, combine_send_kernel, combine_recv_kernel<float>,
+               combine_recv_kernel<__nv_bfloat16>);
 }
 
 }  // namespace uccl_ep::nvl
