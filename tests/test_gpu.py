@@ -115,9 +115,9 @@ def _low_latency_checks(mesh, problems: dict) -> None:
     print(f"ll_split: {problems['ll_split']}", flush=True)
 
 
-def gpu_missing_peer() -> dict:
-    """Child: rank 1 never joins a low-latency dispatch; rank 0's kernel gives up after UCCL_EP_TIMEOUT_S and
-    check_errors() names the missing rank."""
+def gpu_missing_peer(mode: str = "low_latency") -> dict:
+    """Child: rank 1 never joins a dispatch (low-latency, or normal with UCCL_EP_NVL_DEADLINE=1); rank 0's kernel
+    gives up after UCCL_EP_TIMEOUT_S and check_errors() names the missing rank."""
     import time
 
     import jax
@@ -136,10 +136,14 @@ def gpu_missing_peer() -> dict:
         r = mesh.devices.size
         x = cases.shard(mesh, np.ones((r, 4, 128), np.float32))
         idx = cases.shard(mesh, np.zeros((r, 4, 1), np.int32) + r)  # every token to an expert of rank 1
-        f = jax.jit(jax.shard_map(
-            lambda x, i: ep.low_latency_dispatch(x[0], i[0], num_experts=2 * r, max_tokens_per_rank=4,
-                                                 axis_name="ep", use_fp8=False)[1][None],
-            mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
+        if mode == "low_latency":
+            def body(x, i):
+                return ep.low_latency_dispatch(x[0], i[0], num_experts=2 * r, max_tokens_per_rank=4,
+                                               axis_name="ep", use_fp8=False)[1][None]
+        else:
+            def body(x, i):
+                return ep.dispatch(x[0], i[0], num_experts=2 * r, axis_name="ep").num_tokens[None]
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
         start = time.monotonic()
         try:
             # Only this process runs the program (its own device's part): rank 1's part never starts.
@@ -181,10 +185,14 @@ def test_one_process_per_gpu(part):
     _check(results, NUM_GPUS)
 
 
-def test_low_latency_missing_peer_is_named_within_the_deadline():
+@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+def test_missing_peer_is_named_within_the_deadline(mode):
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(2)]
-    results = launch(HERE, "gpu_missing_peer", 2, platform="gpu", per_rank_env=per_rank, timeout_s=200,
-                     env={"UCCL_EP_TIMEOUT_S": "5", "UCCL_EP_NVL_BUFFER_BYTES": str(64 << 20)})
+    env = {"UCCL_EP_TIMEOUT_S": "5", "UCCL_EP_NVL_BUFFER_BYTES": str(64 << 20)}
+    if mode == "normal":
+        env["UCCL_EP_NVL_DEADLINE"] = "1"  # opt-in: normal mode waits with polling kernels that give up
+    results = launch(HERE, "gpu_missing_peer", 2, args=[mode], platform="gpu", per_rank_env=per_rank,
+                     timeout_s=200, env=env)
     assert all(x.ok for x in results), describe(results)
     first = next(x.result for x in results if x.result["process"] == 0)
     assert first["error"] and "did not arrive" in first["error"] and "from rank 1" in first["error"], first

@@ -244,6 +244,9 @@ int num_sms();
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing (UCCL_EP_TIMEOUT_S).
 uint64_t timeout_ns();
+// Whether normal mode waits for peers with polling kernels that give up after timeout_ns() (UCCL_EP_NVL_DEADLINE=1)
+// instead of stream memory waits, which are free but never give up.
+bool waits_have_deadline();
 
 // Low-latency mode (low_latency.cu). Shapes as in jax_uccl_ep.low_latency: L = num_experts / R local experts,
 // N = max_tokens_per_rank; recv_x [L, R * N, x_row_bytes], rows of local expert l: [0, recv_count[l]) valid,

@@ -98,6 +98,14 @@ int low_latency_blocks() {
   return n;
 }
 
+bool waits_have_deadline() {
+  static const bool on = [] {
+    const char* v = std::getenv("UCCL_EP_NVL_DEADLINE");
+    return v && *v && std::string(v) != "0";
+  }();
+  return on;
+}
+
 uint64_t timeout_ns() {
   static const uint64_t ns = [] {
     const char* v = std::getenv("UCCL_EP_TIMEOUT_S");
@@ -323,7 +331,7 @@ void NvlDevice::check_errors(const char* op) {
                                 std::to_string(e.a) + " where the handle records " + std::to_string(e.c) +
                                 " (stale handle?)");
   if (e.code == 5)
-    throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for low-latency message " +
+    throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for message " +
                        std::to_string(e.b) + " from rank " + std::to_string(e.a) +
                        ", which did not arrive (peer dead or out of step; UCCL_EP_TIMEOUT_S); results of that op "
                        "are not valid");

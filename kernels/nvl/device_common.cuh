@@ -9,6 +9,7 @@
 #include <string>
 
 #include "api.hpp"
+#include "sync.cuh"
 
 namespace uccl_ep::nvl {
 namespace {
@@ -51,6 +52,22 @@ __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t
     err->c = c;
     __threadfence_system();
   }
+}
+
+// Polls `flag` until it reaches `value`; false once `timeout_ns` passed (reporting code 5: `peer` did not send
+// message `message`), or at once if an earlier wait timed out (the stream is out of step after that). The clock
+// and the error word (host memory) are read every 256 polls.
+__device__ inline bool wait_flag(const uint64_t* flag, uint64_t value, int64_t message, uint64_t timeout_ns,
+                                 DeviceErrors* err, int rank, int peer) {
+  const uint64_t start = global_ns();
+  uint32_t spins = 0;
+  while (load_acquire_sys(flag) < value)
+    if ((++spins & 255) == 0 &&
+        (global_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == 5)) {
+      report(err, 5, rank, peer, message, int64_t(timeout_ns / 1000000000ull));
+      return false;
+    }
+  return true;
 }
 
 // Loads for warp_copy: the read-only path for data that no one writes while the kernel runs, L2 only (the

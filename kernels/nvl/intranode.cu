@@ -311,6 +311,23 @@ struct Message {
   int num_rows = 0;
 };
 
+// A GPU-side wait for a peer's flag with a deadline (opt-in, UCCL_EP_NVL_DEADLINE=1): one thread polls, so a
+// dead peer is reported by check_errors() after UCCL_EP_TIMEOUT_S instead of holding the stream forever. It costs
+// a kernel launch per wait; the default stream memory wait costs none but never gives up.
+__global__ void wait_flag_kernel(const uint64_t* flag, uint64_t value, uint64_t timeout_ns, DeviceErrors* err,
+                                 int rank, int peer) {
+  if (threadIdx.x == 0) wait_flag(flag, value, int64_t(value), timeout_ns, err, rank, peer);
+}
+
+void wait_value(NvlDevice& dev, cudaStream_t stream, uint64_t* flag, uint64_t value, int peer) {
+  if (!waits_have_deadline()) {
+    stream_wait_value(stream, flag, value);
+    return;
+  }
+  wait_flag_kernel<<<1, kWarp, 0, stream>>>(flag, value, timeout_ns(), dev.errors_device(), dev.rank(), peer);
+  check(cudaGetLastError(), "wait_flag_kernel");
+}
+
 // Forks the send stream off XLA's stream, waits for each peer to have read our previous message, and sends the
 // meta pieces. `msg_for(s)` gives the message for group member s (its rows may differ per member).
 template <class MessageFor>
@@ -321,7 +338,7 @@ void send_meta(NvlDevice& dev, const Group& g, cudaStream_t stream, const Messag
   for (int s = 0; s < g.size; ++s) {
     if (s == g.self) continue;
     int p = peer_of(dev, g, s);
-    stream_wait_value(side, dev.ack_flag(p), dev.sent(p));  // p has read our previous message
+    wait_value(dev, side, dev.ack_flag(p), dev.sent(p), p);  // p has read our previous message
     const Message m = msg_for(s);
     for (int i = 0; i < m.num_meta; ++i)
       if (m.meta[i].bytes)
@@ -368,12 +385,12 @@ void wait_meta(NvlDevice& dev, const Group& g, cudaStream_t stream) {
   for (int s = 0; s < g.size; ++s)
     if (s != g.self) {
       int p = peer_of(dev, g, s);
-      stream_wait_value(stream, dev.meta_flag(p), ++dev.received(p));
+      wait_value(dev, stream, dev.meta_flag(p), ++dev.received(p), p);
     }
 }
 void wait_chunk(NvlDevice& dev, const Group& g, int s, int c, cudaStream_t stream) {
   int p = peer_of(dev, g, s);
-  stream_wait_value(stream, dev.data_flag(p), (dev.received(p) - 1) * uint64_t(dev.chunks()) + c + 1);
+  wait_value(dev, stream, dev.data_flag(p), (dev.received(p) - 1) * uint64_t(dev.chunks()) + c + 1, p);
 }
 void ack_messages(NvlDevice& dev, const Group& g, cudaStream_t stream) {
   for (int s = 0; s < g.size; ++s)
@@ -585,7 +602,7 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
 
 void preload_intranode_kernels() {
   load_kernels(dispatch_scan_kernel, dispatch_gather_kernel, combine_scan_kernel, combine_stage_kernel,
-               combine_reduce_kernel<float>, combine_reduce_kernel<__nv_bfloat16>);
+               combine_reduce_kernel<float>, combine_reduce_kernel<__nv_bfloat16>, wait_flag_kernel);
 }
 
 }  // namespace uccl_ep::nvl

@@ -32,20 +32,6 @@ constexpr int kSendBlocks = 64;
 constexpr int kSendThreads = 512;  // 128 registers a thread: the copy loop keeps its loads in flight unspilled
 constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
 
-__device__ __forceinline__ void add_release(uint64_t* p, uint64_t v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Where a send kernel writes (by group position).
 struct Outbox {
   char* region[kMaxRanks];
@@ -142,7 +128,7 @@ __device__ void finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
   if (blockIdx.x == 0) write_counts();
   __syncthreads();
   if (threadIdx.x == 0)
-    for (int d = 0; d < num_ranks; ++d) add_release(to.flag[d], 1);
+    for (int d = 0; d < num_ranks; ++d) add_release_sys(to.flag[d], 1);
 }
 
 // Thread `waiter` waits for every source's flag; false (on every thread) if one did not come in time. An earlier
@@ -152,18 +138,9 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
   __shared__ bool ok;
   if (threadIdx.x == waiter) {
     ok = true;
-    const uint64_t start = now_ns();
-    uint32_t spins = 0;
     for (int s = 0; s < num_ranks && ok; ++s)
-      while (load_acquire(from.flag[s]) < from.seq[s] * kSendBlocks) {
-        // The clock and the error word (host memory, across PCIe) are read now and then, not on every poll.
-        if ((++spins & 255) == 0 &&
-            (now_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == 5)) {
-          report(err, 5, rank, from.rank[s], int64_t(from.seq[s]), int64_t(timeout_ns / 1000000000ull));
-          ok = false;
-          break;
-        }
-      }
+      ok = wait_flag(from.flag[s], from.seq[s] * kSendBlocks, int64_t(from.seq[s]), timeout_ns, err, rank,
+                     from.rank[s]);
   }
   __syncthreads();
   return ok;

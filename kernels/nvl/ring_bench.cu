@@ -24,7 +24,7 @@ __global__ void push_kernel(const DeviceRing* rings, uint64_t commands_per_ring,
   const DeviceRing ring = rings[blockIdx.x];
   const int lane = threadIdx.x % 32;
   uint64_t head = 0, tail_seen = 0;
-  const uint64_t deadline = ring_clock_ns() + timeout_ns;
+  const uint64_t deadline = global_ns() + timeout_ns;
   for (uint64_t i = 0; i < commands_per_ring; i += 32) {
     const int count = int(min(uint64_t(32), commands_per_ring - i));
     Command cmd{};
@@ -43,9 +43,9 @@ __global__ void ping_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* se
                             uint64_t timeout_ns, int* failed) {
   const int lane = threadIdx.x % 32;
   uint64_t head = 0, tail_seen = 0;
-  const uint64_t deadline = ring_clock_ns() + timeout_ns;
+  const uint64_t deadline = global_ns() + timeout_ns;
   for (uint64_t r = 0; r < rounds; ++r) {
-    const uint64_t start = ring_clock_ns();
+    const uint64_t start = global_ns();
     Command cmd{};
     cmd.op = Op::kNop;
     cmd.local_offset = r;
@@ -55,13 +55,13 @@ __global__ void ping_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* se
     }
     int late = 0;
     if (lane == 0) {
-      while (ring_load_acquire(seen) < r + 1)
-        if (ring_clock_ns() > deadline) {
+      while (load_acquire_sys(seen) < r + 1)
+        if (global_ns() > deadline) {
           atomicExch(failed, 1);
           late = 1;
           break;
         }
-      round_trip_ns[r] = ring_clock_ns() - start;
+      round_trip_ns[r] = global_ns() - start;
     }
     if (__shfl_sync(0xffffffffu, late, 0)) return;
   }

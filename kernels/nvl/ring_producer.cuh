@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "../../proxy/command.hpp"
+#include "sync.cuh"
 
 namespace uccl_ep::nvl {
 
@@ -20,18 +21,6 @@ struct DeviceRing {
   const uint64_t* tail;
   uint32_t mask;  // capacity - 1
 };
-
-__device__ __forceinline__ uint64_t ring_clock_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint64_t ring_load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // Every lane of the warp calls it; lanes [0, count) each give one command (count <= 32). `head` is the warp's
 // own copy of the ring's head, `tail_seen` its last view of the consumer's tail; both stay in step on all lanes.
@@ -44,9 +33,9 @@ __device__ __forceinline__ bool warp_push(const DeviceRing& ring, const Command&
     // The proxy reads the tail across PCIe from the GPU's point of view: read it only when the cached view says
     // the ring may be full.
     while (head + uint64_t(count) - tail_seen > uint64_t(ring.mask) + 1) {
-      tail_seen = ring_load_acquire(ring.tail);
+      tail_seen = load_acquire_sys(ring.tail);
       if (head + uint64_t(count) - tail_seen <= uint64_t(ring.mask) + 1) break;
-      if (ring_clock_ns() > deadline_ns) {
+      if (global_ns() > deadline_ns) {
         ok = 0;
         break;
       }
@@ -65,7 +54,7 @@ __device__ __forceinline__ bool warp_push(const DeviceRing& ring, const Command&
   __syncwarp();
   if (lane == 0) {
     __threadfence_system();
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ring.head), "l"(head + uint64_t(count)) : "memory");
+    store_release_sys(ring.head, head + uint64_t(count));
   }
   head += uint64_t(count);
   return true;
