@@ -209,8 +209,8 @@ def test_calls_before_initialize_and_after_shutdown_fail_clearly():
     assert r["ok"] == 50 and r["initialized"] is False
 
 
-def mismatched_hidden() -> dict:
-    """Child: the two processes run dispatch with different hidden sizes."""
+def mismatched_hidden(mode: str = "normal") -> dict:
+    """Child: the two processes run dispatch (normal or low-latency) with different hidden sizes."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -224,8 +224,14 @@ def mismatched_hidden() -> dict:
     sharding = jax.sharding.NamedSharding(mesh, P("ep"))
     x = jax.make_array_from_callback((2, 4, hidden), sharding, lambda s: np.ones((1, 4, hidden), np.float32))
     i = jax.make_array_from_callback((2, 4, 1), sharding, lambda s: np.zeros((1, 4, 1), np.int32) + 1)
-    f = jax.jit(jax.shard_map(lambda x, i: ep.dispatch(x[0], i[0], num_experts=2, axis_name="ep").x[None],
-                              mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    if mode == "normal":
+        def body(x, i):
+            return ep.dispatch(x[0], i[0], num_experts=2, axis_name="ep").x[None]
+    else:
+        def body(x, i):
+            return ep.low_latency_dispatch(x[0], i[0], num_experts=2, max_tokens_per_rank=4, axis_name="ep",
+                                           use_fp8=False)[0][None]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     try:
         f(x, i).block_until_ready()
         result = {"error": None}
@@ -235,9 +241,10 @@ def mismatched_hidden() -> dict:
     return result
 
 
-def test_mismatched_shapes_across_ranks_are_detected_not_hung():
-    results = launch(HERE, "mismatched_hidden", 2, env={"UCCL_EP_TIMEOUT_S": "20", "UCCL_EP_TEST_HARD_EXIT": "1"},
-                     timeout_s=120)
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_mismatched_shapes_across_ranks_are_detected_not_hung(mode):
+    results = launch(HERE, "mismatched_hidden", 2, args=[mode],
+                     env={"UCCL_EP_TIMEOUT_S": "20", "UCCL_EP_TEST_HARD_EXIT": "1"}, timeout_s=120)
     assert all(r.ok for r in results), describe(results)
     for r in results:
         assert r.result["error"] is not None
