@@ -89,8 +89,8 @@ class NvlDevice {
   size_t low_latency_stride() const { return ll_stride_; }  // bytes of one sender's region
   char* low_latency_region(int parity, int sender) const;   // ours, written by `sender`
   char* peer_low_latency_region(int peer, int parity) const;  // peer's region for us
-  uint64_t* low_latency_flag(int sender) const;             // ours: the sender's arrival counter
-  uint64_t* peer_low_latency_flag(int peer) const;
+  uint64_t* low_latency_arrivals(int sender) const;  // ours: how many of the sender's send blocks arrived, ever
+  uint64_t* peer_low_latency_arrivals(int peer) const;
   uint64_t& low_latency_sent(int peer) { return ll_sent_[peer]; }
   uint64_t& low_latency_received(int peer) { return ll_received_[peer]; }
 

@@ -236,10 +236,10 @@ char* NvlDevice::peer_low_latency_region(int peer, int parity) const {
 }
 // Flag words: [data x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks][low-latency x kMaxRanks], indexed by the
 // writing peer.
-uint64_t* NvlDevice::low_latency_flag(int sender) const {
+uint64_t* NvlDevice::low_latency_arrivals(int sender) const {
   return reinterpret_cast<uint64_t*>(buffer_) + 3 * kMaxRanks + sender;
 }
-uint64_t* NvlDevice::peer_low_latency_flag(int peer) const {
+uint64_t* NvlDevice::peer_low_latency_arrivals(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 3 * kMaxRanks + rank_;
 }
 

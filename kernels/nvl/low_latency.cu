@@ -35,13 +35,13 @@ constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined 
 // Where a send kernel writes (by group position).
 struct Outbox {
   char* region[kMaxRanks];
-  uint64_t* flag[kMaxRanks];
+  uint64_t* arrivals[kMaxRanks];  // the receiver's counter of our blocks
   uint64_t seq[kMaxRanks];
 };
 // What a receive kernel reads (by group position).
 struct Inbox {
   const char* region[kMaxRanks];
-  const uint64_t* flag[kMaxRanks];
+  const uint64_t* arrivals[kMaxRanks];  // our counter of the sender's blocks
   uint64_t seq[kMaxRanks];
   int rank[kMaxRanks];
 };
@@ -128,7 +128,7 @@ __device__ void finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
   if (blockIdx.x == 0) write_counts();
   __syncthreads();
   if (threadIdx.x == 0)
-    for (int d = 0; d < num_ranks; ++d) add_release_sys(to.flag[d], 1);
+    for (int d = 0; d < num_ranks; ++d) add_release_sys(to.arrivals[d], 1);
 }
 
 // Thread `waiter` waits for every source's flag; false (on every thread) if one did not come in time. An earlier
@@ -139,7 +139,7 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
   if (threadIdx.x == waiter) {
     ok = true;
     for (int s = 0; s < num_ranks && ok; ++s)
-      ok = wait_flag(from.flag[s], from.seq[s] * kSendBlocks, int64_t(from.seq[s]), timeout_ns, err, rank,
+      ok = wait_flag(from.arrivals[s], from.seq[s] * kSendBlocks, int64_t(from.seq[s]), timeout_ns, err, rank,
                      from.rank[s]);
   }
   __syncthreads();
@@ -411,7 +411,7 @@ Outbox outbox(NvlDevice& dev, const Group& g) {
     const int p = peer_of(dev, g, s);
     const uint64_t seq = ++dev.low_latency_sent(p);
     to.region[s] = dev.peer_low_latency_region(p, int(seq & 1));
-    to.flag[s] = dev.peer_low_latency_flag(p);
+    to.arrivals[s] = dev.peer_low_latency_arrivals(p);
     to.seq[s] = seq;
   }
   return to;
@@ -423,7 +423,7 @@ Inbox inbox(NvlDevice& dev, const Group& g) {
     const int p = peer_of(dev, g, s);
     const uint64_t seq = ++dev.low_latency_received(p);
     from.region[s] = dev.low_latency_region(int(seq & 1), p);
-    from.flag[s] = dev.low_latency_flag(p);
+    from.arrivals[s] = dev.low_latency_arrivals(p);
     from.seq[s] = seq;
     from.rank[s] = p;
   }
