@@ -5,7 +5,7 @@ their size from step to step: recv_x is [L, R * N, H] for L = num_experts / R lo
 max_tokens_per_rank. Combine weights each returned row by its router weight on the token's own rank.
 
 CPU devices go through the proxy runtime; GPUs of one host store rows straight into each other's buffers over
-NVLink (kernels/nvl/low_latency.cu), with a flag per sender and a deadline on every wait.
+NVLink (kernels/nvl/low_latency.cu), with an arrival counter per sender and a deadline on every wait.
 """
 from __future__ import annotations
 

@@ -84,7 +84,8 @@ class NvlDevice {
   uint64_t& received(int peer) { return received_[peer]; }
 
   // Low-latency area: two halves (the parity of the pair's op count), each split into one region per sending
-  // rank. SM kernels write rows straight into the peer's region; a flag per sender carries the op count.
+  // rank. SM kernels write rows straight into the peer's region; an arrival counter per sender counts its
+  // send blocks (op count x blocks per send).
   size_t low_latency_bytes() const { return ll_bytes_; }
   size_t low_latency_stride() const { return ll_stride_; }  // bytes of one sender's region
   char* low_latency_region(int parity, int sender) const;   // ours, written by `sender`
