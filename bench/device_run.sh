@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build this tree against the preinstalled jax, run the GPU tests, then the
-# benchmarks named in BENCHES (default: intranode low_latency). Logs go to $OUT; the tables are printed last.
+# benchmarks named in BENCHES (default: intranode low_latency proxy_gpu). Logs go to $OUT; the tables are printed last.
 #   usage (from the repo root, on the device): bash bench/device_run.sh [tests|bench|all|none] [bench args...]
 #   e.g. TESTS="tests/test_gpu.py -k low_latency" BENCHES=low_latency bash bench/device_run.sh all
 #
@@ -48,7 +48,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # Normal mode's stream waits on a peer's flag have no deadline yet: bound every run.
-  for b in ${BENCHES:-intranode low_latency}; do
+  for b in ${BENCHES:-intranode low_latency proxy_gpu}; do
     timeout ${BENCH_TIMEOUT:-240} python bench/$b.py --out "$OUT/$b.json" "$@" 2>&1 | tee "$OUT/$b.log" | tail -16
   done
 fi

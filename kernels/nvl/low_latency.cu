@@ -16,6 +16,7 @@
 //   dispatch row: [x | scales | (local expert, token, position, 0)], each part 16-byte aligned
 //   combine row:  [y row], in the order the dispatch delivered that (expert rank, source) pair
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -51,6 +52,7 @@ struct Shape {
   int64_t counts_bytes, row_bytes, capacity_rows;  // region layout
   int rank;                                        // this GPU's global rank (error reports)
   uint64_t* phases;                                // UCCL_EP_KERNEL_TIMING=2: SM clock stamps, else null
+  bool routing_by_warps;                           // UCCL_EP_LL_ROUTING=warps (see route_slots)
 };
 
 // Phase stamps for profiling (block 0, thread 0; SM clock): word kernel * 8 + phase.
@@ -60,10 +62,13 @@ __device__ __forceinline__ void stamp(const Shape& shape, int kernel, int phase)
 }
 
 // The whole block: copies topk_idx into shared `idx` (out-of-range entries become -1, reported once with
-// `report_bad`), then warp 0 finds the position of each (token, slot) among this rank's slots for the same expert,
-// in token order, and the slots per expert (`count`). Ends with the block synchronized.
+// `report_bad`), then finds the position of each (token, slot) among this rank's slots for the same expert, in
+// token order, and the slots per expert (`count`). Ends with the block synchronized.
+// With `warp_counts` ([warps * num_experts] shared ints) every warp counts a contiguous chunk of the slots and a
+// scan over warps joins them (UCCL_EP_LL_ROUTING=warps, not yet measured); without, warp 0 walks all slots.
 __device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* idx, int* pos,
-                            int* count, DeviceErrors* err, int rank, bool report_bad) {
+                            int* count, int* warp_counts, DeviceErrors* err, int rank, bool report_bad) {
+  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
     int e = topk_idx[p];
     if (e < -1 || e >= num_experts) {
@@ -72,24 +77,44 @@ __device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int nu
     }
     idx[p] = e;
   }
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+  int* counts = warp_counts ? warp_counts + warp * num_experts : count;  // this warp's counters
+  for (int i = threadIdx.x; i < (warp_counts ? warps : 1) * num_experts; i += blockDim.x)
+    (warp_counts ? warp_counts : count)[i] = 0;
   __syncthreads();
-  if (threadIdx.x < kWarp) {
-    const int lane = threadIdx.x;
-    for (int base = 0; base < pairs; base += kWarp) {
-      const int p = base + lane;
-      const int e = p < pairs ? idx[p] : -1;
-      const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
-      const int before_warp = e >= 0 ? count[e] : 0;
-      __syncwarp();
-      if (e >= 0) {
-        const int before_lane = __popc(same & ((1u << lane) - 1));
-        pos[p] = before_warp + before_lane;
-        if (before_lane == 0) count[e] = before_warp + __popc(same);
-      }
-      __syncwarp();
+  // Slots [begin, end) for this warp, walked 32 at a time: match_any groups the lanes of one expert.
+  const int chunk = warp_counts ? (pairs + warps * kWarp - 1) / (warps * kWarp) * kWarp : pairs;
+  const int begin = warp_counts ? warp * chunk : 0;
+  const int end = warp_counts || warp == 0 ? min(pairs, begin + chunk) : 0;
+  for (int base = begin; base < end; base += kWarp) {
+    const int p = base + lane;
+    const int e = p < end ? idx[p] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
+    const int before_warp = e >= 0 ? counts[e] : 0;
+    __syncwarp();
+    if (e >= 0) {
+      const int before_lane = __popc(same & ((1u << lane) - 1));
+      pos[p] = before_warp + before_lane;
+      if (before_lane == 0) counts[e] = before_warp + __popc(same);
     }
+    __syncwarp();
   }
+  if (!warp_counts) {
+    __syncthreads();
+    return;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {  // each warp's start, per expert
+    int running = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int c = warp_counts[w * num_experts + e];
+      warp_counts[w * num_experts + e] = running;
+      running += c;
+    }
+    count[e] = running;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x)
+    if (idx[p] >= 0) pos[p] += warp_counts[(p / chunk) * num_experts + idx[p]];
   __syncthreads();
 }
 
@@ -156,8 +181,9 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(
   int* pos = idx + pairs;
   int* count = pos + pairs;
   int* first = count + num_experts;
+  int* warp_counts = shape.routing_by_warps ? first + num_experts : nullptr;
   stamp(shape, kDispatchSend, 0);
-  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, err, shape.rank, blockIdx.x == 0);
+  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, warp_counts, err, shape.rank, blockIdx.x == 0);
   expert_offsets(count, first, shape.num_ranks, local);
   stamp(shape, kDispatchSend, 1);
 
@@ -329,8 +355,9 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shap
   int* pos = idx + pairs;
   int* count = pos + pairs;
   int* first = count + num_experts;
+  int* warp_counts = shape.routing_by_warps ? first + num_experts : nullptr;
   stamp(shape, kCombineRecv, 0);
-  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, err, shape.rank, false);
+  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, warp_counts, err, shape.rank, false);
   expert_offsets(count, first, shape.num_ranks, L);
   stamp(shape, kCombineRecv, 1);
   if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank, 0)) return;
@@ -376,6 +403,14 @@ int64_t dispatch_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
   return int64_t(align16(x_row_bytes) + align16(scale_row_bytes)) + 16;
 }
 
+bool routing_by_warps() {
+  static const bool on = [] {
+    const char* v = std::getenv("UCCL_EP_LL_ROUTING");
+    return v && std::string(v) == "warps";
+  }();
+  return on;
+}
+
 Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_tokens, int64_t row_bytes,
                const char* op) {
   check_group(dev, g, op);
@@ -393,7 +428,14 @@ Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_to
   s.capacity_rows = std::max<int64_t>(0, (int64_t(dev.low_latency_stride()) - s.counts_bytes) / row_bytes);
   s.rank = dev.rank();
   s.phases = dev.phases_device();
+  s.routing_by_warps = routing_by_warps();
   return s;
+}
+
+// Shared memory of route_slots' users: idx and pos per slot, count and first per expert (+ counts per warp).
+size_t routing_shared_bytes(int pairs, int num_experts, const Shape& shape, int threads) {
+  const size_t warp_counts = shape.routing_by_warps ? size_t(threads / kWarp) * num_experts : 0;
+  return (2 * size_t(pairs) + 2 * size_t(num_experts) + warp_counts) * sizeof(int);
 }
 
 // Shared memory of a kernel; above the default 48 KiB it must be allowed first.
@@ -459,8 +501,8 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
-  const size_t smem = shared_bytes(dispatch_send_kernel,
-                                   (2 * size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int));
+  const size_t smem = shared_bytes(dispatch_send_kernel, routing_shared_bytes(a.num_tokens * a.topk, a.num_experts,
+                                                                            shape, kSendThreads));
   dispatch_send_kernel<<<kSendBlocks, kSendThreads, smem, stream>>>(
       static_cast<const char*>(a.x), a.x_row_bytes, static_cast<const char*>(a.scales), a.scale_row_bytes,
       int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts, shape, to,
@@ -517,7 +559,7 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
   Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_combine");
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Inbox from = inbox(dev, g);
-  const size_t smem_bytes = (2 * size_t(a.num_tokens) * a.topk + 2 * size_t(a.num_experts)) * sizeof(int);
+  const size_t smem_bytes = routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, kThreads);
   if (a.bf16) {
     const size_t smem = shared_bytes(combine_recv_kernel<__nv_bfloat16>, smem_bytes);
     combine_recv_kernel<__nv_bfloat16><<<low_latency_blocks(), kThreads, smem, stream>>>(
