@@ -274,3 +274,10 @@ def test_gpu_pushes_every_command_through_the_rings_in_order():
     res = results[0].result
     assert res["commands"] == 4 * 300_000 and res["out_of_order"] == 0, res
     assert 0 < res["round_trip_median_ns"] < 1e6, res
+
+
+def test_low_latency_with_routing_by_warps():
+    """The opt-in routing variant (UCCL_EP_LL_ROUTING=warps) against the same reference."""
+    results = launch(HERE, "gpu_suite", 1, args=["low_latency"], platform="gpu", timeout_s=150,
+                     env=dict(SUITE_ENV, UCCL_EP_LL_ROUTING="warps"))
+    _check(results, NUM_GPUS)
