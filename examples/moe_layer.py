@@ -10,6 +10,9 @@ JAX code can call it. Four formulations of the same math are provided:
   (GShard / MaxText's dropping path): every (token, expert) slot gets a row in a static ``[R, C, D]`` buffer.
 * ``moe_ffn_ragged``: the same with ``jax.lax.ragged_all_to_all`` (MaxText's dropless path): slots sorted by expert,
   exact ragged chunks, grouped matmuls. XLA:CPU has no ragged-all-to-all (jax 0.10): this one needs GPUs or TPUs.
+* ``moe_ffn_low_latency``: inference/decoding with ``jax_uccl_ep.low_latency_dispatch`` / ``low_latency_combine``:
+  each token goes to each chosen expert's slot in static expert-major buffers (the same shapes every step), the
+  experts run batched per expert, and combine applies the router weights. Forward only (no VJP).
 * ``moe_ffn_dense``: the reference. It gathers every expert's weights and evaluates every expert on every token,
   masking with the router's choice. No dispatch, the same result up to float rounding; use it for parity tests.
 
@@ -191,6 +194,49 @@ def moe_ffn(
 
     # 3. Send the weighted rows home; combine sums the copies of each token (one per rank it visited).
     return ep.combine(y, handle)
+
+
+def moe_ffn_low_latency(
+    params: Params,
+    x: jax.Array,
+    *,
+    num_experts: int,
+    top_k: int,
+    axis_name: str,
+    max_tokens_per_rank: int | None = None,
+    use_fp8: bool = False,
+) -> jax.Array:
+    """The MoE feed-forward for decoding (call inside ``jax.shard_map``): ``moe_ffn``'s math through low-latency
+    mode. Forward only.
+
+    Args:
+      params, x, num_experts, top_k, axis_name: as ``moe_ffn`` (``x [T, D]`` this rank's tokens).
+      max_tokens_per_rank: N, the static token budget per rank (default T); every step with at most N tokens
+        uses the same buffers, as a decode loop or a CUDA graph wants.
+      use_fp8: send tokens as FP8 with per-128-channel scales (dequantized before the experts).
+
+    Returns:
+      ``[T, D]`` in x's dtype.
+    """
+    local_experts, num_ranks = _local_experts("moe_ffn_low_latency", params, num_experts, axis_name)
+    weights, idx = route(params["router"], x, top_k)
+    n = max_tokens_per_rank or x.shape[0]
+    # 1. Every (token, expert) pair lands in that expert's slab: recv [L, R * N, D], rows [0, count[l]) valid.
+    recv, count, handle = ep.low_latency_dispatch(x, idx, num_experts=num_experts, max_tokens_per_rank=n,
+                                                  axis_name=axis_name, use_fp8=use_fp8)
+    if use_fp8:
+        rows, scales = recv
+        slab = rows.shape[1]
+        recv = ep.per_token_cast_back(rows.reshape(local_experts * slab, -1), scales.reshape(local_experts * slab, -1))
+        recv = recv.reshape(local_experts, slab, -1)
+    # Padding rows are not written on GPUs: zero them so the experts see defined inputs (combine ignores them).
+    valid = jnp.arange(recv.shape[1])[None, :] < count[:, None]
+    recv = jnp.where(valid[..., None], recv, 0).astype(x.dtype)
+    # 2. Each local expert on its own slab: [L, R * N, D].
+    h = jax.nn.gelu(jnp.einsum("lnd,ldf->lnf", recv, params["w1"]))
+    y = jnp.einsum("lnf,lfd->lnd", h, params["w2"]).astype(x.dtype)
+    # 3. Back to the tokens, weighted by the router (float32 accumulation).
+    return ep.low_latency_combine(y, idx, weights, handle)
 
 
 def moe_ffn_all_to_all(

@@ -136,6 +136,31 @@ def _layer_vs_dense(layer, *, top_k: int, seed: int, tokens: int = 20) -> None:
                                    err_msg=f"gradient {jax.tree_util.keystr(path)}")
 
 
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_layer_matches_dense_reference(ep_runtime, use_fp8):
+    """moe_ffn_low_latency (forward, decode-sized batches with a larger static budget) against moe_ffn_dense."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    ml = _load("moe_layer")
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
+    r, num_experts, d_model, d_ff, tokens, top_k = mesh.size, 4 * mesh.size, 128, 64, 5, 2
+    keys = jax.random.split(jax.random.key(21), 3)
+    params = ml.init_moe_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
+    x = jax.random.normal(keys[1], (r * tokens, d_model))
+    layer = jax.jit(jax.shard_map(
+        lambda p, x: ml.moe_ffn_low_latency(p, x, num_experts=num_experts, top_k=top_k, axis_name="ep",
+                                            max_tokens_per_rank=8, use_fp8=use_fp8),
+        mesh=mesh, in_specs=(ml.moe_param_specs("ep"), P("ep")), out_specs=P("ep")))
+    y = np.asarray(layer(params, x))
+    y_ref = np.asarray(ml.moe_ffn_dense(params, x, num_experts=num_experts, top_k=top_k))
+    assert float(np.std(y_ref)) > 1e-2
+    # FP8 rows carry e4m3's relative error (<= 2^-4 per element) into the experts.
+    tol = dict(rtol=0.1, atol=0.05 * np.abs(y_ref).max()) if use_fp8 else dict(rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(y, y_ref, **tol)
+
+
 def test_emulated_ragged_all_to_all_follows_the_documented_example():
     """The example in jax.lax.ragged_all_to_all's docstring, on 2 devices, through the emulation."""
     import jax
