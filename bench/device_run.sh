@@ -3,6 +3,7 @@
 # benchmarks named in BENCHES (default: intranode low_latency proxy_gpu). Logs go to $OUT; the tables are printed last.
 #   usage (from the repo root, on the device): bash bench/device_run.sh [tests|bench|all|none] [bench args...]
 #   e.g. TESTS="tests/test_gpu.py -k low_latency" BENCHES=low_latency bash bench/device_run.sh all
+#   other benches: BENCHES="decode_step train_step" (train_step takes minutes)
 #
 # The GPU machine has no package registry and (seen 2026-11-22) neither libfabric headers nor scikit-build-core.
 # Prepare both on the dev machine, in folders git ignores, and name them in the device call's `carry`:
