@@ -47,6 +47,8 @@ from ._runtime import (
     low_latency_buffer_bytes,
     nvl_buffer_bytes,
     shutdown,
+    topology,
+    Topology,
 )
 from .normal import (
     DispatchHandle,
@@ -65,6 +67,8 @@ __all__ = [
     "nvl_buffer_bytes",
     "low_latency_buffer_bytes",
     "buffer_bytes_held",
+    "topology",
+    "Topology",
     "get_dispatch_layout",
     "dispatch",
     "combine",

@@ -13,6 +13,7 @@ import jax
 from . import _ffi, _uccl_ep
 
 _lock = threading.Lock()
+_topology: "Topology | None" = None
 _generation = 0  # initialize() calls so far; every process makes the same calls, so keys never collide
 _atexit_registered = False
 
@@ -41,6 +42,54 @@ class RuntimeSettings:
             max_inflight_writes=int(env.get("UCCL_EP_MAX_INFLIGHT_WRITES", "256")),
             max_write_bytes=int(env.get("UCCL_EP_MAX_WRITE_BYTES", str(1 << 20))),
         )
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the job's ranks (devices, in jax.devices() order by id) live: which node, which index on it.
+
+    Nodes come from the processes' host names, or, with ``UCCL_EP_GPUS_PER_NODE=k``, from consecutive groups of k
+    ranks (k=1 makes every device its own node, so the internode path can run on one machine).
+    """
+
+    node_of_rank: tuple[int, ...]  # node index of each global rank
+    local_rank: tuple[int, ...]  # rank's index among its node's ranks
+    source: str  # "hostnames" or "UCCL_EP_GPUS_PER_NODE=k"
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.node_of_rank) + 1 if self.node_of_rank else 0
+
+    def ranks_on(self, node: int) -> list[int]:
+        """Global ranks on `node`, in rank order."""
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    @staticmethod
+    def build(process_of_rank: list[int], host_of_process: list[str], per_node: int | None = None) -> "Topology":
+        if per_node is not None:
+            if per_node < 1:
+                raise ValueError(f"UCCL_EP_GPUS_PER_NODE must be a positive integer, got {per_node}")
+            nodes = [r // per_node for r in range(len(process_of_rank))]
+            source = f"UCCL_EP_GPUS_PER_NODE={per_node}"
+        else:
+            order: dict[str, int] = {}
+            for p in process_of_rank:  # nodes numbered in order of their first rank
+                order.setdefault(host_of_process[p], len(order))
+            nodes = [order[host_of_process[p]] for p in process_of_rank]
+            source = "hostnames"
+        seen: dict[int, int] = {}
+        local = []
+        for n in nodes:
+            local.append(seen.get(n, 0))
+            seen[n] = local[-1] + 1
+        return Topology(tuple(nodes), tuple(local), source)
+
+
+def topology() -> Topology:
+    """The job's node layout as initialize() found it (raises before initialize())."""
+    if _topology is None:
+        raise RuntimeError("jax_uccl_ep.topology: call jax_uccl_ep.initialize() first")
+    return _topology
 
 
 def _distributed_client() -> Any | None:
@@ -137,21 +186,29 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         hosts = [socket.gethostname().encode()]
         if num_processes > 1:
             hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
+        per_node = os.environ.get("UCCL_EP_GPUS_PER_NODE")
+        topo = Topology.build([d.process_index for d in devices], [h.decode() for h in hosts],
+                              int(per_node) if per_node else None)
         if devices[0].platform == "gpu":
-            _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, len(set(hosts)), client, key, timeout_ms)
+            _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, topo, client, key, timeout_ms)
         else:
-            _start_cpus(settings, devices, local, len(set(hosts)), client, key, timeout_ms)
+            _start_cpus(settings, devices, local, topo.num_nodes, client, key, timeout_ms)
+        global _topology
+        _topology = topo
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
 
 
-def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, num_hosts: int, client: Any, key: str,
+def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, topo: Topology,
+                client: Any, key: str,
                 timeout_ms: int) -> None:
     if not hasattr(_uccl_ep, "nvl_start"):
         raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
-    if num_hosts > 1:
-        raise NotImplementedError("jax_uccl_ep: GPUs on several hosts need the internode path, not built yet")
+    if topo.num_nodes > 1:
+        raise NotImplementedError(
+            f"jax_uccl_ep: the job's GPUs are on {topo.num_nodes} nodes ({topo.source}); GPUs on several nodes need "
+            "the internode (proxy) path, which is not built yet. One node's GPUs work over NVLink.")
     if buffer_bytes is None:
         buffer_bytes = int(os.environ.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)))
     if low_latency_bytes is None:
@@ -231,6 +288,8 @@ def shutdown() -> None:
         _uccl_ep.shutdown()
         if hasattr(_uccl_ep, "nvl_shutdown"):
             _uccl_ep.nvl_shutdown()
+        global _topology
+        _topology = None
 
 
 def is_initialized() -> bool:
