@@ -229,9 +229,10 @@ def moe_ffn_low_latency(
         slab = rows.shape[1]
         recv = ep.per_token_cast_back(rows.reshape(local_experts * slab, -1), scales.reshape(local_experts * slab, -1))
         recv = recv.reshape(local_experts, slab, -1)
-    # Padding rows are not written on GPUs: zero them so the experts see defined inputs (combine ignores them).
-    valid = jnp.arange(recv.shape[1])[None, :] < count[:, None]
-    recv = jnp.where(valid[..., None], recv, 0).astype(x.dtype)
+    # Rows [count[l], R * N) are padding (zeros on CPU devices, not written on GPUs): the experts run on them too,
+    # since the shapes are static, and combine never reads their outputs; zeroing them would cost a pass over
+    # the whole slab every step.
+    recv = recv.astype(x.dtype)
     # 2. Each local expert on its own slab: [L, R * N, D].
     h = jax.nn.gelu(jnp.einsum("lnd,ldf->lnf", recv, params["w1"]))
     y = jnp.einsum("lnf,lfd->lnd", h, params["w2"]).astype(x.dtype)
