@@ -4,10 +4,12 @@
 #include <time.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <thread>
 
 namespace uccl_ep {
 
@@ -340,6 +342,14 @@ void Device::proxy_loop(int channel) {
   } catch (const std::exception& e) {
     fail(num_ranks_, std::string("proxy thread of channel ") + std::to_string(channel) + " stopped: " + e.what());
   }
+  // Test hook (UCCL_EP_TEST_STUCK_PROXY=1): behave like a thread stuck in libfabric after a peer died, still
+  // touching the device now and then, so that shutdown's abandon path runs (tests/test_reliability.py).
+  if (const char* v = std::getenv("UCCL_EP_TEST_STUCK_PROXY"); v && std::strcmp(v, "1") == 0)
+    for (;;) {
+      volatile uint8_t seen = static_cast<uint8_t>(ring.slots()[0].op);  // the slots are freed with the ring
+      (void)seen;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
   exited_[channel].store(true, std::memory_order_release);
 }
 
@@ -396,13 +406,22 @@ void Runtime::shutdown() {
   quiesce(5.0);
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   initialized_.store(false, std::memory_order_release);
+  bool abandoned = false;
   for (auto& d : devices_)
-    if (!d->stop(std::min(d->timeout_s(), 5.0)))
+    if (!d->stop(std::min(d->timeout_s(), 5.0))) {
       std::fprintf(stderr,
                    "uccl_ep shutdown: a proxy thread of rank %u did not stop (stuck in libfabric, most likely on a "
                    "lock a dead peer held); it and its endpoints are left behind\n",
                    d->rank());
+      // The stuck thread still uses the whole device (rings, endpoints, buffer): destroying any of it would let
+      // that thread touch freed memory, and closing the endpoints can block on the same lock. Leak it whole.
+      (void)d.release();
+      abandoned = true;
+    }
   devices_.clear();
+  // Leaked endpoints are never closed, so libfabric would not unlink their shared-memory names: unlink them (the
+  // mappings stay valid for the stuck thread).
+  if (abandoned) remove_stale_shm_segments();
 }
 
 Device& Runtime::device_by_ordinal(int ordinal) {

@@ -269,6 +269,41 @@ def test_dead_peer_mid_loop_is_named_and_nothing_is_left_behind(provider, seed):
                 pass
 
 
+def stuck_proxy_shutdown() -> dict:
+    """Child: proxy threads that never stop (UCCL_EP_TEST_STUCK_PROXY=1, as if stuck in libfabric) must not
+    keep shutdown() from returning, crash the process, or leave its shm segments named."""
+    import jax_uccl_ep as ep
+
+    ep.initialize()
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    num_experts = 2 * jax.device_count()
+    f = jax.jit(jax.shard_map(roundtrip_body(num_experts), mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    x, idx, w = make_inputs([7, 0], jax.device_count(), 8, 128, 2, num_experts)
+    local = _local_outputs(f(_global_array(mesh, x), _global_array(mesh, idx), _global_array(mesh, w)), mesh)
+    expected, combined = expected_roundtrip(x, idx, w, num_experts)
+    errors = [e for r, got in local.items() for e in check_rank(r, expected[r], combined[r], got)]
+    segments = sorted(owned_by(shm_entries(), [os.getpid()]))
+    start = time.monotonic()
+    ep.shutdown()
+    shutdown_s = time.monotonic() - start
+    time.sleep(0.3)  # the left-behind threads keep touching their device meanwhile: it must still exist
+    return {"errors": errors, "shutdown_s": shutdown_s, "segments_while_running": segments,
+            "segments_after_shutdown": sorted(owned_by(shm_entries(), [os.getpid()]))}
+
+
+def test_shutdown_leaves_stuck_proxy_threads_behind_without_hanging_or_crashing():
+    env = {"UCCL_EP_TEST_STUCK_PROXY": "1", "UCCL_EP_TIMEOUT_S": "5", "UCCL_EP_TEST_HARD_EXIT": "1"}
+    results = launch(HERE, "stuck_proxy_shutdown", 2, env=env, timeout_s=120)
+    assert all(r.ok for r in results), describe(results)
+    for r in results:
+        res = r.result
+        assert res["errors"] == [], res["errors"]
+        assert res["shutdown_s"] < 20.0, res
+        assert "did not stop" in r.stderr and "left behind" in r.stderr, r.stderr[-500:]
+        assert res["segments_while_running"], "expected a libfabric shm segment named after the pid"
+        assert res["segments_after_shutdown"] == [], res
+
+
 # ------------------------------------------------------------------------------------------------- 2. soak
 
 SOAK_STEPS = int(os.environ.get("UCCL_EP_SOAK_STEPS", "300"))
