@@ -222,14 +222,14 @@ def moe_ffn_low_latency(
     weights, idx = route(params["router"], x, top_k)
     n = max_tokens_per_rank or x.shape[0]
     # 1. Every (token, expert) pair lands in that expert's slab: recv [L, R * N, D], rows [0, count[l]) valid.
-    recv, count, handle = ep.low_latency_dispatch(x, idx, num_experts=num_experts, max_tokens_per_rank=n,
+    recv, _, handle = ep.low_latency_dispatch(x, idx, num_experts=num_experts, max_tokens_per_rank=n,
                                                   axis_name=axis_name, use_fp8=use_fp8)
     if use_fp8:
         rows, scales = recv
         slab = rows.shape[1]
         recv = ep.per_token_cast_back(rows.reshape(local_experts * slab, -1), scales.reshape(local_experts * slab, -1))
         recv = recv.reshape(local_experts, slab, -1)
-    # Rows [count[l], R * N) are padding (zeros on CPU devices, not written on GPUs): the experts run on them too,
+    # Rows [recv_count[l], R * N) are padding (zeros on CPU devices, not written on GPUs): the experts run on them too,
     # since the shapes are static, and combine never reads their outputs; zeroing them would cost a pass over
     # the whole slab every step.
     recv = recv.astype(x.dtype)

@@ -308,6 +308,18 @@ def check_errors() -> None:
         _uccl_ep.nvl_check_errors()
 
 
+def _dispatch_row_bytes(hidden: int, fp8: bool, dtype: Any) -> tuple[int, int]:
+    """(x bytes, scale bytes) of one dispatched row: FP8 rows are `hidden` bytes with a float32 scale per
+    FP8_BLOCK channels; other rows are hidden elements of `dtype` and have no scales."""
+    import numpy as np
+
+    from .fp8 import FP8_BLOCK
+
+    if fp8:
+        return hidden, (hidden // FP8_BLOCK) * 4
+    return hidden * np.dtype(dtype).itemsize, 0
+
+
 def nvl_buffer_bytes(num_tokens: int, hidden: int, *, num_ranks: int, topk: int, dtype: Any = "bfloat16",
                      fp8: bool = False, with_weights: bool = True, combine_dtype: Any = "bfloat16") -> int:
     """Bytes of NVLink buffer per GPU that dispatch and combine need for these shapes (pass to initialize()).
@@ -317,8 +329,7 @@ def nvl_buffer_bytes(num_tokens: int, hidden: int, *, num_ranks: int, topk: int,
     """
     import numpy as np
 
-    x_row = hidden if fp8 else hidden * np.dtype(dtype).itemsize
-    scale_row = (hidden // 128) * 4 if fp8 else 0
+    x_row, scale_row = _dispatch_row_bytes(hidden, fp8, dtype)
     combine_bf16 = np.dtype(combine_dtype).itemsize == 2
     return int(_uccl_ep.nvl_bytes_needed(num_ranks, num_tokens, x_row, scale_row, topk, with_weights, hidden,
                                          combine_bf16))
@@ -335,8 +346,7 @@ def low_latency_buffer_bytes(max_tokens_per_rank: int, hidden: int, *, num_ranks
     """
     import numpy as np
 
-    x_row = hidden if fp8 else hidden * np.dtype(dispatch_dtype).itemsize
-    scale_row = (hidden // 128) * 4 if fp8 else 0
+    x_row, scale_row = _dispatch_row_bytes(hidden, fp8, dispatch_dtype)
     combine_row = hidden * np.dtype(combine_dtype).itemsize
     if not hasattr(_uccl_ep, "nvl_low_latency_bytes_needed"):
         raise RuntimeError("jax_uccl_ep: low_latency_buffer_bytes is for GPUs; this build has no CUDA")

@@ -86,6 +86,16 @@ int positive_env(const char* name, int fallback) {
   const int k = v ? std::atoi(v) : fallback;
   return k > 0 ? k : fallback;
 }
+
+// `count` zeroed Ts in pinned host memory the GPU reads and writes; *device gets the GPU's address of it.
+template <class T>
+T* mapped_host(size_t count, T** device) {
+  T* host = nullptr;
+  check(cudaHostAlloc(reinterpret_cast<void**>(&host), count * sizeof(T), cudaHostAllocMapped), "cudaHostAlloc");
+  std::memset(static_cast<void*>(host), 0, count * sizeof(T));
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(device), host, 0), "cudaHostGetDevicePointer");
+  return host;
+}
 }  // namespace
 
 int num_sms() {
@@ -135,11 +145,7 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   check(cudaMalloc(&buffer_, ll_offset_ + ll_bytes_),
         "cudaMalloc of " + std::to_string(ll_offset_ + ll_bytes_) + " bytes");
   check(cudaMemset(buffer_, 0, kFlagBytes), "cudaMemset");
-  check(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(DeviceErrors), cudaHostAllocMapped),
-        "cudaHostAlloc");
-  std::memset(errors_host_, 0, sizeof(DeviceErrors));
-  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_device_), errors_host_, 0),
-        "cudaHostGetDevicePointer");
+  errors_host_ = mapped_host<DeviceErrors>(1, &errors_device_);
   check(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), "cudaEventCreate");
   check(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), "cudaEventCreate");
@@ -150,13 +156,7 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   for (auto& e : chunk_events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   if (const char* v = std::getenv("UCCL_EP_KERNEL_TIMING")) {
     timing_ = std::string(v) != "0" && *v;
-    if (std::string(v) == "2") {
-      check(cudaHostAlloc(reinterpret_cast<void**>(&phases_host_), kPhaseWords * sizeof(uint64_t), cudaHostAllocMapped),
-            "cudaHostAlloc");
-      std::memset(phases_host_, 0, kPhaseWords * sizeof(uint64_t));
-      check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&phases_device_), phases_host_, 0),
-            "cudaHostGetDevicePointer");
-    }
+    if (std::string(v) == "2") phases_host_ = mapped_host<uint64_t>(kPhaseWords, &phases_device_);
   }
   preload_intranode_kernels();
   preload_low_latency_kernels();

@@ -156,12 +156,11 @@ __device__ void finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
     for (int d = 0; d < num_ranks; ++d) add_release_sys(to.arrivals[d], 1);
 }
 
-// Thread `waiter` waits for every source's flag; false (on every thread) if one did not come in time. An earlier
-// timeout (error code 5 pending) ends the wait at once: the stream is out of step after it.
-__device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_ns, DeviceErrors* err, int rank,
-                             int waiter) {
+// Thread 0 waits for every source's arrival counter; false (on every thread) if one did not come in time. An
+// earlier timeout (error code 5 pending) ends the wait at once: the stream is out of step after it.
+__device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_ns, DeviceErrors* err, int rank) {
   __shared__ bool ok;
-  if (threadIdx.x == waiter) {
+  if (threadIdx.x == 0) {
     ok = true;
     for (int s = 0; s < num_ranks && ok; ++s)
       ok = wait_flag(from.arrivals[s], from.seq[s] * kSendBlocks, int64_t(from.seq[s]), timeout_ns, err, rank,
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
   int* total = offset + R * L;  // [l]
   int* rows_from = total + L;   // [R + 1]: prefix of each source's rows
   stamp(shape, kDispatchRecv, 0);
-  if (!wait_sources(from, R, timeout_ns, err, shape.rank, 0)) return;
+  if (!wait_sources(from, R, timeout_ns, err, shape.rank)) return;
   stamp(shape, kDispatchRecv, 1);
   for (int i = threadIdx.x; i < R * L; i += blockDim.x)
     count[i] = __ldcg(reinterpret_cast<const int*>(from.region[i / L]) + i % L);
@@ -360,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shap
   route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, warp_counts, err, shape.rank, false);
   expert_offsets(count, first, shape.num_ranks, L);
   stamp(shape, kCombineRecv, 1);
-  if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank, 0)) return;
+  if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank)) return;
   stamp(shape, kCombineRecv, 2);
   for (int e = threadIdx.x; e < num_experts && blockIdx.x == 0; e += blockDim.x) {
     const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
