@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES=--ranks)")
     ap.add_argument("--out", default=None, help="write the timings as JSON here")
+    ap.add_argument("--cupti", action="store_true",
+                    help="GPUs: also time our kernels with CUPTI through torch.profiler (needs torch)")
     args = ap.parse_args(argv)
     # GPU: events around our kernels (kernel_spans); 2 also stamps each kernel's phases (kernel_phases)
     os.environ.setdefault("UCCL_EP_KERNEL_TIMING", "1")
@@ -116,8 +118,9 @@ def main(argv=None) -> int:
         buf = jnp.zeros((r * t * k, h), jnp.bfloat16) + x[0, :1] + busy_zero(x[0, 0, 0])
         return common.looped(step, args.iters, unroll)(buf)[:1, :1][None]
 
-    d = ["low_latency_dispatch send", "low_latency_dispatch receive"]
-    c = ["low_latency_combine send", "low_latency_combine receive"]
+    # One fused kernel per op, or its two launches (split calls, UCCL_EP_LL_FUSED=0)
+    d = ["low_latency_dispatch", "low_latency_dispatch send", "low_latency_dispatch receive"]
+    c = ["low_latency_combine", "low_latency_combine send", "low_latency_combine receive"]
     ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6, d),
            ("uccl_ep LL dispatch bf16", ll_dispatch(False), None, d),
            ("uccl_ep LL combine bf16", ll_combine, 39.8e-6, c),
@@ -129,20 +132,24 @@ def main(argv=None) -> int:
             takes_y = body in (ll_combine, ll_roundtrip)
             inputs = (x, topk_idx, weights, y_rows) if takes_y else (x, topk_idx, weights)
             kernel_spans(gpu)  # drop earlier spans
-            tm = common.time_jitted(smap(body), inputs, iters=args.iters, repeats=args.repeats)
+            fn = smap(body)
+            tm = common.time_jitted(fn, inputs, iters=args.iters, repeats=args.repeats)
             spans = {k: v for k, v in kernel_spans(gpu).items() if k in labels}
             phases = kernel_phases(gpu)
-            results[name] = dict(tm.as_dict(), kernel_spans_us=spans, kernel_phases_us=phases)
+            cupti = cupti_kernel_us(lambda: jax.block_until_ready(fn(*inputs)), labels) if args.cupti else {}
+            results[name] = dict(tm.as_dict(), kernel_spans_us=spans, kernel_phases_us=phases, cupti_us=cupti)
             if phases:
                 print(f"# {name}: phases of the last call (block 0, us): {phases}")
             span_s = sum(spans.values()) * 1e-6 if spans else None
             ratio = f"{deepep / span_s:.2f}x" if deepep and span_s else ""
+            cupti_s = sum(cupti.values()) * 1e-6 if cupti and "error" not in cupti else None
             rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(span_s),
-                         " + ".join(f"{v:.1f}" for v in spans.values()), common.fmt_time(deepep) if deepep else "",
-                         ratio])
+                         " + ".join(f"{v:.1f}" for v in spans.values()), common.fmt_time(cupti_s) if cupti_s else "",
+                         common.fmt_time(deepep) if deepep else "", ratio,
+                         f"{deepep / cupti_s:.2f}x" if deepep and cupti_s else ""])
         except Exception as exc:  # noqa: BLE001
             results[name] = {"error": str(exc)[:500]}
-            rows.append([name, "n/a", common.short_error(exc, 60), "", "", ""])
+            rows.append([name, "n/a", common.short_error(exc, 60), "", "", "", "", ""])
     held = ep.buffer_bytes_held()
     ep.check_errors()
     ep.shutdown()
@@ -150,11 +157,16 @@ def main(argv=None) -> int:
     if gpu:
         print(f"# low-latency buffer per GPU: {common.fmt_bytes(ll_need)} for FP8 dispatch + BF16 combine, "
               f"{common.fmt_bytes(ll_bytes)} with BF16 dispatch (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
-              f"held per GPU (normal, LL): {held.get(0)}; blocks per LL kernel: {_uccl_ep_blocks()}")
+              f"held per GPU (normal, LL): {held.get(0)}; blocks: 64 per send or fused kernel, "
+              f"{_uccl_ep_blocks()} per receive kernel")
     print("# time/call: jitted calls end to end (host launch and a ~ms matmul prologue on GPUs included, divided by "
-          "the calls); kernels: median GPU span of our kernels, send + receive (waiting for the peer included; the "
-          "FP8 cast runs in JAX before it)")
-    common.print_table(["op", "time/call", "kernels", "spans us", "DeepEP", "DeepEP/kernels"], rows,
+          "the calls); kernels: median GPU span of our kernels, one fused kernel per op or send + receive (waiting "
+          "for the peer included; the FP8 cast runs in JAX before it)")
+    if args.cupti:
+        print("# CUPTI: median device time per call of our kernels, from torch.profiler (CUPTI kernel records, how "
+              "DeepEP's test times its kernels); no launch gaps or events")
+    common.print_table(["op", "time/call", "kernels", "spans us", "CUPTI", "DeepEP", "DeepEP/kernels", "DeepEP/CUPTI"],
+                       rows,
                        title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}, "
                              f"{'fori_loop' if args.fori else 'unrolled'} x{args.iters}")
     if args.out:
@@ -197,6 +209,29 @@ def kernel_phases(gpu: bool) -> dict:
         if all(t > 0 for t in ts):
             out[kernel] = {n: round(b - a, 2) for n, a, b in zip(names, ts, ts[1:])}
     return out
+
+
+# Kernel names of each op label (kernels/nvl/low_latency.cu), as CUPTI reports them (demangled).
+CUPTI_KERNELS = {"low_latency_dispatch": "dispatch_kernel", "low_latency_combine": "combine_kernel"}
+
+
+def cupti_kernel_us(call, labels) -> dict:
+    """Median duration (us) on GPU 0 of each of our low-latency kernels (per template instance: fused, or send and
+    receive) that `call` launches and `labels` name; {"error": ...} without torch."""
+    import statistics
+
+    import common
+
+    try:
+        activity = common.cupti_activity(call)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": common.short_error(exc, 120)}
+    wanted = {CUPTI_KERNELS[label] for label in labels if label in CUPTI_KERNELS}
+    durations: dict = {}
+    for name, us in activity:
+        if "uccl_ep" in name and any(w in name for w in wanted):
+            durations.setdefault(name, []).append(us)
+    return {k: statistics.median(v) for k, v in durations.items()}
 
 
 def _uccl_ep_blocks() -> int:

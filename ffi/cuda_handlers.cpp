@@ -200,8 +200,7 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                     max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
     set_dispatch_inputs(a, x, scales, topk_idx);
     set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
-    uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
-    uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
+    uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
   });
 }
 
@@ -241,8 +240,7 @@ ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
     set_combine_send(a, y, layout);
     set_combine_recv(a, topk_idx, topk_weights, out);
-    uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
-    uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
+    uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
   });
 }
 

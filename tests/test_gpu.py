@@ -116,7 +116,7 @@ def _low_latency_checks(mesh, problems: dict) -> None:
 
 
 def gpu_missing_peer(mode: str = "low_latency") -> dict:
-    """Child: rank 1 never joins a dispatch (low-latency, or normal with UCCL_EP_NVL_DEADLINE=1); rank 0's kernel
+    """Child: rank 1 never joins a dispatch (low-latency or normal mode); rank 0's kernel
     gives up after UCCL_EP_TIMEOUT_S and check_errors() names the missing rank."""
     import time
 
@@ -189,8 +189,6 @@ def test_one_process_per_gpu(part):
 def test_missing_peer_is_named_within_the_deadline(mode):
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(2)]
     env = {"UCCL_EP_TIMEOUT_S": "5", "UCCL_EP_NVL_BUFFER_BYTES": str(64 << 20)}
-    if mode == "normal":
-        env["UCCL_EP_NVL_DEADLINE"] = "1"  # opt-in: normal mode waits with polling kernels that give up
     results = launch(HERE, "gpu_missing_peer", 2, args=[mode], platform="gpu", per_rank_env=per_rank,
                      timeout_s=200, env=env)
     assert all(x.ok for x in results), describe(results)
@@ -276,8 +274,11 @@ def test_gpu_pushes_every_command_through_the_rings_in_order():
     assert 0 < res["round_trip_median_ns"] < 1e6, res
 
 
-def test_low_latency_with_routing_by_warps():
-    """The opt-in routing variant (UCCL_EP_LL_ROUTING=warps) against the same reference."""
+@pytest.mark.parametrize("variant", ["UCCL_EP_LL_ROUTING=one_warp", "UCCL_EP_LL_FUSED=0"])
+def test_low_latency_variants(variant):
+    """The non-default low-latency paths (routing by one warp; send and receive as two launches) against the same
+    reference."""
+    name, value = variant.split("=")
     results = launch(HERE, "gpu_suite", 1, args=["low_latency"], platform="gpu", timeout_s=150,
-                     env=dict(SUITE_ENV, UCCL_EP_LL_ROUTING="warps"))
+                     env=dict(SUITE_ENV, **{name: value}))
     _check(results, NUM_GPUS)

@@ -245,8 +245,8 @@ int num_sms();
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing (UCCL_EP_TIMEOUT_S).
 uint64_t timeout_ns();
-// Whether normal mode waits for peers with polling kernels that give up after timeout_ns() (UCCL_EP_NVL_DEADLINE=1)
-// instead of stream memory waits, which are free but never give up.
+// Whether normal mode waits for peers with polling kernels that give up after timeout_ns() (the default) instead
+// of stream memory waits, which cost no launch but never give up (UCCL_EP_NVL_DEADLINE=0).
 bool waits_have_deadline();
 
 // Low-latency mode (low_latency.cu). Shapes as in jax_uccl_ep.low_latency: L = num_experts / R local experts,
@@ -271,6 +271,9 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& group, const LowLate
                                cudaStream_t stream);
 void low_latency_dispatch_recv(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
                                cudaStream_t stream);
+// Both halves, in one kernel where its blocks fit on the GPU at once (UCCL_EP_LL_FUSED=0: two launches).
+void low_latency_dispatch(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
+                          cudaStream_t stream);
 
 struct LowLatencyCombineArgs {
   const void* y;  // [L, R * N, hidden]
@@ -286,6 +289,8 @@ void low_latency_combine_send(NvlDevice& dev, const Group& group, const LowLaten
                               cudaStream_t stream);
 void low_latency_combine_recv(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
                               cudaStream_t stream);
+void low_latency_combine(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
+                         cudaStream_t stream);
 // Bytes of low-latency area per GPU for these shapes (rows: the larger of a dispatch row and a combine row).
 size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
                              int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row_bytes);

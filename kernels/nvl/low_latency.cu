@@ -17,8 +17,11 @@
 //   combine row:  [y row], in the order the dispatch delivered that (expert rank, source) pair
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "api.hpp"
 #include "device_common.cuh"
@@ -52,70 +55,13 @@ struct Shape {
   int64_t counts_bytes, row_bytes, capacity_rows;  // region layout
   int rank;                                        // this GPU's global rank (error reports)
   uint64_t* phases;                                // UCCL_EP_KERNEL_TIMING=2: SM clock stamps, else null
-  bool routing_by_warps;                           // UCCL_EP_LL_ROUTING=warps (see route_slots)
+  bool routing_by_warps;                           // else UCCL_EP_LL_ROUTING=one_warp (see route_slots)
 };
 
 // Phase stamps for profiling (block 0, thread 0; SM clock): word kernel * 8 + phase.
 enum PhaseKernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
 __device__ __forceinline__ void stamp(const Shape& shape, int kernel, int phase) {
   if (shape.phases && blockIdx.x == 0 && threadIdx.x == 0) shape.phases[kernel * 8 + phase] = clock64();
-}
-
-// The whole block: copies topk_idx into shared `idx` (out-of-range entries become -1, reported once with
-// `report_bad`), then finds the position of each (token, slot) among this rank's slots for the same expert, in
-// token order, and the slots per expert (`count`). Ends with the block synchronized.
-// With `warp_counts` ([warps * num_experts] shared ints) every warp counts a contiguous chunk of the slots and a
-// scan over warps joins them (UCCL_EP_LL_ROUTING=warps, not yet measured); without, warp 0 walks all slots.
-__device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* idx, int* pos,
-                            int* count, int* warp_counts, DeviceErrors* err, int rank, bool report_bad) {
-  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    int e = topk_idx[p];
-    if (e < -1 || e >= num_experts) {
-      if (report_bad) report(err, 1, rank, p / topk, p % topk, e);
-      e = -1;
-    }
-    idx[p] = e;
-  }
-  int* counts = warp_counts ? warp_counts + warp * num_experts : count;  // this warp's counters
-  for (int i = threadIdx.x; i < (warp_counts ? warps : 1) * num_experts; i += blockDim.x)
-    (warp_counts ? warp_counts : count)[i] = 0;
-  __syncthreads();
-  // Slots [begin, end) for this warp, walked 32 at a time: match_any groups the lanes of one expert.
-  const int chunk = warp_counts ? (pairs + warps * kWarp - 1) / (warps * kWarp) * kWarp : pairs;
-  const int begin = warp_counts ? warp * chunk : 0;
-  const int end = warp_counts || warp == 0 ? min(pairs, begin + chunk) : 0;
-  for (int base = begin; base < end; base += kWarp) {
-    const int p = base + lane;
-    const int e = p < end ? idx[p] : -1;
-    const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
-    const int before_warp = e >= 0 ? counts[e] : 0;
-    __syncwarp();
-    if (e >= 0) {
-      const int before_lane = __popc(same & ((1u << lane) - 1));
-      pos[p] = before_warp + before_lane;
-      if (before_lane == 0) counts[e] = before_warp + __popc(same);
-    }
-    __syncwarp();
-  }
-  if (!warp_counts) {
-    __syncthreads();
-    return;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {  // each warp's start, per expert
-    int running = 0;
-    for (int w = 0; w < warps; ++w) {
-      const int c = warp_counts[w * num_experts + e];
-      warp_counts[w * num_experts + e] = running;
-      running += c;
-    }
-    count[e] = running;
-  }
-  __syncthreads();
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x)
-    if (idx[p] >= 0) pos[p] += warp_counts[(p / chunk) * num_experts + idx[p]];
-  __syncthreads();
 }
 
 // One warp: exclusive prefix sums of load(0..n) into store(i, prefix); returns the total on every lane.
@@ -137,10 +83,70 @@ __device__ int warp_exclusive_scan(int n, Load&& load, Store&& store) {
   return carry;
 }
 
-// first[e]: where expert e's rows start among the rows for e's rank (one warp per rank). Ends synchronized.
-__device__ void expert_offsets(const int* count, int* first, int num_ranks, int local) {
-  const int warp = threadIdx.x / kWarp;
-  if (warp < num_ranks)
+// One warp: the position of each slot in [begin, end) among the earlier slots of that range for the same expert,
+// added to counts[e] (the range's slots per expert so far), walked 32 at a time: match_any groups the lanes of
+// one expert.
+__device__ void count_slots(const int* idx, int begin, int end, int* pos, int* counts) {
+  const int lane = threadIdx.x % kWarp;
+  for (int base = begin; base < end; base += kWarp) {
+    const int p = base + lane;
+    const int e = p < end ? idx[p] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
+    const int before_warp = e >= 0 ? counts[e] : 0;
+    __syncwarp();
+    if (e >= 0) {
+      const int before_lane = __popc(same & ((1u << lane) - 1));
+      pos[p] = before_warp + before_lane;
+      if (before_lane == 0) counts[e] = before_warp + __popc(same);
+    }
+    __syncwarp();
+  }
+}
+
+// The routing of this rank's slots, in shared memory: idx (topk_idx, out-of-range entries -1), pos (each slot's
+// position among this rank's slots for the same expert, in token order), count (slots per expert) and first
+// (where expert e's rows start among the rows for e's rank), computed by the whole block (it ends synchronized).
+//
+// With `warp_counts` ([warps * num_experts] shared ints): every warp counts a contiguous chunk of the
+// slots and a scan over warps joins them (the default); without, warp 0 walks all slots
+// (UCCL_EP_LL_ROUTING=one_warp). Out-of-range entries are reported with `report_bad`.
+__device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int num_ranks, int* idx,
+                            int* pos, int* count, int* first, int* warp_counts, DeviceErrors* err, int rank,
+                            bool report_bad) {
+  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp;
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    int e = topk_idx[p];
+    if (e < -1 || e >= num_experts) {
+      if (report_bad) report(err, 1, rank, p / topk, p % topk, e);
+      e = -1;
+    }
+    idx[p] = e;
+  }
+  for (int i = threadIdx.x; i < (warp_counts ? warps : 1) * num_experts; i += blockDim.x)
+    (warp_counts ? warp_counts : count)[i] = 0;
+  __syncthreads();
+  const int chunk = warp_counts ? (pairs + warps * kWarp - 1) / (warps * kWarp) * kWarp : pairs;
+  if (warp_counts)
+    count_slots(idx, warp * chunk, min(pairs, (warp + 1) * chunk), pos, warp_counts + warp * num_experts);
+  else if (warp == 0)
+    count_slots(idx, 0, pairs, pos, count);
+  __syncthreads();
+  if (warp_counts) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {  // each warp's start, per expert
+      int running = 0;
+      for (int w = 0; w < warps; ++w) {
+        const int c = warp_counts[w * num_experts + e];
+        warp_counts[w * num_experts + e] = running;
+        running += c;
+      }
+      count[e] = running;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x)
+      if (idx[p] >= 0) pos[p] += warp_counts[(p / chunk) * num_experts + idx[p]];
+  }
+  const int local = num_experts / num_ranks;
+  if (warp < num_ranks)  // one warp per rank
     warp_exclusive_scan(local, [&](int l) { return count[warp * local + l]; },
                         [&](int l, int v) { first[warp * local + l] = v; });
   __syncthreads();
@@ -170,20 +176,51 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
   return ok;
 }
 
-__global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(
-    const char* x, int64_t x_row_bytes, const char* scales, int64_t scale_row_bytes, int64_t scales_at,
-    const int32_t* topk_idx, int num_tokens, int topk, int num_experts, Shape shape, Outbox to,
-    DeviceErrors* err) {
-  extern __shared__ int smem[];
-  const int pairs = num_tokens * topk, local = shape.local_experts;
+// What the dispatch's send phase reads, and what its receive phase writes.
+struct DispatchSource {
+  const char* x;
+  int64_t x_row_bytes;
+  const char* scales;
+  int64_t scale_row_bytes, scales_at;  // scales_at: where the scales start in a row
+  const int32_t* topk_idx;
+  int num_tokens, topk, num_experts;
+};
+struct DispatchTarget {
+  int64_t x_row_bytes, scale_row_bytes, scales_at;
+  char* recv_x;
+  char* recv_scales;
+  int32_t* recv_count;
+  int32_t* layout;
+  int32_t* src_token;
+};
+// What the combine's send phase reads, and what its receive phase reads and writes.
+struct CombineSource {
+  const char* y;
+  int64_t row_bytes;
+  const int32_t* layout;
+};
+struct CombineTarget {
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  int num_tokens, topk, num_experts;
+  int64_t row_bytes;
+  char* out;
+};
+
+// Each phase below is a whole-block device function over the kernel's dynamic shared memory `smem`; a kernel runs
+// one phase (split calls) or both (send, then receive: one launch per op).
+
+__device__ void dispatch_send(const DispatchSource& in, const Shape& shape, const Outbox& to, DeviceErrors* err,
+                              int* smem) {
+  const int pairs = in.num_tokens * in.topk, local = shape.local_experts;
   int* idx = smem;
   int* pos = idx + pairs;
   int* count = pos + pairs;
-  int* first = count + num_experts;
-  int* warp_counts = shape.routing_by_warps ? first + num_experts : nullptr;
+  int* first = count + in.num_experts;
+  int* warp_counts = shape.routing_by_warps ? first + in.num_experts : nullptr;
   stamp(shape, kDispatchSend, 0);
-  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, warp_counts, err, shape.rank, blockIdx.x == 0);
-  expert_offsets(count, first, shape.num_ranks, local);
+  route_slots(in.topk_idx, pairs, in.topk, in.num_experts, shape.num_ranks, idx, pos, count, first, warp_counts, err,
+              shape.rank, blockIdx.x == 0);
   stamp(shape, kDispatchSend, 1);
 
   // One warp per (token, slot): the rows of a token are read K times, from L2.
@@ -191,29 +228,27 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(
   for (int p = blockIdx.x * warps_per_block + threadIdx.x / kWarp; p < pairs; p += gridDim.x * warps_per_block) {
     const int e = idx[p];
     if (e < 0) continue;
-    const int d = e / local, t = p / topk, j = first[e] + pos[p];
+    const int d = e / local, t = p / in.topk, j = first[e] + pos[p];
     if (j >= shape.capacity_rows) continue;  // the host refused shapes where this can happen
     char* row = to.region[d] + shape.counts_bytes + int64_t(j) * shape.row_bytes;
-    warp_copy(row, x + int64_t(t) * x_row_bytes, x_row_bytes, lane);
-    if (scale_row_bytes) warp_copy(row + scales_at, scales + int64_t(t) * scale_row_bytes, scale_row_bytes, lane);
+    warp_copy(row, in.x + int64_t(t) * in.x_row_bytes, in.x_row_bytes, lane);
+    if (in.scale_row_bytes)
+      warp_copy(row + in.scales_at, in.scales + int64_t(t) * in.scale_row_bytes, in.scale_row_bytes, lane);
     if (lane == 0) *reinterpret_cast<int4*>(row + shape.row_bytes - 16) = make_int4(e % local, t, pos[p], 0);
   }
   stamp(shape, kDispatchSend, 2);
   finish_send(to, shape.num_ranks, [&] {
-    for (int i = threadIdx.x; i < num_experts; i += blockDim.x)
+    for (int i = threadIdx.x; i < in.num_experts; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / local])[i % local] = count[i];
   });
   stamp(shape, kDispatchSend, 3);
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
-    Inbox from, Shape shape, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t scales_at, char* recv_x,
-    char* recv_scales, int32_t* recv_count, int32_t* layout, int32_t* src_token, uint64_t timeout_ns,
-    DeviceErrors* err) {
-  extern __shared__ int smem[];
+__device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
+                              DeviceErrors* err, int* smem) {
   const int R = shape.num_ranks, L = shape.local_experts;
   const int64_t slab = int64_t(R) * shape.max_tokens;  // rows per local expert
-  int* count = smem;         // [s * L + l]
+  int* count = smem;            // [s * L + l]
   int* offset = count + R * L;  // [l * R + s]: where source s's rows of expert l start
   int* total = offset + R * L;  // [l]
   int* rows_from = total + L;   // [R + 1]: prefix of each source's rows
@@ -228,11 +263,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
     for (int s = 0; s < R; ++s) {
       offset[l * R + s] = acc;
       acc += count[s * L + l];
-      if (blockIdx.x == 0) layout[l * R + s] = count[s * L + l];
+      if (blockIdx.x == 0) out.layout[l * R + s] = count[s * L + l];
     }
     total[l] = acc;
     if (blockIdx.x == 0) {
-      recv_count[l] = int(min(int64_t(acc), slab));
+      out.recv_count[l] = int(min(int64_t(acc), slab));
       if (acc > slab) report(err, 2, shape.rank, acc, slab, 0);
     }
   }
@@ -261,33 +296,33 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(
               j = __shfl_sync(0xffffffffu, tail.z, 0);
     if (l < 0 || l >= L || j < 0 || j >= count[s * L + l] || offset[l * R + s] + j >= slab) continue;
     const int64_t o = int64_t(l) * slab + offset[l * R + s] + j;
-    warp_copy<Load::kCoherent>(recv_x + o * x_row_bytes, row, x_row_bytes, lane);
-    if (scale_row_bytes)
-      warp_copy<Load::kCoherent>(recv_scales + o * scale_row_bytes, row + scales_at, scale_row_bytes, lane);
-    if (lane == 0) src_token[o] = t;
+    warp_copy<Load::kCoherent>(out.recv_x + o * out.x_row_bytes, row, out.x_row_bytes, lane);
+    if (out.scale_row_bytes)
+      warp_copy<Load::kCoherent>(out.recv_scales + o * out.scale_row_bytes, row + out.scales_at, out.scale_row_bytes,
+                                 lane);
+    if (lane == 0) out.src_token[o] = t;
   }
   stamp(shape, kDispatchRecv, 3);
   // Padding rows: no source token (their data is not written).
-  for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < int64_t(L) * slab; o += int64_t(gridDim.x) * blockDim.x)
-    if (o % slab >= total[o / slab]) src_token[o] = -1;
+  for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < int64_t(L) * slab;
+       o += int64_t(gridDim.x) * blockDim.x)
+    if (o % slab >= total[o / slab]) out.src_token[o] = -1;
   stamp(shape, kDispatchRecv, 4);
 }
 
-__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* y, int64_t y_row_bytes,
-                                                                const int32_t* layout, Shape shape, Outbox to,
-                                                                DeviceErrors* err) {
-  extern __shared__ int smem[];
+__device__ void combine_send(const CombineSource& in, const Shape& shape, const Outbox& to, DeviceErrors* err,
+                             int* smem) {
   const int R = shape.num_ranks, L = shape.local_experts;
   const int64_t slab = int64_t(R) * shape.max_tokens;
-  int* rows = smem;            // [l * R + s]: the handle's layout
-  int* begin = rows + R * L;   // [l * R + s]: where source s's rows start in y[l]
-  int* first = begin + R * L;  // [s * L + l]: where expert l's rows start in source s's region
-  int* cum = first + R * L;    // [L + 1]: prefix of rows per expert
-  int* in_expert = cum + L + 1;  // [L]: rows of expert l
+  int* rows = smem;               // [l * R + s]: the handle's layout
+  int* begin = rows + R * L;      // [l * R + s]: where source s's rows start in y[l]
+  int* first = begin + R * L;     // [s * L + l]: where expert l's rows start in source s's region
+  int* cum = first + R * L;       // [L + 1]: prefix of rows per expert
+  int* in_expert = cum + L + 1;   // [L]: rows of expert l
   __shared__ bool valid;
   stamp(shape, kCombineSend, 0);
   if (threadIdx.x == 0) valid = true;
-  for (int i = threadIdx.x; i < R * L; i += blockDim.x) rows[i] = max(0, layout[i]);
+  for (int i = threadIdx.x; i < R * L; i += blockDim.x) rows[i] = max(0, in.layout[i]);
   __syncthreads();
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int in_l = 0;
@@ -319,7 +354,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* 
   stamp(shape, kCombineSend, 1);
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int all_rows = valid ? cum[L] : 0;
-  for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < all_rows; i += gridDim.x * warps_per_block) {
+  for (int i = blockIdx.x * warps_per_block + warp; i < all_rows; i += gridDim.x * warps_per_block) {
     int lo = 0, hi = L;  // the expert: the last l with cum[l] <= i
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
@@ -330,8 +365,8 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* 
     while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
     const int64_t j = first[s * L + l] + (r - begin[l * R + s]);
     if (j >= shape.capacity_rows) continue;
-    warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, y + (int64_t(l) * slab + r) * y_row_bytes,
-              y_row_bytes, lane);
+    warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
+              in.row_bytes, lane);
   }
   stamp(shape, kCombineSend, 2);
   finish_send(to, R, [&] {
@@ -342,59 +377,89 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const char* 
 }
 
 // (token, 1 KiB segment) work items: each lane sums two 16-byte vectors of every selected expert's row, weighted,
-// in float32.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Inbox from, Shape shape, const int32_t* topk_idx,
-                                                                const float* topk_weights, int num_tokens, int topk,
-                                                                int num_experts, int64_t y_row_bytes, char* out,
-                                                                uint64_t timeout_ns, DeviceErrors* err) {
-  extern __shared__ int smem[];
-  const int pairs = num_tokens * topk, L = shape.local_experts;
+// in float32, with the rows of kRowsInFlight experts loaded before any is added (one row at a time leaves the
+// loads latency-bound; 4 rows fit the registers of 512-thread blocks, 2 those of 1024-thread ones).
+template <typename T, int kRowsInFlight>
+__device__ void combine_recv(const CombineTarget& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
+                             DeviceErrors* err, int* smem) {
+  const int pairs = out.num_tokens * out.topk, L = shape.local_experts, topk = out.topk;
   int* idx = smem;
   int* pos = idx + pairs;
   int* count = pos + pairs;
-  int* first = count + num_experts;
-  int* warp_counts = shape.routing_by_warps ? first + num_experts : nullptr;
+  int* first = count + out.num_experts;
+  int* warp_counts = shape.routing_by_warps ? first + out.num_experts : nullptr;
   stamp(shape, kCombineRecv, 0);
-  route_slots(topk_idx, pairs, topk, num_experts, idx, pos, count, warp_counts, err, shape.rank, false);
-  expert_offsets(count, first, shape.num_ranks, L);
+  route_slots(out.topk_idx, pairs, topk, out.num_experts, shape.num_ranks, idx, pos, count, first, warp_counts, err,
+              shape.rank, false);
   stamp(shape, kCombineRecv, 1);
   if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank)) return;
   stamp(shape, kCombineRecv, 2);
-  for (int e = threadIdx.x; e < num_experts && blockIdx.x == 0; e += blockDim.x) {
+  for (int e = threadIdx.x; e < out.num_experts && blockIdx.x == 0; e += blockDim.x) {
     const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
     if (got != count[e]) report(err, 6, shape.rank, got, e % L, from.rank[e / L]);
   }
 
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
-  const int64_t segments = (y_row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
+  const int64_t row_vecs = out.row_bytes / 16, segments = (out.row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
   constexpr int kVecs = kCombineSegmentBytes / 16 / kWarp;
-  for (int64_t w = blockIdx.x * warps_per_block + threadIdx.x / kWarp; w < int64_t(num_tokens) * segments;
+  for (int64_t w = blockIdx.x * warps_per_block + threadIdx.x / kWarp; w < int64_t(out.num_tokens) * segments;
        w += int64_t(gridDim.x) * warps_per_block) {
     const int t = int(w / segments);
-    const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16, v1 = min(y_row_bytes / 16, v0 + kCombineSegmentBytes / 16);
+    const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16 + lane;
     float acc[kVecs][Vec<T>::kN] = {};
-    for (int k = 0; k < topk; ++k) {
-      const int e = idx[t * topk + k];
-      if (e < 0) continue;
-      const int64_t j = first[e] + pos[t * topk + k];
-      if (j >= shape.capacity_rows) continue;
-      const int4* row = reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes + j * shape.row_bytes);
-      const float weight = topk_weights[t * topk + k];
-      int4 v[kVecs];
+    for (int k0 = 0; k0 < topk; k0 += kRowsInFlight) {
+      int4 v[kRowsInFlight][kVecs];
+      float weight[kRowsInFlight];
+      bool used[kRowsInFlight];
 #pragma unroll
-      for (int u = 0; u < kVecs; ++u)
-        if (v0 + lane + u * kWarp < v1) v[u] = __ldcg(row + v0 + lane + u * kWarp);
+      for (int r = 0; r < kRowsInFlight; ++r) {
+        const int k = k0 + r, e = k < topk ? idx[t * topk + k] : -1;
+        const int64_t j = e >= 0 ? first[e] + pos[t * topk + k] : 0;
+        used[r] = e >= 0 && j < shape.capacity_rows;
+        weight[r] = used[r] ? out.topk_weights[t * topk + k] : 0.f;
+        const int4* row = used[r] ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes +
+                                                                  j * shape.row_bytes) : nullptr;
 #pragma unroll
-      for (int u = 0; u < kVecs; ++u)
-        if (v0 + lane + u * kWarp < v1) Vec<T>::add(acc[u], v[u], weight);
+        for (int u = 0; u < kVecs; ++u)
+          if (used[r] && v0 + u * kWarp < row_vecs) v[r][u] = __ldcg(row + v0 + u * kWarp);
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsInFlight; ++r)
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u)
+          if (used[r] && v0 + u * kWarp < row_vecs) Vec<T>::add(acc[u], v[r][u], weight[r]);
     }
-    int4* dst = reinterpret_cast<int4*>(out + int64_t(t) * y_row_bytes);
+    int4* dst = reinterpret_cast<int4*>(out.out + int64_t(t) * out.row_bytes);
 #pragma unroll
     for (int u = 0; u < kVecs; ++u)
-      if (v0 + lane + u * kWarp < v1) dst[v0 + lane + u * kWarp] = Vec<T>::pack(acc[u]);
+      if (v0 + u * kWarp < row_vecs) dst[v0 + u * kWarp] = Vec<T>::pack(acc[u]);
   }
   stamp(shape, kCombineRecv, 3);
+}
+
+// Send-only and fused launches use kSendThreads a block (the copy loop's registers); receive-only kThreads.
+template <bool kSend, bool kRecv>
+constexpr int kMaxThreads = kSend ? kSendThreads : kThreads;
+
+template <bool kSend, bool kRecv>
+__global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1) dispatch_kernel(
+    DispatchSource in, DispatchTarget out, Shape shape, Outbox to, Inbox from, uint64_t timeout_ns,
+    DeviceErrors* err) {
+  extern __shared__ int smem[];
+  if constexpr (kSend) dispatch_send(in, shape, to, err, smem);
+  if constexpr (kSend && kRecv) __syncthreads();  // the receive phase reuses the shared memory
+  if constexpr (kRecv) dispatch_recv(out, shape, from, timeout_ns, err, smem);
+}
+
+// T: the rows' type, which only the receive phase reads.
+template <typename T, bool kSend, bool kRecv>
+__global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1) combine_kernel(
+    CombineSource in, CombineTarget out, Shape shape, Outbox to, Inbox from, uint64_t timeout_ns,
+    DeviceErrors* err) {
+  extern __shared__ int smem[];
+  if constexpr (kSend) combine_send(in, shape, to, err, smem);
+  if constexpr (kSend && kRecv) __syncthreads();  // the receive phase reuses the shared memory
+  if constexpr (kRecv) combine_recv<T, kSend ? 4 : 2>(out, shape, from, timeout_ns, err, smem);
 }
 
 int64_t counts_bytes(int local_experts) { return (int64_t(local_experts) * 4 + 255) / 256 * 256; }
@@ -402,10 +467,21 @@ int64_t dispatch_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
   return int64_t(align16(x_row_bytes) + align16(scale_row_bytes)) + 16;
 }
 
+// Routing by every warp of a block is the default; UCCL_EP_LL_ROUTING=one_warp walks all slots with warp 0 (kept
+// to compare).
 bool routing_by_warps() {
   static const bool on = [] {
     const char* v = std::getenv("UCCL_EP_LL_ROUTING");
-    return v && std::string(v) == "warps";
+    return !(v && std::string(v) == "one_warp");
+  }();
+  return on;
+}
+
+// Non-split ops run send and receive in one kernel; UCCL_EP_LL_FUSED=0 launches the two phases apart.
+bool fused_launches() {
+  static const bool on = [] {
+    const char* v = std::getenv("UCCL_EP_LL_FUSED");
+    return !(v && std::string(v) == "0");
   }();
   return on;
 }
@@ -488,8 +564,25 @@ size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_
   return 2 * ((half + 4095) / 4096 * 4096);
 }
 
-void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(dev.op_mutex());
+namespace {
+
+// A fused launch's blocks wait for each other's sends, so all of them must be resident at once; where they are
+// not (a small GPU, or a partition of one), the op runs as its two launches instead.
+template <class Kernel>
+bool fits_at_once(Kernel kernel, int blocks, int threads, size_t smem, int cuda_device) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, size_t, int>, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), smem, cuda_device);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), "cudaOccupancy");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device), "cudaDeviceGetAttribute");
+  return known[key] = int64_t(per_sm) * sms >= blocks;
+}
+
+Shape dispatch_shape(const NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a) {
   const int64_t row_bytes = dispatch_row_bytes(a.x_row_bytes, a.scale_row_bytes);
   Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_dispatch");
   // A source sends a receiver at most N * K rows: refuse shapes that might not fit before anything moves (every
@@ -497,86 +590,152 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
   const int64_t need = shape.counts_bytes + int64_t(a.max_tokens_per_rank) * a.topk * row_bytes;
   if (need > int64_t(dev.low_latency_stride()))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: " + bytes_advice(dev, need));
+  return shape;
+}
+DispatchSource dispatch_source(const LowLatencyDispatchArgs& a) {
+  return {static_cast<const char*>(a.x), a.x_row_bytes, static_cast<const char*>(a.scales), a.scale_row_bytes,
+          int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts};
+}
+DispatchTarget dispatch_target(const LowLatencyDispatchArgs& a) {
+  return {a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
+          static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_token};
+}
+size_t dispatch_send_shared(const LowLatencyDispatchArgs& a, const Shape& shape) {
+  return routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, kSendThreads);
+}
+size_t dispatch_recv_shared(const Shape& shape) {
+  const size_t R = shape.num_ranks, L = shape.local_experts;
+  return (2 * R * L + L + R + 1) * sizeof(int);
+}
+
+int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * (a.bf16 ? 2 : 4); }
+Shape combine_shape(const NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a) {
+  if (combine_row_bytes(a) % 16 != 0)
+    throw std::invalid_argument("uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
+                                "a multiple of 8 for bfloat16, 4 for float32), got hidden " + std::to_string(a.hidden));
+  return shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
+}
+CombineSource combine_source(const LowLatencyCombineArgs& a) {
+  return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout};
+}
+CombineTarget combine_target(const LowLatencyCombineArgs& a) {
+  return {a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, combine_row_bytes(a),
+          static_cast<char*>(a.out)};
+}
+size_t combine_send_shared(const Shape& shape) {
+  const size_t R = shape.num_ranks, L = shape.local_experts;
+  return (3 * R * L + 2 * L + 1) * sizeof(int);
+}
+size_t combine_recv_shared(const LowLatencyCombineArgs& a, const Shape& shape, int threads) {
+  return routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, threads);
+}
+
+// One launch of a phase kernel: send-only grids are kSendBlocks x kSendThreads (receivers count arrivals by
+// block), receive-only low_latency_blocks() x kThreads, fused as a send grid.
+template <class Kernel, class In, class Out>
+void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t stream, const In& in, const Out& out,
+            const Shape& shape, const Outbox& to, const Inbox& from, NvlDevice& dev, const char* what) {
+  kernel<<<blocks, threads, shared_bytes(kernel, smem), stream>>>(in, out, shape, to, from, timeout_ns(),
+                                                                   dev.errors_device());
+  check(cudaGetLastError(), what);
+}
+
+}  // namespace
+
+void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  const Shape shape = dispatch_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
-  const size_t smem = shared_bytes(dispatch_send_kernel, routing_shared_bytes(a.num_tokens * a.topk, a.num_experts,
-                                                                            shape, kSendThreads));
-  dispatch_send_kernel<<<kSendBlocks, kSendThreads, smem, stream>>>(
-      static_cast<const char*>(a.x), a.x_row_bytes, static_cast<const char*>(a.scales), a.scale_row_bytes,
-      int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts, shape, to,
-      dev.errors_device());
-  check(cudaGetLastError(), "low_latency dispatch_send_kernel");
+  launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
+         dispatch_source(a), DispatchTarget{}, shape, to, Inbox{}, dev, "low_latency dispatch send kernel");
   dev.timing_end(stream, "low_latency_dispatch send");
   dev.timing_begin(stream);
 }
 
 void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  const int64_t row_bytes = dispatch_row_bytes(a.x_row_bytes, a.scale_row_bytes);
-  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_dispatch");
+  const Shape shape = dispatch_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Inbox from = inbox(dev, g);
-  const int R = g.size, L = shape.local_experts;
-  const size_t smem = shared_bytes(dispatch_recv_kernel, (2 * size_t(R) * L + L + R + 1) * sizeof(int));
-  dispatch_recv_kernel<<<low_latency_blocks(), kThreads, smem, stream>>>(
-      from, shape, a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
-      static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_token, timeout_ns(), dev.errors_device());
-  check(cudaGetLastError(), "low_latency dispatch_recv_kernel");
+  launch(dispatch_kernel<false, true>, low_latency_blocks(), kThreads, dispatch_recv_shared(shape), stream,
+         DispatchSource{}, dispatch_target(a), shape, Outbox{}, from, dev, "low_latency dispatch receive kernel");
   dev.timing_end(stream, "low_latency_dispatch receive");
 }
 
-namespace {
-int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * (a.bf16 ? 2 : 4); }
-void check_combine_row(const LowLatencyCombineArgs& a) {
-  if (combine_row_bytes(a) % 16 != 0)
-    throw std::invalid_argument("uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
-                                "a multiple of 8 for bfloat16, 4 for float32), got hidden " + std::to_string(a.hidden));
+void low_latency_dispatch(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
+  const size_t smem = std::max(dispatch_send_shared(a, dispatch_shape(dev, g, a)),
+                               dispatch_recv_shared(dispatch_shape(dev, g, a)));
+  if (!fused_launches() || !fits_at_once(dispatch_kernel<true, true>, kSendBlocks, kSendThreads, smem,
+                                         dev.cuda_device())) {
+    low_latency_dispatch_send(dev, g, a, stream);
+    low_latency_dispatch_recv(dev, g, a, stream);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  const Shape shape = dispatch_shape(dev, g, a);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const Outbox to = outbox(dev, g);
+  const Inbox from = inbox(dev, g);
+  dev.timing_begin(stream);
+  launch(dispatch_kernel<true, true>, kSendBlocks, kSendThreads, smem, stream, dispatch_source(a),
+         dispatch_target(a), shape, to, from, dev, "low_latency dispatch kernel");
+  dev.timing_end(stream, "low_latency_dispatch");
 }
-}  // namespace
 
 void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  check_combine_row(a);
-  const int64_t row_bytes = combine_row_bytes(a);
-  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_combine");
+  const Shape shape = combine_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
-  const size_t smem = shared_bytes(combine_send_kernel, (3 * size_t(g.size) * shape.local_experts + 2 * shape.local_experts + 1) * sizeof(int));
-  combine_send_kernel<<<kSendBlocks, kSendThreads, smem, stream>>>(static_cast<const char*>(a.y), row_bytes, a.layout,
-                                                               shape, to, dev.errors_device());
-  check(cudaGetLastError(), "low_latency combine_send_kernel");
+  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape), stream,
+         combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev, "low_latency combine send kernel");
   dev.timing_end(stream, "low_latency_combine send");
   dev.timing_begin(stream);
 }
 
 void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  check_combine_row(a);
-  const int64_t row_bytes = combine_row_bytes(a);
-  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_combine");
+  const Shape shape = combine_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Inbox from = inbox(dev, g);
-  const size_t smem_bytes = routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, kThreads);
-  if (a.bf16) {
-    const size_t smem = shared_bytes(combine_recv_kernel<__nv_bfloat16>, smem_bytes);
-    combine_recv_kernel<__nv_bfloat16><<<low_latency_blocks(), kThreads, smem, stream>>>(
-        from, shape, a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, row_bytes,
-        static_cast<char*>(a.out), timeout_ns(), dev.errors_device());
-  } else {
-    const size_t smem = shared_bytes(combine_recv_kernel<float>, smem_bytes);
-    combine_recv_kernel<float><<<low_latency_blocks(), kThreads, smem, stream>>>(
-        from, shape, a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, row_bytes,
-        static_cast<char*>(a.out), timeout_ns(), dev.errors_device());
-  }
-  check(cudaGetLastError(), "low_latency combine_recv_kernel");
+  const size_t smem = combine_recv_shared(a, shape, kThreads);
+  if (a.bf16)
+    launch(combine_kernel<__nv_bfloat16, false, true>, low_latency_blocks(), kThreads, smem, stream, CombineSource{},
+           combine_target(a), shape, Outbox{}, from, dev, "low_latency combine receive kernel");
+  else
+    launch(combine_kernel<float, false, true>, low_latency_blocks(), kThreads, smem, stream, CombineSource{},
+           combine_target(a), shape, Outbox{}, from, dev, "low_latency combine receive kernel");
   dev.timing_end(stream, "low_latency_combine receive");
 }
 
+void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
+  const Shape checked = combine_shape(dev, g, a);
+  const size_t smem = std::max(combine_send_shared(checked), combine_recv_shared(a, checked, kSendThreads));
+  const auto kernel = a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>;
+  if (!fused_launches() || !fits_at_once(kernel, kSendBlocks, kSendThreads, smem, dev.cuda_device())) {
+    low_latency_combine_send(dev, g, a, stream);
+    low_latency_combine_recv(dev, g, a, stream);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  const Shape shape = combine_shape(dev, g, a);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const Outbox to = outbox(dev, g);
+  const Inbox from = inbox(dev, g);
+  dev.timing_begin(stream);
+  launch(kernel, kSendBlocks, kSendThreads, smem, stream, combine_source(a), combine_target(a), shape, to, from, dev,
+         "low_latency combine kernel");
+  dev.timing_end(stream, "low_latency_combine");
+}
+
 void preload_low_latency_kernels() {
-  load_kernels(dispatch_send_kernel, dispatch_recv_kernel, combine_send_kernel, combine_recv_kernel<float>,
-               combine_recv_kernel<__nv_bfloat16>);
+  load_kernels(dispatch_kernel<true, false>, dispatch_kernel<false, true>, dispatch_kernel<true, true>,
+               combine_kernel<__nv_bfloat16, true, false>, combine_kernel<__nv_bfloat16, false, true>,
+               combine_kernel<float, false, true>, combine_kernel<__nv_bfloat16, true, true>,
+               combine_kernel<float, true, true>);
 }
 
 }  // namespace uccl_ep::nvl
