@@ -111,7 +111,7 @@ int low_latency_blocks() {
 bool waits_have_deadline() {
   static const bool on = [] {
     const char* v = std::getenv("UCCL_EP_NVL_DEADLINE");
-    return v && *v && std::string(v) != "0";
+    return !(v && std::string(v) == "0");
   }();
   return on;
 }
