@@ -365,12 +365,33 @@ def _global_array(mesh, spec, host_array):
     return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
 
 
+def cupti_activity(call: Callable[[], Any], device_index: int = 0) -> list[tuple[str, float]]:
+    """(name, microseconds) of every kernel and copy that `call` runs on GPU `device_index`, from CUPTI's activity
+    records through torch.profiler (how DeepEP's tests time their kernels). Raises ImportError without torch."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+    return [(ev.name, ev.time_range.elapsed_us()) for ev in prof.events()
+            if ev.device_type == DeviceType.CUDA and ev.device_index == device_index]
+
+
+def cupti_per_call(activity: list[tuple[str, float]], calls: int, top: int = 8) -> dict:
+    """The `top` names by device time, as microseconds per call (sum / calls)."""
+    total: dict = {}
+    for name, us in activity:
+        total[name] = total.get(name, 0.0) + us
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    return {name[:90]: round(us / calls, 2) for name, us in ranked}
+
+
 class EPBench:
     """The ops of one EP problem on a 1-D mesh ('ep'), each its own jit with a fori_loop inside shard_map."""
 
     AXIS = "ep"
 
-    def __init__(self, prob: EPProblem, devices=None, *, iters: int = 10, repeats: int = 5):
+    def __init__(self, prob: EPProblem, devices=None, *, iters: int = 10, repeats: int = 5, cupti: bool = False):
         import jax
         import numpy as np
         from jax.sharding import Mesh, PartitionSpec as P
@@ -378,6 +399,7 @@ class EPBench:
         self.prob = prob
         self.iters = iters
         self.repeats = repeats
+        self.cupti = cupti  # also record each op's device activity per call (GPUs, torch)
         devices = list(devices if devices is not None else jax.devices())
         if len(devices) != prob.ranks:
             raise ValueError(f"{len(devices)} devices but the problem has {prob.ranks} ranks")
@@ -407,6 +429,14 @@ class EPBench:
         try:
             fn, args = make()
             res.timing = time_jitted(fn, args, iters=self.iters, repeats=self.repeats)
+            if self.cupti:
+                import jax
+
+                try:
+                    res.extra["cupti_us_per_call"] = cupti_per_call(
+                        cupti_activity(lambda: jax.block_until_ready(fn(*args))), self.iters)
+                except Exception as e:  # noqa: BLE001 (no torch: the timing stands without it)
+                    res.extra["cupti_us_per_call"] = {"error": short_error(e, 120)}
         except Exception as e:  # one op failing (not implemented on this platform, say) must not stop the rest
             res.error = short_error(e, 400)
         return res

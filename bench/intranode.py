@@ -196,7 +196,8 @@ def sms_used() -> str:
     return "?"
 
 
-def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int) -> tuple[list[common.OpResult], dict]:
+def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int,
+            cupti: bool = False) -> tuple[list[common.OpResult], dict]:
     import jax
 
     devices = jax.devices()[: prob.ranks]
@@ -224,7 +225,7 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int) ->
             if isinstance(e, KeyboardInterrupt):
                 raise
             uccl_error = f"jax_uccl_ep unavailable: {common.short_error(e, 200)}"
-    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats)
+    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti)
     results = []
     for op in ops:
         if uccl_error and op in ("dispatch", "dispatch_fp8", "combine"):
@@ -237,6 +238,8 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int) ->
         res = bench.op(op)
         print(f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        if "cupti_us_per_call" in res.extra:
+            print(f"#   device time per call on GPU 0 (us, CUPTI): {res.extra['cupti_us_per_call']}", flush=True)
         results.append(res)
     if uccl_error is None and any(o in ops for o in ("dispatch", "dispatch_fp8", "combine")):
         import jax_uccl_ep as ep
@@ -279,6 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU devices (smoke test); skips NCCL")
     ap.add_argument("--no-torch", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--torch-timeout", type=float, default=300.0)
+    ap.add_argument("--cupti", action="store_true",
+                    help="also list each op's kernels and copies per call on GPU 0 (CUPTI through torch.profiler)")
     ap.add_argument("--out", default="intranode.json", help="JSON of the results")
     args = ap.parse_args(argv)
 
@@ -320,7 +325,7 @@ def main(argv=None) -> int:
             print(f"# NCCL part failed: {e}", file=sys.stderr, flush=True)
     record["nccl"] = nccl
 
-    jax_results, info = run_jax(prob, ops, args.iters, args.repeats)
+    jax_results, info = run_jax(prob, ops, args.iters, args.repeats, cupti=args.cupti)
     record["jax"] = info
     results += jax_results
     results += nccl_results(prob, nccl, reason)
