@@ -203,6 +203,8 @@ def kernel_phases(gpu: bool) -> dict:
     from jax_uccl_ep import _uccl_ep
 
     stamps = _uccl_ep.nvl_kernel_phases()[0]
+    if not stamps:  # UCCL_EP_KERNEL_TIMING is not 2
+        return {}
     out = {}
     for k, (kernel, names) in PHASES.items():
         ts = stamps[k * 8: k * 8 + len(names) + 1]
