@@ -383,7 +383,7 @@ def cupti_per_call(activity: list[tuple[str, float]], calls: int, top: int = 8) 
     for name, us in activity:
         total[name] = total.get(name, 0.0) + us
     ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
-    return {name[:90]: round(us / calls, 2) for name, us in ranked}
+    return {name: round(us / calls, 2) for name, us in ranked}
 
 
 class EPBench:

@@ -239,7 +239,8 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int,
         print(f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
         if "cupti_us_per_call" in res.extra:
-            print(f"#   device time per call on GPU 0 (us, CUPTI): {res.extra['cupti_us_per_call']}", flush=True)
+            shown = {k[:90]: v for k, v in res.extra["cupti_us_per_call"].items()}  # names are long templates
+            print(f"#   device time per call on GPU 0 (us, CUPTI): {shown}", flush=True)
         results.append(res)
     if uccl_error is None and any(o in ops for o in ("dispatch", "dispatch_fp8", "combine")):
         import jax_uccl_ep as ep

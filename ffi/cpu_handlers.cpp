@@ -9,6 +9,15 @@
 #include <shared_mutex>
 #include <string>
 
+#ifdef UCCL_EP_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <deque>
+#include <tuple>
+#include <vector>
+#endif
+
 #include "../kernels/cpu/low_latency.hpp"
 #include "../kernels/cpu/normal.hpp"
 #include "common.hpp"
@@ -308,6 +317,96 @@ ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, 
       });
 }
 
+#ifdef UCCL_EP_WITH_CUDA
+// GPUs on several nodes: the proxy path, staged through host memory. Each op copies its device buffers to host
+// memory, runs the CPU implementation above on the copies, and copies the results back, on XLA's stream (with a
+// host wait before and after). Correct wherever the proxy runtime runs; one host round trip per op (kernels that
+// post commands to the proxies themselves are not built yet).
+class HostStage {
+ public:
+  explicit HostStage(cudaStream_t stream) : stream_(stream) {}
+
+  ffi::AnyBuffer operator()(const ffi::AnyBuffer& b) { return ffi::AnyBuffer(copy_in(b)); }
+  template <ffi::DataType T>
+  ffi::Buffer<T> operator()(const ffi::Buffer<T>& b) { return ffi::Buffer<T>(copy_in(b)); }
+  template <class T>
+  ffi::Result<T> operator()(ffi::Result<T>& r) {
+    const XLA_FFI_Buffer* host = describe(*r);
+    results_.push_back({r->untyped_data(), host->data, r->size_bytes()});
+    return ffi::Result<T>(T(host));
+  }
+  template <class T>
+  T operator()(T value) { return value; }  // attributes and spans stay as they are
+
+  // Waits for the copies to host memory (and the work before them).
+  void fetch() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+  // Copies the results back and waits for them (the host copies die with this object).
+  void store() {
+    for (const auto& r : results_)
+      if (r.bytes) check(cudaMemcpyAsync(r.device, r.host, r.bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  }
+
+ private:
+  struct Host {
+    XLA_FFI_Buffer buffer;
+    std::vector<int64_t> dims;
+    std::vector<char> bytes;
+  };
+  struct Copy {
+    void* device;
+    const void* host;
+    size_t bytes;
+  };
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep host staging: ") + what + ": " +
+                                                   cudaGetErrorString(e));
+  }
+  template <class B>
+  const XLA_FFI_Buffer* describe(const B& b) {
+    Host& h = hosts_.emplace_back();
+    auto dims = b.dimensions();
+    h.dims.assign(dims.begin(), dims.end());
+    h.bytes.resize(std::max<size_t>(b.size_bytes(), 16));
+    h.buffer = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(b.element_type()),
+                              h.bytes.data(), int64_t(h.dims.size()), h.dims.data()};
+    return &h.buffer;
+  }
+  template <class B>
+  const XLA_FFI_Buffer* copy_in(const B& b) {
+    const XLA_FFI_Buffer* host = describe(b);
+    if (b.size_bytes())
+      check(cudaMemcpyAsync(host->data, b.untyped_data(), b.size_bytes(), cudaMemcpyDeviceToHost, stream_),
+            "cudaMemcpyAsync");
+    return host;
+  }
+
+  cudaStream_t stream_;
+  std::deque<Host> hosts_;  // stable addresses: the FFI buffers point into them
+  std::vector<Copy> results_;
+};
+
+// A CUDA handler over the CPU implementation `kImpl`: the same arguments, after XLA's stream.
+template <auto kImpl>
+struct Staged;
+template <class... Args, ffi::Error (*kImpl)(int32_t, Args...)>
+struct Staged<kImpl> {
+  static ffi::Error call(cudaStream_t stream, int32_t ordinal, Args... args) {
+    try {
+      HostStage stage(stream);
+      auto host_args = std::tuple<Args...>(stage(args)...);
+      stage.fetch();
+      ffi::Error error = std::apply([&](auto&... a) { return kImpl(ordinal, a...); }, host_args);
+      if (error.failure()) return error;  // XLA fails the program: nothing reads the outputs
+      stage.store();
+      return error;
+    } catch (const std::exception& e) {
+      return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+    }
+  }
+};
+#endif
+
 }  // namespace
 }  // namespace uccl_ep::ffi_cpu
 
@@ -340,3 +439,25 @@ UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchSendCpu, LowLatencyDispatchSendImpl,
 UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchRecvCpu, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
 UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineSendCpu, LowLatencyCombineSendImpl, low_latency_combine_send_signature);
 UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineRecvCpu, LowLatencyCombineRecvImpl, low_latency_combine_recv_signature);
+
+#ifdef UCCL_EP_WITH_CUDA
+// The host-staged CUDA handlers (see HostStage); ffi/cuda_handlers.cpp routes to them when the process runs the
+// proxy runtime instead of the NVLink one.
+#define UCCL_EP_STAGED_HANDLER(symbol, impl, signature)                                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, Staged<impl>::call,                                                   \
+                                ffi_common::signature(                                                        \
+                                    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()))
+UCCL_EP_STAGED_HANDLER(UcclEpDispatchStaged, DispatchImpl, dispatch_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpCachedDispatchStaged, CachedDispatchImpl, handle_op_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpCombineStaged, CombineImpl, handle_op_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyDispatchStaged, LowLatencyDispatchImpl, low_latency_dispatch_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyCombineStaged, LowLatencyCombineImpl, low_latency_combine_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyDispatchSendStaged, LowLatencyDispatchSendImpl,
+                       low_latency_dispatch_send_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyDispatchRecvStaged, LowLatencyDispatchRecvImpl,
+                       low_latency_dispatch_recv_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyCombineSendStaged, LowLatencyCombineSendImpl,
+                       low_latency_combine_send_signature);
+UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyCombineRecvStaged, LowLatencyCombineRecvImpl,
+                       low_latency_combine_recv_signature);
+#endif

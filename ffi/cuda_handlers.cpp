@@ -1,5 +1,6 @@
 // XLA FFI handlers for platform "CUDA": decode, find the GPU's NVLink state by device ordinal, call
-// kernels/nvl on XLA's stream. Built only with CUDA.
+// kernels/nvl on XLA's stream. Built only with CUDA. The exported symbols route each call: GPUs of one node to
+// the NVLink handlers here, GPUs on several nodes (the proxy runtime) to the host-staged ones in cpu_handlers.cpp.
 #include "cuda_handlers.hpp"
 
 #include <cuda_runtime.h>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "../kernels/nvl/api.hpp"
+#include "../proxy/runtime.hpp"
 #include "common.hpp"
 
 namespace ffi = xla::ffi;
@@ -273,21 +275,43 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCuda, DispatchImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchNvl, DispatchImpl,
                               uccl_ep::ffi_common::dispatch_signature(UCCL_EP_CUDA_BIND()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCuda, CachedDispatchImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchNvl, CachedDispatchImpl,
                               uccl_ep::ffi_common::handle_op_signature(UCCL_EP_CUDA_BIND()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCuda, CombineImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineNvl, CombineImpl,
                               uccl_ep::ffi_common::handle_op_signature(UCCL_EP_CUDA_BIND()));
 
 #define UCCL_EP_CUDA_HANDLER(symbol, impl, signature) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()))
 
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchCuda, LowLatencyDispatchImpl, low_latency_dispatch_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineCuda, LowLatencyCombineImpl, low_latency_combine_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchSendCuda, LowLatencyDispatchSendImpl, low_latency_dispatch_send_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchRecvCuda, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineSendCuda, LowLatencyCombineSendImpl, low_latency_combine_send_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineRecvCuda, LowLatencyCombineRecvImpl, low_latency_combine_recv_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchNvl, LowLatencyDispatchImpl, low_latency_dispatch_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineNvl, LowLatencyCombineImpl, low_latency_combine_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchSendNvl, LowLatencyDispatchSendImpl, low_latency_dispatch_send_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchRecvNvl, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineSendNvl, LowLatencyCombineSendImpl, low_latency_combine_send_signature);
+UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineRecvNvl, LowLatencyCombineRecvImpl, low_latency_combine_recv_signature);
+
+// The NVLink runtime serves GPUs of one node; when the process started the proxy runtime instead (GPUs on
+// several nodes), the host-staged handlers run the op.
+namespace {
+XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*nvl)(XLA_FFI_CallFrame*),
+                     XLA_FFI_Error* (*staged)(XLA_FFI_CallFrame*)) {
+  const bool proxy = !NvlRuntime::get().initialized() && uccl_ep::Runtime::get().initialized();
+  return proxy ? staged(frame) : nvl(frame);
+}
+}  // namespace
+
+#define UCCL_EP_ROUTED(name) \
+  extern "C" XLA_FFI_Error* UcclEp##name##Cuda(XLA_FFI_CallFrame* f) { return route(f, UcclEp##name##Nvl, UcclEp##name##Staged); }
+UCCL_EP_ROUTED(Dispatch)
+UCCL_EP_ROUTED(CachedDispatch)
+UCCL_EP_ROUTED(Combine)
+UCCL_EP_ROUTED(LowLatencyDispatch)
+UCCL_EP_ROUTED(LowLatencyCombine)
+UCCL_EP_ROUTED(LowLatencyDispatchSend)
+UCCL_EP_ROUTED(LowLatencyDispatchRecv)
+UCCL_EP_ROUTED(LowLatencyCombineSend)
+UCCL_EP_ROUTED(LowLatencyCombineRecv)

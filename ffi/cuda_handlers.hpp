@@ -11,3 +11,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchSendCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchRecvCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineSendCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineRecvCuda);
+
+// The host-staged handlers (cpu_handlers.cpp, CUDA builds) the symbols above route to on the proxy runtime.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDispatchStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCachedDispatchStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCombineStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchSendStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchRecvStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineSendStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineRecvStaged);

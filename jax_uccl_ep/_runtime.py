@@ -5,6 +5,7 @@ import atexit
 import os
 import socket
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,9 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
       low_latency_buffer_bytes: GPUs only: bytes per GPU for low-latency mode (default
         ``UCCL_EP_LL_BUFFER_BYTES`` or 256 MiB; 0 turns the mode off). ``low_latency_buffer_bytes(...)`` gives the
         need for a shape.
+
+    GPUs on several nodes (or with ``UCCL_EP_GPUS_PER_NODE``) run on the proxy runtime, staged through host
+    memory, one process per GPU; its buffers come from ``UCCL_EP_BUFFER_BYTES`` as on CPU devices.
     """
     global _generation, _atexit_registered
     with _lock:
@@ -189,8 +193,11 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         per_node = os.environ.get("UCCL_EP_GPUS_PER_NODE")
         topo = Topology.build([d.process_index for d in devices], [h.decode() for h in hosts],
                               int(per_node) if per_node else None)
-        if devices[0].platform == "gpu":
-            _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, topo, client, key, timeout_ms)
+        if devices[0].platform == "gpu" and topo.num_nodes == 1:
+            _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, client, key, timeout_ms)
+        elif devices[0].platform == "gpu":
+            _check_gpus_over_proxy(local, topo, buffer_bytes, low_latency_buffer_bytes)
+            _start_cpus(settings, devices, local, topo.num_nodes, client, key, timeout_ms)
         else:
             _start_cpus(settings, devices, local, topo.num_nodes, client, key, timeout_ms)
         global _topology
@@ -200,15 +207,28 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
             _atexit_registered = True
 
 
-def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, topo: Topology,
-                client: Any, key: str,
-                timeout_ms: int) -> None:
+def _check_gpus_over_proxy(local: list, topo: Topology, buffer_bytes: int | None,
+                           low_latency_bytes: int | None) -> None:
+    """GPUs on several nodes run on the proxy runtime through host-staged handlers (ffi/cpu_handlers.cpp): each op
+    waits on the host for its peers, so a process drives one GPU (two would wait on each other's thread). Every
+    process of the job has the same layout, so every one raises here."""
     if not hasattr(_uccl_ep, "nvl_start"):
         raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
-    if topo.num_nodes > 1:
+    if buffer_bytes is not None or low_latency_bytes is not None:
+        warnings.warn("jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
+                      "UCCL_EP_BUFFER_BYTES sizes; buffer_bytes and low_latency_buffer_bytes are ignored",
+                      stacklevel=3)
+    if len(local) > 1:
         raise NotImplementedError(
-            f"jax_uccl_ep: the job's GPUs are on {topo.num_nodes} nodes ({topo.source}); GPUs on several nodes need "
-            "the internode (proxy) path, which is not built yet. One node's GPUs work over NVLink.")
+            f"jax_uccl_ep: the job's GPUs are on {topo.num_nodes} nodes ({topo.source}) and this process drives "
+            f"{len(local)} of them; across nodes, run one process per GPU (python -m jax_uccl_ep.launch starts one "
+            "per GPU; JAX_LOCAL_DEVICE_IDS or CUDA_VISIBLE_DEVICES otherwise).")
+
+
+def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, client: Any,
+                key: str, timeout_ms: int) -> None:
+    if not hasattr(_uccl_ep, "nvl_start"):
+        raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
     if buffer_bytes is None:
         buffer_bytes = int(os.environ.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)))
     if low_latency_bytes is None:

@@ -241,7 +241,8 @@ void preload_low_latency_kernels();
 
 // SMs the routing and gather kernels may occupy (UCCL_EP_NUM_SMS, default 24).
 int num_sms();
-// Blocks of the low-latency receive kernels (UCCL_EP_LL_NUM_SMS, default 32; send kernels use 32).
+// Blocks of the split low-latency receive kernels (UCCL_EP_LL_NUM_SMS, default 32); send and fused kernels use
+// 64 blocks of 512 threads.
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing (UCCL_EP_TIMEOUT_S).
 uint64_t timeout_ns();

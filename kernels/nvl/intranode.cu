@@ -13,6 +13,7 @@ namespace uccl_ep::nvl {
 namespace {
 
 constexpr int kScanThreads = 1024;
+constexpr int kMaxScanExperts = 12 * 1024 - 64;  // the scan's dynamic shared ints (see dispatch())
 
 struct Regions {
   char* p[kMaxRanks];  // by group position; unused for this rank
@@ -448,6 +449,12 @@ size_t combine_message_bytes(int num_tokens, int hidden, bool bf16) {
 void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "dispatch");
+  // The routing scan counts rows per local expert in shared memory (the default 48 KiB, less the scan's own):
+  // refuse before anything is sent.
+  const int local_experts = a.num_experts / g.size;
+  if (local_experts > kMaxScanExperts)
+    throw std::invalid_argument("uccl_ep dispatch: at most " + std::to_string(kMaxScanExperts) +
+                                " experts per GPU, got " + std::to_string(local_experts));
   const bool has_w = a.topk_weights != nullptr;
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
   check_fits(dev, l.total, "dispatch");
@@ -477,10 +484,6 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
     src.weights[s] = s == g.self ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
   }
   int2* row_map = static_cast<int2*>(dev.scratch());
-  const int local_experts = a.num_experts / g.size;
-  if (local_experts > 12 * 1024)  // the scan counts rows per local expert in the default 48 KiB of shared memory
-    throw std::invalid_argument("uccl_ep dispatch: at most 12288 experts per GPU, got " +
-                                std::to_string(local_experts));
   dispatch_scan_kernel<<<1, kScanThreads, local_experts * sizeof(int), stream>>>(
       src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, a.topk_idx, row_map,
       a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr, dev.errors_device());

@@ -576,6 +576,9 @@ bool fits_at_once(Kernel kernel, int blocks, int threads, size_t smem, int cuda_
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), smem, cuda_device);
   auto it = known.find(key);
   if (it != known.end()) return it->second;
+  // The occupancy calculator counts 0 blocks above the kernel's shared-memory limit: raise it first.
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  shared_bytes(kernel, smem);
   int per_sm = 0, sms = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), "cudaOccupancy");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cuda_device), "cudaDeviceGetAttribute");
@@ -665,8 +668,8 @@ void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyD
 }
 
 void low_latency_dispatch(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
-  const size_t smem = std::max(dispatch_send_shared(a, dispatch_shape(dev, g, a)),
-                               dispatch_recv_shared(dispatch_shape(dev, g, a)));
+  const Shape shape = dispatch_shape(dev, g, a);
+  const size_t smem = std::max(dispatch_send_shared(a, shape), dispatch_recv_shared(shape));
   if (!fused_launches() || !fits_at_once(dispatch_kernel<true, true>, kSendBlocks, kSendThreads, smem,
                                          dev.cuda_device())) {
     low_latency_dispatch_send(dev, g, a, stream);
@@ -674,7 +677,6 @@ void low_latency_dispatch(NvlDevice& dev, const Group& g, const LowLatencyDispat
     return;
   }
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  const Shape shape = dispatch_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   const Inbox from = inbox(dev, g);
@@ -712,8 +714,8 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 }
 
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
-  const Shape checked = combine_shape(dev, g, a);
-  const size_t smem = std::max(combine_send_shared(checked), combine_recv_shared(a, checked, kSendThreads));
+  const Shape shape = combine_shape(dev, g, a);
+  const size_t smem = std::max(combine_send_shared(shape), combine_recv_shared(a, shape, kSendThreads));
   const auto kernel = a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>;
   if (!fused_launches() || !fits_at_once(kernel, kSendBlocks, kSendThreads, smem, dev.cuda_device())) {
     low_latency_combine_send(dev, g, a, stream);
@@ -721,7 +723,6 @@ void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombine
     return;
   }
   std::lock_guard<std::mutex> lock(dev.op_mutex());
-  const Shape shape = combine_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   const Inbox from = inbox(dev, g);
