@@ -214,7 +214,7 @@ def kernel_phases(gpu: bool) -> dict:
 
 
 # Kernel names of each op label (kernels/nvl/low_latency.cu), as CUPTI reports them (demangled).
-CUPTI_KERNELS = {"low_latency_dispatch": "dispatch_kernel", "low_latency_combine": "combine_kernel"}
+CUPTI_KERNELS = {"low_latency_dispatch": "DispatchPhases", "low_latency_combine": "CombinePhases"}
 
 
 def cupti_kernel_us(call, labels) -> dict:

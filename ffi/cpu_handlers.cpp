@@ -421,43 +421,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
                                   .Ret<ffi::Buffer<ffi::PRED>>());  // is_token_in_rank
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchCpu, DispatchImpl,
-                              ffi_common::dispatch_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu, CachedDispatchImpl,
-                              ffi_common::handle_op_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineCpu, CombineImpl,
-                              ffi_common::handle_op_signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
-
-#define UCCL_EP_CPU_HANDLER(symbol, impl, signature) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()))
-
-UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchCpu, LowLatencyDispatchImpl, low_latency_dispatch_signature);
-UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineCpu, LowLatencyCombineImpl, low_latency_combine_signature);
-UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchSendCpu, LowLatencyDispatchSendImpl, low_latency_dispatch_send_signature);
-UCCL_EP_CPU_HANDLER(UcclEpLowLatencyDispatchRecvCpu, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
-UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineSendCpu, LowLatencyCombineSendImpl, low_latency_combine_send_signature);
-UCCL_EP_CPU_HANDLER(UcclEpLowLatencyCombineRecvCpu, LowLatencyCombineRecvImpl, low_latency_combine_recv_signature);
+#define UCCL_EP_CPU_HANDLER(stem, name, signature) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl, ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
+UCCL_EP_FFI_OPS(UCCL_EP_CPU_HANDLER)
 
 #ifdef UCCL_EP_WITH_CUDA
 // The host-staged CUDA handlers (see HostStage); ffi/cuda_handlers.cpp routes to them when the process runs the
 // proxy runtime instead of the NVLink one.
-#define UCCL_EP_STAGED_HANDLER(symbol, impl, signature)                                                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, Staged<impl>::call,                                                   \
-                                ffi_common::signature(                                                        \
-                                    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()))
-UCCL_EP_STAGED_HANDLER(UcclEpDispatchStaged, DispatchImpl, dispatch_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpCachedDispatchStaged, CachedDispatchImpl, handle_op_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpCombineStaged, CombineImpl, handle_op_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyDispatchStaged, LowLatencyDispatchImpl, low_latency_dispatch_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyCombineStaged, LowLatencyCombineImpl, low_latency_combine_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyDispatchSendStaged, LowLatencyDispatchSendImpl,
-                       low_latency_dispatch_send_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyDispatchRecvStaged, LowLatencyDispatchRecvImpl,
-                       low_latency_dispatch_recv_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyCombineSendStaged, LowLatencyCombineSendImpl,
-                       low_latency_combine_send_signature);
-UCCL_EP_STAGED_HANDLER(UcclEpLowLatencyCombineRecvStaged, LowLatencyCombineRecvImpl,
-                       low_latency_combine_recv_signature);
+#define UCCL_EP_STAGED_HANDLER(stem, name, signature)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                       \
+      UcclEp##stem##Staged, Staged<stem##Impl>::call,                                  \
+      ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
+UCCL_EP_FFI_OPS(UCCL_EP_STAGED_HANDLER)
 #endif

@@ -2,13 +2,9 @@
 #pragma once
 #include "xla/ffi/api/ffi.h"
 
+#include "common.hpp"
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLayoutCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDispatchCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCachedDispatchCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCombineCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchSendCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchRecvCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineSendCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineRecvCpu);
+#define UCCL_EP_DECLARE_CPU(stem, name, signature) XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEp##stem##Cpu);
+UCCL_EP_FFI_OPS(UCCL_EP_DECLARE_CPU)
+#undef UCCL_EP_DECLARE_CPU

@@ -275,24 +275,9 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpDispatchNvl, DispatchImpl,
-                              uccl_ep::ffi_common::dispatch_signature(UCCL_EP_CUDA_BIND()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCachedDispatchNvl, CachedDispatchImpl,
-                              uccl_ep::ffi_common::handle_op_signature(UCCL_EP_CUDA_BIND()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpCombineNvl, CombineImpl,
-                              uccl_ep::ffi_common::handle_op_signature(UCCL_EP_CUDA_BIND()));
-
-#define UCCL_EP_CUDA_HANDLER(symbol, impl, signature) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()))
-
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchNvl, LowLatencyDispatchImpl, low_latency_dispatch_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineNvl, LowLatencyCombineImpl, low_latency_combine_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchSendNvl, LowLatencyDispatchSendImpl, low_latency_dispatch_send_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyDispatchRecvNvl, LowLatencyDispatchRecvImpl, low_latency_dispatch_recv_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineSendNvl, LowLatencyCombineSendImpl, low_latency_combine_send_signature);
-UCCL_EP_CUDA_HANDLER(UcclEpLowLatencyCombineRecvNvl, LowLatencyCombineRecvImpl, low_latency_combine_recv_signature);
+#define UCCL_EP_NVL_HANDLER(stem, name, signature) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Nvl, stem##Impl, uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
+UCCL_EP_FFI_OPS(UCCL_EP_NVL_HANDLER)
 
 // The NVLink runtime serves GPUs of one node; when the process started the proxy runtime instead (GPUs on
 // several nodes), the host-staged handlers run the op.
@@ -304,14 +289,8 @@ XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*nvl)(XLA_FFI_Cal
 }
 }  // namespace
 
-#define UCCL_EP_ROUTED(name) \
-  extern "C" XLA_FFI_Error* UcclEp##name##Cuda(XLA_FFI_CallFrame* f) { return route(f, UcclEp##name##Nvl, UcclEp##name##Staged); }
-UCCL_EP_ROUTED(Dispatch)
-UCCL_EP_ROUTED(CachedDispatch)
-UCCL_EP_ROUTED(Combine)
-UCCL_EP_ROUTED(LowLatencyDispatch)
-UCCL_EP_ROUTED(LowLatencyCombine)
-UCCL_EP_ROUTED(LowLatencyDispatchSend)
-UCCL_EP_ROUTED(LowLatencyDispatchRecv)
-UCCL_EP_ROUTED(LowLatencyCombineSend)
-UCCL_EP_ROUTED(LowLatencyCombineRecv)
+#define UCCL_EP_ROUTED(stem, name, signature)                                    \
+  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {       \
+    return route(frame, UcclEp##stem##Nvl, UcclEp##stem##Staged);                \
+  }
+UCCL_EP_FFI_OPS(UCCL_EP_ROUTED)

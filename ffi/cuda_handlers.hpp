@@ -1,24 +1,11 @@
-// FFI handler symbols for platform "CUDA" (cuda_handlers.cpp; built only with CUDA).
+// FFI handler symbols for platform "CUDA" (cuda_handlers.cpp; built only with CUDA), and the host-staged
+// handlers (cpu_handlers.cpp, CUDA builds) they route to on the proxy runtime.
 #pragma once
+#include "common.hpp"
 #include "xla/ffi/api/ffi.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDispatchCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCachedDispatchCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCombineCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchSendCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchRecvCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineSendCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineRecvCuda);
-
-// The host-staged handlers (cpu_handlers.cpp, CUDA builds) the symbols above route to on the proxy runtime.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpDispatchStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCachedDispatchStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpCombineStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchSendStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyDispatchRecvStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineSendStaged);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLowLatencyCombineRecvStaged);
+#define UCCL_EP_DECLARE_CUDA(stem, name, signature)       \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEp##stem##Cuda);     \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEp##stem##Staged);
+UCCL_EP_FFI_OPS(UCCL_EP_DECLARE_CUDA)
+#undef UCCL_EP_DECLARE_CUDA

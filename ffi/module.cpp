@@ -83,15 +83,9 @@ NB_MODULE(_uccl_ep, m) {
   m.def("cpu_registrations", [] {
     nb::dict d;
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCpu);
-    d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCpu);
-    d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCpu);
-    d["uccl_ep_combine"] = capsule(UcclEpCombineCpu);
-    d["uccl_ep_low_latency_dispatch"] = capsule(UcclEpLowLatencyDispatchCpu);
-    d["uccl_ep_low_latency_combine"] = capsule(UcclEpLowLatencyCombineCpu);
-    d["uccl_ep_low_latency_dispatch_send"] = capsule(UcclEpLowLatencyDispatchSendCpu);
-    d["uccl_ep_low_latency_dispatch_recv"] = capsule(UcclEpLowLatencyDispatchRecvCpu);
-    d["uccl_ep_low_latency_combine_send"] = capsule(UcclEpLowLatencyCombineSendCpu);
-    d["uccl_ep_low_latency_combine_recv"] = capsule(UcclEpLowLatencyCombineRecvCpu);
+#define UCCL_EP_CPU_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cpu);
+    UCCL_EP_FFI_OPS(UCCL_EP_CPU_CAPSULE)
+#undef UCCL_EP_CPU_CAPSULE
     return d;
   });
 
@@ -99,15 +93,9 @@ NB_MODULE(_uccl_ep, m) {
   // GPUs: NVLink buffers mapped among the GPUs of a host.
   m.def("cuda_registrations", [] {
     nb::dict d;
-    d["uccl_ep_dispatch"] = capsule(UcclEpDispatchCuda);
-    d["uccl_ep_cached_dispatch"] = capsule(UcclEpCachedDispatchCuda);
-    d["uccl_ep_combine"] = capsule(UcclEpCombineCuda);
-    d["uccl_ep_low_latency_dispatch"] = capsule(UcclEpLowLatencyDispatchCuda);
-    d["uccl_ep_low_latency_combine"] = capsule(UcclEpLowLatencyCombineCuda);
-    d["uccl_ep_low_latency_dispatch_send"] = capsule(UcclEpLowLatencyDispatchSendCuda);
-    d["uccl_ep_low_latency_dispatch_recv"] = capsule(UcclEpLowLatencyDispatchRecvCuda);
-    d["uccl_ep_low_latency_combine_send"] = capsule(UcclEpLowLatencyCombineSendCuda);
-    d["uccl_ep_low_latency_combine_recv"] = capsule(UcclEpLowLatencyCombineRecvCuda);
+#define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
+    UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
+#undef UCCL_EP_CUDA_CAPSULE
     return d;
   });
   m.def("nvl_start", [](size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -100,9 +101,15 @@ template <class Done, class Message>
 void Device::wait_until(const Deadline& deadline, uint32_t peer, const char* op, Done&& done,
                         Message&& timeout_message) {
   Backoff backoff;
+  std::optional<Deadline> grace;
   while (!done()) {
     if (failed_.load(std::memory_order_relaxed)) check_failed(peer, op);
-    if (deadline.expired()) throw TimeoutError(timeout_message());
+    if (deadline.expired()) {
+      // `peer` may itself be stuck on the rank that actually died, a moment from telling us so (its abort names
+      // that rank): give its notice a short grace before blaming `peer`.
+      if (!grace) grace.emplace(std::min(1.0, deadline.seconds() / 5));
+      if (grace->expired()) throw TimeoutError(timeout_message());
+    }
     backoff.pause();
   }
 }

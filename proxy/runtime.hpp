@@ -108,7 +108,7 @@ class Device {
   };
   void push(int channel, const Command& cmd, const Deadline& deadline, const char* op);
   // The one wait loop: backs off until done(), fails fast on a recorded failure (naming `peer`), and throws
-  // TimeoutError(timeout_message()) past the deadline.
+  // TimeoutError(timeout_message()) past the deadline (plus a short grace for a peer's abort naming the cause).
   template <class Done, class Message>
   void wait_until(const Deadline& deadline, uint32_t peer, const char* op, Done&& done, Message&& timeout_message);
   void proxy_loop(int channel);

@@ -30,8 +30,8 @@ def test_gpus_per_node_overrides_host_names():
 
 
 def every_device_its_own_node() -> dict:
-    """Child: with UCCL_EP_GPUS_PER_NODE=1 the ranks are separate nodes (network providers first) and the ops stay
-    exact."""
+    """Child: with UCCL_EP_GPUS_PER_NODE=1 the ranks are separate nodes (network providers first) and normal and
+    low-latency mode match the references (the path GPUs on several nodes take, through host memory)."""
     import jax
     import jax.numpy as jnp
 
@@ -40,16 +40,25 @@ def every_device_its_own_node() -> dict:
     ep.initialize()
     topo = ep.topology()
     mesh = cases.mesh_of(jax.devices())
-    problems = cases.check_case(mesh, 5, 12, 128, 2, 2 * mesh.devices.size, jnp.float32)
+    r = mesh.devices.size
+    problems = {
+        "normal": cases.check_case(mesh, 5, 12, 128, 2, 2 * r, jnp.float32),
+        "normal_bf16": cases.check_case(mesh, 6, 33, 256, 4, 4 * r, jnp.bfloat16, empty_rank=r - 1),
+        "fp8": cases.check_fp8(mesh, 7, 17, 256, 3, 4 * r),
+        "low_latency": cases.check_low_latency(mesh, 8, 9, 12, 256, 3, 4 * r),
+        "low_latency_split": cases.check_low_latency(mesh, 9, 7, 8, 128, 2, 2 * r, split=True, use_fp8=False),
+    }
     ep.shutdown()
-    return {"nodes": topo.num_nodes, "source": topo.source, "problems": problems}
+    return {"nodes": topo.num_nodes, "source": topo.source, "problems": {k: v for k, v in problems.items() if v}}
 
 
-def test_every_device_its_own_node_across_processes():
+@pytest.mark.parametrize("reorder", ["0", "1"])
+def test_every_device_its_own_node_across_processes(reorder):
+    """Issue 4's CPU proof: each process its own node over tcp, with the proxies' reorder mode off and on."""
     for res in launch_ok(HERE, "every_device_its_own_node", 2, devices_per_process=1,
-                         env={"UCCL_EP_GPUS_PER_NODE": "1"}):
+                         env={"UCCL_EP_GPUS_PER_NODE": "1", "UCCL_EP_REORDER": reorder}):
         assert res["nodes"] == 2 and res["source"] == "UCCL_EP_GPUS_PER_NODE=1"
-        assert res["problems"] == []
+        assert res["problems"] == {}
 
 
 def test_topology_needs_initialize():

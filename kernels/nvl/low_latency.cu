@@ -441,26 +441,50 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
 template <bool kSend, bool kRecv>
 constexpr int kMaxThreads = kSend ? kSendThreads : kThreads;
 
-template <bool kSend, bool kRecv>
-__global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1) dispatch_kernel(
-    DispatchSource in, DispatchTarget out, Shape shape, Outbox to, Inbox from, uint64_t timeout_ns,
-    DeviceErrors* err) {
-  extern __shared__ int smem[];
-  if constexpr (kSend) dispatch_send(in, shape, to, err, smem);
-  if constexpr (kSend && kRecv) __syncthreads();  // the receive phase reuses the shared memory
-  if constexpr (kRecv) dispatch_recv(out, shape, from, timeout_ns, err, smem);
-}
-
+// The phases of each op, for phase_kernel.
+struct DispatchPhases {
+  using In = DispatchSource;
+  using Out = DispatchTarget;
+  template <bool kFused>
+  __device__ static void send(const In& in, const Shape& shape, const Outbox& to, DeviceErrors* err, int* smem) {
+    dispatch_send(in, shape, to, err, smem);
+  }
+  template <bool kFused>
+  __device__ static void recv(const Out& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
+                              DeviceErrors* err, int* smem) {
+    dispatch_recv(out, shape, from, timeout_ns, err, smem);
+  }
+};
 // T: the rows' type, which only the receive phase reads.
-template <typename T, bool kSend, bool kRecv>
-__global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1) combine_kernel(
-    CombineSource in, CombineTarget out, Shape shape, Outbox to, Inbox from, uint64_t timeout_ns,
+template <typename T>
+struct CombinePhases {
+  using In = CombineSource;
+  using Out = CombineTarget;
+  template <bool kFused>
+  __device__ static void send(const In& in, const Shape& shape, const Outbox& to, DeviceErrors* err, int* smem) {
+    combine_send(in, shape, to, err, smem);
+  }
+  template <bool kFused>
+  __device__ static void recv(const Out& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
+                              DeviceErrors* err, int* smem) {
+    combine_recv<T, kFused ? 4 : 2>(out, shape, from, timeout_ns, err, smem);
+  }
+};
+
+// One launch of an op's send phase, receive phase, or both (fused: the receive reuses the shared memory).
+template <class Phases, bool kSend, bool kRecv>
+__global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1) phase_kernel(
+    typename Phases::In in, typename Phases::Out out, Shape shape, Outbox to, Inbox from, uint64_t timeout_ns,
     DeviceErrors* err) {
   extern __shared__ int smem[];
-  if constexpr (kSend) combine_send(in, shape, to, err, smem);
-  if constexpr (kSend && kRecv) __syncthreads();  // the receive phase reuses the shared memory
-  if constexpr (kRecv) combine_recv<T, kSend ? 4 : 2>(out, shape, from, timeout_ns, err, smem);
+  if constexpr (kSend) Phases::template send<kRecv>(in, shape, to, err, smem);
+  if constexpr (kSend && kRecv) __syncthreads();
+  if constexpr (kRecv) Phases::template recv<kSend>(out, shape, from, timeout_ns, err, smem);
 }
+template <bool kSend, bool kRecv>
+constexpr auto dispatch_kernel = phase_kernel<DispatchPhases, kSend, kRecv>;
+template <typename T, bool kSend, bool kRecv>
+constexpr auto combine_kernel = phase_kernel<CombinePhases<T>, kSend, kRecv>;
 
 int64_t counts_bytes(int local_experts) { return (int64_t(local_experts) * 4 + 255) / 256 * 256; }
 int64_t dispatch_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
@@ -643,6 +667,24 @@ void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t st
   check(cudaGetLastError(), what);
 }
 
+// An op's send and receive as one launch of `kernel`, or through `split()` (its two launches) where the fused
+// kernel's blocks cannot all be resident at once (or UCCL_EP_LL_FUSED=0).
+template <class Kernel, class In, class Out, class Split>
+void run_fused(NvlDevice& dev, const Group& g, cudaStream_t stream, Kernel kernel, size_t smem, const Shape& shape,
+               const In& in, const Out& out, const char* label, Split&& split) {
+  if (!fused_launches() || !fits_at_once(kernel, kSendBlocks, kSendThreads, smem, dev.cuda_device())) {
+    split();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const Outbox to = outbox(dev, g);
+  const Inbox from = inbox(dev, g);
+  dev.timing_begin(stream);
+  launch(kernel, kSendBlocks, kSendThreads, smem, stream, in, out, shape, to, from, dev, label);
+  dev.timing_end(stream, label);
+}
+
 }  // namespace
 
 void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
@@ -669,21 +711,12 @@ void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyD
 
 void low_latency_dispatch(NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
   const Shape shape = dispatch_shape(dev, g, a);
-  const size_t smem = std::max(dispatch_send_shared(a, shape), dispatch_recv_shared(shape));
-  if (!fused_launches() || !fits_at_once(dispatch_kernel<true, true>, kSendBlocks, kSendThreads, smem,
-                                         dev.cuda_device())) {
-    low_latency_dispatch_send(dev, g, a, stream);
-    low_latency_dispatch_recv(dev, g, a, stream);
-    return;
-  }
-  std::lock_guard<std::mutex> lock(dev.op_mutex());
-  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  const Outbox to = outbox(dev, g);
-  const Inbox from = inbox(dev, g);
-  dev.timing_begin(stream);
-  launch(dispatch_kernel<true, true>, kSendBlocks, kSendThreads, smem, stream, dispatch_source(a),
-         dispatch_target(a), shape, to, from, dev, "low_latency dispatch kernel");
-  dev.timing_end(stream, "low_latency_dispatch");
+  run_fused(dev, g, stream, dispatch_kernel<true, true>,
+            std::max(dispatch_send_shared(a, shape), dispatch_recv_shared(shape)), shape, dispatch_source(a),
+            dispatch_target(a), "low_latency_dispatch", [&] {
+              low_latency_dispatch_send(dev, g, a, stream);
+              low_latency_dispatch_recv(dev, g, a, stream);
+            });
 }
 
 void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
@@ -715,21 +748,12 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   const Shape shape = combine_shape(dev, g, a);
-  const size_t smem = std::max(combine_send_shared(shape), combine_recv_shared(a, shape, kSendThreads));
-  const auto kernel = a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>;
-  if (!fused_launches() || !fits_at_once(kernel, kSendBlocks, kSendThreads, smem, dev.cuda_device())) {
-    low_latency_combine_send(dev, g, a, stream);
-    low_latency_combine_recv(dev, g, a, stream);
-    return;
-  }
-  std::lock_guard<std::mutex> lock(dev.op_mutex());
-  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  const Outbox to = outbox(dev, g);
-  const Inbox from = inbox(dev, g);
-  dev.timing_begin(stream);
-  launch(kernel, kSendBlocks, kSendThreads, smem, stream, combine_source(a), combine_target(a), shape, to, from, dev,
-         "low_latency combine kernel");
-  dev.timing_end(stream, "low_latency_combine");
+  run_fused(dev, g, stream, a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
+            std::max(combine_send_shared(shape), combine_recv_shared(a, shape, kSendThreads)), shape,
+            combine_source(a), combine_target(a), "low_latency_combine", [&] {
+              low_latency_combine_send(dev, g, a, stream);
+              low_latency_combine_recv(dev, g, a, stream);
+            });
 }
 
 void preload_low_latency_kernels() {
