@@ -197,9 +197,9 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
             _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, client, key, timeout_ms)
         elif devices[0].platform == "gpu":
             _check_gpus_over_proxy(local, topo, buffer_bytes, low_latency_buffer_bytes)
-            _start_cpus(settings, devices, local, topo.num_nodes, client, key, timeout_ms)
+            _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
         else:
-            _start_cpus(settings, devices, local, topo.num_nodes, client, key, timeout_ms)
+            _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
         global _topology
         _topology = topo
         if not _atexit_registered:
@@ -248,7 +248,7 @@ def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices
         raise
 
 
-def _start_cpus(settings: RuntimeSettings, devices: list, local: list, num_hosts: int, client: Any, key: str,
+def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Topology, client: Any, key: str,
                 timeout_ms: int) -> None:
     num_processes = jax.process_count()
     if hasattr(_uccl_ep, "install_pinned_host_allocator") and os.environ.get("UCCL_EP_PINNED", "1") != "0":
@@ -257,7 +257,7 @@ def _start_cpus(settings: RuntimeSettings, devices: list, local: list, num_hosts
     providers = settings.providers
     if providers is None:
         # One host: shared memory. Several: the NICs' providers first, TCP as the portable fallback.
-        providers = "shm,tcp;ofi_rxm" if num_hosts == 1 else "efa,verbs;ofi_rxm,tcp;ofi_rxm"
+        providers = "shm,tcp;ofi_rxm" if topo.num_nodes == 1 else "efa,verbs;ofi_rxm,tcp;ofi_rxm"
 
     config = _uccl_ep.Config()
     config.providers = providers
@@ -267,6 +267,7 @@ def _start_cpus(settings: RuntimeSettings, devices: list, local: list, num_hosts
     config.reorder = settings.reorder
     config.max_inflight_writes = settings.max_inflight_writes
     config.max_write_bytes = settings.max_write_bytes
+    config.node_of_rank = list(topo.node_of_rank)  # normal mode crosses nodes once per token (kernels/cpu)
     _uccl_ep.start(config, len(devices), local)
     try:
         infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))

@@ -38,6 +38,7 @@ struct Config {
   uint32_t max_inflight_writes = 256; // per channel
   uint32_t max_write_bytes = 1u << 20;
   uint32_t ring_capacity = 4096;      // commands per ring
+  std::vector<int> node_of_rank;      // node of each global rank (empty: one node); see jax_uccl_ep.Topology
 };
 
 struct DeviceStats {
@@ -59,6 +60,9 @@ class Device {
   int ordinal() const { return ordinal_; }
   int num_channels() const { return config_.num_channels; }
   double timeout_s() const { return config_.timeout_s; }
+  int node_of(uint32_t rank) const {
+    return rank < config_.node_of_rank.size() ? config_.node_of_rank[rank] : 0;
+  }
   const std::string& provider() const { return fabric_->provider(); }
   char* buffer() { return buffer_; }
   size_t buffer_bytes() const { return config_.buffer_bytes; }

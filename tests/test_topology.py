@@ -67,3 +67,48 @@ def test_topology_needs_initialize():
         ep.topology()
     ep.initialize()  # as the other test modules expect
     assert ep.topology().num_nodes == 1
+
+
+def two_nodes_of_two() -> dict:
+    """Child (2 processes x 2 devices, UCCL_EP_GPUS_PER_NODE=2): dispatch crosses nodes once per token and fans out
+    within the node; results must match the references, and bad input must fail every rank and leave the runtime
+    usable, as with the flat exchange."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import cases
+    import reference as ref
+
+    ep.initialize()
+    mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
+    r = mesh.devices.size
+    problems = {
+        "f32": cases.check_case(mesh, 11, 21, 128, 3, 4 * r, jnp.float32),
+        "bf16_empty_rank": cases.check_case(mesh, 12, 40, 256, 4, 8 * r, jnp.bfloat16, empty_rank=2),
+        "one_expert_per_token": cases.check_case(mesh, 13, 16, 128, 1, r, jnp.float32),
+        "fp8": cases.check_fp8(mesh, 14, 19, 256, 3, 4 * r),
+        "gradients": cases.check_gradients(mesh, 15, 12, 128, 2, 2 * r),
+    }
+    x, _, idx, w = cases.random_case(16, r, 8, 128, 2, 2 * r, jnp.float32)
+    idx = ref.random_routing(np.random.default_rng(17), r, 8, 2, 2 * r)
+    idx[3, 2, 1] = 99  # rank 3 (node 1) has a bad expert index
+    error = ""
+    try:
+        cases.roundtrip(mesh, x, idx, w, 2 * r)
+    except Exception as exc:  # noqa: BLE001
+        error = str(exc)
+    problems["after_bad_input"] = cases.check_case(mesh, 18, 10, 128, 2, 2 * r, jnp.float32)
+    ep.shutdown()
+    return {"nodes": ep._runtime._topology.num_nodes if ep._runtime._topology else None, "error": error,
+            "problems": {k: v for k, v in problems.items() if v}}
+
+
+@pytest.mark.parametrize("reorder", ["0", "1"])
+def test_dispatch_crosses_nodes_once_per_token(reorder):
+    """Two nodes of two ranks: the hierarchical dispatch (kernels/cpu/normal.cpp) against the references."""
+    for res in launch_ok(HERE, "two_nodes_of_two", 2, devices_per_process=2,
+                         env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_REORDER": reorder}):
+        assert res["problems"] == {}
+        # Every rank fails on rank 3's bad index, in the hierarchical rounds (their names say so).
+        assert "= 99 is outside" in res["error"] and "dispatch (" in res["error"], res["error"]

@@ -42,6 +42,8 @@ const char* op_name(OpKind kind) {
     case OpKind::kCombine: return "combine";
     case OpKind::kLowLatencyDispatch: return "low_latency_dispatch";
     case OpKind::kLowLatencyCombine: return "low_latency_combine";
+    case OpKind::kDispatchAcrossNodes: return "dispatch (across nodes)";
+    case OpKind::kDispatchWithinNode: return "dispatch (within the node)";
   }
   return "unknown";
 }

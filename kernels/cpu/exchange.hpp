@@ -22,6 +22,8 @@ enum class OpKind : uint32_t {
   kCombine = 3,
   kLowLatencyDispatch = 4,
   kLowLatencyCombine = 5,
+  kDispatchAcrossNodes = 6,  // hierarchical dispatch: a token once to each node that needs it
+  kDispatchWithinNode = 7,   // then on to the node's ranks that need it
 };
 const char* op_name(OpKind kind);
 

@@ -3,7 +3,10 @@
 #include "rows.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -42,6 +45,121 @@ struct RowSink {
   }
 };
 
+// A group whose members fall into nodes as equal blocks of consecutive members (member s = node * per_node +
+// local, every block one node): dispatch then sends a token once to each node that needs it, and the rank with
+// the same local index there passes it on within the node. Every rank of the group reaches the same answer.
+struct NodeBlocks {
+  int nodes = 1, per_node = 1, node = 0, local = 0;
+  std::vector<int32_t> across;  // ranks (n, local) for every node n
+  std::vector<int32_t> within;  // ranks (node, l) for every l
+};
+std::optional<NodeBlocks> node_blocks(const Device& dev, const Group& g) {
+  const char* v = std::getenv("UCCL_EP_HIERARCHICAL");
+  if (v && std::string(v) == "0") return std::nullopt;
+  const int self_node = dev.node_of(uint32_t(g.ranks[g.self]));
+  int per_node = 0;
+  for (int s = 0; s < g.size; ++s) per_node += dev.node_of(uint32_t(g.ranks[s])) == self_node;
+  if (per_node <= 1 || per_node == g.size || g.size % per_node != 0) return std::nullopt;
+  NodeBlocks b;
+  b.per_node = per_node;
+  b.nodes = g.size / per_node;
+  std::set<int> seen;
+  for (int n = 0; n < b.nodes; ++n) {
+    const int node = dev.node_of(uint32_t(g.ranks[n * per_node]));
+    if (!seen.insert(node).second) return std::nullopt;
+    for (int l = 0; l < per_node; ++l)
+      if (dev.node_of(uint32_t(g.ranks[n * per_node + l])) != node) return std::nullopt;
+  }
+  b.node = g.self / per_node;
+  b.local = g.self % per_node;
+  for (int n = 0; n < b.nodes; ++n) b.across.push_back(g.ranks[n * per_node + b.local]);
+  for (int l = 0; l < per_node; ++l) b.within.push_back(g.ranks[b.node * per_node + l]);
+  return b;
+}
+
+// Runs round `first`, then round `second` even when the first found bad input somewhere (a CollectiveError: its
+// ranks stay in step), so that the ranks the first round did not reach learn of it too; then raises it.
+template <class First, class Second>
+void two_rounds(First&& first, Second&& second) {
+  std::string error;
+  try {
+    first();
+  } catch (const CollectiveError& e) {
+    error = e.what();
+  }
+  second(error);
+  if (!error.empty()) throw CollectiveError(error);
+}
+
+// Dispatch in two rounds: to the rank with this local index on every node, the tokens that node needs (round A,
+// across nodes); each rank then passes the rows it got on to the ranks of its node that need them (round B).
+// `pack_token(t, node, out)` writes a tagged row; `place(s, count, rows)` takes the rows of source member s in
+// its token order, called for every member in group order, as the flat exchange would.
+template <class PackToken, class Place>
+void dispatch_by_node(Device& dev, const Group& group, const NodeBlocks& b, const ExchangePlan& flat,
+                      const DispatchArgs& a, PackToken&& pack_token, Place&& place, uint64_t idx_off,
+                      uint64_t tag_off) {
+  const int R = group.size, P = b.per_node, K = a.topk;
+  const int local_experts = a.num_experts / R;
+  const uint64_t row_bytes = flat.row_bytes;
+  const Group across = make_group(dev, b.across.data(), b.nodes, "dispatch");
+  const Group within = make_group(dev, b.within.data(), P, "dispatch");
+
+  std::vector<std::vector<uint32_t>> to_node(b.nodes);  // tokens each node needs, ascending
+  for (int t = 0; t < a.num_tokens; ++t)
+    for (int n = 0; n < b.nodes; ++n)
+      if (std::any_of(a.is_token_in_rank + size_t(t) * R + n * P, a.is_token_in_rank + size_t(t) * R + (n + 1) * P,
+                      [](bool x) { return x; }))
+        to_node[n].push_back(uint32_t(t));
+  std::vector<std::vector<uint8_t>> from_node(b.nodes);  // round A's rows, by source node
+
+  // Round B's forwards: rows of every source node (in node order, then token order) with an expert of member l.
+  std::vector<std::vector<const uint8_t*>> forward(P);
+  std::vector<std::vector<uint8_t>> by_source(R);
+  two_rounds(
+      [&] {
+        ExchangePlan plan{OpKind::kDispatchAcrossNodes, flat.op_index, row_bytes, flat.shape_tag, sizes(to_node),
+                          flat.local_error};
+        exchange(dev, across, plan, [&](int n, uint32_t i, uint8_t* out) { pack_token(to_node[n][i], b.node, out); },
+                 [&](int n, uint32_t count, const uint8_t* rows) {
+                   from_node[n].assign(rows, rows + uint64_t(count) * row_bytes);
+                 });
+      },
+      [&](const std::string& error) {
+        for (int n = 0; n < b.nodes && error.empty(); ++n)
+          for (size_t j = 0; j < from_node[n].size() / row_bytes; ++j) {
+            const uint8_t* row = from_node[n].data() + j * row_bytes;
+            for (int l = 0; l < P; ++l) {
+              const int32_t first = (b.node * P + l) * local_experts;
+              for (int k = 0; k < K; ++k) {
+                int32_t e;
+                std::memcpy(&e, row + idx_off + 4ull * k, 4);
+                if (e >= first && e < first + local_experts) {
+                  forward[l].push_back(row);
+                  break;
+                }
+              }
+            }
+          }
+        std::vector<uint32_t> rows_to(P);
+        for (int l = 0; l < P; ++l) rows_to[l] = uint32_t(forward[l].size());
+        ExchangePlan plan{OpKind::kDispatchWithinNode, flat.op_index, row_bytes, flat.shape_tag, rows_to, error};
+        exchange(dev, within, plan, [&](int l, uint32_t i, uint8_t* out) { std::memcpy(out, forward[l][i], row_bytes); },
+                 [&](int l, uint32_t count, const uint8_t* rows) {
+                   for (uint32_t j = 0; j < count; ++j) {
+                     const uint8_t* row = rows + uint64_t(j) * row_bytes;
+                     int32_t node;
+                     std::memcpy(&node, row + tag_off + 4, 4);
+                     if (node < 0 || node >= b.nodes)
+                       throw Error("uccl_ep dispatch: a forwarded row names node " + std::to_string(node));
+                     auto& dst = by_source[node * P + l];
+                     dst.insert(dst.end(), row, row + row_bytes);
+                   }
+                 });
+      });
+  for (int s = 0; s < R; ++s) place(s, uint32_t(by_source[s].size() / row_bytes), by_source[s].data());
+}
+
 }  // namespace
 
 void get_dispatch_layout(const int32_t* topk_idx, int num_tokens, int topk, int num_experts, int num_ranks,
@@ -77,27 +195,27 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
                         a.is_token_in_rank);
   else
     std::memset(a.is_token_in_rank, 0, size_t(a.num_tokens) * R);
-  auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
-  plan.rows_to = sizes(tokens_to);
 
-  // Row: x | scales | topk_idx (global) | topk_weights | padding to 16 bytes.
+  // Row: x | scales | topk_idx (global) | topk_weights | (source token, source node) | padding to 16 bytes.
   const uint64_t idx_off = a.x_row_bytes + a.scale_row_bytes;
   const uint64_t w_off = idx_off + 4ull * K;
-  plan.row_bytes = round_up16(w_off + (a.topk_weights ? 4ull * K : 0));
+  const uint64_t tag_off = w_off + (a.topk_weights ? 4ull * K : 0);
+  plan.row_bytes = round_up16(tag_off + 8);
   plan.shape_tag = (uint64_t(K) << 48) ^ (uint64_t(a.num_experts) << 24) ^ uint64_t(a.x_row_bytes) ^
                    (uint64_t(a.topk_weights != nullptr) << 62);
-
-  auto pack = [&](int d, uint32_t i, uint8_t* out) {
-    uint32_t t = tokens_to[d][i];
+  auto pack_token = [&](uint32_t t, int32_t node, uint8_t* out) {
     std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
     if (a.scale_row_bytes) std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
     std::memcpy(out + idx_off, a.topk_idx + size_t(t) * K, 4ull * K);
     if (a.topk_weights) std::memcpy(out + w_off, a.topk_weights + size_t(t) * K, 4ull * K);
+    const int32_t tag[2] = {int32_t(t), node};
+    std::memcpy(out + tag_off, tag, 8);
   };
 
   RowSink sink{a.capacity};
   std::memset(a.num_tokens_per_expert, 0, sizeof(int32_t) * local_experts);
-  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
+  // Rows from one source member, in its token order, into the next output rows.
+  auto place = [&](int s, uint32_t count, const uint8_t* rows) {
     int64_t first = sink.claim(count);
     for (uint32_t j = 0; j < count && first + j < a.capacity; ++j) {
       const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
@@ -117,20 +235,26 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
         }
       }
     }
-    (void)s;
+    a.recv_counts[s] = int32_t(count);
   };
-  auto received = exchange(dev, group, plan, pack, unpack);
+
+  if (auto nodes = node_blocks(dev, group)) {
+    dispatch_by_node(dev, group, *nodes, plan, a, pack_token, place, idx_off, tag_off);
+  } else {
+    auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
+    plan.rows_to = sizes(tokens_to);
+    exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { pack_token(tokens_to[d][i], 0, out); }, place);
+  }
   sink.check(dev, group, "dispatch");
 
   // Padding rows are defined: zeros, no expert.
-  size_t valid = size_t(sink.total);
+  size_t valid = std::min(size_t(sink.total), size_t(a.capacity));
   size_t pad = size_t(a.capacity) - valid;
   std::memset(a.recv_x + valid * a.x_row_bytes, 0, pad * a.x_row_bytes);
   if (a.scale_row_bytes) std::memset(a.recv_scales + valid * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
   for (size_t i = valid * K; i < size_t(a.capacity) * K; ++i) a.recv_topk_idx[i] = -1;
   if (a.topk_weights) std::memset(a.recv_topk_weights + valid * K, 0, pad * K * 4);
   *a.recv_num_tokens = int32_t(valid);
-  for (int s = 0; s < R; ++s) a.recv_counts[s] = int32_t(received[s]);
 }
 
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& a) {
