@@ -71,8 +71,8 @@ def test_topology_needs_initialize():
 
 def two_nodes_of_two() -> dict:
     """Child (2 processes x 2 devices, UCCL_EP_GPUS_PER_NODE=2): dispatch crosses nodes once per token and fans out
-    within the node; results must match the references, and bad input must fail every rank and leave the runtime
-    usable, as with the flat exchange."""
+    within the node, combine sums within the node before crossing back; results must match the references, and
+    bad input or a stale handle must fail with a named error and leave the runtime usable."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -99,16 +99,38 @@ def two_nodes_of_two() -> dict:
     except Exception as exc:  # noqa: BLE001
         error = str(exc)
     problems["after_bad_input"] = cases.check_case(mesh, 18, 10, 128, 2, 2 * r, jnp.float32)
+
+    # A combine whose handle holds another dispatch's routing: the forwarders find rows that do not match.
+    e = 2 * r
+    ia = cases.shard(mesh, ref.random_routing(np.random.default_rng(19), r, 16, 2, e))
+    ib = cases.shard(mesh, ref.random_routing(np.random.default_rng(20), r, 16, 2, e))
+    xs = cases.shard(mesh, np.random.default_rng(21).standard_normal((r, 16, 128)).astype(np.float32))
+
+    def stale(x, ia, ib):
+        first = ep.dispatch(x[0], ia[0], None, num_experts=e, axis_name="ep")
+        second = ep.dispatch(x[0], ib[0], None, num_experts=e, axis_name="ep")
+        handle = ep.DispatchHandle(second.handle.is_token_in_rank, first.handle.recv_counts, "ep")
+        return ep.combine(first.x, handle)[None]
+
+    stale_error = ""
+    try:
+        jax.block_until_ready(jax.jit(jax.shard_map(stale, mesh=mesh, in_specs=cases.P("ep"),
+                                                    out_specs=cases.P("ep")))(xs, ia, ib))
+    except Exception as exc:  # noqa: BLE001
+        stale_error = str(exc)
+    problems["after_stale_handle"] = cases.check_case(mesh, 22, 10, 128, 2, 2 * r, jnp.float32)
     ep.shutdown()
-    return {"nodes": ep._runtime._topology.num_nodes if ep._runtime._topology else None, "error": error,
-            "problems": {k: v for k, v in problems.items() if v}}
+    return {"error": error, "stale_error": stale_error, "problems": {k: v for k, v in problems.items() if v}}
+
 
 
 @pytest.mark.parametrize("reorder", ["0", "1"])
 def test_dispatch_crosses_nodes_once_per_token(reorder):
-    """Two nodes of two ranks: the hierarchical dispatch (kernels/cpu/normal.cpp) against the references."""
+    """Two nodes of two ranks: the hierarchical dispatch and combine (kernels/cpu/normal.cpp) against the
+    references."""
     for res in launch_ok(HERE, "two_nodes_of_two", 2, devices_per_process=2,
                          env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_REORDER": reorder}):
         assert res["problems"] == {}
         # Every rank fails on rank 3's bad index, in the hierarchical rounds (their names say so).
         assert "= 99 is outside" in res["error"] and "dispatch (" in res["error"], res["error"]
+        assert "stale handle" in res["stale_error"] and "combine (" in res["stale_error"], res["stale_error"]

@@ -44,6 +44,9 @@ const char* op_name(OpKind kind) {
     case OpKind::kLowLatencyCombine: return "low_latency_combine";
     case OpKind::kDispatchAcrossNodes: return "dispatch (across nodes)";
     case OpKind::kDispatchWithinNode: return "dispatch (within the node)";
+    case OpKind::kCombineRoutesAcrossNodes: return "combine (routes across nodes)";
+    case OpKind::kCombineWithinNode: return "combine (within the node)";
+    case OpKind::kCombineAcrossNodes: return "combine (across nodes)";
   }
   return "unknown";
 }

@@ -24,6 +24,9 @@ enum class OpKind : uint32_t {
   kLowLatencyCombine = 5,
   kDispatchAcrossNodes = 6,  // hierarchical dispatch: a token once to each node that needs it
   kDispatchWithinNode = 7,   // then on to the node's ranks that need it
+  kCombineRoutesAcrossNodes = 8,  // hierarchical combine: which tokens each node's ranks hold, per source
+  kCombineWithinNode = 9,         // the rows, to the rank that forwarded them, summed there
+  kCombineAcrossNodes = 10,       // one partial sum per token and node, back to the source
 };
 const char* op_name(OpKind kind);
 

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <initializer_list>
 #include <optional>
 #include <set>
 #include <string>
@@ -77,17 +79,18 @@ std::optional<NodeBlocks> node_blocks(const Device& dev, const Group& g) {
   return b;
 }
 
-// Runs round `first`, then round `second` even when the first found bad input somewhere (a CollectiveError: its
-// ranks stay in step), so that the ranks the first round did not reach learn of it too; then raises it.
-template <class First, class Second>
-void two_rounds(First&& first, Second&& second) {
+// Runs the rounds of one op in order. A round that finds bad input somewhere (a CollectiveError: its ranks stay
+// in step) does not stop the later ones: they run with the error as this rank's status (`error`), so the ranks
+// the first round did not reach learn of it too; then it is raised.
+void in_rounds(std::initializer_list<std::function<void(const std::string& error)>> rounds) {
   std::string error;
-  try {
-    first();
-  } catch (const CollectiveError& e) {
-    error = e.what();
+  for (const auto& round : rounds) {
+    try {
+      round(error);
+    } catch (const CollectiveError& e) {
+      if (error.empty()) error = e.what();
+    }
   }
-  second(error);
   if (!error.empty()) throw CollectiveError(error);
 }
 
@@ -116,8 +119,8 @@ void dispatch_by_node(Device& dev, const Group& group, const NodeBlocks& b, cons
   // Round B's forwards: rows of every source node (in node order, then token order) with an expert of member l.
   std::vector<std::vector<const uint8_t*>> forward(P);
   std::vector<std::vector<uint8_t>> by_source(R);
-  two_rounds(
-      [&] {
+  in_rounds({
+      [&](const std::string&) {
         ExchangePlan plan{OpKind::kDispatchAcrossNodes, flat.op_index, row_bytes, flat.shape_tag, sizes(to_node),
                           flat.local_error};
         exchange(dev, across, plan, [&](int n, uint32_t i, uint8_t* out) { pack_token(to_node[n][i], b.node, out); },
@@ -156,8 +159,115 @@ void dispatch_by_node(Device& dev, const Group& group, const NodeBlocks& b, cons
                      dst.insert(dst.end(), row, row + row_bytes);
                    }
                  });
-      });
+      }});
   for (int s = 0; s < R; ++s) place(s, uint32_t(by_source[s].size() / row_bytes), by_source[s].data());
+}
+
+// Combine in three rounds, the reverse of dispatch_by_node: (1) each source tells the rank with its local index
+// on every node which of its tokens that node's ranks hold (a token index and a byte per rank there); (2) every
+// rank returns its rows to the rank of its node that forwarded them, which sums the rows of each token in float32;
+// (3) that rank sends one partial sum per token back to the source, which adds them into `acc` ([T, H]).
+// Rows that do not match the routes (a stale handle) found by a forwarder fail the sources it serves with a
+// collective error; returns such a mismatch found by this rank as a source (then out of step), or "".
+template <class YRow, class AddRow>
+std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b, const ExchangePlan& flat,
+                            const CombineArgs& a, YRow&& y_row, AddRow&& add_row, std::vector<float>& acc) {
+  const int R = group.size, P = b.per_node, H = a.hidden;
+  const Group across = make_group(dev, b.across.data(), b.nodes, "combine");
+  const Group within = make_group(dev, b.within.data(), P, "combine");
+  const uint64_t route_bytes = round_up16(4 + uint64_t(P));
+  const uint64_t partial_bytes = round_up16(uint64_t(H) * 4);
+  const uint64_t y_bytes = uint64_t(H) * (a.dtype == FloatType::kF32 ? 4 : 2);
+  std::string mismatch;
+  auto note = [&](const std::string& what) {
+    if (mismatch.empty()) mismatch = what;
+  };
+
+  std::vector<std::vector<uint32_t>> to_node(b.nodes);  // this rank's tokens each node holds, ascending
+  for (int t = 0; t < a.num_tokens; ++t)
+    for (int n = 0; n < b.nodes; ++n)
+      if (std::any_of(a.is_token_in_rank + size_t(t) * R + n * P, a.is_token_in_rank + size_t(t) * R + (n + 1) * P,
+                      [](bool x) { return x; }))
+        to_node[n].push_back(uint32_t(t));
+  std::vector<std::vector<uint8_t>> routes(b.nodes);     // round 1's rows, by source node
+  std::vector<std::vector<float>> partial(b.nodes);      // [tokens of routes[n], H] sums for source node n
+  std::vector<std::vector<uint32_t>> slots(b.nodes * P); // [n * P + l]: route rows of source node n that rank l holds
+  in_rounds({
+      [&](const std::string&) {
+        ExchangePlan plan{OpKind::kCombineRoutesAcrossNodes, flat.op_index, route_bytes, flat.shape_tag,
+                          sizes(to_node), flat.local_error};
+        exchange(dev, across, plan,
+                 [&](int n, uint32_t i, uint8_t* out) {
+                   const uint32_t t = to_node[n][i];
+                   std::memcpy(out, &t, 4);
+                   for (int l = 0; l < P; ++l) out[4 + l] = a.is_token_in_rank[size_t(t) * R + n * P + l];
+                 },
+                 [&](int n, uint32_t count, const uint8_t* rows) {
+                   routes[n].assign(rows, rows + uint64_t(count) * route_bytes);
+                 });
+      },
+      [&](const std::string& error) {
+        for (int n = 0; n < b.nodes; ++n) {
+          const size_t count = routes[n].size() / route_bytes;
+          partial[n].assign(count * H, 0.0f);
+          for (size_t i = 0; i < count; ++i)
+            for (int l = 0; l < P; ++l)
+              if (routes[n][i * route_bytes + 4 + l]) slots[n * P + l].push_back(uint32_t(i));
+        }
+        // To the rank of this node with local index l: the rows of sources (n, l), node by node.
+        std::vector<uint32_t> rows_to(P, 0);
+        for (int l = 0; l < P; ++l)
+          for (int n = 0; n < b.nodes; ++n) rows_to[l] += uint32_t(std::max(0, a.recv_counts[n * P + l]));
+        ExchangePlan plan{OpKind::kCombineWithinNode, flat.op_index, flat.row_bytes, flat.shape_tag, rows_to,
+                          error.empty() ? flat.local_error : error};
+        exchange(dev, within, plan,
+                 [&](int l, uint32_t i, uint8_t* out) {
+                   int n = 0;
+                   for (uint32_t c; i >= (c = uint32_t(std::max(0, a.recv_counts[n * P + l]))); ++n) i -= c;
+                   std::memcpy(out, y_row(n * P + l, i), y_bytes);
+                 },
+                 [&](int l, uint32_t count, const uint8_t* rows) {
+                   size_t expected = 0;
+                   for (int n = 0; n < b.nodes; ++n) expected += slots[n * P + l].size();
+                   if (count != expected) {
+                     note("rank " + std::to_string(b.within[l]) + " returned " + std::to_string(count) +
+                          " rows where the routes give it " + std::to_string(expected));
+                     return;
+                   }
+                   for (int n = 0; n < b.nodes; ++n)
+                     for (uint32_t slot : slots[n * P + l]) {
+                       add_row(partial[n].data() + size_t(slot) * H, rows);
+                       rows += flat.row_bytes;
+                     }
+                 });
+      },
+      [&](const std::string& error) {
+        std::vector<uint32_t> rows_to(b.nodes);
+        for (int n = 0; n < b.nodes; ++n) rows_to[n] = uint32_t(partial[n].size() / std::max(1, H));
+        // Rows that did not match the routes make the sums wrong: the sources learn it here, as a collective error
+        // (every rank stays in step and usable), instead of receiving them.
+        std::string status = error;
+        if (status.empty() && !mismatch.empty()) status = "uccl_ep combine: " + mismatch + " (stale handle?)";
+        mismatch.clear();
+        ExchangePlan plan{OpKind::kCombineAcrossNodes, flat.op_index, partial_bytes, flat.shape_tag, rows_to, status};
+        exchange(dev, across, plan,
+                 [&](int n, uint32_t i, uint8_t* out) {
+                   std::memcpy(out, partial[n].data() + size_t(i) * H, size_t(H) * 4);
+                 },
+                 [&](int n, uint32_t count, const uint8_t* rows) {
+                   if (count != to_node[n].size()) {
+                     note("rank " + std::to_string(b.across[n]) + " returned " + std::to_string(count) +
+                          " sums where this rank sent its node " + std::to_string(to_node[n].size()) + " tokens");
+                     return;
+                   }
+                   for (uint32_t j = 0; j < count; ++j) {
+                     const float* v = reinterpret_cast<const float*>(rows + uint64_t(j) * partial_bytes);
+                     float* dst = acc.data() + size_t(to_node[n][j]) * H;
+                     for (int h = 0; h < H; ++h) dst[h] += v[h];
+                   }
+                 });
+      }});
+  return mismatch;
 }
 
 }  // namespace
@@ -296,33 +406,35 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
                        std::to_string(a.capacity) + " (stale handle?)";
     plan.rows_to.assign(R, 0);
   }
-  auto pack = [&](int d, uint32_t i, uint8_t* out) {
-    std::memcpy(out, a.y + (offset[d] + i) * row_bytes, row_bytes);
+  auto y_row = [&](int s, uint32_t i) { return a.y + (offset[s] + i) * row_bytes; };
+  auto add_row = [&](float* dst, const uint8_t* in) {
+    if (a.dtype == FloatType::kF32) {
+      const float* v = reinterpret_cast<const float*>(in);
+      for (int h = 0; h < H; ++h) dst[h] += v[h];
+    } else {
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(in);
+      for (int h = 0; h < H; ++h) dst[h] += bf16_to_f32(v[h]);
+    }
   };
 
-  auto tokens_from = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
   std::vector<float> acc(size_t(a.num_tokens) * H, 0.0f);
   std::string mismatch;
-  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
-    if (count != tokens_from[s].size()) {
-      if (mismatch.empty())
-        mismatch = "rank " + std::to_string(group.ranks[s]) + " returned " + std::to_string(count) +
-                   " rows where this rank sent it " + std::to_string(tokens_from[s].size()) + " tokens";
-      return;
-    }
-    for (uint32_t j = 0; j < count; ++j) {
-      float* dst = acc.data() + size_t(tokens_from[s][j]) * H;
-      const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
-      if (a.dtype == FloatType::kF32) {
-        const float* v = reinterpret_cast<const float*>(in);
-        for (int h = 0; h < H; ++h) dst[h] += v[h];
-      } else {
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(in);
-        for (int h = 0; h < H; ++h) dst[h] += bf16_to_f32(v[h]);
-      }
-    }
-  };
-  exchange(dev, group, plan, pack, unpack);
+  if (auto nodes = node_blocks(dev, group)) {
+    mismatch = combine_by_node(dev, group, *nodes, plan, a, y_row, add_row, acc);
+  } else {
+    auto tokens_from = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
+    exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { std::memcpy(out, y_row(d, i), row_bytes); },
+             [&](int s, uint32_t count, const uint8_t* rows) {
+               if (count != tokens_from[s].size()) {
+                 if (mismatch.empty())
+                   mismatch = "rank " + std::to_string(group.ranks[s]) + " returned " + std::to_string(count) +
+                              " rows where this rank sent it " + std::to_string(tokens_from[s].size()) + " tokens";
+                 return;
+               }
+               for (uint32_t j = 0; j < count; ++j)
+                 add_row(acc.data() + size_t(tokens_from[s][j]) * H, rows + uint64_t(j) * plan.row_bytes);
+             });
+  }
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep combine: " + mismatch + " (stale handle?)");
   if (a.dtype == FloatType::kF32) {
     std::memcpy(a.out, acc.data(), acc.size() * 4);
