@@ -47,6 +47,8 @@ const char* op_name(OpKind kind) {
     case OpKind::kCombineRoutesAcrossNodes: return "combine (routes across nodes)";
     case OpKind::kCombineWithinNode: return "combine (within the node)";
     case OpKind::kCombineAcrossNodes: return "combine (across nodes)";
+    case OpKind::kCachedDispatchAcrossNodes: return "cached_dispatch (across nodes)";
+    case OpKind::kCachedDispatchWithinNode: return "cached_dispatch (within the node)";
   }
   return "unknown";
 }

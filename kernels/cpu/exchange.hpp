@@ -27,6 +27,8 @@ enum class OpKind : uint32_t {
   kCombineRoutesAcrossNodes = 8,  // hierarchical combine: which tokens each node's ranks hold, per source
   kCombineWithinNode = 9,         // the rows, to the rank that forwarded them, summed there
   kCombineAcrossNodes = 10,       // one partial sum per token and node, back to the source
+  kCachedDispatchAcrossNodes = 11,
+  kCachedDispatchWithinNode = 12,
 };
 const char* op_name(OpKind kind);
 

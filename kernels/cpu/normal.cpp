@@ -94,36 +94,42 @@ void in_rounds(std::initializer_list<std::function<void(const std::string& error
   if (!error.empty()) throw CollectiveError(error);
 }
 
-// Dispatch in two rounds: to the rank with this local index on every node, the tokens that node needs (round A,
-// across nodes); each rank then passes the rows it got on to the ranks of its node that need them (round B).
-// `pack_token(t, node, out)` writes a tagged row; `place(s, count, rows)` takes the rows of source member s in
-// its token order, called for every member in group order, as the flat exchange would.
-template <class PackToken, class Place>
-void dispatch_by_node(Device& dev, const Group& group, const NodeBlocks& b, const ExchangePlan& flat,
-                      const DispatchArgs& a, PackToken&& pack_token, Place&& place, uint64_t idx_off,
-                      uint64_t tag_off) {
-  const int R = group.size, P = b.per_node, K = a.topk;
-  const int local_experts = a.num_experts / R;
-  const uint64_t row_bytes = flat.row_bytes;
-  const Group across = make_group(dev, b.across.data(), b.nodes, "dispatch");
-  const Group within = make_group(dev, b.within.data(), P, "dispatch");
+// Sends this rank's tokens by `mask` ([T, R] of group members) in two rounds: to the rank with this local index on
+// every node, the tokens that node needs (round 1, across nodes); each rank then passes the rows it got on to the
+// ranks of its node whose byte in the row is set (round 2, within the node). `pack_row(t, out)` writes a token's
+// payload; the route rides behind it at `tag_off`: (token, source node, one byte per rank of the target node).
+// Returns the rows each source member sent this rank, in its token order (rows of route_row_bytes()).
+uint64_t route_row_bytes(uint64_t tag_off, int per_node) { return round_up16(tag_off + 8 + uint64_t(per_node)); }
+
+template <class PackRow>
+std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group, const NodeBlocks& b, OpKind across_kind,
+                                                OpKind within_kind, const ExchangePlan& flat, const bool* mask,
+                                                int num_tokens, PackRow&& pack_row, uint64_t tag_off) {
+  const int R = group.size, P = b.per_node;
+  const uint64_t row_bytes = route_row_bytes(tag_off, P);
+  const char* op = op_name(within_kind);
+  const Group across = make_group(dev, b.across.data(), b.nodes, op);
+  const Group within = make_group(dev, b.within.data(), P, op);
 
   std::vector<std::vector<uint32_t>> to_node(b.nodes);  // tokens each node needs, ascending
-  for (int t = 0; t < a.num_tokens; ++t)
+  for (int t = 0; t < num_tokens; ++t)
     for (int n = 0; n < b.nodes; ++n)
-      if (std::any_of(a.is_token_in_rank + size_t(t) * R + n * P, a.is_token_in_rank + size_t(t) * R + (n + 1) * P,
-                      [](bool x) { return x; }))
+      if (std::any_of(mask + size_t(t) * R + n * P, mask + size_t(t) * R + (n + 1) * P, [](bool x) { return x; }))
         to_node[n].push_back(uint32_t(t));
-  std::vector<std::vector<uint8_t>> from_node(b.nodes);  // round A's rows, by source node
-
-  // Round B's forwards: rows of every source node (in node order, then token order) with an expert of member l.
-  std::vector<std::vector<const uint8_t*>> forward(P);
+  std::vector<std::vector<uint8_t>> from_node(b.nodes);  // round 1's rows, by source node
+  std::vector<std::vector<const uint8_t*>> forward(P);   // round 2's rows for each rank of this node
   std::vector<std::vector<uint8_t>> by_source(R);
   in_rounds({
       [&](const std::string&) {
-        ExchangePlan plan{OpKind::kDispatchAcrossNodes, flat.op_index, row_bytes, flat.shape_tag, sizes(to_node),
-                          flat.local_error};
-        exchange(dev, across, plan, [&](int n, uint32_t i, uint8_t* out) { pack_token(to_node[n][i], b.node, out); },
+        ExchangePlan plan{across_kind, flat.op_index, row_bytes, flat.shape_tag, sizes(to_node), flat.local_error};
+        exchange(dev, across, plan,
+                 [&](int n, uint32_t i, uint8_t* out) {
+                   const uint32_t t = to_node[n][i];
+                   pack_row(t, out);
+                   const int32_t tag[2] = {int32_t(t), b.node};
+                   std::memcpy(out + tag_off, tag, 8);
+                   for (int l = 0; l < P; ++l) out[tag_off + 8 + l] = mask[size_t(t) * R + n * P + l];
+                 },
                  [&](int n, uint32_t count, const uint8_t* rows) {
                    from_node[n].assign(rows, rows + uint64_t(count) * row_bytes);
                  });
@@ -132,21 +138,12 @@ void dispatch_by_node(Device& dev, const Group& group, const NodeBlocks& b, cons
         for (int n = 0; n < b.nodes && error.empty(); ++n)
           for (size_t j = 0; j < from_node[n].size() / row_bytes; ++j) {
             const uint8_t* row = from_node[n].data() + j * row_bytes;
-            for (int l = 0; l < P; ++l) {
-              const int32_t first = (b.node * P + l) * local_experts;
-              for (int k = 0; k < K; ++k) {
-                int32_t e;
-                std::memcpy(&e, row + idx_off + 4ull * k, 4);
-                if (e >= first && e < first + local_experts) {
-                  forward[l].push_back(row);
-                  break;
-                }
-              }
-            }
+            for (int l = 0; l < P; ++l)
+              if (row[tag_off + 8 + l]) forward[l].push_back(row);
           }
         std::vector<uint32_t> rows_to(P);
         for (int l = 0; l < P; ++l) rows_to[l] = uint32_t(forward[l].size());
-        ExchangePlan plan{OpKind::kDispatchWithinNode, flat.op_index, row_bytes, flat.shape_tag, rows_to, error};
+        ExchangePlan plan{within_kind, flat.op_index, row_bytes, flat.shape_tag, rows_to, error};
         exchange(dev, within, plan, [&](int l, uint32_t i, uint8_t* out) { std::memcpy(out, forward[l][i], row_bytes); },
                  [&](int l, uint32_t count, const uint8_t* rows) {
                    for (uint32_t j = 0; j < count; ++j) {
@@ -154,16 +151,17 @@ void dispatch_by_node(Device& dev, const Group& group, const NodeBlocks& b, cons
                      int32_t node;
                      std::memcpy(&node, row + tag_off + 4, 4);
                      if (node < 0 || node >= b.nodes)
-                       throw Error("uccl_ep dispatch: a forwarded row names node " + std::to_string(node));
+                       throw Error(std::string("uccl_ep ") + op + ": a forwarded row names node " +
+                                   std::to_string(node));
                      auto& dst = by_source[node * P + l];
                      dst.insert(dst.end(), row, row + row_bytes);
                    }
                  });
       }});
-  for (int s = 0; s < R; ++s) place(s, uint32_t(by_source[s].size() / row_bytes), by_source[s].data());
+  return by_source;
 }
 
-// Combine in three rounds, the reverse of dispatch_by_node: (1) each source tells the rank with its local index
+// Combine in three rounds, the reverse of route_by_node: (1) each source tells the rank with its local index
 // on every node which of its tokens that node's ranks hold (a token index and a byte per rank there); (2) every
 // rank returns its rows to the rank of its node that forwarded them, which sums the rows of each token in float32;
 // (3) that rank sends one partial sum per token back to the source, which adds them into `acc` ([T, H]).
@@ -306,20 +304,19 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
   else
     std::memset(a.is_token_in_rank, 0, size_t(a.num_tokens) * R);
 
-  // Row: x | scales | topk_idx (global) | topk_weights | (source token, source node) | padding to 16 bytes.
+  // Row: x | scales | topk_idx (global) | topk_weights | padding to 16 bytes (| the route, across nodes).
   const uint64_t idx_off = a.x_row_bytes + a.scale_row_bytes;
   const uint64_t w_off = idx_off + 4ull * K;
   const uint64_t tag_off = w_off + (a.topk_weights ? 4ull * K : 0);
-  plan.row_bytes = round_up16(tag_off + 8);
+  const auto nodes = node_blocks(dev, group);
+  plan.row_bytes = nodes ? route_row_bytes(tag_off, nodes->per_node) : round_up16(tag_off);
   plan.shape_tag = (uint64_t(K) << 48) ^ (uint64_t(a.num_experts) << 24) ^ uint64_t(a.x_row_bytes) ^
                    (uint64_t(a.topk_weights != nullptr) << 62);
-  auto pack_token = [&](uint32_t t, int32_t node, uint8_t* out) {
+  auto pack_token = [&](uint32_t t, uint8_t* out) {
     std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
     if (a.scale_row_bytes) std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
     std::memcpy(out + idx_off, a.topk_idx + size_t(t) * K, 4ull * K);
     if (a.topk_weights) std::memcpy(out + w_off, a.topk_weights + size_t(t) * K, 4ull * K);
-    const int32_t tag[2] = {int32_t(t), node};
-    std::memcpy(out + tag_off, tag, 8);
   };
 
   RowSink sink{a.capacity};
@@ -348,12 +345,14 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
     a.recv_counts[s] = int32_t(count);
   };
 
-  if (auto nodes = node_blocks(dev, group)) {
-    dispatch_by_node(dev, group, *nodes, plan, a, pack_token, place, idx_off, tag_off);
+  if (nodes) {
+    auto by_source = route_by_node(dev, group, *nodes, OpKind::kDispatchAcrossNodes, OpKind::kDispatchWithinNode, plan,
+                                   a.is_token_in_rank, a.num_tokens, pack_token, tag_off);
+    for (int s = 0; s < R; ++s) place(s, uint32_t(by_source[s].size() / plan.row_bytes), by_source[s].data());
   } else {
     auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
     plan.rows_to = sizes(tokens_to);
-    exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { pack_token(tokens_to[d][i], 0, out); }, place);
+    exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { pack_token(tokens_to[d][i], out); }, place);
   }
   sink.check(dev, group, "dispatch");
 
@@ -369,22 +368,30 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
 
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& a) {
   const int R = group.size;
-  auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
-  ExchangePlan plan{OpKind::kCachedDispatch, a.op_index, round_up16(a.row_bytes), a.row_bytes, sizes(tokens_to), ""};
-  auto pack = [&](int d, uint32_t i, uint8_t* out) {
-    std::memcpy(out, a.x + size_t(tokens_to[d][i]) * a.row_bytes, a.row_bytes);
-  };
+  const auto nodes = node_blocks(dev, group);
+  const uint64_t row_bytes = nodes ? route_row_bytes(a.row_bytes, nodes->per_node) : round_up16(a.row_bytes);
+  ExchangePlan plan{OpKind::kCachedDispatch, a.op_index, row_bytes, a.row_bytes, {}, ""};
   RowSink sink{a.capacity};
   std::string mismatch;
-  auto unpack = [&](int s, uint32_t count, const uint8_t* rows) {
+  auto place = [&](int s, uint32_t count, const uint8_t* rows) {
     if (int32_t(count) != a.recv_counts[s] && mismatch.empty())
       mismatch = "rank " + std::to_string(group.ranks[s]) + " sent " + std::to_string(count) +
                  " rows where the handle records " + std::to_string(a.recv_counts[s]);
     int64_t first = sink.claim(count);
     for (uint32_t j = 0; j < count && first + j < a.capacity; ++j)
-      std::memcpy(a.recv_x + size_t(first + j) * a.row_bytes, rows + uint64_t(j) * plan.row_bytes, a.row_bytes);
+      std::memcpy(a.recv_x + size_t(first + j) * a.row_bytes, rows + uint64_t(j) * row_bytes, a.row_bytes);
   };
-  exchange(dev, group, plan, pack, unpack);
+  auto pack_token = [&](uint32_t t, uint8_t* out) { std::memcpy(out, a.x + size_t(t) * a.row_bytes, a.row_bytes); };
+  if (nodes) {
+    auto by_source = route_by_node(dev, group, *nodes, OpKind::kCachedDispatchAcrossNodes,
+                                   OpKind::kCachedDispatchWithinNode, plan, a.is_token_in_rank, a.num_tokens,
+                                   pack_token, a.row_bytes);
+    for (int s = 0; s < R; ++s) place(s, uint32_t(by_source[s].size() / row_bytes), by_source[s].data());
+  } else {
+    auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
+    plan.rows_to = sizes(tokens_to);
+    exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { pack_token(tokens_to[d][i], out); }, place);
+  }
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep cached_dispatch: " + mismatch + " (stale handle?)");
   sink.check(dev, group, "cached_dispatch");
   size_t valid = size_t(sink.total);
