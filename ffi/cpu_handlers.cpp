@@ -343,7 +343,8 @@ class HostStage {
   // Copies the results back and waits for them (the host copies die with this object).
   void store() {
     for (const auto& r : results_)
-      if (r.bytes) check(cudaMemcpyAsync(r.device, r.host, r.bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+      if (r.bytes)
+        check(cudaMemcpyAsync(r.device, r.host, r.bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
 
@@ -422,7 +423,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
                                   .Ret<ffi::Buffer<ffi::PRED>>());  // is_token_in_rank
 
 #define UCCL_EP_CPU_HANDLER(stem, name, signature) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl, ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl,  \
+                                ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
 UCCL_EP_FFI_OPS(UCCL_EP_CPU_HANDLER)
 
 #ifdef UCCL_EP_WITH_CUDA

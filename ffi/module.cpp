@@ -204,7 +204,8 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("max_inflight_writes", &Config::max_inflight_writes)
       .def_rw("max_write_bytes", &Config::max_write_bytes)
       .def_rw("ring_capacity", &Config::ring_capacity)
-      .def_rw("node_of_rank", &Config::node_of_rank);
+      .def_rw("node_of_rank", &Config::node_of_rank)
+      .def_rw("hierarchical", &Config::hierarchical);
 
   m.def("start", [](const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
     Runtime::get().start(config, num_ranks, local);

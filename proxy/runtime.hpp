@@ -39,6 +39,7 @@ struct Config {
   uint32_t max_write_bytes = 1u << 20;
   uint32_t ring_capacity = 4096;      // commands per ring
   std::vector<int> node_of_rank;      // node of each global rank (empty: one node); see jax_uccl_ep.Topology
+  bool hierarchical = true;           // normal mode across nodes in rounds (kernels/cpu/normal.cpp)
 };
 
 struct DeviceStats {
@@ -60,6 +61,7 @@ class Device {
   int ordinal() const { return ordinal_; }
   int num_channels() const { return config_.num_channels; }
   double timeout_s() const { return config_.timeout_s; }
+  bool hierarchical() const { return config_.hierarchical; }
   int node_of(uint32_t rank) const {
     return rank < config_.node_of_rank.size() ? config_.node_of_rank[rank] : 0;
   }

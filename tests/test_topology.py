@@ -71,8 +71,9 @@ def test_topology_needs_initialize():
 
 def two_nodes_of_two() -> dict:
     """Child (2 processes x 2 devices, UCCL_EP_GPUS_PER_NODE=2): dispatch crosses nodes once per token and fans out
-    within the node, combine sums within the node before crossing back; results must match the references, and
-    bad input or a stale handle must fail with a named error and leave the runtime usable."""
+    within the node, combine sums within the node before crossing back; results must match the references; bad
+    input fails every rank and leaves the runtime usable; a stale handle fails with a named error and aborts the
+    group (usable again after shutdown and initialize)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -118,6 +119,9 @@ def two_nodes_of_two() -> dict:
                                                     out_specs=cases.P("ep")))(xs, ia, ib))
     except Exception as exc:  # noqa: BLE001
         stale_error = str(exc)
+    # Found in combine's last round, so the whole group was aborted: a fresh runtime works again.
+    ep.shutdown()
+    ep.initialize()
     problems["after_stale_handle"] = cases.check_case(mesh, 22, 10, 128, 2, 2 * r, jnp.float32)
     ep.shutdown()
     return {"error": error, "stale_error": stale_error, "problems": {k: v for k, v in problems.items() if v}}

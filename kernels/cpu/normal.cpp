@@ -3,7 +3,6 @@
 #include "rows.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -56,8 +55,7 @@ struct NodeBlocks {
   std::vector<int32_t> within;  // ranks (node, l) for every l
 };
 std::optional<NodeBlocks> node_blocks(const Device& dev, const Group& g) {
-  const char* v = std::getenv("UCCL_EP_HIERARCHICAL");
-  if (v && std::string(v) == "0") return std::nullopt;
+  if (!dev.hierarchical()) return std::nullopt;
   const int self_node = dev.node_of(uint32_t(g.ranks[g.self]));
   int per_node = 0;
   for (int s = 0; s < g.size; ++s) per_node += dev.node_of(uint32_t(g.ranks[s])) == self_node;
@@ -79,16 +77,25 @@ std::optional<NodeBlocks> node_blocks(const Device& dev, const Group& g) {
   return b;
 }
 
-// Runs the rounds of one op in order. A round that finds bad input somewhere (a CollectiveError: its ranks stay
-// in step) does not stop the later ones: they run with the error as this rank's status (`error`), so the ranks
-// the first round did not reach learn of it too; then it is raised.
-void in_rounds(std::initializer_list<std::function<void(const std::string& error)>> rounds) {
+// Runs the rounds of one op over subgroups of `group`, in order. A round that finds bad input somewhere (a
+// CollectiveError: its ranks stay in step) does not stop the later ones: they run with the error as this rank's
+// status (`error`), so every rank of the group learns of it through the alternating subgroups; then it is
+// raised. (An error that first shows in the last round reaches only that round's subgroup.) Anything else (a
+// timeout, a corrupt row) left this rank out of step: it aborts the whole group, not only the round's subgroup,
+// so every peer fails fast instead of waiting for its deadline.
+void in_rounds(Device& dev, const Group& group, std::initializer_list<std::function<void(const std::string&)>> rounds) {
   std::string error;
   for (const auto& round : rounds) {
     try {
       round(error);
     } catch (const CollectiveError& e) {
       if (error.empty()) error = e.what();
+    } catch (const std::exception& e) {
+      {
+        std::lock_guard<std::mutex> lock(dev.op_mutex());
+        dev.abort(std::vector<uint32_t>(group.ranks, group.ranks + group.size), e.what());
+      }
+      throw;
     }
   }
   if (!error.empty()) throw CollectiveError(error);
@@ -102,9 +109,10 @@ void in_rounds(std::initializer_list<std::function<void(const std::string& error
 uint64_t route_row_bytes(uint64_t tag_off, int per_node) { return round_up16(tag_off + 8 + uint64_t(per_node)); }
 
 template <class PackRow>
-std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group, const NodeBlocks& b, OpKind across_kind,
-                                                OpKind within_kind, const ExchangePlan& flat, const bool* mask,
-                                                int num_tokens, PackRow&& pack_row, uint64_t tag_off) {
+std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group, const NodeBlocks& b,
+                                                OpKind across_kind, OpKind within_kind, const ExchangePlan& flat,
+                                                const bool* mask, int num_tokens, PackRow&& pack_row,
+                                                uint64_t tag_off) {
   const int R = group.size, P = b.per_node;
   const uint64_t row_bytes = route_row_bytes(tag_off, P);
   const char* op = op_name(within_kind);
@@ -119,7 +127,7 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
   std::vector<std::vector<uint8_t>> from_node(b.nodes);  // round 1's rows, by source node
   std::vector<std::vector<const uint8_t*>> forward(P);   // round 2's rows for each rank of this node
   std::vector<std::vector<uint8_t>> by_source(R);
-  in_rounds({
+  in_rounds(dev, group, {
       [&](const std::string&) {
         ExchangePlan plan{across_kind, flat.op_index, row_bytes, flat.shape_tag, sizes(to_node), flat.local_error};
         exchange(dev, across, plan,
@@ -144,7 +152,8 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
         std::vector<uint32_t> rows_to(P);
         for (int l = 0; l < P; ++l) rows_to[l] = uint32_t(forward[l].size());
         ExchangePlan plan{within_kind, flat.op_index, row_bytes, flat.shape_tag, rows_to, error};
-        exchange(dev, within, plan, [&](int l, uint32_t i, uint8_t* out) { std::memcpy(out, forward[l][i], row_bytes); },
+        exchange(dev, within, plan,
+                 [&](int l, uint32_t i, uint8_t* out) { std::memcpy(out, forward[l][i], row_bytes); },
                  [&](int l, uint32_t count, const uint8_t* rows) {
                    for (uint32_t j = 0; j < count; ++j) {
                      const uint8_t* row = rows + uint64_t(j) * row_bytes;
@@ -176,7 +185,8 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
   const uint64_t route_bytes = round_up16(4 + uint64_t(P));
   const uint64_t partial_bytes = round_up16(uint64_t(H) * 4);
   const uint64_t y_bytes = uint64_t(H) * (a.dtype == FloatType::kF32 ? 4 : 2);
-  std::string mismatch;
+  const uint64_t tagged_bytes = round_up16(y_bytes + 4);  // round 2: a y row, then its source node
+  std::string mismatch, abort_after;
   auto note = [&](const std::string& what) {
     if (mismatch.empty()) mismatch = what;
   };
@@ -190,81 +200,101 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
   std::vector<std::vector<uint8_t>> routes(b.nodes);     // round 1's rows, by source node
   std::vector<std::vector<float>> partial(b.nodes);      // [tokens of routes[n], H] sums for source node n
   std::vector<std::vector<uint32_t>> slots(b.nodes * P); // [n * P + l]: route rows of source node n that rank l holds
-  in_rounds({
-      [&](const std::string&) {
-        ExchangePlan plan{OpKind::kCombineRoutesAcrossNodes, flat.op_index, route_bytes, flat.shape_tag,
-                          sizes(to_node), flat.local_error};
-        exchange(dev, across, plan,
-                 [&](int n, uint32_t i, uint8_t* out) {
-                   const uint32_t t = to_node[n][i];
-                   std::memcpy(out, &t, 4);
-                   for (int l = 0; l < P; ++l) out[4 + l] = a.is_token_in_rank[size_t(t) * R + n * P + l];
-                 },
-                 [&](int n, uint32_t count, const uint8_t* rows) {
-                   routes[n].assign(rows, rows + uint64_t(count) * route_bytes);
-                 });
-      },
-      [&](const std::string& error) {
-        for (int n = 0; n < b.nodes; ++n) {
-          const size_t count = routes[n].size() / route_bytes;
-          partial[n].assign(count * H, 0.0f);
-          for (size_t i = 0; i < count; ++i)
-            for (int l = 0; l < P; ++l)
-              if (routes[n][i * route_bytes + 4 + l]) slots[n * P + l].push_back(uint32_t(i));
-        }
-        // To the rank of this node with local index l: the rows of sources (n, l), node by node.
-        std::vector<uint32_t> rows_to(P, 0);
-        for (int l = 0; l < P; ++l)
-          for (int n = 0; n < b.nodes; ++n) rows_to[l] += uint32_t(std::max(0, a.recv_counts[n * P + l]));
-        ExchangePlan plan{OpKind::kCombineWithinNode, flat.op_index, flat.row_bytes, flat.shape_tag, rows_to,
-                          error.empty() ? flat.local_error : error};
-        exchange(dev, within, plan,
-                 [&](int l, uint32_t i, uint8_t* out) {
-                   int n = 0;
-                   for (uint32_t c; i >= (c = uint32_t(std::max(0, a.recv_counts[n * P + l]))); ++n) i -= c;
-                   std::memcpy(out, y_row(n * P + l, i), y_bytes);
-                 },
-                 [&](int l, uint32_t count, const uint8_t* rows) {
-                   size_t expected = 0;
-                   for (int n = 0; n < b.nodes; ++n) expected += slots[n * P + l].size();
-                   if (count != expected) {
-                     note("rank " + std::to_string(b.within[l]) + " returned " + std::to_string(count) +
-                          " rows where the routes give it " + std::to_string(expected));
-                     return;
-                   }
-                   for (int n = 0; n < b.nodes; ++n)
-                     for (uint32_t slot : slots[n * P + l]) {
-                       add_row(partial[n].data() + size_t(slot) * H, rows);
-                       rows += flat.row_bytes;
+  try {
+    in_rounds(dev, group, {
+        [&](const std::string&) {
+          ExchangePlan plan{OpKind::kCombineRoutesAcrossNodes, flat.op_index, route_bytes, flat.shape_tag,
+                            sizes(to_node), flat.local_error};
+          exchange(dev, across, plan,
+                   [&](int n, uint32_t i, uint8_t* out) {
+                     const uint32_t t = to_node[n][i];
+                     std::memcpy(out, &t, 4);
+                     for (int l = 0; l < P; ++l) out[4 + l] = a.is_token_in_rank[size_t(t) * R + n * P + l];
+                   },
+                   [&](int n, uint32_t count, const uint8_t* rows) {
+                     routes[n].assign(rows, rows + uint64_t(count) * route_bytes);
+                   });
+        },
+        [&](const std::string& error) {
+          for (int n = 0; n < b.nodes; ++n) {
+            const size_t count = routes[n].size() / route_bytes;
+            partial[n].assign(count * H, 0.0f);
+            for (size_t i = 0; i < count; ++i)
+              for (int l = 0; l < P; ++l)
+                if (routes[n][i * route_bytes + 4 + l]) slots[n * P + l].push_back(uint32_t(i));
+          }
+          // To the rank of this node with local index l: the rows of sources (n, l), node by node.
+          std::vector<uint32_t> rows_to(P, 0);
+          for (int l = 0; l < P; ++l)
+            for (int n = 0; n < b.nodes; ++n) rows_to[l] += uint32_t(std::max(0, a.recv_counts[n * P + l]));
+          ExchangePlan plan{OpKind::kCombineWithinNode, flat.op_index, tagged_bytes, flat.shape_tag, rows_to,
+                            error.empty() ? flat.local_error : error};
+          exchange(dev, within, plan,
+                   [&](int l, uint32_t i, uint8_t* out) {
+                     int32_t n = 0;
+                     for (uint32_t c; i >= (c = uint32_t(std::max(0, a.recv_counts[n * P + l]))); ++n) i -= c;
+                     std::memcpy(out, y_row(n * P + l, i), y_bytes);
+                     std::memcpy(out + y_bytes, &n, 4);
+                   },
+                   [&](int l, uint32_t count, const uint8_t* rows) {
+                     // The rows of each source node must be exactly the ones its routes give rank l.
+                     size_t expected = 0;
+                     for (int n = 0; n < b.nodes; ++n) expected += slots[n * P + l].size();
+                     bool match = count == expected;
+                     for (int n = 0, j = 0; n < b.nodes && match; ++n)
+                       for (size_t k = 0; k < slots[n * P + l].size() && match; ++k, ++j) {
+                         int32_t node;
+                         std::memcpy(&node, rows + uint64_t(j) * tagged_bytes + y_bytes, 4);
+                         match = node == n;
+                       }
+                     if (!match) {
+                       note("rank " + std::to_string(b.within[l]) + " returned " + std::to_string(count) +
+                            " rows that do not match the " + std::to_string(expected) + " its sources' routes give it");
+                       return;
                      }
-                 });
-      },
-      [&](const std::string& error) {
-        std::vector<uint32_t> rows_to(b.nodes);
-        for (int n = 0; n < b.nodes; ++n) rows_to[n] = uint32_t(partial[n].size() / std::max(1, H));
-        // Rows that did not match the routes make the sums wrong: the sources learn it here, as a collective error
-        // (every rank stays in step and usable), instead of receiving them.
-        std::string status = error;
-        if (status.empty() && !mismatch.empty()) status = "uccl_ep combine: " + mismatch + " (stale handle?)";
-        mismatch.clear();
-        ExchangePlan plan{OpKind::kCombineAcrossNodes, flat.op_index, partial_bytes, flat.shape_tag, rows_to, status};
-        exchange(dev, across, plan,
-                 [&](int n, uint32_t i, uint8_t* out) {
-                   std::memcpy(out, partial[n].data() + size_t(i) * H, size_t(H) * 4);
-                 },
-                 [&](int n, uint32_t count, const uint8_t* rows) {
-                   if (count != to_node[n].size()) {
-                     note("rank " + std::to_string(b.across[n]) + " returned " + std::to_string(count) +
-                          " sums where this rank sent its node " + std::to_string(to_node[n].size()) + " tokens");
-                     return;
-                   }
-                   for (uint32_t j = 0; j < count; ++j) {
-                     const float* v = reinterpret_cast<const float*>(rows + uint64_t(j) * partial_bytes);
-                     float* dst = acc.data() + size_t(to_node[n][j]) * H;
-                     for (int h = 0; h < H; ++h) dst[h] += v[h];
-                   }
-                 });
-      }});
+                     for (int n = 0; n < b.nodes; ++n)
+                       for (uint32_t slot : slots[n * P + l]) {
+                         add_row(partial[n].data() + size_t(slot) * H, rows);
+                         rows += tagged_bytes;
+                       }
+                   });
+        },
+        [&](const std::string& error) {
+          std::vector<uint32_t> rows_to(b.nodes);
+          for (int n = 0; n < b.nodes; ++n) rows_to[n] = uint32_t(routes[n].size() / route_bytes);
+          // Rows that did not match the routes make the sums wrong: the sources learn it here, as a collective error
+          // (every rank stays in step and usable), instead of receiving them.
+          std::string status = error;
+          if (status.empty() && !mismatch.empty()) {
+            status = std::string("uccl_ep ") + op_name(OpKind::kCombineWithinNode) + ": rank " +
+                     std::to_string(dev.rank()) + ": " + mismatch + " (stale handle?)";
+            abort_after = status;
+          }
+          mismatch.clear();
+          ExchangePlan plan{OpKind::kCombineAcrossNodes, flat.op_index, partial_bytes, flat.shape_tag, rows_to, status};
+          exchange(dev, across, plan,
+                   [&](int n, uint32_t i, uint8_t* out) {
+                     std::memcpy(out, partial[n].data() + size_t(i) * H, size_t(H) * 4);
+                   },
+                   [&](int n, uint32_t count, const uint8_t* rows) {
+                     if (count != to_node[n].size()) {
+                       note("rank " + std::to_string(b.across[n]) + " returned " + std::to_string(count) +
+                            " sums where this rank sent its node " + std::to_string(to_node[n].size()) + " tokens");
+                       return;
+                     }
+                     for (uint32_t j = 0; j < count; ++j) {
+                       const float* v = reinterpret_cast<const float*>(rows + uint64_t(j) * partial_bytes);
+                       float* dst = acc.data() + size_t(to_node[n][j]) * H;
+                       for (int h = 0; h < H; ++h) dst[h] += v[h];
+                     }
+                   });
+        }});
+  } catch (const CollectiveError&) {
+    // This rank's sources learned of the stale rows in the last round; the rest of the group learns by an abort,
+    // as from the flat combine.
+    if (!abort_after.empty()) abort_group(dev, group, abort_after);
+    throw;
+  }
   return mismatch;
 }
 
@@ -314,7 +344,8 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
                    (uint64_t(a.topk_weights != nullptr) << 62);
   auto pack_token = [&](uint32_t t, uint8_t* out) {
     std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
-    if (a.scale_row_bytes) std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
+    if (a.scale_row_bytes)
+      std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
     std::memcpy(out + idx_off, a.topk_idx + size_t(t) * K, 4ull * K);
     if (a.topk_weights) std::memcpy(out + w_off, a.topk_weights + size_t(t) * K, 4ull * K);
   };

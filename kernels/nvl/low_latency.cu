@@ -400,7 +400,8 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   }
 
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
-  const int64_t row_vecs = out.row_bytes / 16, segments = (out.row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
+  const int64_t row_vecs = out.row_bytes / 16;
+  const int64_t segments = (out.row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
   constexpr int kVecs = kCombineSegmentBytes / 16 / kWarp;
   for (int64_t w = blockIdx.x * warps_per_block + threadIdx.x / kWarp; w < int64_t(out.num_tokens) * segments;
        w += int64_t(gridDim.x) * warps_per_block) {
