@@ -173,7 +173,8 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
 // Combine in three rounds, the reverse of route_by_node: (1) each source tells the rank with its local index
 // on every node which of its tokens that node's ranks hold (a token index and a byte per rank there); (2) every
 // rank returns its rows to the rank of its node that forwarded them, which sums the rows of each token in float32;
-// (3) that rank sends one partial sum per token back to the source, which adds them into `acc` ([T, H]).
+// (3) that rank sends one partial sum per token back to the source, in y's type (BF16 sums halve the bytes that
+// cross nodes, at one more rounding per node), and the source adds them into `acc` ([T, H]) in float32.
 // Rows that do not match the routes (a stale handle) found by a forwarder fail the sources it serves with a
 // collective error; returns such a mismatch found by this rank as a source (then out of step), or "".
 template <class YRow, class AddRow>
@@ -183,8 +184,8 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
   const Group across = make_group(dev, b.across.data(), b.nodes, "combine");
   const Group within = make_group(dev, b.within.data(), P, "combine");
   const uint64_t route_bytes = round_up16(4 + uint64_t(P));
-  const uint64_t partial_bytes = round_up16(uint64_t(H) * 4);
   const uint64_t y_bytes = uint64_t(H) * (a.dtype == FloatType::kF32 ? 4 : 2);
+  const uint64_t partial_bytes = round_up16(y_bytes);  // sums cross back in y's type, as DeepEP's do
   const uint64_t tagged_bytes = round_up16(y_bytes + 4);  // round 2: a y row, then its source node
   std::string mismatch, abort_after;
   auto note = [&](const std::string& what) {
@@ -274,7 +275,13 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
           ExchangePlan plan{OpKind::kCombineAcrossNodes, flat.op_index, partial_bytes, flat.shape_tag, rows_to, status};
           exchange(dev, across, plan,
                    [&](int n, uint32_t i, uint8_t* out) {
-                     std::memcpy(out, partial[n].data() + size_t(i) * H, size_t(H) * 4);
+                     const float* sum = partial[n].data() + size_t(i) * H;
+                     if (a.dtype == FloatType::kF32) {
+                       std::memcpy(out, sum, size_t(H) * 4);
+                     } else {
+                       uint16_t* o = reinterpret_cast<uint16_t*>(out);
+                       for (int h = 0; h < H; ++h) o[h] = f32_to_bf16(sum[h]);
+                     }
                    },
                    [&](int n, uint32_t count, const uint8_t* rows) {
                      if (count != to_node[n].size()) {
@@ -283,9 +290,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
                        return;
                      }
                      for (uint32_t j = 0; j < count; ++j) {
-                       const float* v = reinterpret_cast<const float*>(rows + uint64_t(j) * partial_bytes);
-                       float* dst = acc.data() + size_t(to_node[n][j]) * H;
-                       for (int h = 0; h < H; ++h) dst[h] += v[h];
+                       add_row(acc.data() + size_t(to_node[n][j]) * H, rows + uint64_t(j) * partial_bytes);
                      }
                    });
         }});
