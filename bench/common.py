@@ -212,13 +212,15 @@ def spawn(
     env: dict[str, str] | None = None,
     timeout_s: float = 300.0,
     distributed: bool = True,
+    gpus: bool = False,
 ) -> list[Any]:
-    """Runs `function(*args)` of the file `path` in `num_processes` fresh CPU processes; returns their results.
+    """Runs `function(*args)` of the file `path` in `num_processes` fresh processes; returns their results.
 
-    Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process and (if `distributed`) the
-    jax.distributed coordinator of the job in its environment; jax_uccl_ep.initialize() picks those up.
-    With distributed=False (one process only) the child runs without jax.distributed, JAX's usual
-    one-process-per-host mode. Raises with every rank's stderr if a rank fails.
+    Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process (with `gpus`: one GPU each,
+    CUDA_VISIBLE_DEVICES=its index) and (if `distributed`) the jax.distributed coordinator of the job in its
+    environment; jax_uccl_ep.initialize() picks those up. With distributed=False (one process only) the child
+    runs without jax.distributed, JAX's usual one-process-per-host mode. Raises with every rank's stderr if a
+    rank fails.
     """
     mp = _load_mp()
     child_env = dict(env or {})
@@ -226,8 +228,9 @@ def spawn(
         if num_processes != 1:
             raise ValueError("distributed=False needs exactly one process")
         child_env.update(JAX_COORDINATOR_ADDRESS="", JAX_NUM_PROCESSES="", JAX_PROCESS_ID="")
+    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(num_processes)] if gpus else None
     results = mp.launch(path, function, num_processes, args=args, devices_per_process=devices_per_process,
-                        timeout_s=timeout_s, env=child_env)
+                        timeout_s=timeout_s, env=child_env, per_rank_env=per_rank, platform="gpu" if gpus else "cpu")
     if not all(r.ok for r in results):
         raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{mp.describe(results)}")
     return [r.result for r in results]

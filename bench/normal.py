@@ -12,8 +12,12 @@ so its bytes are the padded ones; ragged_all_to_all and dispatch/combine move th
 
 CPU numbers are informational only: 2 cores shared by XLA, the proxy threads and every rank.
 
+With --gpus, every rank is a process of its own on one GPU, and UCCL_EP_GPUS_PER_NODE (default 1) makes them
+separate nodes: the path GPUs on several hosts take (proxy runtime, staged through host memory), for the record.
+
     python bench/normal.py                      # defaults: ~1 minute on a 2-core machine
     python bench/normal.py --ranks 2 --processes 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
+    python bench/normal.py --gpus --ranks 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
 """
 from __future__ import annotations
 
@@ -64,14 +68,16 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=7, help="timed calls; the median is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per process layout")
-    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--json", "--out", default=None, help="also write the results here")
+    ap.add_argument("--gpus", action="store_true",
+                    help="one process per GPU, each its own node (UCCL_EP_GPUS_PER_NODE, default 1): the proxy path")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     r = args.ranks
-    layouts = [int(p) for p in (args.processes or f"1,{r}").split(",")]
+    layouts = [r] if args.gpus else [int(p) for p in (args.processes or f"1,{r}").split(",")]
     for p in layouts:
         if p < 1 or r % p:
             sys.exit(f"--processes {p} does not divide --ranks {r}")
@@ -82,18 +88,20 @@ def main(argv=None) -> int:
     cfg = dict(ranks=r, tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
                dtype=args.dtype, seed=args.seed, ops=ops, iters=args.iters, repeats=args.repeats)
     prob = common.EPProblem(r, args.tokens, args.hidden, args.topk, args.experts, args.dtype, seed=args.seed)
-    header = common.run_header("CPU devices")
+    header = common.run_header("GPUs as separate nodes (proxy path)" if args.gpus else "CPU devices")
     print(f"# {header['date']}  {header['command']}  (load average {header['load_avg_1m']})", flush=True)
     print(f"# problem: {prob.describe()}", flush=True)
 
     rows, record = [], {"header": header, "problem": prob.describe(), "layouts": {}}
     env = {"UCCL_EP_BUFFER_BYTES": os.environ.get("UCCL_EP_BUFFER_BYTES", str(prob.uccl_buffer_bytes()))}
+    if args.gpus:
+        env["UCCL_EP_GPUS_PER_NODE"] = os.environ.get("UCCL_EP_GPUS_PER_NODE", "1")
     for p in layouts:
-        mode = f"{p}p x {r // p}dev"
+        mode = f"{p}p x 1 GPU (nodes of {env['UCCL_EP_GPUS_PER_NODE']})" if args.gpus else f"{p}p x {r // p}dev"
         t0 = time.perf_counter()
         try:
             outs = common.spawn(__file__, "child", p, args=[cfg], devices_per_process=r // p, env=env,
-                                timeout_s=args.timeout, distributed=p > 1)
+                                timeout_s=args.timeout, distributed=p > 1, gpus=args.gpus)
         except Exception as e:
             print(f"# layout {mode} failed:\n{e}", file=sys.stderr, flush=True)
             failed = [dict(name=o, error=common.short_error(e), bytes_deepep=0, bytes_remote=0, note="")
