@@ -209,13 +209,17 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
             _atexit_registered = True
 
 
+def _require_cuda_build() -> None:
+    if not hasattr(_uccl_ep, "nvl_start"):
+        raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
+
+
 def _check_gpus_over_proxy(local: list, topo: Topology, buffer_bytes: int | None,
                            low_latency_bytes: int | None) -> None:
     """GPUs on several nodes run on the proxy runtime through host-staged handlers (ffi/cpu_handlers.cpp): each op
     waits on the host for its peers, so a process drives one GPU (two would wait on each other's thread). Every
     process of the job has the same layout, so every one raises here."""
-    if not hasattr(_uccl_ep, "nvl_start"):
-        raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
+    _require_cuda_build()
     if buffer_bytes is not None or low_latency_bytes is not None:
         warnings.warn("jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
                       "UCCL_EP_BUFFER_BYTES sizes; buffer_bytes and low_latency_buffer_bytes are ignored",
@@ -229,8 +233,7 @@ def _check_gpus_over_proxy(local: list, topo: Topology, buffer_bytes: int | None
 
 def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, client: Any,
                 key: str, timeout_ms: int) -> None:
-    if not hasattr(_uccl_ep, "nvl_start"):
-        raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
+    _require_cuda_build()
     if buffer_bytes is None:
         buffer_bytes = int(os.environ.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)))
     if low_latency_bytes is None:

@@ -39,6 +39,8 @@ struct Group {
 };
 // Checks the group against the device and finds this rank's index in it.
 Group make_group(const Device& dev, const int32_t* ranks, int size, const char* op);
+// The group's global ranks (the peers an abort tells).
+std::vector<uint32_t> group_peers(const Group& group);
 
 struct ExchangePlan {
   OpKind kind;

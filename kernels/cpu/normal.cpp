@@ -23,6 +23,19 @@ std::vector<std::vector<uint32_t>> tokens_by_member(const bool* mask, int num_to
   return out;
 }
 
+// Tokens each node's members receive (any of its `per_node` consecutive members), ascending, from a
+// [num_tokens, nodes * per_node] mask.
+std::vector<std::vector<uint32_t>> tokens_by_node(const bool* mask, int num_tokens, int nodes, int per_node) {
+  std::vector<std::vector<uint32_t>> out(nodes);
+  const size_t members = size_t(nodes) * per_node;
+  for (int t = 0; t < num_tokens; ++t)
+    for (int n = 0; n < nodes; ++n) {
+      const bool* row = mask + size_t(t) * members + size_t(n) * per_node;
+      if (std::any_of(row, row + per_node, [](bool x) { return x; })) out[n].push_back(uint32_t(t));
+    }
+  return out;
+}
+
 std::vector<uint32_t> sizes(const std::vector<std::vector<uint32_t>>& lists) {
   std::vector<uint32_t> out;
   for (auto& l : lists) out.push_back(uint32_t(l.size()));
@@ -93,7 +106,7 @@ void in_rounds(Device& dev, const Group& group, std::initializer_list<std::funct
     } catch (const std::exception& e) {
       {
         std::lock_guard<std::mutex> lock(dev.op_mutex());
-        dev.abort(std::vector<uint32_t>(group.ranks, group.ranks + group.size), e.what());
+        dev.abort(group_peers(group), e.what());
       }
       throw;
     }
@@ -119,11 +132,7 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
   const Group across = make_group(dev, b.across.data(), b.nodes, op);
   const Group within = make_group(dev, b.within.data(), P, op);
 
-  std::vector<std::vector<uint32_t>> to_node(b.nodes);  // tokens each node needs, ascending
-  for (int t = 0; t < num_tokens; ++t)
-    for (int n = 0; n < b.nodes; ++n)
-      if (std::any_of(mask + size_t(t) * R + n * P, mask + size_t(t) * R + (n + 1) * P, [](bool x) { return x; }))
-        to_node[n].push_back(uint32_t(t));
+  const auto to_node = tokens_by_node(mask, num_tokens, b.nodes, P);  // tokens each node needs
   std::vector<std::vector<uint8_t>> from_node(b.nodes);  // round 1's rows, by source node
   std::vector<std::vector<const uint8_t*>> forward(P);   // round 2's rows for each rank of this node
   std::vector<std::vector<uint8_t>> by_source(R);
@@ -192,12 +201,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
     if (mismatch.empty()) mismatch = what;
   };
 
-  std::vector<std::vector<uint32_t>> to_node(b.nodes);  // this rank's tokens each node holds, ascending
-  for (int t = 0; t < a.num_tokens; ++t)
-    for (int n = 0; n < b.nodes; ++n)
-      if (std::any_of(a.is_token_in_rank + size_t(t) * R + n * P, a.is_token_in_rank + size_t(t) * R + (n + 1) * P,
-                      [](bool x) { return x; }))
-        to_node[n].push_back(uint32_t(t));
+  const auto to_node = tokens_by_node(a.is_token_in_rank, a.num_tokens, b.nodes, P);  // this rank's, per node
   std::vector<std::vector<uint8_t>> routes(b.nodes);     // round 1's rows, by source node
   std::vector<std::vector<float>> partial(b.nodes);      // [tokens of routes[n], H] sums for source node n
   std::vector<std::vector<uint32_t>> slots(b.nodes * P); // [n * P + l]: route rows of source node n that rank l holds

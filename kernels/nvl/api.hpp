@@ -249,6 +249,10 @@ uint64_t timeout_ns();
 // Whether normal mode waits for peers with polling kernels that give up after timeout_ns() (the default) instead
 // of stream memory waits, which cost no launch but never give up (UCCL_EP_NVL_DEADLINE=0).
 bool waits_have_deadline();
+// Low-latency kernels: token positions counted by every warp of a block (else UCCL_EP_LL_ROUTING=one_warp: warp 0
+// alone, kept to compare), and a non-split op's send and receive in one kernel (else UCCL_EP_LL_FUSED=0).
+bool low_latency_routing_by_warps();
+bool low_latency_fused();
 
 // Low-latency mode (low_latency.cu). Shapes as in jax_uccl_ep.low_latency: L = num_experts / R local experts,
 // N = max_tokens_per_rank; recv_x [L, R * N, x_row_bytes], rows of local expert l: [0, recv_count[l]) valid,

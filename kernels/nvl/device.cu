@@ -87,6 +87,12 @@ int positive_env(const char* name, int fallback) {
   return k > 0 ? k : fallback;
 }
 
+// Whether the environment sets `name` to exactly `value` (the switches below are on unless turned off).
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v && std::string(v) == value;
+}
+
 // `count` zeroed Ts in pinned host memory the GPU reads and writes; *device gets the GPU's address of it.
 template <class T>
 T* mapped_host(size_t count, T** device) {
@@ -109,10 +115,17 @@ int low_latency_blocks() {
 }
 
 bool waits_have_deadline() {
-  static const bool on = [] {
-    const char* v = std::getenv("UCCL_EP_NVL_DEADLINE");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool on = !env_is("UCCL_EP_NVL_DEADLINE", "0");
+  return on;
+}
+
+bool low_latency_routing_by_warps() {
+  static const bool on = !env_is("UCCL_EP_LL_ROUTING", "one_warp");
+  return on;
+}
+
+bool low_latency_fused() {
+  static const bool on = !env_is("UCCL_EP_LL_FUSED", "0");
   return on;
 }
 

@@ -16,7 +16,6 @@
 //   dispatch row: [x | scales | (local expert, token, position, 0)], each part 16-byte aligned
 //   combine row:  [y row], in the order the dispatch delivered that (expert rank, source) pair
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -492,25 +491,6 @@ int64_t dispatch_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
   return int64_t(align16(x_row_bytes) + align16(scale_row_bytes)) + 16;
 }
 
-// Routing by every warp of a block is the default; UCCL_EP_LL_ROUTING=one_warp walks all slots with warp 0 (kept
-// to compare).
-bool routing_by_warps() {
-  static const bool on = [] {
-    const char* v = std::getenv("UCCL_EP_LL_ROUTING");
-    return !(v && std::string(v) == "one_warp");
-  }();
-  return on;
-}
-
-// Non-split ops run send and receive in one kernel; UCCL_EP_LL_FUSED=0 launches the two phases apart.
-bool fused_launches() {
-  static const bool on = [] {
-    const char* v = std::getenv("UCCL_EP_LL_FUSED");
-    return !(v && std::string(v) == "0");
-  }();
-  return on;
-}
-
 Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_tokens, int64_t row_bytes,
                const char* op) {
   check_group(dev, g, op);
@@ -528,7 +508,7 @@ Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_to
   s.capacity_rows = std::max<int64_t>(0, (int64_t(dev.low_latency_stride()) - s.counts_bytes) / row_bytes);
   s.rank = dev.rank();
   s.phases = dev.phases_device();
-  s.routing_by_warps = routing_by_warps();
+  s.routing_by_warps = low_latency_routing_by_warps();
   return s;
 }
 
@@ -673,7 +653,7 @@ void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t st
 template <class Kernel, class In, class Out, class Split>
 void run_fused(NvlDevice& dev, const Group& g, cudaStream_t stream, Kernel kernel, size_t smem, const Shape& shape,
                const In& in, const Out& out, const char* label, Split&& split) {
-  if (!fused_launches() || !fits_at_once(kernel, kSendBlocks, kSendThreads, smem, dev.cuda_device())) {
+  if (!low_latency_fused() || !fits_at_once(kernel, kSendBlocks, kSendThreads, smem, dev.cuda_device())) {
     split();
     return;
   }
