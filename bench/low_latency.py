@@ -121,10 +121,12 @@ def main(argv=None) -> int:
     # One fused kernel per op, or its two launches (split calls, UCCL_EP_LL_FUSED=0)
     d = ["low_latency_dispatch", "low_latency_dispatch send", "low_latency_dispatch receive"]
     c = ["low_latency_combine", "low_latency_combine send", "low_latency_combine receive"]
-    ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6, d),
+    # DeepEP's reference figures were taken on 2xH200 at these sizes: no ratio for other R or sizes.
+    ref = (r == 2 and gpu and (t, h, k, e) == (128, 7168, 8, 256))
+    ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6 if ref else None, d),
            ("uccl_ep LL dispatch bf16", ll_dispatch(False), None, d),
-           ("uccl_ep LL combine bf16", ll_combine, 39.8e-6, c),
-           ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6, d + c),
+           ("uccl_ep LL combine bf16", ll_combine, 39.8e-6 if ref else None, c),
+           ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6 if ref else None, d + c),
            ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None, []))
     rows, results = [], {}
     for name, body, deepep, labels in ops:
