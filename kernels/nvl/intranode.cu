@@ -55,76 +55,115 @@ __device__ int block_exclusive_scan(int value, int* total) {
   return warp_prefix + inclusive - value;
 }
 
-// One block: for each source in group order, find the rows this rank receives and where they go.
-// Writes row_map[o] = (source, token) for o < capacity, the counts, and (topk mode) this rank's own layout.
-// Tokens go in rounds of one per thread (coalesced loads), joined by a block scan per round; the per-expert
-// counts are shared-memory atomics (dynamic shared memory: one int per local expert).
-// (Measured on 2xH200, FP8 dispatch at 4096 tokens: this takes 35 us. The first version, a run of tokens per
-// thread read twice with scalar loads and counted with global atomics, took 63 us; runs of up to 32 tokens per
-// thread with int4 loads and one scan per source, 58 us.)
-__global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(
-    Sources src, bool topk_mode, int num_tokens, int topk, int num_experts, int num_ranks, int self, int rank,
-    int capacity, const int32_t* own_topk_idx, int2* row_map, int32_t* recv_counts, int32_t* recv_num_tokens,
-    int32_t* num_tokens_per_expert, bool* is_token_in_rank, const int32_t* expected_counts, DeviceErrors* err) {
+// The routing scan: which rows this rank receives, from which (source, token), and where they go. Rows are
+// ordered by source (group order), then token. Two passes over a grid of (token block, source) blocks:
+// count each block's rows, then place them after the counts of every earlier block. (Measured on 2xH200, FP8
+// dispatch at 4096 tokens: one block walking every source took 35 us, and before that 63 us with a run of tokens
+// per thread and global atomics; runs of 32 tokens per thread with int4 loads took 58 us.)
+struct ScanArgs {
+  Sources src;
+  bool topk_mode;  // topk_idx per source, else the token-in-rank mask (cached dispatch)
+  int num_tokens, topk, num_experts, num_ranks, self, rank, capacity;
+  const int32_t* own_topk_idx;      // topk mode: this rank's routing, for its layout and index checks
+  int2* row_map;                    // [capacity]: (source, token) of each output row
+  int32_t* recv_counts;             // [R] rows from each source
+  int32_t* recv_num_tokens;         // rows kept (<= capacity)
+  int32_t* num_tokens_per_expert;   // topk mode: [local experts]
+  bool* is_token_in_rank;           // topk mode: [T, R] this rank's layout
+  const int32_t* expected_counts;   // cached mode: the handle's counts to check against, else null
+  int32_t* block_counts;            // scratch [R, blocks]
+  DeviceErrors* err;
+};
+
+__device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int first, int local_experts) {
+  if (!a.topk_mode) return a.src.mask[s][t * a.num_ranks + a.self];
+  bool take = false;
+  for (int k = 0; k < a.topk; ++k) {
+    const int e = a.src.topk_idx[s][t * a.topk + k];
+    take |= e >= first && e < first + local_experts;
+  }
+  return take;
+}
+
+// Pass 1: a block per (kScanThreads tokens, source) counts its rows. Source self's blocks also write this rank's
+// own layout (the handle) and check its expert indices.
+__global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a) {
+  const int s = blockIdx.y, t = blockIdx.x * kScanThreads + threadIdx.x;
+  const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
+  const bool take = t < a.num_tokens && scan_takes(a, s, t, a.self * local_experts, local_experts);
+  const int rows = __syncthreads_count(take);
+  if (threadIdx.x == 0) a.block_counts[s * gridDim.x + blockIdx.x] = rows;
+  if (blockIdx.x == 0 && s == 0)
+    for (int e = threadIdx.x; e < local_experts; e += blockDim.x) a.num_tokens_per_expert[e] = 0;
+  if (a.topk_mode && s == a.self && t < a.num_tokens) {
+    bool row[kMaxRanks] = {};
+    for (int k = 0; k < a.topk; ++k) {
+      const int e = a.own_topk_idx[t * a.topk + k];
+      if (e < -1 || e >= a.num_experts) {
+        report(a.err, 1, a.rank, t, k, e);
+      } else if (e >= 0) {
+        row[e / local_experts] = true;
+      }
+    }
+    for (int r = 0; r < a.num_ranks; ++r) a.is_token_in_rank[t * a.num_ranks + r] = row[r];
+  }
+}
+
+// Pass 2: each block places its rows after those of every earlier block and counts them per local expert
+// (shared-memory counters, then one global add per expert and block).
+__global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a) {
   extern __shared__ int expert_rows[];  // [local_experts]
-  const int local_experts = topk_mode ? num_experts / num_ranks : 0;
-  const int first = self * local_experts;
-  if (topk_mode) {
-    for (int e = threadIdx.x; e < local_experts; e += blockDim.x) expert_rows[e] = 0;
-    // This rank's own layout (the handle), and the check of its indices.
-    for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
-      bool row[kMaxRanks] = {};
-      for (int k = 0; k < topk; ++k) {
-        int e = own_topk_idx[t * topk + k];
-        if (e < -1 || e >= num_experts) {
-          report(err, 1, rank, t, k, e);
-        } else if (e >= 0) {
-          row[e / local_experts] = true;
-        }
-      }
-      for (int r = 0; r < num_ranks; ++r) is_token_in_rank[t * num_ranks + r] = row[r];
+  const int blocks = gridDim.x, s = blockIdx.y, t = blockIdx.x * kScanThreads + threadIdx.x;
+  const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
+  const int first = a.self * local_experts;
+  for (int e = threadIdx.x; e < local_experts; e += blockDim.x) expert_rows[e] = 0;
+  int earlier = 0;
+  for (int i = threadIdx.x; i < s * blocks + int(blockIdx.x); i += blockDim.x) earlier += a.block_counts[i];
+  int base;
+  block_exclusive_scan(earlier, &base);  // (syncs the block: expert_rows is zeroed)
+  const bool take = t < a.num_tokens && scan_takes(a, s, t, first, local_experts);
+  int rows;
+  const int o = base + block_exclusive_scan(take, &rows);
+  if (take && o < a.capacity) {
+    a.row_map[o] = make_int2(s, t);
+    for (int k = 0; a.topk_mode && k < a.topk; ++k) {
+      const int e = a.src.topk_idx[s][t * a.topk + k];
+      if (e >= first && e < first + local_experts) atomicAdd(&expert_rows[e - first], 1);
     }
   }
   __syncthreads();
-  int offset = 0;
-  for (int s = 0; s < num_ranks; ++s) {
-    int from_source = 0;
-    for (int base = 0; base < num_tokens; base += blockDim.x) {
-      const int t = base + threadIdx.x;
-      bool take = false;
-      if (t < num_tokens) {
-        if (topk_mode) {
-          for (int k = 0; k < topk; ++k) {
-            const int e = src.topk_idx[s][t * topk + k];
-            take |= e >= first && e < first + local_experts;
-          }
-        } else {
-          take = src.mask[s][t * num_ranks + self];
-        }
-      }
-      int total;
-      const int o = offset + block_exclusive_scan(take, &total);
-      if (take && o < capacity) {
-        row_map[o] = make_int2(s, t);
-        for (int k = 0; topk_mode && k < topk; ++k) {
-          const int e = src.topk_idx[s][t * topk + k];
-          if (e >= first && e < first + local_experts) atomicAdd(&expert_rows[e - first], 1);
-        }
-      }
-      offset += total;
-      from_source += total;
-    }
-    if (threadIdx.x == 0) {
-      recv_counts[s] = from_source;
-      if (expected_counts && expected_counts[s] != from_source) report(err, 3, rank, s, from_source, expected_counts[s]);
-    }
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < local_experts; e += blockDim.x) num_tokens_per_expert[e] = expert_rows[e];
-  if (threadIdx.x == 0) {
-    if (offset > capacity) report(err, 2, rank, offset, capacity, 0);
-    *recv_num_tokens = min(offset, capacity);
-  }
+  for (int e = threadIdx.x; e < local_experts; e += blockDim.x)
+    if (expert_rows[e]) atomicAdd(&a.num_tokens_per_expert[e], expert_rows[e]);
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int from_source = 0;
+  for (int b = 0; b < blocks; ++b) from_source += a.block_counts[s * blocks + b];
+  a.recv_counts[s] = from_source;
+  if (a.expected_counts && a.expected_counts[s] != from_source)
+    report(a.err, 3, a.rank, s, from_source, a.expected_counts[s]);
+  if (s != 0) return;
+  int total = 0;
+  for (int i = 0; i < a.num_ranks * blocks; ++i) total += a.block_counts[i];
+  if (total > a.capacity) report(a.err, 2, a.rank, total, a.capacity, 0);
+  *a.recv_num_tokens = min(total, a.capacity);
+}
+
+int scan_blocks(int num_tokens) { return std::max(1, (num_tokens + kScanThreads - 1) / kScanThreads); }
+
+// Scratch for the scan's block counts, after the row map and its counts.
+size_t scan_scratch_bytes(int capacity, int num_tokens) {
+  return size_t(capacity) * sizeof(int2) + 256 + size_t(kMaxRanks) * scan_blocks(num_tokens) * 4;
+}
+
+int32_t* scan_block_counts(NvlDevice& dev, int capacity) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + size_t(capacity) * sizeof(int2) + 256);
+}
+
+void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
+  const dim3 grid(scan_blocks(a.num_tokens), a.num_ranks);
+  dispatch_count_kernel<<<grid, kScanThreads, 0, stream>>>(a);
+  check(cudaGetLastError(), "dispatch_count_kernel");
+  dispatch_place_kernel<<<grid, kScanThreads, local_experts * sizeof(int), stream>>>(a);
+  check(cudaGetLastError(), "dispatch_place_kernel");
 }
 
 
@@ -458,7 +497,7 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   const bool has_w = a.topk_weights != nullptr;
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
   check_fits(dev, l.total, "dispatch");
-  dev.ensure_scratch(size_t(a.capacity) * sizeof(int2) + 256);
+  dev.ensure_scratch(scan_scratch_bytes(a.capacity, a.num_tokens));
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
 
@@ -484,10 +523,10 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
     src.weights[s] = s == g.self ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
   }
   int2* row_map = static_cast<int2*>(dev.scratch());
-  dispatch_scan_kernel<<<1, kScanThreads, local_experts * sizeof(int), stream>>>(
-      src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, a.topk_idx, row_map,
-      a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr, dev.errors_device());
-  check(cudaGetLastError(), "dispatch_scan_kernel");
+  run_scan({src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, a.topk_idx,
+            row_map, a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr,
+            scan_block_counts(dev, a.capacity), dev.errors_device()},
+           local_experts, stream);
   gather_all(dev, g, src, true, a.topk, a.num_experts, a.num_tokens, a.capacity, row_map, a.recv_num_tokens,
              a.x_row_bytes, a.scale_row_bytes, a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights, stream);
   join_send(dev, stream);  // x may be freed only after the copy engine has read it
@@ -501,7 +540,7 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   const size_t x_bytes = align16(size_t(a.num_tokens) * a.row_bytes);
   const size_t total = x_bytes + align16(size_t(a.num_tokens) * g.size);
   check_fits(dev, total, "cached_dispatch");
-  dev.ensure_scratch(size_t(a.capacity) * sizeof(int2) + 256);
+  dev.ensure_scratch(scan_scratch_bytes(a.capacity, a.num_tokens));
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
 
   Message m;
@@ -524,10 +563,9 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   // Counts land in the scratch tail; they are checked against the handle's.
   int32_t* counts = reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + size_t(a.capacity) * sizeof(int2));
   int32_t* num_rows = counts + kMaxRanks;
-  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(),
-                                                       a.capacity, nullptr, row_map, counts, num_rows, nullptr,
-                                                       nullptr, a.recv_counts, dev.errors_device());
-  check(cudaGetLastError(), "dispatch_scan_kernel");
+  run_scan({src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(), a.capacity, nullptr, row_map, counts,
+            num_rows, nullptr, nullptr, a.recv_counts, scan_block_counts(dev, a.capacity), dev.errors_device()},
+           0, stream);
   gather_all(dev, g, src, false, 0, 0, a.num_tokens, a.capacity, row_map, num_rows, a.row_bytes, 0, a.recv_x,
              nullptr, nullptr, nullptr, stream);
   join_send(dev, stream);
@@ -607,7 +645,7 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
 }
 
 void preload_intranode_kernels() {
-  load_kernels(dispatch_scan_kernel, dispatch_gather_kernel, combine_scan_kernel, combine_stage_kernel,
+  load_kernels(dispatch_count_kernel, dispatch_place_kernel, dispatch_gather_kernel, combine_scan_kernel, combine_stage_kernel,
                combine_reduce_kernel<float>, combine_reduce_kernel<__nv_bfloat16>, wait_flag_kernel);
 }
 
