@@ -53,7 +53,6 @@ struct Shape {
   int num_ranks, local_experts, max_tokens;  // R, L, N
   int64_t counts_bytes, row_bytes, capacity_rows;  // region layout
   int rank;                                        // this GPU's global rank (error reports)
-  int self;                                        // this GPU's group position
   uint64_t* phases;                                // UCCL_EP_KERNEL_TIMING=2: SM clock stamps, else null
   bool routing_by_warps;                           // else UCCL_EP_LL_ROUTING=one_warp (see route_slots)
 };
@@ -205,8 +204,6 @@ struct CombineTarget {
   int num_tokens, topk, num_experts;
   int64_t row_bytes;
   char* out;
-  const char* y;           // fused launches: this rank's own rows are read from y, where the experts left them
-  const int32_t* layout;   // [l * R + s], the handle's (fused launches)
 };
 
 // Each phase below is a whole-block device function over the kernel's dynamic shared memory `smem`; a kernel runs
@@ -312,9 +309,6 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
   stamp(shape, kDispatchRecv, 4);
 }
 
-// kSkipSelf (fused launches): rows going back to this rank stay in y, where its receive phase reads them; only
-// the other ranks' rows are copied.
-template <bool kSkipSelf>
 __device__ void combine_send(const CombineSource& in, const Shape& shape, const Outbox& to, DeviceErrors* err,
                              int* smem) {
   const int R = shape.num_ranks, L = shape.local_experts;
@@ -323,7 +317,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
   int* begin = rows + R * L;      // [l * R + s]: where source s's rows start in y[l]
   int* first = begin + R * L;     // [s * L + l]: where expert l's rows start in source s's region
   int* cum = first + R * L;       // [L + 1]: prefix of rows per expert
-  int* in_expert = cum + L + 1;   // [L]: rows of expert l (that are copied)
+  int* in_expert = cum + L + 1;   // [L]: rows of expert l
   __shared__ bool valid;
   stamp(shape, kCombineSend, 0);
   if (threadIdx.x == 0) valid = true;
@@ -335,7 +329,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
       begin[l * R + s] = in_l;
       in_l += rows[l * R + s];
     }
-    in_expert[l] = kSkipSelf ? in_l - rows[l * R + shape.self] : in_l;
+    in_expert[l] = in_l;
     if (in_l > slab) valid = false;
   }
   __syncthreads();
@@ -365,17 +359,13 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
       const int mid = (lo + hi) / 2;
       if (cum[mid] <= i) lo = mid; else hi = mid;
     }
-    const int l = lo;
-    int s = 0, r = i - cum[l];  // r: among the copied rows of source s for expert l, once s is found
-    for (;; ++s) {
-      const int n = kSkipSelf && s == shape.self ? 0 : rows[l * R + s];
-      if (r < n) break;
-      r -= n;
-    }
-    const int64_t j = first[s * L + l] + r;
+    const int l = lo, r = i - cum[l];
+    int s = 0;
+    while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
+    const int64_t j = first[s * L + l] + (r - begin[l * R + s]);
     if (j >= shape.capacity_rows) continue;
-    warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes,
-              in.y + (int64_t(l) * slab + begin[l * R + s] + r) * in.row_bytes, in.row_bytes, lane);
+    warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
+              in.row_bytes, lane);
   }
   stamp(shape, kCombineSend, 2);
   finish_send(to, R, [&] {
@@ -388,25 +378,16 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
 // (token, 1 KiB segment) work items: each lane sums two 16-byte vectors of every selected expert's row, weighted,
 // in float32, with the rows of kRowsInFlight experts loaded before any is added (one row at a time leaves the
 // loads latency-bound; 4 rows fit the registers of 512-thread blocks, 2 those of 1024-thread ones).
-// kSelfFromY (fused launches): rows from this rank's own experts are read from y (combine_send<true> left them).
-template <typename T, int kRowsInFlight, bool kSelfFromY>
+template <typename T, int kRowsInFlight>
 __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
                              DeviceErrors* err, int* smem) {
-  const int pairs = out.num_tokens * out.topk, L = shape.local_experts, topk = out.topk, R = shape.num_ranks;
-  const int64_t slab = int64_t(R) * shape.max_tokens;
+  const int pairs = out.num_tokens * out.topk, L = shape.local_experts, topk = out.topk;
   int* idx = smem;
   int* pos = idx + pairs;
   int* count = pos + pairs;
   int* first = count + out.num_experts;
   int* warp_counts = shape.routing_by_warps ? first + out.num_experts : nullptr;
-  int* own_begin = first + out.num_experts + (warp_counts ? int(blockDim.x / kWarp) * out.num_experts : 0);  // [L]
   stamp(shape, kCombineRecv, 0);
-  if (kSelfFromY)  // where this rank's rows of expert l start in y[l]: after those of earlier sources
-    for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      int before = 0;
-      for (int s = 0; s < shape.self; ++s) before += max(0, out.layout[l * R + s]);
-      own_begin[l] = before;
-    }
   route_slots(out.topk_idx, pairs, topk, out.num_experts, shape.num_ranks, idx, pos, count, first, warp_counts, err,
               shape.rank, false);
   stamp(shape, kCombineRecv, 1);
@@ -433,13 +414,11 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
 #pragma unroll
       for (int r = 0; r < kRowsInFlight; ++r) {
         const int k = k0 + r, e = k < topk ? idx[t * topk + k] : -1;
-        const bool own = kSelfFromY && e >= 0 && e / L == shape.self;
-        const int64_t j = e < 0 ? 0 : own ? own_begin[e % L] + pos[t * topk + k] : first[e] + pos[t * topk + k];
-        used[r] = e >= 0 && j < (own ? slab : shape.capacity_rows);
+        const int64_t j = e >= 0 ? first[e] + pos[t * topk + k] : 0;
+        used[r] = e >= 0 && j < shape.capacity_rows;
         weight[r] = used[r] ? out.topk_weights[t * topk + k] : 0.f;
-        const char* base = own ? out.y + (int64_t(e % L) * slab + j) * out.row_bytes
-                               : from.region[e / L] + shape.counts_bytes + j * shape.row_bytes;
-        const int4* row = used[r] ? reinterpret_cast<const int4*>(base) : nullptr;
+        const int4* row = used[r] ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes +
+                                                                  j * shape.row_bytes) : nullptr;
 #pragma unroll
         for (int u = 0; u < kVecs; ++u)
           if (used[r] && v0 + u * kWarp < row_vecs) v[r][u] = __ldcg(row + v0 + u * kWarp);
@@ -483,12 +462,12 @@ struct CombinePhases {
   using Out = CombineTarget;
   template <bool kFused>
   __device__ static void send(const In& in, const Shape& shape, const Outbox& to, DeviceErrors* err, int* smem) {
-    combine_send<kFused>(in, shape, to, err, smem);
+    combine_send(in, shape, to, err, smem);
   }
   template <bool kFused>
   __device__ static void recv(const Out& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
                               DeviceErrors* err, int* smem) {
-    combine_recv<T, kFused ? 4 : 2, kFused>(out, shape, from, timeout_ns, err, smem);
+    combine_recv<T, kFused ? 4 : 2>(out, shape, from, timeout_ns, err, smem);
   }
 };
 
@@ -528,7 +507,6 @@ Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_to
   s.row_bytes = row_bytes;
   s.capacity_rows = std::max<int64_t>(0, (int64_t(dev.low_latency_stride()) - s.counts_bytes) / row_bytes);
   s.rank = dev.rank();
-  s.self = g.self;
   s.phases = dev.phases_device();
   s.routing_by_warps = low_latency_routing_by_warps();
   return s;
@@ -650,15 +628,14 @@ CombineSource combine_source(const LowLatencyCombineArgs& a) {
 }
 CombineTarget combine_target(const LowLatencyCombineArgs& a) {
   return {a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, combine_row_bytes(a),
-          static_cast<char*>(a.out), static_cast<const char*>(a.y), a.layout};
+          static_cast<char*>(a.out)};
 }
 size_t combine_send_shared(const Shape& shape) {
   const size_t R = shape.num_ranks, L = shape.local_experts;
   return (3 * R * L + 2 * L + 1) * sizeof(int);
 }
-size_t combine_recv_shared(const LowLatencyCombineArgs& a, const Shape& shape, int threads) {  // (+ own_begin)
-  return routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, threads) +
-         size_t(shape.local_experts) * sizeof(int);
+size_t combine_recv_shared(const LowLatencyCombineArgs& a, const Shape& shape, int threads) {
+  return routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, threads);
 }
 
 // One launch of a phase kernel: send-only grids are kSendBlocks x kSendThreads (receivers count arrivals by
