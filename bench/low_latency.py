@@ -194,7 +194,7 @@ PHASES = {  # kernel: names of the intervals between its stamps (kernels/nvl/low
     0: ("dispatch send", ["routing", "copies", "announce"]),
     1: ("dispatch receive", ["wait", "counts", "copies", "padding"]),
     2: ("combine send", ["layout", "copies", "announce"]),
-    3: ("combine receive", ["routing", "wait", "reduce"]),
+    3: ("combine receive", ["slots", "wait", "reduce"]),
 }
 
 

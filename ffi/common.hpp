@@ -98,13 +98,14 @@ auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
       .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
       .template Ret<ffi::Buffer<ffi::S32>>()        // layout [L, R] (handle)
-      .template Ret<ffi::Buffer<ffi::S32>>();       // src_token [L, R * N] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>();       // src_slot [L, R * N] (handle)
 }
 
 template <class Binding>
 auto low_latency_combine_signature(Binding b) {  // both halves in one call
   return std::move(b).template Arg<ffi::AnyBuffer>()  // y [L, R * N, H]
       .template Arg<ffi::Buffer<ffi::S32>>()        // layout (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()        // src_slot (handle)
       .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
       .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights
       .template Arg<ffi::AnyBuffer>()               // order: ignored
@@ -131,13 +132,14 @@ auto low_latency_dispatch_recv_signature(Binding b) {
       .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
       .template Ret<ffi::Buffer<ffi::S32>>()        // layout [L, R] (handle)
-      .template Ret<ffi::Buffer<ffi::S32>>();       // src_token [L, R * N] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>();       // src_slot [L, R * N] (handle)
 }
 
 template <class Binding>
 auto low_latency_combine_send_signature(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // y [L, R * N, H]
       .template Arg<ffi::Buffer<ffi::S32>>()        // layout (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()        // src_slot (handle)
       .template Arg<ffi::AnyBuffer>()               // order: ignored
       .UCCL_EP_LL_ATTRS
       .template Ret<ffi::Buffer<ffi::S32>>();       // token for the receive half

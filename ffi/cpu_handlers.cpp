@@ -185,15 +185,15 @@ void set_dispatch_inputs(cpu::LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x
 
 void set_dispatch_outputs(cpu::LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
                           ffi::Result<ffi::AnyBuffer>& recv_scales, ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
-                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_token) {
-  poison(recv_x, recv_scales, recv_count, layout, src_token);
+                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_slot) {
+  poison(recv_x, recv_scales, recv_count, layout, src_slot);
   a.x_row_bytes = row_bytes_3d(*recv_x);
   a.scale_row_bytes = row_bytes_3d(*recv_scales);
   a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
   a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
   a.recv_count = recv_count->typed_data();
   a.layout = layout->typed_data();
-  a.src_token = src_token->typed_data();
+  a.src_slot = src_slot->typed_data();
 }
 
 void set_combine_send(cpu::LowLatencyCombineArgs& a, const ffi::AnyBuffer& y, const ffi::Buffer<ffi::S32>& layout,
@@ -238,11 +238,11 @@ ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuf
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                  ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+                                  ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<cpu::LowLatencyDispatchArgs>(
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
       [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
-        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
         set_dispatch_inputs(a, x, scales, topk_idx, op_index);
         cpu::low_latency_dispatch(dev, g, a);
       });
@@ -268,17 +268,18 @@ ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/,
                                       ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                      ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+                                      ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<cpu::LowLatencyDispatchArgs>(
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
       [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
-        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
         cpu::low_latency_dispatch_receive(dev, g, a);
       });
 }
 
+// (src_slot is for the GPU kernels; the CPU exchange returns rows in the layout's order.)
 ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                 ffi::Buffer<ffi::S32> /*src_slot*/, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                                  ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
                                  int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
                                  ffi::Result<ffi::AnyBuffer> out) {
@@ -292,7 +293,7 @@ ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<
 }
 
 ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
+                                     ffi::Buffer<ffi::S32> /*src_slot*/, ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                      int64_t group_size, int64_t op_index, int64_t num_experts,
                                      int64_t max_tokens_per_rank, ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return low_latency_op<cpu::LowLatencyCombineArgs>(

@@ -158,22 +158,23 @@ void set_dispatch_inputs(uccl_ep::nvl::LowLatencyDispatchArgs& a, const ffi::Any
 
 void set_dispatch_outputs(uccl_ep::nvl::LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
                           ffi::Result<ffi::AnyBuffer>& recv_scales, ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
-                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_token) {
+                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_slot) {
   a.x_row_bytes = row_bytes_3d(*recv_x);
   a.scale_row_bytes = row_bytes_3d(*recv_scales);
   a.recv_x = recv_x->untyped_data();
   a.recv_scales = recv_scales->untyped_data();
   a.recv_count = recv_count->typed_data();
   a.layout = layout->typed_data();
-  a.src_token = src_token->typed_data();
+  a.src_slot = src_slot->typed_data();
 }
 
 void set_combine_send(uccl_ep::nvl::LowLatencyCombineArgs& a, const ffi::AnyBuffer& y,
-                      const ffi::Buffer<ffi::S32>& layout) {
+                      const ffi::Buffer<ffi::S32>& layout, const ffi::Buffer<ffi::S32>& src_slot) {
   a.y = y.untyped_data();
   a.bf16 = is_bf16(y, "low_latency_combine");
   a.hidden = int(y.dimensions()[2]);
   a.layout = layout.typed_data();
+  a.src_slot = src_slot.typed_data();
 }
 
 void set_combine_recv(uccl_ep::nvl::LowLatencyCombineArgs& a, const ffi::Buffer<ffi::S32>& topk_idx,
@@ -197,11 +198,11 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                  ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+                                  ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
     set_dispatch_inputs(a, x, scales, topk_idx);
-    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
     uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
   });
 }
@@ -225,35 +226,36 @@ ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi:
                                       ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                      ffi::Result<ffi::Buffer<ffi::S32>> src_token) {
+                                      ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_token);
+    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
     uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
   });
 }
 
 ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                 ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                                  ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
                                  int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
                                  ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    set_combine_send(a, y, layout);
+    set_combine_send(a, y, layout, src_slot);
     set_combine_recv(a, topk_idx, topk_weights, out);
     uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
   });
 }
 
 ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
-                                     ffi::Buffer<ffi::S32> layout, ffi::AnyBuffer /*order*/,
+                                     ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
+                                     ffi::AnyBuffer /*order*/,
                                      ffi::Span<const int32_t> group_table, int64_t group_size,
                                      int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
                                      ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    set_combine_send(a, y, layout);
+    set_combine_send(a, y, layout, src_slot);
     uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
   });
 }

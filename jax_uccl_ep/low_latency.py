@@ -25,24 +25,32 @@ AxisName = Union[str, Sequence[str]]
 class LowLatencyHandle:
     """What low_latency_combine needs from a low_latency_dispatch."""
 
-    def __init__(self, layout: jax.Array, src_token: jax.Array, axis_name: AxisName, num_experts: int,
-                 max_tokens_per_rank: int, cumulative_local_expert_recv_stats: jax.Array | None = None):
+    def __init__(self, layout: jax.Array, src_slot: jax.Array, axis_name: AxisName, num_experts: int,
+                 max_tokens_per_rank: int, topk: int, cumulative_local_expert_recv_stats: jax.Array | None = None):
         self.layout = layout  # [L, R] int32: rows of each local expert from each source rank
-        self.src_token = src_token  # [L, R * N] int32: the row's token index on its source rank, -1 on padding
+        # [L, R * N] int32: the row's top-k slot on its source rank (token * K + k), -1 on padding. The combine
+        # sends each row back to that slot, so the source needs no routing pass of its own.
+        self.src_slot = src_slot
         self.axis_name = axis_name
         self.num_experts = num_experts
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.topk = topk  # K of the dispatch's topk_idx
         # [L] int32: the running count passed to the dispatch plus this step's rows (None if none was passed)
         self.cumulative_local_expert_recv_stats = cumulative_local_expert_recv_stats
 
+    @property
+    def src_token(self) -> jax.Array:
+        """[L, R * N] int32: the row's token index on its source rank, -1 on padding."""
+        return jnp.where(self.src_slot >= 0, self.src_slot // self.topk, -1)
+
     def tree_flatten(self):
-        return ((self.layout, self.src_token, self.cumulative_local_expert_recv_stats),
-                (self.axis_name, self.num_experts, self.max_tokens_per_rank))
+        return ((self.layout, self.src_slot, self.cumulative_local_expert_recv_stats),
+                (self.axis_name, self.num_experts, self.max_tokens_per_rank, self.topk))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        layout, src_token, stats = children
-        return cls(layout, src_token, *aux, stats)
+        layout, src_slot, stats = children
+        return cls(layout, src_slot, *aux, stats)
 
 
 def _check_platform() -> None:
@@ -88,12 +96,12 @@ def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, 
     else:
         rows, scales = x, jnp.zeros((t, 0), jnp.float32)
     static = ("dispatch", axis_name, num_experts, int(max_tokens_per_rank), num_ranks, h, np.dtype(rows.dtype).name,
-              scales.shape[1], use_fp8, use_ue8m0)
+              scales.shape[1], use_fp8, use_ue8m0, topk_idx.shape[1])
     return rows, scales, static
 
 
 def _dispatch_outputs(static) -> tuple:
-    _, _, num_experts, n, num_ranks, h, dtype, scale_width, _, _ = static
+    _, _, num_experts, n, num_ranks, h, dtype, scale_width, _, _, _ = static
     local, slab = num_experts // num_ranks, num_ranks * n
     return (
         jax.ShapeDtypeStruct((local, slab, h), jnp.dtype(dtype)),
@@ -105,8 +113,8 @@ def _dispatch_outputs(static) -> tuple:
 
 
 def _dispatch_result(static, outs, cumulative_local_expert_recv_stats):
-    _, axis_name, num_experts, n, num_ranks, _, _, _, use_fp8, use_ue8m0 = static
-    recv_x, recv_scales, recv_count, layout, src_token = outs
+    _, axis_name, num_experts, n, num_ranks, _, _, _, use_fp8, use_ue8m0, topk = static
+    recv_x, recv_scales, recv_count, layout, src_slot = outs
     if use_fp8:
         recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
     stats = None
@@ -115,7 +123,7 @@ def _dispatch_result(static, outs, cumulative_local_expert_recv_stats):
                       f"cumulative_local_expert_recv_stats must have shape {recv_count.shape} (local experts), "
                       f"got {cumulative_local_expert_recv_stats.shape}")
         stats = cumulative_local_expert_recv_stats + recv_count.astype(cumulative_local_expert_recv_stats.dtype)
-    return recv_x, recv_count, LowLatencyHandle(layout, src_token, axis_name, num_experts, n, stats)
+    return recv_x, recv_count, LowLatencyHandle(layout, src_slot, axis_name, num_experts, n, topk, stats)
 
 
 def low_latency_dispatch_send(
@@ -194,12 +202,14 @@ def _check_combine_send(y, handle):
     normal._check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
     normal._check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
     normal._check(y.dtype in (jnp.float32, jnp.bfloat16), f"y must be float32 or bfloat16, got {y.dtype}")
-    normal._check(y.shape[:2] == handle.src_token.shape,
-                  f"y must have {handle.src_token.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
+    normal._check(y.shape[:2] == handle.src_slot.shape,
+                  f"y must have {handle.src_slot.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
 
 
-def _check_combine_receive(topk_idx, topk_weights):
+def _check_combine_receive(topk_idx, topk_weights, topk: int):
     normal._check_topk(topk_idx, None)
+    normal._check(topk_idx.shape[1] == topk, f"topk_idx must be the dispatch's, with K = {topk} slots per token, got "
+                                             f"shape {topk_idx.shape}")
     normal._check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
                   f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
 
@@ -209,18 +219,18 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLaten
     _check_combine_send(y, handle)
     (token,) = normal._ep_call(
         "uccl_ep_low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        y, handle.layout, axis_name=handle.axis_name, num_experts=handle.num_experts,
+        y, handle.layout, handle.src_slot, axis_name=handle.axis_name, num_experts=handle.num_experts,
         max_tokens_per_rank=handle.max_tokens_per_rank)
     static = ("combine", handle.axis_name, handle.num_experts, handle.max_tokens_per_rank, y.shape[2],
-              np.dtype(y.dtype).name)
+              np.dtype(y.dtype).name, handle.topk)
     return LowLatencyPending(token, static)
 
 
 def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, topk_weights: jax.Array) -> jax.Array:
     """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K], in y's dtype."""
-    kind, axis_name, num_experts, n, h, dtype = pending.static
+    kind, axis_name, num_experts, n, h, dtype, topk = pending.static
     normal._check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
-    _check_combine_receive(topk_idx, topk_weights)
+    _check_combine_receive(topk_idx, topk_weights, topk)
     (out,) = normal._ep_call(
         "uccl_ep_low_latency_combine_recv", (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
         pending.token, topk_idx, topk_weights, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
@@ -233,9 +243,9 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     them weighted by topk_weights [T, K] (slots with topk_idx -1 contribute nothing), in float32; [T, H] in y's
     dtype. To overlap other work with the transfer, call low_latency_combine_send and low_latency_combine_recv."""
     _check_combine_send(y, handle)
-    _check_combine_receive(topk_idx, topk_weights)
+    _check_combine_receive(topk_idx, topk_weights, handle.topk)
     (out,) = normal._ep_call(
         "uccl_ep_low_latency_combine", (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
-        y, handle.layout, topk_idx, topk_weights, axis_name=handle.axis_name, num_experts=handle.num_experts,
-        max_tokens_per_rank=handle.max_tokens_per_rank)
+        y, handle.layout, handle.src_slot, topk_idx, topk_weights, axis_name=handle.axis_name,
+        num_experts=handle.num_experts, max_tokens_per_rank=handle.max_tokens_per_rank)
     return out

@@ -62,6 +62,29 @@ def test_too_many_tokens_and_bad_hidden_are_named():
         call(8, use_ue8m0=True)
 
 
+def test_combine_with_another_number_of_slots_is_named():
+    """Rows go back to slot token * K + k of their source: a combine with another K than its dispatch is refused
+    before anything moves, in the fused call and in the split halves."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((2, 8, 128)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 4, (2, 8, 2)), jnp.int32)
+
+    def body(x, i, split):
+        recv, _, handle = ep.low_latency_dispatch(x[0], i[0], num_experts=4, max_tokens_per_rank=8, axis_name="ep",
+                                                  use_fp8=False)
+        wider = jnp.concatenate([i[0], i[0][:, :1]], axis=1)  # K = 3
+        w = jnp.ones(wider.shape, jnp.float32)
+        if split:
+            return ep.low_latency_combine_recv(ep.low_latency_combine_send(recv, handle), wider, w)[None]
+        return ep.low_latency_combine(recv, wider, w, handle)[None]
+
+    for split in (False, True):
+        f = jax.shard_map(lambda x, i: body(x, i, split), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        with pytest.raises(ValueError, match=r"topk_idx must be the dispatch's, with K = 2 slots per token"):
+            jax.jit(f)(x, idx)
+
+
 def multi_process_low_latency(seed: int) -> dict:
     """Child: low-latency dispatch and combine over every device of 2 processes (R = 4)."""
     import jax

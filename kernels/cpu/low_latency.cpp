@@ -46,7 +46,7 @@ std::vector<std::vector<std::pair<int, int>>> slots_by_expert(const int32_t* top
 
 namespace {
 
-// Row: x | scales | local expert (int32) | token (int32) | padding.
+// Row: x | scales | local expert (int32) | slot on the source, token * K + k (int32) | padding.
 uint64_t dispatch_meta_offset(const LowLatencyDispatchArgs& a) { return a.x_row_bytes + a.scale_row_bytes; }
 uint64_t dispatch_shape_tag(const LowLatencyDispatchArgs& a) {
   return (uint64_t(a.max_tokens_per_rank) << 40) ^ (uint64_t(a.num_experts) << 20) ^ a.x_row_bytes ^
@@ -83,10 +83,10 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
   PackRow pack = [&](int d, uint32_t i, uint8_t* out) {
     int l = 0;
     while (i >= slots[d * L + l].size()) i -= uint32_t(slots[d * L + l++].size());
-    int t = slots[d * L + l][i].first;
+    const auto [t, k] = slots[d * L + l][i];
     std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
     if (a.scale_row_bytes) std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
-    int32_t lt[2] = {l, t};
+    int32_t lt[2] = {l, t * a.topk + k};
     std::memcpy(out + meta, lt, 8);
   };
   run(plan, pack);
@@ -115,7 +115,7 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
       size_t o = size_t(lt[0]) * slab + size_t(fill[lt[0]]++);
       std::memcpy(a.recv_x + o * a.x_row_bytes, in, a.x_row_bytes);
       if (a.scale_row_bytes) std::memcpy(a.recv_scales + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
-      a.src_token[o] = lt[1];
+      a.src_slot[o] = lt[1];
       ++a.layout[size_t(lt[0]) * R + s];
     }
   };
@@ -127,7 +127,7 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
     size_t first = size_t(l) * slab + size_t(fill[l]), pad = slab - size_t(fill[l]);
     std::memset(a.recv_x + first * a.x_row_bytes, 0, pad * a.x_row_bytes);
     if (a.scale_row_bytes) std::memset(a.recv_scales + first * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
-    for (size_t i = 0; i < pad; ++i) a.src_token[first + i] = -1;
+    for (size_t i = 0; i < pad; ++i) a.src_slot[first + i] = -1;
   }
 }
 

@@ -22,7 +22,7 @@ struct LowLatencyDispatchArgs {
   uint8_t* recv_scales;     // [L, R * N, scale_row_bytes]
   int32_t* recv_count;      // [L]
   int32_t* layout;          // [L, R]: rows from each source rank (handle)
-  int32_t* src_token;       // [L, R * N]: the row's token index on its source rank, -1 on padding (handle)
+  int32_t* src_slot;        // [L, R * N]: the row's slot on its source rank (token * K + k), -1 on padding (handle)
 };
 // One call, both halves under one lock: nothing can run in between.
 void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& args);

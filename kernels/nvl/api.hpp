@@ -256,7 +256,7 @@ bool low_latency_fused();
 
 // Low-latency mode (low_latency.cu). Shapes as in jax_uccl_ep.low_latency: L = num_experts / R local experts,
 // N = max_tokens_per_rank; recv_x [L, R * N, x_row_bytes], rows of local expert l: [0, recv_count[l]) valid,
-// grouped by source (group order), then token. Padding rows of recv_x are not written (src_token is -1 there).
+// grouped by source (group order), then token. Padding rows of recv_x are not written (src_slot is -1 there).
 struct LowLatencyDispatchArgs {
   const void* x;             // [T, x_row_bytes] (FP8 or 16/32-bit rows)
   int64_t x_row_bytes;
@@ -268,7 +268,7 @@ struct LowLatencyDispatchArgs {
   void* recv_scales;
   int32_t* recv_count;  // [L]
   int32_t* layout;      // [L, R] rows from each source
-  int32_t* src_token;   // [L, R * N] token index on the source, -1 on padding
+  int32_t* src_slot;    // [L, R * N] the row's slot on its source (token * K + k), -1 on padding
 };
 // The send half reads x, scales, topk_idx; the receive half (later on the same stream, no EP op between) writes
 // the outputs.
@@ -285,6 +285,7 @@ struct LowLatencyCombineArgs {
   bool bf16;      // else float32 (y and out)
   int hidden, num_experts, max_tokens_per_rank;
   const int32_t* layout;       // [L, R] from the dispatch
+  const int32_t* src_slot;     // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
   const int32_t* topk_idx;     // [T, K] this rank's routing (as dispatched)
   const float* topk_weights;   // [T, K]
   int num_tokens, topk;

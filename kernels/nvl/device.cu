@@ -354,7 +354,7 @@ void NvlDevice::check_errors(const char* op) {
                                 " in low_latency_combine where its dispatch sent a different number (was topk_idx "
                                 "the dispatch's?)");
   if (e.code == 8)
-    throw std::invalid_argument(where + "had " + std::to_string(e.a) + " low_latency_combine rows of " +
+    throw std::invalid_argument(where + "needed room for " + std::to_string(e.a) + " low_latency_combine rows of " +
                                 std::to_string(e.c) + " bytes for one rank where its low-latency buffer holds " +
                                 std::to_string(e.b) + " (rows past it were dropped); initialize with a larger "
                                 "low_latency_buffer_bytes (jax_uccl_ep.low_latency_buffer_bytes gives it)");

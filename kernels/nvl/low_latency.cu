@@ -13,8 +13,9 @@
 // A region: [counts: int32 per local expert of the receiver, 256-byte aligned][rows]. Rows are grouped by the
 // receiver's local expert, then the sender's token order; the sender computes every position itself (a stable
 // counting pass over its routing), so no atomics decide the layout and results are deterministic.
-//   dispatch row: [x | scales | (local expert, token, position, 0)], each part 16-byte aligned
-//   combine row:  [y row], in the order the dispatch delivered that (expert rank, source) pair
+//   dispatch row: [x | scales | (local expert, token, position, slot)], each part 16-byte aligned; slot = token * K + k
+//   combine row:  [y row] at the row's slot on its source (the handle's src_slot), so the source reads token t's
+//                 k-th expert output at row t * K + k without working out the routing again
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -190,13 +191,14 @@ struct DispatchTarget {
   char* recv_scales;
   int32_t* recv_count;
   int32_t* layout;
-  int32_t* src_token;
+  int32_t* src_slot;
 };
 // What the combine's send phase reads, and what its receive phase reads and writes.
 struct CombineSource {
   const char* y;
   int64_t row_bytes;
   const int32_t* layout;
+  const int32_t* src_slot;  // [L, R * N]: where each row of y goes on its source
 };
 struct CombineTarget {
   const int32_t* topk_idx;
@@ -233,7 +235,7 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
     warp_copy(row, in.x + int64_t(t) * in.x_row_bytes, in.x_row_bytes, lane);
     if (in.scale_row_bytes)
       warp_copy(row + in.scales_at, in.scales + int64_t(t) * in.scale_row_bytes, in.scale_row_bytes, lane);
-    if (lane == 0) *reinterpret_cast<int4*>(row + shape.row_bytes - 16) = make_int4(e % local, t, pos[p], 0);
+    if (lane == 0) *reinterpret_cast<int4*>(row + shape.row_bytes - 16) = make_int4(e % local, t, pos[p], p);
   }
   stamp(shape, kDispatchSend, 2);
   finish_send(to, shape.num_ranks, [&] {
@@ -291,21 +293,21 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     const char* row = from.region[s] + shape.counts_bytes + int64_t(i - rows_from[s]) * shape.row_bytes;
     int4 tail = make_int4(0, 0, 0, 0);
     if (lane == 0) tail = __ldcg(reinterpret_cast<const int4*>(row + shape.row_bytes - 16));
-    const int l = __shfl_sync(0xffffffffu, tail.x, 0), t = __shfl_sync(0xffffffffu, tail.y, 0),
-              j = __shfl_sync(0xffffffffu, tail.z, 0);
+    const int l = __shfl_sync(0xffffffffu, tail.x, 0), j = __shfl_sync(0xffffffffu, tail.z, 0),
+              slot = __shfl_sync(0xffffffffu, tail.w, 0);
     if (l < 0 || l >= L || j < 0 || j >= count[s * L + l] || offset[l * R + s] + j >= slab) continue;
     const int64_t o = int64_t(l) * slab + offset[l * R + s] + j;
     warp_copy<Load::kCoherent>(out.recv_x + o * out.x_row_bytes, row, out.x_row_bytes, lane);
     if (out.scale_row_bytes)
       warp_copy<Load::kCoherent>(out.recv_scales + o * out.scale_row_bytes, row + out.scales_at, out.scale_row_bytes,
                                  lane);
-    if (lane == 0) out.src_token[o] = t;
+    if (lane == 0) out.src_slot[o] = slot;
   }
   stamp(shape, kDispatchRecv, 3);
   // Padding rows: no source token (their data is not written).
   for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < int64_t(L) * slab;
        o += int64_t(gridDim.x) * blockDim.x)
-    if (o % slab >= total[o / slab]) out.src_token[o] = -1;
+    if (o % slab >= total[o / slab]) out.src_slot[o] = -1;
   stamp(shape, kDispatchRecv, 4);
 }
 
@@ -315,8 +317,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
   const int64_t slab = int64_t(R) * shape.max_tokens;
   int* rows = smem;               // [l * R + s]: the handle's layout
   int* begin = rows + R * L;      // [l * R + s]: where source s's rows start in y[l]
-  int* first = begin + R * L;     // [s * L + l]: where expert l's rows start in source s's region
-  int* cum = first + R * L;       // [L + 1]: prefix of rows per expert
+  int* cum = begin + R * L;       // [L + 1]: prefix of rows per expert
   int* in_expert = cum + L + 1;   // [L]: rows of expert l
   __shared__ bool valid;
   stamp(shape, kCombineSend, 0);
@@ -333,27 +334,19 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     if (in_l > slab) valid = false;
   }
   __syncthreads();
-  const int warp = threadIdx.x / kWarp;
-  if (warp == 0) {
+  if (threadIdx.x < kWarp) {
     const int all = warp_exclusive_scan(L, [&](int l) { return in_expert[l]; }, [&](int l, int v) { cum[l] = v; });
     if (threadIdx.x == 0) {
       cum[L] = all;
       if (!valid && blockIdx.x == 0) report(err, 4, shape.rank, all, int64_t(L) * slab, 0);
     }
   }
-  if (warp >= 1 && warp <= R) {  // warp s + 1: where each expert's rows start in source s's region
-    const int s = warp - 1;
-    const int all = warp_exclusive_scan(L, [&](int l) { return rows[l * R + s]; },
-                                        [&](int l, int v) { first[s * L + l] = v; });
-    if (threadIdx.x % kWarp == 0 && all > shape.capacity_rows && blockIdx.x == 0)
-      report(err, 8, shape.rank, all, shape.capacity_rows, shape.row_bytes);
-  }
   __syncthreads();
 
   stamp(shape, kCombineSend, 1);
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int all_rows = valid ? cum[L] : 0;
-  for (int i = blockIdx.x * warps_per_block + warp; i < all_rows; i += gridDim.x * warps_per_block) {
+  for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < all_rows; i += gridDim.x * warps_per_block) {
     int lo = 0, hi = L;  // the expert: the last l with cum[l] <= i
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
@@ -362,8 +355,12 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     const int l = lo, r = i - cum[l];
     int s = 0;
     while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
-    const int64_t j = first[s * L + l] + (r - begin[l * R + s]);
-    if (j >= shape.capacity_rows) continue;
+    const int64_t j = in.src_slot[int64_t(l) * slab + r];
+    if (j < 0) continue;  // not a row of the dispatch (a stale handle)
+    if (j >= shape.capacity_rows) {
+      if (lane == 0) report(err, 8, shape.rank, j + 1, shape.capacity_rows, shape.row_bytes);
+      continue;
+    }
     warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
               in.row_bytes, lane);
   }
@@ -382,14 +379,20 @@ template <typename T, int kRowsInFlight>
 __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
                              DeviceErrors* err, int* smem) {
   const int pairs = out.num_tokens * out.topk, L = shape.local_experts, topk = out.topk;
-  int* idx = smem;
-  int* pos = idx + pairs;
-  int* count = pos + pairs;
-  int* first = count + out.num_experts;
-  int* warp_counts = shape.routing_by_warps ? first + out.num_experts : nullptr;
+  int* idx = smem;            // [pairs]: topk_idx, -1 where unused or out of range
+  int* count = idx + pairs;   // [num_experts] (block 0): slots per expert, for the stale-handle check
   stamp(shape, kCombineRecv, 0);
-  route_slots(out.topk_idx, pairs, topk, out.num_experts, shape.num_ranks, idx, pos, count, first, warp_counts, err,
-              shape.rank, false);
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int e = out.topk_idx[p];
+    idx[p] = e >= 0 && e < out.num_experts ? e : -1;
+  }
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < out.num_experts; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x)
+      if (idx[p] >= 0) atomicAdd(&count[idx[p]], 1);
+  }
+  __syncthreads();
   stamp(shape, kCombineRecv, 1);
   if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank)) return;
   stamp(shape, kCombineRecv, 2);
@@ -414,7 +417,7 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
 #pragma unroll
       for (int r = 0; r < kRowsInFlight; ++r) {
         const int k = k0 + r, e = k < topk ? idx[t * topk + k] : -1;
-        const int64_t j = e >= 0 ? first[e] + pos[t * topk + k] : 0;
+        const int64_t j = int64_t(t) * topk + k;  // the row's slot: where the expert's rank put it
         used[r] = e >= 0 && j < shape.capacity_rows;
         weight[r] = used[r] ? out.topk_weights[t * topk + k] : 0.f;
         const int4* row = used[r] ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes +
@@ -606,7 +609,7 @@ DispatchSource dispatch_source(const LowLatencyDispatchArgs& a) {
 }
 DispatchTarget dispatch_target(const LowLatencyDispatchArgs& a) {
   return {a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
-          static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_token};
+          static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_slot};
 }
 size_t dispatch_send_shared(const LowLatencyDispatchArgs& a, const Shape& shape) {
   return routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, kSendThreads);
@@ -624,7 +627,7 @@ Shape combine_shape(const NvlDevice& dev, const Group& g, const LowLatencyCombin
   return shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
 }
 CombineSource combine_source(const LowLatencyCombineArgs& a) {
-  return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout};
+  return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout, a.src_slot};
 }
 CombineTarget combine_target(const LowLatencyCombineArgs& a) {
   return {a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, combine_row_bytes(a),
@@ -632,10 +635,10 @@ CombineTarget combine_target(const LowLatencyCombineArgs& a) {
 }
 size_t combine_send_shared(const Shape& shape) {
   const size_t R = shape.num_ranks, L = shape.local_experts;
-  return (3 * R * L + 2 * L + 1) * sizeof(int);
+  return (2 * R * L + 2 * L + 1) * sizeof(int);
 }
-size_t combine_recv_shared(const LowLatencyCombineArgs& a, const Shape& shape, int threads) {
-  return routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, threads);
+size_t combine_recv_shared(const LowLatencyCombineArgs& a) {
+  return (size_t(a.num_tokens) * a.topk + a.num_experts) * sizeof(int);
 }
 
 // One launch of a phase kernel: send-only grids are kSendBlocks x kSendThreads (receivers count arrivals by
@@ -717,7 +720,7 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
   const Shape shape = combine_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Inbox from = inbox(dev, g);
-  const size_t smem = combine_recv_shared(a, shape, kThreads);
+  const size_t smem = combine_recv_shared(a);
   if (a.bf16)
     launch(combine_kernel<__nv_bfloat16, false, true>, low_latency_blocks(), kThreads, smem, stream, CombineSource{},
            combine_target(a), shape, Outbox{}, from, dev, "low_latency combine receive kernel");
@@ -730,7 +733,7 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   const Shape shape = combine_shape(dev, g, a);
   run_fused(dev, g, stream, a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
-            std::max(combine_send_shared(shape), combine_recv_shared(a, shape, kSendThreads)), shape,
+            std::max(combine_send_shared(shape), combine_recv_shared(a)), shape,
             combine_source(a), combine_target(a), "low_latency_combine", [&] {
               low_latency_combine_send(dev, g, a, stream);
               low_latency_combine_recv(dev, g, a, stream);
