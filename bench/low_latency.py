@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.ranks or 2)
+    elif args.ranks:  # the runtime spans every visible GPU: show it only these (the buffer is sized for R of them)
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.ranks)))
 
     import jax
     import jax.numpy as jnp
