@@ -323,10 +323,61 @@ ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, 
 // memory, runs the CPU implementation above on the copies, and copies the results back, on XLA's stream (with a
 // host wait before and after). Correct wherever the proxy runtime runs; one host round trip per op (kernels that
 // post commands to the proxies themselves are not built yet).
+
+// Pinned host memory for one device's staged ops, kept from call to call and grown when an op needs more: copies
+// from pinned memory run at PCIe speed, and no call allocates, zeroes or faults in its buffers again. (Measured on
+// 2xH200 before it, with a fresh zeroed std::vector per buffer per call: 171 ms for a BF16 dispatch of 4096
+// tokens x 7168.)
+class HostArena {
+ public:
+  static HostArena& of(int32_t ordinal) {
+    static std::mutex mutex;
+    static std::deque<std::pair<int32_t, HostArena>> arenas;  // stable addresses
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& [o, arena] : arenas)
+      if (o == ordinal) return arena;
+    return arenas.emplace_back(std::piecewise_construct, std::forward_as_tuple(ordinal), std::forward_as_tuple())
+        .second;
+  }
+  HostArena() = default;
+  HostArena(const HostArena&) = delete;
+  // Runtime shutdown frees nothing here: the arena lives as long as the process, like the CUDA context.
+
+  std::mutex& mutex() { return mutex_; }  // held for a whole staged op
+  char* reserve(size_t bytes) {
+    if (bytes > bytes_) {
+      const size_t grown = std::max(bytes, bytes_ * 3 / 2);
+      if (base_) cudaFreeHost(base_);
+      base_ = nullptr;
+      bytes_ = 0;
+      void* p = nullptr;
+      if (cudaHostAlloc(&p, grown, cudaHostAllocDefault) != cudaSuccess)
+        throw std::runtime_error("uccl_ep host staging: cudaHostAlloc of " + std::to_string(grown) + " bytes failed");
+      base_ = static_cast<char*>(p);
+      bytes_ = grown;
+    }
+    return base_;
+  }
+
+ private:
+  std::mutex mutex_;
+  char* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 class HostStage {
  public:
-  explicit HostStage(cudaStream_t stream) : stream_(stream) {}
+  HostStage(cudaStream_t stream, HostArena& arena) : stream_(stream), arena_(arena) {}
 
+  // First pass over the arguments: the host bytes they need.
+  void plan(const ffi::AnyBuffer& b) { need_ += slot(b.size_bytes()); }
+  template <ffi::DataType T>
+  void plan(const ffi::Buffer<T>& b) { need_ += slot(b.size_bytes()); }
+  template <class T>
+  void plan(ffi::Result<T>& r) { need_ += slot(r->size_bytes()); }
+  template <class T>
+  void plan(const T&) {}
+  // Then the host twin of each argument.
   ffi::AnyBuffer operator()(const ffi::AnyBuffer& b) { return ffi::AnyBuffer(copy_in(b)); }
   template <ffi::DataType T>
   ffi::Buffer<T> operator()(const ffi::Buffer<T>& b) { return ffi::Buffer<T>(copy_in(b)); }
@@ -341,7 +392,7 @@ class HostStage {
 
   // Waits for the copies to host memory (and the work before them).
   void fetch() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
-  // Copies the results back and waits for them (the host copies die with this object).
+  // Copies the results back and waits for them (the arena is reused by the next op).
   void store() {
     for (const auto& r : results_)
       if (r.bytes)
@@ -353,25 +404,27 @@ class HostStage {
   struct Host {
     XLA_FFI_Buffer buffer;
     std::vector<int64_t> dims;
-    std::vector<char> bytes;
   };
   struct Copy {
     void* device;
     const void* host;
     size_t bytes;
   };
+  static size_t slot(size_t bytes) { return (std::max<size_t>(bytes, 16) + 255) / 256 * 256; }
   static void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep host staging: ") + what + ": " +
                                                    cudaGetErrorString(e));
   }
   template <class B>
   const XLA_FFI_Buffer* describe(const B& b) {
+    if (!base_) base_ = arena_.reserve(need_);
+    if (used_ + slot(b.size_bytes()) > need_) throw std::logic_error("uccl_ep host staging: an argument was not planned");
     Host& h = hosts_.emplace_back();
     auto dims = b.dimensions();
     h.dims.assign(dims.begin(), dims.end());
-    h.bytes.resize(std::max<size_t>(b.size_bytes(), 16));
     h.buffer = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(b.element_type()),
-                              h.bytes.data(), int64_t(h.dims.size()), h.dims.data()};
+                              base_ + used_, int64_t(h.dims.size()), h.dims.data()};
+    used_ += slot(b.size_bytes());
     return &h.buffer;
   }
   template <class B>
@@ -384,6 +437,9 @@ class HostStage {
   }
 
   cudaStream_t stream_;
+  HostArena& arena_;
+  char* base_ = nullptr;
+  size_t need_ = 0, used_ = 0;
   std::deque<Host> hosts_;  // stable addresses: the FFI buffers point into them
   std::vector<Copy> results_;
 };
@@ -395,7 +451,10 @@ template <class... Args, ffi::Error (*kImpl)(int32_t, Args...)>
 struct Staged<kImpl> {
   static ffi::Error call(cudaStream_t stream, int32_t ordinal, Args... args) {
     try {
-      HostStage stage(stream);
+      HostArena& arena = HostArena::of(ordinal);
+      std::lock_guard<std::mutex> lock(arena.mutex());
+      HostStage stage(stream, arena);
+      (stage.plan(args), ...);
       auto host_args = std::tuple<Args...>(stage(args)...);
       stage.fetch();
       ffi::Error error = std::apply([&](auto&... a) { return kImpl(ordinal, a...); }, host_args);
