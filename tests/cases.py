@@ -227,10 +227,11 @@ def check_low_latency(mesh, seed, num_tokens, n, hidden, topk, num_experts, *, s
             out = ep.low_latency_combine_recv(ep.low_latency_combine_send(y, handle), idx[0], w[0])
         else:
             out = ep.low_latency_combine(y, idx[0], w[0], handle)
-        return deq[None], count[None], handle.layout[None], handle.src_token[None], out[None]
+        return (deq[None], count[None], handle.layout[None], handle.src_token[None], handle.src_slot[None],
+                out[None])
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    deq, count, layout, src_token, out = (gather(a) for a in f(*(shard(mesh, a) for a in (xb, idx, w))))
+    deq, count, layout, src_token, src_slot, out = (gather(a) for a in f(*(shard(mesh, a) for a in (xb, idx, w))))
     x32 = xb.astype(np.float32)
     expected = low_latency_reference(idx, num_experts)
     local = num_experts // num_ranks
@@ -253,6 +254,10 @@ def check_low_latency(mesh, seed, num_tokens, n, hidden, topk, num_experts, *, s
                 continue
             if not np.all(src_token[r, l, m:] == -1):
                 problems.append(f"rank {r} expert {l}: padding source tokens are not -1")
+            # The slot each row returns to in the combine: its token's k-th choice on the source is this expert.
+            slot = src_slot[r, l, :m]
+            if not (np.array_equal(slot // topk, tok) and np.all(idx[src, tok, slot % topk] == r * local + l)):
+                problems.append(f"rank {r} expert {l}: source slots do not name this expert")
             got, sent = deq[r, l, :m], x32[src, tok]
             if use_fp8:  # e4m3: relative error <= 2^-4 of the value, plus the block's underflow
                 bound = np.abs(sent) * 2**-4 + 1e-3 * np.abs(sent).max(initial=0)

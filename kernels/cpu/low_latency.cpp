@@ -165,7 +165,8 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
   const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2, row_bytes = round_up16(combine_row_bytes(a));
   std::string bad_input = check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   auto slots = slots_by_expert(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
-  std::vector<float> acc(size_t(a.num_tokens) * a.hidden, 0.0f);
+  const size_t values = size_t(a.num_tokens) * a.hidden;
+  float* acc = zeroed_accumulator(values);
   std::string mismatch;
   UnpackRows unpack = [&](int r, uint32_t count, const uint8_t* rows) {
     uint32_t expected = 0;
@@ -181,7 +182,7 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
       for (auto [t, k] : slots[r * L + l]) {
         const uint8_t* in = rows + uint64_t(j++) * row_bytes;
         const float w = a.topk_weights[size_t(t) * a.topk + k];
-        float* dst = acc.data() + size_t(t) * a.hidden;
+        float* dst = acc + size_t(t) * a.hidden;
         for (int h = 0; h < a.hidden; ++h) dst[h] += w * to_f32(in + h * elem, a.dtype);
       }
   };
@@ -189,7 +190,7 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
   // topk_idx is the dispatch's, checked there; a different one here shows as a row-count mismatch.
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + mismatch + " (stale handle?)");
   if (!bad_input.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + bad_input);
-  for (size_t i = 0; i < acc.size(); ++i) from_f32(acc[i], a.out + i * elem, a.dtype);
+  for (size_t i = 0; i < values; ++i) from_f32(acc[i], a.out + i * elem, a.dtype);
 }
 
 }  // namespace

@@ -188,7 +188,7 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
 // collective error; returns such a mismatch found by this rank as a source (then out of step), or "".
 template <class YRow, class AddRow>
 std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b, const ExchangePlan& flat,
-                            const CombineArgs& a, YRow&& y_row, AddRow&& add_row, std::vector<float>& acc) {
+                            const CombineArgs& a, YRow&& y_row, AddRow&& add_row, float* acc) {
   const int R = group.size, P = b.per_node, H = a.hidden;
   const Group across = make_group(dev, b.across.data(), b.nodes, "combine");
   const Group within = make_group(dev, b.within.data(), P, "combine");
@@ -294,7 +294,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
                        return;
                      }
                      for (uint32_t j = 0; j < count; ++j) {
-                       add_row(acc.data() + size_t(to_node[n][j]) * H, rows + uint64_t(j) * partial_bytes);
+                       add_row(acc + size_t(to_node[n][j]) * H, rows + uint64_t(j) * partial_bytes);
                      }
                    });
         }});
@@ -464,7 +464,8 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
     }
   };
 
-  std::vector<float> acc(size_t(a.num_tokens) * H, 0.0f);
+  const size_t values = size_t(a.num_tokens) * H;
+  float* acc = zeroed_accumulator(values);
   std::string mismatch;
   if (auto nodes = node_blocks(dev, group)) {
     mismatch = combine_by_node(dev, group, *nodes, plan, a, y_row, add_row, acc);
@@ -479,15 +480,15 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
                  return;
                }
                for (uint32_t j = 0; j < count; ++j)
-                 add_row(acc.data() + size_t(tokens_from[s][j]) * H, rows + uint64_t(j) * plan.row_bytes);
+                 add_row(acc + size_t(tokens_from[s][j]) * H, rows + uint64_t(j) * plan.row_bytes);
              });
   }
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep combine: " + mismatch + " (stale handle?)");
   if (a.dtype == FloatType::kF32) {
-    std::memcpy(a.out, acc.data(), acc.size() * 4);
+    std::memcpy(a.out, acc, values * 4);
   } else {
     uint16_t* out = reinterpret_cast<uint16_t*>(a.out);
-    for (size_t i = 0; i < acc.size(); ++i) out[i] = f32_to_bf16(acc[i]);
+    for (size_t i = 0; i < values; ++i) out[i] = f32_to_bf16(acc[i]);
   }
 }
 
