@@ -142,6 +142,7 @@ auto low_latency_combine_send_signature(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()        // src_slot (handle)
       .template Arg<ffi::AnyBuffer>()               // order: ignored
       .UCCL_EP_LL_ATTRS
+      .template Attr<int64_t>("topk")               // K of the dispatch (the slots rows go back to)
       .template Ret<ffi::Buffer<ffi::S32>>();       // token for the receive half
 }
 

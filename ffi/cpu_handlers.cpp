@@ -293,9 +293,10 @@ ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<
 }
 
 ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                     ffi::Buffer<ffi::S32> /*src_slot*/, ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
-                                     int64_t group_size, int64_t op_index, int64_t num_experts,
-                                     int64_t max_tokens_per_rank, ffi::Result<ffi::Buffer<ffi::S32>> token) {
+                                     ffi::Buffer<ffi::S32> /*src_slot*/, ffi::AnyBuffer /*order*/,
+                                     ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                     int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*topk*/,
+                                     ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return low_latency_op<cpu::LowLatencyCombineArgs>(
       ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
       [&](Device& dev, const cpu::Group& g, cpu::LowLatencyCombineArgs& a) {
@@ -351,7 +352,7 @@ class HostArena {
       base_ = nullptr;
       bytes_ = 0;
       void* p = nullptr;
-      if (cudaHostAlloc(&p, grown, cudaHostAllocDefault) != cudaSuccess)
+      if (cudaHostAlloc(&p, grown, cudaHostAllocPortable) != cudaSuccess)
         throw std::runtime_error("uccl_ep host staging: cudaHostAlloc of " + std::to_string(grown) + " bytes failed");
       base_ = static_cast<char*>(p);
       bytes_ = grown;

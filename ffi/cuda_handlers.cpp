@@ -252,10 +252,11 @@ ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::
                                      ffi::AnyBuffer /*order*/,
                                      ffi::Span<const int32_t> group_table, int64_t group_size,
                                      int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
-                                     ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+                                     int64_t topk, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
     set_combine_send(a, y, layout, src_slot);
+    a.topk = int(topk);
     uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
   });
 }

@@ -220,7 +220,7 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLaten
     (token,) = normal._ep_call(
         "uccl_ep_low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
         y, handle.layout, handle.src_slot, axis_name=handle.axis_name, num_experts=handle.num_experts,
-        max_tokens_per_rank=handle.max_tokens_per_rank)
+        max_tokens_per_rank=handle.max_tokens_per_rank, topk=handle.topk)
     static = ("combine", handle.axis_name, handle.num_experts, handle.max_tokens_per_rank, y.shape[2],
               np.dtype(y.dtype).name, handle.topk)
     return LowLatencyPending(token, static)

@@ -10,11 +10,12 @@ namespace uccl_ep::cpu {
 
 inline uint64_t round_up16(uint64_t n) { return (n + 15) / 16 * 16; }
 
-// A zeroed float32 accumulator of n values, reused by the calling thread from op to op (XLA runs each device's
-// ops on its own thread): a fresh vector per op spent a fifth of a large combine faulting its pages in.
+// A zeroed float32 accumulator of n values, reused by the calling thread from op to op: a fresh vector per op
+// spent a fifth of a large combine faulting its pages in. Each thread that runs combines keeps its largest one
+// (T x H floats) until it exits; valid until the thread's next call.
 inline float* zeroed_accumulator(size_t n) {
   thread_local std::vector<float> acc;
-  if (acc.size() < n) acc.resize(n);
+  if (acc.size() < std::max<size_t>(n, 1)) acc.resize(std::max<size_t>(n, 1));  // never null
   std::fill_n(acc.data(), n, 0.0f);
   return acc.data();
 }

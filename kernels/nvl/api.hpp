@@ -288,7 +288,7 @@ struct LowLatencyCombineArgs {
   const int32_t* src_slot;     // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
   const int32_t* topk_idx;     // [T, K] this rank's routing (as dispatched)
   const float* topk_weights;   // [T, K]
-  int num_tokens, topk;
+  int num_tokens, topk;         // topk: in every call (the send half gets it from the handle)
   void* out;                   // [T, hidden]
 };
 void low_latency_combine_send(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,

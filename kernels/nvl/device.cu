@@ -353,11 +353,10 @@ void NvlDevice::check_errors(const char* op) {
                                 std::to_string(e.b) + " from rank " + std::to_string(e.c) +
                                 " in low_latency_combine where its dispatch sent a different number (was topk_idx "
                                 "the dispatch's?)");
-  if (e.code == 8)
-    throw std::invalid_argument(where + "needed room for " + std::to_string(e.a) + " low_latency_combine rows of " +
-                                std::to_string(e.c) + " bytes for one rank where its low-latency buffer holds " +
-                                std::to_string(e.b) + " (rows past it were dropped); initialize with a larger "
-                                "low_latency_buffer_bytes (jax_uccl_ep.low_latency_buffer_bytes gives it)");
+  if (e.code == 9)
+    throw std::invalid_argument(where + "found no source slot (" + std::to_string(e.c) + ") for row " +
+                                std::to_string(e.b) + " of local expert " + std::to_string(e.a) +
+                                " in low_latency_combine (stale handle?); that row was not returned");
   if (e.code == 4)
     throw std::invalid_argument(where + "was handed a handle recording " + std::to_string(e.a) +
                                 " received rows for a y of " + std::to_string(e.b) + " rows (stale handle?)");

@@ -356,9 +356,8 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     int s = 0;
     while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
     const int64_t j = in.src_slot[int64_t(l) * slab + r];
-    if (j < 0) continue;  // not a row of the dispatch (a stale handle)
-    if (j >= shape.capacity_rows) {
-      if (lane == 0) report(err, 8, shape.rank, j + 1, shape.capacity_rows, shape.row_bytes);
+    if (j < 0 || j >= shape.capacity_rows) {  // the layout counts a row the dispatch did not deliver here
+      if (lane == 0) report(err, 9, shape.rank, l, r, j);
       continue;
     }
     warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
@@ -624,7 +623,13 @@ Shape combine_shape(const NvlDevice& dev, const Group& g, const LowLatencyCombin
   if (combine_row_bytes(a) % 16 != 0)
     throw std::invalid_argument("uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
                                 "a multiple of 8 for bfloat16, 4 for float32), got hidden " + std::to_string(a.hidden));
-  return shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
+  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
+  // Rows go back to slot t * K + k of their source: every region needs room for N * K combine rows. Refuse before
+  // anything moves (every rank has the same shapes and buffer, so every rank refuses, in either half).
+  const int64_t need = shape.counts_bytes + int64_t(a.max_tokens_per_rank) * a.topk * shape.row_bytes;
+  if (need > int64_t(dev.low_latency_stride()))
+    throw std::invalid_argument("uccl_ep low_latency_combine: " + bytes_advice(dev, need));
+  return shape;
 }
 CombineSource combine_source(const LowLatencyCombineArgs& a) {
   return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout, a.src_slot};
