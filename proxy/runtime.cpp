@@ -50,16 +50,14 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
     throw;
   }
   size_t slots = size_t(num_ranks) * config_.num_channels;
-  released_.reset(new std::atomic<uint64_t>[slots]);
-  for (size_t i = 0; i < slots; ++i) released_[i].store(0);
+  released_ = std::make_unique<HostCounters>(slots);
   consumed_.assign(slots, 0);
   awaiting_ack_.reset(new bool[num_ranks]());
   inflight_.reset(new std::atomic<int64_t>[num_ranks]);
   for (uint32_t p = 0; p < num_ranks; ++p) inflight_[p].store(0);
   exited_.reset(new std::atomic<bool>[config_.num_channels]);
   for (int c = 0; c < config_.num_channels; ++c) exited_[c].store(false);
-  retired_.reset(new std::atomic<uint64_t>[config_.num_channels]);
-  for (int c = 0; c < config_.num_channels; ++c) retired_[c].store(0);
+  retired_ = std::make_unique<HostCounters>(size_t(config_.num_channels));
   sequencers_.resize(slots);
   arrivals_.resize(slots);
   peer_failure_.assign(num_ranks, "");
@@ -133,7 +131,7 @@ void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uin
   if (peer == rank_) {
     // To self: a copy, published the same way an incoming message is.
     std::memmove(buffer_ + remote_offset, buffer_ + local_offset, length);
-    released_[size_t(peer) * config_.num_channels + channel].fetch_add(1, std::memory_order_release);
+    (*released_)[size_t(peer) * config_.num_channels + channel].fetch_add(1, std::memory_order_release);
     return;
   }
   Deadline deadline(config_.timeout_s);
@@ -150,7 +148,7 @@ void Device::wait_message(int channel, uint32_t peer, const char* op) {
   size_t slot = size_t(peer) * config_.num_channels + channel;
   uint64_t want = consumed_[slot] + 1;
   Deadline deadline(config_.timeout_s);
-  wait_until(deadline, peer, op, [&] { return released_[slot].load(std::memory_order_acquire) >= want; }, [&] {
+  wait_until(deadline, peer, op, [&] { return (*released_)[slot].load(std::memory_order_acquire) >= want; }, [&] {
     return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
            std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) + " (channel " +
            std::to_string(channel) +
@@ -162,7 +160,7 @@ void Device::wait_message(int channel, uint32_t peer, const char* op) {
 void Device::quiet(const char* op, double seconds) {
   Deadline deadline(seconds < 0 ? config_.timeout_s : seconds);
   for (int c = 0; c < config_.num_channels; ++c) {
-    wait_until(deadline, rank_, op, [&] { return retired_[c].load(std::memory_order_acquire) >= rings_[c]->pushed(); },
+    wait_until(deadline, rank_, op, [&] { return (*retired_)[c].load(std::memory_order_acquire) >= rings_[c]->pushed(); },
                [&] {
                  std::string peers;
                  for (uint32_t p = 0; p < num_ranks_; ++p)
@@ -257,7 +255,7 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
     if (ours) {
       free_list.push_back(ctx->index);
       inflight_[ctx->peer].fetch_sub(1, std::memory_order_relaxed);
-      retired_[channel].fetch_add(1, std::memory_order_release);
+      (*retired_)[channel].fetch_add(1, std::memory_order_release);
     }
     return 1;
   }
@@ -282,7 +280,7 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
           arrivals_[slot].on_data(imm.epoch);
         uint32_t released = arrivals_[slot].release();
         if (released) {
-          released_[slot].fetch_add(released, std::memory_order_release);
+          (*released_)[slot].fetch_add(released, std::memory_order_release);
           stat_messages_.fetch_add(released, std::memory_order_relaxed);
         }
       } catch (const std::exception& e) {
@@ -292,7 +290,7 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
       auto* ctx = static_cast<WriteContext*>(comps[i].context);
       free_list.push_back(ctx->index);
       inflight_[ctx->peer].fetch_sub(1, std::memory_order_relaxed);
-      retired_[channel].fetch_add(1, std::memory_order_release);
+      (*retired_)[channel].fetch_add(1, std::memory_order_release);
     }
   }
   return n;

@@ -88,6 +88,14 @@ class Device {
   void wait_message(int channel, uint32_t peer, const char* op);
   // Waits until every command pushed so far has completed locally (at most `seconds`, default the timeout).
   void quiet(const char* op, double seconds = -1);
+  // For producers and consumers that are not host threads (GPU kernels): the words the proxies publish, in
+  // host_alloc'd memory: messages from `peer` on `channel` whose every write has landed (a consumer waits for
+  // its next count), and commands of `channel`'s ring completed locally (a quiet waits for the ring's head).
+  const uint64_t* released_word(uint32_t peer, int channel) const {
+    return released_->word(size_t(peer) * config_.num_channels + channel);
+  }
+  const uint64_t* retired_word(int channel) const { return retired_->word(size_t(channel)); }
+  CommandRing& ring(int channel) { return *rings_[channel]; }
   // After an error that left this rank out of step with its peers: fail every later op here, and tell `peers`
   // so that they fail at once (naming this rank and `reason`) instead of waiting for their deadline.
   void abort(const std::vector<uint32_t>& peers, const std::string& reason);
@@ -138,11 +146,11 @@ class Device {
   std::mutex op_mutex_;
 
   // Receive side: released_ is written by the proxy of each channel, read by consumers.
-  std::unique_ptr<std::atomic<uint64_t>[]> released_;  // [num_ranks * num_channels]
+  std::unique_ptr<HostCounters> released_;            // [num_ranks * num_channels]
   std::vector<uint64_t> consumed_;                    // consumer-owned, same shape
   std::unique_ptr<bool[]> awaiting_ack_;              // consumer-owned, [num_ranks]
   std::any op_state_;
-  std::unique_ptr<std::atomic<uint64_t>[]> retired_;  // commands completed, per channel
+  std::unique_ptr<HostCounters> retired_;             // commands completed, per channel
   std::vector<MessageSequencer> sequencers_;          // proxy-owned, [num_ranks * num_channels]
   std::vector<ArrivalCounter> arrivals_;              // proxy-owned, same shape
 

@@ -74,8 +74,10 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
     core.quiet(me)
     stats = core.stats(me)
     provider = core.provider(me)
+    words = core.published_words(me)
     ep.shutdown()
-    return {"mismatches": mismatches, "bytes": moved, "stats": stats, "provider": provider}
+    return {"mismatches": mismatches, "bytes": moved, "stats": stats, "provider": provider, "words": words,
+            "rank": me, "rounds": rounds}
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -95,6 +97,13 @@ def test_random_payloads_reach_every_peer(provider, num_processes, reorder):
         assert r["mismatches"] == []
         assert r["bytes"] > 0
         assert r["stats"]["messages_received"] >= 6 * 2 * (num_processes - 1)
+        # The words a GPU kernel would poll (host_alloc'd): every pushed command retired after quiet(), and per
+        # channel and peer exactly the messages that arrived: a data message a round, plus the acks on channel 0.
+        words = r["words"]
+        assert words["retired"] == words["pushed"]
+        for c, per_peer in enumerate(words["released"]):
+            want = [0 if p == r["rank"] else r["rounds"] * (2 if c == 0 else 1) for p in range(num_processes)]
+            assert per_peer == want, (c, per_peer, want)
 
 
 def test_hundred_thousand_commands_through_the_rings():
