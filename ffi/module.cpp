@@ -203,6 +203,7 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("reorder", &Config::reorder)
       .def_rw("max_inflight_writes", &Config::max_inflight_writes)
       .def_rw("max_write_bytes", &Config::max_write_bytes)
+      .def_rw("max_inflight_bytes", &Config::max_inflight_bytes)
       .def_rw("ring_capacity", &Config::ring_capacity)
       .def_rw("node_of_rank", &Config::node_of_rank)
       .def_rw("hierarchical", &Config::hierarchical);
@@ -287,6 +288,7 @@ NB_MODULE(_uccl_ep, m) {
     d["writes_posted"] = s.writes_posted;
     d["bytes_posted"] = s.bytes_posted;
     d["messages_received"] = s.messages_received;
+    d["peak_inflight_bytes"] = s.peak_inflight_bytes;
     return d;
   });
   m.def("ring_commands_per_second", &ring_commands_per_second, nb::arg("capacity"), nb::arg("count"),

@@ -30,6 +30,7 @@ class RuntimeSettings:
     reorder: bool
     max_inflight_writes: int
     max_write_bytes: int
+    max_inflight_bytes: int
     hierarchical: bool
 
     @staticmethod
@@ -43,6 +44,7 @@ class RuntimeSettings:
             reorder=env.get("UCCL_EP_REORDER", "0") not in ("", "0"),
             max_inflight_writes=int(env.get("UCCL_EP_MAX_INFLIGHT_WRITES", "256")),
             max_write_bytes=int(env.get("UCCL_EP_MAX_WRITE_BYTES", str(1 << 20))),
+            max_inflight_bytes=int(env.get("UCCL_EP_MAX_INFLIGHT_BYTES", "0")),
             hierarchical=env.get("UCCL_EP_HIERARCHICAL", "1") != "0",
         )
 
@@ -272,6 +274,7 @@ def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Top
     config.reorder = settings.reorder
     config.max_inflight_writes = settings.max_inflight_writes
     config.max_write_bytes = settings.max_write_bytes
+    config.max_inflight_bytes = settings.max_inflight_bytes
     config.node_of_rank = list(topo.node_of_rank)  # normal mode crosses nodes once per token (kernels/cpu)
     config.hierarchical = settings.hierarchical
     _uccl_ep.start(config, len(devices), local)

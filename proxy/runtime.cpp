@@ -58,6 +58,9 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   exited_.reset(new std::atomic<bool>[config_.num_channels]);
   for (int c = 0; c < config_.num_channels; ++c) exited_[c].store(false);
   retired_ = std::make_unique<HostCounters>(size_t(config_.num_channels));
+  inflight_bytes_.reset(new uint64_t[config_.num_channels]());
+  peak_inflight_bytes_.reset(new std::atomic<uint64_t>[config_.num_channels]);
+  for (int c = 0; c < config_.num_channels; ++c) peak_inflight_bytes_[c].store(0);
   sequencers_.resize(slots);
   arrivals_.resize(slots);
   peer_failure_.assign(num_ranks, "");
@@ -217,25 +220,35 @@ void Device::check_failed(uint32_t peer, const char* op) {
 }
 
 DeviceStats Device::stats() const {
-  return DeviceStats{stat_commands_.load(), stat_writes_.load(), stat_bytes_.load(), stat_messages_.load()};
+  uint64_t peak = 0;
+  for (int c = 0; c < config_.num_channels; ++c) peak = std::max(peak, peak_inflight_bytes_[c].load());
+  return DeviceStats{stat_commands_.load(), stat_writes_.load(), stat_bytes_.load(), stat_messages_.load(), peak};
 }
 
 void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& contexts,
                   std::vector<uint32_t>& free_list) {
   Backoff backoff;
+  uint64_t& inflight_bytes = inflight_bytes_[channel];
+  const uint64_t cap = config_.max_inflight_bytes;
   for (;;) {
-    if (!free_list.empty()) {
+    // Under the byte cap (UCCL_EP_MAX_INFLIGHT_BYTES), or nothing in flight: a write larger than the cap still goes.
+    const bool room = cap == 0 || inflight_bytes == 0 || inflight_bytes + cmd.length <= cap;
+    if (room && !free_list.empty()) {
       WriteContext& ctx = contexts[free_list.back()];
       ctx.peer = cmd.peer;
+      ctx.length = cmd.length;
       if (fabric_->post_write(channel, cmd.peer, cmd.local_offset, cmd.remote_offset, cmd.length, cmd.imm, &ctx)) {
         free_list.pop_back();
+        inflight_bytes += cmd.length;
+        if (inflight_bytes > peak_inflight_bytes_[channel].load(std::memory_order_relaxed))
+          peak_inflight_bytes_[channel].store(inflight_bytes, std::memory_order_relaxed);
         inflight_[cmd.peer].fetch_add(1, std::memory_order_relaxed);
         stat_writes_.fetch_add(1, std::memory_order_relaxed);
         stat_bytes_.fetch_add(cmd.length, std::memory_order_relaxed);
         return;
       }
     }
-    // Out of contexts or the provider asked to retry: make progress, then try again.
+    // Out of contexts or bytes, or the provider asked to retry: make progress, then try again.
     if (drain_completions(channel, contexts, free_list) == 0) backoff.pause();
     if (!running_.load(std::memory_order_relaxed)) return;
   }
@@ -254,6 +267,7 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
                                                       " (the failed operation names no peer): " + error);
     if (ours) {
       free_list.push_back(ctx->index);
+      inflight_bytes_[channel] -= ctx->length;
       inflight_[ctx->peer].fetch_sub(1, std::memory_order_relaxed);
       (*retired_)[channel].fetch_add(1, std::memory_order_release);
     }
@@ -289,6 +303,7 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
     } else if (comps[i].context) {
       auto* ctx = static_cast<WriteContext*>(comps[i].context);
       free_list.push_back(ctx->index);
+      inflight_bytes_[channel] -= ctx->length;
       inflight_[ctx->peer].fetch_sub(1, std::memory_order_relaxed);
       (*retired_)[channel].fetch_add(1, std::memory_order_release);
     }

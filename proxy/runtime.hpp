@@ -37,6 +37,7 @@ struct Config {
   bool reorder = false;               // test mode: post writes out of order and late
   uint32_t max_inflight_writes = 256; // per channel
   uint32_t max_write_bytes = 1u << 20;
+  uint64_t max_inflight_bytes = 0;    // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
   uint32_t ring_capacity = 4096;      // commands per ring
   std::vector<int> node_of_rank;      // node of each global rank (empty: one node); see jax_uccl_ep.Topology
   bool hierarchical = true;           // normal mode across nodes in rounds (kernels/cpu/normal.cpp)
@@ -47,6 +48,7 @@ struct DeviceStats {
   uint64_t writes_posted = 0;  // fi_writedata calls that succeeded
   uint64_t bytes_posted = 0;
   uint64_t messages_received = 0;
+  uint64_t peak_inflight_bytes = 0;  // the most posted, uncompleted bytes one channel had at once
 };
 
 class Device {
@@ -115,6 +117,7 @@ class Device {
     fi_context2 fi_ctx;  // first member: the provider's scratch space
     uint32_t peer;
     uint32_t index;
+    uint32_t length;
   };
   struct Pending {
     Command cmd;
@@ -143,6 +146,8 @@ class Device {
   std::unique_ptr<std::atomic<bool>[]> exited_;  // per proxy thread
   bool abandoned_ = false;                       // a proxy thread was left behind by stop()
   std::unique_ptr<std::atomic<int64_t>[]> inflight_;  // posted, uncompleted writes per peer
+  std::unique_ptr<uint64_t[]> inflight_bytes_;        // posted, uncompleted bytes per channel (its proxy's own)
+  std::unique_ptr<std::atomic<uint64_t>[]> peak_inflight_bytes_;  // per channel
   std::mutex op_mutex_;
 
   // Receive side: released_ is written by the proxy of each channel, read by consumers.

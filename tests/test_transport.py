@@ -106,6 +106,22 @@ def test_random_payloads_reach_every_peer(provider, num_processes, reorder):
             assert per_peer == want, (c, per_peer, want)
 
 
+@pytest.mark.parametrize("cap", [0, 96 << 10], ids=["uncapped", "capped"])
+def test_inflight_bytes_cap_bounds_what_a_proxy_posts(cap):
+    """UCCL_EP_MAX_INFLIGHT_BYTES: with 32 KiB writes and a 96 KiB cap a proxy never has more than three writes
+    posted and uncompleted, and payloads still arrive exact; without the cap it posts further ahead."""
+    env = {"UCCL_EP_FI_PROVIDER": "tcp;ofi_rxm", "UCCL_EP_MAX_WRITE_BYTES": str(32 << 10),
+           "UCCL_EP_MAX_INFLIGHT_BYTES": str(cap), "UCCL_EP_BUFFER_BYTES": str(40 << 20)}
+    results = launch_ok(HERE, "exchange_rounds", 2, args=[4, 11, 4 << 20], env=env)
+    for r in results:
+        assert r["mismatches"] == []
+        peak = r["stats"]["peak_inflight_bytes"]
+        if cap:
+            assert 0 < peak <= cap, peak
+        else:
+            assert peak > 96 << 10, peak
+
+
 def test_hundred_thousand_commands_through_the_rings():
     # 64-byte writes: each 64 KiB message is 1024 writes and a fence.
     env = {"UCCL_EP_FI_PROVIDER": "shm", "UCCL_EP_MAX_WRITE_BYTES": "64", "UCCL_EP_REORDER": "1",
