@@ -426,6 +426,9 @@ void Runtime::shutdown() {
   quiesce(5.0);
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   initialized_.store(false, std::memory_order_release);
+  std::vector<std::string> peer_shm_names;
+  for (auto& d : devices_) peer_shm_names.insert(peer_shm_names.end(), d->peer_shm_names().begin(),
+                                                 d->peer_shm_names().end());
   bool abandoned = false;
   for (auto& d : devices_)
     if (!d->stop(std::min(d->timeout_s(), 5.0))) {
@@ -442,6 +445,8 @@ void Runtime::shutdown() {
   // Leaked endpoints are never closed, so libfabric would not unlink their shared-memory names: unlink them (the
   // mappings stay valid for the stuck thread).
   if (abandoned) remove_stale_shm_segments();
+  // A peer that was killed never unlinked its names either.
+  remove_dead_peers_shm_segments(peer_shm_names);
 }
 
 Device& Runtime::device_by_ordinal(int ordinal) {

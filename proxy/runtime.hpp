@@ -68,6 +68,7 @@ class Device {
     return rank < config_.node_of_rank.size() ? config_.node_of_rank[rank] : 0;
   }
   const std::string& provider() const { return fabric_->provider(); }
+  const std::vector<std::string>& peer_shm_names() const { return fabric_->peer_shm_names(); }
   char* buffer() { return buffer_; }
   size_t buffer_bytes() const { return config_.buffer_bytes; }
   // Bytes of one send or receive region, and their offsets.

@@ -7,6 +7,7 @@
 #include <rdma/fi_rma.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -69,6 +70,33 @@ void remove_stale_shm_segments() {
       unlink((std::string("/dev/shm/") + entry->d_name).c_str());
   }
   closedir(dir);
+}
+
+namespace {
+// Whether process `pid` of this host still runs (a zombie does not: it only waits to be reaped).
+bool process_runs(long pid) {
+  std::string path = "/proc/" + std::to_string(pid) + "/stat", stat;
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return false;
+  char buf[512] = {0};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  stat.assign(buf, n);
+  const size_t paren = stat.rfind(')');  // "pid (comm) S ...": comm may hold spaces and parentheses
+  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
+}
+}  // namespace
+
+void remove_dead_peers_shm_segments(const std::vector<std::string>& peer_names) {
+  for (const std::string& full : peer_names) {
+    std::string name = full.substr(0, full.find('\0'));
+    const size_t slash = name.rfind('/');
+    if (slash != std::string::npos) name = name.substr(slash + 1);
+    const size_t colon = name.find(':');
+    if (colon == 0 || colon == std::string::npos || name.find_first_not_of("0123456789") != colon) continue;
+    if (process_runs(std::stol(name.substr(0, colon)))) continue;
+    unlink(("/dev/shm/" + name).c_str());  // ENOENT when its owner did unlink it: fine
+  }
 }
 
 std::vector<uint8_t> EndpointInfo::serialize() const {
@@ -185,6 +213,11 @@ void FabricDevice::connect(const std::vector<EndpointInfo>& peers) {
     peer_base_[p] = peers[p].remote_base;
     peer_key_[p] = peers[p].key;
   }
+  peer_shm_names_.clear();
+  if (provider_ == "shm")
+    for (const auto& peer : peers)
+      if (peer.rank != rank_)
+        for (const auto& n : peer.names) peer_shm_names_.emplace_back(n.begin(), n.end());
   for (size_t c = 0; c < channels_.size(); ++c) {
     auto& ch = channels_[c];
     ch.peer_addr.assign(peers.size(), FI_ADDR_UNSPEC);

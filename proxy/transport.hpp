@@ -32,6 +32,10 @@ struct Completion {
 // closed its endpoints leaves them behind, and a later process that gets the same pid then fails in fi_enable
 // (EBUSY). Call before this process opens any endpoint: segments named after our own pid are stale then.
 void remove_stale_shm_segments();
+// The same for a peer killed mid-job (its owner never closes them): after this process closed its own endpoints,
+// unlink the segments of `peer_names` (shm endpoint names, "fi_shm://<pid>:<domain>:<endpoint>") whose process is
+// gone (no such pid, or a zombie). Live peers' segments are left alone.
+void remove_dead_peers_shm_segments(const std::vector<std::string>& peer_names);
 
 class FabricDevice {
  public:
@@ -44,6 +48,8 @@ class FabricDevice {
   const std::string& provider() const { return provider_; }
   EndpointInfo local_info() const;
   void connect(const std::vector<EndpointInfo>& peers);  // indexed by rank
+  // shm: the peers' endpoint names (for remove_dead_peers_shm_segments); empty for other providers.
+  const std::vector<std::string>& peer_shm_names() const { return peer_shm_names_; }
 
   // Posts one write with an immediate; returns false if the provider asks to retry later (-FI_EAGAIN).
   bool post_write(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, size_t length,
@@ -60,6 +66,7 @@ class FabricDevice {
     std::vector<fi_addr_t> peer_addr;
   };
   std::string provider_;
+  std::vector<std::string> peer_shm_names_;
   uint32_t rank_;
   char* buffer_;
   size_t bytes_;
