@@ -34,7 +34,8 @@ struct Completion {
 void remove_stale_shm_segments();
 // The same for a peer killed mid-job (its owner never closes them): after this process closed its own endpoints,
 // unlink the segments of `peer_names` (shm endpoint names, "fi_shm://<pid>:<domain>:<endpoint>") whose process is
-// gone (no such pid, or a zombie). Live peers' segments are left alone.
+// gone (no such pid, or a zombie). Live peers' segments are left alone (a peer in another pid namespace looks gone:
+// its name goes too, which only stops new connections to it; this runs at shutdown, when none is made).
 void remove_dead_peers_shm_segments(const std::vector<std::string>& peer_names);
 
 class FabricDevice {
