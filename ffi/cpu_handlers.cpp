@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <tuple>
 #include <vector>
 #endif
@@ -333,12 +334,9 @@ class HostArena {
  public:
   static HostArena& of(int32_t ordinal) {
     static std::mutex mutex;
-    static std::deque<std::pair<int32_t, HostArena>> arenas;  // stable addresses
+    static std::map<int32_t, HostArena> arenas;  // stable addresses
     std::lock_guard<std::mutex> lock(mutex);
-    for (auto& [o, arena] : arenas)
-      if (o == ordinal) return arena;
-    return arenas.emplace_back(std::piecewise_construct, std::forward_as_tuple(ordinal), std::forward_as_tuple())
-        .second;
+    return arenas[ordinal];
   }
   HostArena() = default;
   HostArena(const HostArena&) = delete;

@@ -264,21 +264,19 @@ NB_MODULE(_uccl_ep, m) {
   });
   m.def("published_words", [](uint32_t rank) {  // what the proxies publish, read through the words' addresses
     Device& d = Runtime::get().device_by_rank(rank);
-    nb::list retired, released;
+    nb::list retired, released, pushed;  // [channel], [channel][peer], [channel]
     for (int c = 0; c < d.num_channels(); ++c) {
       retired.append(__atomic_load_n(d.retired_word(c), __ATOMIC_ACQUIRE));
+      pushed.append(d.ring(c).pushed());
       nb::list per_peer;
-      for (uint32_t p = 0; p < d.num_ranks(); ++p) per_peer.append(__atomic_load_n(d.released_word(p, c), __ATOMIC_ACQUIRE));
+      for (uint32_t p = 0; p < d.num_ranks(); ++p)
+        per_peer.append(__atomic_load_n(d.released_word(p, c), __ATOMIC_ACQUIRE));
       released.append(per_peer);
     }
     nb::dict out;
-    out["retired"] = retired;  // [channel]
-    out["released"] = released;  // [channel][peer]
-    out["pushed"] = [&] {
-      nb::list pushed;
-      for (int c = 0; c < d.num_channels(); ++c) pushed.append(d.ring(c).pushed());
-      return pushed;
-    }();
+    out["retired"] = retired;
+    out["released"] = released;
+    out["pushed"] = pushed;
     return out;
   });
   m.def("stats", [](uint32_t rank) {

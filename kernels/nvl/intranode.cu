@@ -150,13 +150,20 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
 
 int scan_blocks(int num_tokens) { return std::max(1, (num_tokens + kScanThreads - 1) / kScanThreads); }
 
-// Scratch for the scan's block counts, after the row map and its counts.
-size_t scan_scratch_bytes(int capacity, int num_tokens) {
-  return size_t(capacity) * sizeof(int2) + 256 + size_t(kMaxRanks) * scan_blocks(num_tokens) * 4;
-}
-
-int32_t* scan_block_counts(NvlDevice& dev, int capacity) {
-  return reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + size_t(capacity) * sizeof(int2) + 256);
+// The scan's device scratch: row_map [capacity] | counts [kMaxRanks] and rows kept (cached dispatch, which checks
+// them against the handle's) | block_counts [R, blocks]. Grows the device's scratch to fit.
+struct ScanScratch {
+  int2* row_map;
+  int32_t* counts;
+  int32_t* num_rows;
+  int32_t* block_counts;
+};
+ScanScratch scan_scratch(NvlDevice& dev, int capacity, int num_tokens) {
+  const size_t counts_at = size_t(capacity) * sizeof(int2), blocks_at = counts_at + 256;
+  dev.ensure_scratch(blocks_at + size_t(kMaxRanks) * scan_blocks(num_tokens) * 4);
+  char* base = static_cast<char*>(dev.scratch());
+  int32_t* counts = reinterpret_cast<int32_t*>(base + counts_at);
+  return {reinterpret_cast<int2*>(base), counts, counts + kMaxRanks, reinterpret_cast<int32_t*>(base + blocks_at)};
 }
 
 void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
@@ -498,7 +505,7 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   const bool has_w = a.topk_weights != nullptr;
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
   check_fits(dev, l.total, "dispatch");
-  dev.ensure_scratch(scan_scratch_bytes(a.capacity, a.num_tokens));
+  const ScanScratch scratch = scan_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
 
@@ -523,12 +530,11 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
     src.scales[s] = s == g.self ? static_cast<const char*>(a.scales) : base + l.scales;
     src.weights[s] = s == g.self ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
   }
-  int2* row_map = static_cast<int2*>(dev.scratch());
   run_scan({src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, a.topk_idx,
-            row_map, a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr,
-            scan_block_counts(dev, a.capacity), dev.errors_device()},
+            scratch.row_map, a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr,
+            scratch.block_counts, dev.errors_device()},
            local_experts, stream);
-  gather_all(dev, g, src, true, a.topk, a.num_experts, a.num_tokens, a.capacity, row_map, a.recv_num_tokens,
+  gather_all(dev, g, src, true, a.topk, a.num_experts, a.num_tokens, a.capacity, scratch.row_map, a.recv_num_tokens,
              a.x_row_bytes, a.scale_row_bytes, a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights, stream);
   join_send(dev, stream);  // x may be freed only after the copy engine has read it
   ack_messages(dev, g, stream);
@@ -541,7 +547,7 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   const size_t x_bytes = align16(size_t(a.num_tokens) * a.row_bytes);
   const size_t total = x_bytes + align16(size_t(a.num_tokens) * g.size);
   check_fits(dev, total, "cached_dispatch");
-  dev.ensure_scratch(scan_scratch_bytes(a.capacity, a.num_tokens));
+  const ScanScratch scratch = scan_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
 
   Message m;
@@ -560,15 +566,13 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
     src.mask[s] = s == g.self ? a.is_token_in_rank : reinterpret_cast<const bool*>(base + x_bytes);
     src.x[s] = s == g.self ? static_cast<const char*>(a.x) : base;
   }
-  int2* row_map = static_cast<int2*>(dev.scratch());
-  // Counts land in the scratch tail; they are checked against the handle's.
-  int32_t* counts = reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + size_t(a.capacity) * sizeof(int2));
-  int32_t* num_rows = counts + kMaxRanks;
-  run_scan({src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(), a.capacity, nullptr, row_map, counts,
-            num_rows, nullptr, nullptr, a.recv_counts, scan_block_counts(dev, a.capacity), dev.errors_device()},
+  // The counts land in scratch: the scan checks them against the handle's.
+  run_scan({src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(), a.capacity, nullptr, scratch.row_map,
+            scratch.counts, scratch.num_rows, nullptr, nullptr, a.recv_counts, scratch.block_counts,
+            dev.errors_device()},
            0, stream);
-  gather_all(dev, g, src, false, 0, 0, a.num_tokens, a.capacity, row_map, num_rows, a.row_bytes, 0, a.recv_x,
-             nullptr, nullptr, nullptr, stream);
+  gather_all(dev, g, src, false, 0, 0, a.num_tokens, a.capacity, scratch.row_map, scratch.num_rows, a.row_bytes, 0,
+             a.recv_x, nullptr, nullptr, nullptr, stream);
   join_send(dev, stream);
   ack_messages(dev, g, stream);
 }

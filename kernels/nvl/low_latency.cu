@@ -103,6 +103,19 @@ __device__ void count_slots(const int* idx, int begin, int end, int* pos, int* c
   }
 }
 
+// The whole block: topk_idx into shared `idx`, out-of-range entries -1 (and reported, with `report_bad`).
+__device__ void load_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* idx, DeviceErrors* err,
+                           int rank, bool report_bad) {
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    int e = topk_idx[p];
+    if (e < -1 || e >= num_experts) {
+      if (report_bad) report(err, 1, rank, p / topk, p % topk, e);
+      e = -1;
+    }
+    idx[p] = e;
+  }
+}
+
 // The routing of this rank's slots, in shared memory: idx (topk_idx, out-of-range entries -1), pos (each slot's
 // position among this rank's slots for the same expert, in token order), count (slots per expert) and first
 // (where expert e's rows start among the rows for e's rank), computed by the whole block (it ends synchronized).
@@ -114,14 +127,7 @@ __device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int nu
                             int* pos, int* count, int* first, int* warp_counts, DeviceErrors* err, int rank,
                             bool report_bad) {
   const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp;
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    int e = topk_idx[p];
-    if (e < -1 || e >= num_experts) {
-      if (report_bad) report(err, 1, rank, p / topk, p % topk, e);
-      e = -1;
-    }
-    idx[p] = e;
-  }
+  load_slots(topk_idx, pairs, topk, num_experts, idx, err, rank, report_bad);
   for (int i = threadIdx.x; i < (warp_counts ? warps : 1) * num_experts; i += blockDim.x)
     (warp_counts ? warp_counts : count)[i] = 0;
   __syncthreads();
@@ -381,10 +387,7 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   int* idx = smem;            // [pairs]: topk_idx, -1 where unused or out of range
   int* count = idx + pairs;   // [num_experts] (block 0): slots per expert, for the stale-handle check
   stamp(shape, kCombineRecv, 0);
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    const int e = out.topk_idx[p];
-    idx[p] = e >= 0 && e < out.num_experts ? e : -1;
-  }
+  load_slots(out.topk_idx, pairs, topk, out.num_experts, idx, err, shape.rank, false);
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < out.num_experts; e += blockDim.x) count[e] = 0;
     __syncthreads();
