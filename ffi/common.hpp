@@ -5,8 +5,10 @@
 #include <exception>
 #include <shared_mutex>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
+#include "../kernels/fp8.hpp"
 #include "../proxy/errors.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -79,6 +81,29 @@ auto handle_op_signature(Binding b) {
       .template Ret<ffi::AnyBuffer>();              // recv_x or combined
 }
 
+// How a low-latency dispatch's x goes on the wire: the bytes of a row as sent and of its scales, for x [T, H]
+// cast to FP8 by the dispatch (`fp8_cast` an Fp8Cast) or sent as given (scales [T, S] beside it).
+struct DispatchRows {
+  Fp8Cast cast;
+  bool x_bf16;               // with a cast: x is bfloat16, else float32
+  int64_t row_bytes, scale_row_bytes;
+};
+inline DispatchRows dispatch_rows(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, int64_t fp8_cast) {
+  const auto dims = x.dimensions();
+  const int64_t t = dims.size() == 2 ? dims[0] : 0, h = dims.size() == 2 ? dims[1] : 0;
+  if (fp8_cast == int64_t(Fp8Cast::kNone))
+    return {Fp8Cast::kNone, false, t ? int64_t(x.size_bytes()) / t : 0,
+            t && scales.dimensions().size() == 2 ? int64_t(scales.size_bytes()) / t : 0};
+  if (fp8_cast != int64_t(Fp8Cast::kCast) && fp8_cast != int64_t(Fp8Cast::kCastPowerOfTwoScales))
+    throw std::invalid_argument("uccl_ep low_latency_dispatch: fp8_cast must be 0, 1 or 2, got " +
+                                std::to_string(fp8_cast));
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  if ((!bf16 && x.element_type() != ffi::DataType::F32) || dims.size() != 2 || h % kFp8Block != 0)
+    throw std::invalid_argument("uccl_ep low_latency_dispatch: an FP8 cast takes x [tokens, hidden] float32 or "
+                                "bfloat16 with hidden a multiple of 128");
+  return {Fp8Cast(fp8_cast), bf16, h, h / kFp8Block * int64_t(sizeof(float))};
+}
+
 // Low-latency ops come in halves: *_send returns a token that its *_recv takes.
 #define UCCL_EP_LL_ATTRS                                          \
   template Attr<ffi::Span<const int32_t>>("group_table")          \
@@ -94,6 +119,7 @@ auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
       .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
       .template Arg<ffi::AnyBuffer>()               // order: ignored
       .UCCL_EP_LL_ATTRS
+      .template Attr<int64_t>("fp8_cast")           // Fp8Cast: x as given, or cast to FP8 by the dispatch
       .template Ret<ffi::AnyBuffer>()               // recv_x [L, R * N, H]
       .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
@@ -120,6 +146,7 @@ auto low_latency_dispatch_send_signature(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
       .template Arg<ffi::AnyBuffer>()               // order: ignored
       .UCCL_EP_LL_ATTRS
+      .template Attr<int64_t>("fp8_cast")           // Fp8Cast: x as given, or cast to FP8 by the dispatch
       .template Ret<ffi::Buffer<ffi::S32>>();       // token for the receive half
 }
 
@@ -128,6 +155,7 @@ auto low_latency_dispatch_recv_signature(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // token of the send half
       .template Arg<ffi::AnyBuffer>()               // order: ignored
       .UCCL_EP_LL_ATTRS
+      .template Attr<int64_t>("topk")               // K of the send half (the size of its row map)
       .template Ret<ffi::AnyBuffer>()               // recv_x [L, R * N, H]
       .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]

@@ -173,11 +173,14 @@ uint64_t row_bytes_3d(const ffi::AnyBuffer& b) {  // [L, rows, width] -> bytes o
 
 // Argument filling shared by the one-call and two-call forms of the low-latency ops.
 void set_dispatch_inputs(cpu::LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
-                         const ffi::Buffer<ffi::S32>& topk_idx, int64_t op_index) {
+                         const ffi::Buffer<ffi::S32>& topk_idx, int64_t op_index, int64_t fp8_cast) {
+  const ffi_common::DispatchRows rows = ffi_common::dispatch_rows(x, scales, fp8_cast);
   a.x = static_cast<const uint8_t*>(x.untyped_data());
-  a.x_row_bytes = row_bytes(x);
-  a.scales = static_cast<const uint8_t*>(scales.untyped_data());
-  a.scale_row_bytes = row_bytes(scales);
+  a.x_row_bytes = uint64_t(rows.row_bytes);
+  a.scales = rows.cast == Fp8Cast::kNone ? static_cast<const uint8_t*>(scales.untyped_data()) : nullptr;
+  a.scale_row_bytes = uint64_t(rows.scale_row_bytes);
+  a.cast = rows.cast;
+  a.x_bf16 = rows.x_bf16;
   a.topk_idx = topk_idx.typed_data();
   a.num_tokens = int(dim(topk_idx, 0));
   a.topk = int(dim(topk_idx, 1));
@@ -235,7 +238,7 @@ ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table,
 ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                   ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                  int64_t num_experts, int64_t max_tokens_per_rank,
+                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t fp8_cast,
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
@@ -244,7 +247,7 @@ ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuf
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
       [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
         set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-        set_dispatch_inputs(a, x, scales, topk_idx, op_index);
+        set_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
         cpu::low_latency_dispatch(dev, g, a);
       });
 }
@@ -252,12 +255,12 @@ ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuf
 ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                       ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                      int64_t num_experts, int64_t max_tokens_per_rank,
+                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t fp8_cast,
                                       ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return low_latency_op<cpu::LowLatencyDispatchArgs>(
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
       [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
-        set_dispatch_inputs(a, x, scales, topk_idx, op_index);
+        set_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
         cpu::low_latency_dispatch_send(dev, g, a);
         *token->typed_data() = int32_t(op_index);
       });
@@ -265,7 +268,7 @@ ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::An
 
 ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                                      int64_t num_experts, int64_t max_tokens_per_rank,
+                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t topk,
                                       ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
@@ -274,6 +277,7 @@ ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/,
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
       [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
         set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+    a.topk = int(topk);
         cpu::low_latency_dispatch_receive(dev, g, a);
       });
 }

@@ -146,11 +146,14 @@ ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table,
 }
 
 void set_dispatch_inputs(uccl_ep::nvl::LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x,
-                         const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx) {
+                         const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx, int64_t fp8_cast) {
+  const auto rows = uccl_ep::ffi_common::dispatch_rows(x, scales, fp8_cast);
   a.x = x.untyped_data();
-  a.x_row_bytes = row_bytes(x);
-  a.scales = scales.untyped_data();
-  a.scale_row_bytes = row_bytes(scales);
+  a.x_row_bytes = rows.row_bytes;
+  a.scales = rows.cast == uccl_ep::Fp8Cast::kNone ? scales.untyped_data() : nullptr;
+  a.scale_row_bytes = rows.scale_row_bytes;
+  a.cast = rows.cast;
+  a.x_bf16 = rows.x_bf16;
   a.topk_idx = topk_idx.typed_data();
   a.num_tokens = int(topk_idx.dimensions()[0]);
   a.topk = int(topk_idx.dimensions()[1]);
@@ -194,14 +197,14 @@ using LLCombine = uccl_ep::nvl::LowLatencyCombineArgs;
 ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                   ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                                  int64_t num_experts, int64_t max_tokens_per_rank,
+                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t fp8_cast,
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    set_dispatch_inputs(a, x, scales, topk_idx);
+    set_dispatch_inputs(a, x, scales, topk_idx, fp8_cast);
     set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
     uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
   });
@@ -211,10 +214,10 @@ ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi:
                                       ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size,
                                       int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
-                                      ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+                                      int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    set_dispatch_inputs(a, x, scales, topk_idx);
+    set_dispatch_inputs(a, x, scales, topk_idx, fp8_cast);
     uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
   });
 }
@@ -222,7 +225,7 @@ ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi:
 ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
                                       ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                       int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
-                                      int64_t max_tokens_per_rank, ffi::Result<ffi::AnyBuffer> recv_x,
+                                      int64_t max_tokens_per_rank, int64_t topk, ffi::Result<ffi::AnyBuffer> recv_x,
                                       ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
@@ -230,6 +233,7 @@ ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi:
   return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
     set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+    a.topk = int(topk);
     uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
   });
 }

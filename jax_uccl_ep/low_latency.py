@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import normal
-from .fp8 import FP8_BLOCK, pack_ue8m0, per_token_cast_to_fp8
+from .fp8 import FP8_BLOCK, pack_ue8m0
 
 AxisName = Union[str, Sequence[str]]
 
@@ -77,7 +77,7 @@ class LowLatencyPending:
 
 
 def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0):
-    """Checks the arguments; returns (rows, scales, static) for the FFI calls."""
+    """Checks the arguments; returns (x, scales, fp8_cast, static) for the FFI calls."""
     _check_platform()
     normal._check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
     normal._check(x.dtype in (jnp.float32, jnp.bfloat16), f"x must be float32 or bfloat16, got {x.dtype}")
@@ -90,14 +90,14 @@ def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, 
     if use_ue8m0:
         round_scale = True
         normal._check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
-    if use_fp8:
+    if use_fp8:  # the dispatch casts on the way, by per_token_cast_to_fp8's rule (one pass over x, no FP8 copy)
         normal._check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
-        rows, scales = per_token_cast_to_fp8(x, round_scale=round_scale)
+        fp8_cast, wire_dtype, scale_width = (2 if round_scale else 1), jnp.float8_e4m3fn, h // FP8_BLOCK
     else:
-        rows, scales = x, jnp.zeros((t, 0), jnp.float32)
-    static = ("dispatch", axis_name, num_experts, int(max_tokens_per_rank), num_ranks, h, np.dtype(rows.dtype).name,
-              scales.shape[1], use_fp8, use_ue8m0, topk_idx.shape[1])
-    return rows, scales, static
+        fp8_cast, wire_dtype, scale_width = 0, x.dtype, 0
+    static = ("dispatch", axis_name, num_experts, int(max_tokens_per_rank), num_ranks, h, np.dtype(wire_dtype).name,
+              scale_width, use_fp8, use_ue8m0, topk_idx.shape[1])
+    return x, jnp.zeros((t, 0), jnp.float32), fp8_cast, static
 
 
 def _dispatch_outputs(static) -> tuple:
@@ -142,11 +142,12 @@ def low_latency_dispatch_send(
     XLA may move independent ops across the halves: make the work you put between them, and the next EP op,
     depend on the data so that no other EP op lands in between (that fails with an out-of-step error).
     """
-    rows, scales, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
-                                             round_scale, use_ue8m0)
+    rows, scales, fp8_cast, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
+                                                       use_fp8, round_scale, use_ue8m0)
     (token,) = normal._ep_call(
         "uccl_ep_low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        rows, scales, topk_idx, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3])
+        rows, scales, topk_idx, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3],
+        fp8_cast=fp8_cast)
     return LowLatencyPending(token, static)
 
 
@@ -156,7 +157,7 @@ def low_latency_dispatch_recv(pending: LowLatencyPending,
     static = pending.static
     normal._check(static[0] == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
     outs = normal._ep_call("uccl_ep_low_latency_dispatch_recv", _dispatch_outputs(static), pending.token,
-                           axis_name=static[1], num_experts=static[2], max_tokens_per_rank=static[3])
+                           axis_name=static[1], num_experts=static[2], max_tokens_per_rank=static[3], topk=static[10])
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
 
@@ -190,10 +191,11 @@ def low_latency_dispatch(
       they are not written (whatever the buffer held: mask with recv_count); handle.src_token is -1 there.
       To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
-    rows, scales, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8,
-                                             round_scale, use_ue8m0)
+    rows, scales, fp8_cast, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
+                                                       use_fp8, round_scale, use_ue8m0)
     outs = normal._ep_call("uccl_ep_low_latency_dispatch", _dispatch_outputs(static), rows, scales, topk_idx,
-                           axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3])
+                           axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3],
+                           fp8_cast=fp8_cast)
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
 

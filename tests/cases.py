@@ -277,3 +277,59 @@ def check_low_latency(mesh, seed, num_tokens, n, hidden, topk, num_experts, *, s
     if not np.all(out[~(idx >= 0).any(-1)] == 0):
         problems.append("tokens sent nowhere are not zero after combine")
     return problems
+
+
+def check_low_latency_fp8_cast(mesh, seed, num_tokens, hidden, topk, num_experts, *, dtype=jnp.bfloat16,
+                               round_scale=False) -> list[str]:
+    """The FP8 rows and scales a low-latency dispatch delivers against per_token_cast_to_fp8 of their source tokens
+    (the dispatch casts on the way). Blocks of very different magnitudes, an all-zero block and values in e4m3's
+    subnormal range. The rule is the same, the last bit of a float32 step may not be (XLA, the CPU and the GPU
+    kernels each round their own way): scales within 1e-6 relative (exact powers of two with round_scale), and an
+    FP8 code may be the neighbouring one (a value at a tie) in at most 1 of 500 values."""
+    num_ranks = mesh.devices.size
+    rng = np.random.default_rng(seed)
+    idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
+    mag = np.exp(rng.uniform(-8, 8, (num_ranks, num_tokens, hidden // 128, 1)))
+    x = (rng.standard_normal((num_ranks, num_tokens, hidden // 128, 128)) * mag)
+    x[:, :, 0, :] *= np.where(rng.random(128) < 0.5, 1e-4, 1.0)  # values ~2^-13 of the block's largest: subnormals
+    x[:, 0, -1, :] = 0.0  # an all-zero block keeps a finite scale
+    x = np.asarray(jnp.asarray(x.reshape(num_ranks, num_tokens, hidden), dtype))
+    args = dict(num_experts=num_experts, max_tokens_per_rank=num_tokens, axis_name="ep", use_fp8=True,
+                round_scale=round_scale)
+
+    def body(x, idx):
+        (rows, scales), count, handle = ep.low_latency_dispatch(x[0], idx[0], **args)
+        return rows.view(jnp.uint8)[None], scales[None], count[None], handle.src_slot[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    rows, scales, count, src_slot = (gather(a) for a in f(shard(mesh, x), shard(mesh, idx)))
+    want_rows, want_scales = jax.vmap(lambda t: ep.per_token_cast_to_fp8(t, round_scale=round_scale))(jnp.asarray(x))
+    want_rows = np.asarray(want_rows.view(jnp.uint8))
+    want_scales = np.asarray(want_scales)
+    problems, checked, off = [], 0, 0
+    local = num_experts // num_ranks
+    # Rows of expert l on rank r are grouped by source ascending, then token: the reference names each row's source.
+    expected = low_latency_reference(idx, num_experts)
+    for r in range(num_ranks):
+        for l in range(local):
+            if count[r, l] != len(expected[r][l]):
+                problems.append(f"rank {r} expert {l}: count {count[r, l]} != {len(expected[r][l])}")
+            for i, (s, t) in enumerate(expected[r][l][: count[r, l]]):
+                if src_slot[r, l, i] // topk != t:
+                    problems.append(f"rank {r} expert {l} row {i}: from token {src_slot[r, l, i] // topk}, not {t}")
+                    continue
+                if not (np.array_equal(scales[r, l, i], want_scales[s, t]) if round_scale else
+                        np.allclose(scales[r, l, i], want_scales[s, t], rtol=1e-6, atol=0)):
+                    problems.append(f"rank {r} expert {l} row {i}: scales differ from per_token_cast_to_fp8's")
+                got, want = rows[r, l, i].astype(np.int16), want_rows[s, t].astype(np.int16)
+                differ = got != want
+                checked += got.size
+                if differ.any():
+                    off += int(differ.sum())
+                    if np.abs(got - want)[differ].max() > 1 or np.any((got ^ want)[differ] & 0x80):
+                        problems.append(f"rank {r} expert {l} row {i}: FP8 codes differ by more than one step")
+    if off > checked // 500:
+        problems.append(f"{off} of {checked} FP8 codes are a step off (allowed: 1 in 500)")
+    if checked == 0:
+        problems.append("no rows were checked")
+    return problems

@@ -43,3 +43,17 @@ def test_bad_shapes_name_the_problem():
         ep.per_token_cast_to_fp8(jnp.ones((4, 96)))
     with pytest.raises(ValueError, match="scales must have shape"):
         ep.per_token_cast_back(jnp.ones((4, 128), jnp.float8_e4m3fn), jnp.ones((4, 2)))
+
+
+def test_rounded_scales_are_exact_powers_of_two():
+    # Blocks from 2^-20 to 2^20: exp2(ceil(log2 s)) in XLA gave 3.0517593e-05 for 2^-15, which UE8M0 cannot hold.
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 128)) * np.exp2(rng.uniform(-20, 20, (64, 1)))
+    x_fp8, scales = ep.per_token_cast_to_fp8(jnp.asarray(x, jnp.float32), round_scale=True)
+    s = np.asarray(scales)
+    mantissa, _ = np.frexp(s)
+    assert np.all(mantissa == 0.5), s[mantissa != 0.5][:4]
+    plain = np.asarray(ep.per_token_cast_to_fp8(jnp.asarray(x, jnp.float32))[1])
+    assert np.all((s >= plain) & (s < 2 * plain))  # the next power of two up
+    np.testing.assert_array_equal(np.asarray(ep.unpack_ue8m0(ep.pack_ue8m0(jnp.asarray(s).reshape(16, 4)))),
+                                  s.reshape(16, 4))

@@ -103,6 +103,7 @@ def gpu_suite(part: str, error_checks: str = "1") -> dict:
 def _low_latency_checks(mesh, problems: dict) -> None:
     """Low-latency mode against the reference; padding rows are not written on GPUs."""
     import cases
+    import jax.numpy as jnp
 
     r = mesh.devices.size
     ll_cases = [
@@ -117,6 +118,12 @@ def _low_latency_checks(mesh, problems: dict) -> None:
         print(f"ll{i}: {problems[f'll{i}']}", flush=True)
     problems["ll_split"] = cases.check_low_latency(mesh, 310, 40, 48, 1024, 4, 8 * r, split=True, zero_padding=False)
     print(f"ll_split: {problems['ll_split']}", flush=True)
+    # The cast in the send kernel against per_token_cast_to_fp8: several tokens a block, an odd number of 128-channel
+    # blocks, float32 input with power-of-two scales.
+    problems["ll_cast"] = cases.check_low_latency_fp8_cast(mesh, 320, 200, 384, 8, 16 * r)
+    problems["ll_cast_f32"] = cases.check_low_latency_fp8_cast(mesh, 321, 33, 7168, 4, 8 * r, dtype=jnp.float32,
+                                                                round_scale=True)
+    print(f"ll_cast: {problems['ll_cast']} {problems['ll_cast_f32']}", flush=True)
 
 
 def gpu_missing_peer(mode: str = "low_latency") -> dict:
@@ -290,10 +297,9 @@ def test_gpu_pushes_every_command_through_the_rings_in_order():
     assert 0 < res["round_trip_median_ns"] < 1e6, res
 
 
-@pytest.mark.parametrize("variant", ["UCCL_EP_LL_ROUTING=one_warp", "UCCL_EP_LL_FUSED=0"])
+@pytest.mark.parametrize("variant", ["UCCL_EP_LL_FUSED=0"])
 def test_low_latency_variants(variant):
-    """The non-default low-latency paths (routing by one warp; send and receive as two launches) against the same
-    reference."""
+    """The non-default low-latency path (send and receive as two launches) against the same reference."""
     name, value = variant.split("=")
     results = launch(HERE, "gpu_suite", 1, args=["low_latency"], platform="gpu", timeout_s=150,
                      env=dict(SUITE_ENV, **{name: value}))

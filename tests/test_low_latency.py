@@ -33,6 +33,13 @@ def test_dispatch_and_weighted_combine_match_reference(num_ranks, num_tokens, n,
     assert problems == []
 
 
+@pytest.mark.parametrize("dtype,round_scale", [(jnp.bfloat16, False), (jnp.float32, False), (jnp.bfloat16, True)])
+def test_dispatch_casts_to_fp8_as_per_token_cast_to_fp8(dtype, round_scale):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    problems = cases.check_low_latency_fp8_cast(mesh, 11, 12, 384, 3, 8, dtype=dtype, round_scale=round_scale)
+    assert problems == [], problems[:4]
+
+
 def test_split_halves_match_reference():
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
     assert cases.check_low_latency(mesh, 5, 10, 12, 256, 3, 8, split=True) == []

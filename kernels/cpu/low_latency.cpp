@@ -84,8 +84,14 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
     int l = 0;
     while (i >= slots[d * L + l].size()) i -= uint32_t(slots[d * L + l++].size());
     const auto [t, k] = slots[d * L + l][i];
-    std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
-    if (a.scale_row_bytes) std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
+    if (a.cast != Fp8Cast::kNone)
+      cast_row_to_fp8(a.x + size_t(t) * a.x_row_bytes * (a.x_bf16 ? 2 : 4), a.x_bf16, int(a.x_row_bytes), a.cast, out,
+                      out + a.x_row_bytes);
+    else {
+      std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
+      if (a.scale_row_bytes)
+        std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
+    }
     int32_t lt[2] = {l, t * a.topk + k};
     std::memcpy(out + meta, lt, 8);
   };

@@ -4,16 +4,19 @@
 #pragma once
 #include <cstdint>
 
+#include "../fp8.hpp"
 #include "exchange.hpp"
 #include "normal.hpp"
 
 namespace uccl_ep::cpu {
 
 struct LowLatencyDispatchArgs {
-  const uint8_t* x;  // [T, x_row_bytes]
-  uint64_t x_row_bytes;
-  const uint8_t* scales;  // [T, scale_row_bytes] or nullptr
-  uint64_t scale_row_bytes;
+  const uint8_t* x;  // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
+  uint64_t x_row_bytes;      // bytes of a row as sent and received (hidden with `cast`)
+  const uint8_t* scales;     // [T, scale_row_bytes] or nullptr (with `cast` the dispatch makes them)
+  uint64_t scale_row_bytes;  // hidden / 128 floats with `cast`
+  Fp8Cast cast;              // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
+  bool x_bf16;               // with `cast`: x is bfloat16, else float32
   const int32_t* topk_idx;  // [T, K]
   int num_tokens, topk, num_experts, max_tokens_per_rank;
   uint32_t op_index;

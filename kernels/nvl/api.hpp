@@ -25,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include "../fp8.hpp"
+
 namespace uccl_ep::nvl {
 
 constexpr int kMaxRanks = 8;
@@ -249,19 +251,19 @@ uint64_t timeout_ns();
 // Whether normal mode waits for peers with polling kernels that give up after timeout_ns() (the default) instead
 // of stream memory waits, which cost no launch but never give up (UCCL_EP_NVL_DEADLINE=0).
 bool waits_have_deadline();
-// Low-latency kernels: token positions counted by every warp of a block (else UCCL_EP_LL_ROUTING=one_warp: warp 0
-// alone, kept to compare), and a non-split op's send and receive in one kernel (else UCCL_EP_LL_FUSED=0).
-bool low_latency_routing_by_warps();
+// Low-latency kernels: a non-split op's send and receive in one kernel (else UCCL_EP_LL_FUSED=0).
 bool low_latency_fused();
 
 // Low-latency mode (low_latency.cu). Shapes as in jax_uccl_ep.low_latency: L = num_experts / R local experts,
 // N = max_tokens_per_rank; recv_x [L, R * N, x_row_bytes], rows of local expert l: [0, recv_count[l]) valid,
 // grouped by source (group order), then token. Padding rows of recv_x are not written (src_slot is -1 there).
 struct LowLatencyDispatchArgs {
-  const void* x;             // [T, x_row_bytes] (FP8 or 16/32-bit rows)
-  int64_t x_row_bytes;
-  const void* scales;        // [T, scale_row_bytes] or null
-  int64_t scale_row_bytes;
+  const void* x;             // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
+  int64_t x_row_bytes;       // bytes of a row as sent and received (hidden with `cast`)
+  const void* scales;        // [T, scale_row_bytes] or null (with `cast` the dispatch makes them)
+  int64_t scale_row_bytes;   // hidden / 128 floats with `cast`
+  Fp8Cast cast;              // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
+  bool x_bf16;               // with `cast`: x is bfloat16, else float32
   const int32_t* topk_idx;   // [T, K]
   int num_tokens, topk, num_experts, max_tokens_per_rank;
   void* recv_x;

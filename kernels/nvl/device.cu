@@ -119,11 +119,6 @@ bool waits_have_deadline() {
   return on;
 }
 
-bool low_latency_routing_by_warps() {
-  static const bool on = !env_is("UCCL_EP_LL_ROUTING", "one_warp");
-  return on;
-}
-
 bool low_latency_fused() {
   static const bool on = !env_is("UCCL_EP_LL_FUSED", "0");
   return on;
@@ -353,6 +348,11 @@ void NvlDevice::check_errors(const char* op) {
                                 std::to_string(e.b) + " from rank " + std::to_string(e.c) +
                                 " in low_latency_combine where its dispatch sent a different number (was topk_idx "
                                 "the dispatch's?)");
+  if (e.code == 7)
+    throw std::runtime_error(where + "found a dispatch row from rank " + std::to_string(e.a) + " naming token row " +
+                             std::to_string(e.b) + " and source slot " + std::to_string(e.c) +
+                             " in low_latency_dispatch, which no sender writes (corrupt or out-of-step low-latency "
+                             "buffer); that row was not delivered");
   if (e.code == 9)
     throw std::invalid_argument(where + "found no source slot (" + std::to_string(e.c) + ") for row " +
                                 std::to_string(e.b) + " of local expert " + std::to_string(e.a) +

@@ -10,18 +10,23 @@
 // receiver's send of op j + 1, which the receiver's stream ran after the receive that read op j. So no
 // acknowledgement travels back.
 //
-// A region: [counts: int32 per local expert of the receiver, 256-byte aligned][rows]. Rows are grouped by the
-// receiver's local expert, then the sender's token order; the sender computes every position itself (a stable
-// counting pass over its routing), so no atomics decide the layout and results are deterministic.
-//   dispatch row: [x | scales | (local expert, token, position, slot)], each part 16-byte aligned; slot = token * K + k
-//   combine row:  [y row] at the row's slot on its source (the handle's src_slot), so the source reads token t's
-//                 k-th expert output at row t * K + k without working out the routing again
+// A dispatch region: [counts: int32 per local expert of the receiver, 256-byte aligned][row map][token rows].
+// A token goes to each rank once, however many of that rank's experts it chose (at K = 8 of 256 experts on two
+// ranks, a quarter of the NVLink bytes of a copy per expert); the receiver fans it out. The row map lists the
+// receiver's rows grouped by its local expert, then the sender's token order, as (token row, slot = token * K + k);
+// the sender computes every position itself (each warp counts over the routing), so no atomics decide the layout
+// and results are deterministic. Token rows: [x | scales], each part 16-byte aligned; with an FP8 cast the
+// sender casts x on the way (kernels/fp8.hpp), so x is read once and no FP8 copy of it is made.
+// A combine region: [counts][rows]: each y row at its slot on its source (the handle's src_slot), so the source
+// reads token t's k-th expert output at row t * K + k without working out the routing again.
 #include <algorithm>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+
+#include <cuda_fp8.h>
 
 #include "api.hpp"
 #include "device_common.cuh"
@@ -52,10 +57,10 @@ struct Inbox {
 
 struct Shape {
   int num_ranks, local_experts, max_tokens;  // R, L, N
-  int64_t counts_bytes, row_bytes, capacity_rows;  // region layout
+  int64_t counts_bytes, row_bytes, capacity_rows;  // region layout: combine rows; dispatch: token rows, map entries
+  int64_t tokens_at;                               // dispatch: where the token rows start (after the row map)
   int rank;                                        // this GPU's global rank (error reports)
   uint64_t* phases;                                // UCCL_EP_KERNEL_TIMING=2: SM clock stamps, else null
-  bool routing_by_warps;                           // else UCCL_EP_LL_ROUTING=one_warp (see route_slots)
 };
 
 // Phase stamps for profiling (block 0, thread 0; SM clock): word kernel * 8 + phase.
@@ -83,26 +88,6 @@ __device__ int warp_exclusive_scan(int n, Load&& load, Store&& store) {
   return carry;
 }
 
-// One warp: the position of each slot in [begin, end) among the earlier slots of that range for the same expert,
-// added to counts[e] (the range's slots per expert so far), walked 32 at a time: match_any groups the lanes of
-// one expert.
-__device__ void count_slots(const int* idx, int begin, int end, int* pos, int* counts) {
-  const int lane = threadIdx.x % kWarp;
-  for (int base = begin; base < end; base += kWarp) {
-    const int p = base + lane;
-    const int e = p < end ? idx[p] : -1;
-    const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : -2 - lane);
-    const int before_warp = e >= 0 ? counts[e] : 0;
-    __syncwarp();
-    if (e >= 0) {
-      const int before_lane = __popc(same & ((1u << lane) - 1));
-      pos[p] = before_warp + before_lane;
-      if (before_lane == 0) counts[e] = before_warp + __popc(same);
-    }
-    __syncwarp();
-  }
-}
-
 // The whole block: topk_idx into shared `idx`, out-of-range entries -1 (and reported, with `report_bad`).
 __device__ void load_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* idx, DeviceErrors* err,
                            int rank, bool report_bad) {
@@ -116,46 +101,12 @@ __device__ void load_slots(const int32_t* topk_idx, int pairs, int topk, int num
   }
 }
 
-// The routing of this rank's slots, in shared memory: idx (topk_idx, out-of-range entries -1), pos (each slot's
-// position among this rank's slots for the same expert, in token order), count (slots per expert) and first
-// (where expert e's rows start among the rows for e's rank), computed by the whole block (it ends synchronized).
-//
-// With `warp_counts` ([warps * num_experts] shared ints): every warp counts a contiguous chunk of the
-// slots and a scan over warps joins them (the default); without, warp 0 walks all slots
-// (UCCL_EP_LL_ROUTING=one_warp). Out-of-range entries are reported with `report_bad`.
-__device__ void route_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int num_ranks, int* idx,
-                            int* pos, int* count, int* first, int* warp_counts, DeviceErrors* err, int rank,
-                            bool report_bad) {
-  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp;
-  load_slots(topk_idx, pairs, topk, num_experts, idx, err, rank, report_bad);
-  for (int i = threadIdx.x; i < (warp_counts ? warps : 1) * num_experts; i += blockDim.x)
-    (warp_counts ? warp_counts : count)[i] = 0;
+// Block 0 only (the whole block): count[e] = the slots of idx ([pairs], -1 unused) that chose expert e.
+__device__ void count_by_expert(const int* idx, int pairs, int num_experts, int* count) {
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
   __syncthreads();
-  const int chunk = warp_counts ? (pairs + warps * kWarp - 1) / (warps * kWarp) * kWarp : pairs;
-  if (warp_counts)
-    count_slots(idx, warp * chunk, min(pairs, (warp + 1) * chunk), pos, warp_counts + warp * num_experts);
-  else if (warp == 0)
-    count_slots(idx, 0, pairs, pos, count);
-  __syncthreads();
-  if (warp_counts) {
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {  // each warp's start, per expert
-      int running = 0;
-      for (int w = 0; w < warps; ++w) {
-        const int c = warp_counts[w * num_experts + e];
-        warp_counts[w * num_experts + e] = running;
-        running += c;
-      }
-      count[e] = running;
-    }
-    __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x)
-      if (idx[p] >= 0) pos[p] += warp_counts[(p / chunk) * num_experts + idx[p]];
-  }
-  const int local = num_experts / num_ranks;
-  if (warp < num_ranks)  // one warp per rank
-    warp_exclusive_scan(local, [&](int l) { return count[warp * local + l]; },
-                        [&](int l, int v) { first[warp * local + l] = v; });
-  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x)
+    if (idx[p] >= 0) atomicAdd(&count[idx[p]], 1);
 }
 
 // After the block's stores: block 0 writes each target's counts (write_counts(), its threads), then every block
@@ -185,9 +136,12 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
 // What the dispatch's send phase reads, and what its receive phase writes.
 struct DispatchSource {
   const char* x;
-  int64_t x_row_bytes;
-  const char* scales;
-  int64_t scale_row_bytes, scales_at;  // scales_at: where the scales start in a row
+  int64_t in_row_bytes;                // bytes of a row of x as given (float32 / bfloat16 with a cast)
+  int64_t x_row_bytes;                 // bytes of a row as sent (hidden with a cast)
+  const char* scales;                  // given scales (no cast), else null
+  int64_t scale_row_bytes, scales_at;  // scales_at: where the scales start in a token row
+  Fp8Cast cast;
+  bool x_bf16;
   const int32_t* topk_idx;
   int num_tokens, topk, num_experts;
 };
@@ -214,34 +168,157 @@ struct CombineTarget {
   char* out;
 };
 
+// A token's trip to one rank: which token, to which rank, into which of that rank's token rows.
+struct TokenTrip {
+  int token, rank, row, unused;
+};
+
+// One warp, for slot p of the routing `idx` (shared, [T * K], -1 where unused) with expert e on rank d: where its
+// entry goes in d's row map (the slots for d's experts below e, then the earlier slots for e), which of d's token
+// rows holds the token (the earlier tokens that chose any expert of d) and whether an earlier slot of the same
+// token already sends it to d. Every lane counts a share of the tokens; no shared counters, no block barrier.
+struct SlotPlace {
+  int entry, row;
+  bool first_to_rank;
+};
+__device__ SlotPlace place_slot(const int* idx, int num_tokens, int topk, int p, int e, int local, int lane) {
+  const int lo = e / local * local, hi = lo + local, t = p / topk;
+  int entry = 0, row = 0, earlier_here = 0;
+  for (int u = lane; u < num_tokens; u += kWarp) {
+    bool to_rank = false;
+    for (int k = 0; k < topk; ++k) {
+      const int q = u * topk + k, v = idx[q];
+      entry += (v >= lo && v < e) || (v == e && q < p);
+      to_rank |= v >= lo && v < hi;
+      earlier_here += u == t && q < p && v >= lo && v < hi;
+    }
+    row += to_rank && u < t;
+  }
+  for (int d = kWarp / 2; d > 0; d /= 2) {
+    entry += __shfl_xor_sync(0xffffffffu, entry, d);
+    row += __shfl_xor_sync(0xffffffffu, row, d);
+    earlier_here += __shfl_xor_sync(0xffffffffu, earlier_here, d);
+  }
+  return {entry, row, earlier_here == 0};
+}
+
+// 8 channels of T (bfloat16 or float32) a lane, as float32.
+template <typename T>
+struct Channels8;
+template <>
+struct Channels8<__nv_bfloat16> {
+  int4 raw;
+  __device__ void load(const char* p) { raw = __ldg(reinterpret_cast<const int4*>(p)); }
+  __device__ float get(int i) const {
+    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&raw)[i]);
+  }
+};
+template <>
+struct Channels8<float> {
+  float4 raw[2];
+  __device__ void load(const char* p) {
+    raw[0] = __ldg(reinterpret_cast<const float4*>(p));
+    raw[1] = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  }
+  __device__ float get(int i) const { return reinterpret_cast<const float*>(raw)[i]; }
+};
+
+// One warp casts 256-channel steps [step0, step1) of a token row x (T: bfloat16 or float32) to FP8 into `out`
+// (hidden bytes) with a float32 scale per 128 channels into `scales`: lanes 0-15 take a step's first block, 16-31
+// its second, 8 channels a lane; each half finds its block's amax by shuffles. kBatch steps' loads are issued
+// before any is converted.
+template <typename T>
+__device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, Fp8Cast cast, char* out, float* scales,
+                              int lane) {
+  constexpr int kBatch = 4;
+  const int blocks = hidden / kFp8Block;
+  for (int base = step0; base < step1; base += kBatch) {
+    Channels8<T> v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int block = 2 * (base + b) + lane / 16;
+      if (base + b < step1 && block < blocks) v[b].load(x + int64_t((base + b) * 256 + lane * 8) * sizeof(T));
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int block = 2 * (base + b) + lane / 16;
+      const bool active = base + b < step1 && block < blocks;
+      float amax = 0.f;
+      if (active)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[b].get(i)));
+      for (int d = 8; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+      if (!active) continue;
+      const float scale = fp8_scale(amax, cast), inverse = 1.f / scale;
+      uint2 packed;
+      uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(v[b].get(2 * i) * inverse, v[b].get(2 * i + 1) * inverse),
+                                            __NV_SATFINITE, __NV_E4M3);
+      *reinterpret_cast<uint2*>(out + (base + b) * 256 + lane * 8) = packed;
+      if (lane % 16 == 0) scales[block] = scale;
+    }
+  }
+}
+
 // Each phase below is a whole-block device function over the kernel's dynamic shared memory `smem`; a kernel runs
 // one phase (split calls) or both (send, then receive: one launch per op).
 
+// Block b sends tokens [b * per_block, (b + 1) * per_block): first every warp places slots of those tokens (one
+// warp a slot: its row-map entry goes out at once, and the token's first slot for each rank records a trip), then
+// the block's warps share the trips, each taking a piece of a row, so all warps copy however few trips there are.
 __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, const Outbox& to, DeviceErrors* err,
                               int* smem) {
   const int pairs = in.num_tokens * in.topk, local = shape.local_experts;
-  int* idx = smem;
-  int* pos = idx + pairs;
-  int* count = pos + pairs;
-  int* first = count + in.num_experts;
-  int* warp_counts = shape.routing_by_warps ? first + in.num_experts : nullptr;
+  const int per_block = (in.num_tokens + gridDim.x - 1) / gridDim.x;
+  const int t0 = min(in.num_tokens, int(blockIdx.x) * per_block), t1 = min(in.num_tokens, t0 + per_block);
+  TokenTrip* trips = reinterpret_cast<TokenTrip*>(smem);  // [per_block * R]
+  int* idx = reinterpret_cast<int*>(trips + per_block * shape.num_ranks);
+  int* count = idx + pairs;  // [num_experts] (block 0): slots per expert, the receivers' counts
+  __shared__ int num_trips;
   stamp(shape, kDispatchSend, 0);
-  route_slots(in.topk_idx, pairs, in.topk, in.num_experts, shape.num_ranks, idx, pos, count, first, warp_counts, err,
-              shape.rank, blockIdx.x == 0);
-  stamp(shape, kDispatchSend, 1);
+  if (threadIdx.x == 0) num_trips = 0;
+  load_slots(in.topk_idx, pairs, in.topk, in.num_experts, idx, err, shape.rank, blockIdx.x == 0);
+  __syncthreads();
+  if (blockIdx.x == 0) count_by_expert(idx, pairs, in.num_experts, count);  // read after finish_send's barrier
 
-  // One warp per (token, slot): the rows of a token are read K times, from L2.
-  const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
-  for (int p = blockIdx.x * warps_per_block + threadIdx.x / kWarp; p < pairs; p += gridDim.x * warps_per_block) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  for (int p = t0 * in.topk + warp; p < t1 * in.topk; p += warps) {
     const int e = idx[p];
     if (e < 0) continue;
-    const int d = e / local, t = p / in.topk, j = first[e] + pos[p];
-    if (j >= shape.capacity_rows) continue;  // the host refused shapes where this can happen
-    char* row = to.region[d] + shape.counts_bytes + int64_t(j) * shape.row_bytes;
-    warp_copy(row, in.x + int64_t(t) * in.x_row_bytes, in.x_row_bytes, lane);
-    if (in.scale_row_bytes)
-      warp_copy(row + in.scales_at, in.scales + int64_t(t) * in.scale_row_bytes, in.scale_row_bytes, lane);
-    if (lane == 0) *reinterpret_cast<int4*>(row + shape.row_bytes - 16) = make_int4(e % local, t, pos[p], p);
+    const SlotPlace at = place_slot(idx, in.num_tokens, in.topk, p, e, local, lane);
+    if (lane != 0 || at.entry >= shape.capacity_rows) continue;  // the host refused shapes where it can happen
+    const int d = e / local;
+    reinterpret_cast<int2*>(to.region[d] + shape.counts_bytes)[at.entry] = make_int2(at.row, p);
+    if (at.first_to_rank) trips[atomicAdd(&num_trips, 1)] = TokenTrip{p / in.topk, d, at.row, 0};
+  }
+  __syncthreads();
+  stamp(shape, kDispatchSend, 1);
+
+  // Pieces per trip: enough for every warp, each at least a 256-channel step (cast) or 512 bytes (copy).
+  const int n = num_trips;
+  const bool cast = in.cast != Fp8Cast::kNone;
+  const int steps = cast ? int((in.x_row_bytes + 255) / 256) : int((in.x_row_bytes + 511) / 512);
+  const int pieces = n == 0 ? 1 : max(1, min(steps, warps / n));
+  for (int w = warp; w < n * pieces; w += warps) {
+    const TokenTrip trip = trips[w / pieces];
+    const int piece = w % pieces, s0 = steps * piece / pieces, s1 = steps * (piece + 1) / pieces;
+    char* row = to.region[trip.rank] + shape.tokens_at + int64_t(trip.row) * shape.row_bytes;
+    const char* src = in.x + int64_t(trip.token) * in.in_row_bytes;
+    if (cast) {
+      float* scales = reinterpret_cast<float*>(row + in.scales_at);
+      if (in.x_bf16)
+        warp_cast_fp8<__nv_bfloat16>(src, int(in.x_row_bytes), s0, s1, in.cast, row, scales, lane);
+      else
+        warp_cast_fp8<float>(src, int(in.x_row_bytes), s0, s1, in.cast, row, scales, lane);
+    } else {
+      const int64_t b0 = min(in.x_row_bytes, int64_t(s0) * 512), b1 = min(in.x_row_bytes, int64_t(s1) * 512);
+      warp_copy(row + b0, src + b0, b1 - b0, lane);
+      if (piece == 0 && in.scale_row_bytes)
+        warp_copy(row + in.scales_at, in.scales + int64_t(trip.token) * in.scale_row_bytes, in.scale_row_bytes,
+                  lane);
+    }
   }
   stamp(shape, kDispatchSend, 2);
   finish_send(to, shape.num_ranks, [&] {
@@ -256,8 +333,9 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
   const int R = shape.num_ranks, L = shape.local_experts;
   const int64_t slab = int64_t(R) * shape.max_tokens;  // rows per local expert
   int* count = smem;            // [s * L + l]
-  int* offset = count + R * L;  // [l * R + s]: where source s's rows of expert l start
-  int* total = offset + R * L;  // [l]
+  int* offset = count + R * L;  // [l * R + s]: where source s's rows of expert l start in recv_x[l]
+  int* first = offset + R * L;  // [s * L + l]: where they start in source s's row map
+  int* total = first + R * L;   // [l]
   int* rows_from = total + L;   // [R + 1]: prefix of each source's rows
   stamp(shape, kDispatchRecv, 0);
   if (!wait_sources(from, R, timeout_ns, err, shape.rank)) return;
@@ -279,8 +357,9 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     }
   }
   const int warp = threadIdx.x / kWarp;
-  if (warp < R) {  // rows of source `warp`, then their prefix over sources
-    const int rows = warp_exclusive_scan(L, [&](int l) { return count[warp * L + l]; }, [](int, int) {});
+  if (warp < R) {  // source `warp`: where each expert's rows start in its map, its rows, then the prefix over sources
+    const int rows = warp_exclusive_scan(L, [&](int l) { return count[warp * L + l]; },
+                                         [&](int l, int v) { first[warp * L + l] = v; });
     if (threadIdx.x % kWarp == 0) rows_from[warp + 1] = rows;
   }
   __syncthreads();
@@ -291,18 +370,29 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
   __syncthreads();
 
   stamp(shape, kDispatchRecv, 2);
+  // One warp a row: its expert and position follow from the counts; the map names the token row and the slot.
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < rows_from[R]; i += gridDim.x * warps_per_block) {
     int s = 0;
     while (i >= rows_from[s + 1]) ++s;
-    if (i - rows_from[s] >= shape.capacity_rows) continue;  // the sender refused such shapes already
-    const char* row = from.region[s] + shape.counts_bytes + int64_t(i - rows_from[s]) * shape.row_bytes;
-    int4 tail = make_int4(0, 0, 0, 0);
-    if (lane == 0) tail = __ldcg(reinterpret_cast<const int4*>(row + shape.row_bytes - 16));
-    const int l = __shfl_sync(0xffffffffu, tail.x, 0), j = __shfl_sync(0xffffffffu, tail.z, 0),
-              slot = __shfl_sync(0xffffffffu, tail.w, 0);
-    if (l < 0 || l >= L || j < 0 || j >= count[s * L + l] || offset[l * R + s] + j >= slab) continue;
+    const int r = i - rows_from[s];
+    if (r >= shape.capacity_rows) continue;  // the sender refused such shapes already
+    int2 entry = make_int2(0, 0);
+    if (lane == 0) entry = __ldcg(reinterpret_cast<const int2*>(from.region[s] + shape.counts_bytes) + r);
+    const int token_row = __shfl_sync(0xffffffffu, entry.x, 0), slot = __shfl_sync(0xffffffffu, entry.y, 0);
+    int lo = 0, hi = L;  // the expert: the last l whose rows start at or before r
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (first[s * L + mid] <= r) lo = mid; else hi = mid;
+    }
+    const int l = lo, j = r - first[s * L + l];
+    if (token_row < 0 || token_row >= shape.max_tokens || slot < 0) {  // not what a sender of ours writes
+      if (lane == 0) report(err, 7, shape.rank, from.rank[s], token_row, slot);
+      continue;
+    }
+    if (offset[l * R + s] + j >= slab) continue;  // past the capacity: reported above
     const int64_t o = int64_t(l) * slab + offset[l * R + s] + j;
+    const char* row = from.region[s] + shape.tokens_at + int64_t(token_row) * shape.row_bytes;
     warp_copy<Load::kCoherent>(out.recv_x + o * out.x_row_bytes, row, out.x_row_bytes, lane);
     if (out.scale_row_bytes)
       warp_copy<Load::kCoherent>(out.recv_scales + o * out.scale_row_bytes, row + out.scales_at, out.scale_row_bytes,
@@ -388,12 +478,8 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   int* count = idx + pairs;   // [num_experts] (block 0): slots per expert, for the stale-handle check
   stamp(shape, kCombineRecv, 0);
   load_slots(out.topk_idx, pairs, topk, out.num_experts, idx, err, shape.rank, false);
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < out.num_experts; e += blockDim.x) count[e] = 0;
-    __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x)
-      if (idx[p] >= 0) atomicAdd(&count[idx[p]], 1);
-  }
+  __syncthreads();
+  if (blockIdx.x == 0) count_by_expert(idx, pairs, out.num_experts, count);
   __syncthreads();
   stamp(shape, kCombineRecv, 1);
   if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank)) return;
@@ -492,8 +578,13 @@ template <typename T, bool kSend, bool kRecv>
 constexpr auto combine_kernel = phase_kernel<CombinePhases<T>, kSend, kRecv>;
 
 int64_t counts_bytes(int local_experts) { return (int64_t(local_experts) * 4 + 255) / 256 * 256; }
-int64_t dispatch_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
-  return int64_t(align16(x_row_bytes) + align16(scale_row_bytes)) + 16;
+int64_t token_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
+  return int64_t(align16(x_row_bytes) + align16(scale_row_bytes));
+}
+// A dispatch region: counts, the row map (an int2 per slot), a row per token.
+int64_t row_map_bytes(int max_tokens, int topk) { return int64_t(align16(int64_t(max_tokens) * topk * 8)); }
+int64_t dispatch_region_bytes(int local_experts, int max_tokens, int topk, int64_t token_row) {
+  return counts_bytes(local_experts) + row_map_bytes(max_tokens, topk) + int64_t(max_tokens) * token_row;
 }
 
 Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_tokens, int64_t row_bytes,
@@ -511,16 +602,10 @@ Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_to
   s.counts_bytes = counts_bytes(s.local_experts);
   s.row_bytes = row_bytes;
   s.capacity_rows = std::max<int64_t>(0, (int64_t(dev.low_latency_stride()) - s.counts_bytes) / row_bytes);
+  s.tokens_at = 0;
   s.rank = dev.rank();
   s.phases = dev.phases_device();
-  s.routing_by_warps = low_latency_routing_by_warps();
   return s;
-}
-
-// Shared memory of route_slots' users: idx and pos per slot, count and first per expert (+ counts per warp).
-size_t routing_shared_bytes(int pairs, int num_experts, const Shape& shape, int threads) {
-  const size_t warp_counts = shape.routing_by_warps ? size_t(threads / kWarp) * num_experts : 0;
-  return (2 * size_t(pairs) + 2 * size_t(num_experts) + warp_counts) * sizeof(int);
 }
 
 // Shared memory of a kernel; above the default 48 KiB it must be allowed first.
@@ -568,8 +653,10 @@ std::string bytes_advice(const NvlDevice& dev, int64_t need_per_sender) {
 
 size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
                              int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row) {
-  const int64_t row = std::max(dispatch_row_bytes(x_row_bytes, scale_row_bytes), int64_t(align16(combine_row)));
-  const int64_t region = counts_bytes(num_experts / std::max(1, num_ranks)) + int64_t(max_tokens_per_rank) * topk * row;
+  const int local = num_experts / std::max(1, num_ranks);
+  const int64_t region = std::max(
+      dispatch_region_bytes(local, max_tokens_per_rank, topk, token_row_bytes(x_row_bytes, scale_row_bytes)),
+      counts_bytes(local) + int64_t(max_tokens_per_rank) * topk * int64_t(align16(combine_row)));
   const size_t half = size_t(num_ranks) * ((region + 255) / 256 * 256);
   return 2 * ((half + 4095) / 4096 * 4096);
 }
@@ -596,29 +683,47 @@ bool fits_at_once(Kernel kernel, int blocks, int threads, size_t smem, int cuda_
 }
 
 Shape dispatch_shape(const NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a) {
-  const int64_t row_bytes = dispatch_row_bytes(a.x_row_bytes, a.scale_row_bytes);
-  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, row_bytes, "low_latency_dispatch");
-  // A source sends a receiver at most N * K rows: refuse shapes that might not fit before anything moves (every
-  // rank has the same shapes and buffer, so every rank refuses).
-  const int64_t need = shape.counts_bytes + int64_t(a.max_tokens_per_rank) * a.topk * row_bytes;
+  const int64_t token_row = token_row_bytes(a.x_row_bytes, a.scale_row_bytes);
+  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, token_row, "low_latency_dispatch");
+  shape.capacity_rows = int64_t(a.max_tokens_per_rank) * a.topk;  // row map entries
+  shape.tokens_at = shape.counts_bytes + row_map_bytes(a.max_tokens_per_rank, a.topk);
+  // A source sends a receiver at most N tokens and N * K map entries: refuse shapes that might not fit before
+  // anything moves (every rank has the same shapes and buffer, so every rank refuses).
+  const int64_t need = dispatch_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, token_row);
   if (need > int64_t(dev.low_latency_stride()))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: " + bytes_advice(dev, need));
+  if (a.cast != Fp8Cast::kNone && (a.x_row_bytes % kFp8Block != 0 || a.x_row_bytes <= 0))
+    throw std::invalid_argument("uccl_ep low_latency_dispatch: an FP8 cast needs hidden a multiple of 128");
   return shape;
 }
 DispatchSource dispatch_source(const LowLatencyDispatchArgs& a) {
-  return {static_cast<const char*>(a.x), a.x_row_bytes, static_cast<const char*>(a.scales), a.scale_row_bytes,
-          int64_t(align16(a.x_row_bytes)), a.topk_idx, a.num_tokens, a.topk, a.num_experts};
+  const bool cast = a.cast != Fp8Cast::kNone;
+  return {static_cast<const char*>(a.x),
+          cast ? a.x_row_bytes * (a.x_bf16 ? 2 : 4) : a.x_row_bytes,
+          a.x_row_bytes,
+          cast ? nullptr : static_cast<const char*>(a.scales),
+          a.scale_row_bytes,
+          int64_t(align16(a.x_row_bytes)),
+          a.cast,
+          a.x_bf16,
+          a.topk_idx,
+          a.num_tokens,
+          a.topk,
+          a.num_experts};
 }
 DispatchTarget dispatch_target(const LowLatencyDispatchArgs& a) {
   return {a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
           static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_slot};
 }
+// Send: the block's token trips, the routing, slots per expert (dispatch_send).
 size_t dispatch_send_shared(const LowLatencyDispatchArgs& a, const Shape& shape) {
-  return routing_shared_bytes(a.num_tokens * a.topk, a.num_experts, shape, kSendThreads);
+  const size_t per_block = (size_t(a.num_tokens) + kSendBlocks - 1) / kSendBlocks;
+  return per_block * shape.num_ranks * sizeof(TokenTrip) +
+         (size_t(a.num_tokens) * a.topk + size_t(a.num_experts)) * sizeof(int);
 }
 size_t dispatch_recv_shared(const Shape& shape) {
   const size_t R = shape.num_ranks, L = shape.local_experts;
-  return (2 * R * L + L + R + 1) * sizeof(int);
+  return (3 * R * L + L + R + 1) * sizeof(int);
 }
 
 int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * (a.bf16 ? 2 : 4); }
