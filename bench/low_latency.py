@@ -2,7 +2,7 @@
 
 Decode sizes by default: 128 tokens per rank, hidden 7168, top-8 of 256 experts, random routing. Every op runs
 `--iters` times inside one jit (a fori_loop in a shard_map; each call's output feeds the next call's input) and
-the time is the median over `--repeats` of (call time / iters). Dispatch includes the FP8 cast (in JAX); combine
+the time is the median over `--repeats` of (call time / iters). Dispatch includes the FP8 cast (in our kernel); combine
 is timed alone on fixed expert outputs. all_to_all moves the static equivalent of the LL payload: [R, N * K, H]
 BF16 rows per rank (every destination could receive up to N * K rows).
 Reference on 2xH200 (DeepEP v1 LL): dispatch 28.4 us, combine 39.8 us (DESIGN.md).
@@ -114,13 +114,6 @@ def main(argv=None) -> int:
             return ep.low_latency_combine(y, i[0], w[0], handle)[0, 0].astype(jnp.int32) * 0 + count[0]
         return common.looped(step, args.iters, unroll)(busy_zero(i[0, 0, 0]))[None]
 
-    def fp8_cast(x, i, w):
-        """What an FP8 dispatch costs outside our kernels, if anything: the cast to FP8 where JAX does it."""
-        def step(tok):
-            rows, scales = ep.per_token_cast_to_fp8(x[0] + tok.astype(x.dtype))
-            return (rows[0, 0].astype(jnp.float32) + scales[0, 0]) * 0
-        return common.looped(step, args.iters, unroll)(busy_zero(w[0, 0, 0]))[None]
-
     def all_to_all(x, i, w):
         def step(buf):
             return jax.lax.all_to_all(buf, "ep", 0, 0, tiled=True)
@@ -132,15 +125,12 @@ def main(argv=None) -> int:
     c = ["low_latency_combine", "low_latency_combine send", "low_latency_combine receive"]
     # DeepEP's reference figures were taken on 2xH200 at these sizes: no ratio for other R or sizes.
     ref = (r == 2 and gpu and (t, h, k, e) == (128, 7168, 8, 256))
-    # The cast first: DeepEP's dispatch casts inside its kernel, so an FP8 dispatch is compared with ours plus any
-    # cast that runs outside our kernels (labels None: every kernel of the call but the prologue's matmuls).
-    ops = (("FP8 cast in JAX (before the dispatch)", fp8_cast, None, None),
-           ("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6 if ref else None, d),
+    ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6 if ref else None, d),
            ("uccl_ep LL dispatch bf16", ll_dispatch(False), None, d),
            ("uccl_ep LL combine bf16", ll_combine, 39.8e-6 if ref else None, c),
            ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6 if ref else None, d + c),
            ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None, []))
-    rows, results, cast_us = [], {}, 0.0
+    rows, results = [], {}
     for name, body, deepep, labels in ops:
         try:
             takes_y = body in (ll_combine, ll_roundtrip)
@@ -148,25 +138,15 @@ def main(argv=None) -> int:
             kernel_spans(gpu)  # drop earlier spans
             fn = smap(body)
             tm = common.time_jitted(fn, inputs, iters=args.iters, repeats=args.repeats)
-            spans = {k: v for k, v in kernel_spans(gpu).items() if k in (labels or ())}
-            phases = kernel_phases(gpu) if labels else {}
-            call = lambda: jax.block_until_ready(fn(*inputs))  # noqa: E731
-            if not args.cupti:
-                cupti = {}
-            elif labels is None:
-                cupti = xla_kernels_us(call, args.iters)
-            else:
-                cupti = cupti_kernel_us(call, labels)
-                if "fp8" in name and "dispatch" in name and cast_us:
-                    cupti["cast in JAX"] = cast_us
+            spans = {k: v for k, v in kernel_spans(gpu).items() if k in labels}
+            phases = kernel_phases(gpu)
+            cupti = cupti_kernel_us(lambda: jax.block_until_ready(fn(*inputs)), labels) if args.cupti else {}
             results[name] = dict(tm.as_dict(), kernel_spans_us=spans, kernel_phases_us=phases, cupti_us=cupti)
             if phases:
                 print(f"# {name}: phases of the last call (block 0, us): {phases}")
             span_s = sum(spans.values()) * 1e-6 if spans else None
             ratio = f"{deepep / span_s:.2f}x" if deepep and span_s else ""
             cupti_s = sum(cupti.values()) * 1e-6 if cupti and "error" not in cupti else None
-            if labels is None and cupti_s:
-                cast_us = cupti_s * 1e6
             rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(span_s),
                          " + ".join(f"{v:.1f}" for v in spans.values()), common.fmt_time(cupti_s) if cupti_s else "",
                          common.fmt_time(deepep) if deepep else "", ratio,
@@ -181,15 +161,14 @@ def main(argv=None) -> int:
     if gpu:
         print(f"# low-latency buffer per GPU: {common.fmt_bytes(ll_need)} for FP8 dispatch + BF16 combine, "
               f"{common.fmt_bytes(ll_bytes)} with BF16 dispatch (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
-              f"held per GPU (normal, LL): {held.get(0)}; blocks: 64 per send or fused kernel, "
+              f"held per GPU (normal, LL): {held.get(0)}; blocks: 128 per send or fused kernel, "
               f"{_uccl_ep_blocks()} per receive kernel")
     print("# time/call: jitted calls end to end (host launch and a ~ms matmul prologue on GPUs included, divided by "
           "the calls); kernels: median GPU span of our kernels, one fused kernel per op or send + receive (waiting "
-          "for the peer included; the FP8 cast runs in JAX before it)")
+          "for the peer included; the FP8 cast runs inside our dispatch kernel, as DeepEP's does)")
     if args.cupti:
         print("# CUPTI: median device time per call of our kernels, from torch.profiler (CUPTI kernel records, how "
-              "DeepEP's test times its kernels); no launch gaps or events. The FP8 dispatch's CUPTI adds the cast where it "
-              "runs in JAX (DeepEP casts inside its kernel)")
+              "DeepEP's test times its kernels); no launch gaps or events")
     common.print_table(["op", "time/call", "kernels", "spans us", "CUPTI", "DeepEP", "DeepEP/kernels", "DeepEP/CUPTI"],
                        rows,
                        title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}, "
@@ -259,18 +238,6 @@ def cupti_kernel_us(call, labels) -> dict:
         if "uccl_ep" in name and any(w in name for w in wanted):
             durations.setdefault(name, []).append(us)
     return {k: statistics.median(v) for k, v in durations.items()}
-
-
-def xla_kernels_us(call, iters: int) -> dict:
-    """Device time per iteration (us) on GPU 0 of every kernel `call` runs except the prologue's matmuls."""
-    import common
-
-    try:
-        activity = common.cupti_activity(call)
-    except Exception as exc:  # noqa: BLE001
-        return {"error": common.short_error(exc, 120)}
-    kept = [us for name, us in activity if not any(m in name.lower() for m in ("gemm", "nvjet", "cutlass", "matmul"))]
-    return {"XLA kernels": sum(kept) / iters} if kept else {}
 
 
 def _uccl_ep_blocks() -> int:

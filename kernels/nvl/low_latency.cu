@@ -37,7 +37,7 @@ namespace {
 constexpr int kThreads = 1024;
 // Blocks of a send kernel: fixed, because receivers count arrivals by block (UCCL_EP_LL_NUM_SMS sets the
 // receive kernels' blocks).
-constexpr int kSendBlocks = 64;
+constexpr int kSendBlocks = 128;  // 64 left half of an H200's SMs idle in the receive phase of a fused op
 constexpr int kSendThreads = 512;  // 128 registers a thread: the copy loop keeps its loads in flight unspilled
 constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
 
@@ -281,7 +281,6 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
   if (threadIdx.x == 0) num_trips = 0;
   load_slots(in.topk_idx, pairs, in.topk, in.num_experts, idx, err, shape.rank, blockIdx.x == 0);
   __syncthreads();
-  if (blockIdx.x == 0) count_by_expert(idx, pairs, in.num_experts, count);  // read after finish_send's barrier
 
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   for (int p = t0 * in.topk + warp; p < t1 * in.topk; p += warps) {
@@ -321,6 +320,10 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
     }
   }
   stamp(shape, kDispatchSend, 2);
+  if (blockIdx.x == 0) {  // the receivers' counts, while the block's stores drain (not before the copies)
+    count_by_expert(idx, pairs, in.num_experts, count);
+    __syncthreads();
+  }
   finish_send(to, shape.num_ranks, [&] {
     for (int i = threadIdx.x; i < in.num_experts; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / local])[i % local] = count[i];
