@@ -171,7 +171,8 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         need for a shape.
 
     GPUs on several nodes (or with ``UCCL_EP_GPUS_PER_NODE``) run on the proxy runtime, staged through host
-    memory, one process per GPU; its buffers come from ``UCCL_EP_BUFFER_BYTES`` as on CPU devices.
+    memory (a process may drive one GPU or all of its host's); its buffers come from ``UCCL_EP_BUFFER_BYTES`` as
+    on CPU devices.
     """
     global _generation, _atexit_registered
     with _lock:
@@ -200,7 +201,7 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         if devices[0].platform == "gpu" and topo.num_nodes == 1:
             _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, client, key, timeout_ms)
         elif devices[0].platform == "gpu":
-            _check_gpus_over_proxy(local, topo, buffer_bytes, low_latency_buffer_bytes)
+            _check_gpus_over_proxy(buffer_bytes, low_latency_buffer_bytes)
             _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
         else:
             _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
@@ -216,21 +217,15 @@ def _require_cuda_build() -> None:
         raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
 
 
-def _check_gpus_over_proxy(local: list, topo: Topology, buffer_bytes: int | None,
-                           low_latency_bytes: int | None) -> None:
-    """GPUs on several nodes run on the proxy runtime through host-staged handlers (ffi/cpu_handlers.cpp): each op
-    waits on the host for its peers, so a process drives one GPU (two would wait on each other's thread). Every
-    process of the job has the same layout, so every one raises here."""
+def _check_gpus_over_proxy(buffer_bytes: int | None, low_latency_bytes: int | None) -> None:
+    """GPUs on several nodes run on the proxy runtime through host-staged handlers (ffi/cpu_handlers.cpp). A process
+    may drive several of them (a process per host, as multi-host JAX jobs run): XLA launches each GPU's work from a
+    thread of its own, so an op that waits on the host for its peers holds up no other GPU of the process."""
     _require_cuda_build()
     if buffer_bytes is not None or low_latency_bytes is not None:
         warnings.warn("jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
                       "UCCL_EP_BUFFER_BYTES sizes; buffer_bytes and low_latency_buffer_bytes are ignored",
                       stacklevel=3)
-    if len(local) > 1:
-        raise NotImplementedError(
-            f"jax_uccl_ep: the job's GPUs are on {topo.num_nodes} nodes ({topo.source}) and this process drives "
-            f"{len(local)} of them; across nodes, run one process per GPU (python -m jax_uccl_ep.launch starts one "
-            "per GPU; JAX_LOCAL_DEVICE_IDS or CUDA_VISIBLE_DEVICES otherwise).")
 
 
 def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, client: Any,

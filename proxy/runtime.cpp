@@ -55,6 +55,8 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   awaiting_ack_.reset(new bool[num_ranks]());
   inflight_.reset(new std::atomic<int64_t>[num_ranks]);
   for (uint32_t p = 0; p < num_ranks; ++p) inflight_[p].store(0);
+  posting_.reset(new std::atomic<int64_t>[config_.num_channels]);
+  for (int c = 0; c < config_.num_channels; ++c) posting_[c].store(0);
   exited_.reset(new std::atomic<bool>[config_.num_channels]);
   for (int c = 0; c < config_.num_channels; ++c) exited_[c].store(false);
   retired_ = std::make_unique<HostCounters>(size_t(config_.num_channels));
@@ -168,6 +170,8 @@ void Device::quiet(const char* op, double seconds) {
                  std::string peers;
                  for (uint32_t p = 0; p < num_ranks_; ++p)
                    if (inflight_[p].load() > 0) peers += (peers.empty() ? "" : ", ") + std::to_string(p);
+                 // Nothing posted and uncompleted: the proxy may still be trying to post to a peer that went away.
+                 if (peers.empty() && posting_[c].load() > 0) peers = std::to_string(posting_[c].load() - 1);
                  return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
                         std::to_string(deadline.seconds()) + " s waiting for its writes on channel " +
                         std::to_string(c) + " to complete; rank(s) " + (peers.empty() ? "?" : peers) +
@@ -228,6 +232,11 @@ DeviceStats Device::stats() const {
 void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& contexts,
                   std::vector<uint32_t>& free_list) {
   Backoff backoff;
+  posting_[channel].store(int64_t(cmd.peer) + 1, std::memory_order_relaxed);
+  struct Posted {
+    std::atomic<int64_t>& word;
+    ~Posted() { word.store(0, std::memory_order_relaxed); }
+  } posted{posting_[channel]};
   uint64_t& inflight_bytes = inflight_bytes_[channel];
   const uint64_t cap = config_.max_inflight_bytes;
   for (;;) {

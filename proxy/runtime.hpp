@@ -147,6 +147,7 @@ class Device {
   std::unique_ptr<std::atomic<bool>[]> exited_;  // per proxy thread
   bool abandoned_ = false;                       // a proxy thread was left behind by stop()
   std::unique_ptr<std::atomic<int64_t>[]> inflight_;  // posted, uncompleted writes per peer
+  std::unique_ptr<std::atomic<int64_t>[]> posting_;   // per channel: 1 + the peer of a write not yet posted, else 0
   std::unique_ptr<uint64_t[]> inflight_bytes_;        // posted, uncompleted bytes per channel (its proxy's own)
   std::unique_ptr<std::atomic<uint64_t>[]> peak_inflight_bytes_;  // per channel
   std::mutex op_mutex_;

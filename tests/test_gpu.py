@@ -208,6 +208,15 @@ def test_gpus_as_separate_nodes_over_the_proxy(part, reorder):
     _check(results, NUM_GPUS)
 
 
+@pytest.mark.parametrize("part", ["normal", "low_latency"])
+def test_one_process_drives_gpus_on_separate_nodes(part):
+    """UCCL_EP_GPUS_PER_NODE=1 with one process for all GPUs (a multi-host job with a process per host): the staged
+    ops of one GPU wait for their peers without holding up the process's other GPUs."""
+    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(256 << 20))
+    results = launch(HERE, "gpu_suite", 1, args=[part, "0"], platform="gpu", timeout_s=150, env=env)
+    _check(results, NUM_GPUS)
+
+
 @pytest.mark.parametrize("mode", ["low_latency", "normal"])
 def test_missing_peer_is_named_within_the_deadline(mode):
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(2)]

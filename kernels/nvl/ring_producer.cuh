@@ -2,8 +2,8 @@
 // kernels write compact commands into pinned, mapped host memory and the proxy threads post them.
 //
 // One warp owns a ring (single producer). Lanes write up to 32 commands into consecutive slots with two 16-byte
-// stores each; lane 0 then publishes the new head after a system-scope fence, so the proxy never sees a slot
-// before its command. A full ring makes the warp wait for the proxy's tail (it never overwrites), up to a
+// stores each; lane 0 then publishes the new head with a system-scope release store (cumulative over the lanes'
+// stores, which __syncwarp orders before it), so the proxy never sees a slot before its command. A full ring makes the warp wait for the proxy's tail (it never overwrites), up to a
 // deadline on the GPU's global timer.
 #pragma once
 #include <cstdint>
@@ -52,10 +52,7 @@ __device__ __forceinline__ bool warp_push(const DeviceRing& ring, const Command&
     dst[1] = v[1];
   }
   __syncwarp();
-  if (lane == 0) {
-    __threadfence_system();
-    store_release_sys(ring.head, head + uint64_t(count));
-  }
+  if (lane == 0) store_release_sys(ring.head, head + uint64_t(count));  // (a fence before it cost latency only)
   head += uint64_t(count);
   return true;
 }
