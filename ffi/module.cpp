@@ -184,6 +184,45 @@ NB_MODULE(_uccl_ep, m) {
     d["round_trip_p99_ns"] = r.round_trip_p99_ns;
     return d;
   });
+  // A GPU of the proxy runtime sends `peer` one message from a kernel and awaits peer's (nvl::proxy_put); both
+  // ranks of a pair call it at once. Keeps the host's message count in step (wait_message after the kernel).
+  m.def("proxy_gpu_put", [](uint32_t rank, uint32_t peer, uint64_t bytes, int channel) {
+    Device& d = Runtime::get().device_by_rank(rank);
+    if (peer == rank || peer >= d.num_ranks() || channel < 0 || channel >= d.num_channels() || bytes % 4 != 0 ||
+        bytes == 0 || bytes > d.region_bytes() || bytes > UINT32_MAX)
+      throw std::invalid_argument("proxy_gpu_put: another rank, a channel of this device, and 0 < bytes <= " +
+                                  std::to_string(d.region_bytes()) + " (a multiple of 4)");
+    nvl::ProxyPutResult r;
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(d.op_mutex());
+      d.check_usable("proxy_gpu_put");
+      CommandRing& ring = d.ring(channel);
+      nvl::ProxyPutArgs a{};
+      a.ring_slots = ring.slots();
+      a.ring_head = ring.head_word();
+      a.ring_tail = ring.tail_word();
+      a.ring_capacity = ring.capacity();
+      a.retired = d.retired_word(channel);
+      a.released = d.released_word(peer, channel);
+      a.released_target = d.consumed(peer, channel) + 1;
+      a.payload = d.buffer() + d.send_offset(peer);
+      a.arrived = d.buffer() + d.recv_offset(peer);
+      a.bytes = bytes;
+      a.write = Command{Op::kWrite, 0, 0, peer, d.send_offset(peer), d.recv_offset(rank), uint32_t(bytes), 0};
+      a.fence = message_fence(peer);
+      a.rank = rank;
+      r = nvl::proxy_put(d.ordinal(), a, peer);
+      if (r.timed_out == 0) d.wait_message(channel, peer, "proxy_gpu_put");  // arrived: consume it here too
+    }
+    nb::dict out;
+    out["mismatched_words"] = r.mismatched_words;
+    out["push_us"] = r.push_us;
+    out["quiet_us"] = r.quiet_us;
+    out["arrival_us"] = r.arrival_us;
+    out["timed_out"] = r.timed_out;
+    return out;
+  });
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
   m.def("nvl_buffer_bytes_held", [] {  // per local GPU: (normal, low-latency) bytes allocated
     std::vector<std::pair<size_t, size_t>> out;

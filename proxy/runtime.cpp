@@ -146,7 +146,7 @@ void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uin
     uint32_t n = uint32_t(std::min(chunk, length - done));
     push(channel, Command{Op::kWrite, 0, 0, peer, local_offset + done, remote_offset + done, n, 0}, deadline, op);
   }
-  push(channel, Command{Op::kFence, 0, 0, peer, 0, 8, 8, 0}, deadline, op);
+  push(channel, message_fence(peer), deadline, op);
 }
 
 void Device::wait_message(int channel, uint32_t peer, const char* op) {

@@ -98,6 +98,9 @@ class Device {
     return released_->word(size_t(peer) * config_.num_channels + channel);
   }
   const uint64_t* retired_word(int channel) const { return retired_->word(size_t(channel)); }
+  // Messages from `peer` on `channel` that wait_message() has consumed (a consumer that is not a host thread waits
+  // for the released word to pass it, then calls wait_message() to keep the count in step). Guarded by op_mutex().
+  uint64_t consumed(uint32_t peer, int channel) const { return consumed_[size_t(peer) * config_.num_channels + channel]; }
   CommandRing& ring(int channel) { return *rings_[channel]; }
   // After an error that left this rank out of step with its peers: fail every later op here, and tell `peers`
   // so that they fail at once (naming this rank and `reason`) instead of waiting for their deadline.

@@ -217,6 +217,42 @@ def test_one_process_drives_gpus_on_separate_nodes(part):
     _check(results, NUM_GPUS)
 
 
+def gpu_proxy_put(nbytes: int) -> dict:
+    """Child: every GPU its own node (proxy runtime); each sends its pair partner one message from a kernel (payload
+    written by the GPU into the proxy's buffer, write and fence pushed into the proxy's ring, a device quiet, the
+    partner's message awaited and checked on the GPU), twice; then a staged round trip still matches the reference
+    (the host's protocol state stayed in step with what the kernels did)."""
+    import jax
+    import jax.numpy as jnp
+
+    import cases
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import _ffi, _uccl_ep
+
+    ep.initialize()
+    mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
+    rank = _ffi.global_ranks()[jax.local_devices()[0].id]
+    puts = [_uccl_ep.proxy_gpu_put(rank, rank ^ 1, nbytes, 0) for _ in range(2)]
+    words = _uccl_ep.published_words(rank)
+    problems = {"after": cases.check_case(mesh, 7, 16, 256, 2, 4 * mesh.devices.size, jnp.float32)}
+    ep.shutdown()
+    return {"puts": puts, "words": words, "problems": problems, "ranks": mesh.devices.size}
+
+
+def test_gpu_kernel_sends_through_the_proxy_and_waits_on_its_words():
+    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS - NUM_GPUS % 2)]
+    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(64 << 20))
+    results = launch(HERE, "gpu_proxy_put", len(per_rank), args=[65536], platform="gpu", per_rank_env=per_rank,
+                     timeout_s=120, env=env)
+    _check(results, len(per_rank))
+    for x in results:
+        for put in x.result["puts"]:
+            assert put["timed_out"] == 0 and put["mismatched_words"] == 0, put
+            assert 0 < put["push_us"] <= put["quiet_us"] <= put["arrival_us"], put
+        words = x.result["words"]
+        assert words["retired"][0] == words["pushed"][0], words  # every command the kernels pushed completed
+
+
 @pytest.mark.parametrize("mode", ["low_latency", "normal"])
 def test_missing_peer_is_named_within_the_deadline(mode):
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(2)]

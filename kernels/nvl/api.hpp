@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../proxy/command.hpp"
 #include "../fp8.hpp"
 
 namespace uccl_ep::nvl {
@@ -234,6 +235,33 @@ struct RingBenchResult {
 };
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds);
+
+// One message from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload
+// into mapped host memory of the proxy's registered buffer, pushes the write of it to `peer` and the fence that
+// ends the message into a channel's command ring, waits for the proxy to retire both (a device quiet: `retired`
+// reaching the ring's head), then for the peer's message to us (`released` reaching `released_target`), and
+// compares what arrived with the peer's pattern. Addresses are host addresses of host_alloc'd (pinned, mapped)
+// memory; the caller keeps every other producer off the ring meanwhile.
+struct ProxyPutArgs {
+  Command* ring_slots;
+  uint64_t* ring_head;
+  const uint64_t* ring_tail;
+  uint32_t ring_capacity;
+  const uint64_t* retired;    // the channel's retired-command count
+  const uint64_t* released;   // messages released from `peer` on the channel
+  uint64_t released_target;   // the count that means its next message is in
+  char* payload;              // our buffer at `write.local_offset`
+  const char* arrived;        // where the peer's message lands in our buffer
+  uint64_t bytes;             // of each message (a multiple of 4)
+  Command write, fence;       // as the proxy expects them (peer, offsets, lengths)
+  uint32_t rank;              // ours: the payload pattern is (rank, word index)
+};
+struct ProxyPutResult {
+  uint64_t mismatched_words;        // words of the peer's message that differ from its pattern
+  double push_us, quiet_us, arrival_us;  // from the kernel's start (GPU clock)
+  int timed_out;                    // 1: the ring stayed full, 2: no quiet, 3: no message, by timeout_ns()
+};
+ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t peer_rank);
 
 // Loads every kernel of normal and low-latency mode on the current device. CUDA loads modules lazily, at a
 // kernel's first launch, and a load can wait for the device to go idle, which a stream blocked on a peer's

@@ -89,7 +89,69 @@ struct Pinned {  // one mapped host allocation, freed on scope exit
   ~Pinned() { cudaFreeHost(p); }
 };
 
+__device__ __forceinline__ uint32_t payload_word(uint32_t rank, uint64_t i) {
+  return rank * 0x9E3779B1u ^ (uint32_t(i) * 2654435761u + 12345u);
+}
+
+// One warp: see proxy_put in api.hpp. out: mismatched words, then push / quiet / arrival ns, then the status.
+__global__ void proxy_put_kernel(ProxyPutArgs a, DeviceRing ring, uint32_t peer_rank, uint64_t timeout_ns,
+                                 uint64_t* out) {
+  const int lane = threadIdx.x % 32;
+  const uint64_t start = global_ns(), deadline = start + timeout_ns;
+  uint32_t* words = reinterpret_cast<uint32_t*>(a.payload);
+  for (uint64_t i = lane; i < a.bytes / 4; i += 32) words[i] = payload_word(a.rank, i);
+  __syncwarp();  // the payload, then the commands: warp_push's release store of the head covers the lanes' stores
+  uint64_t head = 0, tail_seen = 0;
+  if (lane == 0) {
+    head = load_acquire_sys(ring.head);  // the host's pushes so far (no other producer meanwhile)
+    tail_seen = load_acquire_sys(ring.tail);
+  }
+  head = __shfl_sync(0xffffffffu, head, 0);
+  tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
+  int status = warp_push(ring, lane == 0 ? a.write : a.fence, 2, head, tail_seen, deadline) ? 0 : 1;
+  const uint64_t pushed = global_ns();
+  if (lane == 0 && status == 0 && !wait_count(a.retired, head, deadline)) status = 2;  // the device quiet
+  status = __shfl_sync(0xffffffffu, status, 0);
+  const uint64_t quiet = global_ns();
+  if (lane == 0 && status == 0 && !wait_count(a.released, a.released_target, deadline)) status = 3;
+  status = __shfl_sync(0xffffffffu, status, 0);
+  const uint64_t arrived = global_ns();
+  uint64_t bad = 0;
+  const volatile uint32_t* in = reinterpret_cast<const volatile uint32_t*>(a.arrived);
+  for (uint64_t i = lane; status == 0 && i < a.bytes / 4; i += 32) bad += in[i] != payload_word(peer_rank, i);
+  for (int d = 16; d > 0; d /= 2) bad += __shfl_xor_sync(0xffffffffu, bad, d);
+  if (lane == 0) {
+    out[0] = bad;
+    out[1] = pushed - start;
+    out[2] = quiet - start;
+    out[3] = arrived - start;
+    out[4] = uint64_t(status);
+  }
+}
+
 }  // namespace
+
+ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t peer_rank) {
+  if (args.bytes % 4 != 0) throw std::invalid_argument("proxy_put: bytes must be a multiple of 4");
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  ProxyPutArgs a = args;
+  a.payload = device_view(args.payload);
+  a.arrived = device_view(args.arrived);
+  a.retired = device_view(args.retired);
+  a.released = device_view(args.released);
+  const DeviceRing ring{device_view(args.ring_slots), device_view(args.ring_head), device_view(args.ring_tail),
+                        args.ring_capacity - 1};
+  Pinned out(5 * sizeof(uint64_t));
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  proxy_put_kernel<<<1, 32, 0, stream>>>(a, ring, peer_rank, timeout_ns(), device_view(static_cast<uint64_t*>(out.p)));
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  check(e, "proxy_put_kernel");
+  const volatile uint64_t* o = static_cast<const volatile uint64_t*>(out.p);
+  return ProxyPutResult{o[0], o[1] * 1e-3, o[2] * 1e-3, o[3] * 1e-3, int(o[4])};
+}
 
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds) {

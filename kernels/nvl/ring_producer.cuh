@@ -57,4 +57,13 @@ __device__ __forceinline__ bool warp_push(const DeviceRing& ring, const Command&
   return true;
 }
 
+// One thread: waits until `*word` (a count a proxy publishes in mapped host memory) reaches `target`: a device
+// quiet is the channel's retired-command count reaching the ring's head after our pushes; an arrival is a peer's
+// released-message count reaching the next message. False if it did not by `deadline_ns`.
+__device__ __forceinline__ bool wait_count(const uint64_t* word, uint64_t target, uint64_t deadline_ns) {
+  while (load_acquire_sys(word) < target)
+    if (global_ns() > deadline_ns) return false;
+  return true;
+}
+
 }  // namespace uccl_ep::nvl
