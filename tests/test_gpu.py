@@ -251,6 +251,7 @@ def test_gpu_kernel_sends_through_the_proxy_and_waits_on_its_words():
             assert 0 < put["push_us"] <= put["quiet_us"] <= put["arrival_us"], put
         words = x.result["words"]
         assert words["retired"][0] == words["pushed"][0], words  # every command the kernels pushed completed
+        print(f"rank {x.rank}: {x.result['puts']}")
 
 
 @pytest.mark.parametrize("mode", ["low_latency", "normal"])
