@@ -365,7 +365,8 @@ def low_latency_buffer_bytes(max_tokens_per_rank: int, hidden: int, *, num_ranks
                              combine_dtype: Any = "bfloat16") -> int:
     """Bytes of low-latency buffer per GPU that low_latency_dispatch/combine need for these shapes (pass to
     initialize(low_latency_buffer_bytes=...)). Two halves (consecutive ops alternate) of one region per sending
-    rank, each holding max_tokens_per_rank * topk rows (a sender's worst case for one receiver).
+    rank, each large enough for a sender's worst case to one receiver: its max_tokens_per_rank token rows and
+    max_tokens_per_rank * topk row-map entries (dispatch), or max_tokens_per_rank * topk combine rows.
 
     hidden: channels; fp8: dispatch rows are hidden bytes plus hidden/128 float32 scales (else dispatch_dtype).
     """

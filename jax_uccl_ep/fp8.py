@@ -25,7 +25,8 @@ def per_token_cast_to_fp8(x: jax.Array, round_scale: bool = False) -> tuple[jax.
     if round_scale:  # 2^ceil(log2 s) from the bits (exp2/log2 are not exact: 2^-15 came out as 3.0517593e-05)
         bits = jax.lax.bitcast_convert_type(scales, jnp.uint32)
         exponent = (bits >> 23) + jnp.where(bits & 0x7FFFFF, 1, 0).astype(jnp.uint32)
-        scales = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+        rounded = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+        scales = jnp.where(jnp.isfinite(scales), rounded, scales)  # NaN and inf stay as they are
     x_fp8 = (blocks / scales[..., None]).astype(jnp.float8_e4m3fn).reshape(t, h)
     return x_fp8, scales
 

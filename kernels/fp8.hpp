@@ -21,7 +21,11 @@ constexpr float kFp8Max = 448.f;  // largest finite float8_e4m3fn
 // How a low-latency dispatch sends x: as given, or cast to FP8 on the way (scales plain or powers of two).
 enum class Fp8Cast : int { kNone = 0, kCast = 1, kCastPowerOfTwoScales = 2 };
 
+// max that keeps a NaN (fmaxf drops it): a block with a NaN gets a NaN scale, as in JAX.
+UCCL_EP_HOST_DEVICE float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+
 UCCL_EP_HOST_DEVICE float fp8_scale(float amax, Fp8Cast cast) {
+  if (!(amax - amax == 0.f)) return amax;  // NaN or inf: the scale is it, as JAX's amax / 448 gives
   float s = fmaxf(amax, 1e-4f) * (1.f / kFp8Max);  // as XLA computes amax / 448 (a product with the reciprocal)
   if (cast == Fp8Cast::kCastPowerOfTwoScales) {  // 2^ceil(log2 s), exactly: s = m * 2^e with m in [0.5, 1)
     int e = 0;

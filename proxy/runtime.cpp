@@ -171,7 +171,8 @@ void Device::quiet(const char* op, double seconds) {
                  for (uint32_t p = 0; p < num_ranks_; ++p)
                    if (inflight_[p].load() > 0) peers += (peers.empty() ? "" : ", ") + std::to_string(p);
                  // Nothing posted and uncompleted: the proxy may still be trying to post to a peer that went away.
-                 if (peers.empty() && posting_[c].load() > 0) peers = std::to_string(posting_[c].load() - 1);
+                 const int64_t posting = posting_[c].load();
+                 if (peers.empty() && posting > 0) peers = std::to_string(posting - 1);
                  return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
                         std::to_string(deadline.seconds()) + " s waiting for its writes on channel " +
                         std::to_string(c) + " to complete; rank(s) " + (peers.empty() ? "?" : peers) +

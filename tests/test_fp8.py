@@ -57,3 +57,12 @@ def test_rounded_scales_are_exact_powers_of_two():
     assert np.all((s >= plain) & (s < 2 * plain))  # the next power of two up
     np.testing.assert_array_equal(np.asarray(ep.unpack_ue8m0(ep.pack_ue8m0(jnp.asarray(s).reshape(16, 4)))),
                                   s.reshape(16, 4))
+
+
+def test_nonfinite_blocks_keep_nonfinite_scales():
+    x = np.ones((2, 256), np.float32)
+    x[0, 3], x[1, 200] = np.nan, np.inf
+    for round_scale in (False, True):
+        scales = np.asarray(ep.per_token_cast_to_fp8(jnp.asarray(x), round_scale=round_scale)[1])
+        assert np.isnan(scales[0, 0]) and np.isposinf(scales[1, 1]), scales  # not -0.0 (bits past the exponent)
+        assert np.all(np.isfinite(scales[[0, 1], [1, 0]]))

@@ -120,7 +120,7 @@ def _low_latency_checks(mesh, problems: dict) -> None:
     print(f"ll_split: {problems['ll_split']}", flush=True)
     # The cast in the send kernel against per_token_cast_to_fp8: several tokens a block, an odd number of 128-channel
     # blocks, float32 input with power-of-two scales.
-    problems["ll_cast"] = cases.check_low_latency_fp8_cast(mesh, 320, 200, 384, 8, 16 * r)
+    problems["ll_cast"] = cases.check_low_latency_fp8_cast(mesh, 320, 200, 384, 8, 16 * r, nonfinite=True)
     problems["ll_cast_f32"] = cases.check_low_latency_fp8_cast(mesh, 321, 33, 7168, 4, 8 * r, dtype=jnp.float32,
                                                                 round_scale=True)
     print(f"ll_cast: {problems['ll_cast']} {problems['ll_cast_f32']}", flush=True)

@@ -33,10 +33,12 @@ def test_dispatch_and_weighted_combine_match_reference(num_ranks, num_tokens, n,
     assert problems == []
 
 
-@pytest.mark.parametrize("dtype,round_scale", [(jnp.bfloat16, False), (jnp.float32, False), (jnp.bfloat16, True)])
-def test_dispatch_casts_to_fp8_as_per_token_cast_to_fp8(dtype, round_scale):
+@pytest.mark.parametrize("dtype,round_scale,hidden", [(jnp.bfloat16, False, 384), (jnp.float32, False, 128),
+                                                      (jnp.bfloat16, True, 384), (jnp.float32, True, 640)])
+def test_dispatch_casts_to_fp8_as_per_token_cast_to_fp8(dtype, round_scale, hidden):
     mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
-    problems = cases.check_low_latency_fp8_cast(mesh, 11, 12, 384, 3, 8, dtype=dtype, round_scale=round_scale)
+    problems = cases.check_low_latency_fp8_cast(mesh, 11, 12, hidden, 3, 8, dtype=dtype, round_scale=round_scale,
+                                                nonfinite=True)
     assert problems == [], problems[:4]
 
 

@@ -70,7 +70,7 @@ inline void cast_row_to_fp8(const uint8_t* row, bool bf16, int hidden, Fp8Cast c
   };
   for (int b = 0; b < hidden / kFp8Block; ++b) {
     float amax = 0.f;
-    for (int c = b * kFp8Block; c < (b + 1) * kFp8Block; ++c) amax = std::max(amax, std::fabs(value(c)));
+    for (int c = b * kFp8Block; c < (b + 1) * kFp8Block; ++c) amax = nan_max(amax, std::fabs(value(c)));
     const float scale = fp8_scale(amax, cast), inverse = 1.f / scale;
     std::memcpy(scales + size_t(b) * 4, &scale, 4);
     for (int c = b * kFp8Block; c < (b + 1) * kFp8Block; ++c) out[c] = f32_to_e4m3(value(c) * inverse);

@@ -246,8 +246,8 @@ __device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, F
       float amax = 0.f;
       if (active)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[b].get(i)));
-      for (int d = 8; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+        for (int i = 0; i < 8; ++i) amax = nan_max(amax, fabsf(v[b].get(i)));
+      for (int d = 8; d > 0; d /= 2) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
       if (!active) continue;
       const float scale = fp8_scale(amax, cast), inverse = 1.f / scale;
       uint2 packed;
@@ -695,6 +695,9 @@ Shape dispatch_shape(const NvlDevice& dev, const Group& g, const LowLatencyDispa
   const int64_t need = dispatch_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, token_row);
   if (need > int64_t(dev.low_latency_stride()))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: " + bytes_advice(dev, need));
+  if (a.num_tokens > a.max_tokens_per_rank)  // the region has N token rows (the receive half passes 0 tokens)
+    throw std::invalid_argument("uccl_ep low_latency_dispatch: " + std::to_string(a.num_tokens) +
+                                " tokens, more than max_tokens_per_rank=" + std::to_string(a.max_tokens_per_rank));
   if (a.cast != Fp8Cast::kNone && (a.x_row_bytes % kFp8Block != 0 || a.x_row_bytes <= 0))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: an FP8 cast needs hidden a multiple of 128");
   return shape;
