@@ -81,6 +81,15 @@ auto handle_op_signature(Binding b) {
       .template Ret<ffi::AnyBuffer>();              // recv_x or combined
 }
 
+// Bytes of one row of a [rows, ...] buffer, and of a [L, rows, width] one (0 without rows).
+inline int64_t row_bytes(const ffi::AnyBuffer& b) {
+  return b.dimensions()[0] == 0 ? 0 : int64_t(b.size_bytes() / b.dimensions()[0]);
+}
+inline int64_t row_bytes_3d(const ffi::AnyBuffer& b) {
+  const int64_t rows = b.dimensions()[0] * b.dimensions()[1];
+  return rows == 0 ? 0 : int64_t(b.size_bytes()) / rows;
+}
+
 // How a low-latency dispatch's x goes on the wire: the bytes of a row as sent and of its scales, for x [T, H]
 // cast to FP8 by the dispatch (`fp8_cast` an Fp8Cast) or sent as given (scales [T, S] beside it).
 struct DispatchRows {
@@ -89,11 +98,9 @@ struct DispatchRows {
   int64_t row_bytes, scale_row_bytes;
 };
 inline DispatchRows dispatch_rows(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, int64_t fp8_cast) {
+  if (fp8_cast == int64_t(Fp8Cast::kNone)) return {Fp8Cast::kNone, false, row_bytes(x), row_bytes(scales)};
   const auto dims = x.dimensions();
-  const int64_t t = dims.size() == 2 ? dims[0] : 0, h = dims.size() == 2 ? dims[1] : 0;
-  if (fp8_cast == int64_t(Fp8Cast::kNone))
-    return {Fp8Cast::kNone, false, t ? int64_t(x.size_bytes()) / t : 0,
-            t && scales.dimensions().size() == 2 ? int64_t(scales.size_bytes()) / t : 0};
+  const int64_t h = dims.size() == 2 ? dims[1] : 0;
   if (fp8_cast != int64_t(Fp8Cast::kCast) && fp8_cast != int64_t(Fp8Cast::kCastPowerOfTwoScales))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: fp8_cast must be 0, 1 or 2, got " +
                                 std::to_string(fp8_cast));

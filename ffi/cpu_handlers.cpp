@@ -29,6 +29,8 @@ namespace uccl_ep::ffi_cpu {
 namespace {
 
 namespace ffi_common = uccl_ep::ffi_common;
+using ffi_common::row_bytes;
+using ffi_common::row_bytes_3d;
 
 template <class Body>
 ffi::Error guarded(Body&& body) {
@@ -52,10 +54,6 @@ void poison(Buffers&... buffers) {
 int64_t dim(const ffi::AnyBuffer& b, int i) { return b.dimensions()[i]; }
 template <ffi::DataType T>
 int64_t dim(const ffi::Buffer<T>& b, int i) { return b.dimensions()[i]; }
-
-uint64_t row_bytes(const ffi::AnyBuffer& b) {
-  return b.dimensions()[0] == 0 ? 0 : b.size_bytes() / uint64_t(b.dimensions()[0]);
-}
 
 // The lowering passes every EP group of the mesh ([groups, size], runtime ranks); this device's is the row
 // that holds its rank.
@@ -128,7 +126,7 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     cpu::Group g = group_of(dev, group_table, group_size, "cached_dispatch");
     cpu::CachedDispatchArgs a{static_cast<const uint8_t*>(x.untyped_data()),
-                              row_bytes(x),
+                              uint64_t(row_bytes(x)),
                               int(dim(x, 0)),
                               is_token_in_rank.typed_data(),
                               recv_counts.typed_data(),
@@ -164,11 +162,6 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
                        uint32_t(op_index)};
     cpu::combine(dev, g, a);
   });
-}
-
-uint64_t row_bytes_3d(const ffi::AnyBuffer& b) {  // [L, rows, width] -> bytes of one row
-  uint64_t rows = uint64_t(b.dimensions()[0]) * uint64_t(b.dimensions()[1]);
-  return rows == 0 ? 0 : b.size_bytes() / rows;
 }
 
 // Argument filling shared by the one-call and two-call forms of the low-latency ops.

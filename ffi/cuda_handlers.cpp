@@ -17,6 +17,8 @@
 namespace ffi = xla::ffi;
 using uccl_ep::nvl::NvlDevice;
 using uccl_ep::nvl::NvlRuntime;
+using uccl_ep::ffi_common::row_bytes;
+using uccl_ep::ffi_common::row_bytes_3d;
 
 namespace {
 
@@ -32,10 +34,6 @@ uccl_ep::nvl::Group group_of(const NvlDevice& dev, ffi::Span<const int32_t> tabl
     throw std::invalid_argument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
                                 " is in no EP group of the mesh");
   return uccl_ep::nvl::Group{row, int(size), index};
-}
-
-int64_t row_bytes(const ffi::AnyBuffer& b) {
-  return b.dimensions()[0] == 0 ? 0 : int64_t(b.size_bytes() / b.dimensions()[0]);
 }
 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
@@ -121,11 +119,6 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, f
 }
 
 // Low-latency halves. The fused calls run both halves back to back on XLA's stream.
-int64_t row_bytes_3d(const ffi::AnyBuffer& b) {  // [L, R * N, row]
-  const int64_t rows = b.dimensions()[0] * b.dimensions()[1];
-  return rows == 0 ? 0 : int64_t(b.size_bytes()) / rows;
-}
-
 bool is_bf16(const ffi::AnyBuffer& b, const char* op) {
   if (b.element_type() == ffi::DataType::BF16) return true;
   if (b.element_type() == ffi::DataType::F32) return false;

@@ -589,6 +589,10 @@ int64_t row_map_bytes(int max_tokens, int topk) { return int64_t(align16(int64_t
 int64_t dispatch_region_bytes(int local_experts, int max_tokens, int topk, int64_t token_row) {
   return counts_bytes(local_experts) + row_map_bytes(max_tokens, topk) + int64_t(max_tokens) * token_row;
 }
+// A combine region: counts, then a row per slot (rows go back to slot t * K + k of their source).
+int64_t combine_region_bytes(int local_experts, int max_tokens, int topk, int64_t combine_row) {
+  return counts_bytes(local_experts) + int64_t(max_tokens) * topk * combine_row;
+}
 
 Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_tokens, int64_t row_bytes,
                const char* op) {
@@ -659,7 +663,7 @@ size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_
   const int local = num_experts / std::max(1, num_ranks);
   const int64_t region = std::max(
       dispatch_region_bytes(local, max_tokens_per_rank, topk, token_row_bytes(x_row_bytes, scale_row_bytes)),
-      counts_bytes(local) + int64_t(max_tokens_per_rank) * topk * int64_t(align16(combine_row)));
+      combine_region_bytes(local, max_tokens_per_rank, topk, int64_t(align16(combine_row))));
   const size_t half = size_t(num_ranks) * ((region + 255) / 256 * 256);
   return 2 * ((half + 4095) / 4096 * 4096);
 }
@@ -740,7 +744,7 @@ Shape combine_shape(const NvlDevice& dev, const Group& g, const LowLatencyCombin
   Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
   // Rows go back to slot t * K + k of their source: every region needs room for N * K combine rows. Refuse before
   // anything moves (every rank has the same shapes and buffer, so every rank refuses, in either half).
-  const int64_t need = shape.counts_bytes + int64_t(a.max_tokens_per_rank) * a.topk * shape.row_bytes;
+  const int64_t need = combine_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes);
   if (need > int64_t(dev.low_latency_stride()))
     throw std::invalid_argument("uccl_ep low_latency_combine: " + bytes_advice(dev, need));
   return shape;
