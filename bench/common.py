@@ -516,6 +516,37 @@ class EPBench:
 
         return self._run(name, make, p.exact_bytes(False))
 
+    def uccl_low_latency(self, combine: bool) -> OpResult:
+        """Low-latency dispatch (the FP8 cast inside the op) or combine (bfloat16 rows), max_tokens_per_rank = T.
+        The combine's loop starts with one dispatch (for its handle); its byte counts are normal mode's."""
+        p = self.prob
+        name = "uccl_ep LL combine bfloat16" if combine else "uccl_ep LL dispatch fp8"
+
+        def make():
+            import jax.numpy as jnp
+            import jax_uccl_ep as ep
+
+            kw = dict(num_experts=p.experts, max_tokens_per_rank=p.tokens, axis_name=self.AXIS)
+
+            def dispatch_body(x, idx, w):
+                def step(tok):
+                    return ep.low_latency_dispatch(x, jnp.where(tok < 0, 0, idx), use_fp8=True, **kw)[1][0]
+
+                return looped(step, self.iters)(idx[0, 0] * 0)[None]
+
+            def combine_body(x, idx, w):
+                recv, _, handle = ep.low_latency_dispatch(x, idx, use_fp8=False, **kw)
+
+                def step(tok):
+                    return ep.low_latency_combine(recv, idx, w + tok * 0, handle)[0, 0].astype(jnp.float32)
+
+                return looped(step, self.iters)(w[0, 0] * 0)[None]
+
+            return self._smap(combine_body if combine else dispatch_body, 3), (self.x, self.topk_idx,
+                                                                               self.topk_weights)
+
+        return self._run(name, make, p.exact_bytes(not combine), note=f"max_tokens_per_rank {p.tokens}")
+
     # -- peers -----------------------------------------------------------------------------------------------
     def all_to_all(self) -> OpResult:
         import numpy as np
@@ -578,11 +609,14 @@ class EPBench:
         return self._run(name, make, p.exact_bytes(False), note="exact ragged rows")
 
     def op(self, name: str) -> "OpResult":
-        """Runs one op by name: 'dispatch', 'dispatch_fp8', 'combine', 'all_to_all', 'ragged_all_to_all'."""
+        """Runs one op by name: 'dispatch', 'dispatch_fp8', 'combine', 'll_dispatch_fp8', 'll_combine',
+        'all_to_all', 'ragged_all_to_all'."""
         table = {
             "dispatch": lambda: self.uccl_dispatch(False),
             "dispatch_fp8": lambda: self.uccl_dispatch(True),
             "combine": self.uccl_combine,
+            "ll_dispatch_fp8": lambda: self.uccl_low_latency(False),
+            "ll_combine": lambda: self.uccl_low_latency(True),
             "all_to_all": self.all_to_all,
             "ragged_all_to_all": self.ragged_all_to_all,
         }

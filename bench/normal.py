@@ -29,7 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-ALL_OPS = ["dispatch", "dispatch_fp8", "combine", "all_to_all", "ragged_all_to_all"]
+DEFAULT_OPS = ["dispatch", "dispatch_fp8", "combine", "all_to_all", "ragged_all_to_all"]
+ALL_OPS = DEFAULT_OPS + ["ll_dispatch_fp8", "ll_combine"]  # low-latency mode: --tokens is max_tokens_per_rank
 
 
 def child(cfg: dict) -> dict:
@@ -62,7 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--processes", default=None,
                     help="comma-separated process counts to run, each dividing --ranks (default: '1,R')")
-    ap.add_argument("--ops", default=",".join(ALL_OPS),
+    ap.add_argument("--ops", default=",".join(DEFAULT_OPS),
                     help=f"comma-separated subset of {ALL_OPS} (dispatch_fp8: x float8_e4m3fn + scales [T, H/128])")
     ap.add_argument("--iters", type=int, default=20, help="op calls inside one jitted loop")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls; the median is reported")

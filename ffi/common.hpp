@@ -14,16 +14,18 @@
 
 // The EP ops every platform handles: X(symbol stem, XLA target name, signature function below). Each handler file
 // names its implementation <stem>Impl and its exported symbol UcclEp<stem><Platform>.
-#define UCCL_EP_FFI_OPS(X)                                                                    \
+#define UCCL_EP_FFI_NORMAL_OPS(X)                                                             \
   X(Dispatch, "uccl_ep_dispatch", dispatch_signature)                                         \
   X(CachedDispatch, "uccl_ep_cached_dispatch", handle_op_signature)                           \
-  X(Combine, "uccl_ep_combine", handle_op_signature)                                          \
+  X(Combine, "uccl_ep_combine", handle_op_signature)
+#define UCCL_EP_FFI_LOW_LATENCY_OPS(X)                                                        \
   X(LowLatencyDispatch, "uccl_ep_low_latency_dispatch", low_latency_dispatch_signature)       \
   X(LowLatencyCombine, "uccl_ep_low_latency_combine", low_latency_combine_signature)          \
   X(LowLatencyDispatchSend, "uccl_ep_low_latency_dispatch_send", low_latency_dispatch_send_signature) \
   X(LowLatencyDispatchRecv, "uccl_ep_low_latency_dispatch_recv", low_latency_dispatch_recv_signature) \
   X(LowLatencyCombineSend, "uccl_ep_low_latency_combine_send", low_latency_combine_send_signature)    \
   X(LowLatencyCombineRecv, "uccl_ep_low_latency_combine_recv", low_latency_combine_recv_signature)
+#define UCCL_EP_FFI_OPS(X) UCCL_EP_FFI_NORMAL_OPS(X) UCCL_EP_FFI_LOW_LATENCY_OPS(X)
 
 namespace uccl_ep::ffi_common {
 

@@ -1,6 +1,7 @@
-// XLA FFI handlers for platform "CUDA": decode, find the GPU's NVLink state by device ordinal, call
-// kernels/nvl on XLA's stream. Built only with CUDA. The exported symbols route each call: GPUs of one node to
-// the NVLink handlers here, GPUs on several nodes (the proxy runtime) to the host-staged ones in cpu_handlers.cpp.
+// XLA FFI handlers for platform "CUDA": decode, find the GPU's state by device ordinal, call kernels/nvl on XLA's
+// stream. Built only with CUDA. The exported symbols route each call: GPUs of one node to the NVLink handlers here;
+// GPUs on several nodes (the proxy runtime) to the GPU-initiated low-latency handlers here, or to the host-staged
+// ones in cpu_handlers.cpp (normal mode, and low-latency mode where GPU-initiated ops are off).
 #include "cuda_handlers.hpp"
 
 #include <cuda_runtime.h>
@@ -27,8 +28,22 @@ ffi::Error guarded(Body&& body) {
   return uccl_ep::ffi_common::guarded(NvlRuntime::get().lifetime_mutex(), std::forward<Body>(body));
 }
 
+// Where a low-latency op's GPU state lives: the NVLink runtime (GPUs of one node) or the proxy runtime (GPUs on
+// several nodes, GPU-initiated). kernels/nvl overloads each op on the device type.
+struct OverNvlink {
+  using Device = NvlDevice;
+  static std::shared_mutex& lifetime() { return NvlRuntime::get().lifetime_mutex(); }
+  static Device& device(int32_t ordinal) { return NvlRuntime::get().device_by_ordinal(ordinal); }
+};
+struct OverProxy {
+  using Device = uccl_ep::Device;
+  static std::shared_mutex& lifetime() { return uccl_ep::Runtime::get().lifetime_mutex(); }
+  static Device& device(int32_t ordinal) { return uccl_ep::Runtime::get().device_by_ordinal(ordinal); }
+};
+
 // The row of the lowering's group table that holds this GPU's rank (see jax_uccl_ep/_ffi.py).
-uccl_ep::nvl::Group group_of(const NvlDevice& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
+template <class Dev>
+uccl_ep::nvl::Group group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
   auto [row, index] = uccl_ep::ffi_common::find_group(table, size, dev.rank());
   if (!row)
     throw std::invalid_argument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
@@ -125,11 +140,11 @@ bool is_bf16(const ffi::AnyBuffer& b, const char* op) {
   throw std::invalid_argument(std::string("uccl_ep ") + op + ": rows must be float32 or bfloat16");
 }
 
-template <class Args, class Body>
+template <class Link, class Args, class Body>
 ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table, int64_t group_size, const char* op,
                           int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
-  return guarded([&] {
-    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+  return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
+    auto& dev = Link::device(ordinal);
     auto g = group_of(dev, group_table, group_size, op);
     Args a{};
     a.num_experts = int(num_experts);
@@ -187,6 +202,7 @@ void set_combine_recv(uccl_ep::nvl::LowLatencyCombineArgs& a, const ffi::Buffer<
 using LLDispatch = uccl_ep::nvl::LowLatencyDispatchArgs;
 using LLCombine = uccl_ep::nvl::LowLatencyCombineArgs;
 
+template <class Link>
 ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                   ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
@@ -195,26 +211,28 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
-  return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
-                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+  return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
+                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
     set_dispatch_inputs(a, x, scales, topk_idx, fp8_cast);
     set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
     uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
   });
 }
 
+template <class Link>
 ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                       ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size,
                                       int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
                                       int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
-  return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
-                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+  return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
+                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
     set_dispatch_inputs(a, x, scales, topk_idx, fp8_cast);
     uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
   });
 }
 
+template <class Link>
 ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
                                       ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                       int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
@@ -223,48 +241,51 @@ ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi:
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
-  return low_latency_op<LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
-                                    max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+  return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
+                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
     set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
     a.topk = int(topk);
     uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
   });
 }
 
+template <class Link>
 ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                                  ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
                                  int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
                                  ffi::Result<ffi::AnyBuffer> out) {
-  return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
-                                   max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+  return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
+                                   max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
     set_combine_send(a, y, layout, src_slot);
     set_combine_recv(a, topk_idx, topk_weights, out);
     uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
   });
 }
 
+template <class Link>
 ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
                                      ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
                                      ffi::AnyBuffer /*order*/,
                                      ffi::Span<const int32_t> group_table, int64_t group_size,
                                      int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
                                      int64_t topk, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
-  return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
-                                   max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+  return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
+                                   max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
     set_combine_send(a, y, layout, src_slot);
     a.topk = int(topk);
     uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
   });
 }
 
+template <class Link>
 ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
                                      ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                                      ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                      int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
                                      int64_t max_tokens_per_rank, ffi::Result<ffi::AnyBuffer> out) {
-  return low_latency_op<LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
-                                   max_tokens_per_rank, [&](NvlDevice& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+  return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
+                                   max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
     set_combine_recv(a, topk_idx, topk_weights, out);
     uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
   });
@@ -277,15 +298,27 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
 
 #define UCCL_EP_NVL_HANDLER(stem, name, signature) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Nvl, stem##Impl, uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
-UCCL_EP_FFI_OPS(UCCL_EP_NVL_HANDLER)
+UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_NVL_HANDLER)
+#define UCCL_EP_LOW_LATENCY_HANDLERS(stem, name, signature)                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Nvl, stem##Impl<OverNvlink>,                   \
+                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Proxy, stem##Impl<OverProxy>,                  \
+                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
+UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_LOW_LATENCY_HANDLERS)
 
 // The NVLink runtime serves GPUs of one node; when the process started the proxy runtime instead (GPUs on
-// several nodes), the host-staged handlers run the op.
+// several nodes), low-latency ops run GPU-initiated where they can (kernels/nvl/api.hpp) and the rest host-staged.
 namespace {
+bool on_proxy() { return !NvlRuntime::get().initialized() && uccl_ep::Runtime::get().initialized(); }
 XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*nvl)(XLA_FFI_CallFrame*),
                      XLA_FFI_Error* (*staged)(XLA_FFI_CallFrame*)) {
-  const bool proxy = !NvlRuntime::get().initialized() && uccl_ep::Runtime::get().initialized();
-  return proxy ? staged(frame) : nvl(frame);
+  return on_proxy() ? staged(frame) : nvl(frame);
+}
+XLA_FFI_Error* route_low_latency(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*nvl)(XLA_FFI_CallFrame*),
+                                 XLA_FFI_Error* (*proxy)(XLA_FFI_CallFrame*),
+                                 XLA_FFI_Error* (*staged)(XLA_FFI_CallFrame*)) {
+  if (!on_proxy()) return nvl(frame);
+  return uccl_ep::nvl::gpu_initiated_low_latency(uccl_ep::Runtime::get().num_ranks()) ? proxy(frame) : staged(frame);
 }
 }  // namespace
 
@@ -293,4 +326,9 @@ XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*nvl)(XLA_FFI_Cal
   extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {       \
     return route(frame, UcclEp##stem##Nvl, UcclEp##stem##Staged);                \
   }
-UCCL_EP_FFI_OPS(UCCL_EP_ROUTED)
+UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_ROUTED)
+#define UCCL_EP_ROUTED_LOW_LATENCY(stem, name, signature)                                               \
+  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                              \
+    return route_low_latency(frame, UcclEp##stem##Nvl, UcclEp##stem##Proxy, UcclEp##stem##Staged);     \
+  }
+UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_ROUTED_LOW_LATENCY)

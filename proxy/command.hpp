@@ -25,6 +25,7 @@ struct Command {
 static_assert(sizeof(Command) == 32, "Command must stay 32 bytes");
 
 // The command that ends a message to `peer` (an 8-byte write between the scratch words, tagged as the fence).
-inline Command message_fence(uint32_t peer) { return Command{Op::kFence, 0, 0, peer, 0, 8, 8, 0}; }
+// constexpr: GPU producers build it too (nvcc --expt-relaxed-constexpr).
+constexpr Command message_fence(uint32_t peer) { return Command{Op::kFence, 0, 0, peer, 0, 8, 8, 0}; }
 
 }  // namespace uccl_ep

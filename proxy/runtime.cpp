@@ -395,6 +395,7 @@ void Runtime::start(const Config& config, uint32_t num_ranks, const std::vector<
   std::vector<std::unique_ptr<Device>> devices;
   for (auto [ordinal, rank] : local) devices.push_back(std::make_unique<Device>(config, rank, num_ranks, ordinal));
   devices_ = std::move(devices);
+  num_ranks_.store(num_ranks, std::memory_order_release);
 }
 
 std::vector<std::vector<uint8_t>> Runtime::local_infos() {

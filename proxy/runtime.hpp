@@ -63,6 +63,7 @@ class Device {
   int ordinal() const { return ordinal_; }
   int num_channels() const { return config_.num_channels; }
   double timeout_s() const { return config_.timeout_s; }
+  uint32_t max_write_bytes() const { return config_.max_write_bytes; }
   bool hierarchical() const { return config_.hierarchical; }
   int node_of(uint32_t rank) const {
     return rank < config_.node_of_rank.size() ? config_.node_of_rank[rank] : 0;
@@ -186,6 +187,8 @@ class Runtime {
   void quiesce(double seconds);
   void shutdown();
   bool initialized() const { return initialized_.load(std::memory_order_acquire); }
+  // Ranks of the job (0 before start()).
+  uint32_t num_ranks() const { return num_ranks_.load(std::memory_order_acquire); }
 
   std::shared_mutex& lifetime_mutex() { return lifetime_; }
   // Looks up the device of an XLA device ordinal; throws with a clear message before initialize().
@@ -195,6 +198,7 @@ class Runtime {
  private:
   std::shared_mutex lifetime_;
   std::atomic<bool> initialized_{false};
+  std::atomic<uint32_t> num_ranks_{0};
   std::vector<std::unique_ptr<Device>> devices_;
 };
 

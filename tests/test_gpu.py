@@ -199,11 +199,23 @@ def test_one_process_per_gpu(part):
 @pytest.mark.parametrize("reorder", ["0", "1"])
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
 def test_gpus_as_separate_nodes_over_the_proxy(part, reorder):
-    """UCCL_EP_GPUS_PER_NODE=1: every GPU its own node, so ops run on the proxy runtime (host-staged, tcp) against
-    the same references, with the proxies' reorder mode (writes posted out of order and late) off and on."""
+    """UCCL_EP_GPUS_PER_NODE=1: every GPU its own node, so ops run on the proxy runtime (tcp) against the same
+    references, with the proxies' reorder mode (writes posted out of order and late) off and on: normal mode
+    host-staged, low-latency mode GPU-initiated (the kernels push the proxies' commands)."""
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS)]
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20))
     results = launch(HERE, "gpu_suite", NUM_GPUS, args=[part, "0"], platform="gpu", per_rank_env=per_rank,
+                     timeout_s=150, env=env)
+    _check(results, NUM_GPUS)
+
+
+def test_low_latency_over_the_proxy_staged_through_the_host():
+    """UCCL_EP_GPU_INITIATED=0: low-latency ops across nodes copy to the host and run the CPU implementation there
+    (the path before GPU-initiated ops; still the one for more than 8 ranks), against the same references."""
+    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS)]
+    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_REORDER="1", UCCL_EP_GPU_INITIATED="0",
+               UCCL_EP_BUFFER_BYTES=str(256 << 20))
+    results = launch(HERE, "gpu_suite", NUM_GPUS, args=["low_latency", "0"], platform="gpu", per_rank_env=per_rank,
                      timeout_s=150, env=env)
     _check(results, NUM_GPUS)
 
@@ -254,11 +266,15 @@ def test_gpu_kernel_sends_through_the_proxy_and_waits_on_its_words():
         print(f"rank {x.rank}: {x.result['puts']}")
 
 
-@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+@pytest.mark.parametrize("mode", ["low_latency", "normal", "low_latency over the proxy"])
 def test_missing_peer_is_named_within_the_deadline(mode):
+    """Over NVLink, and GPU-initiated over the proxy (each GPU its own node): rank 0's receive kernel gives up on
+    rank 1's message and the error names rank 1."""
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(2)]
     env = {"UCCL_EP_TIMEOUT_S": "5", "UCCL_EP_NVL_BUFFER_BYTES": str(64 << 20)}
-    results = launch(HERE, "gpu_missing_peer", 2, args=[mode], platform="gpu", per_rank_env=per_rank,
+    if mode.endswith("over the proxy"):
+        env.update(UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(32 << 20))
+    results = launch(HERE, "gpu_missing_peer", 2, args=[mode.split()[0]], platform="gpu", per_rank_env=per_rank,
                      timeout_s=200, env=env)
     assert all(x.ok for x in results), describe(results)
     first = next(x.result for x in results if x.result["process"] == 0)

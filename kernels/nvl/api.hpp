@@ -28,6 +28,10 @@
 #include "../../proxy/command.hpp"
 #include "../fp8.hpp"
 
+namespace uccl_ep {
+class Device;  // proxy/runtime.hpp: a GPU's state in the proxy runtime (GPUs on several nodes)
+}
+
 namespace uccl_ep::nvl {
 
 constexpr int kMaxRanks = 8;
@@ -37,10 +41,13 @@ constexpr size_t kFlagBytes = 4096;
 // check_errors(): a kernel cannot fail the call that launched it, and an op must not fail on one rank only
 // (its peers' streams would wait for it forever), so ops never raise them themselves.
 struct DeviceErrors {
-  int32_t code;  // 0 none, 1 bad expert index, 2 capacity exceeded
+  int32_t code;  // 0 none, 1 bad expert index, 2 capacity exceeded, 5 a peer's message late, 10 command ring full
   int32_t rank;
   int64_t a, b, c;  // details: (token, slot, index) or (received, capacity, -)
 };
+
+// Raises the error `e` describes (TimeoutError for a peer or proxy that did not answer); `where` starts the message.
+[[noreturn]] void raise_device_error(const DeviceErrors& e, const std::string& where);
 
 class NvlDevice {
  public:
@@ -327,6 +334,29 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& group, const LowLaten
                               cudaStream_t stream);
 void low_latency_combine(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
                          cudaStream_t stream);
+// Low-latency mode across nodes (GPUs on the proxy runtime), GPU-initiated: the same kernels, with regions in the
+// proxy's registered buffer (pinned host memory mapped into the GPU) in place of the peers' NVLink buffers. The
+// send kernel's last block pushes one message per receiver into channel 0's command ring (a write per used piece
+// of the region, then the fence), once that receiver acknowledged our previous message; the proxy posts them.
+// The receive kernel waits for each sender's released-message word and reads the rows from host memory; a
+// one-warp kernel then acknowledges every sender. Each call waits for its kernels (as the host-staged ops do),
+// then brings the host's protocol state in step (messages consumed, acknowledgements owed), so host-staged ops
+// may run between them. At most kMaxRanks ranks. Errors are raised by the call: a peer or proxy that did not
+// answer in time as TimeoutError (the peers are told), bad input at the end of the receive half.
+void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& args,
+                               cudaStream_t stream);
+void low_latency_dispatch_recv(Device& dev, const Group& group, const LowLatencyDispatchArgs& args,
+                               cudaStream_t stream);
+void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& args, cudaStream_t stream);
+void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyCombineArgs& args,
+                              cudaStream_t stream);
+void low_latency_combine_recv(Device& dev, const Group& group, const LowLatencyCombineArgs& args,
+                              cudaStream_t stream);
+void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
+// Whether low-latency ops on the proxy runtime run GPU-initiated (above) for a job of `num_ranks`: at most
+// kMaxRanks ranks and not turned off (UCCL_EP_GPU_INITIATED=0); else they are staged through the host.
+bool gpu_initiated_low_latency(uint32_t num_ranks);
+
 // Bytes of low-latency area per GPU for these shapes (rows: the larger of a dispatch row and a combine row).
 size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
                              int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row_bytes);

@@ -124,6 +124,11 @@ bool low_latency_fused() {
   return on;
 }
 
+bool gpu_initiated_low_latency(uint32_t num_ranks) {
+  static const bool on = !env_is("UCCL_EP_GPU_INITIATED", "0");
+  return on && num_ranks <= uint32_t(kMaxRanks);
+}
+
 uint64_t timeout_ns() {
   static const uint64_t ns = [] {
     const char* v = std::getenv("UCCL_EP_TIMEOUT_S");
@@ -327,7 +332,10 @@ void NvlDevice::check_errors(const char* op) {
   std::memcpy(&e, const_cast<const DeviceErrors*>(errors_host_), sizeof(e));
   if (e.code == 0) return;
   std::memset(errors_host_, 0, sizeof(DeviceErrors));
-  std::string where = std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(e.rank) + " ";
+  raise_device_error(e, std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(e.rank) + " ");
+}
+
+void raise_device_error(const DeviceErrors& e, const std::string& where) {
   if (e.code == 1)
     throw std::invalid_argument(where + "found topk_idx[" + std::to_string(e.a) + ", " + std::to_string(e.b) +
                                 "] = " + std::to_string(e.c) + " outside [-1, num_experts) (that slot was skipped)");
@@ -360,6 +368,10 @@ void NvlDevice::check_errors(const char* op) {
   if (e.code == 4)
     throw std::invalid_argument(where + "was handed a handle recording " + std::to_string(e.a) +
                                 " received rows for a y of " + std::to_string(e.b) + " rows (stale handle?)");
+  if (e.code == 10)
+    throw TimeoutError(where + "found its proxy's command ring full for " + std::to_string(e.c) +
+                       " s while sending to rank " + std::to_string(e.a) +
+                       " (the proxy thread is stuck or gone; UCCL_EP_TIMEOUT_S); results of that op are not valid");
   throw std::runtime_error(where + "failed with device error code " + std::to_string(e.code));
 }
 

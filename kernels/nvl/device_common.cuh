@@ -36,6 +36,15 @@ inline void check_group(const NvlDevice& dev, const Group& g, const char* op) {
   if (g.ranks[g.self] != dev.rank()) throw std::logic_error("uccl_ep nvl: group does not hold this rank");
 }
 
+// The GPU's address of pinned, mapped host memory (the proxy runtime's rings, words and buffers).
+template <class T>
+T* device_view(T* host) {
+  void* d = nullptr;
+  check(cudaHostGetDevicePointer(&d, const_cast<void*>(static_cast<const void*>(host)), 0),
+        "cudaHostGetDevicePointer (host memory must be pinned and mapped: UCCL_EP_PINNED=0 leaves it unmapped)");
+  return static_cast<T*>(d);
+}
+
 // Loads kernels now (see preload_intranode_kernels in api.hpp for why).
 template <class... Kernels>
 void load_kernels(const Kernels&... kernels) {

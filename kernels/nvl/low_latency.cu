@@ -20,6 +20,8 @@
 // A combine region: [counts][rows]: each y row at its slot on its source (the handle's src_slot), so the source
 // reads token t's k-th expert output at row t * K + k without working out the routing again.
 #include <algorithm>
+#include <any>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -28,8 +30,10 @@
 
 #include <cuda_fp8.h>
 
+#include "../../proxy/runtime.hpp"
 #include "api.hpp"
 #include "device_common.cuh"
+#include "ring_producer.cuh"
 
 namespace uccl_ep::nvl {
 namespace {
@@ -41,17 +45,38 @@ constexpr int kSendBlocks = 128;  // 64 left half of an H200's SMs idle in the r
 constexpr int kSendThreads = 512;  // 128 registers a thread: the copy loop keeps its loads in flight unspilled
 constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
 
+// Across nodes (the proxy path): the send kernel's last block pushes one message per receiver into channel 0's
+// command ring (a write per used piece of the region, then the fence), after the receiver acknowledged our
+// previous message; the proxy posts them. Over NVLink `ring.slots` is null.
+struct ProxyOut {
+  DeviceRing ring;
+  const uint64_t* ack[kMaxRanks];    // member d's released-message word (channel 0), or null: nothing to await
+  uint64_t ack_want[kMaxRanks];      // the count that means d read our previous message
+  uint64_t local_offset[kMaxRanks];  // our send region for member d, in our registered buffer
+  uint64_t remote_offset;            // our region in every receiver's registered buffer
+  uint32_t peer[kMaxRanks];          // global rank of member d
+  int self;                          // our group position (our own rows need no message)
+  uint32_t max_write_bytes;
+  bool whole_rows;                   // combine: one span of rows, not a write per run of slots (write limit)
+  int slots;                         // combine: N * K, the slots of a source's rows
+  uint64_t timeout_ns;
+  unsigned int* done;                // device word: send blocks finished (the last block resets it)
+};
+
 // Where a send kernel writes (by group position).
 struct Outbox {
   char* region[kMaxRanks];
-  uint64_t* arrivals[kMaxRanks];  // the receiver's counter of our blocks
+  uint64_t* arrivals[kMaxRanks];  // NVLink: the receiver's counter of our blocks
   uint64_t seq[kMaxRanks];
+  ProxyOut proxy;
 };
 // What a receive kernel reads (by group position).
 struct Inbox {
   const char* region[kMaxRanks];
-  const uint64_t* arrivals[kMaxRanks];  // our counter of the sender's blocks
-  uint64_t seq[kMaxRanks];
+  const uint64_t* arrivals[kMaxRanks];  // NVLink: our counter of the sender's blocks; proxy: its released-message
+                                        // word; null: nothing to wait for (our own rows, written by an earlier launch)
+  uint64_t want[kMaxRanks];             // the count that means this op's message is in
+  uint64_t seq[kMaxRanks];              // the pair's op count (error reports)
   int rank[kMaxRanks];
 };
 
@@ -110,13 +135,84 @@ __device__ void count_by_expert(const int* idx, int pairs, int num_experts, int*
 }
 
 // After the block's stores: block 0 writes each target's counts (write_counts(), its threads), then every block
-// announces itself to every target with one release add (ordering all of the block's stores before it).
+// announces itself to every target with one release add (ordering all of the block's stores before it). On the
+// proxy path the blocks count themselves instead (a system fence first: the rows are in host memory the proxy
+// reads); returns true in the last block to finish, which then pushes the messages (whole block).
 template <class WriteCounts>
-__device__ void finish_send(const Outbox& to, int num_ranks, WriteCounts&& write_counts) {
+__device__ bool finish_send(const Outbox& to, int num_ranks, WriteCounts&& write_counts) {
   if (blockIdx.x == 0) write_counts();
   __syncthreads();
-  if (threadIdx.x == 0)
-    for (int d = 0; d < num_ranks; ++d) add_release_sys(to.arrivals[d], 1);
+  if (!to.proxy.ring.slots) {
+    if (threadIdx.x == 0)
+      for (int d = 0; d < num_ranks; ++d) add_release_sys(to.arrivals[d], 1);
+    return false;
+  }
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(to.proxy.done, 1u) == gridDim.x - 1;
+    if (last) {
+      *to.proxy.done = 0;  // for the next launch (stream order)
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// Warp 0 of a send kernel's last block (proxy path), all lanes: pushes the message to member d. Lane 0 takes the
+// region's used pieces from next_piece(begin, bytes) (false: no more), cuts them to max_write_bytes and queues
+// them in `batch` (shared, 32 commands), then the fence; the warp pushes each full batch. First waits for d's
+// acknowledgement of our previous message (its region for us is free then). False on a timeout (reported).
+template <class NextPiece>
+__device__ bool push_message(const ProxyOut& p, int d, NextPiece&& next_piece, Command* batch, uint64_t& head,
+                             uint64_t& tail_seen, uint64_t deadline, DeviceErrors* err, int rank, int64_t timeout_s) {
+  const int lane = threadIdx.x % kWarp;
+  int ok = 1;
+  if (lane == 0 && p.ack[d] && !wait_count(p.ack[d], p.ack_want[d], deadline)) {
+    report(err, 5, rank, p.peer[d], int64_t(p.ack_want[d]), timeout_s);
+    ok = 0;
+  }
+  if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
+  uint64_t begin = 0, left = 0;  // lane 0: the piece being cut
+  bool pieces_done = false, fenced = false;
+  for (;;) {
+    int n = 0;
+    if (lane == 0)
+      while (n < kWarp) {
+        if (left > 0) {
+          const uint32_t len = uint32_t(min(left, uint64_t(p.max_write_bytes)));
+          batch[n++] = Command{Op::kWrite, 0, 0, p.peer[d], p.local_offset[d] + begin, p.remote_offset + begin, len, 0};
+          begin += len;
+          left -= len;
+        } else if (!pieces_done) {
+          pieces_done = !next_piece(begin, left);
+          if (pieces_done) left = 0;
+        } else {
+          if (!fenced) batch[n++] = message_fence(p.peer[d]);
+          fenced = true;
+          break;
+        }
+      }
+    n = __shfl_sync(0xffffffffu, n, 0);
+    __syncwarp();
+    if (n == 0) return true;
+    if (!warp_push(p.ring, batch[min(lane, n - 1)], n, head, tail_seen, deadline)) {
+      if (lane == 0) report(err, 10, rank, p.peer[d], 0, timeout_s);
+      return false;
+    }
+    __syncwarp();
+  }
+}
+
+// Warp 0: the ring's head and tail as the host left them (no other producer while the op runs).
+__device__ void ring_position(const DeviceRing& ring, uint64_t& head, uint64_t& tail_seen) {
+  if (threadIdx.x % kWarp == 0) {
+    head = load_acquire_sys(ring.head);
+    tail_seen = load_acquire_sys(ring.tail);
+  }
+  head = __shfl_sync(0xffffffffu, head, 0);
+  tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
 }
 
 // Thread 0 waits for every source's arrival counter; false (on every thread) if one did not come in time. An
@@ -126,8 +222,8 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
   if (threadIdx.x == 0) {
     ok = true;
     for (int s = 0; s < num_ranks && ok; ++s)
-      ok = wait_flag(from.arrivals[s], from.seq[s] * kSendBlocks, int64_t(from.seq[s]), timeout_ns, err, rank,
-                     from.rank[s]);
+      ok = !from.arrivals[s] ||
+           wait_flag(from.arrivals[s], from.want[s], int64_t(from.seq[s]), timeout_ns, err, rank, from.rank[s]);
   }
   __syncthreads();
   return ok;
@@ -262,6 +358,124 @@ __device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, F
   }
 }
 
+// The last send block of an op on the proxy path (whole block): the messages of every other member. Over the
+// proxy a message is a run of writes: only the pieces of a region that hold something go.
+
+// Dispatch: member d's counts and row-map entries (one piece from the region's start), then its token rows.
+__device__ void push_dispatch_messages(const DispatchSource& in, const Shape& shape, const ProxyOut& p, const int* idx,
+                                       DeviceErrors* err) {
+  __shared__ int entries[kMaxRanks], rows[kMaxRanks];
+  __shared__ Command batch[kWarp];
+  const int R = shape.num_ranks, local = shape.local_experts;
+  for (int d = threadIdx.x; d < R; d += blockDim.x) entries[d] = rows[d] = 0;
+  __syncthreads();
+  for (int t = threadIdx.x; t < in.num_tokens; t += blockDim.x) {
+    unsigned to_rank = 0;
+    for (int k = 0; k < in.topk; ++k) {
+      const int e = idx[t * in.topk + k];
+      if (e < 0) continue;
+      atomicAdd(&entries[e / local], 1);
+      to_rank |= 1u << (e / local);
+    }
+    for (int d = 0; d < R; ++d)
+      if (to_rank >> d & 1) atomicAdd(&rows[d], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < kWarp) {
+    uint64_t head = 0, tail_seen = 0;
+    ring_position(p.ring, head, tail_seen);
+    const uint64_t deadline = global_ns() + p.timeout_ns;
+    for (int d = 0; d < R; ++d) {
+      if (d == p.self) continue;
+      int piece = 0;
+      auto next_piece = [&](uint64_t& begin, uint64_t& bytes) {
+        if (piece == 0) {
+          begin = 0;
+          bytes = uint64_t(shape.counts_bytes) + uint64_t(entries[d]) * 8;
+        } else if (piece == 1) {
+          begin = uint64_t(shape.tokens_at);
+          bytes = uint64_t(rows[d]) * uint64_t(shape.row_bytes);
+        } else {
+          return false;
+        }
+        ++piece;
+        return true;
+      };
+      if (!push_message(p, d, next_piece, batch, head, tail_seen, deadline, err, shape.rank,
+                        int64_t(p.timeout_ns / 1000000000ull)))
+        break;
+    }
+  }
+}
+
+// Combine: the counts, then member s's rows: a write per run of consecutive slots (`bits`, shared, marks the
+// slots of s's rows), or with `whole_rows` one span of every slot.
+__device__ void push_combine_messages(const CombineSource& in, const Shape& shape, const ProxyOut& p, const int* rows,
+                                      const int* begin, bool valid, unsigned* bits, DeviceErrors* err) {
+  __shared__ Command batch[kWarp];
+  __shared__ bool failed;
+  const int R = shape.num_ranks, L = shape.local_experts, slots = p.slots, words = (p.slots + 31) / 32;
+  const int64_t slab = int64_t(R) * shape.max_tokens;
+  uint64_t head = 0, tail_seen = 0;
+  if (threadIdx.x < kWarp) ring_position(p.ring, head, tail_seen);
+  const uint64_t deadline = global_ns() + p.timeout_ns;
+  if (threadIdx.x == 0) failed = false;
+  for (int s = 0; s < R; ++s) {
+    if (s == p.self) continue;
+    for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0;
+    __syncthreads();
+    if (valid && !p.whole_rows)
+      for (int l = 0; l < L; ++l)
+        for (int r = threadIdx.x; r < rows[l * R + s]; r += blockDim.x) {
+          const int64_t j = in.src_slot[int64_t(l) * slab + begin[l * R + s] + r];
+          if (j >= 0 && j < slots) atomicOr(&bits[j / 32], 1u << (j % 32));
+        }
+    __syncthreads();
+    if (threadIdx.x < kWarp && !failed) {
+      bool counts_sent = false;
+      int j = 0;  // lane 0: the next slot to look at
+      auto next_piece = [&](uint64_t& at, uint64_t& bytes) {
+        if (!counts_sent) {
+          counts_sent = true;
+          at = 0;
+          bytes = uint64_t(shape.counts_bytes);
+          return true;
+        }
+        if (p.whole_rows) {
+          if (!valid || j == slots) return false;
+          j = slots;
+          at = uint64_t(shape.counts_bytes);
+          bytes = uint64_t(slots) * uint64_t(shape.row_bytes);
+          return true;
+        }
+        while (j < slots && !(bits[j / 32] >> (j % 32) & 1u)) j = bits[j / 32] >> (j % 32) ? j + 1 : (j / 32 + 1) * 32;
+        if (j >= slots) return false;
+        const int first = j;
+        while (j < slots && (bits[j / 32] >> (j % 32) & 1u)) ++j;
+        at = uint64_t(shape.counts_bytes) + uint64_t(first) * uint64_t(shape.row_bytes);
+        bytes = uint64_t(j - first) * uint64_t(shape.row_bytes);
+        return true;
+      };
+      if (!push_message(p, s, next_piece, batch, head, tail_seen, deadline, err, shape.rank,
+                        int64_t(p.timeout_ns / 1000000000ull)) &&
+          threadIdx.x == 0)
+        failed = true;
+    }
+    __syncthreads();
+  }
+}
+
+// After a receive on the proxy path (one warp): tells every other member we read its message (a fence-only
+// message each), so it may write our region again.
+__global__ void acknowledge_kernel(ProxyOut p, int num_ranks, DeviceErrors* err, int rank) {
+  uint64_t head = 0, tail_seen = 0;
+  ring_position(p.ring, head, tail_seen);
+  const int lane = threadIdx.x % kWarp, d = lane < p.self ? lane : lane + 1;  // the lane's member (not us)
+  const Command cmd = lane < num_ranks - 1 ? message_fence(p.peer[d]) : Command{};
+  if (!warp_push(p.ring, cmd, num_ranks - 1, head, tail_seen, global_ns() + p.timeout_ns) && lane == 0)
+    report(err, 10, rank, -1, 0, int64_t(p.timeout_ns / 1000000000ull));
+}
+
 // Each phase below is a whole-block device function over the kernel's dynamic shared memory `smem`; a kernel runs
 // one phase (split calls) or both (send, then receive: one launch per op).
 
@@ -324,10 +538,11 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
     count_by_expert(idx, pairs, in.num_experts, count);
     __syncthreads();
   }
-  finish_send(to, shape.num_ranks, [&] {
+  const bool last = finish_send(to, shape.num_ranks, [&] {
     for (int i = threadIdx.x; i < in.num_experts; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / local])[i % local] = count[i];
   });
+  if (last) push_dispatch_messages(in, shape, to.proxy, idx, err);
   stamp(shape, kDispatchSend, 3);
 }
 
@@ -463,10 +678,11 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
               in.row_bytes, lane);
   }
   stamp(shape, kCombineSend, 2);
-  finish_send(to, R, [&] {
+  const bool last = finish_send(to, R, [&] {
     for (int i = threadIdx.x; i < R * L; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / L])[i % L] = valid ? rows[(i % L) * R + i / L] : 0;
   });
+  if (last) push_combine_messages(in, shape, to.proxy, rows, begin, valid, reinterpret_cast<unsigned*>(in_expert + L), err);
   stamp(shape, kCombineSend, 3);
 }
 
@@ -594,24 +810,49 @@ int64_t combine_region_bytes(int local_experts, int max_tokens, int topk, int64_
   return counts_bytes(local_experts) + int64_t(max_tokens) * topk * combine_row;
 }
 
-Shape shape_of(const NvlDevice& dev, const Group& g, int num_experts, int max_tokens, int64_t row_bytes,
-               const char* op) {
+// Where an op's low-latency regions live: the NVLink buffers (NvlDevice) or the proxy runtime's registered buffer
+// (Device, GPUs on several nodes). Each gives a sender's region bytes and what to tell a caller whose shapes need more.
+int64_t region_stride(const NvlDevice& dev) { return int64_t(dev.low_latency_stride()); }
+int64_t region_stride(const uccl_ep::Device& dev) { return int64_t(dev.region_bytes()); }
+uint64_t* phase_words(const NvlDevice& dev) { return dev.phases_device(); }
+uint64_t* phase_words(const uccl_ep::Device&) { return nullptr; }
+void check_area(const NvlDevice& dev, const Group& g, const char* op) {
   check_group(dev, g, op);
-  if (num_experts % g.size != 0)
-    throw std::invalid_argument(std::string("uccl_ep ") + op + ": num_experts must be divisible by the group size");
   if (dev.low_latency_stride() == 0)
     throw std::invalid_argument(std::string("uccl_ep ") + op +
                                 ": no low-latency buffer; initialize with low_latency_buffer_bytes > 0");
+}
+void check_area(const uccl_ep::Device& dev, const Group& g, const char* op) {
+  if (g.size > kMaxRanks)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": GPU-initiated low-latency groups hold at most " +
+                                std::to_string(kMaxRanks) + " ranks (UCCL_EP_GPU_INITIATED=0 stages through the host)");
+  for (int s = 0; s < g.size; ++s)
+    if (g.ranks[s] < 0 || uint32_t(g.ranks[s]) >= dev.num_ranks())
+      throw std::invalid_argument(std::string("uccl_ep ") + op + ": group member " + std::to_string(g.ranks[s]) +
+                                  " is not a rank of the runtime");
+  if (uint32_t(g.ranks[g.self]) != dev.rank()) throw std::logic_error("uccl_ep: group does not hold this rank");
+}
+std::string bytes_advice(const uccl_ep::Device& dev, int64_t need_per_sender) {
+  return "a region of the proxy buffer holds " + std::to_string(dev.region_bytes()) + " bytes, these shapes need " +
+         std::to_string(need_per_sender) + "; set UCCL_EP_BUFFER_BYTES >= " +
+         std::to_string(kScratchBytes + 2 * uint64_t(dev.num_ranks()) * uint64_t(need_per_sender));
+}
+
+template <class Dev>
+Shape shape_of(const Dev& dev, const Group& g, int num_experts, int max_tokens, int64_t row_bytes, const char* op) {
+  check_area(dev, g, op);
+  if (num_experts % g.size != 0)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": num_experts must be divisible by the group size");
   Shape s;
   s.num_ranks = g.size;
   s.local_experts = num_experts / g.size;
   s.max_tokens = max_tokens;
   s.counts_bytes = counts_bytes(s.local_experts);
   s.row_bytes = row_bytes;
-  s.capacity_rows = std::max<int64_t>(0, (int64_t(dev.low_latency_stride()) - s.counts_bytes) / row_bytes);
+  s.capacity_rows = std::max<int64_t>(0, (region_stride(dev) - s.counts_bytes) / row_bytes);
   s.tokens_at = 0;
-  s.rank = dev.rank();
-  s.phases = dev.phases_device();
+  s.rank = int(dev.rank());
+  s.phases = phase_words(dev);
   return s;
 }
 
@@ -643,6 +884,7 @@ Inbox inbox(NvlDevice& dev, const Group& g) {
     const uint64_t seq = ++dev.low_latency_received(p);
     from.region[s] = dev.low_latency_region(int(seq & 1), p);
     from.arrivals[s] = dev.low_latency_arrivals(p);
+    from.want[s] = seq * kSendBlocks;
     from.seq[s] = seq;
     from.rank[s] = p;
   }
@@ -689,7 +931,8 @@ bool fits_at_once(Kernel kernel, int blocks, int threads, size_t smem, int cuda_
   return known[key] = int64_t(per_sm) * sms >= blocks;
 }
 
-Shape dispatch_shape(const NvlDevice& dev, const Group& g, const LowLatencyDispatchArgs& a) {
+template <class Dev>
+Shape dispatch_shape(const Dev& dev, const Group& g, const LowLatencyDispatchArgs& a) {
   const int64_t token_row = token_row_bytes(a.x_row_bytes, a.scale_row_bytes);
   Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, token_row, "low_latency_dispatch");
   shape.capacity_rows = int64_t(a.max_tokens_per_rank) * a.topk;  // row map entries
@@ -697,7 +940,7 @@ Shape dispatch_shape(const NvlDevice& dev, const Group& g, const LowLatencyDispa
   // A source sends a receiver at most N tokens and N * K map entries: refuse shapes that might not fit before
   // anything moves (every rank has the same shapes and buffer, so every rank refuses).
   const int64_t need = dispatch_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, token_row);
-  if (need > int64_t(dev.low_latency_stride()))
+  if (need > region_stride(dev))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: " + bytes_advice(dev, need));
   if (a.num_tokens > a.max_tokens_per_rank)  // the region has N token rows (the receive half passes 0 tokens)
     throw std::invalid_argument("uccl_ep low_latency_dispatch: " + std::to_string(a.num_tokens) +
@@ -737,7 +980,8 @@ size_t dispatch_recv_shared(const Shape& shape) {
 }
 
 int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * (a.bf16 ? 2 : 4); }
-Shape combine_shape(const NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a) {
+template <class Dev>
+Shape combine_shape(const Dev& dev, const Group& g, const LowLatencyCombineArgs& a) {
   if (combine_row_bytes(a) % 16 != 0)
     throw std::invalid_argument("uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
                                 "a multiple of 8 for bfloat16, 4 for float32), got hidden " + std::to_string(a.hidden));
@@ -745,7 +989,7 @@ Shape combine_shape(const NvlDevice& dev, const Group& g, const LowLatencyCombin
   // Rows go back to slot t * K + k of their source: every region needs room for N * K combine rows. Refuse before
   // anything moves (every rank has the same shapes and buffer, so every rank refuses, in either half).
   const int64_t need = combine_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes);
-  if (need > int64_t(dev.low_latency_stride()))
+  if (need > region_stride(dev))
     throw std::invalid_argument("uccl_ep low_latency_combine: " + bytes_advice(dev, need));
   return shape;
 }
@@ -756,9 +1000,10 @@ CombineTarget combine_target(const LowLatencyCombineArgs& a) {
   return {a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, combine_row_bytes(a),
           static_cast<char*>(a.out)};
 }
-size_t combine_send_shared(const Shape& shape) {
+// Send: the layout, where each source's rows start, prefixes; on the proxy path a bit per slot (push_combine_messages).
+size_t combine_send_shared(const Shape& shape, int slots) {
   const size_t R = shape.num_ranks, L = shape.local_experts;
-  return (2 * R * L + 2 * L + 1) * sizeof(int);
+  return (2 * R * L + 2 * L + 1 + (size_t(slots) + 31) / 32) * sizeof(int);
 }
 size_t combine_recv_shared(const LowLatencyCombineArgs& a) {
   return (size_t(a.num_tokens) * a.topk + a.num_experts) * sizeof(int);
@@ -768,10 +1013,16 @@ size_t combine_recv_shared(const LowLatencyCombineArgs& a) {
 // block), receive-only low_latency_blocks() x kThreads, fused as a send grid.
 template <class Kernel, class In, class Out>
 void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t stream, const In& in, const Out& out,
-            const Shape& shape, const Outbox& to, const Inbox& from, NvlDevice& dev, const char* what) {
-  kernel<<<blocks, threads, shared_bytes(kernel, smem), stream>>>(in, out, shape, to, from, timeout_ns(),
-                                                                   dev.errors_device());
+            const Shape& shape, const Outbox& to, const Inbox& from, DeviceErrors* err, const char* what) {
+  kernel<<<blocks, threads, shared_bytes(kernel, smem), stream>>>(in, out, shape, to, from, timeout_ns(), err);
   check(cudaGetLastError(), what);
+}
+
+void launch_combine_recv(const LowLatencyCombineArgs& a, const Shape& shape, const Inbox& from, DeviceErrors* err,
+                         cudaStream_t stream) {
+  launch(a.bf16 ? combine_kernel<__nv_bfloat16, false, true> : combine_kernel<float, false, true>,
+         low_latency_blocks(), kThreads, combine_recv_shared(a), stream, CombineSource{}, combine_target(a), shape,
+         Outbox{}, from, err, "low_latency combine receive kernel");
 }
 
 // An op's send and receive as one launch of `kernel`, or through `split()` (its two launches) where the fused
@@ -788,7 +1039,7 @@ void run_fused(NvlDevice& dev, const Group& g, cudaStream_t stream, Kernel kerne
   const Outbox to = outbox(dev, g);
   const Inbox from = inbox(dev, g);
   dev.timing_begin(stream);
-  launch(kernel, kSendBlocks, kSendThreads, smem, stream, in, out, shape, to, from, dev, label);
+  launch(kernel, kSendBlocks, kSendThreads, smem, stream, in, out, shape, to, from, dev.errors_device(), label);
   dev.timing_end(stream, label);
 }
 
@@ -801,7 +1052,7 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
   launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
-         dispatch_source(a), DispatchTarget{}, shape, to, Inbox{}, dev, "low_latency dispatch send kernel");
+         dispatch_source(a), DispatchTarget{}, shape, to, Inbox{}, dev.errors_device(), "low_latency dispatch send kernel");
   dev.timing_end(stream, "low_latency_dispatch send");
   dev.timing_begin(stream);
 }
@@ -812,7 +1063,7 @@ void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyD
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Inbox from = inbox(dev, g);
   launch(dispatch_kernel<false, true>, low_latency_blocks(), kThreads, dispatch_recv_shared(shape), stream,
-         DispatchSource{}, dispatch_target(a), shape, Outbox{}, from, dev, "low_latency dispatch receive kernel");
+         DispatchSource{}, dispatch_target(a), shape, Outbox{}, from, dev.errors_device(), "low_latency dispatch receive kernel");
   dev.timing_end(stream, "low_latency_dispatch receive");
 }
 
@@ -832,8 +1083,8 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
-  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape), stream,
-         combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev, "low_latency combine send kernel");
+  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, 0), stream,
+         combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev.errors_device(), "low_latency combine send kernel");
   dev.timing_end(stream, "low_latency_combine send");
   dev.timing_begin(stream);
 }
@@ -842,32 +1093,275 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   const Shape shape = combine_shape(dev, g, a);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  const Inbox from = inbox(dev, g);
-  const size_t smem = combine_recv_shared(a);
-  if (a.bf16)
-    launch(combine_kernel<__nv_bfloat16, false, true>, low_latency_blocks(), kThreads, smem, stream, CombineSource{},
-           combine_target(a), shape, Outbox{}, from, dev, "low_latency combine receive kernel");
-  else
-    launch(combine_kernel<float, false, true>, low_latency_blocks(), kThreads, smem, stream, CombineSource{},
-           combine_target(a), shape, Outbox{}, from, dev, "low_latency combine receive kernel");
+  launch_combine_recv(a, shape, inbox(dev, g), dev.errors_device(), stream);
   dev.timing_end(stream, "low_latency_combine receive");
 }
 
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   const Shape shape = combine_shape(dev, g, a);
   run_fused(dev, g, stream, a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
-            std::max(combine_send_shared(shape), combine_recv_shared(a)), shape,
+            std::max(combine_send_shared(shape, 0), combine_recv_shared(a)), shape,
             combine_source(a), combine_target(a), "low_latency_combine", [&] {
               low_latency_combine_send(dev, g, a, stream);
               low_latency_combine_recv(dev, g, a, stream);
             });
 }
 
+// ---- Across nodes: the proxy runtime's registered buffer in place of the NVLink peers (see api.hpp) ----
+
+namespace {
+
+// Per GPU (by CUDA device): the word the proxy path's kernels report errors into (mapped host memory, read after
+// each call) and the send blocks' counter that finds the last block.
+struct ProxyGpu {
+  DeviceErrors* errors_host = nullptr;
+  DeviceErrors* errors_device = nullptr;
+  unsigned int* done = nullptr;
+};
+ProxyGpu& proxy_gpu(int cuda_device) {
+  static std::mutex mutex;
+  static std::map<int, ProxyGpu> gpus;  // lives as long as the process, like the CUDA context
+  std::lock_guard<std::mutex> lock(mutex);
+  ProxyGpu& g = gpus[cuda_device];
+  if (!g.done) {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, sizeof(DeviceErrors), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+    std::memset(p, 0, sizeof(DeviceErrors));
+    g.errors_host = static_cast<DeviceErrors*>(p);
+    g.errors_device = device_view(g.errors_host);
+    check(cudaMalloc(&g.done, sizeof(unsigned int)), "cudaMalloc");
+    check(cudaMemset(g.done, 0, sizeof(unsigned int)), "cudaMemset");
+    preload_low_latency_kernels();  // before any kernel of this GPU waits on a peer (see api.hpp)
+  }
+  return g;
+}
+
+// What a send half leaves in the device's op state for its receive half.
+struct ProxyPending {
+  bool dispatch;
+};
+
+// One half of a low-latency op on the proxy path, host side, under the device's op lock. The kernels do the
+// protocol's steps; finish() waits for them and then brings the host's state in step with what they did.
+class ProxyHalf {
+ public:
+  ProxyHalf(uccl_ep::Device& dev, const Group& g, const char* op, cudaStream_t stream)
+      : dev_(dev), g_(g), op_(op), stream_(stream), lock_(dev.op_mutex()) {
+    dev.check_usable(op);
+    check(cudaSetDevice(dev.ordinal()), "cudaSetDevice");
+    gpu_ = &proxy_gpu(dev.ordinal());
+    buffer_ = device_view(dev.buffer());
+  }
+  DeviceErrors* errors() const { return gpu_->errors_device; }
+
+  // Send half: our send regions must be free (earlier writes completed), and no other op half may be pending.
+  void begin_send(bool dispatch) {
+    if (const auto* p = std::any_cast<ProxyPending>(&dev_.op_state()))
+      fail(std::string("the send half of low_latency_") + (p->dispatch ? "dispatch" : "combine") +
+           " still waits for its receive half on this device; run the receive first");
+    dev_.quiet(op_);
+    dispatch_ = dispatch;
+  }
+  ProxyOut proxy_out(int slots, bool whole_rows) const {
+    ProxyOut p{};
+    p.ring = device_ring(dev_.ring(0));
+    for (int d = 0; d < g_.size; ++d) {
+      const uint32_t peer = uint32_t(g_.ranks[d]);
+      p.peer[d] = peer;
+      p.local_offset[d] = dev_.send_offset(peer);
+      if (d != g_.self && dev_.awaiting_ack(peer)) {
+        p.ack[d] = device_view(dev_.released_word(peer, 0));
+        p.ack_want[d] = dev_.consumed(peer, 0) + 1;
+      }
+    }
+    p.remote_offset = dev_.recv_offset(dev_.rank());
+    p.self = g_.self;
+    p.max_write_bytes = dev_.max_write_bytes();
+    p.whole_rows = whole_rows;
+    p.slots = slots;
+    p.timeout_ns = timeout_ns();
+    p.done = gpu_->done;
+    return p;
+  }
+  // Rows for member d go to our send region for it; our own rows straight to our receive region for us.
+  Outbox outbox(const ProxyOut& p) const {
+    Outbox to{};
+    for (int d = 0; d < g_.size; ++d) {
+      const uint32_t peer = uint32_t(g_.ranks[d]);
+      to.region[d] = buffer_ + (d == g_.self ? dev_.recv_offset(peer) : dev_.send_offset(peer));
+    }
+    to.proxy = p;
+    return to;
+  }
+  // After the send kernel: the acknowledgements it awaited are consumed; the receive half is pending.
+  void finish_send() {
+    finish();
+    in_step([&] {
+      for (int d = 0; d < g_.size; ++d) {
+        const uint32_t peer = uint32_t(g_.ranks[d]);
+        if (d == g_.self || !dev_.awaiting_ack(peer)) continue;
+        dev_.wait_message(0, peer, op_);  // in already, unless an earlier error stopped the kernel's wait
+        dev_.awaiting_ack(peer) = false;
+      }
+    });
+    dev_.op_state() = ProxyPending{dispatch_};
+  }
+
+  void begin_receive(bool dispatch) {
+    const auto* p = std::any_cast<ProxyPending>(&dev_.op_state());
+    if (!p || p->dispatch != dispatch)
+      throw CollectiveError(std::string("uccl_ep ") + op_ + ": no send half of " + op_ + " is waiting on this device");
+    dev_.op_state().reset();
+  }
+  Inbox inbox() const {
+    Inbox from{};
+    for (int s = 0; s < g_.size; ++s) {
+      const uint32_t peer = uint32_t(g_.ranks[s]);
+      from.region[s] = buffer_ + dev_.recv_offset(peer);
+      from.rank[s] = int(peer);
+      if (s == g_.self) continue;  // our own rows: written by our send kernel, launched before this one
+      from.arrivals[s] = device_view(dev_.released_word(peer, 0));
+      from.want[s] = from.seq[s] = dev_.consumed(peer, 0) + 1;
+    }
+    return from;
+  }
+  // After the receive kernel and the acknowledgements: every sender's message is consumed, each owes us an
+  // acknowledgement before we write to it again; then errors the kernels found in the op's inputs are raised.
+  void finish_receive() {
+    finish();
+    in_step([&] {
+      for (int s = 0; s < g_.size; ++s) {
+        const uint32_t peer = uint32_t(g_.ranks[s]);
+        if (s == g_.self) continue;
+        dev_.wait_message(0, peer, op_);
+        dev_.awaiting_ack(peer) = true;
+      }
+    });
+    DeviceErrors e;
+    std::memcpy(&e, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(e));
+    if (e.code == 0) return;
+    std::memset(gpu_->errors_host, 0, sizeof(DeviceErrors));
+    raise_device_error(e, where());
+  }
+
+ private:
+  std::string where() const { return std::string("uccl_ep ") + op_ + ": rank " + std::to_string(dev_.rank()) + " "; }
+  // Leaves this rank out of step with its peers: they are told, then it is raised.
+  [[noreturn]] void fail(const std::string& message) {
+    dev_.abort(std::vector<uint32_t>(g_.ranks, g_.ranks + g_.size), message);
+    throw Error(message);
+  }
+  // Runs the host's share of the protocol; a failure there (a wait timed out) leaves this rank out of step.
+  template <class Steps>
+  void in_step(Steps&& steps) {
+    try {
+      steps();
+    } catch (const std::exception& x) {
+      dev_.abort(std::vector<uint32_t>(g_.ranks, g_.ranks + g_.size), x.what());
+      throw;
+    }
+  }
+  // Waits for the kernels. A timeout (a peer or the proxy did not answer) leaves this rank out of step; errors in
+  // the op's inputs wait for the end of the receive half, when every peer has its messages.
+  void finish() {
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) fail(where() + "kernel failed: " + cudaGetErrorString(e));
+    DeviceErrors err;
+    std::memcpy(&err, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(err));
+    if (err.code != 5 && err.code != 10) return;
+    std::memset(gpu_->errors_host, 0, sizeof(DeviceErrors));
+    in_step([&] { raise_device_error(err, where()); });
+  }
+
+  uccl_ep::Device& dev_;
+  const Group& g_;
+  const char* op_;
+  cudaStream_t stream_;
+  std::lock_guard<std::mutex> lock_;
+  ProxyGpu* gpu_ = nullptr;
+  char* buffer_ = nullptr;
+  bool dispatch_ = false;
+};
+
+// A message holds at most kMaxWritesPerMessage writes (proxy/ordering.hpp); `pieces` of up to `bytes` each, cut
+// to the proxy's largest write, must fit.
+bool fits_writes(const uccl_ep::Device& dev, int64_t pieces, int64_t bytes) {
+  const int64_t per_piece = (bytes + dev.max_write_bytes() - 1) / dev.max_write_bytes();
+  return pieces * std::max<int64_t>(1, per_piece) + 1 <= int64_t(kMaxWritesPerMessage);
+}
+
+}  // namespace
+
+void low_latency_dispatch_send(uccl_ep::Device& dev, const Group& g, const LowLatencyDispatchArgs& a,
+                               cudaStream_t stream) {
+  ProxyHalf half(dev, g, "low_latency_dispatch", stream);
+  const Shape shape = dispatch_shape(dev, g, a);
+  if (!fits_writes(dev, 2, int64_t(dev.region_bytes())))
+    throw std::invalid_argument("uccl_ep low_latency_dispatch: UCCL_EP_MAX_WRITE_BYTES is too small for the proxy "
+                                "buffer's regions (a message may hold 2047 writes)");
+  half.begin_send(true);
+  launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
+         dispatch_source(a), DispatchTarget{}, shape, half.outbox(half.proxy_out(0, false)), Inbox{}, half.errors(),
+         "low_latency dispatch send kernel");
+  half.finish_send();
+}
+
+void low_latency_dispatch_recv(uccl_ep::Device& dev, const Group& g, const LowLatencyDispatchArgs& a,
+                               cudaStream_t stream) {
+  ProxyHalf half(dev, g, "low_latency_dispatch", stream);
+  const Shape shape = dispatch_shape(dev, g, a);
+  half.begin_receive(true);
+  launch(dispatch_kernel<false, true>, low_latency_blocks(), kThreads, dispatch_recv_shared(shape), stream,
+         DispatchSource{}, dispatch_target(a), shape, Outbox{}, half.inbox(), half.errors(),
+         "low_latency dispatch receive kernel");
+  acknowledge_kernel<<<1, kWarp, 0, stream>>>(half.proxy_out(0, false), g.size, half.errors(), int(dev.rank()));
+  check(cudaGetLastError(), "low_latency acknowledge kernel");
+  half.finish_receive();
+}
+
+void low_latency_dispatch(uccl_ep::Device& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
+  low_latency_dispatch_send(dev, g, a, stream);
+  low_latency_dispatch_recv(dev, g, a, stream);
+}
+
+void low_latency_combine_send(uccl_ep::Device& dev, const Group& g, const LowLatencyCombineArgs& a,
+                              cudaStream_t stream) {
+  ProxyHalf half(dev, g, "low_latency_combine", stream);
+  const Shape shape = combine_shape(dev, g, a);
+  const int slots = a.max_tokens_per_rank * a.topk;
+  // A write per run of slots while the runs surely fit a message, else one span of every slot.
+  const bool whole_rows = !fits_writes(dev, (slots + 1) / 2 + 1, shape.row_bytes * slots);
+  if (whole_rows && !fits_writes(dev, 2, shape.row_bytes * slots))
+    throw std::invalid_argument("uccl_ep low_latency_combine: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
+                                "(a message may hold 2047 writes)");
+  half.begin_send(false);
+  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, slots),
+         stream, combine_source(a), CombineTarget{}, shape, half.outbox(half.proxy_out(slots, whole_rows)), Inbox{},
+         half.errors(), "low_latency combine send kernel");
+  half.finish_send();
+}
+
+void low_latency_combine_recv(uccl_ep::Device& dev, const Group& g, const LowLatencyCombineArgs& a,
+                              cudaStream_t stream) {
+  ProxyHalf half(dev, g, "low_latency_combine", stream);
+  const Shape shape = combine_shape(dev, g, a);
+  half.begin_receive(false);
+  launch_combine_recv(a, shape, half.inbox(), half.errors(), stream);
+  acknowledge_kernel<<<1, kWarp, 0, stream>>>(half.proxy_out(0, false), g.size, half.errors(), int(dev.rank()));
+  check(cudaGetLastError(), "low_latency acknowledge kernel");
+  half.finish_receive();
+}
+
+void low_latency_combine(uccl_ep::Device& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
+  low_latency_combine_send(dev, g, a, stream);
+  low_latency_combine_recv(dev, g, a, stream);
+}
+
 void preload_low_latency_kernels() {
   load_kernels(dispatch_kernel<true, false>, dispatch_kernel<false, true>, dispatch_kernel<true, true>,
                combine_kernel<__nv_bfloat16, true, false>, combine_kernel<__nv_bfloat16, false, true>,
                combine_kernel<float, false, true>, combine_kernel<__nv_bfloat16, true, true>,
-               combine_kernel<float, true, true>);
+               combine_kernel<float, true, true>, acknowledge_kernel);
 }
 
 }  // namespace uccl_ep::nvl

@@ -67,19 +67,6 @@ __global__ void ping_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* se
   }
 }
 
-template <class T>
-T* device_view(T* host) {
-  void* d = nullptr;
-  check(cudaHostGetDevicePointer(&d, const_cast<void*>(static_cast<const void*>(host)), 0),
-        "cudaHostGetDevicePointer (ring memory must be pinned and mapped)");
-  return static_cast<T*>(d);
-}
-
-DeviceRing device_ring(CommandRing& ring) {
-  return DeviceRing{device_view(ring.slots()), device_view(ring.head_word()),
-                    device_view(const_cast<uint64_t*>(ring.tail_word())), ring.capacity() - 1};
-}
-
 struct Pinned {  // one mapped host allocation, freed on scope exit
   void* p = nullptr;
   explicit Pinned(size_t bytes) {

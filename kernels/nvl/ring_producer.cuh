@@ -10,6 +10,8 @@
 #include <cstring>
 
 #include "../../proxy/command.hpp"
+#include "../../proxy/ring.hpp"
+#include "device_common.cuh"
 #include "sync.cuh"
 
 namespace uccl_ep::nvl {
@@ -21,6 +23,14 @@ struct DeviceRing {
   const uint64_t* tail;
   uint32_t mask;  // capacity - 1
 };
+
+namespace {
+// The device view of a ring the host made (its memory pinned and mapped).
+inline DeviceRing device_ring(CommandRing& ring) {
+  return DeviceRing{device_view(ring.slots()), device_view(ring.head_word()),
+                    device_view(const_cast<uint64_t*>(ring.tail_word())), ring.capacity() - 1};
+}
+}  // namespace
 
 // Every lane of the warp calls it; lanes [0, count) each give one command (count <= 32). `head` is the warp's
 // own copy of the ring's head, `tail_seen` its last view of the consumer's tail; both stay in step on all lanes.
