@@ -7,7 +7,13 @@ round trip is a ping-pong through one ring: the warp pushes one command and wait
 it (GPU clock), so a push-to-proxy latency is at most half of it plus the echo's PCIe write.
 Goal (issue 4): 20 M commands/s per GPU, under 2 us push to proxy.
 
+With --transport, two processes (one GPU each, each GPU its own node: the proxy runtime over the network
+provider) stream messages at each other from a kernel: a warp pushes each message's writes and its fence into
+channel 0's ring and waits until the proxy has retired them all; commands/s through the transport is commands
+over that time, for many small writes and for a few large ones.
+
     python bench/proxy_gpu.py [--rings 1,2,4,8] [--commands 2000000] [--capacity 4096] [--ping 20000]
+    python bench/proxy_gpu.py --transport
 """
 from __future__ import annotations
 
@@ -18,6 +24,48 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+# (messages, writes per message, payload bytes per message) streamed with --transport.
+TRANSPORT_CASES = [(256, 31, 31 * 64), (256, 31, 31 * 4096), (32, 8, 8 << 20)]
+
+
+def transport_child(cases: list) -> dict:
+    """Child (one GPU, its own node): a warm-up message, then each case's stream to the other rank."""
+    import jax
+
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import _ffi, _uccl_ep
+
+    ep.initialize()
+    rank = _ffi.global_ranks()[jax.local_devices()[0].id]
+    _uccl_ep.proxy_gpu_put(rank, rank ^ 1, 4096, 0)  # connection warm-up
+    results = [dict(_uccl_ep.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=m, writes=w), messages=m, writes=w,
+                    bytes=nbytes) for m, w, nbytes in cases]
+    provider = _uccl_ep.provider(rank)
+    ep.shutdown()
+    return {"rank": rank, "provider": provider, "results": results}
+
+
+def transport(args, common) -> int:
+    env = {"UCCL_EP_GPUS_PER_NODE": "1", "UCCL_EP_BUFFER_BYTES": str(128 << 20)}
+    outs = common.spawn(__file__, "transport_child", 2, args=[TRANSPORT_CASES], env=env, gpus=True, timeout_s=300)
+    header = common.run_header("2 GPUs as separate nodes")
+    rows = []
+    for out in sorted(outs, key=lambda o: o["rank"]):
+        for res in out["results"]:
+            bad = res["timed_out"] or res["mismatched_words"]
+            rows.append([out["rank"], res["messages"], res["writes"], res["bytes"] // res["writes"], res["commands"],
+                         f"{res['commands'] / res['quiet_us']:.3f}", f"{res['push_us']:.1f}", f"{res['quiet_us']:.1f}",
+                         f"{res['messages'] * res['bytes'] / res['quiet_us'] / 1e3:.2f}",
+                         "FAILED" if bad else "ok"])
+    print(f"# {header}")
+    common.print_table(["rank", "messages", "writes/msg", "bytes/write", "commands", "M cmd/s retired",
+                        "pushed us", "retired us", "GB/s", "check"], rows,
+                       title=f"GPU -> proxy -> {outs[0]['provider']} -> peer, channel 0, both ranks at once")
+    if args.out:
+        common.write_json(args.out, {"header": header, "results": outs})
+    return 0 if not any(r[-1] != "ok" for r in rows) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rings", default="1,2,4,8", help="rings (producer warps and host threads) to try")
@@ -26,10 +74,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ping", type=int, default=20_000, help="ping-pong rounds for the round trip")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--transport", action="store_true", help="through the proxies and the network provider")
     args = ap.parse_args(argv)
 
     import common
     from jax_uccl_ep import _uccl_ep
+
+    if args.transport:
+        if not hasattr(_uccl_ep, "nvl_ring_bench"):
+            print("jax_uccl_ep was built without CUDA: nothing to measure")
+            return 1
+        return transport(args, common)
 
     if not hasattr(_uccl_ep, "nvl_ring_bench"):
         print("jax_uccl_ep was built without CUDA: nothing to measure")

@@ -186,12 +186,16 @@ NB_MODULE(_uccl_ep, m) {
   });
   // A GPU of the proxy runtime sends `peer` one message from a kernel and awaits peer's (nvl::proxy_put); both
   // ranks of a pair call it at once. Keeps the host's message count in step (wait_message after the kernel).
-  m.def("proxy_gpu_put", [](uint32_t rank, uint32_t peer, uint64_t bytes, int channel) {
+  m.def("proxy_gpu_put", [](uint32_t rank, uint32_t peer, uint64_t bytes, int channel, uint32_t messages,
+                            uint32_t writes) {
     Device& d = Runtime::get().device_by_rank(rank);
-    if (peer == rank || peer >= d.num_ranks() || channel < 0 || channel >= d.num_channels() || bytes % 4 != 0 ||
-        bytes == 0 || bytes > d.region_bytes() || bytes > UINT32_MAX)
-      throw std::invalid_argument("proxy_gpu_put: another rank, a channel of this device, and 0 < bytes <= " +
-                                  std::to_string(d.region_bytes()) + " (a multiple of 4)");
+    if (peer == rank || peer >= d.num_ranks() || channel < 0 || channel >= d.num_channels() || writes == 0 ||
+        bytes % (4 * uint64_t(writes)) != 0 || bytes == 0 || bytes > d.region_bytes() || bytes > UINT32_MAX ||
+        messages == 0 || messages > kEpochWindow / 2 || writes >= kMaxWritesPerMessage)
+      throw std::invalid_argument("proxy_gpu_put: another rank, a channel of this device, 0 < bytes <= " +
+                                  std::to_string(d.region_bytes()) + " (a multiple of 4 * writes), 1 to " +
+                                  std::to_string(kEpochWindow / 2) + " messages of 1 to " +
+                                  std::to_string(kMaxWritesPerMessage - 1) + " writes");
     nvl::ProxyPutResult r;
     {
       nb::gil_scoped_release release;
@@ -209,11 +213,14 @@ NB_MODULE(_uccl_ep, m) {
       a.payload = d.buffer() + d.send_offset(peer);
       a.arrived = d.buffer() + d.recv_offset(peer);
       a.bytes = bytes;
-      a.write = Command{Op::kWrite, 0, 0, peer, d.send_offset(peer), d.recv_offset(rank), uint32_t(bytes), 0};
+      a.messages = messages;
+      a.writes = writes;
+      a.write = Command{Op::kWrite, 0, 0, peer, d.send_offset(peer), d.recv_offset(rank), uint32_t(bytes / writes), 0};
       a.fence = message_fence(peer);
       a.rank = rank;
       r = nvl::proxy_put(d.ordinal(), a, peer);
-      if (r.timed_out == 0) d.wait_message(channel, peer, "proxy_gpu_put");  // arrived: consume it here too
+      if (r.timed_out == 0)  // arrived: consume them here too
+        for (uint32_t i = 0; i < messages; ++i) d.wait_message(channel, peer, "proxy_gpu_put");
     }
     nb::dict out;
     out["mismatched_words"] = r.mismatched_words;
@@ -221,8 +228,10 @@ NB_MODULE(_uccl_ep, m) {
     out["quiet_us"] = r.quiet_us;
     out["arrival_us"] = r.arrival_us;
     out["timed_out"] = r.timed_out;
+    out["commands"] = uint64_t(messages) * (uint64_t(writes) + 1);
     return out;
-  });
+  }, nb::arg("rank"), nb::arg("peer"), nb::arg("bytes"), nb::arg("channel"), nb::arg("messages") = 1,
+     nb::arg("writes") = 1);
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
   m.def("nvl_buffer_bytes_held", [] {  // per local GPU: (normal, low-latency) bytes allocated
     std::vector<std::pair<size_t, size_t>> out;

@@ -170,9 +170,9 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         ``UCCL_EP_LL_BUFFER_BYTES`` or 256 MiB; 0 turns the mode off). ``low_latency_buffer_bytes(...)`` gives the
         need for a shape.
 
-    GPUs on several nodes (or with ``UCCL_EP_GPUS_PER_NODE``) run on the proxy runtime, staged through host
-    memory (a process may drive one GPU or all of its host's); its buffers come from ``UCCL_EP_BUFFER_BYTES`` as
-    on CPU devices.
+    GPUs on several nodes (or with ``UCCL_EP_GPUS_PER_NODE``) run on the proxy runtime (a process may drive one
+    GPU or all of its host's): low-latency ops GPU-initiated (the kernels push the proxies' commands), normal mode
+    staged through host memory; its buffers come from ``UCCL_EP_BUFFER_BYTES`` as on CPU devices.
     """
     global _generation, _atexit_registered
     with _lock:
@@ -218,7 +218,8 @@ def _require_cuda_build() -> None:
 
 
 def _check_gpus_over_proxy(buffer_bytes: int | None, low_latency_bytes: int | None) -> None:
-    """GPUs on several nodes run on the proxy runtime through host-staged handlers (ffi/cpu_handlers.cpp). A process
+    """GPUs on several nodes run on the proxy runtime: low-latency ops GPU-initiated (kernels/nvl/low_latency.cu),
+    the rest through host-staged handlers (ffi/cpu_handlers.cpp). A process
     may drive several of them (a process per host, as multi-host JAX jobs run): XLA launches each GPU's work from a
     thread of its own, so an op that waits on the host for its peers holds up no other GPU of the process."""
     _require_cuda_build()

@@ -232,7 +232,8 @@ def test_one_process_drives_gpus_on_separate_nodes(part):
 def gpu_proxy_put(nbytes: int) -> dict:
     """Child: every GPU its own node (proxy runtime); each sends its pair partner one message from a kernel (payload
     written by the GPU into the proxy's buffer, write and fence pushed into the proxy's ring, a device quiet, the
-    partner's message awaited and checked on the GPU), twice; then a staged round trip still matches the reference
+    partner's message awaited and checked on the GPU), twice, then 64 messages of 8 writes in a row; then a staged
+    round trip still matches the reference
     (the host's protocol state stayed in step with what the kernels did)."""
     import jax
     import jax.numpy as jnp
@@ -245,6 +246,8 @@ def gpu_proxy_put(nbytes: int) -> dict:
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
     rank = _ffi.global_ranks()[jax.local_devices()[0].id]
     puts = [_uccl_ep.proxy_gpu_put(rank, rank ^ 1, nbytes, 0) for _ in range(2)]
+    # A stream: 64 messages of 8 writes each, back to back in the ring (the last one's payload is checked).
+    puts.append(_uccl_ep.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=64, writes=8))
     words = _uccl_ep.published_words(rank)
     problems = {"after": cases.check_case(mesh, 7, 16, 256, 2, 4 * mesh.devices.size, jnp.float32)}
     ep.shutdown()

@@ -34,7 +34,10 @@ class Device;  // proxy/runtime.hpp: a GPU's state in the proxy runtime (GPUs on
 
 namespace uccl_ep::nvl {
 
-constexpr int kMaxRanks = 8;
+constexpr int kMaxRanks = 8;  // GPUs of one host (NVLink)
+// Ranks the low-latency kernels' per-member tables hold (by value, in a launch's parameters: 32 keep them under
+// the classic 4 KiB): NVLink groups stop at kMaxRanks; groups across nodes (the proxy path) at this.
+constexpr int kMaxLowLatencyRanks = 32;
 constexpr size_t kFlagBytes = 4096;
 
 // Errors kernels find (bad expert index, capacity exceeded) land in host-mapped memory and are raised by
@@ -243,12 +246,13 @@ struct RingBenchResult {
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds);
 
-// One message from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload
-// into mapped host memory of the proxy's registered buffer, pushes the write of it to `peer` and the fence that
-// ends the message into a channel's command ring, waits for the proxy to retire both (a device quiet: `retired`
-// reaching the ring's head), then for the peer's message to us (`released` reaching `released_target`), and
-// compares what arrived with the peer's pattern. Addresses are host addresses of host_alloc'd (pinned, mapped)
-// memory; the caller keeps every other producer off the ring meanwhile.
+// Messages from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload into
+// mapped host memory of the proxy's registered buffer, pushes `messages` messages of it to `peer` into a channel's
+// command ring (each `writes` writes that split the payload, then the fence that ends the message), waits for the
+// proxy to retire them all (a device quiet: `retired` reaching the ring's head), then for the peer's as many
+// messages to us (`released` reaching `released_target` + messages - 1), and compares the peer's payload with its
+// pattern. Addresses are host addresses of host_alloc'd (pinned, mapped) memory; the caller keeps every other
+// producer off the ring meanwhile.
 struct ProxyPutArgs {
   Command* ring_slots;
   uint64_t* ring_head;
@@ -259,13 +263,14 @@ struct ProxyPutArgs {
   uint64_t released_target;   // the count that means its next message is in
   char* payload;              // our buffer at `write.local_offset`
   const char* arrived;        // where the peer's message lands in our buffer
-  uint64_t bytes;             // of each message (a multiple of 4)
-  Command write, fence;       // as the proxy expects them (peer, offsets, lengths)
+  uint64_t bytes;             // of each message's payload (a multiple of 4 * writes)
+  uint32_t messages, writes;  // messages, and writes per message
+  Command write, fence;       // the first write of a message (its length bytes / writes) and the fence
   uint32_t rank;              // ours: the payload pattern is (rank, word index)
 };
 struct ProxyPutResult {
   uint64_t mismatched_words;        // words of the peer's message that differ from its pattern
-  double push_us, quiet_us, arrival_us;  // from the kernel's start (GPU clock)
+  double push_us, quiet_us, arrival_us;  // from the kernel's start (GPU clock): all pushed, all retired, all in
   int timed_out;                    // 1: the ring stayed full, 2: no quiet, 3: no message, by timeout_ns()
 };
 ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t peer_rank);
@@ -341,7 +346,7 @@ void low_latency_combine(NvlDevice& dev, const Group& group, const LowLatencyCom
 // The receive kernel waits for each sender's released-message word and reads the rows from host memory; a
 // one-warp kernel then acknowledges every sender. Each call waits for its kernels (as the host-staged ops do),
 // then brings the host's protocol state in step (messages consumed, acknowledgements owed), so host-staged ops
-// may run between them. At most kMaxRanks ranks. Errors are raised by the call: a peer or proxy that did not
+// may run between them. At most kMaxLowLatencyRanks ranks. Errors are raised by the call: a peer or proxy that did not
 // answer in time as TimeoutError (the peers are told), bad input at the end of the receive half.
 void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& args,
                                cudaStream_t stream);
@@ -354,7 +359,7 @@ void low_latency_combine_recv(Device& dev, const Group& group, const LowLatencyC
                               cudaStream_t stream);
 void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
 // Whether low-latency ops on the proxy runtime run GPU-initiated (above) for a job of `num_ranks`: at most
-// kMaxRanks ranks and not turned off (UCCL_EP_GPU_INITIATED=0); else they are staged through the host.
+// kMaxLowLatencyRanks ranks and not turned off (UCCL_EP_GPU_INITIATED=0); else they are staged through the host.
 bool gpu_initiated_low_latency(uint32_t num_ranks);
 
 // Bytes of low-latency area per GPU for these shapes (rows: the larger of a dispatch row and a combine row).

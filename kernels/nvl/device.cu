@@ -69,13 +69,15 @@ void* pinned_alloc(size_t bytes) {
 void pinned_free(void* p) { cudaFreeHost(p); }
 }  // namespace
 
+constexpr const char* kPinnedAllocator = "pinned, mapped (cudaHostAlloc)";
+
 bool install_pinned_host_allocator() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();  // no driver or no GPU: keep ordinary memory
     return false;
   }
-  set_host_allocator(HostAllocator{pinned_alloc, pinned_free, "pinned, mapped (cudaHostAlloc)"});
+  set_host_allocator(HostAllocator{pinned_alloc, pinned_free, kPinnedAllocator});
   return true;
 }
 
@@ -126,7 +128,8 @@ bool low_latency_fused() {
 
 bool gpu_initiated_low_latency(uint32_t num_ranks) {
   static const bool on = !env_is("UCCL_EP_GPU_INITIATED", "0");
-  return on && num_ranks <= uint32_t(kMaxRanks);
+  // The kernels write into the proxy's buffer and rings: only where the runtime made them pinned and mapped.
+  return on && num_ranks <= uint32_t(kMaxLowLatencyRanks) && std::string(host_allocator_name()) == kPinnedAllocator;
 }
 
 uint64_t timeout_ns() {

@@ -50,11 +50,11 @@ constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined 
 // previous message; the proxy posts them. Over NVLink `ring.slots` is null.
 struct ProxyOut {
   DeviceRing ring;
-  const uint64_t* ack[kMaxRanks];    // member d's released-message word (channel 0), or null: nothing to await
-  uint64_t ack_want[kMaxRanks];      // the count that means d read our previous message
-  uint64_t local_offset[kMaxRanks];  // our send region for member d, in our registered buffer
+  const uint64_t* ack[kMaxLowLatencyRanks];    // member d's released-message word (channel 0), or null: nothing to await
+  uint64_t ack_want[kMaxLowLatencyRanks];      // the count that means d read our previous message
+  uint64_t local_offset[kMaxLowLatencyRanks];  // our send region for member d, in our registered buffer
   uint64_t remote_offset;            // our region in every receiver's registered buffer
-  uint32_t peer[kMaxRanks];          // global rank of member d
+  uint32_t peer[kMaxLowLatencyRanks];          // global rank of member d
   int self;                          // our group position (our own rows need no message)
   uint32_t max_write_bytes;
   bool whole_rows;                   // combine: one span of rows, not a write per run of slots (write limit)
@@ -65,19 +65,19 @@ struct ProxyOut {
 
 // Where a send kernel writes (by group position).
 struct Outbox {
-  char* region[kMaxRanks];
-  uint64_t* arrivals[kMaxRanks];  // NVLink: the receiver's counter of our blocks
-  uint64_t seq[kMaxRanks];
+  char* region[kMaxLowLatencyRanks];
+  uint64_t* arrivals[kMaxLowLatencyRanks];  // NVLink: the receiver's counter of our blocks
+  uint64_t seq[kMaxLowLatencyRanks];
   ProxyOut proxy;
 };
 // What a receive kernel reads (by group position).
 struct Inbox {
-  const char* region[kMaxRanks];
-  const uint64_t* arrivals[kMaxRanks];  // NVLink: our counter of the sender's blocks; proxy: its released-message
+  const char* region[kMaxLowLatencyRanks];
+  const uint64_t* arrivals[kMaxLowLatencyRanks];  // NVLink: our counter of the sender's blocks; proxy: its released-message
                                         // word; null: nothing to wait for (our own rows, written by an earlier launch)
-  uint64_t want[kMaxRanks];             // the count that means this op's message is in
-  uint64_t seq[kMaxRanks];              // the pair's op count (error reports)
-  int rank[kMaxRanks];
+  uint64_t want[kMaxLowLatencyRanks];             // the count that means this op's message is in
+  uint64_t seq[kMaxLowLatencyRanks];              // the pair's op count (error reports)
+  int rank[kMaxLowLatencyRanks];
 };
 
 struct Shape {
@@ -364,7 +364,7 @@ __device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, F
 // Dispatch: member d's counts and row-map entries (one piece from the region's start), then its token rows.
 __device__ void push_dispatch_messages(const DispatchSource& in, const Shape& shape, const ProxyOut& p, const int* idx,
                                        DeviceErrors* err) {
-  __shared__ int entries[kMaxRanks], rows[kMaxRanks];
+  __shared__ int entries[kMaxLowLatencyRanks], rows[kMaxLowLatencyRanks];
   __shared__ Command batch[kWarp];
   const int R = shape.num_ranks, local = shape.local_experts;
   for (int d = threadIdx.x; d < R; d += blockDim.x) entries[d] = rows[d] = 0;
@@ -823,9 +823,10 @@ void check_area(const NvlDevice& dev, const Group& g, const char* op) {
                                 ": no low-latency buffer; initialize with low_latency_buffer_bytes > 0");
 }
 void check_area(const uccl_ep::Device& dev, const Group& g, const char* op) {
-  if (g.size > kMaxRanks)
+  if (g.size > kMaxLowLatencyRanks)
     throw std::invalid_argument(std::string("uccl_ep ") + op + ": GPU-initiated low-latency groups hold at most " +
-                                std::to_string(kMaxRanks) + " ranks (UCCL_EP_GPU_INITIATED=0 stages through the host)");
+                                std::to_string(kMaxLowLatencyRanks) +
+                                " ranks (UCCL_EP_GPU_INITIATED=0 stages through the host)");
   for (int s = 0; s < g.size; ++s)
     if (g.ranks[s] < 0 || uint32_t(g.ranks[s]) >= dev.num_ranks())
       throw std::invalid_argument(std::string("uccl_ep ") + op + ": group member " + std::to_string(g.ranks[s]) +
@@ -1196,14 +1197,7 @@ class ProxyHalf {
   // After the send kernel: the acknowledgements it awaited are consumed; the receive half is pending.
   void finish_send() {
     finish();
-    in_step([&] {
-      for (int d = 0; d < g_.size; ++d) {
-        const uint32_t peer = uint32_t(g_.ranks[d]);
-        if (d == g_.self || !dev_.awaiting_ack(peer)) continue;
-        dev_.wait_message(0, peer, op_);  // in already, unless an earlier error stopped the kernel's wait
-        dev_.awaiting_ack(peer) = false;
-      }
-    });
+    consume(true);
     dev_.op_state() = ProxyPending{dispatch_};
   }
 
@@ -1229,14 +1223,7 @@ class ProxyHalf {
   // acknowledgement before we write to it again; then errors the kernels found in the op's inputs are raised.
   void finish_receive() {
     finish();
-    in_step([&] {
-      for (int s = 0; s < g_.size; ++s) {
-        const uint32_t peer = uint32_t(g_.ranks[s]);
-        if (s == g_.self) continue;
-        dev_.wait_message(0, peer, op_);
-        dev_.awaiting_ack(peer) = true;
-      }
-    });
+    consume(false);
     DeviceErrors e;
     std::memcpy(&e, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(e));
     if (e.code == 0) return;
@@ -1250,6 +1237,19 @@ class ProxyHalf {
   [[noreturn]] void fail(const std::string& message) {
     dev_.abort(std::vector<uint32_t>(g_.ranks, g_.ranks + g_.size), message);
     throw Error(message);
+  }
+  // Consumes on the host what the kernels consumed on channel 0: each other member's acknowledgement the send
+  // kernel awaited (`acks`; none is owed then), or each one's message (it is owed an acknowledgement then). The
+  // messages are in already, unless an earlier error ended a kernel's wait.
+  void consume(bool acks) {
+    in_step([&] {
+      for (int d = 0; d < g_.size; ++d) {
+        const uint32_t peer = uint32_t(g_.ranks[d]);
+        if (d == g_.self || (acks && !dev_.awaiting_ack(peer))) continue;
+        dev_.wait_message(0, peer, op_);
+        dev_.awaiting_ack(peer) = !acks;
+      }
+    });
   }
   // Runs the host's share of the protocol; a failure there (a wait timed out) leaves this rank out of step.
   template <class Steps>

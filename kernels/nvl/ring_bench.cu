@@ -95,12 +95,24 @@ __global__ void proxy_put_kernel(ProxyPutArgs a, DeviceRing ring, uint32_t peer_
   }
   head = __shfl_sync(0xffffffffu, head, 0);
   tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
-  int status = warp_push(ring, lane == 0 ? a.write : a.fence, 2, head, tail_seen, deadline) ? 0 : 1;
+  // Command c of the stream: write c % (writes + 1) of its message, or the message's fence.
+  const uint64_t per_message = uint64_t(a.writes) + 1, commands = per_message * a.messages;
+  int status = 0;
+  for (uint64_t c0 = 0; c0 < commands && status == 0; c0 += 32) {
+    const uint64_t piece = (c0 + lane) % per_message;
+    Command cmd = a.fence;
+    if (piece < a.writes) {
+      cmd = a.write;
+      cmd.local_offset += piece * a.write.length;
+      cmd.remote_offset += piece * a.write.length;
+    }
+    if (!warp_push(ring, cmd, int(min(uint64_t(32), commands - c0)), head, tail_seen, deadline)) status = 1;
+  }
   const uint64_t pushed = global_ns();
   if (lane == 0 && status == 0 && !wait_count(a.retired, head, deadline)) status = 2;  // the device quiet
   status = __shfl_sync(0xffffffffu, status, 0);
   const uint64_t quiet = global_ns();
-  if (lane == 0 && status == 0 && !wait_count(a.released, a.released_target, deadline)) status = 3;
+  if (lane == 0 && status == 0 && !wait_count(a.released, a.released_target + a.messages - 1, deadline)) status = 3;
   status = __shfl_sync(0xffffffffu, status, 0);
   const uint64_t arrived = global_ns();
   uint64_t bad = 0;
@@ -119,7 +131,8 @@ __global__ void proxy_put_kernel(ProxyPutArgs a, DeviceRing ring, uint32_t peer_
 }  // namespace
 
 ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t peer_rank) {
-  if (args.bytes % 4 != 0) throw std::invalid_argument("proxy_put: bytes must be a multiple of 4");
+  if (args.writes == 0 || args.messages == 0 || args.bytes % (4 * uint64_t(args.writes)) != 0)
+    throw std::invalid_argument("proxy_put: bytes must be a multiple of 4 * writes, messages and writes at least 1");
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
   ProxyPutArgs a = args;
   a.payload = device_view(args.payload);
