@@ -119,6 +119,7 @@ NB_MODULE(_uccl_ep, m) {
     nvl::NvlRuntime::get().shutdown();
   });
   m.def("nvl_is_initialized", [] { return nvl::NvlRuntime::get().initialized(); });
+  m.def("proxy_check_errors", [] { nvl::check_proxy_errors("check_errors"); });
   m.def("nvl_check_errors", [] {
     // Every local GPU is checked (and cleared); one error names them all, with the first one's type.
     std::exception_ptr first;

@@ -220,6 +220,57 @@ def test_low_latency_over_the_proxy_staged_through_the_host():
     _check(results, NUM_GPUS)
 
 
+def gpu_proxy_bad_index() -> dict:
+    """Child (each GPU its own node: GPU-initiated low-latency ops): expert 99 in rank 0's routing. The op itself
+    does not fail (its peers stay in step), check_errors() names the slot in rank 0's process only, and a reference
+    check right after passes."""
+    import jax
+
+    import cases
+    import jax_uccl_ep as ep
+    import reference as ref
+    from jax_uccl_ep import _ffi
+
+    ep.initialize()
+    mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
+    r = mesh.devices.size
+    rank = _ffi.global_ranks()[jax.local_devices()[0].id]
+    idx = ref.random_routing(np.random.default_rng(3), r, 8, 2, 4 * r).astype(np.int32)
+    idx[0, 1, 0] = 99
+    x = np.random.default_rng(4).standard_normal((r, 8, 128)).astype(np.float32)
+
+    def body(x, i):
+        return ep.low_latency_dispatch(x[0], i[0], num_experts=4 * r, max_tokens_per_rank=8, axis_name="ep",
+                                       use_fp8=False)[1][None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
+    error = None
+    try:
+        jax.block_until_ready(f(cases.shard(mesh, x), cases.shard(mesh, idx)))
+        ep.check_errors()
+    except Exception as exc:  # noqa: BLE001
+        error = str(exc)
+    after = cases.check_low_latency(mesh, 330, 9, 9, 256, 2, 4 * r, zero_padding=False, use_fp8=False)
+    ep.check_errors()
+    ep.shutdown()
+    return {"rank": rank, "error": error, "after": after}
+
+
+def test_bad_expert_index_over_the_proxy_is_named_by_check_errors():
+    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS)]
+    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(64 << 20))
+    results = launch(HERE, "gpu_proxy_bad_index", NUM_GPUS, platform="gpu", per_rank_env=per_rank, timeout_s=150,
+                     env=env)
+    assert all(x.ok for x in results), describe(results)
+    for x in results:
+        res = x.result
+        assert res["after"] == [], res
+        if res["rank"] == 0:
+            assert res["error"] and "= 99 outside" in res["error"] and "rank 0" in res["error"], res
+        else:
+            assert res["error"] is None, res
+
+
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
 def test_one_process_drives_gpus_on_separate_nodes(part):
     """UCCL_EP_GPUS_PER_NODE=1 with one process for all GPUs (a multi-host job with a process per host): the staged

@@ -346,8 +346,9 @@ void low_latency_combine(NvlDevice& dev, const Group& group, const LowLatencyCom
 // The receive kernel waits for each sender's released-message word and reads the rows from host memory; a
 // one-warp kernel then acknowledges every sender. Each call waits for its kernels (as the host-staged ops do),
 // then brings the host's protocol state in step (messages consumed, acknowledgements owed), so host-staged ops
-// may run between them. At most kMaxLowLatencyRanks ranks. Errors are raised by the call: a peer or proxy that did not
-// answer in time as TimeoutError (the peers are told), bad input at the end of the receive half.
+// may run between them. At most kMaxLowLatencyRanks ranks. A peer or proxy that did not answer in time is raised
+// by the call (TimeoutError; the rank is out of step and the peers are told); errors in the inputs (bad expert
+// index, capacity, stale handle) by check_proxy_errors(), as NVLink ops leave them for check_errors().
 void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& args,
                                cudaStream_t stream);
 void low_latency_dispatch_recv(Device& dev, const Group& group, const LowLatencyDispatchArgs& args,
@@ -358,6 +359,8 @@ void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyC
 void low_latency_combine_recv(Device& dev, const Group& group, const LowLatencyCombineArgs& args,
                               cudaStream_t stream);
 void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
+// Raises (and clears) the first input error the GPU-initiated ops of this process found, naming the rank.
+void check_proxy_errors(const char* op);
 // Whether low-latency ops on the proxy runtime run GPU-initiated (above) for a job of `num_ranks`: at most
 // kMaxLowLatencyRanks ranks and not turned off (UCCL_EP_GPU_INITIATED=0); else they are staged through the host.
 bool gpu_initiated_low_latency(uint32_t num_ranks);

@@ -372,8 +372,8 @@ void raise_device_error(const DeviceErrors& e, const std::string& where) {
     throw std::invalid_argument(where + "was handed a handle recording " + std::to_string(e.a) +
                                 " received rows for a y of " + std::to_string(e.b) + " rows (stale handle?)");
   if (e.code == 10)
-    throw TimeoutError(where + "found its proxy's command ring full for " + std::to_string(e.c) +
-                       " s while sending to rank " + std::to_string(e.a) +
+    throw TimeoutError(where + "found its proxy's command ring full for " + std::to_string(e.c) + " s " +
+                       (e.a >= 0 ? "while sending to rank " + std::to_string(e.a) : std::string("acknowledging")) +
                        " (the proxy thread is stuck or gone; UCCL_EP_TIMEOUT_S); results of that op are not valid");
   throw std::runtime_error(where + "failed with device error code " + std::to_string(e.code));
 }

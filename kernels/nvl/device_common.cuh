@@ -52,9 +52,12 @@ void load_kernels(const Kernels&... kernels) {
   (check(cudaFuncGetAttributes(&attr, kernels), "loading a kernel"), ...);
 }
 
-// The first error of a kernel wins; check_errors() raises it on the host.
+// The first error of a kernel wins, except that a peer or proxy that did not answer (5, 10: the rank is out of step)
+// replaces an input error (the host must see it to tell the peers); check_errors() raises it on the host.
 __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
-  if (atomicCAS(&err->code, 0, code) == 0) {
+  int seen = atomicCAS(&err->code, 0, code);
+  if (seen != 0 && seen != 5 && seen != 10 && (code == 5 || code == 10)) seen = atomicCAS(&err->code, seen, code) == seen ? 0 : seen;
+  if (seen == 0) {
     err->rank = rank;
     err->a = a;
     err->b = b;

@@ -27,6 +27,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include <cuda_fp8.h>
 
@@ -1119,11 +1120,25 @@ struct ProxyGpu {
   DeviceErrors* errors_device = nullptr;
   unsigned int* done = nullptr;
 };
-ProxyGpu& proxy_gpu(int cuda_device) {
+std::mutex& proxy_gpus_mutex() {
   static std::mutex mutex;
+  return mutex;
+}
+std::map<int, ProxyGpu>& proxy_gpus() {
   static std::map<int, ProxyGpu> gpus;  // lives as long as the process, like the CUDA context
-  std::lock_guard<std::mutex> lock(mutex);
-  ProxyGpu& g = gpus[cuda_device];
+  return gpus;
+}
+// Each GPU's error word (host addresses).
+std::vector<DeviceErrors*> proxy_error_words() {
+  std::lock_guard<std::mutex> lock(proxy_gpus_mutex());
+  std::vector<DeviceErrors*> words;
+  for (auto& [device, g] : proxy_gpus())
+    if (g.errors_host) words.push_back(g.errors_host);
+  return words;
+}
+ProxyGpu& proxy_gpu(int cuda_device) {
+  std::lock_guard<std::mutex> lock(proxy_gpus_mutex());
+  ProxyGpu& g = proxy_gpus()[cuda_device];
   if (!g.done) {
     void* p = nullptr;
     check(cudaHostAlloc(&p, sizeof(DeviceErrors), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
@@ -1143,26 +1158,56 @@ struct ProxyPending {
 };
 
 // One half of a low-latency op on the proxy path, host side, under the device's op lock. The kernels do the
-// protocol's steps; finish() waits for them and then brings the host's state in step with what they did.
+// protocol's steps; the host waits for them and then brings its own state in step with what they did. A failure
+// that leaves this rank out of step (a peer or the proxy did not answer, a launch failed) tells the peers; errors
+// in the op's inputs stay for check_proxy_errors(), as on NVLink, so that no op fails on one rank only.
 class ProxyHalf {
  public:
   ProxyHalf(uccl_ep::Device& dev, const Group& g, const char* op, cudaStream_t stream)
       : dev_(dev), g_(g), op_(op), stream_(stream), lock_(dev.op_mutex()) {
     dev.check_usable(op);
+    if (dev.ring(0).capacity() < 2 * kWarp)  // a warp pushes up to 32 commands at once
+      throw std::invalid_argument(std::string("uccl_ep ") + op + ": GPU-initiated ops need command rings of at least " +
+                                  std::to_string(2 * kWarp) + " slots");
     check(cudaSetDevice(dev.ordinal()), "cudaSetDevice");
     gpu_ = &proxy_gpu(dev.ordinal());
     buffer_ = device_view(dev.buffer());
   }
   DeviceErrors* errors() const { return gpu_->errors_device; }
 
-  // Send half: our send regions must be free (earlier writes completed), and no other op half may be pending.
-  void begin_send(bool dispatch) {
-    if (const auto* p = std::any_cast<ProxyPending>(&dev_.op_state()))
-      fail(std::string("the send half of low_latency_") + (p->dispatch ? "dispatch" : "combine") +
-           " still waits for its receive half on this device; run the receive first");
-    dev_.quiet(op_);
-    dispatch_ = dispatch;
+  // The send half: `launch()` enqueues the send kernel, once our send regions are free (earlier writes completed).
+  // Refused while another op's send half waits for its receive half.
+  template <class Launch>
+  void send(bool dispatch, Launch&& launch) {
+    if (dev_.op_state().has_value())
+      in_step([&] {
+        throw Error(std::string("uccl_ep ") + op_ + ": the send half of a low-latency op still waits for its "
+                    "receive half on this device; run the receive first");
+      });
+    in_step([&] {
+      dev_.quiet(op_);
+      launch();
+    });
+    finish();
+    consume(true);
+    dev_.op_state() = ProxyPending{dispatch};
   }
+  // The receive half: `launch()` enqueues the receive kernel; every sender is acknowledged after it.
+  template <class Launch>
+  void receive(bool dispatch, Launch&& launch) {
+    const auto* p = std::any_cast<ProxyPending>(&dev_.op_state());
+    if (!p || p->dispatch != dispatch)
+      throw CollectiveError(std::string("uccl_ep ") + op_ + ": no send half of " + op_ + " is waiting on this device");
+    dev_.op_state().reset();
+    in_step([&] {
+      launch();
+      acknowledge_kernel<<<1, kWarp, 0, stream_>>>(proxy_out(0, false), g_.size, errors(), int(dev_.rank()));
+      check(cudaGetLastError(), "low_latency acknowledge kernel");
+    });
+    finish();
+    consume(false);
+  }
+
   ProxyOut proxy_out(int slots, bool whole_rows) const {
     ProxyOut p{};
     p.ring = device_ring(dev_.ring(0));
@@ -1194,19 +1239,6 @@ class ProxyHalf {
     to.proxy = p;
     return to;
   }
-  // After the send kernel: the acknowledgements it awaited are consumed; the receive half is pending.
-  void finish_send() {
-    finish();
-    consume(true);
-    dev_.op_state() = ProxyPending{dispatch_};
-  }
-
-  void begin_receive(bool dispatch) {
-    const auto* p = std::any_cast<ProxyPending>(&dev_.op_state());
-    if (!p || p->dispatch != dispatch)
-      throw CollectiveError(std::string("uccl_ep ") + op_ + ": no send half of " + op_ + " is waiting on this device");
-    dev_.op_state().reset();
-  }
   Inbox inbox() const {
     Inbox from{};
     for (int s = 0; s < g_.size; ++s) {
@@ -1219,25 +1251,9 @@ class ProxyHalf {
     }
     return from;
   }
-  // After the receive kernel and the acknowledgements: every sender's message is consumed, each owes us an
-  // acknowledgement before we write to it again; then errors the kernels found in the op's inputs are raised.
-  void finish_receive() {
-    finish();
-    consume(false);
-    DeviceErrors e;
-    std::memcpy(&e, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(e));
-    if (e.code == 0) return;
-    std::memset(gpu_->errors_host, 0, sizeof(DeviceErrors));
-    raise_device_error(e, where());
-  }
 
  private:
   std::string where() const { return std::string("uccl_ep ") + op_ + ": rank " + std::to_string(dev_.rank()) + " "; }
-  // Leaves this rank out of step with its peers: they are told, then it is raised.
-  [[noreturn]] void fail(const std::string& message) {
-    dev_.abort(std::vector<uint32_t>(g_.ranks, g_.ranks + g_.size), message);
-    throw Error(message);
-  }
   // Consumes on the host what the kernels consumed on channel 0: each other member's acknowledgement the send
   // kernel awaited (`acks`; none is owed then), or each one's message (it is owed an acknowledgement then). The
   // messages are in already, unless an earlier error ended a kernel's wait.
@@ -1251,7 +1267,7 @@ class ProxyHalf {
       }
     });
   }
-  // Runs the host's share of the protocol; a failure there (a wait timed out) leaves this rank out of step.
+  // Runs a step that leaves this rank out of step with its peers if it fails: they are told, then it is raised.
   template <class Steps>
   void in_step(Steps&& steps) {
     try {
@@ -1261,16 +1277,18 @@ class ProxyHalf {
       throw;
     }
   }
-  // Waits for the kernels. A timeout (a peer or the proxy did not answer) leaves this rank out of step; errors in
-  // the op's inputs wait for the end of the receive half, when every peer has its messages.
+  // Waits for the kernels. A peer or the proxy that did not answer in time (5, 10), or a corrupt message (7),
+  // leaves this rank out of step; input errors wait for check_proxy_errors().
   void finish() {
     const cudaError_t e = cudaStreamSynchronize(stream_);
-    if (e != cudaSuccess) fail(where() + "kernel failed: " + cudaGetErrorString(e));
-    DeviceErrors err;
-    std::memcpy(&err, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(err));
-    if (err.code != 5 && err.code != 10) return;
-    std::memset(gpu_->errors_host, 0, sizeof(DeviceErrors));
-    in_step([&] { raise_device_error(err, where()); });
+    in_step([&] {
+      if (e != cudaSuccess) throw Error(where() + "kernel failed: " + cudaGetErrorString(e));
+      DeviceErrors err;
+      std::memcpy(&err, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(err));
+      if (err.code != 5 && err.code != 7 && err.code != 10) return;
+      std::memset(gpu_->errors_host, 0, sizeof(DeviceErrors));
+      raise_device_error(err, where());
+    });
   }
 
   uccl_ep::Device& dev_;
@@ -1280,43 +1298,49 @@ class ProxyHalf {
   std::lock_guard<std::mutex> lock_;
   ProxyGpu* gpu_ = nullptr;
   char* buffer_ = nullptr;
-  bool dispatch_ = false;
 };
 
-// A message holds at most kMaxWritesPerMessage writes (proxy/ordering.hpp); `pieces` of up to `bytes` each, cut
-// to the proxy's largest write, must fit.
+// A message holds at most kMaxWritesPerMessage writes (proxy/ordering.hpp): `pieces` pieces of `bytes` in all,
+// each cut to the proxy's largest write, and the fence.
 bool fits_writes(const uccl_ep::Device& dev, int64_t pieces, int64_t bytes) {
-  const int64_t per_piece = (bytes + dev.max_write_bytes() - 1) / dev.max_write_bytes();
-  return pieces * std::max<int64_t>(1, per_piece) + 1 <= int64_t(kMaxWritesPerMessage);
+  return pieces + (bytes + dev.max_write_bytes() - 1) / dev.max_write_bytes() + 1 <= int64_t(kMaxWritesPerMessage);
 }
 
 }  // namespace
+
+void check_proxy_errors(const char* op) {
+  for (DeviceErrors* e : proxy_error_words()) {
+    DeviceErrors err;
+    std::memcpy(&err, const_cast<const DeviceErrors*>(e), sizeof(err));
+    if (err.code == 0) continue;
+    std::memset(e, 0, sizeof(DeviceErrors));
+    raise_device_error(err, std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(err.rank) + " ");
+  }
+}
 
 void low_latency_dispatch_send(uccl_ep::Device& dev, const Group& g, const LowLatencyDispatchArgs& a,
                                cudaStream_t stream) {
   ProxyHalf half(dev, g, "low_latency_dispatch", stream);
   const Shape shape = dispatch_shape(dev, g, a);
-  if (!fits_writes(dev, 2, int64_t(dev.region_bytes())))
-    throw std::invalid_argument("uccl_ep low_latency_dispatch: UCCL_EP_MAX_WRITE_BYTES is too small for the proxy "
-                                "buffer's regions (a message may hold 2047 writes)");
-  half.begin_send(true);
-  launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
-         dispatch_source(a), DispatchTarget{}, shape, half.outbox(half.proxy_out(0, false)), Inbox{}, half.errors(),
-         "low_latency dispatch send kernel");
-  half.finish_send();
+  if (!fits_writes(dev, 2, dispatch_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes)))
+    throw std::invalid_argument("uccl_ep low_latency_dispatch: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
+                                "(a message may hold 2047 writes)");
+  half.send(true, [&] {
+    launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
+           dispatch_source(a), DispatchTarget{}, shape, half.outbox(half.proxy_out(0, false)), Inbox{}, half.errors(),
+           "low_latency dispatch send kernel");
+  });
 }
 
 void low_latency_dispatch_recv(uccl_ep::Device& dev, const Group& g, const LowLatencyDispatchArgs& a,
                                cudaStream_t stream) {
   ProxyHalf half(dev, g, "low_latency_dispatch", stream);
   const Shape shape = dispatch_shape(dev, g, a);
-  half.begin_receive(true);
-  launch(dispatch_kernel<false, true>, low_latency_blocks(), kThreads, dispatch_recv_shared(shape), stream,
-         DispatchSource{}, dispatch_target(a), shape, Outbox{}, half.inbox(), half.errors(),
-         "low_latency dispatch receive kernel");
-  acknowledge_kernel<<<1, kWarp, 0, stream>>>(half.proxy_out(0, false), g.size, half.errors(), int(dev.rank()));
-  check(cudaGetLastError(), "low_latency acknowledge kernel");
-  half.finish_receive();
+  half.receive(true, [&] {
+    launch(dispatch_kernel<false, true>, low_latency_blocks(), kThreads, dispatch_recv_shared(shape), stream,
+           DispatchSource{}, dispatch_target(a), shape, Outbox{}, half.inbox(), half.errors(),
+           "low_latency dispatch receive kernel");
+  });
 }
 
 void low_latency_dispatch(uccl_ep::Device& dev, const Group& g, const LowLatencyDispatchArgs& a, cudaStream_t stream) {
@@ -1329,27 +1353,24 @@ void low_latency_combine_send(uccl_ep::Device& dev, const Group& g, const LowLat
   ProxyHalf half(dev, g, "low_latency_combine", stream);
   const Shape shape = combine_shape(dev, g, a);
   const int slots = a.max_tokens_per_rank * a.topk;
-  // A write per run of slots while the runs surely fit a message, else one span of every slot.
-  const bool whole_rows = !fits_writes(dev, (slots + 1) / 2 + 1, shape.row_bytes * slots);
-  if (whole_rows && !fits_writes(dev, 2, shape.row_bytes * slots))
+  // The counts and a write per run of slots while the runs surely fit a message, else one span of every slot.
+  const int64_t rows_bytes = shape.row_bytes * slots;
+  const bool whole_rows = !fits_writes(dev, 1 + (slots + 1) / 2, shape.counts_bytes + rows_bytes);
+  if (whole_rows && !fits_writes(dev, 2, shape.counts_bytes + rows_bytes))
     throw std::invalid_argument("uccl_ep low_latency_combine: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
                                 "(a message may hold 2047 writes)");
-  half.begin_send(false);
-  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, slots),
-         stream, combine_source(a), CombineTarget{}, shape, half.outbox(half.proxy_out(slots, whole_rows)), Inbox{},
-         half.errors(), "low_latency combine send kernel");
-  half.finish_send();
+  half.send(false, [&] {
+    launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, slots),
+           stream, combine_source(a), CombineTarget{}, shape, half.outbox(half.proxy_out(slots, whole_rows)), Inbox{},
+           half.errors(), "low_latency combine send kernel");
+  });
 }
 
 void low_latency_combine_recv(uccl_ep::Device& dev, const Group& g, const LowLatencyCombineArgs& a,
                               cudaStream_t stream) {
   ProxyHalf half(dev, g, "low_latency_combine", stream);
   const Shape shape = combine_shape(dev, g, a);
-  half.begin_receive(false);
-  launch_combine_recv(a, shape, half.inbox(), half.errors(), stream);
-  acknowledge_kernel<<<1, kWarp, 0, stream>>>(half.proxy_out(0, false), g.size, half.errors(), int(dev.rank()));
-  check(cudaGetLastError(), "low_latency acknowledge kernel");
-  half.finish_receive();
+  half.receive(false, [&] { launch_combine_recv(a, shape, half.inbox(), half.errors(), stream); });
 }
 
 void low_latency_combine(uccl_ep::Device& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
