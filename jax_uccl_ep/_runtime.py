@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import threading
@@ -139,6 +140,36 @@ def _exchange(client: Any, key: str, local: dict[int, bytes], count: int, timeou
     ]
 
 
+def _shared_settings(settings: RuntimeSettings, buffer_bytes: int | None, low_latency_bytes: int | None) -> bytes:
+    """The settings every process must share, as this process sees them: peers compute where their messages land
+    from their own buffer layout, and message shapes, channels and routes from their own settings."""
+    env = os.environ
+    shared = {
+        "UCCL_EP_BUFFER_BYTES": settings.buffer_bytes,
+        "UCCL_EP_NUM_PROXY_THREADS": settings.num_proxy_threads,
+        "UCCL_EP_HIERARCHICAL": settings.hierarchical,
+        "UCCL_EP_GPUS_PER_NODE": env.get("UCCL_EP_GPUS_PER_NODE") or None,
+        "UCCL_EP_GPU_INITIATED": env.get("UCCL_EP_GPU_INITIATED", "1") != "0",
+        "UCCL_EP_PINNED": env.get("UCCL_EP_PINNED", "1") != "0",
+        "UCCL_EP_NVL_BUFFER_BYTES or initialize(buffer_bytes=)":
+            buffer_bytes if buffer_bytes is not None else env.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)),
+        "UCCL_EP_LL_BUFFER_BYTES or initialize(low_latency_buffer_bytes=)":
+            low_latency_bytes if low_latency_bytes is not None else env.get("UCCL_EP_LL_BUFFER_BYTES", str(256 << 20)),
+    }
+    return json.dumps({k: str(v) for k, v in shared.items()}, sort_keys=True).encode()
+
+
+def _check_settings_agree(per_process: list[bytes]) -> None:
+    """Raises ValueError naming each setting that differs between processes, with every process's value."""
+    values = [json.loads(v) for v in per_process]
+    differ = [name for name in values[0] if len({v.get(name) for v in values}) > 1]
+    if differ:
+        lines = [f"{name}: " + ", ".join(f"process {i} {v.get(name)}" for i, v in enumerate(values))
+                 for name in differ]
+        raise ValueError("jax_uccl_ep.initialize: every process must use the same settings; these differ:\n  " +
+                         "\n  ".join(lines))
+
+
 def _ffi_device_ordinal(device: Any) -> int:
     """The number XLA hands an FFI handler as its DeviceOrdinal for `device`.
 
@@ -195,6 +226,9 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         hosts = [socket.gethostname().encode()]
         if num_processes > 1:
             hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
+            mine = _shared_settings(settings, buffer_bytes, low_latency_buffer_bytes)
+            _check_settings_agree(_exchange(client, f"{key}/settings", {jax.process_index(): mine}, num_processes,
+                                            timeout_ms))
         per_node = os.environ.get("UCCL_EP_GPUS_PER_NODE")
         topo = Topology.build([d.process_index for d in devices], [h.decode() for h in hosts],
                               int(per_node) if per_node else None)

@@ -249,3 +249,32 @@ def test_mismatched_shapes_across_ranks_are_detected_not_hung(mode):
     for r in results:
         assert r.result["error"] is not None
         assert "shapes or op order differ across ranks" in r.result["error"]
+
+
+def initialize_outcome() -> dict:
+    """Child: initialize() and report what it raised (None if it did not)."""
+    try:
+        ep.initialize()
+    except ValueError as exc:
+        return {"error": str(exc)}
+    ep.shutdown()
+    return {"error": None}
+
+
+def test_processes_with_different_settings_are_refused_at_initialize():
+    """Peers compute where their messages land from their own buffer layout: a process whose buffer (or channels)
+    differs would corrupt them. Every process refuses, naming the setting and each process's value."""
+    per_rank = [{"UCCL_EP_BUFFER_BYTES": str(8 << 20)},
+                {"UCCL_EP_BUFFER_BYTES": str(16 << 20), "UCCL_EP_NUM_PROXY_THREADS": "2"}]
+    results = launch(HERE, "initialize_outcome", 2, per_rank_env=per_rank, timeout_s=120)
+    assert all(x.ok for x in results), describe(results)
+    for x in results:
+        msg = x.result["error"]
+        assert msg and "every process must use the same settings" in msg, x.result
+        assert f"UCCL_EP_BUFFER_BYTES: process 0 {8 << 20}, process 1 {16 << 20}" in msg, msg
+        assert "UCCL_EP_NUM_PROXY_THREADS: process 0 1, process 1 2" in msg, msg
+        assert "UCCL_EP_HIERARCHICAL" not in msg, msg  # only what differs
+    # The same settings everywhere: no complaint.
+    same = [{"UCCL_EP_BUFFER_BYTES": str(8 << 20)}] * 2
+    assert [x.result for x in launch(HERE, "initialize_outcome", 2, per_rank_env=same, timeout_s=120)] == \
+        [{"error": None}] * 2
