@@ -18,7 +18,8 @@
 // and results are deterministic. Token rows: [x | scales], each part 16-byte aligned; with an FP8 cast the
 // sender casts x on the way (kernels/fp8.hpp), so x is read once and no FP8 copy of it is made.
 // A combine region: [counts][rows]: each y row at its slot on its source (the handle's src_slot), so the source
-// reads token t's k-th expert output at row t * K + k without working out the routing again.
+// reads token t's k-th expert output at row t * K + k without working out the routing again. Over the proxy the
+// rows are packed instead (in slot order, packed_position), so a message is one run of bytes, not a write per row.
 #include <algorithm>
 #include <any>
 #include <cstring>
@@ -58,8 +59,6 @@ struct ProxyOut {
   uint32_t peer[kMaxLowLatencyRanks];          // global rank of member d
   int self;                          // our group position (our own rows need no message)
   uint32_t max_write_bytes;
-  bool whole_rows;                   // combine: one span of rows, not a write per run of slots (write limit)
-  int slots;                         // combine: N * K, the slots of a source's rows
   uint64_t timeout_ns;
   unsigned int* done;                // device word: send blocks finished (the last block resets it)
 };
@@ -79,6 +78,7 @@ struct Inbox {
   uint64_t want[kMaxLowLatencyRanks];             // the count that means this op's message is in
   uint64_t seq[kMaxLowLatencyRanks];              // the pair's op count (error reports)
   int rank[kMaxLowLatencyRanks];
+  bool packed;  // combine over the proxy: a sender's rows sit packed in slot order (packed_position), not at their slot
 };
 
 struct Shape {
@@ -409,61 +409,52 @@ __device__ void push_dispatch_messages(const DispatchSource& in, const Shape& sh
   }
 }
 
-// Combine: the counts, then member s's rows: a write per run of consecutive slots (`bits`, shared, marks the
-// slots of s's rows), or with `whole_rows` one span of every slot.
-__device__ void push_combine_messages(const CombineSource& in, const Shape& shape, const ProxyOut& p, const int* rows,
-                                      const int* begin, bool valid, unsigned* bits, DeviceErrors* err) {
+// Combine: member s's counts and its rows, packed in slot order after them (packed_position): one piece.
+__device__ void push_combine_messages(const Shape& shape, const ProxyOut& p, const int* from_source, bool valid,
+                                      DeviceErrors* err) {
   __shared__ Command batch[kWarp];
-  __shared__ bool failed;
-  const int R = shape.num_ranks, L = shape.local_experts, slots = p.slots, words = (p.slots + 31) / 32;
-  const int64_t slab = int64_t(R) * shape.max_tokens;
-  uint64_t head = 0, tail_seen = 0;
-  if (threadIdx.x < kWarp) ring_position(p.ring, head, tail_seen);
-  const uint64_t deadline = global_ns() + p.timeout_ns;
-  if (threadIdx.x == 0) failed = false;
-  for (int s = 0; s < R; ++s) {
-    if (s == p.self) continue;
-    for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0;
-    __syncthreads();
-    if (valid && !p.whole_rows)
-      for (int l = 0; l < L; ++l)
-        for (int r = threadIdx.x; r < rows[l * R + s]; r += blockDim.x) {
-          const int64_t j = in.src_slot[int64_t(l) * slab + begin[l * R + s] + r];
-          if (j >= 0 && j < slots) atomicOr(&bits[j / 32], 1u << (j % 32));
-        }
-    __syncthreads();
-    if (threadIdx.x < kWarp && !failed) {
-      bool counts_sent = false;
-      int j = 0;  // lane 0: the next slot to look at
-      auto next_piece = [&](uint64_t& at, uint64_t& bytes) {
-        if (!counts_sent) {
-          counts_sent = true;
-          at = 0;
-          bytes = uint64_t(shape.counts_bytes);
-          return true;
-        }
-        if (p.whole_rows) {
-          if (!valid || j == slots) return false;
-          j = slots;
-          at = uint64_t(shape.counts_bytes);
-          bytes = uint64_t(slots) * uint64_t(shape.row_bytes);
-          return true;
-        }
-        while (j < slots && !(bits[j / 32] >> (j % 32) & 1u)) j = bits[j / 32] >> (j % 32) ? j + 1 : (j / 32 + 1) * 32;
-        if (j >= slots) return false;
-        const int first = j;
-        while (j < slots && (bits[j / 32] >> (j % 32) & 1u)) ++j;
-        at = uint64_t(shape.counts_bytes) + uint64_t(first) * uint64_t(shape.row_bytes);
-        bytes = uint64_t(j - first) * uint64_t(shape.row_bytes);
+  const int R = shape.num_ranks, L = shape.local_experts;
+  if (threadIdx.x < kWarp) {
+    uint64_t head = 0, tail_seen = 0;
+    ring_position(p.ring, head, tail_seen);
+    const uint64_t deadline = global_ns() + p.timeout_ns;
+    for (int s = 0; s < R; ++s) {
+      if (s == p.self) continue;
+      bool sent = false;
+      auto next_piece = [&](uint64_t& begin, uint64_t& bytes) {
+        if (sent) return false;
+        sent = true;
+        begin = 0;
+        bytes = uint64_t(shape.counts_bytes) + uint64_t(valid ? from_source[s * (L + 1) + L] : 0) *
+                                                   uint64_t(shape.row_bytes);
         return true;
       };
       if (!push_message(p, s, next_piece, batch, head, tail_seen, deadline, err, shape.rank,
-                        int64_t(p.timeout_ns / 1000000000ull)) &&
-          threadIdx.x == 0)
-        failed = true;
+                        int64_t(p.timeout_ns / 1000000000ull)))
+        break;
     }
-    __syncthreads();
   }
+}
+
+// Combine over the proxy (one warp, every lane): where the row of source s with slot j goes in s's message: after
+// s's rows with a lower slot, so the message is one run of rows; the source finds the same place from its routing
+// (the slots below j that chose an expert of this rank). from_source[s * (L + 1) + l]: s's rows of experts < l.
+__device__ int64_t packed_position(const CombineSource& in, const Shape& shape, const int* begin,
+                                   const int* from_source, int s, int64_t j, int lane) {
+  const int R = shape.num_ranks, L = shape.local_experts;
+  const int64_t slab = int64_t(R) * shape.max_tokens;
+  const int* prefix = from_source + s * (L + 1);
+  int below = 0;
+  for (int i = lane; i < prefix[L]; i += kWarp) {
+    int lo = 0, hi = L;  // the expert: the last l with prefix[l] <= i
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (prefix[mid] <= i) lo = mid; else hi = mid;
+    }
+    below += in.src_slot[int64_t(lo) * slab + begin[lo * R + s] + (i - prefix[lo])] < j;
+  }
+  for (int d = kWarp / 2; d > 0; d /= 2) below += __shfl_xor_sync(0xffffffffu, below, d);
+  return below;
 }
 
 // After a receive on the proxy path (one warp): tells every other member we read its message (a fence-only
@@ -634,6 +625,8 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
   int* begin = rows + R * L;      // [l * R + s]: where source s's rows start in y[l]
   int* cum = begin + R * L;       // [L + 1]: prefix of rows per expert
   int* in_expert = cum + L + 1;   // [L]: rows of expert l
+  int* from_source = in_expert + L;  // proxy path: [s * (L + 1) + l], source s's rows of experts < l
+  const bool proxy = to.proxy.ring.slots != nullptr;
   __shared__ bool valid;
   stamp(shape, kCombineSend, 0);
   if (threadIdx.x == 0) valid = true;
@@ -648,6 +641,15 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     in_expert[l] = in_l;
     if (in_l > slab) valid = false;
   }
+  if (proxy)
+    for (int src = threadIdx.x; src < R; src += blockDim.x) {
+      int acc = 0;
+      for (int l = 0; l < L; ++l) {
+        from_source[src * (L + 1) + l] = acc;
+        acc += rows[l * R + src];
+      }
+      from_source[src * (L + 1) + L] = acc;
+    }
   __syncthreads();
   if (threadIdx.x < kWarp) {
     const int all = warp_exclusive_scan(L, [&](int l) { return in_expert[l]; }, [&](int l, int v) { cum[l] = v; });
@@ -675,7 +677,8 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
       if (lane == 0) report(err, 9, shape.rank, l, r, j);
       continue;
     }
-    warp_copy(to.region[s] + shape.counts_bytes + j * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
+    const int64_t at = proxy ? packed_position(in, shape, begin, from_source, s, j, lane) : j;
+    warp_copy(to.region[s] + shape.counts_bytes + at * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
               in.row_bytes, lane);
   }
   stamp(shape, kCombineSend, 2);
@@ -683,7 +686,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     for (int i = threadIdx.x; i < R * L; i += blockDim.x)
       reinterpret_cast<int*>(to.region[i / L])[i % L] = valid ? rows[(i % L) * R + i / L] : 0;
   });
-  if (last) push_combine_messages(in, shape, to.proxy, rows, begin, valid, reinterpret_cast<unsigned*>(in_expert + L), err);
+  if (last) push_combine_messages(shape, to.proxy, from_source, valid, err);
   stamp(shape, kCombineSend, 3);
 }
 
@@ -696,8 +699,17 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   const int pairs = out.num_tokens * out.topk, L = shape.local_experts, topk = out.topk;
   int* idx = smem;            // [pairs]: topk_idx, -1 where unused or out of range
   int* count = idx + pairs;   // [num_experts] (block 0): slots per expert, for the stale-handle check
+  int* position = count + out.num_experts;  // packed: [pairs], the slot's row in its expert's rank's message
   stamp(shape, kCombineRecv, 0);
   load_slots(out.topk_idx, pairs, topk, out.num_experts, idx, err, shape.rank, false);
+  __syncthreads();
+  if (from.packed && threadIdx.x / kWarp < shape.num_ranks) {  // warp d: the slots that chose an expert of rank d
+    const int d = threadIdx.x / kWarp;
+    auto to_d = [&](int i) { return int(idx[i] >= 0 && idx[i] / L == d); };
+    warp_exclusive_scan(pairs, to_d, [&](int i, int v) {
+      if (to_d(i)) position[i] = v;
+    });
+  }
   __syncthreads();
   if (blockIdx.x == 0) count_by_expert(idx, pairs, out.num_experts, count);
   __syncthreads();
@@ -725,8 +737,9 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
 #pragma unroll
       for (int r = 0; r < kRowsInFlight; ++r) {
         const int k = k0 + r, e = k < topk ? idx[t * topk + k] : -1;
-        const int64_t j = int64_t(t) * topk + k;  // the row's slot: where the expert's rank put it
+        int64_t j = int64_t(t) * topk + k;  // the row's slot: where the expert's rank put it (or packed)
         used[r] = e >= 0 && j < shape.capacity_rows;
+        if (from.packed && used[r]) j = position[t * topk + k];
         weight[r] = used[r] ? out.topk_weights[t * topk + k] : 0.f;
         const int4* row = used[r] ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes +
                                                                   j * shape.row_bytes) : nullptr;
@@ -1002,13 +1015,14 @@ CombineTarget combine_target(const LowLatencyCombineArgs& a) {
   return {a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, combine_row_bytes(a),
           static_cast<char*>(a.out)};
 }
-// Send: the layout, where each source's rows start, prefixes; on the proxy path a bit per slot (push_combine_messages).
-size_t combine_send_shared(const Shape& shape, int slots) {
+// Send: the layout, where each source's rows start, prefixes; on the proxy path each source's rows by expert.
+size_t combine_send_shared(const Shape& shape, bool proxy) {
   const size_t R = shape.num_ranks, L = shape.local_experts;
-  return (2 * R * L + 2 * L + 1 + (size_t(slots) + 31) / 32) * sizeof(int);
+  return (2 * R * L + 2 * L + 1 + (proxy ? R * (L + 1) : 0)) * sizeof(int);
 }
-size_t combine_recv_shared(const LowLatencyCombineArgs& a) {
-  return (size_t(a.num_tokens) * a.topk + a.num_experts) * sizeof(int);
+// Receive: the routing, slots per expert; packed (proxy path) each slot's row in its message.
+size_t combine_recv_shared(const LowLatencyCombineArgs& a, bool packed) {
+  return (size_t(a.num_tokens) * a.topk * (packed ? 2 : 1) + a.num_experts) * sizeof(int);
 }
 
 // One launch of a phase kernel: send-only grids are kSendBlocks x kSendThreads (receivers count arrivals by
@@ -1023,7 +1037,7 @@ void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t st
 void launch_combine_recv(const LowLatencyCombineArgs& a, const Shape& shape, const Inbox& from, DeviceErrors* err,
                          cudaStream_t stream) {
   launch(a.bf16 ? combine_kernel<__nv_bfloat16, false, true> : combine_kernel<float, false, true>,
-         low_latency_blocks(), kThreads, combine_recv_shared(a), stream, CombineSource{}, combine_target(a), shape,
+         low_latency_blocks(), kThreads, combine_recv_shared(a, from.packed), stream, CombineSource{}, combine_target(a), shape,
          Outbox{}, from, err, "low_latency combine receive kernel");
 }
 
@@ -1085,7 +1099,7 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
-  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, 0), stream,
+  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, false), stream,
          combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev.errors_device(), "low_latency combine send kernel");
   dev.timing_end(stream, "low_latency_combine send");
   dev.timing_begin(stream);
@@ -1102,7 +1116,7 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   const Shape shape = combine_shape(dev, g, a);
   run_fused(dev, g, stream, a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
-            std::max(combine_send_shared(shape, 0), combine_recv_shared(a)), shape,
+            std::max(combine_send_shared(shape, false), combine_recv_shared(a, false)), shape,
             combine_source(a), combine_target(a), "low_latency_combine", [&] {
               low_latency_combine_send(dev, g, a, stream);
               low_latency_combine_recv(dev, g, a, stream);
@@ -1201,14 +1215,14 @@ class ProxyHalf {
     dev_.op_state().reset();
     in_step([&] {
       launch();
-      acknowledge_kernel<<<1, kWarp, 0, stream_>>>(proxy_out(0, false), g_.size, errors(), int(dev_.rank()));
+      acknowledge_kernel<<<1, kWarp, 0, stream_>>>(proxy_out(), g_.size, errors(), int(dev_.rank()));
       check(cudaGetLastError(), "low_latency acknowledge kernel");
     });
     finish();
     consume(false);
   }
 
-  ProxyOut proxy_out(int slots, bool whole_rows) const {
+  ProxyOut proxy_out() const {
     ProxyOut p{};
     p.ring = device_ring(dev_.ring(0));
     for (int d = 0; d < g_.size; ++d) {
@@ -1223,8 +1237,6 @@ class ProxyHalf {
     p.remote_offset = dev_.recv_offset(dev_.rank());
     p.self = g_.self;
     p.max_write_bytes = dev_.max_write_bytes();
-    p.whole_rows = whole_rows;
-    p.slots = slots;
     p.timeout_ns = timeout_ns();
     p.done = gpu_->done;
     return p;
@@ -1241,6 +1253,7 @@ class ProxyHalf {
   }
   Inbox inbox() const {
     Inbox from{};
+    from.packed = true;  // a combine's rows come packed (packed_position); a dispatch's layout is the same as NVLink's
     for (int s = 0; s < g_.size; ++s) {
       const uint32_t peer = uint32_t(g_.ranks[s]);
       from.region[s] = buffer_ + dev_.recv_offset(peer);
@@ -1327,7 +1340,7 @@ void low_latency_dispatch_send(uccl_ep::Device& dev, const Group& g, const LowLa
                                 "(a message may hold 2047 writes)");
   half.send(true, [&] {
     launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
-           dispatch_source(a), DispatchTarget{}, shape, half.outbox(half.proxy_out(0, false)), Inbox{}, half.errors(),
+           dispatch_source(a), DispatchTarget{}, shape, half.outbox(half.proxy_out()), Inbox{}, half.errors(),
            "low_latency dispatch send kernel");
   });
 }
@@ -1352,17 +1365,14 @@ void low_latency_combine_send(uccl_ep::Device& dev, const Group& g, const LowLat
                               cudaStream_t stream) {
   ProxyHalf half(dev, g, "low_latency_combine", stream);
   const Shape shape = combine_shape(dev, g, a);
-  const int slots = a.max_tokens_per_rank * a.topk;
-  // The counts and a write per run of slots while the runs surely fit a message, else one span of every slot.
-  const int64_t rows_bytes = shape.row_bytes * slots;
-  const bool whole_rows = !fits_writes(dev, 1 + (slots + 1) / 2, shape.counts_bytes + rows_bytes);
-  if (whole_rows && !fits_writes(dev, 2, shape.counts_bytes + rows_bytes))
+  // A message: the counts and up to N * K rows, packed.
+  if (!fits_writes(dev, 1, shape.counts_bytes + shape.row_bytes * a.max_tokens_per_rank * a.topk))
     throw std::invalid_argument("uccl_ep low_latency_combine: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
                                 "(a message may hold 2047 writes)");
   half.send(false, [&] {
-    launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, slots),
-           stream, combine_source(a), CombineTarget{}, shape, half.outbox(half.proxy_out(slots, whole_rows)), Inbox{},
-           half.errors(), "low_latency combine send kernel");
+    launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, true),
+           stream, combine_source(a), CombineTarget{}, shape, half.outbox(half.proxy_out()), Inbox{}, half.errors(),
+           "low_latency combine send kernel");
   });
 }
 
