@@ -359,6 +359,24 @@ __device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, F
   }
 }
 
+// Warp 0 of the last send block: the message to every other member, its pieces from pieces(member, i, begin,
+// bytes) for i = 0, 1, ... until it returns false; stops at the first timeout (reported).
+template <class Pieces>
+__device__ void push_messages(const ProxyOut& p, int num_ranks, int rank, DeviceErrors* err, Pieces&& pieces) {
+  __shared__ Command batch[kWarp];
+  uint64_t head = 0, tail_seen = 0;
+  ring_position(p.ring, head, tail_seen);
+  const uint64_t deadline = global_ns() + p.timeout_ns;
+  for (int d = 0; d < num_ranks; ++d) {
+    if (d == p.self) continue;
+    int piece = 0;
+    auto next_piece = [&](uint64_t& begin, uint64_t& bytes) { return pieces(d, piece++, begin, bytes); };
+    if (!push_message(p, d, next_piece, batch, head, tail_seen, deadline, err, rank,
+                      int64_t(p.timeout_ns / 1000000000ull)))
+      return;
+  }
+}
+
 // The last send block of an op on the proxy path (whole block): the messages of every other member. Over the
 // proxy a message is a run of writes: only the pieces of a region that hold something go.
 
@@ -366,7 +384,6 @@ __device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, F
 __device__ void push_dispatch_messages(const DispatchSource& in, const Shape& shape, const ProxyOut& p, const int* idx,
                                        DeviceErrors* err) {
   __shared__ int entries[kMaxLowLatencyRanks], rows[kMaxLowLatencyRanks];
-  __shared__ Command batch[kWarp];
   const int R = shape.num_ranks, local = shape.local_experts;
   for (int d = threadIdx.x; d < R; d += blockDim.x) entries[d] = rows[d] = 0;
   __syncthreads();
@@ -382,58 +399,27 @@ __device__ void push_dispatch_messages(const DispatchSource& in, const Shape& sh
       if (to_rank >> d & 1) atomicAdd(&rows[d], 1);
   }
   __syncthreads();
-  if (threadIdx.x < kWarp) {
-    uint64_t head = 0, tail_seen = 0;
-    ring_position(p.ring, head, tail_seen);
-    const uint64_t deadline = global_ns() + p.timeout_ns;
-    for (int d = 0; d < R; ++d) {
-      if (d == p.self) continue;
-      int piece = 0;
-      auto next_piece = [&](uint64_t& begin, uint64_t& bytes) {
-        if (piece == 0) {
-          begin = 0;
-          bytes = uint64_t(shape.counts_bytes) + uint64_t(entries[d]) * 8;
-        } else if (piece == 1) {
-          begin = uint64_t(shape.tokens_at);
-          bytes = uint64_t(rows[d]) * uint64_t(shape.row_bytes);
-        } else {
-          return false;
-        }
-        ++piece;
-        return true;
-      };
-      if (!push_message(p, d, next_piece, batch, head, tail_seen, deadline, err, shape.rank,
-                        int64_t(p.timeout_ns / 1000000000ull)))
-        break;
-    }
-  }
+  if (threadIdx.x < kWarp)
+    push_messages(p, R, shape.rank, err, [&](int d, int piece, uint64_t& begin, uint64_t& bytes) {
+      if (piece > 1) return false;
+      begin = piece == 0 ? 0 : uint64_t(shape.tokens_at);
+      bytes = piece == 0 ? uint64_t(shape.counts_bytes) + uint64_t(entries[d]) * 8
+                         : uint64_t(rows[d]) * uint64_t(shape.row_bytes);
+      return true;
+    });
 }
 
 // Combine: member s's counts and its rows, packed in slot order after them (packed_position): one piece.
 __device__ void push_combine_messages(const Shape& shape, const ProxyOut& p, const int* from_source, bool valid,
                                       DeviceErrors* err) {
-  __shared__ Command batch[kWarp];
-  const int R = shape.num_ranks, L = shape.local_experts;
-  if (threadIdx.x < kWarp) {
-    uint64_t head = 0, tail_seen = 0;
-    ring_position(p.ring, head, tail_seen);
-    const uint64_t deadline = global_ns() + p.timeout_ns;
-    for (int s = 0; s < R; ++s) {
-      if (s == p.self) continue;
-      bool sent = false;
-      auto next_piece = [&](uint64_t& begin, uint64_t& bytes) {
-        if (sent) return false;
-        sent = true;
-        begin = 0;
-        bytes = uint64_t(shape.counts_bytes) + uint64_t(valid ? from_source[s * (L + 1) + L] : 0) *
-                                                   uint64_t(shape.row_bytes);
-        return true;
-      };
-      if (!push_message(p, s, next_piece, batch, head, tail_seen, deadline, err, shape.rank,
-                        int64_t(p.timeout_ns / 1000000000ull)))
-        break;
-    }
-  }
+  const int L = shape.local_experts;
+  if (threadIdx.x < kWarp)
+    push_messages(p, shape.num_ranks, shape.rank, err, [&](int s, int piece, uint64_t& begin, uint64_t& bytes) {
+      begin = 0;
+      bytes = uint64_t(shape.counts_bytes) + uint64_t(valid ? from_source[s * (L + 1) + L] : 0) *
+                                                 uint64_t(shape.row_bytes);
+      return piece == 0;
+    });
 }
 
 // Combine over the proxy (one warp, every lane): where the row of source s with slot j goes in s's message: after
