@@ -52,15 +52,15 @@ constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined 
 // previous message; the proxy posts them. Over NVLink `ring.slots` is null.
 struct ProxyOut {
   DeviceRing ring;
-  const uint64_t* ack[kMaxLowLatencyRanks];    // member d's released-message word (channel 0), or null: nothing to await
+  const uint64_t* ack[kMaxLowLatencyRanks];    // member d's released-message word (channel 0), or null: none awaited
   uint64_t ack_want[kMaxLowLatencyRanks];      // the count that means d read our previous message
   uint64_t local_offset[kMaxLowLatencyRanks];  // our send region for member d, in our registered buffer
-  uint64_t remote_offset;            // our region in every receiver's registered buffer
+  uint64_t remote_offset;                      // our region in every receiver's registered buffer
   uint32_t peer[kMaxLowLatencyRanks];          // global rank of member d
-  int self;                          // our group position (our own rows need no message)
+  int self;                                    // our group position (our own rows need no message)
   uint32_t max_write_bytes;
   uint64_t timeout_ns;
-  unsigned int* done;                // device word: send blocks finished (the last block resets it)
+  unsigned int* done;                          // device word: send blocks finished (the last block resets it)
 };
 
 // Where a send kernel writes (by group position).
@@ -73,12 +73,13 @@ struct Outbox {
 // What a receive kernel reads (by group position).
 struct Inbox {
   const char* region[kMaxLowLatencyRanks];
-  const uint64_t* arrivals[kMaxLowLatencyRanks];  // NVLink: our counter of the sender's blocks; proxy: its released-message
-                                        // word; null: nothing to wait for (our own rows, written by an earlier launch)
-  uint64_t want[kMaxLowLatencyRanks];             // the count that means this op's message is in
-  uint64_t seq[kMaxLowLatencyRanks];              // the pair's op count (error reports)
+  // NVLink: our counter of the sender's blocks; proxy: its released-message word; null: nothing to wait for (our
+  // own rows, written by an earlier launch).
+  const uint64_t* arrivals[kMaxLowLatencyRanks];
+  uint64_t want[kMaxLowLatencyRanks];  // the count that means this op's message is in
+  uint64_t seq[kMaxLowLatencyRanks];   // the pair's op count (error reports)
   int rank[kMaxLowLatencyRanks];
-  bool packed;  // combine over the proxy: a sender's rows sit packed in slot order (packed_position), not at their slot
+  bool packed;  // combine over the proxy: a sender's rows come packed in slot order (packed_position)
 };
 
 struct Shape {
