@@ -220,8 +220,16 @@ NB_MODULE(_uccl_ep, m) {
       a.fence = message_fence(peer);
       a.rank = rank;
       r = nvl::proxy_put(d.ordinal(), a, peer);
-      if (r.timed_out == 0)  // arrived: consume them here too
-        for (uint32_t i = 0; i < messages; ++i) d.wait_message(channel, peer, "proxy_gpu_put");
+      if (r.timed_out != 0) {  // the host's counts no longer match what the kernel did: out of step
+        static const char* what[] = {"", "the ring stayed full", "its writes were not retired",
+                                     "the peer's messages did not arrive"};
+        const std::string message = "uccl_ep proxy_gpu_put: rank " + std::to_string(rank) + ": " +
+                                    what[std::min(r.timed_out, 3)] + " within UCCL_EP_TIMEOUT_S (peer " +
+                                    std::to_string(peer) + ")";
+        d.abort({peer}, message);
+        throw TimeoutError(message);
+      }
+      for (uint32_t i = 0; i < messages; ++i) d.wait_message(channel, peer, "proxy_gpu_put");  // consume them here too
     }
     nb::dict out;
     out["mismatched_words"] = r.mismatched_words;
