@@ -111,10 +111,18 @@ void Device::wait_until(const Deadline& deadline, uint32_t peer, const char* op,
       // `peer` may itself be stuck on the rank that actually died, a moment from telling us so (its abort names
       // that rank): give its notice a short grace before blaming `peer`.
       if (!grace) grace.emplace(std::min(1.0, deadline.seconds() / 5));
-      if (grace->expired()) throw TimeoutError(timeout_message());
+      if (grace->expired()) throw TimeoutError(timeout_message() + exited_peers_note());
     }
     backoff.pause();
   }
+}
+
+std::string Device::exited_peers_note() const {
+  // A peer stuck on the rank that died (a proxy spinning on the dead process's shm lock) may be the one that did
+  // not answer: name the rank whose process is gone too, where the provider lets us see it (shm, one host).
+  std::string ranks;
+  for (uint32_t r : fabric_->exited_shm_peers()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  return ranks.empty() ? "" : "; rank(s) " + ranks + " exited (process gone), likely the cause";
 }
 
 void Device::push(int channel, const Command& cmd, const Deadline& deadline, const char* op) {

@@ -137,6 +137,8 @@ class Device {
   void post(int channel, const Command& cmd, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
   int drain_completions(int channel, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
   void fail(uint32_t peer, const std::string& message);
+  // For a timeout's message: the peers whose process is gone (shm), or "".
+  std::string exited_peers_note() const;
   void check_failed(uint32_t peer, const char* op);
 
   Config config_;

@@ -85,18 +85,33 @@ bool process_runs(long pid) {
   const size_t paren = stat.rfind(')');  // "pid (comm) S ...": comm may hold spaces and parentheses
   return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
 }
+
+// "fi_shm://<pid>:<domain>:<endpoint>" (maybe NUL-padded): the segment's name in /dev/shm and its owner's pid
+// (pid -1 if the name has another form).
+std::pair<std::string, long> shm_segment(const std::string& full) {
+  std::string name = full.substr(0, full.find('\0'));
+  const size_t slash = name.rfind('/');
+  if (slash != std::string::npos) name = name.substr(slash + 1);
+  const size_t colon = name.find(':');
+  if (colon == 0 || colon == std::string::npos || name.find_first_not_of("0123456789") != colon) return {name, -1};
+  return {name, std::stol(name.substr(0, colon))};
+}
+
 }  // namespace
 
 void remove_dead_peers_shm_segments(const std::vector<std::string>& peer_names) {
   for (const std::string& full : peer_names) {
-    std::string name = full.substr(0, full.find('\0'));
-    const size_t slash = name.rfind('/');
-    if (slash != std::string::npos) name = name.substr(slash + 1);
-    const size_t colon = name.find(':');
-    if (colon == 0 || colon == std::string::npos || name.find_first_not_of("0123456789") != colon) continue;
-    if (process_runs(std::stol(name.substr(0, colon)))) continue;
+    const auto [name, pid] = shm_segment(full);
+    if (pid < 0 || process_runs(pid)) continue;
     unlink(("/dev/shm/" + name).c_str());  // ENOENT when its owner did unlink it: fine
   }
+}
+
+std::vector<uint32_t> FabricDevice::exited_shm_peers() const {
+  std::vector<uint32_t> gone;
+  for (const auto& [rank, pid] : peer_shm_pids_)
+    if (!process_runs(pid) && (gone.empty() || gone.back() != rank)) gone.push_back(rank);
+  return gone;
 }
 
 std::vector<uint8_t> EndpointInfo::serialize() const {
@@ -214,10 +229,16 @@ void FabricDevice::connect(const std::vector<EndpointInfo>& peers) {
     peer_key_[p] = peers[p].key;
   }
   peer_shm_names_.clear();
+  peer_shm_pids_.clear();
   if (provider_ == "shm")
     for (const auto& peer : peers)
       if (peer.rank != rank_)
-        for (const auto& n : peer.names) peer_shm_names_.emplace_back(n.begin(), n.end());
+        for (const auto& n : peer.names) {
+          peer_shm_names_.emplace_back(n.begin(), n.end());
+          // Only a process we see now can be seen gone later (another pid namespace would look gone throughout).
+          const long pid = shm_segment(peer_shm_names_.back()).second;
+          if (pid >= 0 && process_runs(pid)) peer_shm_pids_.emplace_back(uint32_t(peer.rank), pid);
+        }
   for (size_t c = 0; c < channels_.size(); ++c) {
     auto& ch = channels_[c];
     ch.peer_addr.assign(peers.size(), FI_ADDR_UNSPEC);

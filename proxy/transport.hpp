@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace uccl_ep {
@@ -51,6 +52,8 @@ class FabricDevice {
   void connect(const std::vector<EndpointInfo>& peers);  // indexed by rank
   // shm: the peers' endpoint names (for remove_dead_peers_shm_segments); empty for other providers.
   const std::vector<std::string>& peer_shm_names() const { return peer_shm_names_; }
+  // shm: peers whose process has exited since connect() (ascending ranks); empty for other providers.
+  std::vector<uint32_t> exited_shm_peers() const;
 
   // Posts one write with an immediate; returns false if the provider asks to retry later (-FI_EAGAIN).
   bool post_write(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, size_t length,
@@ -68,6 +71,7 @@ class FabricDevice {
   };
   std::string provider_;
   std::vector<std::string> peer_shm_names_;
+  std::vector<std::pair<uint32_t, long>> peer_shm_pids_;  // (rank, pid) of peers whose process ran at connect()
   uint32_t rank_;
   char* buffer_;
   size_t bytes_;

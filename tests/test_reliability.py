@@ -262,9 +262,11 @@ def test_dead_peer_mid_loop_is_named_and_nothing_is_left_behind(provider, seed):
                 assert res["segments_while_running"], "expected a libfabric shm segment named after the pid"
             assert res["segments_after_shutdown"] == []
             # "rank 2 ...", "rank(s) 2 ...", or over tcp "transport error with rank 2: Broken pipe" (relayed by
-            # the rank that saw it as "rank 1 aborted: ...").
+            # the rank that saw it as "rank 1 aborted: ..."); over shm a timeout that blames a survivor stuck on the
+            # dead process adds "rank(s) 2 exited (process gone)".
             named = re.search(r"\brank(?:\(s\))? 2\b", msg) is not None and any(
-                m in msg for m in ("did not arrive", "aborted", "did not take them", "transport error with rank 2"))
+                m in msg for m in ("did not arrive", "aborted", "did not take them", "transport error with rank 2",
+                                   "exited (process gone)"))
             if not named:
                 assert any(m in msg for m in UNNAMED_PEER_MESSAGES), f"rank {r.rank}: error does not name rank 2: {msg}"
                 expected_failures.append(f"rank {r.rank}'s error does not name the dead rank 2: {msg!r}")
@@ -694,3 +696,49 @@ def test_independent_ops_chained_by_the_user_across_processes():
     assert all(r.ok for r in results), describe(results)
     for r in results:
         assert r.result["errors"] == []
+
+
+def peer_exits_after_initialize(pid_dir: str) -> dict:
+    """Child of 2: process 1 exits right after initialize(); once it is gone, process 0 runs a round trip, whose
+    wait for rank 1 times out."""
+    me = int(os.environ["JAX_PROCESS_ID"])
+    with open(os.path.join(pid_dir, f"{me}.pid"), "w") as fh:
+        fh.write(str(os.getpid()))
+    ep.initialize()
+    if me == 1:
+        os._exit(1)
+    with open(os.path.join(pid_dir, "1.pid")) as fh:
+        pid = int(fh.read())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # gone: no such process, or a zombie the launcher has not reaped yet
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
+    num_ranks = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    f = jax.jit(jax.shard_map(roundtrip_body(4 * num_ranks), mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    x, idx, w = make_inputs([5, 0], num_ranks, 8, 128, 2, 4 * num_ranks)
+    try:
+        _local_outputs(f(_global_array(mesh, x), _global_array(mesh, idx), _global_array(mesh, w)), mesh)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the error under test
+        error = str(e)
+    from jax_uccl_ep import _uccl_ep as core
+    provider = core.provider(ep._runtime.local_ranks()[0])
+    ep.shutdown()
+    return {"error": error, "provider": provider}
+
+
+def test_a_timeout_names_the_peer_whose_process_is_gone():
+    """Over shm (one host) a timeout adds the ranks whose process has exited: when the rank that did not answer is a
+    survivor stuck on the dead one (its proxy spinning on the dead process's shm lock), the cause is still named."""
+    pid_dir = tempfile.mkdtemp(prefix="uccl_ep_gone_")
+    env = {"UCCL_EP_TIMEOUT_S": "3", "UCCL_EP_TEST_HARD_EXIT": "1"}
+    results = launch(HERE, "peer_exits_after_initialize", 2, args=[pid_dir], env=env, timeout_s=120)
+    assert results[0].ok, describe(results)
+    msg = results[0].result["error"]
+    assert msg and "rank(s) 1 exited (process gone), likely the cause" in msg, results[0].result
