@@ -28,6 +28,9 @@ def _watch():
             os._exit(3)
         time.sleep(0.5)
 threading.Thread(target=_watch, daemon=True).start()
+if os.environ.get("UCCL_EP_TEST_STACKS_AFTER_S"):  # a hung child shows where, before the launcher kills it
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ["UCCL_EP_TEST_STACKS_AFTER_S"]))
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
@@ -95,6 +98,7 @@ def launch(
             JAX_PROCESS_ID=str(rank),
             FI_TCP_IFACE="lo",  # test traffic stays on loopback
             PYTHONUNBUFFERED="1",
+            UCCL_EP_TEST_STACKS_AFTER_S=str(max(1.0, timeout_s - 15.0)),
         )
         child_env.update(env or {})
         if per_rank_env:
