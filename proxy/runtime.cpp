@@ -117,6 +117,13 @@ void Device::wait_until(const Deadline& deadline, uint32_t peer, const char* op,
   }
 }
 
+void Device::check_no_pending_half(const char* op) const {
+  if (op_state_.has_value())
+    throw Error(std::string("uccl_ep ") + op +
+                ": the send half of a low-latency op still waits for its receive half on this device; run the "
+                "receive first");
+}
+
 std::string Device::exited_peers_note() const {
   // A peer stuck on the rank that died (a proxy spinning on the dead process's shm lock) may be the one that did
   // not answer: name the rank whose process is gone too, where the provider lets us see it (shm, one host).

@@ -115,6 +115,9 @@ class Device {
   // State the op layer keeps between calls (a round waiting for its receive half), opaque here; it lives and
   // dies with the device. Guarded by op_mutex().
   std::any& op_state() { return op_state_; }
+  // Throws Error if op_state() holds a round's send half that still waits for its receive half (no other round may
+  // run on the device in between).
+  void check_no_pending_half(const char* op) const;
   DeviceStats stats() const;
 
  private:

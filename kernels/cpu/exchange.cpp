@@ -206,10 +206,7 @@ void check_no_pending(Device& dev, const char* op) {
     throw Error(std::string("uccl_ep ") + op + ": the send half of " + op_name(sent->kind) + " (op #" +
                           std::to_string(sent->op_index) +
                           ") still waits for its receive half on this device; run the receive first");
-  if (dev.op_state().has_value())  // a GPU-initiated send half (kernels/nvl/low_latency.cu)
-    throw Error(std::string("uccl_ep ") + op +
-                ": the send half of a low-latency op still waits for its receive half on this device; run the "
-                "receive first");
+  dev.check_no_pending_half(op);  // a GPU-initiated one (kernels/nvl/low_latency.cu)
 }
 
 }  // namespace

@@ -51,6 +51,8 @@ struct DeviceErrors {
 
 // Raises the error `e` describes (TimeoutError for a peer or proxy that did not answer); `where` starts the message.
 [[noreturn]] void raise_device_error(const DeviceErrors& e, const std::string& where);
+// Raises (and clears) the error recorded in `word` (host address), if any, as found by an earlier op.
+void raise_pending_device_error(DeviceErrors* word, const char* op);
 
 class NvlDevice {
  public:

@@ -330,11 +330,13 @@ std::vector<uint64_t> NvlDevice::kernel_phases() {
   return std::vector<uint64_t>(phases_host_, phases_host_ + kPhaseWords);
 }
 
-void NvlDevice::check_errors(const char* op) {
+void NvlDevice::check_errors(const char* op) { raise_pending_device_error(errors_host_, op); }
+
+void raise_pending_device_error(DeviceErrors* word, const char* op) {
   DeviceErrors e;
-  std::memcpy(&e, const_cast<const DeviceErrors*>(errors_host_), sizeof(e));
+  std::memcpy(&e, const_cast<const DeviceErrors*>(word), sizeof(e));
   if (e.code == 0) return;
-  std::memset(errors_host_, 0, sizeof(DeviceErrors));
+  std::memset(word, 0, sizeof(DeviceErrors));
   raise_device_error(e, std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(e.rank) + " ");
 }
 

@@ -56,7 +56,8 @@ void load_kernels(const Kernels&... kernels) {
 // replaces an input error (the host must see it to tell the peers); check_errors() raises it on the host.
 __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
   int seen = atomicCAS(&err->code, 0, code);
-  if (seen != 0 && seen != 5 && seen != 10 && (code == 5 || code == 10)) seen = atomicCAS(&err->code, seen, code) == seen ? 0 : seen;
+  if (seen != 0 && seen != 5 && seen != 10 && (code == 5 || code == 10))
+    seen = atomicCAS(&err->code, seen, code) == seen ? 0 : seen;
   if (seen == 0) {
     err->rank = rank;
     err->a = a;

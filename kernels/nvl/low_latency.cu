@@ -207,15 +207,6 @@ __device__ bool push_message(const ProxyOut& p, int d, NextPiece&& next_piece, C
   }
 }
 
-// Warp 0: the ring's head and tail as the host left them (no other producer while the op runs).
-__device__ void ring_position(const DeviceRing& ring, uint64_t& head, uint64_t& tail_seen) {
-  if (threadIdx.x % kWarp == 0) {
-    head = load_acquire_sys(ring.head);
-    tail_seen = load_acquire_sys(ring.tail);
-  }
-  head = __shfl_sync(0xffffffffu, head, 0);
-  tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
-}
 
 // Thread 0 waits for every source's arrival counter; false (on every thread) if one did not come in time. An
 // earlier timeout (error code 5 pending) ends the wait at once: the stream is out of step after it.
@@ -1180,12 +1171,8 @@ class ProxyHalf {
   // Refused while another op's send half waits for its receive half.
   template <class Launch>
   void send(bool dispatch, Launch&& launch) {
-    if (dev_.op_state().has_value())
-      in_step([&] {
-        throw Error(std::string("uccl_ep ") + op_ + ": the send half of a low-latency op still waits for its "
-                    "receive half on this device; run the receive first");
-      });
     in_step([&] {
+      dev_.check_no_pending_half(op_);
       dev_.quiet(op_);
       launch();
     });
@@ -1309,13 +1296,7 @@ bool fits_writes(const uccl_ep::Device& dev, int64_t pieces, int64_t bytes) {
 }  // namespace
 
 void check_proxy_errors(const char* op) {
-  for (DeviceErrors* e : proxy_error_words()) {
-    DeviceErrors err;
-    std::memcpy(&err, const_cast<const DeviceErrors*>(e), sizeof(err));
-    if (err.code == 0) continue;
-    std::memset(e, 0, sizeof(DeviceErrors));
-    raise_device_error(err, std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(err.rank) + " ");
-  }
+  for (DeviceErrors* word : proxy_error_words()) raise_pending_device_error(word, op);
 }
 
 void low_latency_dispatch_send(uccl_ep::Device& dev, const Group& g, const LowLatencyDispatchArgs& a,

@@ -89,12 +89,7 @@ __global__ void proxy_put_kernel(ProxyPutArgs a, DeviceRing ring, uint32_t peer_
   for (uint64_t i = lane; i < a.bytes / 4; i += 32) words[i] = payload_word(a.rank, i);
   __syncwarp();  // the payload, then the commands: warp_push's release store of the head covers the lanes' stores
   uint64_t head = 0, tail_seen = 0;
-  if (lane == 0) {
-    head = load_acquire_sys(ring.head);  // the host's pushes so far (no other producer meanwhile)
-    tail_seen = load_acquire_sys(ring.tail);
-  }
-  head = __shfl_sync(0xffffffffu, head, 0);
-  tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
+  ring_position(ring, head, tail_seen);  // after the host's pushes so far
   // Command c of the stream: write c % (writes + 1) of its message, or the message's fence.
   const uint64_t per_message = uint64_t(a.writes) + 1, commands = per_message * a.messages;
   int status = 0;

@@ -67,6 +67,17 @@ __device__ __forceinline__ bool warp_push(const DeviceRing& ring, const Command&
   return true;
 }
 
+// Every lane of the warp: the ring's head and tail as the host left them, to push from (no other producer may push
+// while the warp does).
+__device__ __forceinline__ void ring_position(const DeviceRing& ring, uint64_t& head, uint64_t& tail_seen) {
+  if (threadIdx.x % 32 == 0) {
+    head = load_acquire_sys(ring.head);
+    tail_seen = load_acquire_sys(ring.tail);
+  }
+  head = __shfl_sync(0xffffffffu, head, 0);
+  tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
+}
+
 // One thread: waits until `*word` (a count a proxy publishes in mapped host memory) reaches `target`: a device
 // quiet is the channel's retired-command count reaching the ring's head after our pushes; an arrival is a peer's
 // released-message count reaching the next message. False if it did not by `deadline_ns`.
