@@ -179,21 +179,15 @@ def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) 
 # ------------------------------------------------------------------------------------------------------------
 
 def sms_used() -> str:
-    """SMs the jax_uccl_ep kernels use: UCCL_EP_NUM_SMS, else a package attribute, else '?'."""
-    if os.environ.get("UCCL_EP_NUM_SMS"):
-        return os.environ["UCCL_EP_NUM_SMS"]
+    """SMs the jax_uccl_ep kernels use at once: a send kernel and a receive kernel of UCCL_EP_NUM_SMS blocks each
+    (the send kernel at most 48), shown as "send+receive"."""
     try:
         import jax_uccl_ep as ep
 
-        if hasattr(ep._uccl_ep, "nvl_num_sms"):
-            return str(ep._uccl_ep.nvl_num_sms())
-        for name in ("num_sms", "NUM_SMS", "get_num_sms"):
-            v = getattr(ep, name, None)
-            if v is not None:
-                return str(v() if callable(v) else v)
+        n = int(ep._uccl_ep.nvl_num_sms())
     except Exception:
-        pass
-    return "?"
+        return "?"
+    return f"{min(n, 48)}+{n}"
 
 
 def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int,

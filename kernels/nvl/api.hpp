@@ -1,18 +1,16 @@
 // Intranode (NVLink) normal mode on CUDA GPUs: a framework-free host API. Plain device pointers and a stream
 // in; every launch is asynchronous on that stream, with no host synchronization.
 //
-// How data moves: bulk bytes go GPU-to-GPU with the copy engines (cudaMemcpyAsync into the peer's buffer,
-// mapped through CUDA IPC or peer access), which reach the NVLink peak without spending SMs. A message is
-// announced by a stream write of a sequence number into the peer's flag (cuStreamWriteValue64, which fences the
-// copy before it) and awaited with cuStreamWaitValue64, so no SM spins either. SM kernels only do local work:
-// routing scans, gathers into the output and the float32 reduction of combine.
+// How data moves: SM kernels push each token's row only to the members that need it, straight into the member's
+// buffer over NVLink (mapped through CUDA IPC or peer access), packed in token order; the receiving member's
+// kernels copy the rows out as their chunks land. (Until session 7 the copy engines moved every token to every
+// member and the receiver gathered what it needed: 3.2x slower than NCCL at EP8, bench/RESULTS.md.)
 //
-// Per GPU one buffer: [flags 4 KiB][in-region of each peer][out-region of each peer][low-latency area]. Peer p copies its
-// messages into our in-region(p); combine stages rows for p in out-region(p). Flags, all written by p:
-// meta[p] = k once the small leading pieces of message k (routing) landed; data[p] = k * chunks + c + 1 once
-// chunk c of its bulk rows landed (the receiver works on chunks as they arrive, overlapping the copy engine);
-// ack[p] = k once p has finished reading our message k (we may overwrite its in-region then).
-// Sends run on a side stream of ours, so the copy engine moves bulk bytes while SMs gather what has arrived.
+// Per GPU one buffer: [flags 4 KiB][in-region of each peer][low-latency area]. Peer p writes its messages into
+// our in-region(p). Flags, all written by p: meta[p] counts the chunks of p's messages whose routing landed
+// (a chunk per send block); chunk[p][c] = k once chunk c of p's message k landed; ack[p] = k once p has finished
+// reading our message k (we may overwrite its in-region then). A send kernel runs on a side stream of ours while
+// XLA's stream waits for the routing, scans it and receives, so sends and receives overlap.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -39,6 +37,9 @@ constexpr int kMaxRanks = 8;  // GPUs of one host (NVLink)
 // the classic 4 KiB): NVLink groups stop at kMaxRanks; groups across nodes (the proxy path) at this.
 constexpr int kMaxLowLatencyRanks = 32;
 constexpr size_t kFlagBytes = 4096;
+// Most chunks a normal-mode message's rows are announced in (a flag each per peer; a chunk per send block): the
+// receiver copies or reduces a chunk as soon as it landed.
+constexpr int kChunks = 48;
 
 // Errors kernels find (bad expert index, capacity exceeded) land in host-mapped memory and are raised by
 // check_errors(): a kernel cannot fail the call that launched it, and an op must not fail on one rank only
@@ -75,23 +76,17 @@ class NvlDevice {
   void connect(const std::vector<std::vector<uint8_t>>& ipc_handles, const std::vector<NvlDevice*>& same_process);
 
   char* in_region(int peer) const;        // ours, written by `peer`
-  char* out_region(int peer) const;       // ours, staging for `peer`
   char* peer_in_region(int peer) const;   // peer's in-region for us
-  uint64_t* data_flag(int peer) const;    // ours
+  uint64_t* chunk_flags(int peer) const;  // ours: [kChunks]
   uint64_t* meta_flag(int peer) const;    // ours
   uint64_t* ack_flag(int peer) const;     // ours
-  uint64_t* peer_data_flag(int peer) const;
+  uint64_t* peer_chunk_flags(int peer) const;
   uint64_t* peer_meta_flag(int peer) const;
   uint64_t* peer_ack_flag(int peer) const;
-  // Side stream for sends, and events to fork it from and join it to XLA's stream.
+  // Side stream for send kernels, and events to fork it from and join it to XLA's stream.
   cudaStream_t send_stream() const { return send_stream_; }
   cudaEvent_t fork_event() const { return fork_event_; }
   cudaEvent_t join_event() const { return join_event_; }
-  // Combine stages rows on a stream of its own, so staging chunk c+1 overlaps the copy of chunk c.
-  cudaStream_t stage_stream() const { return stage_stream_; }
-  cudaEvent_t chunk_event(int c) const { return chunk_events_[c]; }
-  cudaEvent_t stage_done_event() const { return stage_done_event_; }
-  int chunks() const { return chunks_; }
 
   // Message sequencing (host side, under op_mutex): both ends of a pair enqueue ops in the same order.
   std::mutex& op_mutex() { return op_mutex_; }
@@ -152,10 +147,6 @@ class NvlDevice {
   size_t scratch_bytes_ = 0;
   cudaStream_t send_stream_ = nullptr;
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
-  cudaStream_t stage_stream_ = nullptr;
-  std::vector<cudaEvent_t> chunk_events_;
-  cudaEvent_t stage_done_event_ = nullptr;
-  int chunks_ = 8;
 };
 
 // Process-global registry of this process's GPUs. Handlers hold lifetime_mutex() shared for an op.
@@ -283,15 +274,17 @@ ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t pee
 void preload_intranode_kernels();
 void preload_low_latency_kernels();
 
-// SMs the routing and gather kernels may occupy (UCCL_EP_NUM_SMS, default 24).
+// Blocks (SMs) of normal mode's send kernel (at most kChunks), and as many of its receive kernel
+// (UCCL_EP_NUM_SMS, default 32).
 int num_sms();
 // Blocks of the split low-latency receive kernels (UCCL_EP_LL_NUM_SMS, default 32); send and fused kernels use
 // 64 blocks of 512 threads.
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing (UCCL_EP_TIMEOUT_S).
 uint64_t timeout_ns();
-// Whether normal mode waits for peers with polling kernels that give up after timeout_ns() (the default) instead
-// of stream memory waits, which cost no launch but never give up (UCCL_EP_NVL_DEADLINE=0).
+// Whether normal mode waits for the peers' routing with a polling kernel that gives up after timeout_ns() (the
+// default) instead of stream memory waits, which cost no launch but never give up (UCCL_EP_NVL_DEADLINE=0). The
+// waits for rows inside the kernels always have the deadline.
 bool waits_have_deadline();
 // Low-latency kernels: a non-split op's send and receive in one kernel (else UCCL_EP_LL_FUSED=0).
 bool low_latency_fused();

@@ -107,7 +107,7 @@ T* mapped_host(size_t count, T** device) {
 }  // namespace
 
 int num_sms() {
-  static const int n = positive_env("UCCL_EP_NUM_SMS", 24);
+  static const int n = positive_env("UCCL_EP_NUM_SMS", 32);
   return n;
 }
 
@@ -143,16 +143,16 @@ uint64_t timeout_ns() {
 
 size_t NvlDevice::buffer_bytes_for(int num_ranks, size_t message_bytes) {
   size_t region = (message_bytes + 4095) / 4096 * 4096;
-  return kFlagBytes + 2 * size_t(num_ranks) * region;
+  return kFlagBytes + size_t(num_ranks) * region;
 }
 
 NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_bytes, size_t low_latency_bytes)
     : device_(cuda_device), rank_(rank), num_ranks_(num_ranks), buffer_bytes_(buffer_bytes) {
   if (num_ranks < 1 || num_ranks > kMaxRanks)
     throw std::invalid_argument("uccl_ep nvl: NVLink groups hold 1 to 8 GPUs, got " + std::to_string(num_ranks));
-  if (buffer_bytes < kFlagBytes + 2 * size_t(num_ranks) * 4096)
+  if (buffer_bytes < kFlagBytes + size_t(num_ranks) * 4096)
     throw std::invalid_argument("uccl_ep nvl: buffer of " + std::to_string(buffer_bytes) + " bytes is too small");
-  region_bytes_ = (buffer_bytes - kFlagBytes) / (2 * size_t(num_ranks)) / 4096 * 4096;
+  region_bytes_ = (buffer_bytes - kFlagBytes) / size_t(num_ranks) / 4096 * 4096;
   ll_offset_ = (buffer_bytes + 4095) / 4096 * 4096;
   ll_half_ = low_latency_bytes / 2 / 4096 * 4096;
   ll_stride_ = ll_half_ / size_t(num_ranks) / 256 * 256;
@@ -165,11 +165,6 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   check(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), "cudaEventCreate");
   check(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), "cudaEventCreate");
-  if (const char* v = std::getenv("UCCL_EP_CHUNKS")) chunks_ = std::max(1, std::min(64, std::atoi(v)));
-  check(cudaStreamCreateWithFlags(&stage_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-  check(cudaEventCreateWithFlags(&stage_done_event_, cudaEventDisableTiming), "cudaEventCreate");
-  chunk_events_.resize(chunks_);
-  for (auto& e : chunk_events_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   if (const char* v = std::getenv("UCCL_EP_KERNEL_TIMING")) {
     timing_ = std::string(v) != "0" && *v;
     if (std::string(v) == "2") phases_host_ = mapped_host<uint64_t>(kPhaseWords, &phases_device_);
@@ -192,9 +187,6 @@ NvlDevice::~NvlDevice() {
   if (send_stream_) cudaStreamDestroy(send_stream_);
   if (fork_event_) cudaEventDestroy(fork_event_);
   if (join_event_) cudaEventDestroy(join_event_);
-  if (stage_stream_) cudaStreamDestroy(stage_stream_);
-  if (stage_done_event_) cudaEventDestroy(stage_done_event_);
-  for (auto e : chunk_events_) cudaEventDestroy(e);
   for (auto& t : timings_) spare_events_.insert(spare_events_.end(), {t.second.first, t.second.second});
   if (timing_start_) spare_events_.push_back(timing_start_);
   for (auto e : spare_events_) cudaEventDestroy(e);
@@ -238,9 +230,6 @@ void NvlDevice::connect(const std::vector<std::vector<uint8_t>>& ipc_handles,
 }
 
 char* NvlDevice::in_region(int peer) const { return buffer_ + kFlagBytes + size_t(peer) * region_bytes_; }
-char* NvlDevice::out_region(int peer) const {
-  return buffer_ + kFlagBytes + size_t(num_ranks_ + peer) * region_bytes_;
-}
 char* NvlDevice::peer_in_region(int peer) const {
   return peer_buffers_[peer] + kFlagBytes + size_t(rank_) * region_bytes_;
 }
@@ -250,8 +239,8 @@ char* NvlDevice::low_latency_region(int parity, int sender) const {
 char* NvlDevice::peer_low_latency_region(int peer, int parity) const {
   return peer_buffers_[peer] + ll_offset_ + size_t(parity) * ll_half_ + size_t(rank_) * ll_stride_;
 }
-// Flag words: [data x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks][low-latency x kMaxRanks], indexed by the
-// writing peer.
+// Flag words, indexed by the writing peer: [unused x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks]
+// [low-latency x kMaxRanks][unused to word 64][chunks: kChunks x kMaxRanks].
 uint64_t* NvlDevice::low_latency_arrivals(int sender) const {
   return reinterpret_cast<uint64_t*>(buffer_) + 3 * kMaxRanks + sender;
 }
@@ -259,11 +248,14 @@ uint64_t* NvlDevice::peer_low_latency_arrivals(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 3 * kMaxRanks + rank_;
 }
 
-uint64_t* NvlDevice::data_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + peer; }
+static_assert((64 + kChunks * kMaxRanks) * sizeof(uint64_t) <= kFlagBytes, "chunk flags outgrow the flag page");
+uint64_t* NvlDevice::chunk_flags(int peer) const {
+  return reinterpret_cast<uint64_t*>(buffer_) + 64 + size_t(peer) * kChunks;
+}
 uint64_t* NvlDevice::meta_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + kMaxRanks + peer; }
 uint64_t* NvlDevice::ack_flag(int peer) const { return reinterpret_cast<uint64_t*>(buffer_) + 2 * kMaxRanks + peer; }
-uint64_t* NvlDevice::peer_data_flag(int peer) const {
-  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + rank_;
+uint64_t* NvlDevice::peer_chunk_flags(int peer) const {
+  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 64 + size_t(rank_) * kChunks;
 }
 uint64_t* NvlDevice::peer_meta_flag(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + kMaxRanks + rank_;

@@ -1,5 +1,6 @@
-// Intranode normal mode: routing scans, gathers and the combine reduction, and the host code that orders
-// them with the copy-engine transfers and stream flags (see api.hpp for the scheme).
+// Intranode normal mode: the send kernels that push rows to the members that need them over NVLink, the routing
+// scans and the receive kernels (copy out, or reduce), and the host code that orders them on XLA's stream and a
+// side stream (see api.hpp for the scheme).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -14,12 +15,11 @@ namespace {
 
 constexpr int kScanThreads = 1024;
 constexpr int kMaxScanExperts = 12 * 1024 - 64;  // the scan's dynamic shared ints (see dispatch())
+constexpr int kTransferThreads = 512;            // send and receive blocks
+constexpr int kPieceTokens = 16;                 // receive work items: this many tokens of a send block's chunk
 
-struct Regions {
-  char* p[kMaxRanks];  // by group position; unused for this rank
-};
-
-// Where each source's routing lives (group position s -> pointer valid on this GPU).
+// Where each source's routing and rows live (group position s -> pointer valid on this GPU). Our own rows are
+// the op's inputs (row = token); a member's are packed in its in-region (row = position among its rows for us).
 struct Sources {
   const int32_t* topk_idx[kMaxRanks];  // topk mode
   const bool* mask[kMaxRanks];         // mask mode: [T, R] of the source
@@ -28,6 +28,8 @@ struct Sources {
   const float* weights[kMaxRanks];
 };
 
+// Token (or row) range of chunk c out of `chunks` over n.
+__host__ __device__ inline int chunk_begin(int n, int chunks, int c) { return int(int64_t(n) * c / chunks); }
 
 // Exclusive scan of one value per thread over the block; returns the prefix and sets *total.
 __device__ int block_exclusive_scan(int value, int* total) {
@@ -65,12 +67,10 @@ struct ScanArgs {
   Sources src;
   bool topk_mode;  // topk_idx per source, else the token-in-rank mask (cached dispatch)
   int num_tokens, topk, num_experts, num_ranks, self, rank, capacity;
-  const int32_t* own_topk_idx;      // topk mode: this rank's routing, for its layout and index checks
   int2* row_map;                    // [capacity]: (source, token) of each output row
   int32_t* recv_counts;             // [R] rows from each source
   int32_t* recv_num_tokens;         // rows kept (<= capacity)
   int32_t* num_tokens_per_expert;   // topk mode: [local experts]
-  bool* is_token_in_rank;           // topk mode: [T, R] this rank's layout
   const int32_t* expected_counts;   // cached mode: the handle's counts to check against, else null
   int32_t* block_counts;            // scratch [R, blocks]
   DeviceErrors* err;
@@ -86,8 +86,7 @@ __device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int 
   return take;
 }
 
-// Pass 1: a block per (kScanThreads tokens, source) counts its rows. Source self's blocks also write this rank's
-// own layout (the handle) and check its expert indices.
+// Pass 1: a block per (kScanThreads tokens, source) counts its rows.
 __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a) {
   const int s = blockIdx.y, t = blockIdx.x * kScanThreads + threadIdx.x;
   const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
@@ -96,18 +95,6 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a
   if (threadIdx.x == 0) a.block_counts[s * gridDim.x + blockIdx.x] = rows;
   if (blockIdx.x == 0 && s == 0)
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) a.num_tokens_per_expert[e] = 0;
-  if (a.topk_mode && s == a.self && t < a.num_tokens) {
-    bool row[kMaxRanks] = {};
-    for (int k = 0; k < a.topk; ++k) {
-      const int e = a.own_topk_idx[t * a.topk + k];
-      if (e < -1 || e >= a.num_experts) {
-        report(a.err, 1, a.rank, t, k, e);
-      } else if (e >= 0) {
-        row[e / local_experts] = true;
-      }
-    }
-    for (int r = 0; r < a.num_ranks; ++r) a.is_token_in_rank[t * a.num_ranks + r] = row[r];
-  }
 }
 
 // Pass 2: each block places its rows after those of every earlier block and counts them per local expert
@@ -150,20 +137,24 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
 
 int scan_blocks(int num_tokens) { return std::max(1, (num_tokens + kScanThreads - 1) / kScanThreads); }
 
-// The scan's device scratch: row_map [capacity] | counts [kMaxRanks] and rows kept (cached dispatch, which checks
-// them against the handle's) | block_counts [R, blocks]. Grows the device's scratch to fit.
-struct ScanScratch {
+// The ops' device scratch: excl [T + 1, R] (rows' positions in messages) | row_map [capacity] | counts [kMaxRanks] and rows
+// kept (cached dispatch, which checks them against the handle's) | block_counts [R, blocks]. Grows the device's
+// scratch to fit.
+struct Scratch {
+  int32_t* excl;
   int2* row_map;
   int32_t* counts;
   int32_t* num_rows;
   int32_t* block_counts;
 };
-ScanScratch scan_scratch(NvlDevice& dev, int capacity, int num_tokens) {
-  const size_t counts_at = size_t(capacity) * sizeof(int2), blocks_at = counts_at + 256;
+Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
+  const size_t map_at = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
+  const size_t counts_at = map_at + size_t(capacity) * sizeof(int2), blocks_at = counts_at + 256;
   dev.ensure_scratch(blocks_at + size_t(kMaxRanks) * scan_blocks(num_tokens) * 4);
   char* base = static_cast<char*>(dev.scratch());
   int32_t* counts = reinterpret_cast<int32_t*>(base + counts_at);
-  return {reinterpret_cast<int2*>(base), counts, counts + kMaxRanks, reinterpret_cast<int32_t*>(base + blocks_at)};
+  return {reinterpret_cast<int32_t*>(base), reinterpret_cast<int2*>(base + map_at), counts, counts + kMaxRanks,
+          reinterpret_cast<int32_t*>(base + blocks_at)};
 }
 
 void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
@@ -175,160 +166,474 @@ void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
 }
 
 
-// One warp per output row: copy the row from its source, localize its expert indices; padding gets zeros.
-// One warp per output row. Only rows from group member `only_src` whose source token is in [t_begin, t_end)
-// are copied (the part that has arrived); with `pad`, rows past the received count are filled too.
-// (Measured on 2xH200: splitting rows into 2 KiB work items made dispatch slower, 339 -> 609 us, with spills.)
-__global__ void __launch_bounds__(1024) dispatch_gather_kernel(Sources src, bool topk_mode, int topk, int num_experts, int num_ranks,
-                                       int self, int capacity, const int2* row_map, const int32_t* recv_num_tokens,
-                                       int64_t x_row_bytes, int64_t scale_row_bytes, char* recv_x,
-                                       char* recv_scales, int32_t* recv_topk_idx, float* recv_topk_weights,
-                                       int only_src, int t_begin, int t_end, bool pad) {
-  const int lane = threadIdx.x % kWarp;
-  const int warps = gridDim.x * blockDim.x / kWarp;
-  const int n = *recv_num_tokens;
-  const int local_experts = topk_mode ? num_experts / num_ranks : 0;
-  const int first = self * local_experts;
-  for (int o = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp; o < capacity; o += warps) {
-    char* out_x = recv_x + int64_t(o) * x_row_bytes;
-    if (o < n) {
-      const int2 st = row_map[o];
-      if (st.x != only_src || st.y < t_begin || st.y >= t_end) continue;
-      warp_copy(out_x, src.x[st.x] + int64_t(st.y) * x_row_bytes, x_row_bytes, lane);
-      if (scale_row_bytes)
-        warp_copy(recv_scales + int64_t(o) * scale_row_bytes, src.scales[st.x] + int64_t(st.y) * scale_row_bytes,
-                  scale_row_bytes, lane);
-      if (topk_mode)
-        for (int k = lane; k < topk; k += kWarp) {
-          int e = src.topk_idx[st.x][st.y * topk + k];
-          bool mine = e >= first && e < first + local_experts;
-          recv_topk_idx[o * topk + k] = mine ? e - first : -1;
-          if (recv_topk_weights) recv_topk_weights[o * topk + k] = mine ? src.weights[st.x][st.y * topk + k] : 0.f;
-        }
-    } else if (pad) {
-      warp_zero(out_x, x_row_bytes, lane);
-      if (scale_row_bytes) warp_zero(recv_scales + int64_t(o) * scale_row_bytes, scale_row_bytes, lane);
-      if (topk_mode)
-        for (int k = lane; k < topk; k += kWarp) {
-          recv_topk_idx[o * topk + k] = -1;
-          if (recv_topk_weights) recv_topk_weights[o * topk + k] = 0.f;
-        }
-    }
-  }
-}
-
-// Combine work is spread as (row, 2 KiB segment) items, so a chunk of a few hundred rows keeps every warp busy.
-constexpr int64_t kSegmentBytes = 2048;
-
-// Combine routing: offsets of each source's rows in y, and each own token's position in each member's rows.
-__global__ void __launch_bounds__(kScanThreads) combine_scan_kernel(const bool* mask, const int32_t* recv_counts,
-                                                                    int num_tokens, int num_ranks, int capacity,
-                                                                    int rank, int32_t* offsets, int32_t* positions,
-                                                                    DeviceErrors* err) {
-  if (threadIdx.x == 0) {
-    int o = 0;
-    for (int s = 0; s < num_ranks; ++s) {
-      offsets[s] = o;
-      o += recv_counts[s];
-    }
-    offsets[num_ranks] = o;
-    if (o > capacity) report(err, 4, rank, o, capacity, 0);
-  }
+// Combine's view of this rank's tokens: excl[t * R + d] = how many tokens before t went to d in the dispatch, for t
+// in [0, T] (row T: the totals), from the handle's token-in-rank mask. Token t's copy from d comes back as row
+// excl[t, d] of d's message (rows go packed in token order both ways). One block: a block scan per member over runs
+// of tokens per thread.
+__global__ void __launch_bounds__(kScanThreads) positions_kernel(const bool* mask, int num_tokens, int num_ranks,
+                                                                 int32_t* excl) {
   const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
-  const int t0 = min(num_tokens, threadIdx.x * per_thread), t1 = min(num_tokens, t0 + per_thread);
+  const int t0 = min(num_tokens, int(threadIdx.x) * per_thread), t1 = min(num_tokens, t0 + per_thread);
   for (int d = 0; d < num_ranks; ++d) {
     int mine = 0;
     for (int t = t0; t < t1; ++t) mine += mask[t * num_ranks + d];
     int total;
     int p = block_exclusive_scan(mine, &total);
-    for (int t = t0; t < t1; ++t) positions[t * num_ranks + d] = mask[t * num_ranks + d] ? p++ : -1;
+    for (int t = t0; t < t1; ++t) {
+      excl[t * num_ranks + d] = p;
+      p += mask[t * num_ranks + d];
+    }
+    if (threadIdx.x == 0) excl[num_tokens * num_ranks + d] = total;
   }
 }
 
-// Rows received from each remote member go back to it: stage them at the start of its out-region.
-// (Rows [j_begin, j_end) of each remote member's message only: one chunk; (row, segment) work items.)
-// Rows past y's `capacity` were dropped by the dispatch (an error check_errors() reports): they return zeros, and
-// y is never read past its end.
-__global__ void __launch_bounds__(1024) combine_stage_kernel(const char* y, int64_t row_bytes, int num_ranks, int self,
-                                     int capacity, const int32_t* offsets, Regions out_regions, int j_begin,
-                                     int j_end) {
-  const int lane = threadIdx.x % kWarp;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
-  const int64_t segments = max(int64_t(1), (row_bytes + kSegmentBytes - 1) / kSegmentBytes);
-  for (int s = 0; s < num_ranks; ++s) {
-    if (s == self) continue;
-    const int begin = offsets[s], end = min(offsets[s + 1] - offsets[s], j_end);
-    for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; w < int64_t(end - j_begin) * segments;
-         w += warps) {
-      const int j = j_begin + int(w / segments);
-      const int64_t b0 = (w % segments) * kSegmentBytes, b1 = min(row_bytes, b0 + kSegmentBytes);
-      if (begin + j < capacity)
-        warp_copy(out_regions.p[s] + int64_t(j) * row_bytes + b0, y + int64_t(begin + j) * row_bytes + b0, b1 - b0,
-                  lane);
-      else
-        warp_zero(out_regions.p[s] + int64_t(j) * row_bytes + b0, b1 - b0, lane);
+// What a send kernel needs of each group member (entries of this rank unused).
+struct SendTo {
+  char* region[kMaxRanks];         // the member's in-region for us
+  uint64_t* meta[kMaxRanks];       // its count of our chunks whose routing landed
+  uint64_t* chunks[kMaxRanks];     // its flags for our chunks: [kChunks], the message's number once landed
+  const uint64_t* ack[kMaxRanks];  // ours: the last of our messages the member finished reading
+  uint64_t message[kMaxRanks];     // this message's number to the member (1, 2, ...)
+  int rank_of[kMaxRanks];
+  int num_ranks, self, rank;
+  uint64_t timeout_ns;
+  DeviceErrors* err;
+};
+// And a receive kernel, of each member's message to us.
+struct ReceiveFrom {
+  const char* region[kMaxRanks];     // our in-region written by the member
+  const uint64_t* chunks[kMaxRanks];
+  uint64_t message[kMaxRanks];
+  int rank_of[kMaxRanks];
+  int num_ranks, self, rank;
+  uint64_t timeout_ns;
+  DeviceErrors* err;
+};
+
+// Waits (thread 0) until every member has finished reading our previous message: its region for us is free.
+__device__ bool wait_acks(const SendTo& to) {
+  __shared__ bool ok;
+  if (threadIdx.x == 0) {
+    ok = true;
+    for (int s = 0; s < to.num_ranks && ok; ++s)
+      if (s != to.self)
+        ok = wait_flag(to.ack[s], to.message[s] - 1, int64_t(to.message[s] - 1), to.timeout_ns, to.err, to.rank,
+                       to.rank_of[s]);
+  }
+  __syncthreads();
+  return ok;
+}
+
+// A chunk's progress word: the message's number in the high half, how much of the chunk (tokens, or rows back in
+// combine) has landed in the low half, so it only grows from message to message.
+__device__ __forceinline__ uint64_t progress(uint64_t message, int done) { return message << 32 | uint32_t(done); }
+
+// After the block's writes: a system fence (cumulative over the block's writes, which the barrier orders before
+// it), then the words that announce them: one more chunk's routing (meta), or chunk c's progress done_for(s).
+__device__ void announce_meta(const SendTo& to) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (int s = 0; s < to.num_ranks; ++s)
+    if (s != to.self) add_release_sys(to.meta[s], 1);
+}
+template <class DoneFor>
+__device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_for) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (int s = 0; s < to.num_ranks; ++s)
+    if (s != to.self) store_release_sys(to.chunks[s] + c, progress(to.message[s], done_for(s)));
+}
+
+// Waits (one thread) until chunk c of member s's message has `done` landed; returns how much has, or -1 (timeout).
+__device__ int wait_progress(const ReceiveFrom& from, int s, int c, int done) {
+  const uint64_t* word = from.chunks[s] + c;
+  if (!wait_flag(word, progress(from.message[s], done), int64_t(from.message[s]), from.timeout_ns, from.err,
+                 from.rank, from.rank_of[s]))
+    return -1;
+  return int(uint32_t(load_acquire_sys(word)));
+}
+
+// Copies `bytes` with the whole block (the routing pieces of a chunk: contiguous, small).
+__device__ void block_copy(char* dst, const char* src, int64_t bytes) {
+  if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+      reinterpret_cast<int4*>(dst)[i] = __ldg(reinterpret_cast<const int4*>(src) + i);
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+}
+
+// A contiguous per-token array of the routing (topk_idx, weights, the token-in-rank mask) and where it lands.
+struct RoutingPiece {
+  const char* src;  // null: none
+  size_t offset;    // in the member's region
+  int64_t bytes_per_token;
+};
+
+struct DispatchSendArgs {
+  SendTo to;
+  int chunks, num_tokens;
+  const int32_t* topk_idx;  // [T, K] topk mode: the layout comes from it (mask_out), else from mask_in
+  int topk, num_experts;
+  const bool* mask_in;      // [T, R]
+  bool* mask_out;           // [T, R] topk mode: this rank's layout (the handle's is_token_in_rank)
+  int32_t* excl;            // [T, R] scratch: token t's row in its message to d
+  RoutingPiece routing[2];
+  const char* x;
+  int64_t x_row_bytes;
+  size_t x_offset;
+  const char* scales;  // or null
+  int64_t scale_row_bytes;
+  size_t scales_offset;
+};
+
+// Bit d: token t goes to member d. Topk mode: from its experts; with `own`, also written to mask_out and its expert
+// indices checked (each token is its chunk's block's own).
+__device__ unsigned token_members(const DispatchSendArgs& a, int t, bool own) {
+  const int R = a.to.num_ranks;
+  unsigned bits = 0;
+  if (!a.topk_idx) {
+    for (int d = 0; d < R; ++d) bits |= unsigned(a.mask_in[t * R + d]) << d;
+    return bits;
+  }
+  const int local_experts = a.num_experts / R;
+  for (int k = 0; k < a.topk; ++k) {
+    const int e = a.topk_idx[t * a.topk + k];
+    if (e >= 0 && e < a.num_experts) bits |= 1u << (e / local_experts);
+    else if (own && e != -1) report(a.to.err, 1, a.to.rank, t, k, e);
+  }
+  if (own)
+    for (int d = 0; d < R; ++d) a.mask_out[t * R + d] = bits >> d & 1;
+  return bits;
+}
+
+// The block's chunk [t0, t1): each token's members and its row in the message to each, excl[t, d] = tokens before t
+// that go to d (rows go packed in token order, the order in which d's scan places them). The block counts the
+// tokens before its chunk itself (reads of L2, a few us), so no layout pass runs before the sends.
+__device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
+  __shared__ int before[kMaxRanks];
+  const int R = a.to.num_ranks;
+  if (threadIdx.x < kMaxRanks) before[threadIdx.x] = 0;
+  __syncthreads();
+  int mine[kMaxRanks] = {};
+  int t = threadIdx.x;
+  for (; t + 3 * int(blockDim.x) < t0; t += 4 * blockDim.x) {  // four tokens' loads in flight
+    unsigned bits[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) bits[u] = token_members(a, t + u * blockDim.x, false);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      for (int d = 0; d < R; ++d) mine[d] += bits[u] >> d & 1;
+  }
+  for (; t < t0; t += blockDim.x) {
+    const unsigned bits = token_members(a, t, false);
+    for (int d = 0; d < R; ++d) mine[d] += bits >> d & 1;
+  }
+  for (int d = 0; d < R; ++d)
+    if (mine[d]) atomicAdd(&before[d], mine[d]);
+  __syncthreads();
+  int base[kMaxRanks];
+  for (int d = 0; d < R; ++d) base[d] = before[d];
+  for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
+    const int t = p0 + threadIdx.x;
+    const unsigned bits = t < t1 ? token_members(a, t, true) : 0;
+    for (int d = 0; d < R; ++d) {
+      int total;
+      const int row = base[d] + block_exclusive_scan(bits >> d & 1, &total);
+      if (t < t1) a.excl[t * R + d] = row;
+      base[d] += total;
+    }
+  }
+  __syncthreads();  // excl and mask_out are read by other warps of the block
+}
+
+// Send side of (cached) dispatch: every chunk's routing first, so the members start their scans while rows
+// move; then the chunk's layout; then each token's row (and scales) to every member that needs it, at its packed
+// position there. A block per chunk of tokens; its progress in tokens.
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(DispatchSendArgs a) {
+  const SendTo& to = a.to;
+  if (!wait_acks(to)) return;
+  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+    const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
+    for (const RoutingPiece& p : a.routing)
+      for (int s = 0; p.src && s < to.num_ranks; ++s)
+        if (s != to.self)
+          block_copy(to.region[s] + p.offset + t0 * p.bytes_per_token, p.src + t0 * p.bytes_per_token,
+                     (t1 - t0) * p.bytes_per_token);
+    announce_meta(to);
+  }
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int R = to.num_ranks;
+  const bool* mask = a.topk_idx ? a.mask_out : a.mask_in;
+  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+    const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
+    chunk_layout(a, t0, t1);
+    // Rounds of a token per warp, announced as they land, so receivers copy behind us. The round's (token,
+    // member) rows are dealt out over the warps: a token goes to 1 to R - 1 members.
+    for (int r0 = t0; r0 < t1; r0 += warps) {
+      const int r1 = min(t1, r0 + warps);
+      int pair = 0;
+      for (int t = r0; t < r1; ++t)
+        for (int s = 0; s < R; ++s) {
+          if (s == to.self || !mask[t * R + s] || pair++ % warps != warp) continue;
+          const int64_t row = a.excl[t * R + s];
+          char* x_dst = to.region[s] + a.x_offset + row * a.x_row_bytes;
+          warp_copy(x_dst, a.x + int64_t(t) * a.x_row_bytes, a.x_row_bytes, lane);
+          if (a.scales) {
+            char* scale_dst = to.region[s] + a.scales_offset + row * a.scale_row_bytes;
+            warp_copy(scale_dst, a.scales + int64_t(t) * a.scale_row_bytes, a.scale_row_bytes, lane);
+          }
+        }
+      announce_progress(to, c, [&](int) { return r1 - t0; });
     }
   }
 }
 
+// Work items per chunk of a receive kernel: the most tokens a chunk has, in pieces of kPieceTokens.
+__device__ __forceinline__ int pieces(int num_tokens, int chunks) {
+  return ((num_tokens + chunks - 1) / chunks + kPieceTokens - 1) / kPieceTokens;
+}
 
-// One warp per own token: sum the copies returned by every member that received it, in float32.
+// First row in [lo, hi) of row_map (sorted by token within a source) whose token is >= t.
+__device__ int first_row_from(const int2* row_map, int lo, int hi, int t) {
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (row_map[mid].y < t) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
 
-// Tokens [t_begin, t_end) only: one chunk, once the rows it needs have arrived. (Token, segment) work items;
-// each lane sums up to four 16-byte vectors with their loads issued together.
+struct DispatchReceiveArgs {
+  ReceiveFrom from;
+  Sources src;
+  bool topk_mode;
+  int chunks, topk, num_experts, num_tokens, capacity;
+  const int2* row_map;
+  const int32_t* counts;    // [R] rows from each source (before the capacity cut)
+  const int32_t* num_kept;  // rows kept (<= capacity)
+  int64_t x_row_bytes, scale_row_bytes;
+  char* recv_x;
+  char* recv_scales;  // or null
+  int32_t* recv_topk_idx;
+  float* recv_topk_weights;
+};
+
+// Rows [o0, o1) of source s (its block of rows starts at `offset`) into the output, a row per warp, with their
+// expert indices localized.
+__device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, int offset, int warp, int warps,
+                          int lane, int first, int local_experts) {
+  const bool own = s == a.from.self;
+  for (int o = o0 + warp; o < o1; o += warps) {
+    const int t = a.row_map[o].y;
+    const int64_t row = own ? t : o - offset;
+    char* out_x = a.recv_x + int64_t(o) * a.x_row_bytes;
+    const char* in_x = a.src.x[s] + row * a.x_row_bytes;
+    if (own) warp_copy(out_x, in_x, a.x_row_bytes, lane);
+    else warp_copy<Load::kCoherent>(out_x, in_x, a.x_row_bytes, lane);  // landed while we ran
+    if (a.recv_scales) {
+      char* out_s = a.recv_scales + int64_t(o) * a.scale_row_bytes;
+      const char* in_s = a.src.scales[s] + row * a.scale_row_bytes;
+      if (own) warp_copy(out_s, in_s, a.scale_row_bytes, lane);
+      else warp_copy<Load::kCoherent>(out_s, in_s, a.scale_row_bytes, lane);
+    }
+    if (a.topk_mode)
+      for (int k = lane; k < a.topk; k += kWarp) {
+        const int e = a.src.topk_idx[s][t * a.topk + k];
+        const bool mine = e >= first && e < first + local_experts;
+        a.recv_topk_idx[o * a.topk + k] = mine ? e - first : -1;
+        if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[s][t * a.topk + k] : 0.f;
+      }
+  }
+}
+
+// Receive side of (cached) dispatch: work items of kPieceTokens tokens of a chunk and a source, in the order the
+// send blocks make progress (every chunk's first piece, then every second piece, ...); a block copies an item's
+// rows once the chunk's progress covers them (our own rows at once). Rows past the kept count are padding: zeros,
+// index -1.
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(DispatchReceiveArgs a) {
+  const ReceiveFrom& from = a.from;
+  const int R = from.num_ranks;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int kept = *a.num_kept;
+  const int local_experts = a.topk_mode ? a.num_experts / R : 0;
+  const int first = from.self * local_experts;
+  __shared__ bool ok;
+  for (int item = blockIdx.x; item < pieces(a.num_tokens, a.chunks) * a.chunks * R; item += gridDim.x) {
+    const int s = item % R, c = item / R % a.chunks;
+    const int c0 = chunk_begin(a.num_tokens, a.chunks, c), c1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
+    const int t0 = c0 + item / (R * a.chunks) * kPieceTokens, t1 = min(c1, t0 + kPieceTokens);
+    if (t0 >= t1) continue;
+    int offset = 0;
+    for (int q = 0; q < s; ++q) offset += a.counts[q];
+    const int lo = min(offset, kept), hi = min(offset + a.counts[s], kept);
+    const int o0 = first_row_from(a.row_map, lo, hi, t0);
+    const int o1 = first_row_from(a.row_map, o0, hi, t1);
+    if (o0 == o1) continue;
+    if (s != from.self) {  // a member's rows once its chunk's progress covers them
+      if (threadIdx.x == 0) ok = wait_progress(from, s, c, a.row_map[o1 - 1].y - c0 + 1) >= 0;
+      __syncthreads();
+      const bool arrived = ok;
+      __syncthreads();  // ok is reused
+      if (!arrived) continue;
+    }
+    copy_rows(a, s, o0, o1, offset, warp, warps, lane, first, local_experts);
+  }
+  const int all_warps = gridDim.x * warps;
+  for (int o = kept + blockIdx.x * warps + warp; o < a.capacity; o += all_warps) {
+    warp_zero(a.recv_x + int64_t(o) * a.x_row_bytes, a.x_row_bytes, lane);
+    if (a.recv_scales) warp_zero(a.recv_scales + int64_t(o) * a.scale_row_bytes, a.scale_row_bytes, lane);
+    if (a.topk_mode)
+      for (int k = lane; k < a.topk; k += kWarp) {
+        a.recv_topk_idx[o * a.topk + k] = -1;
+        if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = 0.f;
+      }
+  }
+}
+
+struct CombineSendArgs {
+  SendTo to;
+  int chunks;
+  const char* y;  // [capacity, row_bytes]: rows of each source, in source order
+  int64_t row_bytes;
+  int capacity;
+  const int32_t* recv_counts;  // [R] from the dispatch (before its capacity cut)
+};
+
+// Send side of combine: the rows of each member go back to it, packed as they came (row j of its block of y is
+// row j of its message). Rows the dispatch dropped past y's capacity (an error check_errors() reports) go back as
+// zeros, and y is never read past its end. Chunk c of the rows to member s: chunk_begin(recv_counts[s], chunks, c);
+// its progress in rows.
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(CombineSendArgs a) {
+  const SendTo& to = a.to;
+  const int R = to.num_ranks;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    int total = 0;
+    for (int s = 0; s < R; ++s) total += a.recv_counts[s];
+    if (total > a.capacity) report(to.err, 4, to.rank, total, a.capacity, 0);
+  }
+  if (!wait_acks(to)) return;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  int offsets[kMaxRanks];
+  for (int s = 0, o = 0; s < R; o += a.recv_counts[s], ++s) offsets[s] = o;
+  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+    // Rounds of a row per warp and member (dealt out over the warps), announced as they land.
+    int most = 0;
+    for (int s = 0; s < R; ++s)
+      if (s != to.self)
+        most = max(most, chunk_begin(a.recv_counts[s], a.chunks, c + 1) - chunk_begin(a.recv_counts[s], a.chunks, c));
+    for (int k0 = 0; k0 < most; k0 += warps) {
+      int pair = 0;
+      for (int s = 0; s < R; ++s) {
+        if (s == to.self) continue;
+        const int j0 = chunk_begin(a.recv_counts[s], a.chunks, c), n = chunk_begin(a.recv_counts[s], a.chunks, c + 1) - j0;
+        for (int k = k0; k < min(n, k0 + warps); ++k) {
+          if (pair++ % warps != warp) continue;
+          const int j = j0 + k;
+          char* dst = to.region[s] + int64_t(j) * a.row_bytes;
+          if (offsets[s] + j < a.capacity)
+            warp_copy(dst, a.y + int64_t(offsets[s] + j) * a.row_bytes, a.row_bytes, lane);
+          else
+            warp_zero(dst, a.row_bytes, lane);
+        }
+      }
+      announce_progress(to, c, [&](int s) {
+        const int n = chunk_begin(a.recv_counts[s], a.chunks, c + 1) - chunk_begin(a.recv_counts[s], a.chunks, c);
+        return min(n, k0 + warps);
+      });
+    }
+    announce_meta(to);  // keeps the meta count at `chunks` a message (combine has no routing to send)
+  }
+}
+
+struct CombineReceiveArgs {
+  ReceiveFrom from;
+  int chunks;
+  const char* y;
+  int64_t row_bytes;
+  int capacity, num_tokens;
+  const int32_t* recv_counts;
+  const bool* mask;     // [T, R] this rank's
+  const int32_t* excl;  // [T + 1, R] from positions_kernel
+  char* out;            // [T, row_bytes]
+};
+
+// Receive side of combine: work items of kPieceTokens tokens, in the order the members' send blocks make progress
+// (roughly: a member's rows for our token chunk c sit in its chunk c when routing is even). A block waits until the chunks of each member that
+// hold those tokens' rows have them (a thread per (member, chunk)), then sums every token's copies in float32 with
+// (token, 2 KiB segment) work per warp; each lane sums up to four 16-byte vectors with their loads issued together.
+constexpr int64_t kSegmentBytes = 2048;
 template <typename T>
-__global__ void __launch_bounds__(1024) combine_reduce_kernel(const char* y, int64_t row_bytes, int capacity, int t_begin, int t_end, int num_ranks,
-                                      int self, const int32_t* offsets, const int32_t* positions, Regions in_regions,
-                                      char* __restrict__ out) {
-  const int lane = threadIdx.x % kWarp;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
-  const bool vector = row_bytes % 16 == 0;
-  const int64_t segments = max(int64_t(1), (row_bytes + kSegmentBytes - 1) / kSegmentBytes);
-  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; w < int64_t(t_end - t_begin) * segments;
-       w += warps) {
-    const int t = t_begin + int(w / segments);
-    const int64_t b0 = (w % segments) * kSegmentBytes, b1 = min(row_bytes, b0 + kSegmentBytes);
-    const char* rows[kMaxRanks];
-    int n = 0;
-    for (int d = 0; d < num_ranks; ++d) {
-      int p = positions[t * num_ranks + d];
-      if (p < 0) continue;
-      if (d == self && offsets[self] + p >= capacity) continue;  // dropped by the dispatch
-      rows[n++] = d == self ? y + int64_t(offsets[self] + p) * row_bytes : in_regions.p[d] + int64_t(p) * row_bytes;
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(CombineReceiveArgs a) {
+  const ReceiveFrom& from = a.from;
+  const int R = from.num_ranks, T_ = a.num_tokens;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  int own_offset = 0;
+  for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
+  const bool vector = a.row_bytes % 16 == 0;
+  const int64_t segments = max(int64_t(1), (a.row_bytes + kSegmentBytes - 1) / kSegmentBytes);
+  __shared__ int failed;
+  for (int item = blockIdx.x; item < pieces(T_, a.chunks) * a.chunks; item += gridDim.x) {
+    const int c = item % a.chunks;
+    const int t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kPieceTokens;
+    const int t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kPieceTokens);
+    if (t0 >= t1) continue;
+    __syncthreads();  // the previous item's readers of `failed` are done
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    if (threadIdx.x < R * a.chunks) {
+      const int d = threadIdx.x / a.chunks, c = threadIdx.x % a.chunks;
+      const int lo = a.excl[t0 * R + d], hi = a.excl[t1 * R + d], n = a.excl[T_ * R + d];
+      const int c0 = chunk_begin(n, a.chunks, c), c1 = chunk_begin(n, a.chunks, c + 1);
+      if (d != from.self && lo < hi && c0 < c1 && c0 < hi && c1 > lo && wait_progress(from, d, c, min(hi, c1) - c0) < 0)
+        failed = 1;
     }
-    if (!vector) {  // rows of a few elements (a weight gradient, say): one element per lane
-      T* dst = reinterpret_cast<T*>(out + int64_t(t) * row_bytes);
-      for (int64_t i = b0 / int64_t(sizeof(T)) + lane; i < b1 / int64_t(sizeof(T)); i += kWarp) {
-        float acc = 0.f;
-        for (int j = 0; j < n; ++j) acc += to_float(reinterpret_cast<const T*>(rows[j])[i]);
-        dst[i] = from_float<T>(acc);
+    __syncthreads();
+    if (failed) continue;
+    for (int64_t w = warp; w < int64_t(t1 - t0) * segments; w += warps) {
+      const int t = t0 + int(w / segments);
+      const int64_t b0 = (w % segments) * kSegmentBytes, b1 = min(a.row_bytes, b0 + kSegmentBytes);
+      const char* rows[kMaxRanks];
+      int n = 0;
+      for (int d = 0; d < R; ++d) {
+        if (!a.mask[t * R + d]) continue;
+        const int j = a.excl[t * R + d];
+        if (d != from.self) rows[n++] = from.region[d] + int64_t(j) * a.row_bytes;
+        else if (own_offset + j < a.capacity) rows[n++] = a.y + int64_t(own_offset + j) * a.row_bytes;
+        // else: dropped by the dispatch
       }
-      continue;
-    }
-    int4* dst = reinterpret_cast<int4*>(out + int64_t(t) * row_bytes);
-    const int64_t v0 = b0 / 16, v1 = b1 / 16;
-    for (int64_t i = v0 + lane; i < v1; i += kUnroll * kWarp) {
-      float acc[kUnroll][Vec<T>::kN] = {};
-      for (int j = 0; j < n; ++j) {
-        const int4* r = reinterpret_cast<const int4*>(rows[j]);
-        int4 v[kUnroll];
+      if (!vector) {  // rows of a few elements (a weight gradient, say): one element per lane
+        T* dst = reinterpret_cast<T*>(a.out + int64_t(t) * a.row_bytes);
+        for (int64_t i = b0 / int64_t(sizeof(T)) + lane; i < b1 / int64_t(sizeof(T)); i += kWarp) {
+          float acc = 0.f;
+          for (int j = 0; j < n; ++j) acc += to_float(__ldcg(reinterpret_cast<const T*>(rows[j]) + i));
+          dst[i] = from_float<T>(acc);
+        }
+        continue;
+      }
+      int4* dst = reinterpret_cast<int4*>(a.out + int64_t(t) * a.row_bytes);
+      const int64_t v0 = b0 / 16, v1 = b1 / 16;
+      for (int64_t i = v0 + lane; i < v1; i += kUnroll * kWarp) {
+        float acc[kUnroll][Vec<T>::kN] = {};
+        for (int j = 0; j < n; ++j) {
+          const int4* r = reinterpret_cast<const int4*>(rows[j]);
+          int4 v[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (i + u * kWarp < v1) v[u] = __ldcg(r + i + u * kWarp);  // landed while we ran
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (i + u * kWarp < v1) Vec<T>::add(acc[u], v[u]);
+        }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (i + u * kWarp < v1) v[u] = __ldg(r + i + u * kWarp);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + u * kWarp < v1) Vec<T>::add(acc[u], v[u]);
+          if (i + u * kWarp < v1) dst[i + u * kWarp] = Vec<T>::pack(acc[u]);
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i + u * kWarp < v1) dst[i + u * kWarp] = Vec<T>::pack(acc[u]);
     }
   }
 }
-
-// SM budget: at most num_sms() blocks run at any time. Combine's staging (its own stream) finishes before its
-// reduction (XLA's stream) starts, so the two never share the GPU.
-int blocks() { return num_sms(); }
 
 void check_fits(const NvlDevice& dev, size_t message, const char* op) {
   if (message > dev.region_bytes())
@@ -339,113 +644,109 @@ void check_fits(const NvlDevice& dev, size_t message, const char* op) {
                                 " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
 }
 
-// Token (or message row) range of chunk c out of `chunks` over n.
-int chunk_begin(int n, int chunks, int c) { return int(int64_t(n) * c / chunks); }
-
-// A message: small leading pieces (routing: announced by the meta flag), then bulk rows in chunks (each
-// announced by the data flag). Copied by the copy engine on the send stream.
-struct Piece {
-  const void* src;
-  size_t offset, bytes;
+// Waits for peers' flags on the GPU with a deadline (the default): a thread polls each, so a dead peer is reported
+// by check_errors() after UCCL_EP_TIMEOUT_S instead of holding the stream forever. UCCL_EP_NVL_DEADLINE=0 uses
+// stream memory waits, which cost no launch but never give up.
+struct FlagWaits {
+  const uint64_t* flag[kMaxRanks];
+  uint64_t value[kMaxRanks];
+  int peer[kMaxRanks];
+  int n;
 };
-struct Message {
-  Piece meta[4];
-  int num_meta = 0;
-  const char* rows = nullptr;  // bulk rows, chunk c = rows [chunk_begin(c), chunk_begin(c + 1)) of `num_rows`
-  size_t rows_offset = 0;
-  int64_t row_bytes = 0;
-  int num_rows = 0;
-};
-
-// A GPU-side wait for a peer's flag with a deadline (the default): one thread polls, so a dead peer is reported by
-// check_errors() after UCCL_EP_TIMEOUT_S instead of holding the stream forever. It costs a kernel launch per wait
-// (within noise on 2xH200, bench/RESULTS.md); UCCL_EP_NVL_DEADLINE=0 uses stream memory waits, which cost no
-// launch but never give up.
-__global__ void wait_flag_kernel(const uint64_t* flag, uint64_t value, uint64_t timeout_ns, DeviceErrors* err,
-                                 int rank, int peer) {
-  if (threadIdx.x == 0) wait_flag(flag, value, int64_t(value), timeout_ns, err, rank, peer);
+__global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors* err, int rank) {
+  const int i = threadIdx.x;
+  if (i < w.n) wait_flag(w.flag[i], w.value[i], int64_t(w.value[i]), timeout_ns, err, rank, w.peer[i]);
 }
 
-void wait_value(NvlDevice& dev, cudaStream_t stream, uint64_t* flag, uint64_t value, int peer) {
+void wait_flags(NvlDevice& dev, cudaStream_t stream, const FlagWaits& w) {
+  if (w.n == 0) return;
   if (!waits_have_deadline()) {
-    stream_wait_value(stream, flag, value);
+    for (int i = 0; i < w.n; ++i) stream_wait_value(stream, const_cast<uint64_t*>(w.flag[i]), w.value[i]);
     return;
   }
-  wait_flag_kernel<<<1, kWarp, 0, stream>>>(flag, value, timeout_ns(), dev.errors_device(), dev.rank(), peer);
-  check(cudaGetLastError(), "wait_flag_kernel");
+  wait_flags_kernel<<<1, kWarp, 0, stream>>>(w, timeout_ns(), dev.errors_device(), dev.rank());
+  check(cudaGetLastError(), "wait_flags_kernel");
 }
 
-// Forks the send stream off XLA's stream, waits for each peer to have read our previous message, and sends the
-// meta pieces. `msg_for(s)` gives the message for group member s (its rows may differ per member).
-template <class MessageFor>
-void send_meta(NvlDevice& dev, const Group& g, cudaStream_t stream, const MessageFor& msg_for) {
+// One message to every other member (its number, and where it goes) and one from each.
+SendTo send_to(NvlDevice& dev, const Group& g) {
+  SendTo to{};
+  to.num_ranks = g.size;
+  to.self = g.self;
+  to.rank = dev.rank();
+  to.timeout_ns = timeout_ns();
+  to.err = dev.errors_device();
+  for (int s = 0; s < g.size; ++s) {
+    if (s == g.self) continue;
+    const int p = peer_of(dev, g, s);
+    to.region[s] = dev.peer_in_region(p);
+    to.meta[s] = dev.peer_meta_flag(p);
+    to.chunks[s] = dev.peer_chunk_flags(p);
+    to.ack[s] = dev.ack_flag(p);
+    to.message[s] = ++dev.sent(p);
+    to.rank_of[s] = p;
+  }
+  return to;
+}
+ReceiveFrom receive_from(NvlDevice& dev, const Group& g) {
+  ReceiveFrom from{};
+  from.num_ranks = g.size;
+  from.self = g.self;
+  from.rank = dev.rank();
+  from.timeout_ns = timeout_ns();
+  from.err = dev.errors_device();
+  for (int s = 0; s < g.size; ++s) {
+    if (s == g.self) continue;
+    const int p = peer_of(dev, g, s);
+    from.region[s] = dev.in_region(p);
+    from.chunks[s] = dev.chunk_flags(p);
+    from.message[s] = ++dev.received(p);
+    from.rank_of[s] = p;
+  }
+  return from;
+}
+
+// The send kernel runs on the send stream, forked off XLA's stream after what `stream` has queued so far.
+template <class Launch>
+void fork_send(NvlDevice& dev, cudaStream_t stream, const Launch& launch) {
   cudaStream_t side = dev.send_stream();
   check(cudaEventRecord(dev.fork_event(), stream), "cudaEventRecord");
   check(cudaStreamWaitEvent(side, dev.fork_event(), 0), "cudaStreamWaitEvent");
-  for (int s = 0; s < g.size; ++s) {
-    if (s == g.self) continue;
-    int p = peer_of(dev, g, s);
-    wait_value(dev, side, dev.ack_flag(p), dev.sent(p), p);  // p has read our previous message
-    const Message m = msg_for(s);
-    for (int i = 0; i < m.num_meta; ++i)
-      if (m.meta[i].bytes)
-        check(cudaMemcpyAsync(dev.peer_in_region(p) + m.meta[i].offset, m.meta[i].src, m.meta[i].bytes,
-                              cudaMemcpyDeviceToDevice, side),
-              "cudaMemcpyAsync to peer");
-    stream_write_value(side, dev.peer_meta_flag(p), ++dev.sent(p));
-  }
+  launch(side);
+  check(cudaGetLastError(), "send kernel");
+  check(cudaEventRecord(dev.join_event(), side), "cudaEventRecord");
 }
 
-// Sends chunk c of every member's rows and announces it.
-template <class MessageFor>
-void send_chunk(NvlDevice& dev, const Group& g, int c, const MessageFor& msg_for) {
-  cudaStream_t side = dev.send_stream();
-  const uint64_t chunks = uint64_t(dev.chunks());
-  for (int s = 0; s < g.size; ++s) {
-    if (s == g.self) continue;
-    int p = peer_of(dev, g, s);
-    const Message m = msg_for(s);
-    int r0 = chunk_begin(m.num_rows, int(chunks), c), r1 = chunk_begin(m.num_rows, int(chunks), c + 1);
-    if (r1 > r0)
-      check(cudaMemcpyAsync(dev.peer_in_region(p) + m.rows_offset + size_t(r0) * m.row_bytes,
-                            m.rows + size_t(r0) * m.row_bytes, size_t(r1 - r0) * m.row_bytes,
-                            cudaMemcpyDeviceToDevice, side),
-            "cudaMemcpyAsync to peer");
-    stream_write_value(side, dev.peer_data_flag(p), (dev.sent(p) - 1) * chunks + c + 1);
-  }
-}
-
-// The whole message, meta then every chunk, when nothing has to happen between the chunks.
-void send_message(NvlDevice& dev, const Group& g, cudaStream_t stream, const Message& m) {
-  auto msg_for = [&](int) { return m; };
-  send_meta(dev, g, stream, msg_for);
-  for (int c = 0; c < dev.chunks(); ++c) send_chunk(dev, g, c, msg_for);
-}
-
-void join_send(NvlDevice& dev, cudaStream_t stream) {
-  check(cudaEventRecord(dev.join_event(), dev.send_stream()), "cudaEventRecord");
+// Tells every member we finished reading its message, then waits for our send (the inputs may be freed after).
+void finish(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self) stream_write_value(stream, dev.peer_ack_flag(from.rank_of[s]), from.message[s]);
   check(cudaStreamWaitEvent(stream, dev.join_event(), 0), "cudaStreamWaitEvent");
 }
 
-// Receive side, on XLA's stream.
-void wait_meta(NvlDevice& dev, const Group& g, cudaStream_t stream) {
+// A send kernel's blocks: one per chunk of the message (every process must use the same UCCL_EP_NUM_SMS: the
+// receivers count chunks; initialize() checks it). Receive kernels get as many.
+int send_blocks() { return std::min(num_sms(), kChunks); }
+int receive_blocks() { return num_sms(); }
+
+template <class Args>
+void launch_send(void (*kernel)(Args), const Args& a, cudaStream_t side) {
+  kernel<<<send_blocks(), kTransferThreads, 0, side>>>(a);
+}
+
+// Every member's routing has landed: one announcement per chunk and message.
+void wait_routing(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
+  FlagWaits w{};
   for (int s = 0; s < g.size; ++s)
     if (s != g.self) {
-      int p = peer_of(dev, g, s);
-      wait_value(dev, stream, dev.meta_flag(p), ++dev.received(p), p);
+      const int p = from.rank_of[s];
+      w.flag[w.n] = dev.meta_flag(p);
+      w.value[w.n] = from.message[s] * uint64_t(send_blocks());
+      w.peer[w.n++] = p;
     }
+  wait_flags(dev, stream, w);
 }
-void wait_chunk(NvlDevice& dev, const Group& g, int s, int c, cudaStream_t stream) {
-  int p = peer_of(dev, g, s);
-  wait_value(dev, stream, dev.data_flag(p), (dev.received(p) - 1) * uint64_t(dev.chunks()) + c + 1, p);
-}
-void ack_messages(NvlDevice& dev, const Group& g, cudaStream_t stream) {
-  for (int s = 0; s < g.size; ++s)
-    if (s != g.self) {
-      int p = peer_of(dev, g, s);
-      stream_write_value(stream, dev.peer_ack_flag(p), dev.received(p));
-    }
-}
+
 
 struct DispatchLayoutBytes {
   size_t x, scales, idx, weights, total;
@@ -459,28 +760,6 @@ DispatchLayoutBytes dispatch_layout(int num_tokens, int64_t x_row_bytes, int64_t
   l.weights = l.idx + align16(size_t(num_tokens) * topk * 4);
   l.total = l.weights + (weights ? align16(size_t(num_tokens) * topk * 4) : 0);
   return l;
-}
-
-// Rows gathered as they arrive: own rows (and padding) first, then each member's chunks.
-void gather_all(NvlDevice& dev, const Group& g, const Sources& src, bool topk_mode, int topk, int num_experts,
-                int num_tokens, int capacity, const int2* row_map, const int32_t* num_rows, int64_t x_row_bytes,
-                int64_t scale_row_bytes, void* recv_x, void* recv_scales, int32_t* recv_topk_idx,
-                float* recv_topk_weights, cudaStream_t stream) {
-  auto launch = [&](int only_src, int t0, int t1, bool pad) {
-    dispatch_gather_kernel<<<blocks(), 1024, 0, stream>>>(
-        src, topk_mode, topk, num_experts, g.size, g.self, capacity, row_map, num_rows, x_row_bytes,
-        scale_row_bytes, static_cast<char*>(recv_x), static_cast<char*>(recv_scales), recv_topk_idx,
-        recv_topk_weights, only_src, t0, t1, pad);
-    check(cudaGetLastError(), "dispatch_gather_kernel");
-  };
-  launch(g.self, 0, num_tokens, true);
-  for (int c = 0; c < dev.chunks(); ++c)
-    for (int s = 0; s < g.size; ++s) {
-      if (s == g.self) continue;
-      wait_chunk(dev, g, s, c, stream);
-      int t0 = chunk_begin(num_tokens, dev.chunks(), c), t1 = chunk_begin(num_tokens, dev.chunks(), c + 1);
-      if (t1 > t0) launch(s, t0, t1, false);
-    }
 }
 
 }  // namespace
@@ -505,39 +784,39 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   const bool has_w = a.topk_weights != nullptr;
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
   check_fits(dev, l.total, "dispatch");
-  const ScanScratch scratch = scan_scratch(dev, a.capacity, a.num_tokens);
+  const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
 
-  // Routing first (small), then the rows in chunks.
-  Message m;
-  m.meta[0] = {a.topk_idx, l.idx, size_t(a.num_tokens) * a.topk * 4};
-  m.meta[1] = {a.topk_weights, l.weights, has_w ? size_t(a.num_tokens) * a.topk * 4 : 0};
-  m.meta[2] = {a.scales, l.scales, size_t(a.num_tokens) * a.scale_row_bytes};
-  m.num_meta = 3;
-  m.rows = static_cast<const char*>(a.x);
-  m.rows_offset = l.x;
-  m.row_bytes = a.x_row_bytes;
-  m.num_rows = a.num_tokens;
-  send_message(dev, g, stream, m);
+  DispatchSendArgs sa{send_to(dev, g), send_blocks(), a.num_tokens, a.topk_idx, a.topk, a.num_experts, nullptr,
+                      a.is_token_in_rank, scratch.excl, {}, static_cast<const char*>(a.x), a.x_row_bytes, l.x,
+                      static_cast<const char*>(a.scales), a.scale_row_bytes, l.scales};
+  sa.routing[0] = {reinterpret_cast<const char*>(a.topk_idx), l.idx, int64_t(a.topk) * 4};
+  sa.routing[1] = {reinterpret_cast<const char*>(a.topk_weights), l.weights, int64_t(a.topk) * 4};
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, sa, side); });
 
-  wait_meta(dev, g, stream);
+  const ReceiveFrom from = receive_from(dev, g);
+  wait_routing(dev, g, from, stream);
   Sources src{};
   for (int s = 0; s < g.size; ++s) {
-    const char* base = s == g.self ? nullptr : dev.in_region(peer_of(dev, g, s));
-    src.topk_idx[s] = s == g.self ? a.topk_idx : reinterpret_cast<const int32_t*>(base + l.idx);
-    src.x[s] = s == g.self ? static_cast<const char*>(a.x) : base + l.x;
-    src.scales[s] = s == g.self ? static_cast<const char*>(a.scales) : base + l.scales;
-    src.weights[s] = s == g.self ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
+    const char* base = from.region[s];
+    const bool own = s == g.self;
+    src.topk_idx[s] = own ? a.topk_idx : reinterpret_cast<const int32_t*>(base + l.idx);
+    src.x[s] = own ? static_cast<const char*>(a.x) : base + l.x;
+    src.scales[s] = own ? static_cast<const char*>(a.scales) : base + l.scales;
+    src.weights[s] = own ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
   }
-  run_scan({src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, a.topk_idx,
-            scratch.row_map, a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, a.is_token_in_rank, nullptr,
-            scratch.block_counts, dev.errors_device()},
+  run_scan({src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, scratch.row_map,
+            a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, nullptr, scratch.block_counts,
+            dev.errors_device()},
            local_experts, stream);
-  gather_all(dev, g, src, true, a.topk, a.num_experts, a.num_tokens, a.capacity, scratch.row_map, a.recv_num_tokens,
-             a.x_row_bytes, a.scale_row_bytes, a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights, stream);
-  join_send(dev, stream);  // x may be freed only after the copy engine has read it
-  ack_messages(dev, g, stream);
+  DispatchReceiveArgs ra{from, src, true, send_blocks(), a.topk, a.num_experts, a.num_tokens, a.capacity, scratch.row_map,
+                         a.recv_counts, a.recv_num_tokens, a.x_row_bytes, a.scale_row_bytes,
+                         static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales), a.recv_topk_idx,
+                         a.recv_topk_weights};
+  dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  check(cudaGetLastError(), "dispatch_receive_kernel");
+  finish(dev, g, from, stream);
   dev.timing_end(stream, "dispatch");
 }
 
@@ -547,111 +826,62 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   const size_t x_bytes = align16(size_t(a.num_tokens) * a.row_bytes);
   const size_t total = x_bytes + align16(size_t(a.num_tokens) * g.size);
   check_fits(dev, total, "cached_dispatch");
-  const ScanScratch scratch = scan_scratch(dev, a.capacity, a.num_tokens);
+  const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
 
-  Message m;
-  m.meta[0] = {a.is_token_in_rank, x_bytes, size_t(a.num_tokens) * g.size};
-  m.num_meta = 1;
-  m.rows = static_cast<const char*>(a.x);
-  m.rows_offset = 0;
-  m.row_bytes = a.row_bytes;
-  m.num_rows = a.num_tokens;
-  send_message(dev, g, stream, m);
+  DispatchSendArgs sa{send_to(dev, g), send_blocks(), a.num_tokens, nullptr, 0, 0, a.is_token_in_rank, nullptr,
+                      scratch.excl, {}, static_cast<const char*>(a.x), a.row_bytes, 0, nullptr, 0, 0};
+  sa.routing[0] = {reinterpret_cast<const char*>(a.is_token_in_rank), x_bytes, int64_t(g.size)};
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, sa, side); });
 
-  wait_meta(dev, g, stream);
+  const ReceiveFrom from = receive_from(dev, g);
+  wait_routing(dev, g, from, stream);
   Sources src{};
   for (int s = 0; s < g.size; ++s) {
-    const char* base = s == g.self ? nullptr : dev.in_region(peer_of(dev, g, s));
-    src.mask[s] = s == g.self ? a.is_token_in_rank : reinterpret_cast<const bool*>(base + x_bytes);
-    src.x[s] = s == g.self ? static_cast<const char*>(a.x) : base;
+    const bool own = s == g.self;
+    src.mask[s] = own ? a.is_token_in_rank : reinterpret_cast<const bool*>(from.region[s] + x_bytes);
+    src.x[s] = own ? static_cast<const char*>(a.x) : from.region[s];
   }
   // The counts land in scratch: the scan checks them against the handle's.
-  run_scan({src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(), a.capacity, nullptr, scratch.row_map,
-            scratch.counts, scratch.num_rows, nullptr, nullptr, a.recv_counts, scratch.block_counts,
-            dev.errors_device()},
+  run_scan({src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(), a.capacity, scratch.row_map, scratch.counts,
+            scratch.num_rows, nullptr, a.recv_counts, scratch.block_counts, dev.errors_device()},
            0, stream);
-  gather_all(dev, g, src, false, 0, 0, a.num_tokens, a.capacity, scratch.row_map, scratch.num_rows, a.row_bytes, 0,
-             a.recv_x, nullptr, nullptr, nullptr, stream);
-  join_send(dev, stream);
-  ack_messages(dev, g, stream);
+  DispatchReceiveArgs ra{from, src, false, send_blocks(), 0, 0, a.num_tokens, a.capacity, scratch.row_map, scratch.counts,
+                         scratch.num_rows, a.row_bytes, 0, static_cast<char*>(a.recv_x), nullptr, nullptr, nullptr};
+  dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  check(cudaGetLastError(), "dispatch_receive_kernel");
+  finish(dev, g, from, stream);
 }
 
 void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "combine");
   const int64_t row_bytes = int64_t(a.hidden) * (a.bf16 ? 2 : 4);
-  const size_t message = combine_message_bytes(a.num_tokens, a.hidden, a.bf16);
-  check_fits(dev, message, "combine");
-  // Scratch: offsets [R + 1], then positions [T, R].
-  const size_t positions_at = 64;
-  dev.ensure_scratch(positions_at + size_t(a.num_tokens) * g.size * 4);
+  check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.bf16), "combine");
+  const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-  char* scratch = static_cast<char*>(dev.scratch());
-  int32_t* offsets = reinterpret_cast<int32_t*>(scratch);
-  int32_t* positions = reinterpret_cast<int32_t*>(scratch + positions_at);
-  Regions out_regions{}, in_regions{};
-  for (int s = 0; s < g.size; ++s)
-    if (s != g.self) {
-      out_regions.p[s] = dev.out_region(peer_of(dev, g, s));
-      in_regions.p[s] = dev.in_region(peer_of(dev, g, s));
-    }
 
-  combine_scan_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.recv_counts, a.num_tokens, g.size,
-                                                      a.capacity, dev.rank(), offsets, positions, dev.errors_device());
-  check(cudaGetLastError(), "combine_scan_kernel");
+  const CombineSendArgs sa{send_to(dev, g), send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity,
+                           a.recv_counts};
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(combine_send_kernel, sa, side); });
+  positions_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, g.size, scratch.excl);
+  check(cudaGetLastError(), "positions_kernel");
 
-  // Send side: the stage stream copies chunk c of the rows going back to each member into its out-region; the
-  // send stream copies each staged chunk out as soon as it is ready.
-  auto msg_for = [&](int s) {
-    Message m;
-    m.rows = out_regions.p[s];
-    m.row_bytes = row_bytes;
-    m.num_rows = a.num_tokens;  // at most T rows go back to a member; the copy engine moves the whole chunk
-    return m;
-  };
-  send_meta(dev, g, stream, msg_for);  // forks after the scan: offsets are ready for the staging kernels
-  cudaStream_t stage = dev.stage_stream();
-  check(cudaStreamWaitEvent(stage, dev.fork_event(), 0), "cudaStreamWaitEvent");
-  for (int c = 0; c < dev.chunks(); ++c) {
-    int j0 = chunk_begin(a.num_tokens, dev.chunks(), c), j1 = chunk_begin(a.num_tokens, dev.chunks(), c + 1);
-    combine_stage_kernel<<<blocks(), 1024, 0, stage>>>(static_cast<const char*>(a.y), row_bytes, g.size, g.self, a.capacity,
-                                                       offsets, out_regions, j0, j1);
-    check(cudaGetLastError(), "combine_stage_kernel");
-    check(cudaEventRecord(dev.chunk_event(c), stage), "cudaEventRecord");
-    check(cudaStreamWaitEvent(dev.send_stream(), dev.chunk_event(c), 0), "cudaStreamWaitEvent");
-    send_chunk(dev, g, c, msg_for);
-  }
-  check(cudaEventRecord(dev.stage_done_event(), stage), "cudaEventRecord");
-
-  // Receive side: a token's rows from a member sit at positions <= the token's index, so tokens of chunk c
-  // need that member's chunks up to c only.
-  wait_meta(dev, g, stream);
-  check(cudaStreamWaitEvent(stream, dev.stage_done_event(), 0), "cudaStreamWaitEvent");
-  for (int c = 0; c < dev.chunks(); ++c) {
-    for (int s = 0; s < g.size; ++s)
-      if (s != g.self) wait_chunk(dev, g, s, c, stream);
-    int t0 = chunk_begin(a.num_tokens, dev.chunks(), c), t1 = chunk_begin(a.num_tokens, dev.chunks(), c + 1);
-    if (t1 == t0) continue;
-    if (a.bf16)
-      combine_reduce_kernel<__nv_bfloat16><<<blocks(), 1024, 0, stream>>>(
-          static_cast<const char*>(a.y), row_bytes, a.capacity, t0, t1, g.size, g.self, offsets, positions, in_regions,
-          static_cast<char*>(a.out));
-    else
-      combine_reduce_kernel<float><<<blocks(), 1024, 0, stream>>>(
-          static_cast<const char*>(a.y), row_bytes, a.capacity, t0, t1, g.size, g.self, offsets, positions, in_regions,
-          static_cast<char*>(a.out));
-    check(cudaGetLastError(), "combine_reduce_kernel");
-  }
-  join_send(dev, stream);
-  ack_messages(dev, g, stream);
+  const ReceiveFrom from = receive_from(dev, g);
+  const CombineReceiveArgs ra{from, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.num_tokens,
+                              a.recv_counts, a.is_token_in_rank, scratch.excl, static_cast<char*>(a.out)};
+  if (a.bf16) combine_receive_kernel<__nv_bfloat16><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  else combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  check(cudaGetLastError(), "combine_receive_kernel");
+  finish(dev, g, from, stream);
   dev.timing_end(stream, "combine");
 }
 
 void preload_intranode_kernels() {
-  load_kernels(dispatch_count_kernel, dispatch_place_kernel, dispatch_gather_kernel, combine_scan_kernel, combine_stage_kernel,
-               combine_reduce_kernel<float>, combine_reduce_kernel<__nv_bfloat16>, wait_flag_kernel);
+  load_kernels(positions_kernel, dispatch_count_kernel, dispatch_place_kernel, dispatch_send_kernel,
+               dispatch_receive_kernel, combine_send_kernel, combine_receive_kernel<float>,
+               combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel);
 }
 
 }  // namespace uccl_ep::nvl
