@@ -13,6 +13,7 @@
 //   bits 10..0  fence: data writes in the message (up to 2047); data: 0, or 2047 for an abort
 #pragma once
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -61,38 +62,60 @@ class MessageSequencer {
   uint32_t writes_ = 0;
 };
 
-// Receiver side, one per (sender, channel), touched by one proxy thread only.
+// Receiver side, one per (sender, channel), written by one proxy thread only. The words are atomics (relaxed,
+// single writer) only so that a waiter that timed out may read them for its message.
 class ArrivalCounter {
  public:
-  ArrivalCounter() { expected_.fill(-1); landed_.fill(0); }
+  ArrivalCounter() {
+    for (auto& e : expected_) e.store(-1, std::memory_order_relaxed);
+    for (auto& l : landed_) l.store(0, std::memory_order_relaxed);
+  }
 
-  void on_data(uint32_t epoch) { ++landed_[epoch % kEpochWindow]; }
+  void on_data(uint32_t epoch) { bump(landed_[epoch % kEpochWindow]); }
   void on_fence(uint32_t epoch, uint32_t count) {
-    int32_t& e = expected_[epoch % kEpochWindow];
-    if (e >= 0) throw std::runtime_error("uccl_ep: two fences for one epoch (more than 1024 messages in flight?)");
-    e = int32_t(count);
+    std::atomic<int32_t>& e = expected_[epoch % kEpochWindow];
+    if (e.load(std::memory_order_relaxed) >= 0)
+      throw std::runtime_error("uccl_ep: two fences for one epoch (more than 1024 messages in flight?)");
+    e.store(int32_t(count), std::memory_order_relaxed);
   }
   // Releases every complete message in epoch order; returns how many were released.
   uint32_t release() {
     uint32_t n = 0;
     for (;;) {
-      uint32_t slot = next_ % kEpochWindow;
-      if (expected_[slot] < 0 || landed_[slot] < uint32_t(expected_[slot])) break;
-      if (landed_[slot] > uint32_t(expected_[slot]))
+      const uint64_t next = next_.load(std::memory_order_relaxed);
+      const uint32_t slot = next % kEpochWindow;
+      const int32_t expected = expected_[slot].load(std::memory_order_relaxed);
+      const uint32_t landed = landed_[slot].load(std::memory_order_relaxed);
+      if (expected < 0 || landed < uint32_t(expected)) break;
+      if (landed > uint32_t(expected))
         throw std::runtime_error("uccl_ep: more data writes landed than the fence announced (epoch " +
                                  std::to_string(slot) + ")");
-      expected_[slot] = -1;
-      landed_[slot] = 0;
-      ++next_;
+      expected_[slot].store(-1, std::memory_order_relaxed);
+      landed_[slot].store(0, std::memory_order_relaxed);
+      next_.store(next + 1, std::memory_order_relaxed);
       ++n;
     }
     return n;
   }
+  // For a timeout's message (read from another thread: a snapshot, maybe torn): the oldest unreleased message and
+  // what of it landed, which tells a lost fence from lost data writes from nothing sent.
+  std::string describe() const {
+    const uint64_t next = next_.load(std::memory_order_relaxed);
+    const int32_t expected = expected_[next % kEpochWindow].load(std::memory_order_relaxed);
+    const uint32_t landed = landed_[next % kEpochWindow].load(std::memory_order_relaxed);
+    const uint32_t later = landed_[(next + 1) % kEpochWindow].load(std::memory_order_relaxed);
+    return "message " + std::to_string(next + 1) + ": " +
+           (expected < 0 ? std::string("no fence yet") : "fence announcing " + std::to_string(expected) + " writes") +
+           ", " + std::to_string(landed) + " data writes landed (" + std::to_string(later) + " of the next message)";
+  }
 
  private:
-  std::array<int32_t, kEpochWindow> expected_;
-  std::array<uint32_t, kEpochWindow> landed_;
-  uint64_t next_ = 0;
+  static void bump(std::atomic<uint32_t>& w) {
+    w.store(w.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+  std::array<std::atomic<int32_t>, kEpochWindow> expected_;
+  std::array<std::atomic<uint32_t>, kEpochWindow> landed_;
+  std::atomic<uint64_t> next_{0};
 };
 
 }  // namespace uccl_ep

@@ -64,7 +64,7 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   peak_inflight_bytes_.reset(new std::atomic<uint64_t>[config_.num_channels]);
   for (int c = 0; c < config_.num_channels; ++c) peak_inflight_bytes_[c].store(0);
   sequencers_.resize(slots);
-  arrivals_.resize(slots);
+  arrivals_ = std::vector<ArrivalCounter>(slots);  // not movable: built in place
   peer_failure_.assign(num_ranks, "");
   for (int c = 0; c < config_.num_channels; ++c)
     rings_.push_back(std::make_unique<CommandRing>(config_.ring_capacity));
@@ -172,7 +172,8 @@ void Device::wait_message(int channel, uint32_t peer, const char* op) {
     return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
            std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) + " (channel " +
            std::to_string(channel) +
-           "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S)";
+           "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S) [waiting for its " +
+           arrivals_[slot].describe() + "]";
   });
   consumed_[slot] = want;
 }

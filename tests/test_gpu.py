@@ -198,8 +198,9 @@ def test_one_process_per_gpu(part):
 
 @pytest.mark.parametrize("variant", ["3 SMs", "stream waits"])
 def test_normal_mode_variants(variant):
-    """Normal mode's references with 3 send and 3 receive blocks (each block works through several of a message's
-    chunks), and with the routing awaited by stream memory waits instead of polling kernels."""
+    """Normal mode's references with UCCL_EP_NUM_SMS=3: a message in 3 chunks (a send block each) and 3 receive
+    blocks, each working through several (chunk, source) pieces; and with the routing awaited by stream memory
+    waits instead of polling kernels."""
     env = dict(SUITE_ENV, **({"UCCL_EP_NUM_SMS": "3"} if variant == "3 SMs" else {"UCCL_EP_NVL_DEADLINE": "0"}))
     results = launch(HERE, "gpu_suite", 1, args=["normal"], platform="gpu", timeout_s=150, env=env)
     _check(results, NUM_GPUS)

@@ -742,3 +742,5 @@ def test_a_timeout_names_the_peer_whose_process_is_gone():
     assert results[0].ok, describe(results)
     msg = results[0].result["error"]
     assert msg and "rank(s) 1 exited (process gone), likely the cause" in msg, results[0].result
+    if "did not arrive" in msg:  # a message wait (not the writes' completion): it says what of the message landed
+        assert "waiting for its message 1: no fence yet, 0 data writes landed" in msg, msg

@@ -8,9 +8,10 @@
 //
 // Per GPU one buffer: [flags 4 KiB][in-region of each peer][low-latency area]. Peer p writes its messages into
 // our in-region(p). Flags, all written by p: meta[p] counts the chunks of p's messages whose routing landed
-// (a chunk per send block); chunk[p][c] = k once chunk c of p's message k landed; ack[p] = k once p has finished
-// reading our message k (we may overwrite its in-region then). A send kernel runs on a side stream of ours while
-// XLA's stream waits for the routing, scans it and receives, so sends and receives overlap.
+// (a chunk per send block); chunk[p][c] = k << 32 | n once n tokens (rows, in combine) of chunk c of p's message
+// k landed; ack[p] = k once p has finished reading our message k (we may overwrite its in-region then). A send
+// kernel runs on a side stream of ours while XLA's stream waits for the routing, scans it and receives, so sends
+// and receives overlap.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -45,7 +46,10 @@ constexpr int kChunks = 48;
 // check_errors(): a kernel cannot fail the call that launched it, and an op must not fail on one rank only
 // (its peers' streams would wait for it forever), so ops never raise them themselves.
 struct DeviceErrors {
-  int32_t code;  // 0 none, 1 bad expert index, 2 capacity exceeded, 5 a peer's message late, 10 command ring full
+  // 0 none, 1 bad expert index, 2 capacity exceeded, 3 rows from a member differ from the handle's, 4 handle
+  // and y disagree, 5 a peer late (b: its message, or minus ours it did not acknowledge), 6/7/9 low-latency
+  // handle or buffer mismatches, 10 command ring full
+  int32_t code;
   int32_t rank;
   int64_t a, b, c;  // details: (token, slot, index) or (received, capacity, -)
 };

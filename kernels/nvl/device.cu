@@ -343,6 +343,10 @@ void raise_device_error(const DeviceErrors& e, const std::string& where) {
     throw std::invalid_argument(where + "got " + std::to_string(e.b) + " rows from group member " +
                                 std::to_string(e.a) + " where the handle records " + std::to_string(e.c) +
                                 " (stale handle?)");
+  if (e.code == 5 && e.b < 0)
+    throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for rank " + std::to_string(e.a) +
+                       " to finish reading our message " + std::to_string(-e.b) +
+                       " (peer dead or out of step; UCCL_EP_TIMEOUT_S); results of that op are not valid");
   if (e.code == 5)
     throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for message " +
                        std::to_string(e.b) + " from rank " + std::to_string(e.a) +

@@ -2,6 +2,7 @@
 // scans and the receive kernels (copy out, or reduce), and the host code that orders them on XLA's stream and a
 // side stream (see api.hpp for the scheme).
 #include <algorithm>
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -187,27 +188,26 @@ __global__ void __launch_bounds__(kScanThreads) positions_kernel(const bool* mas
   }
 }
 
-// What a send kernel needs of each group member (entries of this rank unused).
-struct SendTo {
-  char* region[kMaxRanks];         // the member's in-region for us
-  uint64_t* meta[kMaxRanks];       // its count of our chunks whose routing landed
-  uint64_t* chunks[kMaxRanks];     // its flags for our chunks: [kChunks], the message's number once landed
-  const uint64_t* ack[kMaxRanks];  // ours: the last of our messages the member finished reading
-  uint64_t message[kMaxRanks];     // this message's number to the member (1, 2, ...)
-  int rank_of[kMaxRanks];
+// The group as a kernel sees it, and how long it waits for a member.
+struct Members {
+  int rank_of[kMaxRanks];  // global rank of each group position
   int num_ranks, self, rank;
   uint64_t timeout_ns;
   DeviceErrors* err;
 };
+// What a send kernel needs of each group member (entries of this rank unused).
+struct SendTo : Members {
+  char* region[kMaxRanks];         // the member's in-region for us
+  uint64_t* meta[kMaxRanks];       // its count of our chunks whose routing landed
+  uint64_t* chunks[kMaxRanks];     // its progress words for our chunks: [kChunks]
+  const uint64_t* ack[kMaxRanks];  // ours: the last of our messages the member finished reading
+  uint64_t message[kMaxRanks];     // this message's number to the member (1, 2, ...)
+};
 // And a receive kernel, of each member's message to us.
-struct ReceiveFrom {
+struct ReceiveFrom : Members {
   const char* region[kMaxRanks];     // our in-region written by the member
   const uint64_t* chunks[kMaxRanks];
   uint64_t message[kMaxRanks];
-  int rank_of[kMaxRanks];
-  int num_ranks, self, rank;
-  uint64_t timeout_ns;
-  DeviceErrors* err;
 };
 
 // Waits (thread 0) until every member has finished reading our previous message: its region for us is free.
@@ -217,8 +217,8 @@ __device__ bool wait_acks(const SendTo& to) {
     ok = true;
     for (int s = 0; s < to.num_ranks && ok; ++s)
       if (s != to.self)
-        ok = wait_flag(to.ack[s], to.message[s] - 1, int64_t(to.message[s] - 1), to.timeout_ns, to.err, to.rank,
-                       to.rank_of[s]);
+        ok = wait_flag(to.ack[s], to.message[s] - 1, -int64_t(to.message[s] - 1), to.timeout_ns, to.err, to.rank,
+                       to.rank_of[s]);  // negative: an acknowledgement of ours, not a message of theirs
   }
   __syncthreads();
   return ok;
@@ -260,6 +260,12 @@ __device__ void block_copy(char* dst, const char* src, int64_t bytes) {
   if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
     for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
       reinterpret_cast<int4*>(dst)[i] = __ldg(reinterpret_cast<const int4*>(src) + i);
+    return;
+  }
+  // Rows of topk int32s (an odd topk at an odd token offset) stay 4-byte aligned; the token mask need not.
+  if (bytes % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0) {
+    for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x)
+      reinterpret_cast<int32_t*>(dst)[i] = __ldg(reinterpret_cast<const int32_t*>(src) + i);
     return;
   }
   for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
@@ -668,40 +674,41 @@ void wait_flags(NvlDevice& dev, cudaStream_t stream, const FlagWaits& w) {
   check(cudaGetLastError(), "wait_flags_kernel");
 }
 
+Members members(const NvlDevice& dev, const Group& g) {
+  Members m{};
+  m.num_ranks = g.size;
+  m.self = g.self;
+  m.rank = dev.rank();
+  m.timeout_ns = timeout_ns();
+  m.err = dev.errors_device();
+  for (int s = 0; s < g.size; ++s) m.rank_of[s] = s == g.self ? dev.rank() : peer_of(dev, g, s);
+  return m;
+}
+
 // One message to every other member (its number, and where it goes) and one from each.
 SendTo send_to(NvlDevice& dev, const Group& g) {
   SendTo to{};
-  to.num_ranks = g.size;
-  to.self = g.self;
-  to.rank = dev.rank();
-  to.timeout_ns = timeout_ns();
-  to.err = dev.errors_device();
+  static_cast<Members&>(to) = members(dev, g);
   for (int s = 0; s < g.size; ++s) {
     if (s == g.self) continue;
-    const int p = peer_of(dev, g, s);
+    const int p = to.rank_of[s];
     to.region[s] = dev.peer_in_region(p);
     to.meta[s] = dev.peer_meta_flag(p);
     to.chunks[s] = dev.peer_chunk_flags(p);
     to.ack[s] = dev.ack_flag(p);
     to.message[s] = ++dev.sent(p);
-    to.rank_of[s] = p;
   }
   return to;
 }
 ReceiveFrom receive_from(NvlDevice& dev, const Group& g) {
   ReceiveFrom from{};
-  from.num_ranks = g.size;
-  from.self = g.self;
-  from.rank = dev.rank();
-  from.timeout_ns = timeout_ns();
-  from.err = dev.errors_device();
+  static_cast<Members&>(from) = members(dev, g);
   for (int s = 0; s < g.size; ++s) {
     if (s == g.self) continue;
-    const int p = peer_of(dev, g, s);
+    const int p = from.rank_of[s];
     from.region[s] = dev.in_region(p);
     from.chunks[s] = dev.chunk_flags(p);
     from.message[s] = ++dev.received(p);
-    from.rank_of[s] = p;
   }
   return from;
 }
@@ -716,6 +723,16 @@ void fork_send(NvlDevice& dev, cudaStream_t stream, const Launch& launch) {
   check(cudaGetLastError(), "send kernel");
   check(cudaEventRecord(dev.join_event(), side), "cudaEventRecord");
 }
+
+// Host code that throws after the fork (a failed launch) still leaves XLA's stream waiting for the send kernel,
+// which reads the op's inputs. (The members are out of step then: their next op times out, naming us.)
+struct JoinOnUnwind {
+  NvlDevice& dev;
+  cudaStream_t stream;
+  ~JoinOnUnwind() {
+    if (std::uncaught_exceptions() > 0) cudaStreamWaitEvent(stream, dev.join_event(), 0);
+  }
+};
 
 // Tells every member we finished reading its message, then waits for our send (the inputs may be freed after).
 void finish(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
@@ -793,6 +810,7 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
                       static_cast<const char*>(a.scales), a.scale_row_bytes, l.scales};
   sa.routing[0] = {reinterpret_cast<const char*>(a.topk_idx), l.idx, int64_t(a.topk) * 4};
   sa.routing[1] = {reinterpret_cast<const char*>(a.topk_weights), l.weights, int64_t(a.topk) * 4};
+  const JoinOnUnwind join{dev, stream};
   fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, sa, side); });
 
   const ReceiveFrom from = receive_from(dev, g);
@@ -832,6 +850,7 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   DispatchSendArgs sa{send_to(dev, g), send_blocks(), a.num_tokens, nullptr, 0, 0, a.is_token_in_rank, nullptr,
                       scratch.excl, {}, static_cast<const char*>(a.x), a.row_bytes, 0, nullptr, 0, 0};
   sa.routing[0] = {reinterpret_cast<const char*>(a.is_token_in_rank), x_bytes, int64_t(g.size)};
+  const JoinOnUnwind join{dev, stream};
   fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, sa, side); });
 
   const ReceiveFrom from = receive_from(dev, g);
@@ -864,6 +883,7 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
 
   const CombineSendArgs sa{send_to(dev, g), send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity,
                            a.recv_counts};
+  const JoinOnUnwind join{dev, stream};
   fork_send(dev, stream, [&](cudaStream_t side) { launch_send(combine_send_kernel, sa, side); });
   positions_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, g.size, scratch.excl);
   check(cudaGetLastError(), "positions_kernel");
