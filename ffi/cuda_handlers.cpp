@@ -1,7 +1,7 @@
 // XLA FFI handlers for platform "CUDA": decode, find the GPU's state by device ordinal, call kernels/nvl on XLA's
 // stream. Built only with CUDA. The exported symbols route each call: GPUs of one node to the NVLink handlers here;
-// GPUs on several nodes (the proxy runtime) to the GPU-initiated low-latency handlers here, or to the host-staged
-// ones in cpu_handlers.cpp (normal mode, and low-latency mode where GPU-initiated ops are off).
+// GPUs on several nodes (the proxy runtime) to the GPU-initiated handlers here, or to the host-staged ones in
+// cpu_handlers.cpp (where GPU-initiated ops are off, or the job has more ranks than they take).
 #include "cuda_handlers.hpp"
 
 #include <cuda_runtime.h>
@@ -23,13 +23,8 @@ using uccl_ep::ffi_common::row_bytes_3d;
 
 namespace {
 
-template <class Body>
-ffi::Error guarded(Body&& body) {
-  return uccl_ep::ffi_common::guarded(NvlRuntime::get().lifetime_mutex(), std::forward<Body>(body));
-}
-
-// Where a low-latency op's GPU state lives: the NVLink runtime (GPUs of one node) or the proxy runtime (GPUs on
-// several nodes, GPU-initiated). kernels/nvl overloads each op on the device type.
+// Where an op's GPU state lives: the NVLink runtime (GPUs of one node) or the proxy runtime (GPUs on several
+// nodes, GPU-initiated). kernels/nvl overloads each op on the device type.
 struct OverNvlink {
   using Device = NvlDevice;
   static std::shared_mutex& lifetime() { return NvlRuntime::get().lifetime_mutex(); }
@@ -51,6 +46,7 @@ uccl_ep::nvl::Group group_of(const Dev& dev, ffi::Span<const int32_t> table, int
   return uccl_ep::nvl::Group{row, int(size), index};
 }
 
+template <class Link>
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                         ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
@@ -62,8 +58,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
                         ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
                         ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
-  return guarded([&] {
-    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+  return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
+    auto& dev = Link::device(ordinal);
     auto g = group_of(dev, group_table, group_size, "dispatch");
     const bool has_w = topk_weights.element_count() != 0;
     uccl_ep::nvl::DispatchArgs a{};
@@ -89,12 +85,13 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
   });
 }
 
+template <class Link>
 ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
                               ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
                               int64_t /*op_index*/, ffi::Result<ffi::AnyBuffer> recv_x) {
-  return guarded([&] {
-    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+  return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
+    auto& dev = Link::device(ordinal);
     auto g = group_of(dev, group_table, group_size, "cached_dispatch");
     uccl_ep::nvl::CachedDispatchArgs a{x.untyped_data(),
                                        row_bytes(x),
@@ -107,12 +104,13 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
   });
 }
 
+template <class Link>
 ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
                        ffi::Result<ffi::AnyBuffer> out) {
-  return guarded([&] {
-    NvlDevice& dev = NvlRuntime::get().device_by_ordinal(ordinal);
+  return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
+    auto& dev = Link::device(ordinal);
     auto g = group_of(dev, group_table, group_size, "combine");
     bool bf16;
     if (y.element_type() == ffi::DataType::BF16)
@@ -296,39 +294,35 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
-#define UCCL_EP_NVL_HANDLER(stem, name, signature) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Nvl, stem##Impl, uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
-UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_NVL_HANDLER)
-#define UCCL_EP_LOW_LATENCY_HANDLERS(stem, name, signature)                                   \
+#define UCCL_EP_LINK_HANDLERS(stem, name, signature)                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Nvl, stem##Impl<OverNvlink>,                   \
                                 uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Proxy, stem##Impl<OverProxy>,                  \
                                 uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
-UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_LOW_LATENCY_HANDLERS)
+UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_LINK_HANDLERS)
+UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_LINK_HANDLERS)
 
 // The NVLink runtime serves GPUs of one node; when the process started the proxy runtime instead (GPUs on
-// several nodes), low-latency ops run GPU-initiated where they can (kernels/nvl/api.hpp) and the rest host-staged.
+// several nodes), ops run GPU-initiated where they can (kernels/nvl/api.hpp) and the rest host-staged.
 namespace {
 bool on_proxy() { return !NvlRuntime::get().initialized() && uccl_ep::Runtime::get().initialized(); }
-XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*nvl)(XLA_FFI_CallFrame*),
-                     XLA_FFI_Error* (*staged)(XLA_FFI_CallFrame*)) {
-  return on_proxy() ? staged(frame) : nvl(frame);
-}
-XLA_FFI_Error* route_low_latency(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*nvl)(XLA_FFI_CallFrame*),
-                                 XLA_FFI_Error* (*proxy)(XLA_FFI_CallFrame*),
-                                 XLA_FFI_Error* (*staged)(XLA_FFI_CallFrame*)) {
+using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+template <bool (*kGpuInitiated)(uint32_t)>
+XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, Handler nvl, Handler proxy, Handler staged) {
   if (!on_proxy()) return nvl(frame);
-  return uccl_ep::nvl::gpu_initiated_low_latency(uccl_ep::Runtime::get().num_ranks()) ? proxy(frame) : staged(frame);
+  return kGpuInitiated(uccl_ep::Runtime::get().num_ranks()) ? proxy(frame) : staged(frame);
 }
 }  // namespace
 
-#define UCCL_EP_ROUTED(stem, name, signature)                                    \
-  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {       \
-    return route(frame, UcclEp##stem##Nvl, UcclEp##stem##Staged);                \
+#define UCCL_EP_ROUTED(stem, name, signature)                                                               \
+  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                  \
+    return route<uccl_ep::nvl::gpu_initiated_normal>(frame, UcclEp##stem##Nvl, UcclEp##stem##Proxy,         \
+                                                     UcclEp##stem##Staged);                                 \
   }
 UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_ROUTED)
-#define UCCL_EP_ROUTED_LOW_LATENCY(stem, name, signature)                                               \
-  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                              \
-    return route_low_latency(frame, UcclEp##stem##Nvl, UcclEp##stem##Proxy, UcclEp##stem##Staged);     \
+#define UCCL_EP_ROUTED_LOW_LATENCY(stem, name, signature)                                                   \
+  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                  \
+    return route<uccl_ep::nvl::gpu_initiated_low_latency>(frame, UcclEp##stem##Nvl, UcclEp##stem##Proxy,    \
+                                                          UcclEp##stem##Staged);                            \
   }
 UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_ROUTED_LOW_LATENCY)

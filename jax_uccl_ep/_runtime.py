@@ -363,8 +363,8 @@ def check_errors() -> None:
 
     Kernels cannot fail the call that launched them, and an op must not fail on one rank only (its peers would
     wait for it), so GPU ops never raise these themselves: call this (it waits for the GPUs first) where a
-    step's results are checked. This holds for GPU-initiated low-latency ops across nodes too. CPU devices (and
-    host-staged ops) raise such errors from the op itself.
+    step's results are checked. This holds for GPU-initiated ops across nodes too. CPU devices (and host-staged
+    ops) raise such errors from the op itself.
     """
     if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
         _uccl_ep.nvl_check_errors()

@@ -364,6 +364,20 @@ void check_proxy_errors(const char* op);
 // kMaxLowLatencyRanks ranks and not turned off (UCCL_EP_GPU_INITIATED=0); else they are staged through the host.
 bool gpu_initiated_low_latency(uint32_t num_ranks);
 
+// Normal mode across nodes (GPUs on the proxy runtime), GPU-initiated: the NVLink path's kernels with each member's
+// region in our registered buffer (mapped host memory) in place of its NVLink buffer. The send kernel packs every
+// member's rows and routing into our send region for it; a one-warp kernel then pushes one message per member
+// into channel 0's command ring (only the used pieces of the region), once that member acknowledged our previous
+// message; the receive side waits for each member's released-message word, scans the routing and copies or
+// reduces from our receive regions, then acknowledges every member. Flat: every token crosses once per GPU that
+// needs it (no fan-out within a node), for jobs of at most kMaxRanks ranks; larger jobs, or UCCL_EP_GPU_INITIATED=0,
+// stage through the host (the CPU path's hierarchical rounds). Each call waits for its kernels, as the
+// low-latency ops above do; errors as there.
+void dispatch(Device& dev, const Group& group, const DispatchArgs& args, cudaStream_t stream);
+void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& args, cudaStream_t stream);
+void combine(Device& dev, const Group& group, const CombineArgs& args, cudaStream_t stream);
+bool gpu_initiated_normal(uint32_t num_ranks);
+
 // Bytes of low-latency area per GPU for these shapes (rows: the larger of a dispatch row and a combine row).
 size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
                              int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row_bytes);

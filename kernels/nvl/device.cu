@@ -126,11 +126,16 @@ bool low_latency_fused() {
   return on;
 }
 
-bool gpu_initiated_low_latency(uint32_t num_ranks) {
+namespace {
+bool gpu_initiated(uint32_t num_ranks, int most_ranks) {
   static const bool on = !env_is("UCCL_EP_GPU_INITIATED", "0");
   // The kernels write into the proxy's buffer and rings: only where the runtime made them pinned and mapped.
-  return on && num_ranks <= uint32_t(kMaxLowLatencyRanks) && std::string(host_allocator_name()) == kPinnedAllocator;
+  return on && num_ranks <= uint32_t(most_ranks) && std::string(host_allocator_name()) == kPinnedAllocator;
 }
+}  // namespace
+
+bool gpu_initiated_low_latency(uint32_t num_ranks) { return gpu_initiated(num_ranks, kMaxLowLatencyRanks); }
+bool gpu_initiated_normal(uint32_t num_ranks) { return gpu_initiated(num_ranks, kMaxRanks); }
 
 uint64_t timeout_ns() {
   static const uint64_t ns = [] {

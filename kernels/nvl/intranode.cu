@@ -10,6 +10,7 @@
 
 #include "api.hpp"
 #include "device_common.cuh"
+#include "proxy_path.cuh"
 
 namespace uccl_ep::nvl {
 namespace {
@@ -148,14 +149,21 @@ struct Scratch {
   int32_t* num_rows;
   int32_t* block_counts;
 };
-Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
+size_t scratch_bytes(int capacity, int num_tokens) {
+  const size_t map_at = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
+  return map_at + size_t(capacity) * sizeof(int2) + 256 + size_t(kMaxRanks) * scan_blocks(num_tokens) * 4;
+}
+Scratch scratch_at(void* scratch, int capacity, int num_tokens) {
   const size_t map_at = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
   const size_t counts_at = map_at + size_t(capacity) * sizeof(int2), blocks_at = counts_at + 256;
-  dev.ensure_scratch(blocks_at + size_t(kMaxRanks) * scan_blocks(num_tokens) * 4);
-  char* base = static_cast<char*>(dev.scratch());
+  char* base = static_cast<char*>(scratch);
   int32_t* counts = reinterpret_cast<int32_t*>(base + counts_at);
   return {reinterpret_cast<int32_t*>(base), reinterpret_cast<int2*>(base + map_at), counts, counts + kMaxRanks,
           reinterpret_cast<int32_t*>(base + blocks_at)};
+}
+Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
+  dev.ensure_scratch(scratch_bytes(capacity, num_tokens));
+  return scratch_at(dev.scratch(), capacity, num_tokens);
 }
 
 void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
@@ -778,6 +786,236 @@ DispatchLayoutBytes dispatch_layout(int num_tokens, int64_t x_row_bytes, int64_t
   l.total = l.weights + (weights ? align16(size_t(num_tokens) * topk * 4) : 0);
   return l;
 }
+// A cached dispatch's message: the rows, then the token-in-rank mask [T, R].
+size_t cached_mask_offset(int num_tokens, int64_t row_bytes) { return align16(size_t(num_tokens) * row_bytes); }
+size_t cached_message_bytes(int num_tokens, int64_t row_bytes, int num_ranks) {
+  return cached_mask_offset(num_tokens, row_bytes) + align16(size_t(num_tokens) * num_ranks);
+}
+
+// The routing scan counts rows per local expert in shared memory (the default 48 KiB, less the scan's own): refused
+// before anything is sent.
+void check_scan_experts(const DispatchArgs& a, const Group& g) {
+  if (a.num_experts / g.size > kMaxScanExperts)
+    throw std::invalid_argument("uccl_ep dispatch: at most " + std::to_string(kMaxScanExperts) +
+                                " experts per GPU, got " + std::to_string(a.num_experts / g.size));
+}
+
+// A (cached) dispatch's kernels, given where its messages go (`to`) and come from (`from`): the NVLink buffers of
+// the members, or regions of the proxy's buffer.
+struct DispatchKernels {
+  DispatchSendArgs send;
+  ScanArgs scan;
+  DispatchReceiveArgs receive;
+  int local_experts;
+};
+DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const DispatchLayoutBytes& l,
+                                 const Scratch& scratch, const SendTo& to, const ReceiveFrom& from) {
+  DispatchKernels k{};
+  k.local_experts = a.num_experts / g.size;
+  k.send = DispatchSendArgs{to, send_blocks(), a.num_tokens, a.topk_idx, a.topk, a.num_experts, nullptr,
+                            a.is_token_in_rank, scratch.excl, {}, static_cast<const char*>(a.x), a.x_row_bytes, l.x,
+                            static_cast<const char*>(a.scales), a.scale_row_bytes, l.scales};
+  k.send.routing[0] = {reinterpret_cast<const char*>(a.topk_idx), l.idx, int64_t(a.topk) * 4};
+  k.send.routing[1] = {reinterpret_cast<const char*>(a.topk_weights), l.weights, int64_t(a.topk) * 4};
+  Sources src{};
+  for (int s = 0; s < g.size; ++s) {
+    const char* base = from.region[s];
+    const bool own = s == g.self;
+    src.topk_idx[s] = own ? a.topk_idx : reinterpret_cast<const int32_t*>(base + l.idx);
+    src.x[s] = own ? static_cast<const char*>(a.x) : base + l.x;
+    src.scales[s] = own ? static_cast<const char*>(a.scales) : base + l.scales;
+    src.weights[s] = own ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
+  }
+  k.scan = ScanArgs{src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, from.rank, a.capacity,
+                    scratch.row_map, a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, nullptr,
+                    scratch.block_counts, from.err};
+  k.receive = DispatchReceiveArgs{from, src, true, send_blocks(), a.topk, a.num_experts, a.num_tokens, a.capacity,
+                                  scratch.row_map, a.recv_counts, a.recv_num_tokens, a.x_row_bytes, a.scale_row_bytes,
+                                  static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales), a.recv_topk_idx,
+                                  a.recv_topk_weights};
+  return k;
+}
+DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group& g, const Scratch& scratch,
+                                        const SendTo& to, const ReceiveFrom& from) {
+  const size_t mask_at = cached_mask_offset(a.num_tokens, a.row_bytes);
+  DispatchKernels k{};
+  k.send = DispatchSendArgs{to, send_blocks(), a.num_tokens, nullptr, 0, 0, a.is_token_in_rank, nullptr,
+                            scratch.excl, {}, static_cast<const char*>(a.x), a.row_bytes, 0, nullptr, 0, 0};
+  k.send.routing[0] = {reinterpret_cast<const char*>(a.is_token_in_rank), mask_at, int64_t(g.size)};
+  Sources src{};
+  for (int s = 0; s < g.size; ++s) {
+    const bool own = s == g.self;
+    src.mask[s] = own ? a.is_token_in_rank : reinterpret_cast<const bool*>(from.region[s] + mask_at);
+    src.x[s] = own ? static_cast<const char*>(a.x) : from.region[s];
+  }
+  // The counts land in scratch: the scan checks them against the handle's.
+  k.scan = ScanArgs{src, false, a.num_tokens, 0, 0, g.size, g.self, from.rank, a.capacity, scratch.row_map,
+                    scratch.counts, scratch.num_rows, nullptr, a.recv_counts, scratch.block_counts, from.err};
+  k.receive = DispatchReceiveArgs{from, src, false, send_blocks(), 0, 0, a.num_tokens, a.capacity, scratch.row_map,
+                                  scratch.counts, scratch.num_rows, a.row_bytes, 0, static_cast<char*>(a.recv_x),
+                                  nullptr, nullptr, nullptr};
+  return k;
+}
+// The receive side once the routing is in: the scan, then the rows.
+void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream) {
+  run_scan(k.scan, k.local_experts, stream);
+  dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
+  check(cudaGetLastError(), "dispatch_receive_kernel");
+}
+
+struct CombineKernels {
+  CombineSendArgs send;
+  CombineReceiveArgs receive;
+};
+CombineKernels combine_kernels(const CombineArgs& a, const Scratch& scratch, const SendTo& to,
+                               const ReceiveFrom& from) {
+  const int64_t row_bytes = int64_t(a.hidden) * (a.bf16 ? 2 : 4);
+  return {CombineSendArgs{to, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.recv_counts},
+          CombineReceiveArgs{from, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.num_tokens,
+                             a.recv_counts, a.is_token_in_rank, scratch.excl, static_cast<char*>(a.out)}};
+}
+void launch_positions(const CombineArgs& a, int num_ranks, const Scratch& scratch, cudaStream_t stream) {
+  positions_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, num_ranks, scratch.excl);
+  check(cudaGetLastError(), "positions_kernel");
+}
+void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_t stream) {
+  if (bf16) combine_receive_kernel<__nv_bfloat16><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  else combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  check(cudaGetLastError(), "combine_receive_kernel");
+}
+
+// ---- Across nodes: the proxy runtime's registered buffer in place of the NVLink peers (see api.hpp) ----
+
+Members proxy_members(const ProxyHalf& half) {
+  const Group& g = half.group();
+  Members m{};
+  m.num_ranks = g.size;
+  m.self = g.self;
+  m.rank = int(half.dev().rank());
+  m.timeout_ns = timeout_ns();
+  m.err = half.errors();
+  for (int s = 0; s < g.size; ++s) m.rank_of[s] = g.ranks[s];
+  return m;
+}
+// Member s's rows go to our send region for it (the push kernel sends them on); the progress words, of no use
+// here (ProxyGpu), go to the sink, and no acknowledgement is awaited in the send kernel (the push kernel waits).
+SendTo proxy_send_to(const ProxyHalf& half) {
+  SendTo to{};
+  static_cast<Members&>(to) = proxy_members(half);
+  for (int s = 0; s < to.num_ranks; ++s) {
+    if (s == to.self) continue;
+    to.region[s] = half.buffer() + half.dev().send_offset(uint32_t(to.rank_of[s]));
+    to.meta[s] = half.gpu().sink;
+    to.chunks[s] = half.gpu().sink + 1;
+    to.ack[s] = half.gpu().landed;  // >= 0 = message - 1
+    to.message[s] = 1;
+  }
+  return to;
+}
+ReceiveFrom proxy_receive_from(const ProxyHalf& half) {
+  ReceiveFrom from{};
+  static_cast<Members&>(from) = proxy_members(half);
+  for (int s = 0; s < from.num_ranks; ++s) {
+    if (s == from.self) continue;
+    from.region[s] = half.buffer() + half.dev().recv_offset(uint32_t(from.rank_of[s]));
+    from.chunks[s] = half.gpu().landed;
+    from.message[s] = 1;
+  }
+  return from;
+}
+
+// What the push kernel sends each member: pieces of our send region for it, piece i at offset[i] of
+// fixed[i] + per_row[i] bytes per row the member gets (dispatch: from the send kernel's layout; combine: the rows
+// it sent us).
+struct MessagePieces {
+  ProxyOut out;
+  int num_ranks, rank, num_tokens, num_pieces;
+  const int32_t* excl;    // dispatch: [T, R] the send kernel's layout
+  const bool* mask;       // dispatch: [T, R]
+  const int32_t* counts;  // combine: [R]
+  uint64_t offset[4], fixed[4], per_row[4];
+  DeviceErrors* err;
+};
+void add_piece(MessagePieces& m, size_t offset, size_t fixed, int64_t per_row) {
+  m.offset[m.num_pieces] = offset;
+  m.fixed[m.num_pieces] = fixed;
+  m.per_row[m.num_pieces++] = uint64_t(per_row);
+}
+__global__ void push_messages_kernel(MessagePieces m) {
+  const auto rows_to = [&](int d) -> uint64_t {
+    if (m.counts) return uint64_t(max(m.counts[d], 0));
+    if (m.num_tokens == 0) return 0;
+    const int last = (m.num_tokens - 1) * m.num_ranks + d;  // rows before the last token, and its own
+    return uint64_t(m.excl[last] + int(m.mask[last]));
+  };
+  push_messages(m.out, m.num_ranks, m.rank, m.err, [&](int d, int i, uint64_t& begin, uint64_t& bytes) {
+    if (i >= m.num_pieces) return false;
+    begin = m.offset[i];
+    bytes = m.fixed[i] + rows_to(d) * m.per_row[i];
+    return true;
+  });
+}
+
+// Refusals before anything is sent: a message of `bytes` in `pieces` pieces to each member must fit a region of
+// the proxy's buffer and a message's writes.
+void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t bytes, int pieces, const char* op) {
+  if (g.size > kMaxRanks)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": GPU-initiated normal mode takes groups of at most " +
+                                std::to_string(kMaxRanks) + " ranks, got " + std::to_string(g.size));
+  if (bytes > dev.region_bytes()) {
+    const size_t page = 4096, region = (bytes + page - 1) / page * page;
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": a message of this shape needs " +
+                                std::to_string(bytes) + " bytes per peer but a region of the proxy's buffer holds " +
+                                std::to_string(dev.region_bytes()) + "; raise UCCL_EP_BUFFER_BYTES to at least " +
+                                std::to_string(kScratchBytes + 2 * size_t(dev.num_ranks()) * region));
+  }
+  if (!fits_writes(dev, pieces, int64_t(bytes)))
+    throw std::invalid_argument(std::string("uccl_ep ") + op +
+                                ": UCCL_EP_MAX_WRITE_BYTES is too small for these rows (a message may hold 2047 writes)");
+}
+
+// The ops' device scratch on the proxy path, grown as needed (every proxy op waits for its kernels, so none runs).
+Scratch proxy_scratch(ProxyGpu& gpu, int capacity, int num_tokens) {
+  const size_t bytes = scratch_bytes(capacity, num_tokens);
+  if (bytes > gpu.scratch_bytes) {
+    if (gpu.scratch) cudaFree(gpu.scratch);
+    gpu.scratch = nullptr;
+    gpu.scratch_bytes = 0;
+    check(cudaMalloc(&gpu.scratch, bytes), "cudaMalloc scratch");
+    gpu.scratch_bytes = bytes;
+  }
+  return scratch_at(gpu.scratch, capacity, num_tokens);
+}
+
+// One op on the proxy path: the send kernel and the push on XLA's stream (ProxyHalf::send waits for them), then
+// each member's message, and `receive` on it (ProxyHalf::receive acknowledges every member).
+template <class Send, class Receive>
+void run_over_proxy(ProxyHalf& half, MessagePieces m, cudaStream_t stream, Send&& send, Receive&& receive) {
+  half.send(ProxyOp::kNormal, [&] {
+    send();
+    m.out = half.proxy_out();
+    m.num_ranks = half.group().size;
+    m.rank = int(half.dev().rank());
+    m.err = half.errors();
+    push_messages_kernel<<<1, kWarp, 0, stream>>>(m);
+    check(cudaGetLastError(), "push_messages_kernel");
+  });
+  half.receive(ProxyOp::kNormal, [&] {
+    uccl_ep::Device& dev = half.dev();
+    const Group& g = half.group();
+    FlagWaits w{};
+    for (int s = 0; s < g.size; ++s) {
+      if (s == g.self) continue;
+      const uint32_t peer = uint32_t(g.ranks[s]);
+      w.flag[w.n] = device_view(dev.released_word(peer, 0));
+      w.value[w.n] = dev.consumed(peer, 0) + 1;
+      w.peer[w.n++] = int(peer);
+    }
+    if (w.n) wait_flags_kernel<<<1, kWarp, 0, stream>>>(w, timeout_ns(), half.errors(), int(dev.rank()));
+    check(cudaGetLastError(), "wait_flags_kernel");
+    receive();
+  });
+}
 
 }  // namespace
 
@@ -792,116 +1030,105 @@ size_t combine_message_bytes(int num_tokens, int hidden, bool bf16) {
 void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "dispatch");
-  // The routing scan counts rows per local expert in shared memory (the default 48 KiB, less the scan's own):
-  // refuse before anything is sent.
-  const int local_experts = a.num_experts / g.size;
-  if (local_experts > kMaxScanExperts)
-    throw std::invalid_argument("uccl_ep dispatch: at most " + std::to_string(kMaxScanExperts) +
-                                " experts per GPU, got " + std::to_string(local_experts));
-  const bool has_w = a.topk_weights != nullptr;
-  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
+  check_scan_experts(a, g);
+  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
   check_fits(dev, l.total, "dispatch");
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-
-  DispatchSendArgs sa{send_to(dev, g), send_blocks(), a.num_tokens, a.topk_idx, a.topk, a.num_experts, nullptr,
-                      a.is_token_in_rank, scratch.excl, {}, static_cast<const char*>(a.x), a.x_row_bytes, l.x,
-                      static_cast<const char*>(a.scales), a.scale_row_bytes, l.scales};
-  sa.routing[0] = {reinterpret_cast<const char*>(a.topk_idx), l.idx, int64_t(a.topk) * 4};
-  sa.routing[1] = {reinterpret_cast<const char*>(a.topk_weights), l.weights, int64_t(a.topk) * 4};
+  const DispatchKernels k = dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g));
   const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, sa, side); });
-
-  const ReceiveFrom from = receive_from(dev, g);
-  wait_routing(dev, g, from, stream);
-  Sources src{};
-  for (int s = 0; s < g.size; ++s) {
-    const char* base = from.region[s];
-    const bool own = s == g.self;
-    src.topk_idx[s] = own ? a.topk_idx : reinterpret_cast<const int32_t*>(base + l.idx);
-    src.x[s] = own ? static_cast<const char*>(a.x) : base + l.x;
-    src.scales[s] = own ? static_cast<const char*>(a.scales) : base + l.scales;
-    src.weights[s] = own ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
-  }
-  run_scan({src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, dev.rank(), a.capacity, scratch.row_map,
-            a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, nullptr, scratch.block_counts,
-            dev.errors_device()},
-           local_experts, stream);
-  DispatchReceiveArgs ra{from, src, true, send_blocks(), a.topk, a.num_experts, a.num_tokens, a.capacity, scratch.row_map,
-                         a.recv_counts, a.recv_num_tokens, a.x_row_bytes, a.scale_row_bytes,
-                         static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales), a.recv_topk_idx,
-                         a.recv_topk_weights};
-  dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
-  check(cudaGetLastError(), "dispatch_receive_kernel");
-  finish(dev, g, from, stream);
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, k.send, side); });
+  wait_routing(dev, g, k.receive.from, stream);
+  launch_dispatch_receive(k, stream);
+  finish(dev, g, k.receive.from, stream);
   dev.timing_end(stream, "dispatch");
 }
 
 void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "cached_dispatch");
-  const size_t x_bytes = align16(size_t(a.num_tokens) * a.row_bytes);
-  const size_t total = x_bytes + align16(size_t(a.num_tokens) * g.size);
-  check_fits(dev, total, "cached_dispatch");
+  check_fits(dev, cached_message_bytes(a.num_tokens, a.row_bytes, g.size), "cached_dispatch");
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-
-  DispatchSendArgs sa{send_to(dev, g), send_blocks(), a.num_tokens, nullptr, 0, 0, a.is_token_in_rank, nullptr,
-                      scratch.excl, {}, static_cast<const char*>(a.x), a.row_bytes, 0, nullptr, 0, 0};
-  sa.routing[0] = {reinterpret_cast<const char*>(a.is_token_in_rank), x_bytes, int64_t(g.size)};
+  const DispatchKernels k = cached_dispatch_kernels(a, g, scratch, send_to(dev, g), receive_from(dev, g));
   const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, sa, side); });
-
-  const ReceiveFrom from = receive_from(dev, g);
-  wait_routing(dev, g, from, stream);
-  Sources src{};
-  for (int s = 0; s < g.size; ++s) {
-    const bool own = s == g.self;
-    src.mask[s] = own ? a.is_token_in_rank : reinterpret_cast<const bool*>(from.region[s] + x_bytes);
-    src.x[s] = own ? static_cast<const char*>(a.x) : from.region[s];
-  }
-  // The counts land in scratch: the scan checks them against the handle's.
-  run_scan({src, false, a.num_tokens, 0, 0, g.size, g.self, dev.rank(), a.capacity, scratch.row_map, scratch.counts,
-            scratch.num_rows, nullptr, a.recv_counts, scratch.block_counts, dev.errors_device()},
-           0, stream);
-  DispatchReceiveArgs ra{from, src, false, send_blocks(), 0, 0, a.num_tokens, a.capacity, scratch.row_map, scratch.counts,
-                         scratch.num_rows, a.row_bytes, 0, static_cast<char*>(a.recv_x), nullptr, nullptr, nullptr};
-  dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
-  check(cudaGetLastError(), "dispatch_receive_kernel");
-  finish(dev, g, from, stream);
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, k.send, side); });
+  wait_routing(dev, g, k.receive.from, stream);
+  launch_dispatch_receive(k, stream);
+  finish(dev, g, k.receive.from, stream);
 }
 
 void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "combine");
-  const int64_t row_bytes = int64_t(a.hidden) * (a.bf16 ? 2 : 4);
   check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.bf16), "combine");
   const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-
-  const CombineSendArgs sa{send_to(dev, g), send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity,
-                           a.recv_counts};
+  const CombineKernels k = combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g));
   const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(combine_send_kernel, sa, side); });
-  positions_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, g.size, scratch.excl);
-  check(cudaGetLastError(), "positions_kernel");
-
-  const ReceiveFrom from = receive_from(dev, g);
-  const CombineReceiveArgs ra{from, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.num_tokens,
-                              a.recv_counts, a.is_token_in_rank, scratch.excl, static_cast<char*>(a.out)};
-  if (a.bf16) combine_receive_kernel<__nv_bfloat16><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
-  else combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
-  check(cudaGetLastError(), "combine_receive_kernel");
-  finish(dev, g, from, stream);
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(combine_send_kernel, k.send, side); });
+  launch_positions(a, g.size, scratch, stream);
+  launch_combine_receive(k.receive, a.bf16, stream);
+  finish(dev, g, k.receive.from, stream);
   dev.timing_end(stream, "combine");
+}
+
+void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
+  ProxyHalf half(dev, g, "dispatch", stream);
+  check_scan_experts(a, g);
+  const bool has_w = a.topk_weights != nullptr;
+  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
+  check_proxy_message(dev, g, l.total, 4, "dispatch");
+  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens);
+  const DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
+  MessagePieces m{};
+  m.num_tokens = a.num_tokens;
+  m.excl = scratch.excl;
+  m.mask = a.is_token_in_rank;
+  add_piece(m, l.x, 0, a.x_row_bytes);
+  add_piece(m, l.scales, 0, a.scale_row_bytes);
+  add_piece(m, l.idx, size_t(a.num_tokens) * a.topk * 4, 0);
+  if (has_w) add_piece(m, l.weights, size_t(a.num_tokens) * a.topk * 4, 0);
+  run_over_proxy(half, m, stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
+                 [&] { launch_dispatch_receive(k, stream); });
+}
+
+void cached_dispatch(uccl_ep::Device& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
+  ProxyHalf half(dev, g, "cached_dispatch", stream);
+  check_proxy_message(dev, g, cached_message_bytes(a.num_tokens, a.row_bytes, g.size), 2, "cached_dispatch");
+  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens);
+  const DispatchKernels k = cached_dispatch_kernels(a, g, scratch, proxy_send_to(half), proxy_receive_from(half));
+  MessagePieces m{};
+  m.num_tokens = a.num_tokens;
+  m.excl = scratch.excl;
+  m.mask = a.is_token_in_rank;
+  add_piece(m, 0, 0, a.row_bytes);
+  add_piece(m, cached_mask_offset(a.num_tokens, a.row_bytes), size_t(a.num_tokens) * g.size, 0);
+  run_over_proxy(half, m, stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
+                 [&] { launch_dispatch_receive(k, stream); });
+}
+
+void combine(uccl_ep::Device& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
+  ProxyHalf half(dev, g, "combine", stream);
+  check_proxy_message(dev, g, combine_message_bytes(a.num_tokens, a.hidden, a.bf16), 1, "combine");
+  const Scratch scratch = proxy_scratch(half.gpu(), 0, a.num_tokens);
+  const CombineKernels k = combine_kernels(a, scratch, proxy_send_to(half), proxy_receive_from(half));
+  MessagePieces m{};
+  m.counts = a.recv_counts;
+  add_piece(m, 0, 0, k.send.row_bytes);
+  run_over_proxy(half, m, stream, [&] { launch_send(combine_send_kernel, k.send, stream); },
+                 [&] {
+                   launch_positions(a, g.size, scratch, stream);
+                   launch_combine_receive(k.receive, a.bf16, stream);
+                 });
 }
 
 void preload_intranode_kernels() {
   load_kernels(positions_kernel, dispatch_count_kernel, dispatch_place_kernel, dispatch_send_kernel,
                dispatch_receive_kernel, combine_send_kernel, combine_receive_kernel<float>,
-               combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel);
+               combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel, push_messages_kernel, acknowledge_kernel);
 }
 
 }  // namespace uccl_ep::nvl

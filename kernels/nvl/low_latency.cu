@@ -35,6 +35,7 @@
 #include "../../proxy/runtime.hpp"
 #include "api.hpp"
 #include "device_common.cuh"
+#include "proxy_path.cuh"
 #include "ring_producer.cuh"
 
 namespace uccl_ep::nvl {
@@ -47,21 +48,6 @@ constexpr int kSendBlocks = 128;  // 64 left half of an H200's SMs idle in the r
 constexpr int kSendThreads = 512;  // 128 registers a thread: the copy loop keeps its loads in flight unspilled
 constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
 
-// Across nodes (the proxy path): the send kernel's last block pushes one message per receiver into channel 0's
-// command ring (a write per used piece of the region, then the fence), after the receiver acknowledged our
-// previous message; the proxy posts them. Over NVLink `ring.slots` is null.
-struct ProxyOut {
-  DeviceRing ring;
-  const uint64_t* ack[kMaxLowLatencyRanks];    // member d's released-message word (channel 0), or null: none awaited
-  uint64_t ack_want[kMaxLowLatencyRanks];      // the count that means d read our previous message
-  uint64_t local_offset[kMaxLowLatencyRanks];  // our send region for member d, in our registered buffer
-  uint64_t remote_offset;                      // our region in every receiver's registered buffer
-  uint32_t peer[kMaxLowLatencyRanks];          // global rank of member d
-  int self;                                    // our group position (our own rows need no message)
-  uint32_t max_write_bytes;
-  uint64_t timeout_ns;
-  unsigned int* done;                          // device word: send blocks finished (the last block resets it)
-};
 
 // Where a send kernel writes (by group position).
 struct Outbox {
@@ -162,50 +148,6 @@ __device__ bool finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
   return last;
 }
 
-// Warp 0 of a send kernel's last block (proxy path), all lanes: pushes the message to member d. Lane 0 takes the
-// region's used pieces from next_piece(begin, bytes) (false: no more), cuts them to max_write_bytes and queues
-// them in `batch` (shared, 32 commands), then the fence; the warp pushes each full batch. First waits for d's
-// acknowledgement of our previous message (its region for us is free then). False on a timeout (reported).
-template <class NextPiece>
-__device__ bool push_message(const ProxyOut& p, int d, NextPiece&& next_piece, Command* batch, uint64_t& head,
-                             uint64_t& tail_seen, uint64_t deadline, DeviceErrors* err, int rank, int64_t timeout_s) {
-  const int lane = threadIdx.x % kWarp;
-  int ok = 1;
-  if (lane == 0 && p.ack[d] && !wait_count(p.ack[d], p.ack_want[d], deadline)) {
-    report(err, 5, rank, p.peer[d], int64_t(p.ack_want[d]), timeout_s);
-    ok = 0;
-  }
-  if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
-  uint64_t begin = 0, left = 0;  // lane 0: the piece being cut
-  bool pieces_done = false, fenced = false;
-  for (;;) {
-    int n = 0;
-    if (lane == 0)
-      while (n < kWarp) {
-        if (left > 0) {
-          const uint32_t len = uint32_t(min(left, uint64_t(p.max_write_bytes)));
-          batch[n++] = Command{Op::kWrite, 0, 0, p.peer[d], p.local_offset[d] + begin, p.remote_offset + begin, len, 0};
-          begin += len;
-          left -= len;
-        } else if (!pieces_done) {
-          pieces_done = !next_piece(begin, left);
-          if (pieces_done) left = 0;
-        } else {
-          if (!fenced) batch[n++] = message_fence(p.peer[d]);
-          fenced = true;
-          break;
-        }
-      }
-    n = __shfl_sync(0xffffffffu, n, 0);
-    __syncwarp();
-    if (n == 0) return true;
-    if (!warp_push(p.ring, batch[min(lane, n - 1)], n, head, tail_seen, deadline)) {
-      if (lane == 0) report(err, 10, rank, p.peer[d], 0, timeout_s);
-      return false;
-    }
-    __syncwarp();
-  }
-}
 
 
 // Thread 0 waits for every source's arrival counter; false (on every thread) if one did not come in time. An
@@ -351,23 +293,6 @@ __device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, F
   }
 }
 
-// Warp 0 of the last send block: the message to every other member, its pieces from pieces(member, i, begin,
-// bytes) for i = 0, 1, ... until it returns false; stops at the first timeout (reported).
-template <class Pieces>
-__device__ void push_messages(const ProxyOut& p, int num_ranks, int rank, DeviceErrors* err, Pieces&& pieces) {
-  __shared__ Command batch[kWarp];
-  uint64_t head = 0, tail_seen = 0;
-  ring_position(p.ring, head, tail_seen);
-  const uint64_t deadline = global_ns() + p.timeout_ns;
-  for (int d = 0; d < num_ranks; ++d) {
-    if (d == p.self) continue;
-    int piece = 0;
-    auto next_piece = [&](uint64_t& begin, uint64_t& bytes) { return pieces(d, piece++, begin, bytes); };
-    if (!push_message(p, d, next_piece, batch, head, tail_seen, deadline, err, rank,
-                      int64_t(p.timeout_ns / 1000000000ull)))
-      return;
-  }
-}
 
 // The last send block of an op on the proxy path (whole block): the messages of every other member. Over the
 // proxy a message is a run of writes: only the pieces of a region that hold something go.
@@ -435,16 +360,6 @@ __device__ int64_t packed_position(const CombineSource& in, const Shape& shape, 
   return below;
 }
 
-// After a receive on the proxy path (one warp): tells every other member we read its message (a fence-only
-// message each), so it may write our region again.
-__global__ void acknowledge_kernel(ProxyOut p, int num_ranks, DeviceErrors* err, int rank) {
-  uint64_t head = 0, tail_seen = 0;
-  ring_position(p.ring, head, tail_seen);
-  const int lane = threadIdx.x % kWarp, d = lane < p.self ? lane : lane + 1;  // the lane's member (not us)
-  const Command cmd = lane < num_ranks - 1 ? message_fence(p.peer[d]) : Command{};
-  if (!warp_push(p.ring, cmd, num_ranks - 1, head, tail_seen, global_ns() + p.timeout_ns) && lane == 0)
-    report(err, 10, rank, -1, 0, int64_t(p.timeout_ns / 1000000000ull));
-}
 
 // Each phase below is a whole-block device function over the kernel's dynamic shared memory `smem`; a kernel runs
 // one phase (split calls) or both (send, then receive: one launch per op).
@@ -1105,13 +1020,6 @@ void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombine
 
 namespace {
 
-// Per GPU (by CUDA device): the word the proxy path's kernels report errors into (mapped host memory, read after
-// each call) and the send blocks' counter that finds the last block.
-struct ProxyGpu {
-  DeviceErrors* errors_host = nullptr;
-  DeviceErrors* errors_device = nullptr;
-  unsigned int* done = nullptr;
-};
 std::mutex& proxy_gpus_mutex() {
   static std::mutex mutex;
   return mutex;
@@ -1128,6 +1036,36 @@ std::vector<DeviceErrors*> proxy_error_words() {
     if (g.errors_host) words.push_back(g.errors_host);
   return words;
 }
+
+// Rows for member d go to our send region for it; our own rows straight to our receive region for us.
+Outbox outbox(const ProxyHalf& half, const ProxyOut& p) {
+  const Group& g = half.group();
+  Outbox to{};
+  for (int d = 0; d < g.size; ++d) {
+    const uint32_t peer = uint32_t(g.ranks[d]);
+    to.region[d] = half.buffer() + (d == g.self ? half.dev().recv_offset(peer) : half.dev().send_offset(peer));
+  }
+  to.proxy = p;
+  return to;
+}
+Inbox inbox(const ProxyHalf& half) {
+  const Group& g = half.group();
+  uccl_ep::Device& dev = half.dev();
+  Inbox from{};
+  from.packed = true;  // a combine's rows come packed (packed_position); a dispatch's layout is the same as NVLink's
+  for (int s = 0; s < g.size; ++s) {
+    const uint32_t peer = uint32_t(g.ranks[s]);
+    from.region[s] = half.buffer() + dev.recv_offset(peer);
+    from.rank[s] = int(peer);
+    if (s == g.self) continue;  // our own rows: written by our send kernel, launched before this one
+    from.arrivals[s] = device_view(dev.released_word(peer, 0));
+    from.want[s] = from.seq[s] = dev.consumed(peer, 0) + 1;
+  }
+  return from;
+}
+
+}  // namespace
+
 ProxyGpu& proxy_gpu(int cuda_device) {
   std::lock_guard<std::mutex> lock(proxy_gpus_mutex());
   ProxyGpu& g = proxy_gpus()[cuda_device];
@@ -1137,161 +1075,24 @@ ProxyGpu& proxy_gpu(int cuda_device) {
     std::memset(p, 0, sizeof(DeviceErrors));
     g.errors_host = static_cast<DeviceErrors*>(p);
     g.errors_device = device_view(g.errors_host);
+    uint64_t* words = nullptr;
+    check(cudaMalloc(&words, sizeof(uint64_t) * (1 + 2 * kChunks)), "cudaMalloc");
+    // Every chunk of message 1 complete: the most a progress word's low half holds that still reads as positive.
+    std::vector<uint64_t> landed(kChunks, uint64_t(1) << 32 | 0x7fffffffu);
+    check(cudaMemcpy(words + 1 + kChunks, landed.data(), kChunks * sizeof(uint64_t), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+    g.sink = words;
+    g.landed = words + 1 + kChunks;
     check(cudaMalloc(&g.done, sizeof(unsigned int)), "cudaMalloc");
     check(cudaMemset(g.done, 0, sizeof(unsigned int)), "cudaMemset");
-    preload_low_latency_kernels();  // before any kernel of this GPU waits on a peer (see api.hpp)
+    // Before any kernel of this GPU waits on a peer (see api.hpp).
+    preload_low_latency_kernels();
+    preload_intranode_kernels();
   }
   return g;
 }
 
-// What a send half leaves in the device's op state for its receive half.
-struct ProxyPending {
-  bool dispatch;
-};
-
-// One half of a low-latency op on the proxy path, host side, under the device's op lock. The kernels do the
-// protocol's steps; the host waits for them and then brings its own state in step with what they did. A failure
-// that leaves this rank out of step (a peer or the proxy did not answer, a launch failed) tells the peers; errors
-// in the op's inputs stay for check_proxy_errors(), as on NVLink, so that no op fails on one rank only.
-class ProxyHalf {
- public:
-  ProxyHalf(uccl_ep::Device& dev, const Group& g, const char* op, cudaStream_t stream)
-      : dev_(dev), g_(g), op_(op), stream_(stream), lock_(dev.op_mutex()) {
-    dev.check_usable(op);
-    if (dev.ring(0).capacity() < 2 * kWarp)  // a warp pushes up to 32 commands at once
-      throw std::invalid_argument(std::string("uccl_ep ") + op + ": GPU-initiated ops need command rings of at least " +
-                                  std::to_string(2 * kWarp) + " slots");
-    check(cudaSetDevice(dev.ordinal()), "cudaSetDevice");
-    gpu_ = &proxy_gpu(dev.ordinal());
-    buffer_ = device_view(dev.buffer());
-  }
-  DeviceErrors* errors() const { return gpu_->errors_device; }
-
-  // The send half: `launch()` enqueues the send kernel, once our send regions are free (earlier writes completed).
-  // Refused while another op's send half waits for its receive half.
-  template <class Launch>
-  void send(bool dispatch, Launch&& launch) {
-    in_step([&] {
-      dev_.check_no_pending_half(op_);
-      dev_.quiet(op_);
-      launch();
-    });
-    finish();
-    consume(true);
-    dev_.op_state() = ProxyPending{dispatch};
-  }
-  // The receive half: `launch()` enqueues the receive kernel; every sender is acknowledged after it.
-  template <class Launch>
-  void receive(bool dispatch, Launch&& launch) {
-    const auto* p = std::any_cast<ProxyPending>(&dev_.op_state());
-    if (!p || p->dispatch != dispatch)
-      throw CollectiveError(std::string("uccl_ep ") + op_ + ": no send half of " + op_ + " is waiting on this device");
-    dev_.op_state().reset();
-    in_step([&] {
-      launch();
-      acknowledge_kernel<<<1, kWarp, 0, stream_>>>(proxy_out(), g_.size, errors(), int(dev_.rank()));
-      check(cudaGetLastError(), "low_latency acknowledge kernel");
-    });
-    finish();
-    consume(false);
-  }
-
-  ProxyOut proxy_out() const {
-    ProxyOut p{};
-    p.ring = device_ring(dev_.ring(0));
-    for (int d = 0; d < g_.size; ++d) {
-      const uint32_t peer = uint32_t(g_.ranks[d]);
-      p.peer[d] = peer;
-      p.local_offset[d] = dev_.send_offset(peer);
-      if (d != g_.self && dev_.awaiting_ack(peer)) {
-        p.ack[d] = device_view(dev_.released_word(peer, 0));
-        p.ack_want[d] = dev_.consumed(peer, 0) + 1;
-      }
-    }
-    p.remote_offset = dev_.recv_offset(dev_.rank());
-    p.self = g_.self;
-    p.max_write_bytes = dev_.max_write_bytes();
-    p.timeout_ns = timeout_ns();
-    p.done = gpu_->done;
-    return p;
-  }
-  // Rows for member d go to our send region for it; our own rows straight to our receive region for us.
-  Outbox outbox(const ProxyOut& p) const {
-    Outbox to{};
-    for (int d = 0; d < g_.size; ++d) {
-      const uint32_t peer = uint32_t(g_.ranks[d]);
-      to.region[d] = buffer_ + (d == g_.self ? dev_.recv_offset(peer) : dev_.send_offset(peer));
-    }
-    to.proxy = p;
-    return to;
-  }
-  Inbox inbox() const {
-    Inbox from{};
-    from.packed = true;  // a combine's rows come packed (packed_position); a dispatch's layout is the same as NVLink's
-    for (int s = 0; s < g_.size; ++s) {
-      const uint32_t peer = uint32_t(g_.ranks[s]);
-      from.region[s] = buffer_ + dev_.recv_offset(peer);
-      from.rank[s] = int(peer);
-      if (s == g_.self) continue;  // our own rows: written by our send kernel, launched before this one
-      from.arrivals[s] = device_view(dev_.released_word(peer, 0));
-      from.want[s] = from.seq[s] = dev_.consumed(peer, 0) + 1;
-    }
-    return from;
-  }
-
- private:
-  std::string where() const { return std::string("uccl_ep ") + op_ + ": rank " + std::to_string(dev_.rank()) + " "; }
-  // Consumes on the host what the kernels consumed on channel 0: each other member's acknowledgement the send
-  // kernel awaited (`acks`; none is owed then), or each one's message (it is owed an acknowledgement then). The
-  // messages are in already, unless an earlier error ended a kernel's wait.
-  void consume(bool acks) {
-    in_step([&] {
-      for (int d = 0; d < g_.size; ++d) {
-        const uint32_t peer = uint32_t(g_.ranks[d]);
-        if (d == g_.self || (acks && !dev_.awaiting_ack(peer))) continue;
-        dev_.wait_message(0, peer, op_);
-        dev_.awaiting_ack(peer) = !acks;
-      }
-    });
-  }
-  // Runs a step that leaves this rank out of step with its peers if it fails: they are told, then it is raised.
-  template <class Steps>
-  void in_step(Steps&& steps) {
-    try {
-      steps();
-    } catch (const std::exception& x) {
-      dev_.abort(std::vector<uint32_t>(g_.ranks, g_.ranks + g_.size), x.what());
-      throw;
-    }
-  }
-  // Waits for the kernels. A peer or the proxy that did not answer in time (5, 10), or a corrupt message (7),
-  // leaves this rank out of step; input errors wait for check_proxy_errors().
-  void finish() {
-    const cudaError_t e = cudaStreamSynchronize(stream_);
-    in_step([&] {
-      if (e != cudaSuccess) throw Error(where() + "kernel failed: " + cudaGetErrorString(e));
-      DeviceErrors err;
-      std::memcpy(&err, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(err));
-      if (err.code != 5 && err.code != 7 && err.code != 10) return;
-      std::memset(gpu_->errors_host, 0, sizeof(DeviceErrors));
-      raise_device_error(err, where());
-    });
-  }
-
-  uccl_ep::Device& dev_;
-  const Group& g_;
-  const char* op_;
-  cudaStream_t stream_;
-  std::lock_guard<std::mutex> lock_;
-  ProxyGpu* gpu_ = nullptr;
-  char* buffer_ = nullptr;
-};
-
-// A message holds at most kMaxWritesPerMessage writes (proxy/ordering.hpp): `pieces` pieces of `bytes` in all,
-// each cut to the proxy's largest write, and the fence.
-bool fits_writes(const uccl_ep::Device& dev, int64_t pieces, int64_t bytes) {
-  return pieces + (bytes + dev.max_write_bytes() - 1) / dev.max_write_bytes() + 1 <= int64_t(kMaxWritesPerMessage);
-}
+namespace {
 
 }  // namespace
 
@@ -1306,9 +1107,9 @@ void low_latency_dispatch_send(uccl_ep::Device& dev, const Group& g, const LowLa
   if (!fits_writes(dev, 2, dispatch_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes)))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
                                 "(a message may hold 2047 writes)");
-  half.send(true, [&] {
+  half.send(ProxyOp::kLowLatencyDispatch, [&] {
     launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
-           dispatch_source(a), DispatchTarget{}, shape, half.outbox(half.proxy_out()), Inbox{}, half.errors(),
+           dispatch_source(a), DispatchTarget{}, shape, outbox(half, half.proxy_out()), Inbox{}, half.errors(),
            "low_latency dispatch send kernel");
   });
 }
@@ -1317,9 +1118,9 @@ void low_latency_dispatch_recv(uccl_ep::Device& dev, const Group& g, const LowLa
                                cudaStream_t stream) {
   ProxyHalf half(dev, g, "low_latency_dispatch", stream);
   const Shape shape = dispatch_shape(dev, g, a);
-  half.receive(true, [&] {
+  half.receive(ProxyOp::kLowLatencyDispatch, [&] {
     launch(dispatch_kernel<false, true>, low_latency_blocks(), kThreads, dispatch_recv_shared(shape), stream,
-           DispatchSource{}, dispatch_target(a), shape, Outbox{}, half.inbox(), half.errors(),
+           DispatchSource{}, dispatch_target(a), shape, Outbox{}, inbox(half), half.errors(),
            "low_latency dispatch receive kernel");
   });
 }
@@ -1337,9 +1138,9 @@ void low_latency_combine_send(uccl_ep::Device& dev, const Group& g, const LowLat
   if (!fits_writes(dev, 1, shape.counts_bytes + shape.row_bytes * a.max_tokens_per_rank * a.topk))
     throw std::invalid_argument("uccl_ep low_latency_combine: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
                                 "(a message may hold 2047 writes)");
-  half.send(false, [&] {
+  half.send(ProxyOp::kLowLatencyCombine, [&] {
     launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, true),
-           stream, combine_source(a), CombineTarget{}, shape, half.outbox(half.proxy_out()), Inbox{}, half.errors(),
+           stream, combine_source(a), CombineTarget{}, shape, outbox(half, half.proxy_out()), Inbox{}, half.errors(),
            "low_latency combine send kernel");
   });
 }
@@ -1348,7 +1149,7 @@ void low_latency_combine_recv(uccl_ep::Device& dev, const Group& g, const LowLat
                               cudaStream_t stream) {
   ProxyHalf half(dev, g, "low_latency_combine", stream);
   const Shape shape = combine_shape(dev, g, a);
-  half.receive(false, [&] { launch_combine_recv(a, shape, half.inbox(), half.errors(), stream); });
+  half.receive(ProxyOp::kLowLatencyCombine, [&] { launch_combine_recv(a, shape, inbox(half), half.errors(), stream); });
 }
 
 void low_latency_combine(uccl_ep::Device& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
