@@ -199,9 +199,13 @@ void Device::quiet(const char* op, double seconds) {
 
 void Device::abort(const std::vector<uint32_t>& peers, const std::string& reason) {
   fail(num_ranks_, reason);
-  size_t n = std::min(reason.size(), kAbortReasonBytes - 1);
-  std::memcpy(buffer_ + kAbortOutOffset, reason.data(), n);
-  buffer_[kAbortOutOffset + n] = '\0';
+  // [author rank: 4 bytes][text, NUL-terminated]: every sender writes the same slot of a peer, so the reader names
+  // the rank that wrote the text it finds (another abort may have landed over the one its immediate announced).
+  size_t n = std::min(reason.size(), kAbortReasonBytes - 5);
+  std::memcpy(buffer_ + kAbortOutOffset, &rank_, 4);
+  std::memcpy(buffer_ + kAbortOutOffset + 4, reason.data(), n);
+  buffer_[kAbortOutOffset + 4 + n] = '\0';
+  n += 4;
   Deadline deadline(1.0);  // best effort: a full ring to a dead peer must not delay the error
   for (uint32_t peer : peers) {
     if (peer == rank_ || peer >= num_ranks_) continue;
@@ -307,9 +311,11 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
         continue;
       }
       if (imm.is_abort()) {
-        const char* text = buffer_ + kAbortInOffset;
-        fail(num_ranks_, "rank " + std::to_string(imm.sender) + " aborted: " +
-                             std::string(text, strnlen(text, kAbortReasonBytes)));
+        uint32_t author;
+        std::memcpy(&author, buffer_ + kAbortInOffset, 4);
+        const char* text = buffer_ + kAbortInOffset + 4;
+        fail(num_ranks_, "rank " + std::to_string(author < num_ranks_ ? author : imm.sender) + " aborted: " +
+                             std::string(text, strnlen(text, kAbortReasonBytes - 4)));
         continue;
       }
       size_t slot = size_t(imm.sender) * config_.num_channels + channel;
