@@ -63,6 +63,8 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   inflight_bytes_.reset(new uint64_t[config_.num_channels]());
   peak_inflight_bytes_.reset(new std::atomic<uint64_t>[config_.num_channels]);
   for (int c = 0; c < config_.num_channels; ++c) peak_inflight_bytes_[c].store(0);
+  posted_.reset(new std::atomic<uint64_t>[slots]);
+  for (size_t i = 0; i < slots; ++i) posted_[i].store(0);
   sequencers_.resize(slots);
   arrivals_ = std::vector<ArrivalCounter>(slots);  // not movable: built in place
   peer_failure_.assign(num_ranks, "");
@@ -124,6 +126,15 @@ void Device::check_no_pending_half(const char* op) const {
                 "receive first");
 }
 
+std::string Device::local_peer_note(uint32_t peer, int channel) const {
+  const Device* d = Runtime::get().local_device(peer);
+  if (!d) return "";
+  return "; rank " + std::to_string(peer) + " runs in this process: it entered " +
+         std::to_string(d->rounds_entered()) + " host rounds (this rank " + std::to_string(rounds_entered()) +
+         ") and handed its proxy " + std::to_string(d->messages_posted(rank_, channel)) +
+         " messages for this rank on this channel";
+}
+
 std::string Device::exited_peers_note() const {
   // A peer stuck on the rank that died (a proxy spinning on the dead process's shm lock) may be the one that did
   // not answer: name the rank whose process is gone too, where the provider lets us see it (shm, one host).
@@ -162,6 +173,7 @@ void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uin
     push(channel, Command{Op::kWrite, 0, 0, peer, local_offset + done, remote_offset + done, n, 0}, deadline, op);
   }
   push(channel, message_fence(peer), deadline, op);
+  posted_[size_t(peer) * config_.num_channels + channel].fetch_add(1, std::memory_order_relaxed);
 }
 
 void Device::wait_message(int channel, uint32_t peer, const char* op) {
@@ -173,7 +185,7 @@ void Device::wait_message(int channel, uint32_t peer, const char* op) {
            std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) + " (channel " +
            std::to_string(channel) +
            "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S) [waiting for its " +
-           arrivals_[slot].describe() + "]";
+           arrivals_[slot].describe() + "]" + local_peer_note(peer, channel);
   });
   consumed_[slot] = want;
 }
@@ -260,6 +272,11 @@ void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& co
   } posted{posting_[channel]};
   uint64_t& inflight_bytes = inflight_bytes_[channel];
   const uint64_t cap = config_.max_inflight_bytes;
+  // A provider that keeps refusing one write (FI_EAGAIN) is stuck below us, not slow: say so once on stderr, since
+  // the peers only see a message that never arrives.
+  std::optional<Deadline> refused;
+  bool warned = false;
+  uint32_t slow_retries = 0;
   for (;;) {
     // Under the byte cap (UCCL_EP_MAX_INFLIGHT_BYTES), or nothing in flight: a write larger than the cap still goes.
     const bool room = cap == 0 || inflight_bytes == 0 || inflight_bytes + cmd.length <= cap;
@@ -275,11 +292,28 @@ void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& co
         inflight_[cmd.peer].fetch_add(1, std::memory_order_relaxed);
         stat_writes_.fetch_add(1, std::memory_order_relaxed);
         stat_bytes_.fetch_add(cmd.length, std::memory_order_relaxed);
+        if (warned)
+          std::fprintf(stderr, "uccl_ep: rank %u, proxy thread of channel %d: the write to rank %u went through\n",
+                       rank_, channel, cmd.peer);
         return;
       }
+      if (!refused) refused.emplace(std::min(10.0, config_.timeout_s / 4));
+      if (!warned && refused->expired()) {
+        warned = true;
+        std::fprintf(stderr,
+                     "uccl_ep: rank %u, proxy thread of channel %d: %s has refused a %u-byte write to rank %u "
+                     "(FI_EAGAIN) for %.1f s; still retrying\n",
+                     rank_, channel, fabric_->provider().c_str(), cmd.length, cmd.peer, refused->seconds());
+      }
     }
-    // Out of contexts or bytes, or the provider asked to retry: make progress, then try again.
-    if (drain_completions(channel, contexts, free_list) == 0) backoff.pause();
+    // Out of contexts or bytes, or the provider asked to retry: make progress, then try again. A write refused
+    // for long waits for the peer's proxy to drain its queue: past ~1000 retries, retry every 0.5 ms instead of
+    // spinning (two such threads were seen using both cores of a 2-core machine while the peer process's proxy
+    // threads, runnable, got ~1 ms of CPU in 20 s; see docs/RELIABILITY.md).
+    if (drain_completions(channel, contexts, free_list) == 0) {
+      if (refused && ++slow_retries > 1000) std::this_thread::sleep_for(std::chrono::microseconds(500));
+      else backoff.pause();
+    }
     if (!running_.load(std::memory_order_relaxed)) return;
   }
 }
@@ -487,6 +521,12 @@ Device& Runtime::device_by_ordinal(int ordinal) {
   for (auto& d : devices_)
     if (d->ordinal() == ordinal) return *d;
   throw Error("uccl_ep: no runtime state for local device ordinal " + std::to_string(ordinal));
+}
+
+const Device* Runtime::local_device(uint32_t rank) const {
+  for (const auto& d : devices_)
+    if (d->rank() == rank) return d.get();
+  return nullptr;
 }
 
 Device& Runtime::device_by_rank(uint32_t rank) {

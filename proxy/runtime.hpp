@@ -119,6 +119,13 @@ class Device {
   // run on the device in between).
   void check_no_pending_half(const char* op) const;
   DeviceStats stats() const;
+  // For timeout messages naming a peer in this process: host rounds (op halves) this device entered, and the
+  // messages it handed its rings for `peer` on `channel`.
+  void note_round_entered() { rounds_entered_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t rounds_entered() const { return rounds_entered_.load(std::memory_order_relaxed); }
+  uint64_t messages_posted(uint32_t peer, int channel) const {
+    return posted_[size_t(peer) * config_.num_channels + channel].load(std::memory_order_relaxed);
+  }
 
  private:
   struct WriteContext {
@@ -142,6 +149,8 @@ class Device {
   void fail(uint32_t peer, const std::string& message);
   // For a timeout's message: the peers whose process is gone (shm), or "".
   std::string exited_peers_note() const;
+  // For a timeout's message: how far `peer` got, when it runs in this process, or "".
+  std::string local_peer_note(uint32_t peer, int channel) const;
   void check_failed(uint32_t peer, const char* op);
 
   Config config_;
@@ -176,6 +185,8 @@ class Device {
   std::string failure_;                    // not tied to one peer
 
   std::atomic<uint64_t> stat_commands_{0}, stat_writes_{0}, stat_bytes_{0}, stat_messages_{0};
+  std::atomic<uint64_t> rounds_entered_{0};
+  std::unique_ptr<std::atomic<uint64_t>[]> posted_;  // [num_ranks * num_channels]
 };
 
 // Process-global registry of the local devices. Handlers take `lock_shared()` for the duration of an op;
@@ -199,6 +210,8 @@ class Runtime {
   // Looks up the device of an XLA device ordinal; throws with a clear message before initialize().
   Device& device_by_ordinal(int ordinal);
   Device& device_by_rank(uint32_t rank);
+  // The device of `rank` if this process drives it, else null (callers hold lifetime_mutex()).
+  const Device* local_device(uint32_t rank) const;
 
  private:
   std::shared_mutex lifetime_;

@@ -186,6 +186,7 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
 // peers are told at once.
 template <class Half>
 auto guarded_half(Device& dev, const Group& group, const char* op, Half&& half) {
+  dev.note_round_entered();
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   dev.check_usable(op);
   try {
