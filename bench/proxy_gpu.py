@@ -4,7 +4,11 @@ Each of `--rings` warps owns a command ring in pinned, mapped host memory (proxy
 no-op commands with the device producer (kernels/nvl/ring_producer.cuh); one host thread per ring pops them as a
 proxy thread would and checks each arrives once, in order. No transport: this is the ring path alone. The
 round trip is a ping-pong through one ring: the warp pushes one command and waits until the host thread has seen
-it (GPU clock), so a push-to-proxy latency is at most half of it plus the echo's PCIe write.
+it (GPU clock). The one-way latency, push until the proxy thread sees the command, is timed on the host's clock
+alone (GPU and host share no clock): a host thread keeps writing its clock into mapped memory, the warp reads it
+and pushes a command carrying it at once, and the proxy thread subtracts it from its clock when it pops the
+command. That is the push-to-proxy time plus the read's way back to the GPU: an upper bound; less a whole GPU read
+of host memory (timed on the GPU) it is a lower bound.
 Goal (issue 4): 20 M commands/s per GPU, under 2 us push to proxy.
 
 With --transport, two processes (one GPU each, each GPU its own node: the proxy runtime over the network
@@ -108,6 +112,15 @@ def main(argv=None) -> int:
     common.print_table(["rings", "commands", "M cmd/s drained", "M cmd/s pushed", "out of order",
                         "round trip us (median / p99)"], rows,
                        title=f"GPU -> host command rings, capacity {args.capacity}, no transport")
+    one_way = results[0]
+    if one_way.get("one_way_upper_median_ns"):
+        upper, read = one_way["one_way_upper_median_ns"], one_way["host_read_round_trip_ns"]
+        common.print_table(
+            ["push -> proxy sees it, us", "median", "p99", "GPU read of host memory, us", "warp in push, us"],
+            [["upper bound (host clock)", f"{upper / 1e3:.2f}", f"{one_way['one_way_upper_p99_ns'] / 1e3:.2f}",
+              f"{read / 1e3:.2f}", f"{one_way['push_ns'] / 1e3:.2f}"],
+             ["lower bound (upper - read)", f"{max(0.0, upper - read) / 1e3:.2f}", "", "", ""]],
+            title=f"one way, {args.ping} rounds, one command each, idle ring and proxy")
     if args.out:
         common.write_json(args.out, {"header": header, "results": results})
     return 0

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <random>
 #include <stdexcept>
 #include <thread>
 
@@ -62,6 +63,35 @@ nb::dict ring_commands_per_second(uint32_t capacity, uint64_t count) {
   d["commands_per_second"] = double(seen.load()) / s;
   d["received"] = seen.load();
   d["out_of_order"] = out_of_order.load();
+  return d;
+}
+
+// A producer whose slot words land one at a time, in a random order, as a GPU's stores may cross PCIe: the
+// consumer must take no slot before all four words landed, and then the exact command. `positions` pushes through
+// a ring of `capacity` slots (positions / capacity laps: past 65535 the lap tags wrap).
+nb::dict ring_slots_land_in_pieces(uint32_t capacity, uint64_t positions, uint32_t seed) {
+  CommandRing ring(capacity);
+  std::mt19937_64 rng(seed);
+  uint64_t early = 0, wrong = 0;
+  for (uint64_t p = 0; p < positions; ++p) {
+    const Command cmd{Op(1 + rng() % 3), uint8_t(rng()), 0, uint32_t(rng()), rng() & kOffsetMask,
+                      rng() & kOffsetMask, uint32_t(rng()), 0};
+    uint64_t words[4];
+    encode_slot(cmd, lap_tag(p, ring.shift()), words);
+    int order[4] = {0, 1, 2, 3};
+    std::shuffle(order, order + 4, rng);
+    Command out{};
+    for (int i = 0; i < 4; ++i) {
+      ring.slots()[p & (capacity - 1)].words[order[i]] = words[order[i]];
+      if (i < 3) early += ring.try_pop(&out);
+    }
+    if (!ring.try_pop(&out) || out.op != cmd.op || out.reserved0 != cmd.reserved0 || out.peer != cmd.peer ||
+        out.local_offset != cmd.local_offset || out.remote_offset != cmd.remote_offset || out.length != cmd.length)
+      ++wrong;
+  }
+  nb::dict d;
+  d["popped_early"] = early;
+  d["wrong"] = wrong;
   return d;
 }
 
@@ -183,6 +213,10 @@ NB_MODULE(_uccl_ep, m) {
     d["out_of_order"] = r.out_of_order;
     d["round_trip_median_ns"] = r.round_trip_median_ns;
     d["round_trip_p99_ns"] = r.round_trip_p99_ns;
+    d["one_way_upper_median_ns"] = r.one_way_upper_median_ns;
+    d["one_way_upper_p99_ns"] = r.one_way_upper_p99_ns;
+    d["host_read_round_trip_ns"] = r.host_read_round_trip_ns;
+    d["push_ns"] = r.push_ns;
     return d;
   });
   // A GPU of the proxy runtime sends `peer` one message from a kernel and awaits peer's (nvl::proxy_put); both
@@ -346,6 +380,8 @@ NB_MODULE(_uccl_ep, m) {
     d["peak_inflight_bytes"] = s.peak_inflight_bytes;
     return d;
   });
+  m.def("ring_slots_land_in_pieces", &ring_slots_land_in_pieces, nb::arg("capacity"), nb::arg("positions"),
+        nb::arg("seed"));
   m.def("ring_commands_per_second", &ring_commands_per_second, nb::arg("capacity"), nb::arg("count"),
         nb::call_guard<nb::gil_scoped_release>());
 }

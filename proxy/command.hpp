@@ -15,12 +15,12 @@ enum class Op : uint8_t {
 struct Command {
   Op op;
   uint8_t reserved0;
-  uint16_t reserved1;
+  uint16_t reserved1;      // not carried by a ring (its slots hold their lap tag there: ring.hpp)
   uint32_t peer;           // global rank (device index in the runtime's peer table)
-  uint64_t local_offset;   // bytes into this device's registered buffer
-  uint64_t remote_offset;  // bytes into the peer's registered buffer
+  uint64_t local_offset;   // bytes into this device's registered buffer (below 2^48: ring.hpp)
+  uint64_t remote_offset;  // bytes into the peer's registered buffer (below 2^48)
   uint32_t length;         // bytes
-  uint32_t imm;            // 32-bit immediate as posted; the proxy fills it in (see ordering.hpp)
+  uint32_t imm;            // 32-bit immediate as posted; the proxy fills it in (see ordering.hpp), a ring drops it
 };
 static_assert(sizeof(Command) == 32, "Command must stay 32 bytes");
 

@@ -35,6 +35,9 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
                           std::to_string(num_ranks));
   if (config_.num_channels < 1 || config_.num_channels > 64)
     throw InvalidArgument("uccl_ep: UCCL_EP_NUM_PROXY_THREADS must be in [1, 64]");
+  if (config_.buffer_bytes > kOffsetMask)  // offsets travel through the rings in 48 bits
+    throw InvalidArgument("uccl_ep: UCCL_EP_BUFFER_BYTES=" + std::to_string(config_.buffer_bytes) +
+                          " is above 2^48 bytes");
   if (config_.buffer_bytes < kScratchBytes + 2 * num_ranks * 4096ull)
     throw InvalidArgument("uccl_ep: UCCL_EP_BUFFER_BYTES=" + std::to_string(config_.buffer_bytes) +
                           " is too small for " + std::to_string(num_ranks) + " ranks");
@@ -432,7 +435,7 @@ void Device::proxy_loop(int channel) {
   // touching the device now and then, so that shutdown's abandon path runs (tests/test_reliability.py).
   if (const char* v = std::getenv("UCCL_EP_TEST_STUCK_PROXY"); v && std::strcmp(v, "1") == 0)
     for (;;) {
-      volatile uint8_t seen = static_cast<uint8_t>(ring.slots()[0].op);  // the slots are freed with the ring
+      volatile uint64_t seen = ring.slots()[0].words[0];  // the slots are freed with the ring
       (void)seen;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }

@@ -4,6 +4,9 @@ Functions return lists of problems instead of asserting, so child processes can 
 """
 from __future__ import annotations
 
+import os
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +29,26 @@ def shard(mesh: Mesh, a):
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("ep")), lambda i: host[i])
 
 
+_kv_gathers = 0
+
+
 def gather(a) -> np.ndarray:
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    """The whole [R, ...] array on every process. With UCCL_EP_TEST_KV_GATHER=1 through jax.distributed's key-value
+    store instead of an XLA collective: processes sharing one GPU (tests/test_proxy_gpu.py) cannot use NCCL."""
+    if os.environ.get("UCCL_EP_TEST_KV_GATHER") != "1" or jax.process_count() == 1:
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    global _kv_gathers
+    _kv_gathers += 1
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    key = f"uccl_ep_test_gather/{_kv_gathers}"
+    for shard_ in a.addressable_shards:
+        index = shard_.index[0].start or 0
+        client.key_value_set_bytes(f"{key}/{index}", pickle.dumps(np.asarray(shard_.data)))
+    starts = sorted({index[0].start or 0 for index in a.sharding.devices_indices_map(a.shape).values()})
+    blocks = [pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{i}", 60_000)) for i in starts]
+    return np.concatenate(blocks, axis=0)
 
 
 def roundtrip(mesh: Mesh, x, topk_idx, topk_weights, num_experts: int, capacity: int | None = None):

@@ -417,21 +417,6 @@ def test_soak_round_trips_stay_exact(link):
     assert res["normal"] < 1e-3 and res["low_latency"] < 1e-3 and res["lost"] == 0, res
 
 
-def gpu_ring(commands: int) -> dict:
-    """Child: GPU warps push numbered commands into host rings; every one must arrive once, in order."""
-    from jax_uccl_ep import _uccl_ep
-
-    return dict(_uccl_ep.nvl_ring_bench(0, 4, commands, 1024, 1000))
-
-
-def test_gpu_pushes_every_command_through_the_rings_in_order():
-    results = launch(HERE, "gpu_ring", 1, args=[300_000], platform="gpu", timeout_s=120, env=SUITE_ENV)
-    assert all(x.ok for x in results), describe(results)
-    res = results[0].result
-    assert res["commands"] == 4 * 300_000 and res["out_of_order"] == 0, res
-    assert 0 < res["round_trip_median_ns"] < 1e6, res
-
-
 @pytest.mark.parametrize("variant", ["UCCL_EP_LL_FUSED=0"])
 def test_low_latency_variants(variant):
     """The non-default low-latency path (send and receive as two launches) against the same reference."""

@@ -200,6 +200,16 @@ def test_ring_keeps_every_command_in_order():
     assert stats["commands_per_second"] > 0
 
 
+def test_ring_takes_no_slot_before_all_of_it_landed():
+    """A slot is valid by its own lap tags (proxy/ring.hpp), not by the head: a GPU's stores of a slot may reach
+    host memory in any order, and the proxy must take none of it early nor take it wrong. 2 slots x 70,000 laps
+    wrap the 16-bit lap tags."""
+    from jax_uccl_ep import _uccl_ep as core
+
+    stats = core.ring_slots_land_in_pieces(2, 140_000, 7)
+    assert stats == {"popped_early": 0, "wrong": 0}, stats
+
+
 def stale_segment_then_initialize() -> dict:
     """Child: a killed process with this pid left a libfabric shm segment; initialize() must still work."""
     import jax_uccl_ep as ep

@@ -28,7 +28,8 @@
 #include "../fp8.hpp"
 
 namespace uccl_ep {
-class Device;  // proxy/runtime.hpp: a GPU's state in the proxy runtime (GPUs on several nodes)
+class Device;     // proxy/runtime.hpp: a GPU's state in the proxy runtime (GPUs on several nodes)
+struct RingSlot;  // proxy/ring.hpp: a command ring's slot
 }
 
 namespace uccl_ep::nvl {
@@ -239,6 +240,10 @@ struct RingBenchResult {
   uint64_t commands;          // drained
   uint64_t out_of_order;      // arrived out of sequence (must be 0)
   double round_trip_median_ns, round_trip_p99_ns;  // ping-pong: push one command, see the host's echo
+  // One way, push until the proxy sees the command, on the host's clock: at most the upper figures, at least the
+  // median less host_read_round_trip_ns (a GPU read of mapped host memory, there and back).
+  double one_way_upper_median_ns, one_way_upper_p99_ns, host_read_round_trip_ns;
+  double push_ns;  // mean time a warp spends pushing one command (GPU clock)
 };
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds);
@@ -251,7 +256,7 @@ RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per
 // pattern. Addresses are host addresses of host_alloc'd (pinned, mapped) memory; the caller keeps every other
 // producer off the ring meanwhile.
 struct ProxyPutArgs {
-  Command* ring_slots;
+  RingSlot* ring_slots;
   uint64_t* ring_head;
   const uint64_t* ring_tail;
   uint32_t ring_capacity;

@@ -102,6 +102,9 @@ template <class Pieces>
 __device__ void push_messages(const ProxyOut& p, int num_ranks, int rank, DeviceErrors* err, Pieces&& pieces) {
   __shared__ Command batch[kWarp];
   uint64_t head = 0, tail_seen = 0;
+  // The rows and routing the messages send (this or an earlier kernel wrote them) land before any command does:
+  // a push orders nothing before it (ring_producer.cuh).
+  __threadfence_system();
   ring_position(p.ring, head, tail_seen);
   const uint64_t deadline = global_ns() + p.timeout_ns;
   for (int d = 0; d < num_ranks; ++d) {

@@ -1,7 +1,8 @@
 // Measures the GPU -> proxy command path without a transport: one warp per ring pushes numbered no-op commands
 // (ring_producer.cuh), one host thread per ring pops them as a proxy thread would and checks that each arrives
 // once, in order. A second kernel plays ping-pong with one host thread (push one command, wait until the host has
-// seen it) for the round-trip latency.
+// seen it) for the round-trip latency. A third bounds the one-way latency, push to proxy, on the host's clock alone
+// (the GPU's and the host's clocks are not one clock): see one_way_kernel.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -67,6 +68,64 @@ __global__ void ping_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* se
   }
 }
 
+// One-way latency without a shared clock. A host thread keeps writing its clock (steady_clock ns) into `host_clock`
+// (mapped memory); each round, lane 0 reads it, which gives the host's time at the moment the read reached host
+// memory, and the warp at once pushes one command that carries that time. The proxy thread's clock when it pops
+// the command, minus the carried time, is the push-to-proxy latency plus the read's way back to the GPU (and the
+// clock word's staleness): an upper bound. Less a whole read round trip (`read_ns`, timed here on the GPU over
+// 256 dependent reads) it is a lower bound. read_ns[1]: the mean time the warp spent in warp_push. The warp waits for the proxy's `seen` before the next round, so every
+// command finds an idle ring and an idle proxy.
+__global__ void one_way_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* host_clock, const uint64_t* seen,
+                               uint64_t* read_ns, uint64_t timeout_ns, int* failed) {
+  const int lane = threadIdx.x % 32;
+  uint64_t head = 0, tail_seen = 0;
+  const uint64_t deadline = global_ns() + timeout_ns;
+  if (lane == 0) {
+    constexpr int kReads = 256;
+    const uint64_t* p = host_clock;
+    const uint64_t start = global_ns();
+    // Each read's address depends on the one before (the clock never reads all ones), so none overlap.
+    for (int i = 0; i < kReads; ++i) p = host_clock + (load_acquire_sys(p) == ~0ull);
+    read_ns[0] = (global_ns() - start) / kReads + (p != host_clock);
+  }
+  __syncwarp();
+  uint64_t push_ns = 0;  // the warp's time in warp_push, summed (the timer's ticks are coarse, the sum is not)
+  for (uint64_t r = 0; r < rounds; ++r) {
+    uint64_t stamp = 0;
+    if (lane == 0) stamp = load_acquire_sys(host_clock);
+    Command cmd{};
+    cmd.op = Op::kNop;
+    cmd.local_offset = r;
+    cmd.remote_offset = __shfl_sync(0xffffffffu, stamp, 0);
+    const uint64_t before = global_ns();
+    if (!warp_push(ring, cmd, 1, head, tail_seen, deadline)) {
+      if (lane == 0) atomicExch(failed, 1);
+      return;
+    }
+    push_ns += global_ns() - before;
+    int late = 0;
+    if (lane == 0)
+      while (load_acquire_sys(seen) < r + 1)
+        if (global_ns() > deadline) {
+          atomicExch(failed, 1);
+          late = 1;
+          break;
+        }
+    if (__shfl_sync(0xffffffffu, late, 0)) return;
+  }
+  if (lane == 0) read_ns[1] = push_ns / max(rounds, uint64_t(1));
+}
+
+uint64_t host_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+double percentile(std::vector<uint64_t>& v, int pct) {
+  std::sort(v.begin(), v.end());
+  return double(v[std::min(v.size() - 1, v.size() * size_t(pct) / 100)]);
+}
+
 struct Pinned {  // one mapped host allocation, freed on scope exit
   void* p = nullptr;
   explicit Pinned(size_t bytes) {
@@ -87,7 +146,8 @@ __global__ void proxy_put_kernel(ProxyPutArgs a, DeviceRing ring, uint32_t peer_
   const uint64_t start = global_ns(), deadline = start + timeout_ns;
   uint32_t* words = reinterpret_cast<uint32_t*>(a.payload);
   for (uint64_t i = lane; i < a.bytes / 4; i += 32) words[i] = payload_word(a.rank, i);
-  __syncwarp();  // the payload, then the commands: warp_push's release store of the head covers the lanes' stores
+  __syncwarp();
+  __threadfence_system();  // the payload lands before the commands that send it (a push orders nothing before it)
   uint64_t head = 0, tail_seen = 0;
   ring_position(ring, head, tail_seen);  // after the host's pushes so far
   // Command c of the stream: write c % (writes + 1) of its message, or the message's fence.
@@ -123,6 +183,48 @@ __global__ void proxy_put_kernel(ProxyPutArgs a, DeviceRing ring, uint32_t peer_
   }
 }
 
+
+struct OneWay {
+  double upper_median_ns, upper_p99_ns, read_ns, push_ns;
+};
+
+// `rounds` rounds of one_way_kernel on the current device, with a clock thread and a proxy thread.
+OneWay one_way(uint32_t ring_capacity, uint64_t rounds, uint64_t timeout) {
+  CommandRing ring(ring_capacity);
+  Pinned clock_word(256), seen(sizeof(uint64_t)), out(2 * sizeof(uint64_t)), failed(sizeof(int));
+  std::atomic<bool> done{false};
+  std::vector<uint64_t> upper(rounds, 0);
+  const uint64_t epoch = host_ns() - 1;  // stamps count from here: small, never 0, within a ring's 48 offset bits
+  std::thread clock([&] {
+    auto* word = reinterpret_cast<std::atomic<uint64_t>*>(clock_word.p);
+    while (!done.load(std::memory_order_relaxed)) word->store(host_ns() - epoch, std::memory_order_release);
+  });
+  std::thread proxy([&] {
+    Command cmd;
+    uint64_t n = 0;
+    while (n < rounds && !done.load(std::memory_order_relaxed)) {
+      if (!ring.try_pop(&cmd)) continue;
+      const uint64_t now = host_ns();
+      if (cmd.local_offset == n && cmd.remote_offset != 0) upper[n] = now - epoch - cmd.remote_offset;
+      reinterpret_cast<std::atomic<uint64_t>*>(seen.p)->store(++n, std::memory_order_release);
+    }
+  });
+  while (*static_cast<volatile uint64_t*>(clock_word.p) == 0) std::this_thread::yield();  // the clock runs
+  one_way_kernel<<<1, 32>>>(device_ring(ring), rounds, device_view(static_cast<uint64_t*>(clock_word.p)),
+                            device_view(static_cast<uint64_t*>(seen.p)), device_view(static_cast<uint64_t*>(out.p)),
+                            timeout, static_cast<int*>(device_view(failed.p)));
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  done.store(true);
+  clock.join();
+  proxy.join();
+  check(e, "one_way_kernel");
+  if (*static_cast<volatile int*>(failed.p)) throw std::runtime_error("ring_bench: the one-way rounds timed out");
+  if (std::count(upper.begin(), upper.end(), uint64_t(0)) != 0)
+    throw std::runtime_error("ring_bench: a one-way command arrived out of order or without its clock stamp");
+  const volatile uint64_t* o = static_cast<const volatile uint64_t*>(out.p);
+  return OneWay{percentile(upper, 50), percentile(upper, 99), double(o[0]), double(o[1])};
+}
 }  // namespace
 
 ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t peer_rank) {
@@ -134,8 +236,10 @@ ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t pee
   a.arrived = device_view(args.arrived);
   a.retired = device_view(args.retired);
   a.released = device_view(args.released);
+  uint32_t shift = 0;
+  while ((uint32_t(1) << shift) < args.ring_capacity) ++shift;
   const DeviceRing ring{device_view(args.ring_slots), device_view(args.ring_head), device_view(args.ring_tail),
-                        args.ring_capacity - 1};
+                        args.ring_capacity - 1, shift};
   Pinned out(5 * sizeof(uint64_t));
   cudaStream_t stream = nullptr;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -228,9 +332,14 @@ RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per
     cudaFree(round_trips);
     check(e, "ping_kernel");
     if (*static_cast<volatile int*>(failed.p)) throw std::runtime_error("ring_bench: the ping-pong timed out");
-    std::sort(ns.begin(), ns.end());
-    result.round_trip_median_ns = double(ns[ns.size() / 2]);
-    result.round_trip_p99_ns = double(ns[std::min(ns.size() - 1, ns.size() * 99 / 100)]);
+    result.round_trip_median_ns = percentile(ns, 50);
+    result.round_trip_p99_ns = percentile(ns, 99);
+
+    const OneWay w = one_way(ring_capacity, ping_rounds, timeout);
+    result.one_way_upper_median_ns = w.upper_median_ns;
+    result.one_way_upper_p99_ns = w.upper_p99_ns;
+    result.host_read_round_trip_ns = w.read_ns;
+    result.push_ns = w.push_ns;
   }
   return result;
 }

@@ -2,9 +2,11 @@
 // kernels write compact commands into pinned, mapped host memory and the proxy threads post them.
 //
 // One warp owns a ring (single producer). Lanes write up to 32 commands into consecutive slots with two 16-byte
-// stores each; lane 0 then publishes the new head with a system-scope release store (cumulative over the lanes'
-// stores, which __syncwarp orders before it), so the proxy never sees a slot before its command. A full ring makes the warp wait for the proxy's tail (it never overwrites), up to a
-// deadline on the GPU's global timer.
+// stores each, every 8-byte word tagged with the slot's lap (proxy/ring.hpp), so the proxy takes a slot once it
+// landed whole and nothing orders the slots before the head: lane 0 publishes the head with a plain store, for
+// counting. A full ring makes the warp wait for the proxy's tail (it never overwrites), up to a deadline on the
+// GPU's global timer. A push does not order what the warp wrote before it (a payload a write command sends):
+// fence that first (__threadfence_system), as push_messages and proxy_put do.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -18,17 +20,18 @@ namespace uccl_ep::nvl {
 
 // Device view of a CommandRing (addresses valid on the GPU: mapped host memory).
 struct DeviceRing {
-  Command* slots;
+  RingSlot* slots;
   uint64_t* head;
   const uint64_t* tail;
-  uint32_t mask;  // capacity - 1
+  uint32_t mask;   // capacity - 1
+  uint32_t shift;  // capacity = 2^shift
 };
 
 namespace {
 // The device view of a ring the host made (its memory pinned and mapped).
 inline DeviceRing device_ring(CommandRing& ring) {
   return DeviceRing{device_view(ring.slots()), device_view(ring.head_word()),
-                    device_view(const_cast<uint64_t*>(ring.tail_word())), ring.capacity() - 1};
+                    device_view(const_cast<uint64_t*>(ring.tail_word())), ring.capacity() - 1, ring.shift()};
 }
 }  // namespace
 
@@ -55,14 +58,16 @@ __device__ __forceinline__ bool warp_push(const DeviceRing& ring, const Command&
   tail_seen = __shfl_sync(0xffffffffu, tail_seen, 0);
   if (!ok) return false;
   if (lane < count) {
-    int4 v[2];  // slots are 32 bytes apart from a page-aligned base: 16-byte stores fit
-    memcpy(v, &cmd, sizeof(v));
-    int4* dst = reinterpret_cast<int4*>(&ring.slots[(head + uint64_t(lane)) & ring.mask]);
-    dst[0] = v[0];
-    dst[1] = v[1];
+    const uint64_t position = head + uint64_t(lane);
+    uint64_t w[4];
+    encode_slot(cmd, lap_tag(position, ring.shift), w);
+    // Slots are 32 bytes apart from a page-aligned base: two 16-byte stores, each landing as whole 8-byte words.
+    ulonglong2* dst = reinterpret_cast<ulonglong2*>(ring.slots[position & ring.mask].words);
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(dst), "l"(w[0]), "l"(w[1]) : "memory");
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(dst + 1), "l"(w[2]), "l"(w[3]) : "memory");
   }
   __syncwarp();
-  if (lane == 0) store_release_sys(ring.head, head + uint64_t(count));  // (a fence before it cost latency only)
+  if (lane == 0) store_relaxed_sys(ring.head, head + uint64_t(count));
   head += uint64_t(count);
   return true;
 }

@@ -1,0 +1,80 @@
+"""The GPU -> proxy command path on one GPU: warps push commands into host rings (kernels/nvl/ring_producer.cuh),
+host threads pop them as proxy threads do; and the GPU-initiated ops across nodes with two processes sharing that
+GPU, each its own node. Skipped without an NVIDIA GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mp import describe, launch
+from test_gpu import NUM_GPUS, SUITE_ENV, _check
+
+HERE = os.path.abspath(__file__)
+pytestmark = pytest.mark.skipif(NUM_GPUS < 1, reason="needs an NVIDIA GPU")
+
+
+def gpu_ring(commands: int, rounds: int) -> dict:
+    """Child: GPU warps push numbered commands into host rings; then the ping-pong and one-way rounds."""
+    from jax_uccl_ep import _uccl_ep
+
+    return dict(_uccl_ep.nvl_ring_bench(0, 4, commands, 1024, rounds))
+
+
+def test_gpu_pushes_every_command_through_the_rings_in_order():
+    results = launch(HERE, "gpu_ring", 1, args=[300_000, 1000], platform="gpu", timeout_s=120,
+                     env={"UCCL_EP_TIMEOUT_S": "30"})
+    assert all(x.ok for x in results), describe(results)
+    res = results[0].result
+    print(res)
+    assert res["commands"] == 4 * 300_000 and res["out_of_order"] == 0, res
+    assert 0 < res["round_trip_median_ns"] < 1e6, res
+    # One way, on the host's clock: the command is seen after the clock value it carries was read (upper > 0),
+    # and the lower bound (upper less a GPU read of host memory) is part of a round trip, which it cannot exceed
+    # (1 us of slack: the round trip is timed on the GPU's global timer, which may tick in microseconds).
+    upper, read = res["one_way_upper_median_ns"], res["host_read_round_trip_ns"]
+    assert 0 < upper <= res["one_way_upper_p99_ns"] < 1e6, res
+    assert 100 < read < 1e5, res  # a read across PCIe takes more than 100 ns: less means it was not timed
+    assert upper - read < res["round_trip_median_ns"] + 1000, res
+
+
+def normal_reference_cases() -> dict:
+    """Child: normal mode's reference cases (no gradients: their loss sums with an XLA collective, which NCCL
+    refuses to run on a GPU two processes share)."""
+    import jax
+    import jax.numpy as jnp
+
+    import cases
+    import jax_uccl_ep as ep
+
+    ep.initialize()
+    mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
+    r = mesh.devices.size
+    shapes = [(1, 128, 1, r, jnp.float32, None), (37, 256, 4, 4 * r, jnp.float32, None),
+              (64, 512, 4, 8 * r, jnp.bfloat16, r - 1), (300, 7168, 8, 128 * r, jnp.bfloat16, None)]
+    problems = {f"case{i}": cases.check_case(mesh, 100 + i, t, h, k, e, dtype, empty_rank=empty)
+                for i, (t, h, k, e, dtype, empty) in enumerate(shapes)}
+    problems["fp8"] = cases.check_fp8(mesh, 7, 41, 256, 3, 4 * r)
+    ep.check_errors()
+    ep.shutdown()
+    return {"problems": problems, "ranks": r}
+
+
+@pytest.mark.parametrize("reorder", ["0", "1"])
+@pytest.mark.parametrize("part", ["normal", "low_latency"])
+def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
+    """Two processes on one GPU, each its own node (UCCL_EP_GPUS_PER_NODE=1): the kernels push the proxies'
+    commands and the proxies move the rows over tcp, against the same references as tests/test_gpu.py, with the
+    proxies' reorder mode off and on. Results are gathered through jax.distributed's key-value store
+    (UCCL_EP_TEST_KV_GATHER): NCCL refuses two ranks on one GPU. The processes' kernels take turns on the GPU, so
+    every wait on a peer spans the GPU's time slices: slower, the same protocol."""
+    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
+    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20),
+               UCCL_EP_TIMEOUT_S="60")
+    if part == "normal":
+        results = launch(HERE, "normal_reference_cases", 2, platform="gpu", per_rank_env=[shared, shared],
+                         timeout_s=200, env=env)
+    else:
+        results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_suite", 2, args=[part, "0"],
+                         platform="gpu", per_rank_env=[shared, shared], timeout_s=200, env=env)
+    _check(results, 2)
