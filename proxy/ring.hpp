@@ -93,8 +93,10 @@ class CommandRing {
     uint64_t words[4] = {};
     encode_slot(cmd, lap_tag(head, shift_), words);
     uint64_t* slot = slots_[head & mask_].words;
-    for (int i = 0; i < 4; ++i) __atomic_store_n(&slot[i], words[i], __ATOMIC_RELAXED);
-    indices_->head.store(head + 1, std::memory_order_release);  // orders the slot too, for CPU producers
+    // Release: a consumer that sees a word of this slot also sees what the producer wrote before (the payload a
+    // write command sends). GPU producers fence their payload instead (ring_producer.cuh).
+    for (int i = 0; i < 4; ++i) __atomic_store_n(&slot[i], words[i], __ATOMIC_RELEASE);
+    indices_->head.store(head + 1, std::memory_order_release);
     return true;
   }
 
