@@ -33,6 +33,13 @@ constexpr uint64_t kOffsetMask = (uint64_t(1) << kOffsetBits) - 1;
 // previous lap's.
 constexpr uint64_t lap_tag(uint64_t position, uint32_t shift) { return (position >> shift) % 65535u + 1; }
 
+// `shift` of a ring of `capacity_pow2` slots (capacity = 2^shift).
+constexpr uint32_t ring_shift(uint32_t capacity_pow2) {
+  uint32_t shift = 0;
+  while ((uint64_t(1) << shift) < capacity_pow2) ++shift;
+  return shift;
+}
+
 constexpr void encode_slot(const Command& c, uint64_t tag, uint64_t out[4]) {
   out[0] = uint64_t(uint8_t(c.op)) | uint64_t(c.reserved0) << 8 | tag << 16 | uint64_t(c.peer) << 32;
   out[1] = (c.local_offset & kOffsetMask) | tag << kOffsetBits;
@@ -52,10 +59,9 @@ constexpr bool decode_slot(const uint64_t w[4], uint64_t tag, Command* out) {
 
 class CommandRing {
  public:
-  explicit CommandRing(uint32_t capacity_pow2) : mask_(capacity_pow2 - 1) {
+  explicit CommandRing(uint32_t capacity_pow2) : mask_(capacity_pow2 - 1), shift_(ring_shift(capacity_pow2)) {
     if (capacity_pow2 == 0 || (capacity_pow2 & mask_) != 0)
       throw std::invalid_argument("CommandRing capacity must be a power of two");
-    while ((uint32_t(1) << shift_) != capacity_pow2) ++shift_;
     slots_ = static_cast<RingSlot*>(host_alloc(sizeof(RingSlot) * capacity_pow2));
     void* words = host_alloc(sizeof(Indices));
     if (!slots_ || !words) {
@@ -127,7 +133,7 @@ class CommandRing {
   };
   static_assert(sizeof(std::atomic<uint64_t>) == 8, "ring indices must be plain 64-bit words");
   const uint32_t mask_;
-  uint32_t shift_ = 0;
+  const uint32_t shift_;
   RingSlot* slots_ = nullptr;
   Indices* indices_ = nullptr;
   uint64_t tail_cache_ = 0;  // producer's view of tail

@@ -73,8 +73,8 @@ __global__ void ping_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* se
 // memory, and the warp at once pushes one command that carries that time. The proxy thread's clock when it pops
 // the command, minus the carried time, is the push-to-proxy latency plus the read's way back to the GPU (and the
 // clock word's staleness): an upper bound. Less a whole read round trip (`read_ns`, timed here on the GPU over
-// 256 dependent reads) it is a lower bound. read_ns[1]: the mean time the warp spent in warp_push. The warp waits for the proxy's `seen` before the next round, so every
-// command finds an idle ring and an idle proxy.
+// 256 dependent reads) it is a lower bound. read_ns[1]: the mean time the warp spent in warp_push. The warp
+// waits for the proxy's `seen` before the next round, so every command finds an idle ring and an idle proxy.
 __global__ void one_way_kernel(DeviceRing ring, uint64_t rounds, const uint64_t* host_clock, const uint64_t* seen,
                                uint64_t* read_ns, uint64_t timeout_ns, int* failed) {
   const int lane = threadIdx.x % 32;
@@ -183,7 +183,6 @@ __global__ void proxy_put_kernel(ProxyPutArgs a, DeviceRing ring, uint32_t peer_
   }
 }
 
-
 struct OneWay {
   double upper_median_ns, upper_p99_ns, read_ns, push_ns;
 };
@@ -236,10 +235,8 @@ ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t pee
   a.arrived = device_view(args.arrived);
   a.retired = device_view(args.retired);
   a.released = device_view(args.released);
-  uint32_t shift = 0;
-  while ((uint32_t(1) << shift) < args.ring_capacity) ++shift;
   const DeviceRing ring{device_view(args.ring_slots), device_view(args.ring_head), device_view(args.ring_tail),
-                        args.ring_capacity - 1, shift};
+                        args.ring_capacity - 1, ring_shift(args.ring_capacity)};
   Pinned out(5 * sizeof(uint64_t));
   cudaStream_t stream = nullptr;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
