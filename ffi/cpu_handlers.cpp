@@ -37,6 +37,25 @@ ffi::Error guarded(Body&& body) {
   return ffi_common::guarded(Runtime::get().lifetime_mutex(), std::forward<Body>(body));
 }
 
+// Under two-level routing (jax_uccl_ep/normal.py) a normal-mode op is one level of a dispatch or combine, and the
+// other level's ranks wait on this one's rows: a failure (bad input included, which fails only this level's group)
+// aborts every rank of the job, so all fail at once with this rank's reason instead of at their deadline. The
+// runtime then needs shutdown() and initialize(), as after any abort.
+template <class Op>
+void aborting_the_job_on_failure(Device& dev, Op&& op) {
+  try {
+    op();
+  } catch (const std::exception& e) {
+    if (dev.two_level()) {
+      std::vector<uint32_t> everyone(dev.num_ranks());
+      for (uint32_t r = 0; r < dev.num_ranks(); ++r) everyone[r] = r;
+      std::lock_guard<std::mutex> lock(dev.op_mutex());
+      dev.abort(everyone, e.what());
+    }
+    throw;
+  }
+}
+
 // UCCL_EP_POISON=1 fills outputs with 0xFF bytes before an op, so a row the op forgets to write shows as NaN
 // or -1 in tests instead of looking like valid data.
 bool poison_enabled() {
@@ -113,7 +132,7 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
     a.is_token_in_rank = is_token_in_rank->typed_data();
     a.recv_counts = recv_counts->typed_data();
     a.op_index = uint32_t(op_index);
-    cpu::dispatch(dev, g, a);
+    aborting_the_job_on_failure(dev, [&] { cpu::dispatch(dev, g, a); });
   });
 }
 
@@ -133,7 +152,7 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
                               int(dim(*recv_x, 0)),
                               static_cast<uint8_t*>(recv_x->untyped_data()),
                               uint32_t(op_index)};
-    cpu::cached_dispatch(dev, g, a);
+    aborting_the_job_on_failure(dev, [&] { cpu::cached_dispatch(dev, g, a); });
   });
 }
 
@@ -160,7 +179,7 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
                        recv_counts.typed_data(),
                        static_cast<uint8_t*>(out->untyped_data()),
                        uint32_t(op_index)};
-    cpu::combine(dev, g, a);
+    aborting_the_job_on_failure(dev, [&] { cpu::combine(dev, g, a); });
   });
 }
 

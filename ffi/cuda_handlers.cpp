@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <exception>
 #include <shared_mutex>
 #include <stdexcept>
@@ -23,27 +24,63 @@ using uccl_ep::ffi_common::row_bytes_3d;
 
 namespace {
 
-// Where an op's GPU state lives: the NVLink runtime (GPUs of one node) or the proxy runtime (GPUs on several
-// nodes, GPU-initiated). kernels/nvl overloads each op on the device type.
+// Where an op's GPU state lives: the NVLink runtime (GPUs of one node), the proxy runtime (GPUs on several nodes,
+// GPU-initiated), or a node's NVLink runtime beside the proxy runtime (the node level of two-level routing, see
+// jax_uccl_ep/normal.py). kernels/nvl overloads each op on the device type.
 struct OverNvlink {
   using Device = NvlDevice;
+  static constexpr bool kNodeLevel = false;
   static std::shared_mutex& lifetime() { return NvlRuntime::get().lifetime_mutex(); }
   static Device& device(int32_t ordinal) { return NvlRuntime::get().device_by_ordinal(ordinal); }
 };
+struct OverNodeNvlink : OverNvlink {
+  static constexpr bool kNodeLevel = true;  // the lowering's tables hold runtime-wide ranks; NVLink numbers the node
+};
 struct OverProxy {
   using Device = uccl_ep::Device;
+  static constexpr bool kNodeLevel = false;
   static std::shared_mutex& lifetime() { return uccl_ep::Runtime::get().lifetime_mutex(); }
   static Device& device(int32_t ordinal) { return uccl_ep::Runtime::get().device_by_ordinal(ordinal); }
 };
 
+// An op's group in the ranks its link uses: the lowering's row, or at the node level that row renumbered.
+class LinkGroup {
+ public:
+  LinkGroup(const int32_t* row, int size, int self) : group_{row, size, self} {}
+  void renumber(const NvlDevice& dev) {
+    for (int s = 0; s < group_.size; ++s) {
+      const int local = dev.local_of(group_.ranks[s]);
+      if (local < 0)
+        throw std::invalid_argument("uccl_ep: rank " + std::to_string(group_.ranks[s]) + " of a node-level group is "
+                                    "not on the node of rank " + std::to_string(dev.global_rank()));
+      local_[size_t(s)] = local;
+    }
+    group_.ranks = local_.data();
+  }
+  const uccl_ep::nvl::Group& get() const { return group_; }
+
+ private:
+  uccl_ep::nvl::Group group_;
+  std::array<int32_t, uccl_ep::nvl::kMaxRanks> local_{};
+};
+
 // The row of the lowering's group table that holds this GPU's rank (see jax_uccl_ep/_ffi.py).
-template <class Dev>
-uccl_ep::nvl::Group group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
-  auto [row, index] = uccl_ep::ffi_common::find_group(table, size, dev.rank());
+template <class Link, class Dev>
+LinkGroup group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
+  int rank = dev.rank();
+  if constexpr (Link::kNodeLevel) {
+    rank = dev.global_rank();
+    if (size > uccl_ep::nvl::kMaxRanks || size != dev.num_ranks())
+      throw std::invalid_argument(std::string("uccl_ep ") + op + ": a node-level group of " + std::to_string(size) +
+                                  " ranks on a node of " + std::to_string(dev.num_ranks()) + " GPUs");
+  }
+  auto [row, index] = uccl_ep::ffi_common::find_group(table, size, rank);
   if (!row)
-    throw std::invalid_argument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": rank " + std::to_string(rank) +
                                 " is in no EP group of the mesh");
-  return uccl_ep::nvl::Group{row, int(size), index};
+  LinkGroup g(row, int(size), index);
+  if constexpr (Link::kNodeLevel) g.renumber(dev);
+  return g;
 }
 
 template <class Link>
@@ -60,7 +97,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    auto g = group_of(dev, group_table, group_size, "dispatch");
+    const auto group = group_of<Link>(dev, group_table, group_size, "dispatch");
+    const auto& g = group.get();
     const bool has_w = topk_weights.element_count() != 0;
     uccl_ep::nvl::DispatchArgs a{};
     a.x = x.untyped_data();
@@ -92,7 +130,8 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
                               int64_t /*op_index*/, ffi::Result<ffi::AnyBuffer> recv_x) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    auto g = group_of(dev, group_table, group_size, "cached_dispatch");
+    const auto group = group_of<Link>(dev, group_table, group_size, "cached_dispatch");
+    const auto& g = group.get();
     uccl_ep::nvl::CachedDispatchArgs a{x.untyped_data(),
                                        row_bytes(x),
                                        int(x.dimensions()[0]),
@@ -111,7 +150,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, f
                        ffi::Result<ffi::AnyBuffer> out) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    auto g = group_of(dev, group_table, group_size, "combine");
+    const auto group = group_of<Link>(dev, group_table, group_size, "combine");
+    const auto& g = group.get();
     bool bf16;
     if (y.element_type() == ffi::DataType::BF16)
       bf16 = true;
@@ -143,7 +183,8 @@ ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table,
                           int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    auto g = group_of(dev, group_table, group_size, op);
+    const auto group = group_of<Link>(dev, group_table, group_size, op);
+    const auto& g = group.get();
     Args a{};
     a.num_experts = int(num_experts);
     a.max_tokens_per_rank = int(max_tokens_per_rank);
@@ -301,11 +342,18 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
                                 uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
 UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_LINK_HANDLERS)
 UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_LINK_HANDLERS)
+// Two-level routing names its levels' targets itself: the node level (NVLink within a node) and the level across
+// nodes (GPU-initiated through the proxies), whatever the size of the whole job.
+#define UCCL_EP_LEVEL_HANDLERS(stem, name, signature)                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Node, stem##Impl<OverNodeNvlink>,              \
+                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
+UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_LEVEL_HANDLERS)
 
-// The NVLink runtime serves GPUs of one node; when the process started the proxy runtime instead (GPUs on
-// several nodes), ops run GPU-initiated where they can (kernels/nvl/api.hpp) and the rest host-staged.
+// The NVLink runtime alone serves GPUs of one node; when the process started the proxy runtime (GPUs on several
+// nodes, perhaps with a node-level NVLink runtime beside it), ops run GPU-initiated where they can
+// (kernels/nvl/api.hpp) and the rest host-staged.
 namespace {
-bool on_proxy() { return !NvlRuntime::get().initialized() && uccl_ep::Runtime::get().initialized(); }
+bool on_proxy() { return uccl_ep::Runtime::get().initialized(); }
 using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
 template <bool (*kGpuInitiated)(uint32_t)>
 XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, Handler nvl, Handler proxy, Handler staged) {

@@ -126,13 +126,21 @@ NB_MODULE(_uccl_ep, m) {
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
     UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
 #undef UCCL_EP_CUDA_CAPSULE
+    // Two-level routing's levels: "uccl_ep_node_<op>" (NVLink in a node), "uccl_ep_proxy_<op>" (across nodes).
+#define UCCL_EP_LEVEL_CAPSULES(stem, name, signature)                       \
+    d[("uccl_ep_node_" + std::string(name).substr(8)).c_str()] = capsule(UcclEp##stem##Node); \
+    d[("uccl_ep_proxy_" + std::string(name).substr(8)).c_str()] = capsule(UcclEp##stem##Proxy);
+    UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_LEVEL_CAPSULES)
+#undef UCCL_EP_LEVEL_CAPSULES
     return d;
   });
   m.def("nvl_start", [](size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
-                        const std::vector<std::pair<int, int>>& local) {
+                        const std::vector<std::pair<int, int>>& local, const std::vector<int32_t>& global_of_local) {
     nb::gil_scoped_release release;
-    nvl::NvlRuntime::get().start(buffer_bytes, low_latency_bytes, num_ranks, local);
-  });
+    nvl::NvlRuntime::get().start(buffer_bytes, low_latency_bytes, num_ranks, local, global_of_local);
+  }, nb::arg("buffer_bytes"), nb::arg("low_latency_bytes"), nb::arg("num_ranks"), nb::arg("local"),
+     nb::arg("global_of_local") = std::vector<int32_t>{});
+  m.def("nvl_gpu_initiated_normal", [](uint32_t num_ranks) { return nvl::gpu_initiated_normal(num_ranks); });
   m.def("nvl_ipc_handles", [] {
     nb::dict d;
     for (auto& [rank, h] : nvl::NvlRuntime::get().ipc_handles()) d[nb::int_(rank)] = nb::bytes(h.data(), h.size());
@@ -297,7 +305,8 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("max_inflight_bytes", &Config::max_inflight_bytes)
       .def_rw("ring_capacity", &Config::ring_capacity)
       .def_rw("node_of_rank", &Config::node_of_rank)
-      .def_rw("hierarchical", &Config::hierarchical);
+      .def_rw("hierarchical", &Config::hierarchical)
+      .def_rw("two_level", &Config::two_level);
 
   m.def("start", [](const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
     Runtime::get().start(config, num_ranks, local);

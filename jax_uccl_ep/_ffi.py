@@ -58,6 +58,33 @@ def group_table(mesh: Any, axis_name: str | Sequence[str]) -> np.ndarray:
     return np.transpose(ranks, other + ep_dims).reshape(-1, size).astype(np.int32)
 
 
+LEVELS = ("node", "across")
+
+
+def level_table(table: np.ndarray, node_of_rank: Sequence[int], level: str) -> np.ndarray:
+    """The groups of one level of two-level routing, from the EP groups `table` [groups, R] (runtime ranks):
+    "node": each node's members of a group, in axis order ([groups * nodes, G]); "across": the members with the
+    same index on their nodes, node after node ([groups * G, nodes]). Member i of a group must sit on node block
+    i // G (each node's ranks together, node after node, as a mesh over jax.devices() lists them): expert
+    ownership by axis position then matches at both levels. Raises ValueError otherwise."""
+    if level not in LEVELS:
+        raise ValueError(f"jax_uccl_ep: unknown routing level {level!r}")
+    rows = []
+    for row in np.asarray(table):
+        nodes = [int(node_of_rank[r]) for r in row]
+        per_node = nodes.count(nodes[0])
+        blocks = [nodes[i:i + per_node] for i in range(0, len(nodes), per_node)]
+        if (len(nodes) % per_node or any(len(set(b)) != 1 for b in blocks)
+                or len({b[0] for b in blocks}) != len(blocks)):
+            raise ValueError(
+                "jax_uccl_ep: two-level routing needs the EP axis to list each node's ranks together, node after "
+                f"node (a mesh over jax.devices() in order does); this axis's ranks {list(map(int, row))} sit on "
+                f"nodes {nodes}. Reorder the mesh's devices, or set UCCL_EP_TWO_LEVEL=0 for flat routing")
+        grid = np.asarray(row, np.int32).reshape(len(blocks), per_node)
+        rows.append(grid if level == "node" else grid.T)
+    return np.concatenate(rows).astype(np.int32)
+
+
 ep_call_p = Primitive("uccl_ep_call")
 ep_call_p.multiple_results = True
 
@@ -68,7 +95,7 @@ except ImportError:
     from jax._src.core import ShapedArray
 
 
-def _abstract_eval(*operands, target, results, axis_name, attrs, has_side_effect):
+def _abstract_eval(*operands, target, results, axis_name, level, attrs, has_side_effect):
     return [ShapedArray(shape, dtype) for shape, dtype in results]
 
 
@@ -106,12 +133,20 @@ def _next_op_index(ctx) -> int:
     return counter.next - 1
 
 
-def _lowering(ctx, *operands, target, results, axis_name, attrs, has_side_effect):
+def _lowering(ctx, *operands, target, results, axis_name, level, attrs, has_side_effect):
     extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
     if has_side_effect:
         extra["op_index"] = np.int64(_next_op_index(ctx))
     if axis_name is not None:
         table = group_table(_concrete_mesh(ctx), axis_name)
+        if level is not None:
+            from . import _runtime
+
+            plan = _runtime.two_level()
+            if plan is None:
+                raise RuntimeError("jax_uccl_ep: this op was traced for two-level routing, which the runtime no "
+                                   "longer runs (shut down and started again with other settings?); trace it again")
+            table = level_table(table, plan.node_of_rank, level)
         extra["group_table"] = table.reshape(-1)
         extra["group_size"] = np.int64(table.shape[1])
     rule = jax.ffi.ffi_lowering(target, has_side_effect=has_side_effect)
@@ -128,10 +163,11 @@ except TypeError:
 
 def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,
          axis_name: str | Sequence[str] | None = None, ordered: bool = True, after: jax.Array | None = None,
-         **attrs: Any) -> list[jax.Array]:
+         level: str | None = None, **attrs: Any) -> list[jax.Array]:
     """Binds FFI target `target`.
 
-    With `axis_name`, the handler also gets the EP group table. An `ordered` op is never merged or dropped and
+    With `axis_name`, the handler also gets the EP group table; with a `level` of two-level routing ("node" or
+    "across"), the table of that level's groups instead (level_table). An `ordered` op is never merged or dropped and
     takes one extra operand its handler ignores: one element of `after`, if given, which makes it run after the
     op that produced `after`. Every rank must run the communicating ops in one order, and XLA:CPU starts
     independent custom calls in any order (seen: the two combines of dispatch's backward pass ran in opposite
@@ -146,6 +182,7 @@ def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Ar
         target=target,
         results=tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results),
         axis_name=None if axis_name is None else axes_of(axis_name),
+        level=level,
         attrs=tuple(sorted(attrs.items())),
         has_side_effect=ordered,
     )

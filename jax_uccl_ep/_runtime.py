@@ -16,6 +16,7 @@ from . import _ffi, _uccl_ep
 
 _lock = threading.Lock()
 _topology: "Topology | None" = None
+_two_level: "TwoLevel | None" = None
 _generation = 0  # initialize() calls so far; every process makes the same calls, so keys never collide
 _atexit_registered = False
 
@@ -33,6 +34,7 @@ class RuntimeSettings:
     max_write_bytes: int
     max_inflight_bytes: int
     hierarchical: bool
+    two_level: str  # "auto", "1" or "0" (UCCL_EP_TWO_LEVEL)
 
     @staticmethod
     def from_env() -> "RuntimeSettings":
@@ -47,6 +49,7 @@ class RuntimeSettings:
             max_write_bytes=int(env.get("UCCL_EP_MAX_WRITE_BYTES", str(1 << 20))),
             max_inflight_bytes=int(env.get("UCCL_EP_MAX_INFLIGHT_BYTES", "0")),
             hierarchical=env.get("UCCL_EP_HIERARCHICAL", "1") != "0",
+            two_level=env.get("UCCL_EP_TWO_LEVEL", "auto").strip().lower() or "auto",
         )
 
 
@@ -89,6 +92,59 @@ class Topology:
             local.append(seen.get(n, 0))
             seen[n] = local[-1] + 1
         return Topology(tuple(nodes), tuple(local), source)
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """Two-level routing of normal mode (jax_uccl_ep/normal.py) for an EP axis over every rank of the job: a
+    dispatch first crosses nodes (a token once to each node that needs it, to the rank with its sender's index
+    there), then fans out within the node; a combine sums within the node first, then crosses back."""
+
+    num_nodes: int
+    per_node: int  # ranks on each node
+    node_of_rank: tuple[int, ...]
+    nvlink: bool  # the node level runs on a node-level NVLink runtime (GPUs), else through the proxies
+    across_gpu_initiated: bool  # the level across nodes runs GPU-initiated (kernels push the proxies' commands)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.per_node
+
+
+def two_level() -> TwoLevel | None:
+    """The two-level plan initialize() made, or None (one node, UCCL_EP_TWO_LEVEL=0, unequal nodes, ...)."""
+    return _two_level
+
+
+def _plan_two_level(settings: RuntimeSettings, topo: Topology, platform: str, local: list) -> TwoLevel | None:
+    """Whether normal mode routes in two levels: by default on GPUs across nodes with 2 to 8 GPUs on every node
+    (the node level runs over NVLink); CPU devices take it only with UCCL_EP_TWO_LEVEL=1 (their default is the
+    hierarchical rounds of kernels/cpu, the same routing inside one op). A forced setting that cannot apply raises."""
+    mode = settings.two_level
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"UCCL_EP_TWO_LEVEL must be auto, 1 or 0, got {mode!r}")
+    gpu = platform == "gpu"
+    if mode == "0" or topo.num_nodes < 2 or (mode == "auto" and not gpu):
+        return None
+    sizes = {len(topo.ranks_on(n)) for n in range(topo.num_nodes)}
+    per_node = min(sizes)
+    reason = None
+    if not settings.hierarchical:
+        reason = "UCCL_EP_HIERARCHICAL=0 asks for flat routing"
+    elif len(sizes) != 1:
+        reason = f"nodes hold different numbers of ranks ({sorted(sizes)})"
+    elif per_node < 2:
+        reason = "every node holds one rank"
+    elif gpu and per_node > 8:
+        reason = f"{per_node} GPUs per node (NVLink groups hold at most 8)"
+    elif gpu and len({topo.node_of_rank[r] for _, r in local}) > 1:
+        reason = "this process drives GPUs of several nodes (a node's NVLink runtime is per process)"
+    if reason is not None:
+        if mode == "1":
+            raise ValueError(f"jax_uccl_ep.initialize: UCCL_EP_TWO_LEVEL=1 but {reason}")
+        return None
+    across = gpu and bool(_uccl_ep.nvl_gpu_initiated_normal(topo.num_nodes))
+    return TwoLevel(topo.num_nodes, per_node, topo.node_of_rank, gpu, across)
 
 
 def topology() -> Topology:
@@ -148,6 +204,7 @@ def _shared_settings(settings: RuntimeSettings, buffer_bytes: int | None, low_la
         "UCCL_EP_BUFFER_BYTES": settings.buffer_bytes,
         "UCCL_EP_NUM_PROXY_THREADS": settings.num_proxy_threads,
         "UCCL_EP_HIERARCHICAL": settings.hierarchical,
+        "UCCL_EP_TWO_LEVEL": settings.two_level,
         "UCCL_EP_GPUS_PER_NODE": env.get("UCCL_EP_GPUS_PER_NODE") or None,
         "UCCL_EP_GPU_INITIATED": env.get("UCCL_EP_GPU_INITIATED", "1") != "0",
         "UCCL_EP_PINNED": env.get("UCCL_EP_PINNED", "1") != "0",
@@ -233,15 +290,26 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         per_node = os.environ.get("UCCL_EP_GPUS_PER_NODE")
         topo = Topology.build([d.process_index for d in devices], [h.decode() for h in hosts],
                               int(per_node) if per_node else None)
+        plan = None
         if devices[0].platform == "gpu" and topo.num_nodes == 1:
             _start_gpus(buffer_bytes, low_latency_buffer_bytes, devices, local, client, key, timeout_ms)
         elif devices[0].platform == "gpu":
-            _check_gpus_over_proxy(buffer_bytes, low_latency_buffer_bytes)
+            _require_cuda_build()
             _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
+            try:  # after the proxy runtime: whether GPUs may push its commands depends on its memory
+                plan = _plan_two_level(settings, topo, "gpu", local)
+                _check_gpus_over_proxy(plan, buffer_bytes, low_latency_buffer_bytes)
+                if plan is not None:
+                    _start_node_gpus(buffer_bytes, topo, local, client, key, timeout_ms)
+            except BaseException:
+                _uccl_ep.shutdown()
+                raise
         else:
-            _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
-        global _topology
+            plan = _plan_two_level(settings, topo, "cpu", local)  # raises before anything started
+            _start_cpus(settings, devices, local, topo, client, key, timeout_ms, two_level=plan is not None)
+        global _topology, _two_level
         _topology = topo
+        _two_level = plan
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -252,16 +320,44 @@ def _require_cuda_build() -> None:
         raise RuntimeError("jax_uccl_ep was built without CUDA; rebuild where nvcc is found (UCCL_EP_CUDA=ON)")
 
 
-def _check_gpus_over_proxy(buffer_bytes: int | None, low_latency_bytes: int | None) -> None:
-    """GPUs on several nodes run on the proxy runtime: low-latency ops GPU-initiated (kernels/nvl/low_latency.cu),
-    the rest through host-staged handlers (ffi/cpu_handlers.cpp). A process
-    may drive several of them (a process per host, as multi-host JAX jobs run): XLA launches each GPU's work from a
-    thread of its own, so an op that waits on the host for its peers holds up no other GPU of the process."""
-    _require_cuda_build()
-    if buffer_bytes is not None or low_latency_bytes is not None:
-        warnings.warn("jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
-                      "UCCL_EP_BUFFER_BYTES sizes; buffer_bytes and low_latency_buffer_bytes are ignored",
+def _check_gpus_over_proxy(plan: TwoLevel | None, buffer_bytes: int | None, low_latency_bytes: int | None) -> None:
+    """GPUs on several nodes run on the proxy runtime (ops GPU-initiated where they can, else host-staged through
+    ffi/cpu_handlers.cpp), with a node-level NVLink runtime beside it under two-level routing. A process may drive
+    several of them (a process per host, as multi-host JAX jobs run): XLA launches each GPU's work from a thread of
+    its own, so an op that waits on the host for its peers holds up no other GPU of the process."""
+    ignored = [name for name, v in (("buffer_bytes", None if plan else buffer_bytes),
+                                     ("low_latency_buffer_bytes", low_latency_bytes)) if v is not None]
+    if ignored:
+        warnings.warn(f"jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
+                      f"UCCL_EP_BUFFER_BYTES sizes; {' and '.join(ignored)} ignored"
+                      + ("" if plan else " (buffer_bytes sizes the NVLink buffers of two-level routing only)"),
                       stacklevel=3)
+
+
+def _start_node_gpus(buffer_bytes: int | None, topo: Topology, local: list, client: Any, key: str,
+                     timeout_ms: int) -> None:
+    """The node level of two-level routing: an NVLink runtime among each node's GPUs (NVLink ranks are the ranks'
+    indices on their node), beside the proxy runtime. IPC handles go through the key-value store by global rank."""
+    if buffer_bytes is None:
+        buffer_bytes = int(os.environ.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)))
+    node = topo.node_of_rank[local[0][1]]
+    members = topo.ranks_on(node)
+    _uccl_ep.nvl_start(int(buffer_bytes), 0, len(members), [(o, topo.local_rank[r]) for o, r in local], members)
+    try:
+        handles = {members[lr]: bytes(h) for lr, h in _uccl_ep.nvl_ipc_handles().items()}
+        if jax.process_count() > 1:
+            for r, h in handles.items():
+                client.key_value_set_bytes(f"{key}/node_ipc/{r}", h)
+            node_handles = [handles[r] if r in handles else
+                            client.blocking_key_value_get_bytes(f"{key}/node_ipc/{r}", timeout_ms) for r in members]
+        else:
+            node_handles = [handles[r] for r in members]
+        _uccl_ep.nvl_connect(node_handles)
+        if jax.process_count() > 1:
+            client.wait_at_barrier(f"{key}/node_connected", timeout_ms)
+    except BaseException:
+        _uccl_ep.nvl_shutdown()
+        raise
 
 
 def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices: list, local: list, client: Any,
@@ -287,7 +383,7 @@ def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices
 
 
 def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Topology, client: Any, key: str,
-                timeout_ms: int) -> None:
+                timeout_ms: int, two_level: bool = False) -> None:
     num_processes = jax.process_count()
     if hasattr(_uccl_ep, "install_pinned_host_allocator") and os.environ.get("UCCL_EP_PINNED", "1") != "0":
         # On a machine with GPUs, rings and buffers in pinned, mapped memory (GPU producers, staging).
@@ -308,6 +404,7 @@ def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Top
     config.max_inflight_bytes = settings.max_inflight_bytes
     config.node_of_rank = list(topo.node_of_rank)  # normal mode crosses nodes once per token (kernels/cpu)
     config.hierarchical = settings.hierarchical
+    config.two_level = two_level  # a failed normal-mode op aborts the whole job (kernels/cpu waits otherwise)
     _uccl_ep.start(config, len(devices), local)
     try:
         infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))
@@ -349,8 +446,9 @@ def shutdown() -> None:
         _uccl_ep.shutdown()
         if hasattr(_uccl_ep, "nvl_shutdown"):
             _uccl_ep.nvl_shutdown()
-        global _topology
+        global _topology, _two_level
         _topology = None
+        _two_level = None
 
 
 def is_initialized() -> bool:
@@ -366,9 +464,10 @@ def check_errors() -> None:
     step's results are checked. This holds for GPU-initiated ops across nodes too. CPU devices (and host-staged
     ops) raise such errors from the op itself.
     """
+    # Under two-level routing both runtimes run: errors of either level are raised.
     if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
         _uccl_ep.nvl_check_errors()
-    elif hasattr(_uccl_ep, "proxy_check_errors") and _uccl_ep.is_initialized():
+    if hasattr(_uccl_ep, "proxy_check_errors") and _uccl_ep.is_initialized():
         _uccl_ep.proxy_check_errors()
 
 

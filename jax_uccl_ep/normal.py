@@ -2,6 +2,13 @@
 
 Rank r of an EP axis of size R owns experts [r*E/R, (r+1)*E/R). Dispatch sends each token once to every rank
 that owns one of its top-k experts; combine sends the rows back and sums them into the token's slot.
+
+Two-level routing (GPUs on several nodes, an EP axis over every rank of the job; _runtime.TwoLevel): a dispatch is
+two dispatches. Across nodes first, among the ranks with the same index on their nodes: node n owns experts
+[n*E/N, (n+1)*E/N), so a token crosses the network once per node that needs it, and arrives with its expert indices
+local to that node. Then within the node (NVLink), by those indices. A combine runs the two in reverse: the node's
+rows of a token are summed within the node, then cross back once. Rows then arrive grouped by the node rank that
+forwarded them (the sender's index on its node), then by source node, then by token.
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi
+from . import _ffi, _runtime
 from .fp8 import FP8_BLOCK
 
 AxisName = Union[str, Sequence[str]]
@@ -33,32 +40,63 @@ class DispatchLayout(NamedTuple):
 class DispatchHandle:
     """What combine (and the backward passes) need from a dispatch: two arrays and the EP axis."""
 
-    def __init__(self, is_token_in_rank: jax.Array, recv_counts: jax.Array, axis_name: AxisName):
+    def __init__(self, is_token_in_rank: jax.Array, recv_counts: jax.Array, axis_name: AxisName,
+                 level: str | None = None):
         self.is_token_in_rank = is_token_in_rank  # [T, R] bool: where this rank's tokens went
         self.recv_counts = recv_counts  # [R] int32: rows received from each rank, in row order
         self.axis_name = axis_name
+        self.level = level  # None (the whole axis), or a level of two-level routing ("node", "across")
 
     def tree_flatten(self):
-        return (self.is_token_in_rank, self.recv_counts), self.axis_name
+        return (self.is_token_in_rank, self.recv_counts), (self.axis_name, self.level)
 
     @classmethod
-    def tree_unflatten(cls, axis_name, children):
-        return cls(*children, axis_name)
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
 
     def __repr__(self) -> str:
-        return f"DispatchHandle(axis_name={self.axis_name!r}, is_token_in_rank={self.is_token_in_rank!r}, " \
+        level = "" if self.level is None else f", level={self.level!r}"
+        return f"DispatchHandle(axis_name={self.axis_name!r}{level}, is_token_in_rank={self.is_token_in_rank!r}, " \
                f"recv_counts={self.recv_counts!r})"
+
+
+@jax.tree_util.register_pytree_node_class
+class TwoLevelHandle:
+    """A dispatch handle under two-level routing: the dispatch across nodes (its rows are the tokens the node
+    level forwards), then the one within the node."""
+
+    def __init__(self, across: DispatchHandle, within: DispatchHandle):
+        self.across = across  # over the ranks with this rank's index on every node
+        self.within = within  # over this node's ranks
+
+    @property
+    def axis_name(self) -> AxisName:
+        return self.within.axis_name
+
+    def tree_flatten(self):
+        return (self.across, self.within), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __repr__(self) -> str:
+        return f"TwoLevelHandle(across={self.across!r}, within={self.within!r})"
+
+
+Handle = Union[DispatchHandle, TwoLevelHandle]
 
 
 class DispatchResult(NamedTuple):
     """Output of dispatch. Rows [num_tokens, capacity) are padding (zeros, topk_idx -1)."""
 
-    x: jax.Array | Fp8Pair  # [capacity, H] (or the FP8 pair), by source rank then source token
+    x: jax.Array | Fp8Pair  # [capacity, H] (or the FP8 pair), by source rank then source token (two-level: by
+    # forwarding node rank, source node, token)
     topk_idx: jax.Array  # [capacity, K] int32: local expert index or -1
     topk_weights: jax.Array | None  # [capacity, K] float32, 0 where topk_idx is -1
     num_tokens: jax.Array  # int32 scalar: valid rows
     num_tokens_per_expert: jax.Array  # [num_experts / R] int32
-    handle: DispatchHandle
+    handle: Handle
 
 
 def _axis_size(axis_name: AxisName) -> int:
@@ -158,14 +196,40 @@ def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
     return x, jnp.zeros((x.shape[0], 0), jnp.float32), False
 
 
-def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+def _two_level_plan(axis_name: AxisName):
+    """The runtime's two-level plan if it applies to this axis (one over every rank of the job), else None."""
+    plan = _runtime.two_level()
+    return plan if plan is not None and _axis_size(axis_name) == plan.num_ranks else None
+
+
+def _level_target(op: str, level: str | None) -> str:
+    """The FFI target of `op` ("dispatch", "combine", "cached_dispatch") at a level of two-level routing: on GPUs
+    the node level runs on the node's NVLink runtime and the level across nodes GPU-initiated (when it may), named
+    targets that skip the whole-job routing; CPU devices run both through the proxies."""
+    plan = _runtime.two_level()
+    if level == "node" and plan is not None and plan.nvlink:
+        return f"uccl_ep_node_{op}"
+    if level == "across" and plan is not None and plan.across_gpu_initiated:
+        return f"uccl_ep_proxy_{op}"
+    return f"uccl_ep_{op}"
+
+
+def _level_size(axis_name: AxisName, level: str | None) -> int:
+    if level is None:
+        return _axis_size(axis_name)
+    plan = _two_level_plan(axis_name)
+    return plan.per_node if level == "node" else plan.num_nodes
+
+
+def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, level=None):
+    """One dispatch over the axis, or over one level of two-level routing."""
     rows, scales, is_fp8 = _split_x(x)
     t, h = rows.shape
     k = topk_idx.shape[1]
-    num_ranks = _axis_size(axis_name)
+    num_ranks = _level_size(axis_name, level)
     weights = topk_weights if topk_weights is not None else jnp.zeros((t, 0), jnp.float32)
     outs = _ep_call(
-        "uccl_ep_dispatch",
+        _level_target("dispatch", level),
         (
             jax.ShapeDtypeStruct((capacity, h), rows.dtype),
             jax.ShapeDtypeStruct((capacity, scales.shape[1]), jnp.float32),
@@ -178,6 +242,7 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
         ),
         rows, scales, topk_idx, weights,
         axis_name=axis_name,
+        level=level,
         num_experts=num_experts,
     )
     recv_x, recv_scales, recv_idx, recv_w, n, per_expert, in_rank, counts = outs
@@ -187,21 +252,48 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
         topk_weights=recv_w if topk_weights is not None else None,
         num_tokens=n,
         num_tokens_per_expert=per_expert,
-        handle=DispatchHandle(in_rank, counts, axis_name),
+        handle=DispatchHandle(in_rank, counts, axis_name, level),
     )
 
 
-def _combine_call(y: jax.Array, handle: DispatchHandle, after: jax.Array | None = None) -> jax.Array:
+def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+    plan = _two_level_plan(axis_name)
+    if plan is None:
+        return _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+    # Across nodes: node n owns experts [n*E/N, (n+1)*E/N); its rows come back with node-local indices (or -1)
+    # and padding rows with -1 everywhere, so the node level forwards exactly the valid rows.
+    t = topk_idx.shape[0]
+    across = _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, plan.num_nodes * t, "across")
+    within = _dispatch_level(across.x, across.topk_idx, across.topk_weights, num_experts // plan.num_nodes,
+                             axis_name, capacity, "node")
+    return within._replace(handle=TwoLevelHandle(across.handle, within.handle))
+
+
+def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) -> jax.Array:
+    if isinstance(handle, TwoLevelHandle):
+        # Sum within the node, then cross back once.
+        return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
     t = handle.is_token_in_rank.shape[0]
-    (out,) = _ep_call("uccl_ep_combine", (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
-                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name, after=after)
+    (out,) = _ep_call(_level_target("combine", handle.level), (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
+                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name,
+                      level=handle.level, after=after)
     return out
 
 
-def _cached_dispatch_call(x: jax.Array, handle: DispatchHandle, capacity: int) -> jax.Array:
-    (out,) = _ep_call("uccl_ep_cached_dispatch", (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
-                      x, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name)
+def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int) -> jax.Array:
+    if isinstance(handle, TwoLevelHandle):
+        forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
+        return _cached_dispatch_call(_cached_dispatch_call(x, handle.across, forwarded), handle.within, capacity)
+    (out,) = _ep_call(_level_target("cached_dispatch", handle.level),
+                      (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
+                      x, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name, level=handle.level)
     return out
+
+
+def _no_cotangent(handle: Handle) -> Handle:
+    if isinstance(handle, TwoLevelHandle):
+        return TwoLevelHandle(_no_cotangent(handle.across), _no_cotangent(handle.within))
+    return DispatchHandle(None, None, handle.axis_name, handle.level)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -249,7 +341,9 @@ def dispatch(
         `capacity` raise an error that names the rank, the count and the capacity.
 
     Returns:
-      A DispatchResult; rows are ordered by source rank, then source token index.
+      A DispatchResult; rows are ordered by source rank, then source token index. Under two-level routing (GPUs on
+      several nodes, see the module's docstring) by the rank of this node that forwarded them, then source node,
+      then source token; `handle` is then a TwoLevelHandle.
     """
     rows, _, is_fp8 = _split_x(x)
     t = rows.shape[0]
@@ -283,7 +377,7 @@ def _combine_bwd(residuals, g):
     handle, capacity = residuals
     # The VJP of combine is a dispatch of the cotangent along the same routing.
     dy = _cached_dispatch_call(g, handle, capacity)
-    return dy, DispatchHandle(None, None, handle.axis_name)
+    return dy, _no_cotangent(handle)
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
@@ -301,5 +395,6 @@ def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
     """
     _check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
     _check(y.dtype in _FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
-    _check(isinstance(handle, DispatchHandle), "handle must be the DispatchResult.handle of a dispatch")
+    _check(isinstance(handle, (DispatchHandle, TwoLevelHandle)),
+           "handle must be the DispatchResult.handle of a dispatch")
     return _combine(y, handle)

@@ -41,6 +41,9 @@ struct Config {
   uint32_t ring_capacity = 4096;      // commands per ring
   std::vector<int> node_of_rank;      // node of each global rank (empty: one node); see jax_uccl_ep.Topology
   bool hierarchical = true;           // normal mode across nodes in rounds (kernels/cpu/normal.cpp)
+  // Normal-mode ops are levels of two-level routing (jax_uccl_ep/normal.py): the other level's ranks wait on this
+  // one's, so a failed op aborts every rank of the job.
+  bool two_level = false;
 };
 
 struct DeviceStats {
@@ -65,6 +68,7 @@ class Device {
   double timeout_s() const { return config_.timeout_s; }
   uint32_t max_write_bytes() const { return config_.max_write_bytes; }
   bool hierarchical() const { return config_.hierarchical; }
+  bool two_level() const { return config_.two_level; }
   int node_of(uint32_t rank) const {
     return rank < config_.node_of_rank.size() ? config_.node_of_rank[rank] : 0;
   }

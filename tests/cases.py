@@ -83,6 +83,13 @@ def roundtrip(mesh: Mesh, x, topk_idx, topk_weights, num_experts: int, capacity:
     return jax.tree.map(gather, outs)
 
 
+def two_level_per_node(num_ranks: int) -> int | None:
+    """Ranks per node when normal mode routes in two levels over a mesh of `num_ranks` ranks (rows then arrive in
+    two-level order), else None. The tests that expect two-level routing assert that it is on."""
+    plan = ep.two_level()
+    return plan.per_node if plan is not None and plan.num_ranks == num_ranks else None
+
+
 def check_roundtrip(outs, x_ref, idx, w, num_experts, dtype, *, fp8_scales=None, empty=None) -> list[str]:
     """Compares roundtrip() outputs with the reference; x_ref is what went in, as float32 [R, T, H]."""
     recv_x, recv_idx, recv_w, n, per_expert, combined = outs
@@ -90,8 +97,9 @@ def check_roundtrip(outs, x_ref, idx, w, num_experts, dtype, *, fp8_scales=None,
         recv_x, recv_s = recv_x
     problems = []
     num_ranks, num_tokens = idx.shape[:2]
-    expected = ref.dispatch(x_ref, idx, w, num_experts)
-    exp_scales = ref.dispatch(fp8_scales, idx, None, num_experts) if fp8_scales is not None else None
+    per_node = two_level_per_node(num_ranks)
+    expected = ref.dispatch(x_ref, idx, w, num_experts, per_node)
+    exp_scales = ref.dispatch(fp8_scales, idx, None, num_experts, per_node) if fp8_scales is not None else None
     for r, e in enumerate(expected):
         m = e["num_tokens"]
         if n[r, 0] != m:

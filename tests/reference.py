@@ -8,10 +8,12 @@ def owner(expert: int, num_experts: int, num_ranks: int) -> int:
     return expert // (num_experts // num_ranks)
 
 
-def dispatch(x, topk_idx, topk_weights, num_experts):
+def dispatch(x, topk_idx, topk_weights, num_experts, per_node=None):
     """x [R, T, ...], topk_idx/topk_weights [R, T, K] -> per destination rank a dict of expected outputs.
 
-    Rows arrive once per rank owning any of the token's experts, ordered by source rank, then token.
+    Rows arrive once per rank owning any of the token's experts, ordered by source rank, then token. With
+    `per_node` (two-level routing over nodes of that many consecutive ranks) ordered by the source's index on its
+    node, then its node, then token.
     """
     num_ranks, num_tokens, k = topk_idx.shape
     per_rank = num_experts // num_ranks
@@ -29,6 +31,10 @@ def dispatch(x, topk_idx, topk_weights, num_experts):
                 if topk_weights is not None:
                     w.append([topk_weights[s, t, j] if m else 0.0 for j, m in enumerate(mine)])
                 src.append((s, t))
+        if per_node is not None:
+            order = sorted(range(len(src)), key=lambda i: (src[i][0] % per_node, src[i][0] // per_node, src[i][1]))
+            rows, idx, src = [rows[i] for i in order], [idx[i] for i in order], [src[i] for i in order]
+            w = [w[i] for i in order] if topk_weights is not None else w
         counts = np.zeros(per_rank, np.int64)
         for row in idx:
             for e in row:

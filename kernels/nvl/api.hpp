@@ -69,8 +69,14 @@ class NvlDevice {
   NvlDevice& operator=(const NvlDevice&) = delete;
 
   int cuda_device() const { return device_; }
-  int rank() const { return rank_; }
+  int rank() const { return rank_; }  // in this NVLink group (a node's GPUs under two-level routing)
   int num_ranks() const { return num_ranks_; }
+  // Runtime-wide ranks of the group's members by their NVLink rank, when the group is one node of a job on the
+  // proxy runtime (two-level routing); empty when NVLink ranks are the runtime's.
+  void set_global_ranks(std::vector<int32_t> global_of_local);
+  int global_rank() const { return global_of_local_.empty() ? rank_ : global_of_local_[size_t(rank_)]; }
+  int global_of(int local) const;
+  int local_of(int global) const;  // -1 when `global` is not in this group
   size_t buffer_bytes() const { return buffer_bytes_; }
   size_t region_bytes() const { return region_bytes_; }
   // Bytes a buffer must hold for messages of `message_bytes` among `num_ranks` GPUs.
@@ -131,6 +137,7 @@ class NvlDevice {
 
  private:
   int device_, rank_, num_ranks_;
+  std::vector<int32_t> global_of_local_;
   size_t buffer_bytes_, region_bytes_;
   size_t ll_offset_ = 0, ll_bytes_ = 0, ll_half_ = 0, ll_stride_ = 0;
   uint64_t ll_sent_[kMaxRanks] = {}, ll_received_[kMaxRanks] = {};
@@ -158,9 +165,10 @@ class NvlDevice {
 class NvlRuntime {
  public:
   static NvlRuntime& get();
-  // `local`: (CUDA device ordinal, global rank) of each GPU this process drives.
+  // `local`: (CUDA device ordinal, rank) of each GPU this process drives. `global_of_local`: for a runtime of
+  // one node's GPUs beside the proxy runtime (two-level routing), the runtime-wide rank of each NVLink rank.
   void start(size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
-             const std::vector<std::pair<int, int>>& local);
+             const std::vector<std::pair<int, int>>& local, const std::vector<int32_t>& global_of_local = {});
   std::vector<std::pair<int, std::vector<uint8_t>>> ipc_handles();  // (rank, handle) of local GPUs
   // `handles_by_rank[r]`: rank r's IPC handle; entries of this process's own GPUs are not used.
   void connect(const std::vector<std::vector<uint8_t>>& handles_by_rank);

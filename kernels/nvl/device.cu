@@ -327,7 +327,35 @@ std::vector<uint64_t> NvlDevice::kernel_phases() {
   return std::vector<uint64_t>(phases_host_, phases_host_ + kPhaseWords);
 }
 
-void NvlDevice::check_errors(const char* op) { raise_pending_device_error(errors_host_, op); }
+void NvlDevice::set_global_ranks(std::vector<int32_t> global_of_local) {
+  if (!global_of_local.empty() && global_of_local.size() != size_t(num_ranks_))
+    throw std::invalid_argument("uccl_ep nvl: " + std::to_string(global_of_local.size()) + " global ranks for " +
+                                std::to_string(num_ranks_) + " GPUs");
+  global_of_local_ = std::move(global_of_local);
+}
+
+int NvlDevice::global_of(int local) const {
+  return global_of_local_.empty() || local < 0 || local >= num_ranks_ ? local : global_of_local_[size_t(local)];
+}
+
+int NvlDevice::local_of(int global) const {
+  if (global_of_local_.empty()) return global >= 0 && global < num_ranks_ ? global : -1;
+  for (int l = 0; l < num_ranks_; ++l)
+    if (global_of_local_[size_t(l)] == global) return l;
+  return -1;
+}
+
+void NvlDevice::check_errors(const char* op) {
+  if (!global_of_local_.empty()) {
+    // Kernels record NVLink ranks; the user knows the runtime's.
+    auto* e = const_cast<DeviceErrors*>(errors_host_);
+    if (e->code != 0) {
+      e->rank = global_of(e->rank);
+      if (e->code == 5 || (e->code == 10 && e->a >= 0)) e->a = global_of(int(e->a));
+    }
+  }
+  raise_pending_device_error(errors_host_, op);
+}
 
 void raise_pending_device_error(DeviceErrors* word, const char* op) {
   DeviceErrors e;
@@ -391,11 +419,13 @@ NvlRuntime& NvlRuntime::get() {
 }
 
 void NvlRuntime::start(size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
-                       const std::vector<std::pair<int, int>>& local) {
+                       const std::vector<std::pair<int, int>>& local, const std::vector<int32_t>& global_of_local) {
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   if (!devices_.empty()) throw std::runtime_error("uccl_ep nvl: already started");
-  for (auto [ordinal, rank] : local)
+  for (auto [ordinal, rank] : local) {
     devices_.push_back(std::make_unique<NvlDevice>(ordinal, rank, num_ranks, buffer_bytes, low_latency_bytes));
+    devices_.back()->set_global_ranks(global_of_local);
+  }
 }
 
 std::vector<std::pair<int, std::vector<uint8_t>>> NvlRuntime::ipc_handles() {

@@ -1,0 +1,141 @@
+"""Two-level routing of normal mode (jax_uccl_ep/normal.py): a dispatch across nodes, then one within the node.
+
+GPUs on several nodes take it by default (the node level over NVLink: tests/test_proxy_gpu.py runs it on one shared
+GPU); CPU devices take it with UCCL_EP_TWO_LEVEL=1, both levels through the proxies, which is what runs here.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import jax_uccl_ep as ep
+from jax_uccl_ep import _ffi, _runtime
+from mp import launch_ok
+
+HERE = os.path.abspath(__file__)
+
+
+def test_level_tables_split_each_group_into_nodes_and_across_them():
+    # Ranks 0..5 on nodes of two; one EP group in rank order, one in another node-major order.
+    nodes = [0, 0, 1, 1, 2, 2]
+    table = np.array([[0, 1, 2, 3, 4, 5], [4, 5, 0, 1, 2, 3]], np.int32)
+    within = _ffi.level_table(table, nodes, "node")
+    across = _ffi.level_table(table, nodes, "across")
+    assert within.tolist() == [[0, 1], [2, 3], [4, 5], [4, 5], [0, 1], [2, 3]]
+    assert across.tolist() == [[0, 2, 4], [1, 3, 5], [4, 0, 2], [5, 1, 3]]
+
+
+@pytest.mark.parametrize("row,nodes", [
+    ([0, 2, 1, 3], [0, 0, 1, 1]),  # the nodes alternate along the axis
+    ([0, 1, 2, 3, 4, 5], [0, 0, 1, 1, 1, 1]),  # one node's ranks in two blocks
+    ([0, 1, 2], [0, 0, 1]),  # blocks of unequal size
+])
+def test_level_tables_refuse_an_axis_that_interleaves_nodes(row, nodes):
+    with pytest.raises(ValueError, match="list each node's ranks together.*UCCL_EP_TWO_LEVEL=0"):
+        _ffi.level_table(np.array([row], np.int32), nodes, "across")
+
+
+def _settings(**kw) -> _runtime.RuntimeSettings:
+    base = _runtime.RuntimeSettings.from_env()
+    return _runtime.RuntimeSettings(**{**base.__dict__, **kw})
+
+
+def test_plan_applies_where_nodes_are_equal_and_a_forced_setting_says_why_not():
+    two_by_two = ep.Topology.build([0, 0, 0, 0], ["h"], per_node=2)
+    local = [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert _runtime._plan_two_level(_settings(two_level="auto"), two_by_two, "cpu", local) is None  # CPU: opt-in
+    plan = _runtime._plan_two_level(_settings(two_level="1"), two_by_two, "cpu", local)
+    assert (plan.num_nodes, plan.per_node, plan.num_ranks, plan.nvlink) == (2, 2, 4, False)
+    assert _runtime._plan_two_level(_settings(two_level="0"), two_by_two, "cpu", local) is None
+    uneven = ep.Topology.build([0, 0, 1], ["a", "b"])
+    assert _runtime._plan_two_level(_settings(two_level="auto"), uneven, "gpu", [(0, 2)]) is None
+    with pytest.raises(ValueError, match="UCCL_EP_TWO_LEVEL=1 but nodes hold different numbers of ranks"):
+        _runtime._plan_two_level(_settings(two_level="1"), uneven, "cpu", [(0, 0)])
+    singles = ep.Topology.build([0, 1], ["h", "h"], per_node=1)
+    with pytest.raises(ValueError, match="every node holds one rank"):
+        _runtime._plan_two_level(_settings(two_level="1"), singles, "cpu", [(0, 0)])
+    with pytest.raises(ValueError, match="UCCL_EP_HIERARCHICAL=0"):
+        _runtime._plan_two_level(_settings(two_level="1", hierarchical=False), two_by_two, "cpu", local)
+    with pytest.raises(ValueError, match="must be auto, 1 or 0"):
+        _runtime._plan_two_level(_settings(two_level="yes"), two_by_two, "cpu", local)
+
+
+def two_nodes_two_levels() -> dict:
+    """Child (4 ranks, UCCL_EP_GPUS_PER_NODE=2, UCCL_EP_TWO_LEVEL=1): dispatch and combine in two levels against the
+    reference in two-level row order; FP8; gradients; capacity and bad-index errors on every rank, the runtime
+    usable after them; a mesh whose axis interleaves nodes refused with a named error."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    import cases
+    import reference as ref
+
+    ep.initialize()
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = cases.mesh_of(devices)
+    r = mesh.devices.size
+    plan = ep.two_level()
+    problems = {
+        "f32": cases.check_case(mesh, 31, 21, 128, 3, 4 * r, jnp.float32),
+        "bf16_empty_rank": cases.check_case(mesh, 32, 40, 256, 4, 8 * r, jnp.bfloat16, empty_rank=1),
+        "one_expert_per_token": cases.check_case(mesh, 33, 16, 128, 1, r, jnp.float32),
+        "fp8": cases.check_fp8(mesh, 34, 19, 256, 3, 4 * r),
+        "gradients": cases.check_gradients(mesh, 35, 12, 128, 2, 2 * r),
+    }
+
+    seconds = []
+
+    def error_of(idx, capacity=None):
+        x, _, _, w = cases.random_case(36, r, idx.shape[1], 128, idx.shape[2], 2 * r, jnp.float32)
+        start = time.monotonic()
+        try:
+            cases.roundtrip(mesh, x, idx, w, 2 * r, capacity=capacity)
+            return ""
+        except Exception as exc:  # noqa: BLE001
+            return str(exc)
+        finally:
+            seconds.append(time.monotonic() - start)
+
+    bad = ref.random_routing(np.random.default_rng(37), r, 8, 2, 2 * r)
+    bad[3, 2, 1] = 99  # rank 3 (node 1)
+    bad_error = error_of(bad)
+    # The level that found it failed its ranks, the other level's were aborted: every rank failed at once (well
+    # within UCCL_EP_TIMEOUT_S), and the runtime starts afresh.
+    ep.shutdown()
+    ep.initialize()
+    problems["after_bad_index"] = cases.check_case(mesh, 38, 10, 128, 2, 2 * r, jnp.float32)
+    full = np.full((r, 16, 2), -1, np.int32)
+    full[:, :, 0] = 0  # every token to expert 0 (rank 0): 16 * r rows for a capacity of 3
+    capacity_error = error_of(full, capacity=3)
+    ep.shutdown()
+    ep.initialize()
+    problems["after_capacity"] = cases.check_case(mesh, 39, 10, 128, 2, 2 * r, jnp.float32)
+
+    # The nodes interleaved along the axis: expert ownership by position no longer matches the nodes.
+    interleaved = cases.mesh_of([devices[i] for i in (0, 2, 1, 3)])
+    order_error = ""
+    try:
+        cases.check_case(interleaved, 40, 8, 128, 2, 2 * r, jnp.float32)
+    except Exception as exc:  # noqa: BLE001
+        order_error = str(exc)
+    ep.shutdown()
+    return {"plan": None if plan is None else [plan.num_nodes, plan.per_node, plan.nvlink], "seconds": seconds,
+            "bad_error": bad_error, "capacity_error": capacity_error, "order_error": order_error,
+            "problems": {k: v for k, v in problems.items() if v}}
+
+
+@pytest.mark.parametrize("processes,reorder", [(2, "0"), (4, "1")])
+def test_two_levels_match_the_reference(processes, reorder):
+    results = launch_ok(HERE, "two_nodes_two_levels", processes, devices_per_process=4 // processes,
+                        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1", "UCCL_EP_REORDER": reorder})
+    for res in results:
+        assert res["plan"] == [2, 2, False]
+        assert res["problems"] == {}
+        assert "= 99 is outside" in res["bad_error"], res["bad_error"]
+        assert "tokens but capacity is 3" in res["capacity_error"], res["capacity_error"]
+        assert max(res["seconds"]) < 30, res["seconds"]  # UCCL_EP_TIMEOUT_S is 120: nobody waited for it
+        assert "list each node's ranks together" in res["order_error"], res["order_error"]
