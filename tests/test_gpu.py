@@ -45,6 +45,8 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
     r = mesh.devices.size
+    plan = ep.two_level()
+    two_level = None if plan is None else [plan.num_nodes, plan.per_node, plan.nvlink, plan.across_gpu_initiated]
     # Kernel-found errors are raised where they happened: the process that drives rank 0 (both cases below).
     owns_rank0 = any(d.id == mesh.devices.flat[0].id for d in jax.local_devices())
     problems = {}
@@ -52,7 +54,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         _low_latency_checks(mesh, problems)
         ep.check_errors()
         ep.shutdown()
-        return {"problems": problems, "ranks": r}
+        return {"problems": problems, "ranks": r, "two_level": two_level}
     shapes = [
         # tokens, hidden, topk, experts, dtype, empty rank
         (1, 128, 1, r, jnp.float32, None),
@@ -71,7 +73,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     ep.check_errors()  # nothing pending so far
     if error_checks == "0":
         ep.shutdown()
-        return {"problems": problems, "ranks": r}
+        return {"problems": problems, "ranks": r, "two_level": two_level}
 
     # Capacity exceeded: the kernel cannot fail its own call, and ops never raise it (that would strand the
     # peers); check_errors() says so, in the process that drives the failing rank.
@@ -99,7 +101,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     except Exception as exc:  # noqa: BLE001
         problems["bad_index"] = [] if owns_rank0 and "= 99 outside" in str(exc) else [str(exc)[:300]]
     ep.shutdown()
-    return {"problems": problems, "ranks": r}
+    return {"problems": problems, "ranks": r, "two_level": two_level}
 
 
 def _low_latency_checks(mesh, problems: dict) -> None:
