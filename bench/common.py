@@ -90,6 +90,26 @@ def time_jitted(fn: Callable, args: Sequence[Any], *, iters: int, repeats: int =
     return Timing(statistics.median(per_op), min(per_op), max(per_op), iters, repeats, compile_s)
 
 
+def proxy_bytes_posted() -> tuple[int, int] | None:
+    """Bytes this process's proxies have posted so far (RDMA writes), all and those to ranks of other nodes (what
+    crosses the network), or None where no proxy runtime runs."""
+    try:
+        import jax_uccl_ep as ep
+        from jax_uccl_ep import _runtime, _uccl_ep
+
+        if not _uccl_ep.is_initialized():
+            return None
+        node = ep.topology().node_of_rank
+        total = across = 0
+        for r in _runtime.local_ranks():
+            to = _uccl_ep.stats(r)["bytes_posted_to"]
+            total += sum(to)
+            across += sum(b for p, b in enumerate(to) if node[p] != node[r])
+        return total, across
+    except Exception:  # noqa: BLE001 (a build without stats: the timing stands without it)
+        return None
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
@@ -213,6 +233,7 @@ def spawn(
     timeout_s: float = 300.0,
     distributed: bool = True,
     gpus: bool = False,
+    share_gpu: bool = False,
 ) -> list[Any]:
     """Runs `function(*args)` of the file `path` in `num_processes` fresh processes; returns their results.
 
@@ -228,7 +249,9 @@ def spawn(
         if num_processes != 1:
             raise ValueError("distributed=False needs exactly one process")
         child_env.update(JAX_COORDINATOR_ADDRESS="", JAX_NUM_PROCESSES="", JAX_PROCESS_ID="")
-    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(num_processes)] if gpus else None
+    per_rank = [{"CUDA_VISIBLE_DEVICES": "0" if share_gpu else str(i)} for i in range(num_processes)] if gpus else None
+    if share_gpu:  # every process on GPU 0 (their kernels take turns on it): JAX must not take its memory up front
+        child_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     results = mp.launch(path, function, num_processes, args=args, devices_per_process=devices_per_process,
                         timeout_s=timeout_s, env=child_env, per_rank_env=per_rank, platform="gpu" if gpus else "cpu")
     if not all(r.ok for r in results):
@@ -432,6 +455,20 @@ class EPBench:
         try:
             fn, args = make()
             res.timing = time_jitted(fn, args, iters=self.iters, repeats=self.repeats)
+            before = proxy_bytes_posted()
+            if before is not None:  # one more call, counting what the proxies post (per op and local rank)
+                import jax
+                from jax_uccl_ep import _runtime
+
+                jax.block_until_ready(fn(*args))
+                time.sleep(0.2)  # the last op's writes may still be on their way to the proxies
+                after = proxy_bytes_posted()
+                total, across = ((a - b) / self.iters / len(_runtime.local_ranks()) for a, b in zip(after, before))
+                if total:
+                    res.extra["proxy_bytes_per_op"] = total
+                    res.extra["bytes_across_nodes_per_op"] = across
+                    res.note = (res.note + "; " if res.note else "") + \
+                        f"proxies post {fmt_bytes(total)}/rank, {fmt_bytes(across)} across nodes"
             if self.cupti:
                 import jax
 
@@ -496,23 +533,26 @@ class EPBench:
             import jax.numpy as jnp
             import jax_uccl_ep as ep
 
+            handle_tree = []
+
             def dispatch_once(x, idx, w):
                 out = ep.dispatch(x, idx, w, num_experts=p.experts, axis_name=self.AXIS, capacity=p.max_recv)
-                hd = out.handle
-                return out.x, hd.is_token_in_rank, hd.recv_counts
+                leaves, tree = jax.tree.flatten(out.handle)  # a DispatchHandle, or a TwoLevelHandle's two
+                handle_tree.append(tree)
+                return (out.x, *leaves)
 
-            y, in_rank, counts = self._smap(dispatch_once, 3, 3)(self.x, self.topk_idx, self.topk_weights)
-            jax.block_until_ready(y)
+            arrays = self._smap(dispatch_once, 3)(self.x, self.topk_idx, self.topk_weights)  # one spec for all
+            jax.block_until_ready(arrays)
 
-            def body(y, in_rank, counts):
+            def body(y, *leaves):
                 def step(tok):  # as in dispatch: a scalar from the last output feeds the next call's mask
-                    mask = jnp.logical_and(in_rank, tok != -jnp.inf)
-                    out = ep.combine(y, ep.DispatchHandle(mask, counts, self.AXIS))
+                    first = jnp.logical_and(leaves[0], tok != -jnp.inf)
+                    out = ep.combine(y, jax.tree.unflatten(handle_tree[0], (first, *leaves[1:])))
                     return out[0, 0].astype(jnp.float32)
 
-                return looped(step, self.iters)(counts[0].astype(jnp.float32) * 0)[None]
+                return looped(step, self.iters)(leaves[-1][0].astype(jnp.float32) * 0)[None]
 
-            return self._smap(body, 3), (y, in_rank, counts)
+            return self._smap(body, len(arrays)), arrays
 
         return self._run(name, make, p.exact_bytes(False))
 

@@ -18,6 +18,10 @@ separate nodes: the path GPUs on several hosts take (proxy runtime, staged throu
     python bench/normal.py                      # defaults: ~1 minute on a 2-core machine
     python bench/normal.py --ranks 2 --processes 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
     python bench/normal.py --gpus --ranks 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
+    UCCL_EP_GPUS_PER_NODE=2 python bench/normal.py --gpus --share-gpu --ranks 4 --ops dispatch,combine
+
+--share-gpu puts every rank's process on GPU 0 (two-level routing on one GPU: two nodes of two). Its times are of
+processes taking turns on one GPU, not of the protocol; the bytes the proxies post per op (the note) are exact.
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ def parse_args(argv=None):
     ap.add_argument("--json", "--out", default=None, help="also write the results here")
     ap.add_argument("--gpus", action="store_true",
                     help="one process per GPU, each its own node (UCCL_EP_GPUS_PER_NODE, default 1): the proxy path")
+    ap.add_argument("--share-gpu", action="store_true", help="with --gpus: every process on GPU 0")
     return ap.parse_args(argv)
 
 
@@ -99,10 +104,14 @@ def main(argv=None) -> int:
         env["UCCL_EP_GPUS_PER_NODE"] = os.environ.get("UCCL_EP_GPUS_PER_NODE", "1")
     for p in layouts:
         mode = f"{p}p x 1 GPU (nodes of {env['UCCL_EP_GPUS_PER_NODE']})" if args.gpus else f"{p}p x {r // p}dev"
+        if args.share_gpu:
+            mode = f"{p}p on GPU 0 (nodes of {env['UCCL_EP_GPUS_PER_NODE']}, two-level " \
+                   f"{os.environ.get('UCCL_EP_TWO_LEVEL', 'auto')})"
         t0 = time.perf_counter()
         try:
             outs = common.spawn(__file__, "child", p, args=[cfg], devices_per_process=r // p, env=env,
-                                timeout_s=args.timeout, distributed=p > 1, gpus=args.gpus)
+                                timeout_s=args.timeout, distributed=p > 1, gpus=args.gpus,
+                                share_gpu=args.share_gpu)
         except Exception as e:
             print(f"# layout {mode} failed:\n{e}", file=sys.stderr, flush=True)
             failed = [dict(name=o, error=common.short_error(e), bytes_deepep=0, bytes_remote=0, note="")

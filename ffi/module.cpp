@@ -387,6 +387,7 @@ NB_MODULE(_uccl_ep, m) {
     d["bytes_posted"] = s.bytes_posted;
     d["messages_received"] = s.messages_received;
     d["peak_inflight_bytes"] = s.peak_inflight_bytes;
+    d["bytes_posted_to"] = s.bytes_posted_to;
     return d;
   });
   m.def("ring_slots_land_in_pieces", &ring_slots_land_in_pieces, nb::arg("capacity"), nb::arg("positions"),

@@ -58,6 +58,8 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   awaiting_ack_.reset(new bool[num_ranks]());
   inflight_.reset(new std::atomic<int64_t>[num_ranks]);
   for (uint32_t p = 0; p < num_ranks; ++p) inflight_[p].store(0);
+  stat_bytes_to_.reset(new std::atomic<uint64_t>[num_ranks]);
+  for (uint32_t p = 0; p < num_ranks; ++p) stat_bytes_to_[p].store(0);
   posting_.reset(new std::atomic<int64_t>[config_.num_channels]);
   for (int c = 0; c < config_.num_channels; ++c) posting_[c].store(0);
   exited_.reset(new std::atomic<bool>[config_.num_channels]);
@@ -262,7 +264,9 @@ void Device::check_failed(uint32_t peer, const char* op) {
 DeviceStats Device::stats() const {
   uint64_t peak = 0;
   for (int c = 0; c < config_.num_channels; ++c) peak = std::max(peak, peak_inflight_bytes_[c].load());
-  return DeviceStats{stat_commands_.load(), stat_writes_.load(), stat_bytes_.load(), stat_messages_.load(), peak};
+  DeviceStats s{stat_commands_.load(), stat_writes_.load(), stat_bytes_.load(), stat_messages_.load(), peak, {}};
+  for (uint32_t p = 0; p < num_ranks_; ++p) s.bytes_posted_to.push_back(stat_bytes_to_[p].load());
+  return s;
 }
 
 void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& contexts,
@@ -295,6 +299,7 @@ void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& co
         inflight_[cmd.peer].fetch_add(1, std::memory_order_relaxed);
         stat_writes_.fetch_add(1, std::memory_order_relaxed);
         stat_bytes_.fetch_add(cmd.length, std::memory_order_relaxed);
+        stat_bytes_to_[cmd.peer].fetch_add(cmd.length, std::memory_order_relaxed);
         if (warned)
           std::fprintf(stderr, "uccl_ep: rank %u, proxy thread of channel %d: the write to rank %u went through\n",
                        rank_, channel, cmd.peer);

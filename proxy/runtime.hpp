@@ -52,6 +52,7 @@ struct DeviceStats {
   uint64_t bytes_posted = 0;
   uint64_t messages_received = 0;
   uint64_t peak_inflight_bytes = 0;  // the most posted, uncompleted bytes one channel had at once
+  std::vector<uint64_t> bytes_posted_to;  // per peer rank: what crossed to it (to other nodes: the network)
 };
 
 class Device {
@@ -169,6 +170,7 @@ class Device {
   std::unique_ptr<std::atomic<bool>[]> exited_;  // per proxy thread
   bool abandoned_ = false;                       // a proxy thread was left behind by stop()
   std::unique_ptr<std::atomic<int64_t>[]> inflight_;  // posted, uncompleted writes per peer
+  std::unique_ptr<std::atomic<uint64_t>[]> stat_bytes_to_;  // posted bytes per peer
   std::unique_ptr<std::atomic<int64_t>[]> posting_;   // per channel: 1 + the peer of a write not yet posted, else 0
   std::unique_ptr<uint64_t[]> inflight_bytes_;        // posted, uncompleted bytes per channel (its proxy's own)
   std::unique_ptr<std::atomic<uint64_t>[]> peak_inflight_bytes_;  // per channel
