@@ -55,16 +55,17 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
     _check(results, 2)
 
 
-@pytest.mark.parametrize("reorder", ["0", "1"])
-def test_two_level_routing_on_one_shared_gpu(reorder):
+@pytest.mark.parametrize("part,reorder", [("normal", "0"), ("normal", "1"), ("low_latency", "0")])
+def test_two_level_routing_on_one_shared_gpu(part, reorder):
     """Four processes on one GPU as two nodes of two (UCCL_EP_GPUS_PER_NODE=2): normal mode routes in two levels,
     across nodes GPU-initiated through the proxies (tcp), within each node over the node's NVLink runtime (CUDA
     IPC between the processes, here on one GPU); the reference checks in two-level row order, then the kernel-found
-    errors (capacity at the node level, a bad expert index at the level across nodes) from check_errors()."""
+    errors (capacity at the node level, a bad expert index at the level across nodes) from check_errors().
+    Low-latency mode, flat through the proxies, runs beside the node-level runtime."""
     shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="2", UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20),
                UCCL_EP_TIMEOUT_S="60")
-    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_suite", 4, args=["normal", "1", "0"],
+    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_suite", 4, args=[part, "1", "0"],
                      platform="gpu", per_rank_env=[shared] * 4, timeout_s=300, env=env)
     _check(results, 4)
     assert all(x.result["two_level"] == [2, 2, True, True] for x in results), describe(results)
