@@ -20,8 +20,9 @@ separate nodes: the path GPUs on several hosts take (proxy runtime, staged throu
     python bench/normal.py --gpus --ranks 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
     UCCL_EP_GPUS_PER_NODE=2 python bench/normal.py --gpus --share-gpu --ranks 4 --ops dispatch,combine
 
---share-gpu puts every rank's process on GPU 0 (two-level routing on one GPU: two nodes of two). Its times are of
-processes taking turns on one GPU, not of the protocol; the bytes the proxies post per op (the note) are exact.
+With more ranks than GPUs, rank i runs on GPU i mod the GPU count; --share-gpu puts every rank on GPU 0 (two-level
+routing on one GPU: two nodes of two). Such times are of processes taking turns on a GPU, not of the protocol; the
+bytes the proxies post per op, and those that cross nodes (the note), are exact.
 """
 from __future__ import annotations
 
@@ -104,9 +105,9 @@ def main(argv=None) -> int:
         env["UCCL_EP_GPUS_PER_NODE"] = os.environ.get("UCCL_EP_GPUS_PER_NODE", "1")
     for p in layouts:
         mode = f"{p}p x 1 GPU (nodes of {env['UCCL_EP_GPUS_PER_NODE']})" if args.gpus else f"{p}p x {r // p}dev"
-        if args.share_gpu:
-            mode = f"{p}p on GPU 0 (nodes of {env['UCCL_EP_GPUS_PER_NODE']}, two-level " \
-                   f"{os.environ.get('UCCL_EP_TWO_LEVEL', 'auto')})"
+        if args.gpus:
+            mode = f"{p}p on {'GPU 0' if args.share_gpu else 'the GPUs'} (nodes of " \
+                   f"{env['UCCL_EP_GPUS_PER_NODE']}, two-level {os.environ.get('UCCL_EP_TWO_LEVEL', 'auto')})"
         t0 = time.perf_counter()
         try:
             outs = common.spawn(__file__, "child", p, args=[cfg], devices_per_process=r // p, env=env,

@@ -237,6 +237,22 @@ def test_over_the_proxy_staged_through_the_host(part):
     _check(results, NUM_GPUS)
 
 
+@pytest.mark.parametrize("reorder", ["0", "1"])
+def test_two_level_routing_over_nvlink_and_the_proxies(reorder):
+    """Two nodes of G GPUs on this machine (two processes per GPU, UCCL_EP_GPUS_PER_NODE=G): normal mode routes in
+    two levels, across the nodes GPU-initiated through the proxies (tcp), within each node over NVLink between its
+    GPUs; the reference checks in two-level row order and the kernel-found errors, with the proxies' reorder mode
+    off and on. Results go through the key-value store (NCCL refuses two ranks on one GPU)."""
+    g = min(NUM_GPUS, 4)
+    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i % g), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                 "UCCL_EP_TEST_KV_GATHER": "1"} for i in range(2 * g)]
+    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE=str(g), UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20))
+    results = launch(HERE, "gpu_suite", 2 * g, args=["normal", "1", "0"], platform="gpu", per_rank_env=per_rank,
+                     timeout_s=300, env=env)
+    _check(results, 2 * g)
+    assert all(x.result["two_level"] == [2, g, True, True] for x in results), describe(results)
+
+
 def gpu_proxy_bad_index() -> dict:
     """Child (each GPU its own node: GPU-initiated low-latency ops): expert 99 in rank 0's routing. The op itself
     does not fail (its peers stay in step), check_errors() names the slot in rank 0's process only, and a reference
