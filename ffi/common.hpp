@@ -60,6 +60,7 @@ auto dispatch_signature(Binding b) {
       .template Attr<int64_t>("group_size")
       .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
       .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("two_level")          // 0: the whole group; 1, 2: a level of two-level routing
       .template Ret<ffi::AnyBuffer>()               // recv_x
       .template Ret<ffi::AnyBuffer>()               // recv_scales
       .template Ret<ffi::Buffer<ffi::S32>>()        // recv_topk_idx
@@ -80,6 +81,7 @@ auto handle_op_signature(Binding b) {
       .template Attr<ffi::Span<const int32_t>>("group_table")
       .template Attr<int64_t>("group_size")
       .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
+      .template Attr<int64_t>("two_level")          // 0: the whole group; 1, 2: a level of two-level routing
       .template Ret<ffi::AnyBuffer>();              // recv_x or combined
 }
 

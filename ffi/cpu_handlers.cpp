@@ -37,16 +37,17 @@ ffi::Error guarded(Body&& body) {
   return ffi_common::guarded(Runtime::get().lifetime_mutex(), std::forward<Body>(body));
 }
 
-// Under two-level routing (jax_uccl_ep/normal.py) a normal-mode op is one level of a dispatch or combine, and the
-// other level's ranks wait on this one's rows: a failure (bad input included, which fails only this level's group)
-// aborts every rank of the job, so all fail at once with this rank's reason instead of at their deadline. The
-// runtime then needs shutdown() and initialize(), as after any abort.
+// An op that is one level of a two-level dispatch or combine (jax_uccl_ep/normal.py; attribute two_level != 0): the
+// other level's ranks wait on this one's rows, so a failure (bad input included, which fails only this level's
+// group) aborts every rank of the job, and all fail at once with this rank's reason instead of at their deadline.
+// The runtime then needs shutdown() and initialize(), as after any abort.
 template <class Op>
-void aborting_the_job_on_failure(Device& dev, Op&& op) {
+void aborting_the_job_on_failure(Device& dev, int64_t two_level, Op&& op) {
   try {
     op();
   } catch (const std::exception& e) {
-    if (dev.two_level()) {
+    // A rank that failed on a peer's abort does not pass it on: the author told everyone.
+    if (two_level != 0 && !dev.aborted_by_peer()) {
       std::vector<uint32_t> everyone(dev.num_ranks());
       for (uint32_t r = 0; r < dev.num_ranks(); ++r) everyone[r] = r;
       std::lock_guard<std::mutex> lock(dev.op_mutex());
@@ -98,7 +99,7 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
 ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                         ffi::Span<const int32_t> group_table,
-                        int64_t group_size, int64_t op_index, int64_t num_experts,
+                        int64_t group_size, int64_t op_index, int64_t num_experts, int64_t two_level,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
@@ -132,14 +133,14 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
     a.is_token_in_rank = is_token_in_rank->typed_data();
     a.recv_counts = recv_counts->typed_data();
     a.op_index = uint32_t(op_index);
-    aborting_the_job_on_failure(dev, [&] { cpu::dispatch(dev, g, a); });
+    aborting_the_job_on_failure(dev, two_level, [&] { cpu::dispatch(dev, g, a); });
   });
 }
 
 ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
                               ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                               ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                              ffi::Result<ffi::AnyBuffer> recv_x) {
+                              int64_t two_level, ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     poison(recv_x);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
@@ -152,7 +153,7 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
                               int(dim(*recv_x, 0)),
                               static_cast<uint8_t*>(recv_x->untyped_data()),
                               uint32_t(op_index)};
-    aborting_the_job_on_failure(dev, [&] { cpu::cached_dispatch(dev, g, a); });
+    aborting_the_job_on_failure(dev, two_level, [&] { cpu::cached_dispatch(dev, g, a); });
   });
 }
 
@@ -165,7 +166,7 @@ cpu::FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                       ffi::Result<ffi::AnyBuffer> out) {
+                       int64_t two_level, ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
@@ -179,7 +180,7 @@ ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED>
                        recv_counts.typed_data(),
                        static_cast<uint8_t*>(out->untyped_data()),
                        uint32_t(op_index)};
-    aborting_the_job_on_failure(dev, [&] { cpu::combine(dev, g, a); });
+    aborting_the_job_on_failure(dev, two_level, [&] { cpu::combine(dev, g, a); });
   });
 }
 

@@ -55,12 +55,17 @@ class LinkGroup {
                                     "not on the node of rank " + std::to_string(dev.global_rank()));
       local_[size_t(s)] = local;
     }
-    group_.ranks = local_.data();
+    renumbered_ = true;
   }
-  const uccl_ep::nvl::Group& get() const { return group_; }
+  uccl_ep::nvl::Group get() const {
+    uccl_ep::nvl::Group g = group_;
+    if (renumbered_) g.ranks = local_.data();
+    return g;
+  }
 
  private:
   uccl_ep::nvl::Group group_;
+  bool renumbered_ = false;
   std::array<int32_t, uccl_ep::nvl::kMaxRanks> local_{};
 };
 
@@ -70,7 +75,7 @@ LinkGroup group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size,
   int rank = dev.rank();
   if constexpr (Link::kNodeLevel) {
     rank = dev.global_rank();
-    if (size > uccl_ep::nvl::kMaxRanks || size != dev.num_ranks())
+    if (size > dev.num_ranks())
       throw std::invalid_argument(std::string("uccl_ep ") + op + ": a node-level group of " + std::to_string(size) +
                                   " ranks on a node of " + std::to_string(dev.num_ranks()) + " GPUs");
   }
@@ -87,7 +92,7 @@ template <class Link>
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                         ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                        int64_t num_experts,
+                        int64_t num_experts, int64_t /*two_level: the targets name the level*/,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
@@ -127,7 +132,7 @@ template <class Link>
 ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
                               ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                              int64_t /*op_index*/, ffi::Result<ffi::AnyBuffer> recv_x) {
+                              int64_t /*op_index*/, int64_t /*two_level*/, ffi::Result<ffi::AnyBuffer> recv_x) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "cached_dispatch");
@@ -147,7 +152,7 @@ template <class Link>
 ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                       ffi::Result<ffi::AnyBuffer> out) {
+                       int64_t /*two_level*/, ffi::Result<ffi::AnyBuffer> out) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "combine");

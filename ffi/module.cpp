@@ -305,8 +305,7 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("max_inflight_bytes", &Config::max_inflight_bytes)
       .def_rw("ring_capacity", &Config::ring_capacity)
       .def_rw("node_of_rank", &Config::node_of_rank)
-      .def_rw("hierarchical", &Config::hierarchical)
-      .def_rw("two_level", &Config::two_level);
+      .def_rw("hierarchical", &Config::hierarchical);
 
   m.def("start", [](const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
     Runtime::get().start(config, num_ranks, local);

@@ -142,11 +142,17 @@ def _lowering(ctx, *operands, target, results, axis_name, level, attrs, has_side
         if level is not None:
             from . import _runtime
 
+            name, nodes, per_node = level
             plan = _runtime.two_level()
-            if plan is None:
-                raise RuntimeError("jax_uccl_ep: this op was traced for two-level routing, which the runtime no "
-                                   "longer runs (shut down and started again with other settings?); trace it again")
-            table = level_table(table, plan.node_of_rank, level)
+            now = "no two-level routing" if plan is None else f"{plan.num_nodes} nodes of {plan.per_node} ranks"
+            if plan is None or (plan.num_nodes, plan.per_node) != (nodes, per_node):
+                raise RuntimeError(f"jax_uccl_ep: this op was traced for two-level routing over {nodes} nodes of "
+                                   f"{per_node} ranks, but the runtime now runs {now} (initialized again with other "
+                                   "settings?); trace it again (jax.clear_caches())")
+            table = level_table(table, plan.node_of_rank, name)
+            if table.shape[1] != (per_node if name == "node" else nodes):
+                raise ValueError(f"jax_uccl_ep: the EP axis's {name} groups hold {table.shape[1]} ranks where the op "
+                                 f"was traced for {per_node if name == 'node' else nodes}")
         extra["group_table"] = table.reshape(-1)
         extra["group_size"] = np.int64(table.shape[1])
     rule = jax.ffi.ffi_lowering(target, has_side_effect=has_side_effect)
@@ -166,8 +172,8 @@ def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Ar
          level: str | None = None, **attrs: Any) -> list[jax.Array]:
     """Binds FFI target `target`.
 
-    With `axis_name`, the handler also gets the EP group table; with a `level` of two-level routing ("node" or
-    "across"), the table of that level's groups instead (level_table). An `ordered` op is never merged or dropped and
+    With `axis_name`, the handler also gets the EP group table; with a `level` of two-level routing ((name, nodes,
+    ranks per node) as traced, name "node" or "across"), the table of that level's groups instead (level_table). An `ordered` op is never merged or dropped and
     takes one extra operand its handler ignores: one element of `after`, if given, which makes it run after the
     op that produced `after`. Every rank must run the communicating ops in one order, and XLA:CPU starts
     independent custom calls in any order (seen: the two combines of dispatch's backward pass ran in opposite

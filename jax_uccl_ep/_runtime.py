@@ -17,6 +17,8 @@ from . import _ffi, _uccl_ep
 _lock = threading.Lock()
 _topology: "Topology | None" = None
 _two_level: "TwoLevel | None" = None
+_UNSET = object()
+_previous_plan: Any = _UNSET  # the plan of the last initialize(): programs traced under it route by it
 _generation = 0  # initialize() calls so far; every process makes the same calls, so keys never collide
 _atexit_registered = False
 
@@ -116,10 +118,13 @@ def two_level() -> TwoLevel | None:
     return _two_level
 
 
-def _plan_two_level(settings: RuntimeSettings, topo: Topology, platform: str, local: list) -> TwoLevel | None:
+def _plan_two_level(settings: RuntimeSettings, topo: Topology, platform: str,
+                    process_of_rank: list[int]) -> TwoLevel | None:
     """Whether normal mode routes in two levels: by default on GPUs across nodes with 2 to 8 GPUs on every node
     (the node level runs over NVLink); CPU devices take it only with UCCL_EP_TWO_LEVEL=1 (their default is the
-    hierarchical rounds of kernels/cpu, the same routing inside one op). A forced setting that cannot apply raises."""
+    hierarchical rounds of kernels/cpu, the same routing inside one op). Every process decides from the same facts
+    (the topology, which process holds each rank), so all reach one answer. On several nodes, UCCL_EP_TWO_LEVEL=1
+    raises where it cannot apply; on one node it does nothing."""
     mode = settings.two_level
     if mode not in ("auto", "1", "0"):
         raise ValueError(f"UCCL_EP_TWO_LEVEL must be auto, 1 or 0, got {mode!r}")
@@ -137,8 +142,9 @@ def _plan_two_level(settings: RuntimeSettings, topo: Topology, platform: str, lo
         reason = "every node holds one rank"
     elif gpu and per_node > 8:
         reason = f"{per_node} GPUs per node (NVLink groups hold at most 8)"
-    elif gpu and len({topo.node_of_rank[r] for _, r in local}) > 1:
-        reason = "this process drives GPUs of several nodes (a node's NVLink runtime is per process)"
+    elif gpu and any(len({n for n, p in zip(topo.node_of_rank, process_of_rank) if p == q}) > 1
+                     for q in set(process_of_rank)):
+        reason = "a process drives GPUs of several nodes (a node's NVLink runtime is per process)"
     if reason is not None:
         if mode == "1":
             raise ValueError(f"jax_uccl_ep.initialize: UCCL_EP_TWO_LEVEL=1 but {reason}")
@@ -260,8 +266,10 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
         need for a shape.
 
     GPUs on several nodes (or with ``UCCL_EP_GPUS_PER_NODE``) run on the proxy runtime (a process may drive one
-    GPU or all of its host's): low-latency ops GPU-initiated (the kernels push the proxies' commands), normal mode
-    staged through host memory; its buffers come from ``UCCL_EP_BUFFER_BYTES`` as on CPU devices.
+    GPU or all of its host's), GPU-initiated (the kernels push the proxies' commands); its buffers come from
+    ``UCCL_EP_BUFFER_BYTES`` as on CPU devices. Normal mode then routes in two levels where nodes are equal (see
+    ``two_level()``), with an NVLink runtime per node whose buffers ``buffer_bytes`` sizes (for num_nodes x tokens
+    per rank rows); ``low_latency_buffer_bytes`` is ignored there.
     """
     global _generation, _atexit_registered
     with _lock:
@@ -297,7 +305,7 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
             _require_cuda_build()
             _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
             try:  # after the proxy runtime: whether GPUs may push its commands depends on its memory
-                plan = _plan_two_level(settings, topo, "gpu", local)
+                plan = _plan_two_level(settings, topo, "gpu", [d.process_index for d in devices])
                 _check_gpus_over_proxy(plan, buffer_bytes, low_latency_buffer_bytes)
                 if plan is not None:
                     _start_node_gpus(buffer_bytes, topo, local, client, key, timeout_ms)
@@ -305,11 +313,13 @@ def initialize(*, buffer_bytes: int | None = None, low_latency_buffer_bytes: int
                 _uccl_ep.shutdown()
                 raise
         else:
-            plan = _plan_two_level(settings, topo, "cpu", local)  # raises before anything started
-            _start_cpus(settings, devices, local, topo, client, key, timeout_ms, two_level=plan is not None)
-        global _topology, _two_level
+            plan = _plan_two_level(settings, topo, "cpu", [d.process_index for d in devices])  # before anything starts
+            _start_cpus(settings, devices, local, topo, client, key, timeout_ms)
+        global _topology, _two_level, _previous_plan
+        if _previous_plan is not _UNSET and plan != _previous_plan:
+            jax.clear_caches()  # compiled programs route by the plan they were traced under
         _topology = topo
-        _two_level = plan
+        _two_level = _previous_plan = plan
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -383,7 +393,7 @@ def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices
 
 
 def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Topology, client: Any, key: str,
-                timeout_ms: int, two_level: bool = False) -> None:
+                timeout_ms: int) -> None:
     num_processes = jax.process_count()
     if hasattr(_uccl_ep, "install_pinned_host_allocator") and os.environ.get("UCCL_EP_PINNED", "1") != "0":
         # On a machine with GPUs, rings and buffers in pinned, mapped memory (GPU producers, staging).
@@ -404,7 +414,6 @@ def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Top
     config.max_inflight_bytes = settings.max_inflight_bytes
     config.node_of_rank = list(topo.node_of_rank)  # normal mode crosses nodes once per token (kernels/cpu)
     config.hierarchical = settings.hierarchical
-    config.two_level = two_level  # a failed normal-mode op aborts the whole job (kernels/cpu waits otherwise)
     _uccl_ep.start(config, len(devices), local)
     try:
         infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))

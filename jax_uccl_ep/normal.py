@@ -214,6 +214,18 @@ def _level_target(op: str, level: str | None) -> str:
     return f"uccl_ep_{op}"
 
 
+_LEVEL_CODES = {None: 0, "node": 1, "across": 2}
+
+
+def _level_args(level: str | None) -> dict:
+    """An FFI call's arguments for a level: the lowering's level with the plan it was traced under (the lowering
+    refuses another), and the handlers' two_level attribute (CPU handlers abort the whole job when a level fails)."""
+    if level is None:
+        return dict(level=None, two_level=0)
+    plan = _runtime.two_level()
+    return dict(level=(level, plan.num_nodes, plan.per_node), two_level=_LEVEL_CODES[level])
+
+
 def _level_size(axis_name: AxisName, level: str | None) -> int:
     if level is None:
         return _axis_size(axis_name)
@@ -242,8 +254,8 @@ def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity,
         ),
         rows, scales, topk_idx, weights,
         axis_name=axis_name,
-        level=level,
         num_experts=num_experts,
+        **_level_args(level),
     )
     recv_x, recv_scales, recv_idx, recv_w, n, per_expert, in_rank, counts = outs
     return DispatchResult(
@@ -275,8 +287,8 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
         return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
     t = handle.is_token_in_rank.shape[0]
     (out,) = _ep_call(_level_target("combine", handle.level), (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
-                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name,
-                      level=handle.level, after=after)
+                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name, after=after,
+                      **_level_args(handle.level))
     return out
 
 
@@ -286,7 +298,8 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int) -> jax.Ar
         return _cached_dispatch_call(_cached_dispatch_call(x, handle.across, forwarded), handle.within, capacity)
     (out,) = _ep_call(_level_target("cached_dispatch", handle.level),
                       (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
-                      x, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name, level=handle.level)
+                      x, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name,
+                      **_level_args(handle.level))
     return out
 
 
@@ -391,7 +404,9 @@ def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
       handle: the DispatchResult.handle of that dispatch.
 
     Returns:
-      [T, H] in y's dtype, accumulated in float32; tokens that went nowhere get zeros.
+      [T, H] in y's dtype, accumulated in float32; tokens that went nowhere get zeros. Under two-level routing
+      each node's partial sum is rounded to y's dtype once before it crosses nodes (as DeepEP's internode
+      combine does: bfloat16 on the network).
     """
     _check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
     _check(y.dtype in _FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")

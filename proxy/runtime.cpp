@@ -356,6 +356,7 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
         uint32_t author;
         std::memcpy(&author, buffer_ + kAbortInOffset, 4);
         const char* text = buffer_ + kAbortInOffset + 4;
+        aborted_by_peer_.store(true, std::memory_order_release);
         fail(num_ranks_, "rank " + std::to_string(author < num_ranks_ ? author : imm.sender) + " aborted: " +
                              std::string(text, strnlen(text, kAbortReasonBytes - 4)));
         continue;

@@ -41,9 +41,6 @@ struct Config {
   uint32_t ring_capacity = 4096;      // commands per ring
   std::vector<int> node_of_rank;      // node of each global rank (empty: one node); see jax_uccl_ep.Topology
   bool hierarchical = true;           // normal mode across nodes in rounds (kernels/cpu/normal.cpp)
-  // Normal-mode ops are levels of two-level routing (jax_uccl_ep/normal.py): the other level's ranks wait on this
-  // one's, so a failed op aborts every rank of the job.
-  bool two_level = false;
 };
 
 struct DeviceStats {
@@ -69,7 +66,8 @@ class Device {
   double timeout_s() const { return config_.timeout_s; }
   uint32_t max_write_bytes() const { return config_.max_write_bytes; }
   bool hierarchical() const { return config_.hierarchical; }
-  bool two_level() const { return config_.two_level; }
+  // Whether this device failed on an abort a peer sent (rather than on a failure of its own).
+  bool aborted_by_peer() const { return aborted_by_peer_.load(std::memory_order_acquire); }
   int node_of(uint32_t rank) const {
     return rank < config_.node_of_rank.size() ? config_.node_of_rank[rank] : 0;
   }
@@ -186,6 +184,7 @@ class Device {
   std::vector<ArrivalCounter> arrivals_;              // proxy-owned, same shape
 
   std::atomic<bool> failed_{false};
+  std::atomic<bool> aborted_by_peer_{false};
   mutable std::mutex failure_mutex_;
   std::vector<std::string> peer_failure_;  // per rank; "" when fine
   std::string failure_;                    // not tied to one peer

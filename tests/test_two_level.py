@@ -44,20 +44,25 @@ def _settings(**kw) -> _runtime.RuntimeSettings:
 
 def test_plan_applies_where_nodes_are_equal_and_a_forced_setting_says_why_not():
     two_by_two = ep.Topology.build([0, 0, 0, 0], ["h"], per_node=2)
-    local = [(0, 0), (1, 1), (2, 2), (3, 3)]
+    local = [0, 0, 0, 0]  # the process of each rank
     assert _runtime._plan_two_level(_settings(two_level="auto"), two_by_two, "cpu", local) is None  # CPU: opt-in
     plan = _runtime._plan_two_level(_settings(two_level="1"), two_by_two, "cpu", local)
     assert (plan.num_nodes, plan.per_node, plan.num_ranks, plan.nvlink) == (2, 2, 4, False)
     assert _runtime._plan_two_level(_settings(two_level="0"), two_by_two, "cpu", local) is None
     uneven = ep.Topology.build([0, 0, 1], ["a", "b"])
-    assert _runtime._plan_two_level(_settings(two_level="auto"), uneven, "gpu", [(0, 2)]) is None
+    assert _runtime._plan_two_level(_settings(two_level="auto"), uneven, "gpu", [0, 0, 1]) is None
     with pytest.raises(ValueError, match="UCCL_EP_TWO_LEVEL=1 but nodes hold different numbers of ranks"):
-        _runtime._plan_two_level(_settings(two_level="1"), uneven, "cpu", [(0, 0)])
+        _runtime._plan_two_level(_settings(two_level="1"), uneven, "cpu", [0, 0, 1])
     singles = ep.Topology.build([0, 1], ["h", "h"], per_node=1)
     with pytest.raises(ValueError, match="every node holds one rank"):
-        _runtime._plan_two_level(_settings(two_level="1"), singles, "cpu", [(0, 0)])
+        _runtime._plan_two_level(_settings(two_level="1"), singles, "cpu", [0, 1])
     with pytest.raises(ValueError, match="UCCL_EP_HIERARCHICAL=0"):
         _runtime._plan_two_level(_settings(two_level="1", hierarchical=False), two_by_two, "cpu", local)
+    # GPUs: every process decides alike, from which process holds each rank (process 0: ranks 0-2, nodes 0 and 1).
+    mixed = [0, 0, 0, 1]
+    assert _runtime._plan_two_level(_settings(two_level="auto"), two_by_two, "gpu", mixed) is None
+    with pytest.raises(ValueError, match="a process drives GPUs of several nodes"):
+        _runtime._plan_two_level(_settings(two_level="1"), two_by_two, "gpu", mixed)
     with pytest.raises(ValueError, match="must be auto, 1 or 0"):
         _runtime._plan_two_level(_settings(two_level="yes"), two_by_two, "cpu", local)
 
@@ -209,3 +214,61 @@ def test_a_token_crosses_to_another_node_once():
         # Rows dominate: routing and headers add under 2% at 4 KiB rows (0.4% seen).
         assert res["node_pairs"] * rows <= res["two_level"] <= 1.02 * res["node_pairs"] * rows, res
         assert res["rank_pairs"] * rows <= res["flat"] <= 1.02 * res["rank_pairs"] * rows, res
+
+
+def failure_on_a_smaller_axis() -> dict:
+    """Child (2 processes x 2 devices, nodes of 2, UCCL_EP_TWO_LEVEL=1): EP over the second axis of a (2, 2) mesh
+    is not the whole job, so its ops are single-level; a capacity failure in the first EP group (process 0's ranks)
+    stays there: process 1's group finishes, and its runtime keeps working."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reference as ref
+
+    ep.initialize()
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devices).reshape(2, 2), ("dp", "ep"))
+    r, t, h, e = 4, 16, 128, 8
+    idx = np.full((r, t, 2), -1, np.int32)
+    idx[:2, :, 0] = 0  # group {0, 1}: 32 rows for rank 0, over capacity 8; group {2, 3}: nothing sent at all
+    x = np.random.default_rng(43).standard_normal((r, t, h)).astype(np.float32)
+
+    def body(x, i):
+        res = ep.dispatch(x[0], i[0], num_experts=e, axis_name="ep", capacity=8)
+        return ep.combine(res.x, res.handle)[None]
+
+    spec = P(("dp", "ep"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+    def put(a):
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+    error = ""
+    try:
+        out = f(put(x), put(idx))
+        jax.block_until_ready(out)
+    except Exception as exc:  # noqa: BLE001
+        error = str(exc)
+    usable = []
+    if jax.process_index() == 1:  # a round trip on its own two devices: combine(dispatch(x)) is x times the
+        own = Mesh(np.array([d for d in devices if d.process_index == 1]), ("ep",))  # ranks each token reached
+        idx2 = ref.random_routing(np.random.default_rng(44), 2, 8, 2, 4)
+        x2 = np.random.default_rng(45).standard_normal((2, 8, 128)).astype(np.float32)
+        g = jax.jit(jax.shard_map(lambda x, i: ep.combine(*(lambda r: (r.x, r.handle))(
+            ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep")))[None], mesh=own, in_specs=P("ep"),
+            out_specs=P("ep")))
+        got = np.asarray(g(*(jax.device_put(a, NamedSharding(own, P("ep"))) for a in (x2, idx2))))
+        reached = np.stack([((idx2 >= 0) & (idx2 // 2 == d)).any(-1) for d in range(2)]).sum(0)
+        usable = [] if np.allclose(got, x2 * reached[..., None], rtol=1e-6) else ["round trip differs"]
+    ep.shutdown()
+    return {"process": jax.process_index(), "error": error, "usable": usable}
+
+
+def test_a_failure_outside_two_level_ops_does_not_abort_the_job():
+    results = launch_ok(HERE, "failure_on_a_smaller_axis", 2, devices_per_process=2,
+                        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1"})
+    by_process = {res["process"]: res for res in results}
+    assert "capacity is 8" in by_process[0]["error"], by_process[0]
+    assert by_process[1]["error"] == "" and by_process[1]["usable"] == [], by_process[1]
