@@ -133,6 +133,22 @@ def _next_op_index(ctx) -> int:
     return counter.next - 1
 
 
+_NODE_LEVEL_OPS = ("uccl_ep_dispatch", "uccl_ep_combine", "uccl_ep_cached_dispatch")
+
+
+def _within_nodes_on_nvlink(ctx, table: np.ndarray) -> bool:
+    """Whether a normal-mode op on GPUs across nodes has EP groups that each lie within one node (say data
+    parallelism across nodes, expert parallelism within them) and a node-level NVLink runtime runs: then the op
+    runs over NVLink instead of through the proxies. Decided here, where the groups are known; the op's results
+    are the same either way."""
+    from . import _runtime
+
+    plan = _runtime.two_level()
+    if plan is None or not plan.nvlink or "cuda" not in tuple(getattr(ctx.module_context, "platforms", ())):
+        return False
+    return all(len({plan.node_of_rank[int(r)] for r in row}) == 1 for row in np.asarray(table))
+
+
 def _lowering(ctx, *operands, target, results, axis_name, level, attrs, has_side_effect):
     extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
     if has_side_effect:
@@ -153,6 +169,8 @@ def _lowering(ctx, *operands, target, results, axis_name, level, attrs, has_side
             if table.shape[1] != (per_node if name == "node" else nodes):
                 raise ValueError(f"jax_uccl_ep: the EP axis's {name} groups hold {table.shape[1]} ranks where the op "
                                  f"was traced for {per_node if name == 'node' else nodes}")
+        elif target in _NODE_LEVEL_OPS and _within_nodes_on_nvlink(ctx, table):
+            target = "uccl_ep_node_" + target[len("uccl_ep_"):]
         extra["group_table"] = table.reshape(-1)
         extra["group_size"] = np.int64(table.shape[1])
     rule = jax.ffi.ffi_lowering(target, has_side_effect=has_side_effect)

@@ -253,6 +253,57 @@ def test_two_level_routing_over_nvlink_and_the_proxies(reorder):
     assert all(x.result["two_level"] == [2, g, True, True] for x in results), describe(results)
 
 
+def gpu_ep_within_nodes() -> dict:
+    """Child (GPUs on two nodes of two, UCCL_EP_GPUS_PER_NODE=2): a (dp=2, ep=2) mesh whose EP groups are the nodes.
+    Their ops run over the node's NVLink runtime: rows and combine against the reference, and the proxies post
+    nothing meanwhile."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import cases
+    import jax_uccl_ep as ep
+    import reference as ref
+    from jax_uccl_ep import _runtime, _uccl_ep
+
+    ep.initialize()
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devices).reshape(2, 2), ("dp", "ep"))
+    r, t, h, k, e = 4, 24, 256, 2, 8
+    rng = np.random.default_rng(51)
+    idx = np.concatenate([ref.random_routing(rng, 2, t, k, e) for _ in range(2)])
+    x = rng.standard_normal((r, t, h)).astype(np.float32)
+    spec = P(("dp", "ep"))
+
+    def body(x, i):
+        res = ep.dispatch(x[0], i[0], num_experts=e, axis_name="ep")
+        return res.x[None], res.num_tokens[None], ep.combine(res.x * 2, res.handle)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    args = [jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i, a=a: a[i]) for a in (x, idx)]
+    jax.block_until_ready(f(*args))
+    posted = lambda: sum(_uccl_ep.stats(q)["bytes_posted"] for q in _runtime.local_ranks())  # noqa: E731
+    before = posted()
+    recv, n, combined = (cases.gather(a) for a in f(*args))
+    problems = []
+    if posted() != before:
+        problems.append(f"the proxies posted {posted() - before} bytes for ops within nodes")
+    for group in (0, 1):
+        members = [2 * group, 2 * group + 1]
+        expected = ref.dispatch(x[members], idx[members], None, e)
+        for j, want in enumerate(expected):
+            m = want["num_tokens"]
+            if n[members[j], 0] != m or not np.array_equal(recv[members[j], :m], want["x"]):
+                problems.append(f"rank {members[j]}: received rows differ")
+        want_c = ref.combine([2 * w["x"] for w in expected], expected, t)
+        if not np.allclose(combined[members], want_c, rtol=1e-6, atol=1e-5):
+            problems.append(f"group {group}: combine differs")
+    ep.check_errors()
+    ep.shutdown()
+    return {"problems": problems}
+
+
 def gpu_proxy_bad_index() -> dict:
     """Child (each GPU its own node: GPU-initiated low-latency ops): expert 99 in rank 0's routing. The op itself
     does not fail (its peers stay in step), check_errors() names the slot in rank 0's process only, and a reference

@@ -69,3 +69,14 @@ def test_two_level_routing_on_one_shared_gpu(part, reorder):
                      platform="gpu", per_rank_env=[shared] * 4, timeout_s=300, env=env)
     _check(results, 4)
     assert all(x.result["two_level"] == [2, 2, True, True] for x in results), describe(results)
+
+
+def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
+    """Four processes on one GPU as two nodes of two, EP over each node (a (dp, ep) mesh): the ops take the node's
+    NVLink runtime (CUDA IPC here), not the proxies, and match the reference."""
+    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
+    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="2", UCCL_EP_BUFFER_BYTES=str(64 << 20), UCCL_EP_TIMEOUT_S="60")
+    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_ep_within_nodes", 4, platform="gpu",
+                     per_rank_env=[shared] * 4, timeout_s=200, env=env)
+    assert all(x.ok for x in results), describe(results)
+    assert all(x.result["problems"] == [] for x in results), describe(results)
