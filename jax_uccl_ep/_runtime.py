@@ -353,18 +353,26 @@ def _start_node_gpus(buffer_bytes: int | None, topo: Topology, local: list, clie
     node = topo.node_of_rank[local[0][1]]
     members = topo.ranks_on(node)
     _uccl_ep.nvl_start(int(buffer_bytes), 0, len(members), [(o, topo.local_rank[r]) for o, r in local], members)
+    _connect_nvlink(lambda: {members[lr]: bytes(h) for lr, h in _uccl_ep.nvl_ipc_handles().items()}, members,
+                    client, key, timeout_ms)
+
+
+def _connect_nvlink(local_handles, members: list[int], client: Any, key: str, timeout_ms: int) -> None:
+    """Connects the started NVLink runtime: `local_handles()` gives this process's CUDA IPC handles by global rank;
+    they go through the key-value store to the other processes, and the runtime maps `members`' buffers in that
+    order. Shuts the runtime down if anything fails."""
     try:
-        handles = {members[lr]: bytes(h) for lr, h in _uccl_ep.nvl_ipc_handles().items()}
+        handles = local_handles()
         if jax.process_count() > 1:
             for r, h in handles.items():
-                client.key_value_set_bytes(f"{key}/node_ipc/{r}", h)
-            node_handles = [handles[r] if r in handles else
-                            client.blocking_key_value_get_bytes(f"{key}/node_ipc/{r}", timeout_ms) for r in members]
+                client.key_value_set_bytes(f"{key}/ipc/{r}", h)
+            ordered = [handles[r] if r in handles else
+                       client.blocking_key_value_get_bytes(f"{key}/ipc/{r}", timeout_ms) for r in members]
         else:
-            node_handles = [handles[r] for r in members]
-        _uccl_ep.nvl_connect(node_handles)
+            ordered = [handles[r] for r in members]
+        _uccl_ep.nvl_connect(ordered)
         if jax.process_count() > 1:
-            client.wait_at_barrier(f"{key}/node_connected", timeout_ms)
+            client.wait_at_barrier(f"{key}/ipc_connected", timeout_ms)  # the proxy runtime may use ".../connected"
     except BaseException:
         _uccl_ep.nvl_shutdown()
         raise
@@ -378,18 +386,8 @@ def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices
     if low_latency_bytes is None:
         low_latency_bytes = int(os.environ.get("UCCL_EP_LL_BUFFER_BYTES", str(256 << 20)))
     _uccl_ep.nvl_start(int(buffer_bytes), int(low_latency_bytes), len(devices), local)
-    try:
-        handles = {r: bytes(h) for r, h in _uccl_ep.nvl_ipc_handles().items()}
-        if jax.process_count() > 1:
-            all_handles = _exchange(client, f"{key}/ipc", handles, len(devices), timeout_ms)
-        else:
-            all_handles = [handles[r] for r in range(len(devices))]
-        _uccl_ep.nvl_connect(all_handles)
-        if jax.process_count() > 1:
-            client.wait_at_barrier(f"{key}/connected", timeout_ms)
-    except BaseException:
-        _uccl_ep.nvl_shutdown()
-        raise
+    _connect_nvlink(lambda: {r: bytes(h) for r, h in _uccl_ep.nvl_ipc_handles().items()}, list(range(len(devices))),
+                    client, key, timeout_ms)
 
 
 def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Topology, client: Any, key: str,

@@ -157,6 +157,19 @@ def check_case(mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, empt
     return check_roundtrip(outs, x_ref, idx, w, num_experts, dtype, empty=empty_rank)
 
 
+def reference_suite(mesh, seed: int, *, empty_rank: int) -> dict[str, list[str]]:
+    """The normal-mode reference checks a layout test runs: float32, bfloat16 with an empty rank, one expert per
+    token, FP8, gradients; seeds from `seed` on."""
+    r = mesh.devices.size
+    return {
+        "f32": check_case(mesh, seed, 21, 128, 3, 4 * r, jnp.float32),
+        "bf16_empty_rank": check_case(mesh, seed + 1, 40, 256, 4, 8 * r, jnp.bfloat16, empty_rank=empty_rank),
+        "one_expert_per_token": check_case(mesh, seed + 2, 16, 128, 1, r, jnp.float32),
+        "fp8": check_fp8(mesh, seed + 3, 19, 256, 3, 4 * r),
+        "gradients": check_gradients(mesh, seed + 4, 12, 128, 2, 2 * r),
+    }
+
+
 def check_fp8(mesh, seed, num_tokens, hidden, topk, num_experts) -> list[str]:
     num_ranks = mesh.devices.size
     rng = np.random.default_rng(seed)

@@ -258,7 +258,6 @@ def gpu_ep_within_nodes() -> dict:
     Their ops run over the node's NVLink runtime: rows and combine against the reference, and the proxies post
     nothing meanwhile."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 

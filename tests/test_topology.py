@@ -84,13 +84,7 @@ def two_nodes_of_two() -> dict:
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
     r = mesh.devices.size
-    problems = {
-        "f32": cases.check_case(mesh, 11, 21, 128, 3, 4 * r, jnp.float32),
-        "bf16_empty_rank": cases.check_case(mesh, 12, 40, 256, 4, 8 * r, jnp.bfloat16, empty_rank=2),
-        "one_expert_per_token": cases.check_case(mesh, 13, 16, 128, 1, r, jnp.float32),
-        "fp8": cases.check_fp8(mesh, 14, 19, 256, 3, 4 * r),
-        "gradients": cases.check_gradients(mesh, 15, 12, 128, 2, 2 * r),
-    }
+    problems = cases.reference_suite(mesh, 11, empty_rank=2)
     x, _, idx, w = cases.random_case(16, r, 8, 128, 2, 2 * r, jnp.float32)
     idx = ref.random_routing(np.random.default_rng(17), r, 8, 2, 2 * r)
     idx[3, 2, 1] = 99  # rank 3 (node 1) has a bad expert index

@@ -84,13 +84,7 @@ def two_nodes_two_levels() -> dict:
     mesh = cases.mesh_of(devices)
     r = mesh.devices.size
     plan = ep.two_level()
-    problems = {
-        "f32": cases.check_case(mesh, 31, 21, 128, 3, 4 * r, jnp.float32),
-        "bf16_empty_rank": cases.check_case(mesh, 32, 40, 256, 4, 8 * r, jnp.bfloat16, empty_rank=1),
-        "one_expert_per_token": cases.check_case(mesh, 33, 16, 128, 1, r, jnp.float32),
-        "fp8": cases.check_fp8(mesh, 34, 19, 256, 3, 4 * r),
-        "gradients": cases.check_gradients(mesh, 35, 12, 128, 2, 2 * r),
-    }
+    problems = cases.reference_suite(mesh, 31, empty_rank=1)
 
     seconds = []
 
@@ -152,7 +146,6 @@ def bytes_across_nodes() -> dict:
     the routing's own counts: token-node pairs (a token to a node that owns one of its experts) and token-rank
     pairs (to each such rank) across nodes, for this process's ranks."""
     import jax
-    import jax.numpy as jnp
 
     import cases
     import reference as ref
