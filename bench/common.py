@@ -222,16 +222,6 @@ def _load_mp():
     return module
 
 
-def _count_gpus() -> int:
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
 def spawn(
     path: str,
     function: str,
@@ -248,8 +238,8 @@ def spawn(
     """Runs `function(*args)` of the file `path` in `num_processes` fresh processes; returns their results.
 
     Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process (with `gpus`: one GPU each,
-    CUDA_VISIBLE_DEVICES=its index modulo the GPUs there are, or 0 for all with `share_gpu`) and (if `distributed`) the jax.distributed coordinator of the job in its
-    environment; jax_uccl_ep.initialize() picks those up. With distributed=False (one process only) the child
+    CUDA_VISIBLE_DEVICES=its index modulo the GPUs there are, or 0 for all with `share_gpu`) and (if
+    `distributed`) the jax.distributed coordinator of the job in its environment; jax_uccl_ep.initialize() picks those up. With distributed=False (one process only) the child
     runs without jax.distributed, JAX's usual one-process-per-host mode. Raises with every rank's stderr if a
     rank fails.
     """
@@ -262,7 +252,7 @@ def spawn(
     per_rank = None
     if gpus:
         # More processes than GPUs (or share_gpu: GPU 0 for all) take turns on them: rank i on GPU i mod count.
-        num_gpus = 1 if share_gpu else max(1, _count_gpus())
+        num_gpus = 1 if share_gpu else max(1, mp.count_gpus())
         per_rank = [{"CUDA_VISIBLE_DEVICES": str(i % num_gpus)} for i in range(num_processes)]
         if num_processes > num_gpus:  # JAX must not take each GPU's memory up front then
             child_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     if args.gpus:
         env["UCCL_EP_GPUS_PER_NODE"] = os.environ.get("UCCL_EP_GPUS_PER_NODE", "1")
     for p in layouts:
-        mode = f"{p}p x 1 GPU (nodes of {env['UCCL_EP_GPUS_PER_NODE']})" if args.gpus else f"{p}p x {r // p}dev"
+        mode = f"{p}p x {r // p}dev"
         if args.gpus:
             mode = f"{p}p on {'GPU 0' if args.share_gpu else 'the GPUs'} (nodes of " \
                    f"{env['UCCL_EP_GPUS_PER_NODE']}, two-level {os.environ.get('UCCL_EP_TWO_LEVEL', 'auto')})"

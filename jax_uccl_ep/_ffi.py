@@ -187,12 +187,12 @@ except TypeError:
 
 def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,
          axis_name: str | Sequence[str] | None = None, ordered: bool = True, after: jax.Array | None = None,
-         level: str | None = None, **attrs: Any) -> list[jax.Array]:
+         level: tuple[str, int, int] | None = None, **attrs: Any) -> list[jax.Array]:
     """Binds FFI target `target`.
 
     With `axis_name`, the handler also gets the EP group table; with a `level` of two-level routing ((name, nodes,
-    ranks per node) as traced, name "node" or "across"), the table of that level's groups instead (level_table). An `ordered` op is never merged or dropped and
-    takes one extra operand its handler ignores: one element of `after`, if given, which makes it run after the
+    ranks per node) as traced, name "node" or "across"), the table of that level's groups instead (level_table).
+    An `ordered` op is never merged or dropped and takes one extra operand its handler ignores: one element of `after`, if given, which makes it run after the
     op that produced `after`. Every rank must run the communicating ops in one order, and XLA:CPU starts
     independent custom calls in any order (seen: the two combines of dispatch's backward pass ran in opposite
     orders on two ranks), so ops that do not depend on each other through data must be chained this way.

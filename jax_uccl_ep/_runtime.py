@@ -353,16 +353,15 @@ def _start_node_gpus(buffer_bytes: int | None, topo: Topology, local: list, clie
     node = topo.node_of_rank[local[0][1]]
     members = topo.ranks_on(node)
     _uccl_ep.nvl_start(int(buffer_bytes), 0, len(members), [(o, topo.local_rank[r]) for o, r in local], members)
-    _connect_nvlink(lambda: {members[lr]: bytes(h) for lr, h in _uccl_ep.nvl_ipc_handles().items()}, members,
-                    client, key, timeout_ms)
+    _connect_nvlink(members, client, key, timeout_ms)
 
 
-def _connect_nvlink(local_handles, members: list[int], client: Any, key: str, timeout_ms: int) -> None:
-    """Connects the started NVLink runtime: `local_handles()` gives this process's CUDA IPC handles by global rank;
-    they go through the key-value store to the other processes, and the runtime maps `members`' buffers in that
-    order. Shuts the runtime down if anything fails."""
+def _connect_nvlink(members: list[int], client: Any, key: str, timeout_ms: int) -> None:
+    """Connects the started NVLink runtime, whose rank i is global rank members[i]: this process's CUDA IPC handles
+    go through the key-value store (by global rank) to the other processes, and the runtime maps the members'
+    buffers in that order. Shuts the runtime down if anything fails."""
     try:
-        handles = local_handles()
+        handles = {members[i]: bytes(h) for i, h in _uccl_ep.nvl_ipc_handles().items()}
         if jax.process_count() > 1:
             for r, h in handles.items():
                 client.key_value_set_bytes(f"{key}/ipc/{r}", h)
@@ -386,8 +385,7 @@ def _start_gpus(buffer_bytes: int | None, low_latency_bytes: int | None, devices
     if low_latency_bytes is None:
         low_latency_bytes = int(os.environ.get("UCCL_EP_LL_BUFFER_BYTES", str(256 << 20)))
     _uccl_ep.nvl_start(int(buffer_bytes), int(low_latency_bytes), len(devices), local)
-    _connect_nvlink(lambda: {r: bytes(h) for r, h in _uccl_ep.nvl_ipc_handles().items()}, list(range(len(devices))),
-                    client, key, timeout_ms)
+    _connect_nvlink(list(range(len(devices))), client, key, timeout_ms)
 
 
 def _start_cpus(settings: RuntimeSettings, devices: list, local: list, topo: Topology, client: Any, key: str,

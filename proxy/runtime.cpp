@@ -264,8 +264,11 @@ void Device::check_failed(uint32_t peer, const char* op) {
 DeviceStats Device::stats() const {
   uint64_t peak = 0;
   for (int c = 0; c < config_.num_channels; ++c) peak = std::max(peak, peak_inflight_bytes_[c].load());
-  DeviceStats s{stat_commands_.load(), stat_writes_.load(), stat_bytes_.load(), stat_messages_.load(), peak, {}};
-  for (uint32_t p = 0; p < num_ranks_; ++p) s.bytes_posted_to.push_back(stat_bytes_to_[p].load());
+  DeviceStats s{stat_commands_.load(), stat_writes_.load(), 0, stat_messages_.load(), peak, {}};
+  for (uint32_t p = 0; p < num_ranks_; ++p) {
+    s.bytes_posted_to.push_back(stat_bytes_to_[p].load());
+    s.bytes_posted += s.bytes_posted_to.back();
+  }
   return s;
 }
 
@@ -298,7 +301,6 @@ void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& co
           peak_inflight_bytes_[channel].store(inflight_bytes, std::memory_order_relaxed);
         inflight_[cmd.peer].fetch_add(1, std::memory_order_relaxed);
         stat_writes_.fetch_add(1, std::memory_order_relaxed);
-        stat_bytes_.fetch_add(cmd.length, std::memory_order_relaxed);
         stat_bytes_to_[cmd.peer].fetch_add(cmd.length, std::memory_order_relaxed);
         if (warned)
           std::fprintf(stderr, "uccl_ep: rank %u, proxy thread of channel %d: the write to rank %u went through\n",

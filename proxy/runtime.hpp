@@ -189,7 +189,7 @@ class Device {
   std::vector<std::string> peer_failure_;  // per rank; "" when fine
   std::string failure_;                    // not tied to one peer
 
-  std::atomic<uint64_t> stat_commands_{0}, stat_writes_{0}, stat_bytes_{0}, stat_messages_{0};
+  std::atomic<uint64_t> stat_commands_{0}, stat_writes_{0}, stat_messages_{0};
   std::atomic<uint64_t> rounds_entered_{0};
   std::unique_ptr<std::atomic<uint64_t>[]> posted_;  // [num_ranks * num_channels]
 };

@@ -45,6 +45,19 @@ if os.environ.get("UCCL_EP_TEST_HARD_EXIT") == "1":
 """ % RESULT_MARK
 
 
+def count_gpus() -> int:
+    """NVIDIA GPUs nvidia-smi lists here (0 without it)."""
+    import shutil
+
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 @dataclass
 class RankResult:
     rank: int

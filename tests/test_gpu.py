@@ -5,28 +5,16 @@ Both process modes: one process driving every GPU (JAX's default) and one proces
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-from mp import describe, launch
+from mp import count_gpus, describe, launch
 
 HERE = os.path.abspath(__file__)
 
 
-def _num_gpus() -> int:
-    if not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
-NUM_GPUS = _num_gpus()
+NUM_GPUS = count_gpus()
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs at least 2 NVIDIA GPUs")
 
 

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -57,8 +58,9 @@ struct DeviceErrors {
 
 // Raises the error `e` describes (TimeoutError for a peer or proxy that did not answer); `where` starts the message.
 [[noreturn]] void raise_device_error(const DeviceErrors& e, const std::string& where);
-// Raises (and clears) the error recorded in `word` (host address), if any, as found by an earlier op.
-void raise_pending_device_error(DeviceErrors* word, const char* op);
+// Raises (and clears) the error recorded in `word` (host address), if any, as found by an earlier op. With
+// `rank_of`, the ranks the kernels recorded (NVLink ranks of a node) are named by rank_of(rank) instead.
+void raise_pending_device_error(DeviceErrors* word, const char* op, const std::function<int(int)>& rank_of = {});
 
 class NvlDevice {
  public:

@@ -346,22 +346,20 @@ int NvlDevice::local_of(int global) const {
 }
 
 void NvlDevice::check_errors(const char* op) {
+  // Kernels record NVLink ranks; under two-level routing the user knows the runtime's.
   if (global_of_local_.empty()) return raise_pending_device_error(errors_host_, op);
-  // Kernels record NVLink ranks; the user knows the runtime's. Translate a snapshot, never the word kernels write.
-  DeviceErrors e;
-  std::memcpy(&e, const_cast<const DeviceErrors*>(errors_host_), sizeof(e));
-  if (e.code == 0) return;
-  std::memset(errors_host_, 0, sizeof(DeviceErrors));
-  e.rank = global_of(e.rank);
-  if (e.code == 5 || (e.code == 10 && e.a >= 0)) e.a = global_of(int(e.a));
-  raise_device_error(e, std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(e.rank) + " ");
+  raise_pending_device_error(errors_host_, op, [this](int local) { return global_of(local); });
 }
 
-void raise_pending_device_error(DeviceErrors* word, const char* op) {
-  DeviceErrors e;
+void raise_pending_device_error(DeviceErrors* word, const char* op, const std::function<int(int)>& rank_of) {
+  DeviceErrors e;  // a snapshot: the word is the kernels' to write
   std::memcpy(&e, const_cast<const DeviceErrors*>(word), sizeof(e));
   if (e.code == 0) return;
   std::memset(word, 0, sizeof(DeviceErrors));
+  if (rank_of) {
+    e.rank = rank_of(e.rank);
+    if (e.code == 5 || (e.code == 10 && e.a >= 0)) e.a = rank_of(int(e.a));  // the peer's rank
+  }
   raise_device_error(e, std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(e.rank) + " ");
 }
 
