@@ -320,9 +320,9 @@ _FAILING_CHILD = textwrap.dedent("""
             time.sleep(0.05)
         sys.exit(3)
     grandchild = subprocess.Popen(["sleep", "300"])  # must not outlive the job either
-    with open(os.path.join(out, "pids.tmp"), "w") as f:
+    with open(os.path.join(out, f"pids.tmp{rank}"), "w") as f:  # ranks 0 and 2 both get here: one file each
         f.write(f"{os.getpid()} {grandchild.pid}")
-    os.rename(os.path.join(out, "pids.tmp"), os.path.join(out, "pids.0"))
+    os.rename(os.path.join(out, f"pids.tmp{rank}"), os.path.join(out, f"pids.{rank}"))
     time.sleep(300)
 """)
 
