@@ -178,20 +178,26 @@ def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) 
 # JAX
 # ------------------------------------------------------------------------------------------------------------
 
+UCCL_OPS = ("dispatch", "dispatch_fp8", "combine")
+
+
 def sms_used() -> str:
-    """SMs the jax_uccl_ep kernels use at once: a send kernel and a receive kernel of UCCL_EP_NUM_SMS blocks each
-    (the send kernel at most 48), shown as "send+receive"."""
+    """SMs the jax_uccl_ep kernels occupy at once (the SM budget, UCCL_EP_NUM_SMS): "send+receive" blocks of
+    one block per SM, and how rows move (bulk copies or SM stores)."""
     try:
         import jax_uccl_ep as ep
 
         n = int(ep._uccl_ep.nvl_num_sms())
+        copies = "bulk" if ep._uccl_ep.nvl_bulk_copies() else "stores"
     except Exception:
         return "?"
-    return f"{min(n, 48)}+{n}"
+    send = max(1, min(n // 2, 48))
+    return f"{send}+{max(1, n - send)} {copies}"
 
 
-def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int,
-            cupti: bool = False) -> tuple[list[common.OpResult], dict]:
+def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int, cupti: bool = False,
+            budgets: list[int] | None = None) -> tuple[list[common.OpResult], dict]:
+    """The XLA ops once, and jax_uccl_ep's at each SM budget in `budgets` (default: the environment's)."""
     import jax
 
     devices = jax.devices()[: prob.ranks]
@@ -199,8 +205,24 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int,
             "jax": jax.__version__, "num_devices": len(jax.devices())}
     if len(devices) < prob.ranks:
         raise SystemExit(f"{len(devices)} JAX devices < --ranks {prob.ranks}")
-    uccl_error = None
-    if any(o in ops for o in ("dispatch", "dispatch_fp8", "combine")):
+    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti)
+    results = []
+
+    def run_op(op: str) -> common.OpResult:
+        t0 = time.perf_counter()
+        res = bench.op(op)
+        print(f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        if "cupti_us_per_call" in res.extra:
+            shown = {k[:90]: v for k, v in res.extra["cupti_us_per_call"].items()}  # names are long templates
+            print(f"#   device time per call on GPU 0 (us, CUPTI): {shown}", flush=True)
+        return res
+
+    uccl_ops = [o for o in ops if o in UCCL_OPS]
+    for budget in (budgets or [None]) if uccl_ops else []:
+        if budget is not None:
+            os.environ["UCCL_EP_NUM_SMS"] = str(budget)
+        uccl_error = None
         try:
             common.set_uccl_env_defaults(prob)
             import jax_uccl_ep as ep
@@ -219,39 +241,35 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int,
             if isinstance(e, KeyboardInterrupt):
                 raise
             uccl_error = f"jax_uccl_ep unavailable: {common.short_error(e, 200)}"
-    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti)
-    results = []
+        sms = sms_used()
+        for op in uccl_ops:
+            if uccl_error:
+                name = {"dispatch": f"uccl_ep dispatch {prob.dtype}", "dispatch_fp8": "uccl_ep dispatch fp8",
+                        "combine": f"uccl_ep combine {prob.dtype}"}[op]
+                nbytes = prob.exact_bytes(op == "dispatch_fp8")
+                res = common.OpResult(name, error=uccl_error, bytes_deepep=nbytes[0], bytes_remote=nbytes[1])
+            else:
+                res = run_op(op)
+            res.extra["impl"] = "jax_uccl_ep"
+            res.extra["sms"] = sms
+            results.append(res)
+        if uccl_error is None:
+            ep.shutdown()
     for op in ops:
-        if uccl_error and op in ("dispatch", "dispatch_fp8", "combine"):
-            name = {"dispatch": f"uccl_ep dispatch {prob.dtype}", "dispatch_fp8": "uccl_ep dispatch fp8",
-                    "combine": f"uccl_ep combine {prob.dtype}"}[op]
-            nbytes = prob.exact_bytes(op == "dispatch_fp8")
-            results.append(common.OpResult(name, error=uccl_error, bytes_deepep=nbytes[0], bytes_remote=nbytes[1]))
-            continue
-        t0 = time.perf_counter()
-        res = bench.op(op)
-        print(f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
-              f"({time.perf_counter() - t0:.1f} s)", flush=True)
-        if "cupti_us_per_call" in res.extra:
-            shown = {k[:90]: v for k, v in res.extra["cupti_us_per_call"].items()}  # names are long templates
-            print(f"#   device time per call on GPU 0 (us, CUPTI): {shown}", flush=True)
-        results.append(res)
-    if uccl_error is None and any(o in ops for o in ("dispatch", "dispatch_fp8", "combine")):
-        import jax_uccl_ep as ep
-
-        ep.shutdown()
-    for r in results:
-        r.extra.setdefault("impl", "jax_uccl_ep" if r.name.startswith("uccl_ep") else "XLA")
+        if op not in UCCL_OPS:
+            res = run_op(op)
+            res.extra.setdefault("impl", "XLA")
+            results.append(res)
     return results, info
 
 
 # ------------------------------------------------------------------------------------------------------------
 
-def rows_of(results: list[common.OpResult], sms: str) -> list[list[str]]:
+def rows_of(results: list[common.OpResult]) -> list[list[str]]:
     rows = []
     for r in results:
         impl = r.extra.get("impl", "")
-        s = sms if impl == "jax_uccl_ep" else "?"
+        s = r.extra.get("sms", "?")
         if r.error or r.timing is None:
             rows.append([r.name, impl, "n/a", "n/a", "n/a", "n/a", s, f"n/a ({common.short_error(r.error or '', 90)})"])
             continue
@@ -279,6 +297,9 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-timeout", type=float, default=300.0)
     ap.add_argument("--cupti", action="store_true",
                     help="also list each op's kernels and copies per call on GPU 0 (CUPTI through torch.profiler)")
+    ap.add_argument("--sms", default=None,
+                    help="comma-separated SM budgets (send + receive blocks) to sweep jax_uccl_ep's ops over, e.g. "
+                         "8,12,16,24,32 (default: UCCL_EP_NUM_SMS, else 24)")
     ap.add_argument("--out", default="intranode.json", help="JSON of the results")
     args = ap.parse_args(argv)
 
@@ -320,17 +341,16 @@ def main(argv=None) -> int:
             print(f"# NCCL part failed: {e}", file=sys.stderr, flush=True)
     record["nccl"] = nccl
 
-    jax_results, info = run_jax(prob, ops, args.iters, args.repeats, cupti=args.cupti)
+    budgets = [int(b) for b in args.sms.split(",") if b] if args.sms else None
+    jax_results, info = run_jax(prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets)
     record["jax"] = info
     results += jax_results
     results += nccl_results(prob, nccl, reason)
-    sms = sms_used()
-    record["sms"] = sms
     record["results"] = [r.as_dict() for r in results]
     for r in record["results"]:
         t = r["timing"]["median_s"] if r["timing"] else None
         r["gbps_deepep"], r["gbps_remote"] = common.gbps(r["bytes_deepep"], t), common.gbps(r["bytes_remote"], t)
-    rows = rows_of(results, sms)
+    rows = rows_of(results)
     is_deepseek = all(getattr(args, k) == v for k, v in DEEPSEEK.items()) and ranks == 2 and not args.cpu
     if is_deepseek:
         for name, us in REFERENCE_US.items():

@@ -207,6 +207,32 @@ NB_MODULE(_uccl_ep, m) {
     }
     return out;
   });
+  m.def("nvl_reload_transfer_settings", [] { nvl::reload_transfer_settings(); });
+  m.def("nvl_bulk_copies", [] { return nvl::bulk_copies(); });
+  m.def("nvl_loopback_bench", [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters,
+                                 uint64_t seed) {
+    nvl::LoopbackResult r;
+    {
+      nb::gil_scoped_release release;
+      r = nvl::loopback_bench(nvl::LoopbackArgs{device, tokens, hidden, topk, experts, fp8, iters, seed});
+    }
+    nb::dict d;
+    d["dispatch_us"] = r.dispatch_us;
+    d["combine_us"] = r.combine_us;
+    d["remote_rows"] = r.remote_rows;
+    d["received_rows"] = r.received_rows;
+    d["x_row_bytes"] = r.x_row_bytes;
+    d["mismatched_rows"] = r.mismatched_rows;
+    d["mismatched_combine_rows"] = r.mismatched_combine_rows;
+    d["num_sms"] = nvl::num_sms();
+    d["bulk"] = nvl::bulk_copies();
+    return d;
+  });
+  m.def("nvl_copy_bench", [](int device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
+                             int producers, bool warps) {
+    nb::gil_scoped_release release;
+    return nvl::copy_bench(device, blocks, bytes_per_block, stage_bytes, stages, producers, warps);
+  });
   m.def("nvl_ring_bench", [](int device, int num_rings, uint64_t commands_per_ring, uint32_t capacity,
                              uint64_t ping_rounds) {
     nvl::RingBenchResult r;

@@ -214,7 +214,8 @@ def _shared_settings(settings: RuntimeSettings, buffer_bytes: int | None, low_la
         "UCCL_EP_GPUS_PER_NODE": env.get("UCCL_EP_GPUS_PER_NODE") or None,
         "UCCL_EP_GPU_INITIATED": env.get("UCCL_EP_GPU_INITIATED", "1") != "0",
         "UCCL_EP_PINNED": env.get("UCCL_EP_PINNED", "1") != "0",
-        "UCCL_EP_NUM_SMS": env.get("UCCL_EP_NUM_SMS", "32"),
+        "UCCL_EP_NUM_SMS": env.get("UCCL_EP_NUM_SMS", "24"),
+        "UCCL_EP_NVL_BULK": env.get("UCCL_EP_NVL_BULK", "1") != "0",
         "UCCL_EP_NVL_BUFFER_BYTES or initialize(buffer_bytes=)":
             buffer_bytes if buffer_bytes is not None else env.get("UCCL_EP_NVL_BUFFER_BYTES", str(1 << 30)),
         "UCCL_EP_LL_BUFFER_BYTES or initialize(low_latency_buffer_bytes=)":

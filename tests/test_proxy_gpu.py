@@ -80,3 +80,35 @@ def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
                      per_rank_env=[shared] * 4, timeout_s=200, env=env)
     assert all(x.ok for x in results), describe(results)
     assert all(x.result["problems"] == [] for x in results), describe(results)
+
+
+def gpu_loopback(cases: list) -> list:
+    """Child: normal mode's NVLink kernels between two ranks on GPU 0 (nvl_loopback_bench), per case."""
+    from jax_uccl_ep import _uccl_ep
+
+    out = []
+    for budget, bulk, tokens, hidden, topk, experts, fp8 in cases:
+        os.environ["UCCL_EP_NUM_SMS"], os.environ["UCCL_EP_NVL_BULK"] = str(budget), bulk
+        _uccl_ep.nvl_reload_transfer_settings()
+        r = dict(_uccl_ep.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out)))
+        out.append(dict(r, case=[budget, bulk, tokens, hidden, topk, experts, fp8]))
+    return out
+
+
+def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
+    """Both ways of moving rows (bulk copies, SM stores) at several SM budgets and shapes: rows that fit a stage,
+    rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
+    into chunks and pieces, a chunk per send block down to a budget of 2. Every row of the last dispatch is
+    compared with the sender's input and every combined sum with x times the token's copies (host-side)."""
+    cases = [(budget, bulk, tokens, hidden, 8, 64, fp8)
+             for budget, tokens, hidden in [(2, 301, 256), (6, 1000, 7168), (24, 4096, 7168), (12, 777, 20480)]
+             for bulk in ("1", "0") for fp8 in (False, True)]
+    results = launch(HERE, "gpu_loopback", 1, args=[cases], platform="gpu", timeout_s=300,
+                     env={"UCCL_EP_TIMEOUT_S": "30", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert all(x.ok for x in results), describe(results)
+    for r in results[0].result:
+        print(r)
+        assert r["bulk"] == (r["case"][1] == "1") and r["num_sms"] == r["case"][0], r
+        assert r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0, r
+        assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
+        assert r["dispatch_us"] > 0 and (r["case"][6] or r["combine_us"] > 0), r

@@ -258,6 +258,28 @@ struct RingBenchResult {
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds);
 
+// Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): two ranks on `cuda_device`, each
+// sending into the other's buffer, random top-k routing; dispatch (BF16 rows, or FP8 rows with scales) and, for
+// BF16, combine, each timed over `iters` calls (the slower rank's events), under the current transfer settings.
+struct LoopbackArgs {
+  int cuda_device, num_tokens, hidden, topk, num_experts;
+  bool fp8;
+  int iters;
+  uint64_t seed;
+};
+struct LoopbackResult {
+  double dispatch_us, combine_us;     // per call (combine: 0 with fp8)
+  uint64_t remote_rows, received_rows;  // of both ranks, per call
+  uint64_t x_row_bytes;               // bytes of a dispatched row (FP8: with its scales)
+  uint64_t mismatched_rows, mismatched_combine_rows;  // the last call's rows that differ from the inputs (must be 0)
+};
+LoopbackResult loopback_bench(const LoopbackArgs& args);
+// GB/s one kernel of `blocks` blocks copies within the GPU: per block `producers` threads each running bulk copies
+// through `stages` stages of `stage_bytes`, or (warps) the block's warps with SM loads and stores of rows of
+// `stage_bytes`.
+double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
+                  int producers, bool warps, char* peer_dst = nullptr);
+
 // Messages from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload into
 // mapped host memory of the proxy's registered buffer, pushes `messages` messages of it to `peer` into a channel's
 // command ring (each `writes` writes that split the payload, then the fence that ends the message), waits for the
@@ -293,9 +315,14 @@ ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t pee
 void preload_intranode_kernels();
 void preload_low_latency_kernels();
 
-// Blocks (SMs) of normal mode's send kernel (at most kChunks), and as many of its receive kernel
-// (UCCL_EP_NUM_SMS, default 32).
+// Normal mode's SM budget (UCCL_EP_NUM_SMS, default 24, DeepEP's): the blocks of its send and receive kernels
+// together, half each (the send kernel at most kChunks), one per SM.
 int num_sms();
+// Whether normal mode's NVLink kernels move rows with bulk copies (TMA) rather than SM stores (UCCL_EP_NVL_BULK=0);
+// rows that are not 16-byte multiples, and the proxy path's host-memory regions, always take SM stores.
+bool bulk_copies();
+// Reads both again from the environment (NvlRuntime::start does; so may a benchmark between runs).
+void reload_transfer_settings();
 // Blocks of the split low-latency receive kernels (UCCL_EP_LL_NUM_SMS, default 32); send and fused kernels use
 // 64 blocks of 512 threads.
 int low_latency_blocks();

@@ -3,6 +3,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -106,9 +107,25 @@ T* mapped_host(size_t count, T** device) {
 }
 }  // namespace
 
+namespace {
+// Normal mode's transfer settings, read at NvlRuntime::start (a benchmark may restart with others).
+std::atomic<int> g_num_sms{0};
+std::atomic<int> g_bulk{-1};
+}  // namespace
+
+void reload_transfer_settings() {
+  g_num_sms = positive_env("UCCL_EP_NUM_SMS", 24);
+  g_bulk = env_is("UCCL_EP_NVL_BULK", "0") ? 0 : 1;
+}
+
 int num_sms() {
-  static const int n = positive_env("UCCL_EP_NUM_SMS", 32);
-  return n;
+  if (g_num_sms.load() == 0) reload_transfer_settings();
+  return g_num_sms.load();
+}
+
+bool bulk_copies() {
+  if (g_bulk.load() < 0) reload_transfer_settings();
+  return g_bulk.load() == 1;
 }
 
 int low_latency_blocks() {
@@ -213,8 +230,10 @@ void NvlDevice::connect(const std::vector<std::vector<uint8_t>>& ipc_handles,
   for (int p = 0; p < num_ranks_; ++p) {
     if (p == rank_) continue;
     if (same_process[p]) {
-      // Same process: map the peer's allocation directly.
-      cudaError_t e = cudaDeviceEnablePeerAccess(same_process[p]->cuda_device(), 0);
+      // Same process: map the peer's allocation directly (a peer on this very GPU needs no access enabled).
+      cudaError_t e = same_process[p]->cuda_device() == device_
+                          ? cudaSuccess
+                          : cudaDeviceEnablePeerAccess(same_process[p]->cuda_device(), 0);
       if (e == cudaErrorPeerAccessAlreadyEnabled)
         cudaGetLastError();
       else
@@ -420,6 +439,7 @@ void NvlRuntime::start(size_t buffer_bytes, size_t low_latency_bytes, int num_ra
                        const std::vector<std::pair<int, int>>& local, const std::vector<int32_t>& global_of_local) {
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   if (!devices_.empty()) throw std::runtime_error("uccl_ep nvl: already started");
+  reload_transfer_settings();
   for (auto [ordinal, rank] : local) {
     devices_.push_back(std::make_unique<NvlDevice>(ordinal, rank, num_ranks, buffer_bytes, low_latency_bytes));
     devices_.back()->set_global_ranks(global_of_local);

@@ -52,6 +52,14 @@ void load_kernels(const Kernels&... kernels) {
   (check(cudaFuncGetAttributes(&attr, kernels), "loading a kernel"), ...);
 }
 
+// Lets kernels take `bytes` of dynamic shared memory (past the default 48 KiB).
+template <class... Kernels>
+void allow_shared_bytes(uint32_t bytes, const Kernels&... kernels) {
+  (check(cudaFuncSetAttribute(kernels, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+         "cudaFuncSetAttribute"),
+   ...);
+}
+
 // The first error of a kernel wins, except that a peer or proxy that did not answer (5, 10: the rank is out of step)
 // replaces an input error (the host must see it to tell the peers); check_errors() raises it on the host.
 __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {

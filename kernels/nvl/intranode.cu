@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 
 #include "api.hpp"
+#include "bulk.cuh"
 #include "device_common.cuh"
 #include "proxy_path.cuh"
 
@@ -76,6 +77,7 @@ struct ScanArgs {
   const int32_t* expected_counts;   // cached mode: the handle's counts to check against, else null
   int32_t* block_counts;            // scratch [R, blocks]
   DeviceErrors* err;
+  int32_t* row_before;              // scratch [R, T + 1]: output row of source s's first row from token >= t
 };
 
 __device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int first, int local_experts) {
@@ -114,6 +116,9 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
   const bool take = t < a.num_tokens && scan_takes(a, s, t, first, local_experts);
   int rows;
   const int o = base + block_exclusive_scan(take, &rows);
+  int32_t* before = a.row_before + int64_t(s) * (a.num_tokens + 1);
+  if (t < a.num_tokens) before[t] = o;
+  if (t == a.num_tokens - 1) before[a.num_tokens] = o + take;
   if (take && o < a.capacity) {
     a.row_map[o] = make_int2(s, t);
     for (int k = 0; a.topk_mode && k < a.topk; ++k) {
@@ -148,18 +153,27 @@ struct Scratch {
   int32_t* counts;
   int32_t* num_rows;
   int32_t* block_counts;
+  int32_t* row_before;  // [R, T + 1] (the routing scan's)
 };
-size_t scratch_bytes(int capacity, int num_tokens) {
-  const size_t map_at = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
-  return map_at + size_t(capacity) * sizeof(int2) + 256 + size_t(kMaxRanks) * scan_blocks(num_tokens) * 4;
+struct ScratchOffsets {
+  size_t map, counts, blocks, before, total;
+};
+ScratchOffsets scratch_offsets(int capacity, int num_tokens) {
+  ScratchOffsets o;
+  o.map = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
+  o.counts = o.map + size_t(capacity) * sizeof(int2);
+  o.blocks = o.counts + 256;
+  o.before = o.blocks + align16(size_t(kMaxRanks) * scan_blocks(num_tokens) * 4);
+  o.total = o.before + size_t(kMaxRanks) * (num_tokens + 1) * 4;
+  return o;
 }
+size_t scratch_bytes(int capacity, int num_tokens) { return scratch_offsets(capacity, num_tokens).total; }
 Scratch scratch_at(void* scratch, int capacity, int num_tokens) {
-  const size_t map_at = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
-  const size_t counts_at = map_at + size_t(capacity) * sizeof(int2), blocks_at = counts_at + 256;
+  const ScratchOffsets o = scratch_offsets(capacity, num_tokens);
   char* base = static_cast<char*>(scratch);
-  int32_t* counts = reinterpret_cast<int32_t*>(base + counts_at);
-  return {reinterpret_cast<int32_t*>(base), reinterpret_cast<int2*>(base + map_at), counts, counts + kMaxRanks,
-          reinterpret_cast<int32_t*>(base + blocks_at)};
+  int32_t* counts = reinterpret_cast<int32_t*>(base + o.counts);
+  return {reinterpret_cast<int32_t*>(base), reinterpret_cast<int2*>(base + o.map), counts, counts + kMaxRanks,
+          reinterpret_cast<int32_t*>(base + o.blocks), reinterpret_cast<int32_t*>(base + o.before)};
 }
 Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
   dev.ensure_scratch(scratch_bytes(capacity, num_tokens));
@@ -245,13 +259,19 @@ __device__ void announce_meta(const SendTo& to) {
   for (int s = 0; s < to.num_ranks; ++s)
     if (s != to.self) add_release_sys(to.meta[s], 1);
 }
+// From the one thread whose completed bulk stores the words announce: a release store each is enough (a full
+// system fence per announcement cost several microseconds of the thread that keeps the copies going).
+template <class DoneFor>
+__device__ void publish_progress(const SendTo& to, int c, const DoneFor& done_for) {
+  for (int s = 0; s < to.num_ranks; ++s)
+    if (s != to.self) store_release_sys(to.chunks[s] + c, progress(to.message[s], done_for(s)));
+}
 template <class DoneFor>
 __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_for) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence_system();
-  for (int s = 0; s < to.num_ranks; ++s)
-    if (s != to.self) store_release_sys(to.chunks[s] + c, progress(to.message[s], done_for(s)));
+  publish_progress(to, c, done_for);
 }
 
 // Waits (one thread) until chunk c of member s's message has `done` landed; returns how much has, or -1 (timeout).
@@ -325,8 +345,9 @@ __device__ unsigned token_members(const DispatchSendArgs& a, int t, bool own) {
 
 // The block's chunk [t0, t1): each token's members and its row in the message to each, excl[t, d] = tokens before t
 // that go to d (rows go packed in token order, the order in which d's scan places them). The block counts the
-// tokens before its chunk itself (reads of L2, a few us), so no layout pass runs before the sends.
-__device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
+// tokens before its chunk itself (reads of L2, a few us), so no layout pass runs before the sends: base[d] gets
+// the tokens before t0 that go to d.
+__device__ void tokens_before(const DispatchSendArgs& a, int t0, int* base) {
   __shared__ int before[kMaxRanks];
   const int R = a.to.num_ranks;
   if (threadIdx.x < kMaxRanks) before[threadIdx.x] = 0;
@@ -348,27 +369,36 @@ __device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
   for (int d = 0; d < R; ++d)
     if (mine[d]) atomicAdd(&before[d], mine[d]);
   __syncthreads();
-  int base[kMaxRanks];
   for (int d = 0; d < R; ++d) base[d] = before[d];
-  for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
-    const int t = p0 + threadIdx.x;
-    const unsigned bits = t < t1 ? token_members(a, t, true) : 0;
-    for (int d = 0; d < R; ++d) {
-      int total;
-      const int row = base[d] + block_exclusive_scan(bits >> d & 1, &total);
-      if (t < t1) a.excl[t * R + d] = row;
-      base[d] += total;
+}
+
+// One pass of blockDim.x tokens from p0 (< t1): excl and mask_out for them, and with `bits`/`rows` (shared, indexed
+// by t - p0) each token's members and rows for the bulk sender. Advances base[].
+__device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base, unsigned* bits_out, int* rows_out) {
+  const int R = a.to.num_ranks, t = p0 + threadIdx.x;
+  const unsigned bits = t < t1 ? token_members(a, t, true) : 0;
+  for (int d = 0; d < R; ++d) {
+    int total;
+    const int row = base[d] + block_exclusive_scan(bits >> d & 1, &total);
+    if (t < t1) {
+      a.excl[t * R + d] = row;
+      if (rows_out) rows_out[threadIdx.x * kMaxRanks + d] = row;
     }
+    base[d] += total;
   }
+  if (bits_out) bits_out[threadIdx.x] = bits;
+}
+
+__device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
+  int base[kMaxRanks];
+  tokens_before(a, t0, base);
+  for (int p0 = t0; p0 < t1; p0 += blockDim.x) layout_pass(a, p0, t1, base, nullptr, nullptr);
   __syncthreads();  // excl and mask_out are read by other warps of the block
 }
 
-// Send side of (cached) dispatch: every chunk's routing first, so the members start their scans while rows
-// move; then the chunk's layout; then each token's row (and scales) to every member that needs it, at its packed
-// position there. A block per chunk of tokens; its progress in tokens.
-__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(DispatchSendArgs a) {
+// Every chunk's routing first, so the members start their scans while rows move.
+__device__ void send_routing(const DispatchSendArgs& a) {
   const SendTo& to = a.to;
-  if (!wait_acks(to)) return;
   for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     for (const RoutingPiece& p : a.routing)
@@ -378,6 +408,15 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(Disp
                      (t1 - t0) * p.bytes_per_token);
     announce_meta(to);
   }
+}
+
+// Send side of (cached) dispatch: every chunk's routing first, so the members start their scans while rows
+// move; then the chunk's layout; then each token's row (and scales) to every member that needs it, at its packed
+// position there. A block per chunk of tokens; its progress in tokens.
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(DispatchSendArgs a) {
+  const SendTo& to = a.to;
+  if (!wait_acks(to)) return;
+  send_routing(a);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int R = to.num_ranks;
   const bool* mask = a.topk_idx ? a.mask_out : a.mask_in;
@@ -401,6 +440,95 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(Disp
           }
         }
       announce_progress(to, c, [&](int) { return r1 - t0; });
+    }
+  }
+}
+
+// The bulk-copy kernels' shared memory (dynamic): their tables, then `stages` stages of `stage_bytes`.
+struct BulkShape {
+  uint32_t segment_bytes;  // most of a row one job moves (dispatch send: rows are cut into segments)
+  uint32_t stage_bytes;
+  uint32_t tables_bytes;
+  int stages;
+  __host__ __device__ uint32_t shared_bytes() const { return tables_bytes + uint32_t(stages) * stage_bytes; }
+};
+
+// Shared tables of the bulk dispatch sender, per pass of kTransferThreads tokens: members, and rows in their messages.
+constexpr uint32_t kSendTablesBytes = kTransferThreads * (1 + kMaxRanks) * 4;
+
+__device__ void init_stage_barriers(uint64_t* full, int stages) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) barrier_init(full + s, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
+// kTransferThreads tokens the block lays them out into shared tables and one thread moves each token's row (in
+// segments of at most segment_bytes, scales with the last) from x through a stage to every member that needs it,
+// announcing the chunk's progress in tokens as the stores complete.
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel(DispatchSendArgs a, BulkShape b) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages];
+  unsigned* bits = reinterpret_cast<unsigned*>(smem);
+  int* rows = reinterpret_cast<int*>(smem + kTransferThreads * 4);
+  StageRing ring{smem + b.tables_bytes, b.stage_bytes, b.stages, full};
+  init_stage_barriers(full, b.stages);
+  const SendTo& to = a.to;
+  if (!wait_acks(to)) return;
+  send_routing(a);
+  const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
+  const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
+  const unsigned others = ~(1u << to.self);
+  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+    const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
+    int base[kMaxRanks];
+    tokens_before(a, t0, base);
+    for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
+      layout_pass(a, p0, t1, base, bits, rows);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int n = (min(t1, p0 + int(blockDim.x)) - p0) * segs;
+        // Job j: segment j % segs of token p0 + j / segs.
+        const auto part = [&](int j, int64_t& offset, uint32_t& x_bytes, bool& with_scales) {
+          const int g = j % segs;
+          offset = int64_t(g) * b.segment_bytes;
+          x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset));
+          with_scales = srb && g == segs - 1;
+        };
+        run_bulk_jobs(
+            ring,
+            [&](int j, char* stage, uint64_t* bar) -> int64_t {
+              if (j >= n) return kNoMoreJobs;
+              const int i = j / segs;
+              if (!(bits[i] & others)) return 0;
+              int64_t offset;
+              uint32_t x_bytes;
+              bool with_scales;
+              part(j, offset, x_bytes, with_scales);
+              const uint32_t bytes = x_bytes + (with_scales ? uint32_t(srb) : 0);
+              barrier_arrive_expect(bar, bytes);
+              bulk_load(stage, a.x + int64_t(p0 + i) * xrb + offset, x_bytes, bar);
+              if (with_scales) bulk_load(stage + x_bytes, a.scales + int64_t(p0 + i) * srb, uint32_t(srb), bar);
+              return bytes;
+            },
+            [&](int j, char* stage) {
+              const int i = j / segs;
+              int64_t offset;
+              uint32_t x_bytes;
+              bool with_scales;
+              part(j, offset, x_bytes, with_scales);
+              for (unsigned m = bits[i] & others; m; m &= m - 1) {
+                const int d = __ffs(m) - 1;
+                const int64_t row = rows[i * kMaxRanks + d];
+                bulk_store(to.region[d] + a.x_offset + row * xrb + offset, stage, x_bytes);
+                if (with_scales) bulk_store(to.region[d] + a.scales_offset + row * srb, stage + x_bytes, uint32_t(srb));
+              }
+            },
+            [&](int k) { publish_progress(to, c, [&](int) { return p0 - t0 + k / segs; }); });
+      }
+      __syncthreads();  // the tables are the next pass's
     }
   }
 }
@@ -433,6 +561,7 @@ struct DispatchReceiveArgs {
   char* recv_scales;  // or null
   int32_t* recv_topk_idx;
   float* recv_topk_weights;
+  const int32_t* row_before;  // [R, T + 1] from the scan
 };
 
 // Rows [o0, o1) of source s (its block of rows starts at `offset`) into the output, a row per warp, with their
@@ -507,6 +636,143 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
   }
 }
 
+// Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, dealt out over
+// kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait for a member or for the
+// next item's bounds leaves the others' copies in flight. A member's rows of an item are contiguous in its message
+// and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers the item;
+// our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept row
+// and write the padding past the kept count.
+constexpr int kProducers = 4;
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_bulk_kernel(DispatchReceiveArgs a,
+                                                                                    BulkShape b) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ char* part_dst[kMaxStages][2];
+  __shared__ uint32_t part_bytes[kMaxStages][2];
+  __shared__ int producer_tokens[kProducers][kPieceTokens];
+  init_stage_barriers(full, b.stages);
+  const ReceiveFrom& from = a.from;
+  const int R = from.num_ranks, T = a.num_tokens;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int kept = *a.num_kept;
+  const int64_t xrb = a.x_row_bytes, srb = a.recv_scales ? a.scale_row_bytes : 0;
+  if (warp < kProducers && lane == 0) {
+    const int per = b.stages / kProducers, first_stage = warp * per;
+    StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per,
+                   full + first_stage};
+    int* item_tokens = producer_tokens[warp];
+    int offset[kMaxRanks];
+    for (int q = 0, o = 0; q < R; o += a.counts[q], ++q) offset[q] = o;
+    const int items = pieces(T, a.chunks) * a.chunks * R;
+    const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
+    // The stream's position: item, its source s and rows [o0, o1); then a byte position in the member's x rows
+    // (phase 1) and scale rows (2), or our own row and segment (3); 0: the next item.
+    const int step = kProducers * int(gridDim.x);
+    int item = int(blockIdx.x) + (warp - kProducers) * int(gridDim.x), s = 0, o0 = 0, o1 = 0, phase = 0, row = 0;
+    int seg = 0;
+    int64_t at = 0;
+    run_bulk_jobs(
+        ring,
+        [&](int j, char* stage, uint64_t* bar) -> int64_t {
+          const int st = first_stage + j % ring.stages;
+          for (;;) {
+            if (phase == 0) {
+              item += step;
+              if (item >= items) return kNoMoreJobs;
+              s = item % R;
+              const int c = item / R % a.chunks;
+              const int c0 = chunk_begin(T, a.chunks, c), c1 = chunk_begin(T, a.chunks, c + 1);
+              const int t0 = c0 + item / (R * a.chunks) * kPieceTokens, t1 = min(c1, t0 + kPieceTokens);
+              if (t0 >= t1) continue;
+              const int32_t* before = a.row_before + int64_t(s) * (T + 1);
+              o0 = min(before[t0], kept);
+              o1 = min(before[t1], kept);
+              if (o0 >= o1) continue;
+              if (s != from.self) {
+                if (wait_progress(from, s, c, t1 - c0) < 0) continue;
+                phase = 1;
+                at = 0;
+              } else {
+                for (int i = 0; i < o1 - o0; ++i) item_tokens[i] = a.row_map[o0 + i].y;
+                phase = 3;
+                row = seg = 0;
+              }
+            }
+            if (phase == 1 || phase == 2) {
+              const int64_t rb = phase == 1 ? xrb : srb, total = int64_t(o1 - o0) * rb;
+              if (at >= total) {
+                phase = phase == 1 && srb ? 2 : 0;
+                at = 0;
+                continue;
+              }
+              const uint32_t bytes = uint32_t(min(int64_t(b.stage_bytes), total - at));
+              const int64_t from_row = int64_t(o0 - offset[s]) * rb, to_row = int64_t(o0) * rb;
+              const char* src = (phase == 1 ? a.src.x[s] : a.src.scales[s]) + from_row + at;
+              part_dst[st][0] = (phase == 1 ? a.recv_x : a.recv_scales) + to_row + at;
+              part_bytes[st][0] = bytes;
+              part_bytes[st][1] = 0;
+              barrier_arrive_expect(bar, bytes);
+              bulk_load(stage, src, bytes, bar);
+              at += bytes;
+              return bytes;
+            }
+            // Our own rows: segment `seg` of row o0 + row, the scales with the last segment.
+            if (row >= o1 - o0) {
+              phase = 0;
+              continue;
+            }
+            const int t = item_tokens[row], o = o0 + row;
+            const int64_t offset_in_row = int64_t(seg) * b.segment_bytes;
+            const uint32_t x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset_in_row));
+            const bool with_scales = srb && seg == segs - 1;
+            part_dst[st][0] = a.recv_x + int64_t(o) * xrb + offset_in_row;
+            part_bytes[st][0] = x_bytes;
+            part_dst[st][1] = with_scales ? a.recv_scales + int64_t(o) * srb : nullptr;
+            part_bytes[st][1] = with_scales ? uint32_t(srb) : 0;
+            const uint32_t bytes = x_bytes + part_bytes[st][1];
+            barrier_arrive_expect(bar, bytes);
+            bulk_load(stage, a.src.x[s] + int64_t(t) * xrb + offset_in_row, x_bytes, bar);
+            if (with_scales) bulk_load(stage + x_bytes, a.src.scales[s] + int64_t(t) * srb, uint32_t(srb), bar);
+            if (++seg == segs) {
+              seg = 0;
+              ++row;
+            }
+            return bytes;
+          }
+        },
+        [&](int j, char* stage) {
+          const int st = first_stage + j % ring.stages;
+          bulk_store(part_dst[st][0], stage, part_bytes[st][0]);
+          if (part_bytes[st][1]) bulk_store(part_dst[st][1], stage + part_bytes[st][0], part_bytes[st][1]);
+        },
+        [](int) {});
+    return;
+  }
+  if (warp < kProducers) return;
+  // The other warps: the kept rows' expert indices (and weights), localized, a row per thread; then the padding.
+  const int helper_warps = warps - kProducers;
+  const int helpers = helper_warps * kWarp, helper = (warp - kProducers) * kWarp + lane;
+  const int local_experts = a.topk_mode ? a.num_experts / R : 0, first = from.self * local_experts;
+  for (int o = blockIdx.x * helpers + helper; a.topk_mode && o < kept; o += gridDim.x * helpers) {
+    const int2 st = a.row_map[o];
+    for (int k = 0; k < a.topk; ++k) {
+      const int e = a.src.topk_idx[st.x][st.y * a.topk + k];
+      const bool mine = e >= first && e < first + local_experts;
+      a.recv_topk_idx[o * a.topk + k] = mine ? e - first : -1;
+      if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[st.x][st.y * a.topk + k] : 0.f;
+    }
+  }
+  for (int o = kept + blockIdx.x * helper_warps + warp - kProducers; o < a.capacity; o += gridDim.x * helper_warps) {
+    warp_zero(a.recv_x + int64_t(o) * xrb, xrb, lane);
+    if (a.recv_scales) warp_zero(a.recv_scales + int64_t(o) * a.scale_row_bytes, a.scale_row_bytes, lane);
+    if (a.topk_mode)
+      for (int k = lane; k < a.topk; k += kWarp) {
+        a.recv_topk_idx[o * a.topk + k] = -1;
+        if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = 0.f;
+      }
+  }
+}
+
 struct CombineSendArgs {
   SendTo to;
   int chunks;
@@ -557,6 +823,88 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(Combi
         const int n = chunk_begin(a.recv_counts[s], a.chunks, c + 1) - chunk_begin(a.recv_counts[s], a.chunks, c);
         return min(n, k0 + warps);
       });
+    }
+    announce_meta(to);  // keeps the meta count at `chunks` a message (combine has no routing to send)
+  }
+}
+
+// Send side of combine with bulk copies: the rows of chunk c to each member are contiguous in y and in its region, so
+// one thread moves them in stage-sized pieces, members taken in turn, and announces each member's rows as their
+// stores complete. Rows past y's capacity (dropped by the dispatch, an error check_errors() reports) go back as
+// zeros, written by the block before the pieces move.
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(CombineSendArgs a, BulkShape b) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages];
+  StageRing ring{smem + b.tables_bytes, b.stage_bytes, b.stages, full};
+  const SendTo& to = a.to;
+  const int R = to.num_ranks;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    int total = 0;
+    for (int s = 0; s < R; ++s) total += a.recv_counts[s];
+    if (total > a.capacity) report(to.err, 4, to.rank, total, a.capacity, 0);
+  }
+  init_stage_barriers(full, b.stages);
+  if (!wait_acks(to)) return;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  int offsets[kMaxRanks];
+  for (int s = 0, o = 0; s < R; o += a.recv_counts[s], ++s) offsets[s] = o;
+  const int64_t rb = a.row_bytes;
+  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+    // Member s's rows [j0, j1) of this chunk; those at or past y's capacity from `kept` on.
+    int j0[kMaxRanks], j1[kMaxRanks], kept[kMaxRanks], pieces[kMaxRanks], members[kMaxRanks];
+    int M = 0, most = 0;
+    for (int s = 0; s < R; ++s) {
+      if (s == to.self) continue;
+      j0[M] = chunk_begin(a.recv_counts[s], a.chunks, c);
+      j1[M] = chunk_begin(a.recv_counts[s], a.chunks, c + 1);
+      kept[M] = max(j0[M], min(j1[M], a.capacity - offsets[s]));
+      for (int j = kept[M] + warp; j < j1[M]; j += warps) warp_zero(to.region[s] + int64_t(j) * rb, rb, lane);
+      pieces[M] = int((int64_t(kept[M] - j0[M]) * rb + b.stage_bytes - 1) / b.stage_bytes);
+      most = max(most, pieces[M]);
+      members[M++] = s;
+    }
+    __syncthreads();  // the zeros are written before thread 0's announcements (the barrier, then its releases)
+    if (threadIdx.x == 0 && M > 0) {
+      // Job j: piece j / M of member j % M.
+      const auto piece = [&](int j, int m, int64_t& at, uint32_t& bytes) {
+        const int64_t begin = int64_t(j0[m]) * rb, end = int64_t(kept[m]) * rb;
+        at = begin + int64_t(j / M) * b.stage_bytes;
+        bytes = uint32_t(min(int64_t(b.stage_bytes), end - at));
+      };
+      run_bulk_jobs(
+          ring,
+          [&](int j, char* stage, uint64_t* bar) -> int64_t {
+            if (j >= most * M) return kNoMoreJobs;
+            const int m = j % M;
+            if (j / M >= pieces[m]) return 0;
+            int64_t at;
+            uint32_t bytes;
+            piece(j, m, at, bytes);
+            barrier_arrive_expect(bar, bytes);
+            bulk_load(stage, a.y + int64_t(offsets[members[m]]) * rb + at, bytes, bar);
+            return bytes;
+          },
+          [&](int j, char* stage) {
+            const int m = j % M;
+            int64_t at;
+            uint32_t bytes;
+            piece(j, m, at, bytes);
+            bulk_store(to.region[members[m]] + at, stage, bytes);
+          },
+          [&](int k) {
+            int rows_done[kMaxRanks];
+            for (int m = 0; m < M; ++m) {
+              const int done_pieces = k > m ? (k - m + M - 1) / M : 0;
+              rows_done[m] = done_pieces >= pieces[m]
+                                 ? j1[m] - j0[m]
+                                 : int(int64_t(done_pieces) * b.stage_bytes / rb);
+            }
+            publish_progress(to, c, [&](int s) {
+              int m = 0;
+              while (members[m] != s) ++m;
+              return rows_done[m];
+            });
+          });
     }
     announce_meta(to);  // keeps the meta count at `chunks` a message (combine has no routing to send)
   }
@@ -646,6 +994,124 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(Co
           if (i + u * kWarp < v1) dst[i + u * kWarp] = Vec<T>::pack(acc[u]);
       }
     }
+  }
+}
+
+// Receive side of combine with bulk copies: the work items of combine_receive_kernel, dealt out over kProducers
+// producer warps. A producer waits for an item's rows and lists where each token's copies are; its lane 0 then
+// loads, per (token, segment of at most segment_bytes), every copy of the segment into one of its stages (R slots
+// of segment_bytes). The consumer warp of that stage reduces it in float32 from shared memory, writes the sum and
+// hands the stage back (`empty`), so loads of later stages stay in flight while it adds. Warps: the producers,
+// then one consumer per stage (b.stages, a multiple of kProducers).
+struct CombineStage {
+  int token, rows;  // rows < 0: no more jobs
+  uint32_t offset, bytes;
+};
+template <typename T>
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kernel(CombineReceiveArgs a, BulkShape b) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
+  __shared__ CombineStage job_of[kMaxStages];
+  __shared__ const char* copies[kProducers][kPieceTokens][kMaxRanks];
+  const ReceiveFrom& from = a.from;
+  const int R = from.num_ranks, T_ = a.num_tokens, S = b.stages, per = S / kProducers;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  char* stages = smem + b.tables_bytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      barrier_init(full + s, 1);
+      barrier_init(empty + s, 1);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (warp < kProducers) {
+    int own_offset = 0;
+    for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
+    const int64_t rb = a.row_bytes;
+    const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
+    const char* (*listed)[kMaxRanks] = copies[warp];
+    int job = 0;  // lane 0's, among this producer's stages
+    const auto next_stage = [&](int& st) {
+      st = warp * per + job % per;
+      if (job >= per) barrier_wait(empty + st, uint32_t(job / per - 1) & 1u);
+      ++job;
+    };
+    for (int item = blockIdx.x + warp * gridDim.x; item < pieces(T_, a.chunks) * a.chunks;
+         item += kProducers * gridDim.x) {
+      const int c = item % a.chunks;
+      const int t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kPieceTokens;
+      const int t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kPieceTokens);
+      if (t0 >= t1) continue;
+      bool ok = true;
+      for (int p = lane; p < R * a.chunks; p += kWarp) {
+        const int d = p / a.chunks, cc = p % a.chunks;
+        const int lo = a.excl[t0 * R + d], hi = a.excl[t1 * R + d], n = a.excl[T_ * R + d];
+        const int c0 = chunk_begin(n, a.chunks, cc), c1 = chunk_begin(n, a.chunks, cc + 1);
+        if (d != from.self && lo < hi && c0 < c1 && c0 < hi && c1 > lo && wait_progress(from, d, cc, min(hi, c1) - c0) < 0)
+          ok = false;
+      }
+      if (!__all_sync(0xffffffffu, ok)) continue;
+      for (int p = lane; p < (t1 - t0) * R; p += kWarp) {
+        const int i = p / R, d = p % R, t = t0 + i;
+        const char* row = nullptr;
+        if (a.mask[t * R + d]) {
+          const int j = a.excl[t * R + d];
+          if (d != from.self) row = from.region[d] + int64_t(j) * rb;
+          else if (own_offset + j < a.capacity) row = a.y + int64_t(own_offset + j) * rb;  // else: dropped
+        }
+        listed[i][d] = row;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        for (int i = 0; i < t1 - t0; ++i)
+          for (int g = 0; g < segs; ++g) {
+            int st;
+            next_stage(st);
+            const uint32_t offset = uint32_t(g) * b.segment_bytes;
+            const uint32_t bytes = uint32_t(min(int64_t(b.segment_bytes), rb - offset));
+            int n = 0;
+            for (int d = 0; d < R; ++d) n += listed[i][d] != nullptr;
+            job_of[st] = CombineStage{t0 + i, n, offset, bytes};
+            barrier_arrive_expect(full + st, uint32_t(n) * bytes);
+            char* slot = stages + size_t(st) * b.stage_bytes;
+            for (int d = 0; d < R; ++d)
+              if (listed[i][d]) {
+                bulk_load(slot, listed[i][d] + offset, bytes, full + st);
+                slot += b.segment_bytes;
+              }
+          }
+      }
+      __syncwarp();  // the list is the next item's
+    }
+    if (lane == 0)
+      for (int k = 0; k < per; ++k) {  // one end marker per stage
+        int st;
+        next_stage(st);
+        job_of[st] = CombineStage{0, -1, 0, 0};
+        barrier_arrive(full + st);
+      }
+    return;
+  }
+  if (warp >= kProducers + S) return;
+  // Consumer of stage st: its k-th job in phase k.
+  const int st = warp - kProducers;
+  const char* slot = stages + size_t(st) * b.stage_bytes;
+  for (uint32_t k = 0;; ++k) {
+    barrier_wait(full + st, k & 1u);
+    const CombineStage job = job_of[st];
+    if (job.rows < 0) break;
+    int4* dst = reinterpret_cast<int4*>(a.out + int64_t(job.token) * a.row_bytes + job.offset);
+    for (uint32_t v = lane; v < job.bytes / 16; v += kWarp) {
+      float acc[Vec<T>::kN] = {};
+      for (int r = 0; r < job.rows; ++r)
+        Vec<T>::add(acc, reinterpret_cast<const int4*>(slot + size_t(r) * b.segment_bytes)[v]);
+      dst[v] = Vec<T>::pack(acc);
+    }
+    // Our reads of the stage come before the next bulk load into it (another proxy).
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0) barrier_arrive(empty + st);
   }
 }
 
@@ -751,8 +1217,54 @@ void finish(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_
 
 // A send kernel's blocks: one per chunk of the message (every process must use the same UCCL_EP_NUM_SMS: the
 // receivers count chunks; initialize() checks it). Receive kernels get as many.
-int send_blocks() { return std::min(num_sms(), kChunks); }
-int receive_blocks() { return num_sms(); }
+// The SM budget (num_sms(), every process the same: the receivers count chunks; initialize() checks it) is split
+// between the send kernel, a block per chunk of the message, and the receive kernel.
+int send_blocks() { return std::clamp(num_sms() / 2, 1, kChunks); }
+int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
+
+// Shared memory of the bulk-copy kernels (kernels/nvl/bulk.cuh). Stages of at most a row segment each for the row
+// copies, larger ones for contiguous pieces; the combine receiver's stage holds a segment of each member's copy.
+uint32_t align_down(uint64_t n, uint32_t to) { return uint32_t(n / to * to); }
+constexpr uint32_t kStageTarget = 12;  // stages (and the combine receiver's consumer warps)
+static_assert(kStageTarget % kProducers == 0 && kProducers + kStageTarget <= kTransferThreads / kWarp,
+              "receivers: a producer's stages, and a warp per producer and per stage");
+BulkShape row_stages(int64_t row_bytes, int64_t tail_bytes, uint32_t tables_bytes) {
+  BulkShape b{};
+  b.tables_bytes = tables_bytes;
+  const uint32_t room = kBulkSharedBytes - tables_bytes;
+  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(room / 4 - uint32_t(tail_bytes), 16)));
+  b.stage_bytes = (b.segment_bytes + uint32_t(tail_bytes) + 127) / 128 * 128;
+  b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes));
+  return b;
+}
+BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
+  BulkShape b{};
+  b.stage_bytes = align_down(kBulkSharedBytes / kStageTarget, 128);
+  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(b.stage_bytes - uint32_t(tail_bytes), 16)));
+  b.stages = int(kStageTarget);
+  return b;
+}
+BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks) {
+  BulkShape b = piece_stages(row_bytes, 0);
+  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(b.stage_bytes / uint32_t(num_ranks), 16)));
+  return b;
+}
+
+// Bulk copies move 16-byte aligned runs of 16-byte multiples: rows that are not take the SM-store kernels.
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool bulk_dispatch(const DispatchSendArgs& s, const DispatchReceiveArgs& r) {
+  return bulk_copies() && s.x_row_bytes % 16 == 0 && aligned16(s.x) && aligned16(r.recv_x) &&
+         (!s.scales || (s.scale_row_bytes % 16 == 0 && aligned16(s.scales) && aligned16(r.recv_scales)));
+}
+bool bulk_combine(const CombineSendArgs& s, const CombineReceiveArgs& r) {
+  return bulk_copies() && s.row_bytes % 16 == 0 && aligned16(s.y) && aligned16(r.out);
+}
+
+template <class Kernel, class Args>
+void launch_bulk(Kernel kernel, const Args& a, const BulkShape& b, int blocks, cudaStream_t stream, const char* what) {
+  kernel<<<blocks, kTransferThreads, b.shared_bytes(), stream>>>(a, b);
+  check(cudaGetLastError(), what);
+}
 
 template <class Args>
 void launch_send(void (*kernel)(Args), const Args& a, cudaStream_t side) {
@@ -828,11 +1340,11 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
   }
   k.scan = ScanArgs{src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, from.rank, a.capacity,
                     scratch.row_map, a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, nullptr,
-                    scratch.block_counts, from.err};
+                    scratch.block_counts, from.err, scratch.row_before};
   k.receive = DispatchReceiveArgs{from, src, true, send_blocks(), a.topk, a.num_experts, a.num_tokens, a.capacity,
                                   scratch.row_map, a.recv_counts, a.recv_num_tokens, a.x_row_bytes, a.scale_row_bytes,
                                   static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales), a.recv_topk_idx,
-                                  a.recv_topk_weights};
+                                  a.recv_topk_weights, scratch.row_before};
   return k;
 }
 DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group& g, const Scratch& scratch,
@@ -850,17 +1362,30 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
   }
   // The counts land in scratch: the scan checks them against the handle's.
   k.scan = ScanArgs{src, false, a.num_tokens, 0, 0, g.size, g.self, from.rank, a.capacity, scratch.row_map,
-                    scratch.counts, scratch.num_rows, nullptr, a.recv_counts, scratch.block_counts, from.err};
+                    scratch.counts, scratch.num_rows, nullptr, a.recv_counts, scratch.block_counts, from.err,
+                    scratch.row_before};
   k.receive = DispatchReceiveArgs{from, src, false, send_blocks(), 0, 0, a.num_tokens, a.capacity, scratch.row_map,
                                   scratch.counts, scratch.num_rows, a.row_bytes, 0, static_cast<char*>(a.recv_x),
-                                  nullptr, nullptr, nullptr};
+                                  nullptr, nullptr, nullptr, scratch.row_before};
   return k;
 }
 // The receive side once the routing is in: the scan, then the rows.
-void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream) {
+void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, bool bulk = false) {
   run_scan(k.scan, k.local_experts, stream);
+  if (bulk) {
+    const int64_t tail = k.receive.recv_scales ? k.receive.scale_row_bytes : 0;
+    launch_bulk(dispatch_receive_bulk_kernel, k.receive, piece_stages(k.receive.x_row_bytes, tail), receive_blocks(),
+                stream, "dispatch_receive_bulk_kernel");
+    return;
+  }
   dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
   check(cudaGetLastError(), "dispatch_receive_kernel");
+}
+void launch_dispatch_send(const DispatchKernels& k, cudaStream_t side, bool bulk) {
+  if (!bulk) return launch_send(dispatch_send_kernel, k.send, side);
+  const int64_t tail = k.send.scales ? k.send.scale_row_bytes : 0;
+  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, tail, kSendTablesBytes),
+              send_blocks(), side, "dispatch_send_bulk_kernel");
 }
 
 struct CombineKernels {
@@ -878,10 +1403,20 @@ void launch_positions(const CombineArgs& a, int num_ranks, const Scratch& scratc
   positions_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, num_ranks, scratch.excl);
   check(cudaGetLastError(), "positions_kernel");
 }
-void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_t stream) {
+void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_t stream, bool bulk = false) {
+  if (bulk) {
+    const BulkShape b = combine_receive_stages(ra.row_bytes, ra.from.num_ranks);
+    if (bf16) launch_bulk(combine_receive_bulk_kernel<__nv_bfloat16>, ra, b, receive_blocks(), stream, "combine_receive");
+    else launch_bulk(combine_receive_bulk_kernel<float>, ra, b, receive_blocks(), stream, "combine_receive");
+    return;
+  }
   if (bf16) combine_receive_kernel<__nv_bfloat16><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
   else combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
   check(cudaGetLastError(), "combine_receive_kernel");
+}
+void launch_combine_send(const CombineSendArgs& sa, cudaStream_t side, bool bulk) {
+  if (!bulk) return launch_send(combine_send_kernel, sa, side);
+  launch_bulk(combine_send_bulk_kernel, sa, piece_stages(sa.row_bytes, 0), send_blocks(), side, "combine_send_bulk");
 }
 
 // ---- Across nodes: the proxy runtime's registered buffer in place of the NVLink peers (see api.hpp) ----
@@ -1037,10 +1572,11 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
   const DispatchKernels k = dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g));
+  const bool bulk = bulk_dispatch(k.send, k.receive);
   const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, k.send, side); });
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_dispatch_send(k, side, bulk); });
   wait_routing(dev, g, k.receive.from, stream);
-  launch_dispatch_receive(k, stream);
+  launch_dispatch_receive(k, stream, bulk);
   finish(dev, g, k.receive.from, stream);
   dev.timing_end(stream, "dispatch");
 }
@@ -1052,10 +1588,11 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const DispatchKernels k = cached_dispatch_kernels(a, g, scratch, send_to(dev, g), receive_from(dev, g));
+  const bool bulk = bulk_dispatch(k.send, k.receive);
   const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(dispatch_send_kernel, k.send, side); });
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_dispatch_send(k, side, bulk); });
   wait_routing(dev, g, k.receive.from, stream);
-  launch_dispatch_receive(k, stream);
+  launch_dispatch_receive(k, stream, bulk);
   finish(dev, g, k.receive.from, stream);
 }
 
@@ -1067,10 +1604,11 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
   const CombineKernels k = combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g));
+  const bool bulk = bulk_combine(k.send, k.receive);
   const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_send(combine_send_kernel, k.send, side); });
+  fork_send(dev, stream, [&](cudaStream_t side) { launch_combine_send(k.send, side, bulk); });
   launch_positions(a, g.size, scratch, stream);
-  launch_combine_receive(k.receive, a.bf16, stream);
+  launch_combine_receive(k.receive, a.bf16, stream, bulk);
   finish(dev, g, k.receive.from, stream);
   dev.timing_end(stream, "combine");
 }
@@ -1128,7 +1666,12 @@ void combine(uccl_ep::Device& dev, const Group& g, const CombineArgs& a, cudaStr
 void preload_intranode_kernels() {
   load_kernels(positions_kernel, dispatch_count_kernel, dispatch_place_kernel, dispatch_send_kernel,
                dispatch_receive_kernel, combine_send_kernel, combine_receive_kernel<float>,
-               combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel, push_messages_kernel, acknowledge_kernel);
+               combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel, push_messages_kernel, acknowledge_kernel,
+               dispatch_send_bulk_kernel, dispatch_receive_bulk_kernel, combine_send_bulk_kernel,
+               combine_receive_bulk_kernel<float>, combine_receive_bulk_kernel<__nv_bfloat16>);
+  allow_shared_bytes(kBulkSharedBytes, dispatch_send_bulk_kernel, dispatch_receive_bulk_kernel,
+                     combine_send_bulk_kernel, combine_receive_bulk_kernel<float>,
+                     combine_receive_bulk_kernel<__nv_bfloat16>);
 }
 
 }  // namespace uccl_ep::nvl

@@ -1,0 +1,76 @@
+"""Normal mode's NVLink kernels on one GPU, pointed at the GPU's own memory: two ranks on GPU 0, each sending its
+rows into the other's buffer as if it were a peer (nvl_loopback_bench). What a kernel moves here bounds what it can
+move over NVLink (NV18: 450 GB/s per direction), so at a budget it must move well over that here.
+
+Sweeps the SM budget (UCCL_EP_NUM_SMS: send + receive blocks of each rank) for the SM-store kernels and the
+bulk-copy (TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default. Per call: BF16 dispatch, FP8 dispatch
+(rows + scales) and BF16 combine, timed with CUDA events over --iters calls (the slower rank). GB/s: the rows one
+rank sends the other per call over the time ("remote", the bytes NVLink would carry), and all rows it receives
+including its own ("DeepEP"). Both ranks run at once, so the GPU's memory carries about 4x the remote bytes
+(send: read + write, receive: read + write) of each rank. Each run checks the last call's rows and sums.
+
+    python bench/loopback.py --out $OUT/loopback.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+HEADERS = ["op", "copies", "SMs/rank", "time/call", "GB/s remote", "GB/s DeepEP", "rows ok"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--sms", default="8,12,16,24", help="comma-separated SM budgets")
+    ap.add_argument("--copies", default="stores,bulk", help="stores, bulk or both")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="loopback.json")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from jax_uccl_ep import _uccl_ep
+
+    header = common.run_header("GPU 0, two ranks on it")
+    print(f"# {header['date']}  {header['command']}", flush=True)
+    rows, record = [], {"header": header, "args": vars(args), "runs": []}
+    for copies in args.copies.split(","):
+        for budget in (int(b) for b in args.sms.split(",")):
+            os.environ["UCCL_EP_NUM_SMS"] = str(budget)
+            os.environ["UCCL_EP_NVL_BULK"] = "1" if copies == "bulk" else "0"
+            _uccl_ep.nvl_reload_transfer_settings()
+            for fp8 in (False, True):
+                r = dict(_uccl_ep.nvl_loopback_bench(0, args.tokens, args.hidden, args.topk, args.experts, fp8,
+                                                     args.iters, 7))
+                r.update(copies=copies, budget=budget, fp8=fp8)
+                record["runs"].append(r)
+                remote = r["remote_rows"] / 2 * r["x_row_bytes"]  # per rank
+                received = r["received_rows"] / 2 * r["x_row_bytes"]
+                ok = "yes" if r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0 else \
+                    f"NO ({r['mismatched_rows']} rows, {r['mismatched_combine_rows']} sums)"
+                ops = [("dispatch fp8" if fp8 else "dispatch bf16", r["dispatch_us"])]
+                if not fp8:
+                    ops.append(("combine bf16", r["combine_us"]))
+                for name, us in ops:
+                    rows.append([name, copies, str(budget), f"{us:.1f} us", f"{remote / us / 1e3:.0f}",
+                                 f"{received / us / 1e3:.0f}", ok])
+                print(f"# {copies} {budget} SMs fp8={fp8}: " +
+                      ", ".join(f"{n} {us:.1f} us" for n, us in ops) + f", rows ok: {ok}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print()
+    rows.sort(key=lambda row: (row[0], int(row[2]), row[1]))
+    common.print_table(HEADERS, rows, title=f"loopback on GPU 0: T={args.tokens}/rank, H={args.hidden}, "
+                                            f"top-{args.topk} of {args.experts}, {args.iters} calls")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+// Normal mode's NVLink kernels pointed at this GPU's own memory: two ranks on one GPU (two NvlDevices), each
+// sending its rows into the other's buffer as if it were a peer. What the kernels move here bounds what they can
+// move over NVLink. Times dispatch and combine with CUDA events over the current settings (SM budget, bulk copies
+// or SM stores) and checks the last call's rows against the inputs.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "api.hpp"
+#include "bulk.cuh"
+#include "device_common.cuh"
+
+namespace uccl_ep::nvl {
+namespace {
+
+template <class T>
+T* device_alloc(size_t count) {
+  void* p = nullptr;
+  check(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)), "cudaMalloc");
+  return static_cast<T*>(p);
+}
+
+// One rank's inputs and outputs.
+struct Rank {
+  std::vector<uint8_t> x_host;        // [T, x_row_bytes]
+  std::vector<int32_t> topk_host;     // [T, K]
+  void *x = nullptr, *scales = nullptr, *recv_x = nullptr, *recv_scales = nullptr, *out = nullptr;
+  int32_t *topk = nullptr, *recv_topk = nullptr, *recv_num = nullptr, *per_expert = nullptr, *counts = nullptr;
+  float *weights = nullptr, *recv_weights = nullptr;
+  bool* in_rank = nullptr;
+  cudaStream_t stream = nullptr;
+  ~Rank() {
+    for (void* p : {x, scales, recv_x, recv_scales, out, static_cast<void*>(topk), static_cast<void*>(recv_topk),
+                    static_cast<void*>(recv_num), static_cast<void*>(per_expert), static_cast<void*>(counts),
+                    static_cast<void*>(weights), static_cast<void*>(recv_weights), static_cast<void*>(in_rank)})
+      if (p) cudaFree(p);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+}  // namespace
+
+LoopbackResult loopback_bench(const LoopbackArgs& a) {
+  constexpr int R = 2;
+  const int T = a.num_tokens, H = a.hidden, K = a.topk, E = a.num_experts, cap = R * T;
+  if (T < 1 || H < 128 || H % 128 || K < 1 || K > E || E % R || a.iters < 1)
+    throw std::invalid_argument("loopback_bench: tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts, "
+                                "experts divisible by 2, iters >= 1");
+  check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
+  const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
+  const size_t message = std::max(dispatch_message_bytes(T, x_row, scale_row, K, true),
+                                  combine_message_bytes(T, H, true));
+  const size_t buffer = NvlDevice::buffer_bytes_for(R, message);
+  std::vector<std::unique_ptr<NvlDevice>> devs;
+  for (int r = 0; r < R; ++r) devs.push_back(std::make_unique<NvlDevice>(a.cuda_device, r, R, buffer, 0));
+  std::vector<NvlDevice*> same{devs[0].get(), devs[1].get()};
+  for (auto& d : devs) d->connect(std::vector<std::vector<uint8_t>>(R), same);
+
+  std::mt19937_64 rng(a.seed);
+  Rank ranks[R];
+  for (int r = 0; r < R; ++r) {
+    Rank& k = ranks[r];
+    check(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    // Random rows (BF16 from normal values, or random FP8 bytes), K distinct random experts per token.
+    k.x_host.resize(size_t(T) * x_row);
+    if (a.fp8) {
+      for (auto& b : k.x_host) b = uint8_t(rng() % 0x7e);  // finite e4m3 values
+    } else {
+      std::normal_distribution<float> normal;
+      auto* h = reinterpret_cast<__nv_bfloat16*>(k.x_host.data());
+      for (size_t i = 0; i < size_t(T) * H; ++i) h[i] = __float2bfloat16(normal(rng));
+    }
+    k.topk_host.resize(size_t(T) * K);
+    std::vector<int> experts(E);
+    for (int t = 0; t < T; ++t) {
+      for (int e = 0; e < E; ++e) experts[e] = e;
+      for (int j = 0; j < K; ++j) {
+        std::swap(experts[j], experts[j + rng() % (E - j)]);
+        k.topk_host[size_t(t) * K + j] = experts[j];
+      }
+    }
+    std::vector<float> w(size_t(T) * K), s(size_t(T) * (H / 128));
+    for (auto& v : w) v = float(rng() % 1000) / 1000.f;
+    for (auto& v : s) v = 1.f + float(rng() % 1000) / 1000.f;
+    k.x = device_alloc<uint8_t>(k.x_host.size());
+    check(cudaMemcpy(k.x, k.x_host.data(), k.x_host.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+    k.topk = device_alloc<int32_t>(k.topk_host.size());
+    check(cudaMemcpy(k.topk, k.topk_host.data(), k.topk_host.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    k.weights = device_alloc<float>(w.size());
+    check(cudaMemcpy(k.weights, w.data(), w.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    if (a.fp8) {
+      k.scales = device_alloc<float>(s.size());
+      check(cudaMemcpy(k.scales, s.data(), s.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+      k.recv_scales = device_alloc<uint8_t>(size_t(cap) * scale_row);
+    }
+    k.recv_x = device_alloc<uint8_t>(size_t(cap) * std::max<int64_t>(x_row, int64_t(H) * 2));
+    k.out = device_alloc<__nv_bfloat16>(size_t(T) * H);
+    k.recv_topk = device_alloc<int32_t>(size_t(cap) * K);
+    k.recv_weights = device_alloc<float>(size_t(cap) * K);
+    k.recv_num = device_alloc<int32_t>(1);
+    k.per_expert = device_alloc<int32_t>(E / R);
+    k.counts = device_alloc<int32_t>(R);
+    k.in_rank = device_alloc<bool>(size_t(T) * R);
+  }
+  const int32_t members[R] = {0, 1};
+  const auto dispatch_args = [&](Rank& k) {
+    return DispatchArgs{k.x, x_row, k.scales, scale_row, k.topk, k.weights, T, K, E, cap, k.recv_x, k.recv_scales,
+                        k.recv_topk, k.recv_weights, k.recv_num, k.per_expert, k.in_rank, k.counts};
+  };
+  const auto combine_args = [&](Rank& k) {
+    return CombineArgs{k.recv_x, true, H, cap, T, k.in_rank, k.counts, k.out};
+  };
+  // Both ranks' ops are queued before either is awaited: each waits for the other on the GPU.
+  const auto run = [&](bool combine, int iters) {
+    for (int i = 0; i < iters; ++i)
+      for (int r = 0; r < R; ++r) {
+        const Group g{members, R, r};
+        if (combine) nvl::combine(*devs[r], g, combine_args(ranks[r]), ranks[r].stream);
+        else nvl::dispatch(*devs[r], g, dispatch_args(ranks[r]), ranks[r].stream);
+      }
+  };
+  const auto timed_us = [&](bool combine) {
+    run(combine, 2);  // warm-up
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cudaEvent_t start[R], stop[R];
+    for (int r = 0; r < R; ++r) {
+      check(cudaEventCreate(&start[r]), "cudaEventCreate");
+      check(cudaEventCreate(&stop[r]), "cudaEventCreate");
+      check(cudaEventRecord(start[r], ranks[r].stream), "cudaEventRecord");
+    }
+    run(combine, a.iters);
+    float most = 0;
+    for (int r = 0; r < R; ++r) {
+      check(cudaEventRecord(stop[r], ranks[r].stream), "cudaEventRecord");
+      check(cudaEventSynchronize(stop[r]), "cudaEventSynchronize");
+      float ms = 0;
+      check(cudaEventElapsedTime(&ms, start[r], stop[r]), "cudaEventElapsedTime");
+      most = std::max(most, ms);
+      cudaEventDestroy(start[r]);
+      cudaEventDestroy(stop[r]);
+    }
+    return double(most) * 1000.0 / a.iters;
+  };
+
+  LoopbackResult res{};
+  res.dispatch_us = timed_us(false);
+  for (auto& d : devs) d->check_errors("loopback dispatch");
+  // The last dispatch's rows: receiver r holds, per source in order, the rows of the source's tokens with an
+  // expert on r, in token order.
+  for (int r = 0; r < R; ++r) {
+    int32_t got_rows = 0;
+    check(cudaMemcpy(&got_rows, ranks[r].recv_num, 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    std::vector<uint8_t> got(size_t(got_rows) * x_row);
+    check(cudaMemcpy(got.data(), ranks[r].recv_x, got.size(), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    int64_t o = 0;
+    for (int s = 0; s < R; ++s)
+      for (int t = 0; t < T; ++t) {
+        bool mine = false;
+        for (int j = 0; j < K; ++j) mine |= ranks[s].topk_host[size_t(t) * K + j] / (E / R) == r;
+        if (!mine) continue;
+        if (s != r) ++res.remote_rows;
+        ++res.received_rows;
+        if (o >= got_rows || std::memcmp(got.data() + o * x_row, ranks[s].x_host.data() + int64_t(t) * x_row,
+                                         size_t(x_row)) != 0)
+          ++res.mismatched_rows;
+        ++o;
+      }
+    if (o != got_rows) res.mismatched_rows += uint64_t(std::abs(got_rows - o));
+  }
+  res.x_row_bytes = uint64_t(x_row + scale_row);
+  if (!a.fp8) {
+    res.combine_us = timed_us(true);
+    for (auto& d : devs) d->check_errors("loopback combine");
+    // Each token comes back once from every rank that got it, unchanged: the sum is x times that count (exact in
+    // BF16 for counts 1 and 2).
+    for (int r = 0; r < R; ++r) {
+      std::vector<__nv_bfloat16> out(size_t(T) * H);
+      check(cudaMemcpy(out.data(), ranks[r].out, out.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      const auto* x = reinterpret_cast<const __nv_bfloat16*>(ranks[r].x_host.data());
+      for (int t = 0; t < T; ++t) {
+        int copies = 0;
+        for (int d = 0; d < R; ++d) {
+          bool to_d = false;
+          for (int j = 0; j < K; ++j) to_d |= ranks[r].topk_host[size_t(t) * K + j] / (E / R) == d;
+          copies += to_d;
+        }
+        for (int h = 0; h < H; ++h)
+          if (__bfloat162float(out[size_t(t) * H + h]) != copies * __bfloat162float(x[size_t(t) * H + h])) {
+            ++res.mismatched_combine_rows;
+            break;
+          }
+      }
+    }
+  }
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return res;
+}
+
+}  // namespace uccl_ep::nvl
+
+namespace uccl_ep::nvl {
+namespace {
+
+constexpr int kTransferThreads = 512;
+
+// Each block copies its span of `bytes_per_block` with `producers` threads (lane 0 of warps 0..), each running its
+// own ring of `stages` stages over the pieces p, p + producers, ...; or, with warps, the block's warps copy with SM
+// loads and stores.
+__global__ void __launch_bounds__(kTransferThreads, 1)
+    copy_bench_kernel(const char* src, char* dst, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
+                      int producers, bool warps) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages * 4];
+  const int64_t base = int64_t(blockIdx.x) * bytes_per_block;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (warps) {
+    const int64_t rows = bytes_per_block / stage_bytes;
+    for (int64_t r = warp; r < rows; r += blockDim.x / kWarp)
+      warp_copy(dst + base + r * stage_bytes, src + base + r * stage_bytes, stage_bytes, lane);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages * producers; ++s) barrier_init(full + s, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (lane != 0 || warp >= producers) return;
+  StageRing ring{smem + size_t(warp) * stages * stage_bytes, stage_bytes, stages, full + warp * stages};
+  const int64_t pieces = bytes_per_block / stage_bytes;
+  run_bulk_jobs(
+      ring,
+      [&](int j, char* stage, uint64_t* bar) -> int64_t {
+        const int64_t k = int64_t(j) * producers + warp;
+        if (k >= pieces) return kNoMoreJobs;
+        barrier_arrive_expect(bar, stage_bytes);
+        bulk_load(stage, src + base + k * stage_bytes, stage_bytes, bar);
+        return stage_bytes;
+      },
+      [&](int j, char* stage) { bulk_store(dst + base + (int64_t(j) * producers + warp) * stage_bytes, stage, stage_bytes); },
+      [](int) {});
+}
+
+}  // namespace
+
+double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
+                  int producers, bool warps, char* peer_dst) {
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  if (stages * producers > kMaxStages * 4 || uint64_t(stages) * producers * stage_bytes > kBulkSharedBytes)
+    throw std::invalid_argument("copy_bench: too many stages");
+  char *src = device_alloc<char>(size_t(blocks) * bytes_per_block), *dst = device_alloc<char>(size_t(blocks) * bytes_per_block);
+  allow_shared_bytes(kBulkSharedBytes, copy_bench_kernel);
+  const uint32_t shared = warps ? 0 : uint32_t(stages) * producers * stage_bytes;
+  char* to = peer_dst ? peer_dst : dst;
+  for (int i = 0; i < 2; ++i)
+    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, to, bytes_per_block, stage_bytes, stages, producers, warps);
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  constexpr int kIters = 10;
+  check(cudaEventRecord(start), "cudaEventRecord");
+  for (int i = 0; i < kIters; ++i)
+    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, to, bytes_per_block, stage_bytes, stages, producers, warps);
+  check(cudaEventRecord(stop), "cudaEventRecord");
+  check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  check(cudaGetLastError(), "copy_bench_kernel");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(src);
+  cudaFree(dst);
+  return double(blocks) * bytes_per_block * kIters / (ms * 1e-3) / 1e9;  // GB/s copied
+}
+
+}  // namespace uccl_ep::nvl
