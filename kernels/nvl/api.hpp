@@ -1,10 +1,11 @@
 // Intranode (NVLink) normal mode on CUDA GPUs: a framework-free host API. Plain device pointers and a stream
 // in; every launch is asynchronous on that stream, with no host synchronization.
 //
-// How data moves: SM kernels push each token's row only to the members that need it, straight into the member's
+// How data moves: send kernels push each token's row only to the members that need it, straight into the member's
 // buffer over NVLink (mapped through CUDA IPC or peer access), packed in token order; the receiving member's
-// kernels copy the rows out as their chunks land. (Until session 7 the copy engines moved every token to every
-// member and the receiver gathered what it needed: 3.2x slower than NCCL at EP8, bench/RESULTS.md.)
+// kernels copy the rows out as their chunks land. Rows move by bulk copies (bulk.cuh: one thread drives a ring of
+// shared-memory stages, global -> shared -> peer), or by SM stores where rows are not 16-byte multiples and on the
+// proxy path (host memory). An op's send and receive kernels share one SM budget (num_sms()).
 //
 // Per GPU one buffer: [flags 4 KiB][in-region of each peer][low-latency area]. Peer p writes its messages into
 // our in-region(p). Flags, all written by p: meta[p] counts the chunks of p's messages whose routing landed
