@@ -782,6 +782,14 @@ struct CombineSendArgs {
   const int32_t* recv_counts;  // [R] from the dispatch (before its capacity cut)
 };
 
+// The dispatch's rows must fit y (else rows were dropped): reported once, by block 0.
+__device__ void check_combine_capacity(const CombineSendArgs& a) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int total = 0;
+  for (int s = 0; s < a.to.num_ranks; ++s) total += a.recv_counts[s];
+  if (total > a.capacity) report(a.to.err, 4, a.to.rank, total, a.capacity, 0);
+}
+
 // Send side of combine: the rows of each member go back to it, packed as they came (row j of its block of y is
 // row j of its message). Rows the dispatch dropped past y's capacity (an error check_errors() reports) go back as
 // zeros, and y is never read past its end. Chunk c of the rows to member s: chunk_begin(recv_counts[s], chunks, c);
@@ -789,11 +797,7 @@ struct CombineSendArgs {
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(CombineSendArgs a) {
   const SendTo& to = a.to;
   const int R = to.num_ranks;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    int total = 0;
-    for (int s = 0; s < R; ++s) total += a.recv_counts[s];
-    if (total > a.capacity) report(to.err, 4, to.rank, total, a.capacity, 0);
-  }
+  check_combine_capacity(a);
   if (!wait_acks(to)) return;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   int offsets[kMaxRanks];
@@ -838,11 +842,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
   StageRing ring{smem + b.tables_bytes, b.stage_bytes, b.stages, full};
   const SendTo& to = a.to;
   const int R = to.num_ranks;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    int total = 0;
-    for (int s = 0; s < R; ++s) total += a.recv_counts[s];
-    if (total > a.capacity) report(to.err, 4, to.rank, total, a.capacity, 0);
-  }
+  check_combine_capacity(a);
   init_stage_barriers(full, b.stages);
   if (!wait_acks(to)) return;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
