@@ -279,7 +279,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& args);
 // through `stages` stages of `stage_bytes`, or (warps) the block's warps with SM loads and stores of rows of
 // `stage_bytes`.
 double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
-                  int producers, bool warps, char* peer_dst = nullptr);
+                  int producers, bool warps);
 
 // Messages from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload into
 // mapped host memory of the proxy's registered buffer, pushes `messages` messages of it to `peer` into a channel's

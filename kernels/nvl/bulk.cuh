@@ -1,8 +1,7 @@
-// Hopper bulk copies (TMA, cp.async.bulk) for the normal-mode kernels: one thread moves rows global -> shared ->
-// global (a peer's buffer over NVLink, or our own memory) while the SM's other warps do the layout or reduce.
-// One thread keeps a stage of shared memory per copy in flight, so the other warps are free for the layout or the
-// reductions; an SM copies at most ~50 GB/s either way, and one issuing thread spends ~0.36 us per copy
-// (bench/RESULTS.md), so small copies want several issuing threads. Addresses and sizes: multiples of 16.
+// Hopper bulk copies (TMA, cp.async.bulk) for the normal-mode kernels: an issuing thread moves rows global ->
+// shared -> global (a peer's buffer over NVLink, or our own memory) through a ring of stages while the SM's other
+// warps do the layout or reduce. An SM copies at most ~50 GB/s either way, and one issuing thread spends ~0.36 us
+// per copy (bench/RESULTS.md), so small copies want several issuing threads. Addresses and sizes: multiples of 16.
 // Included by the .cu files of kernels/nvl only.
 #pragma once
 #include <cuda_runtime.h>

@@ -15,6 +15,7 @@ namespace uccl_ep::nvl {
 namespace {
 
 constexpr int kWarp = 32;
+constexpr int kTransferThreads = 512;  // threads of normal mode's send and receive blocks
 
 inline void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep nvl: ") + what + ": " + cudaGetErrorString(e));

@@ -18,7 +18,6 @@ namespace {
 
 constexpr int kScanThreads = 1024;
 constexpr int kMaxScanExperts = 12 * 1024 - 64;  // the scan's dynamic shared ints (see dispatch())
-constexpr int kTransferThreads = 512;            // send and receive blocks
 constexpr int kPieceTokens = 16;                 // receive work items: this many tokens of a send block's chunk
 
 // Where each source's routing and rows live (group position s -> pointer valid on this GPU). Our own rows are
@@ -564,6 +563,27 @@ struct DispatchReceiveArgs {
   const int32_t* row_before;  // [R, T + 1] from the scan
 };
 
+// Output row o's expert slot k (from source s's token t): the index among our local experts with its weight, or -1
+// and 0 for another GPU's expert.
+__device__ __forceinline__ void localize_slot(const DispatchReceiveArgs& a, int o, int s, int t, int k, int first,
+                                              int local_experts) {
+  const int e = a.src.topk_idx[s][t * a.topk + k];
+  const bool mine = e >= first && e < first + local_experts;
+  a.recv_topk_idx[o * a.topk + k] = mine ? e - first : -1;
+  if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[s][t * a.topk + k] : 0.f;
+}
+
+// Output row o past the kept rows, by one warp: zeros, expert indices -1.
+__device__ void pad_row(const DispatchReceiveArgs& a, int o, int lane) {
+  warp_zero(a.recv_x + int64_t(o) * a.x_row_bytes, a.x_row_bytes, lane);
+  if (a.recv_scales) warp_zero(a.recv_scales + int64_t(o) * a.scale_row_bytes, a.scale_row_bytes, lane);
+  if (a.topk_mode)
+    for (int k = lane; k < a.topk; k += kWarp) {
+      a.recv_topk_idx[o * a.topk + k] = -1;
+      if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = 0.f;
+    }
+}
+
 // Rows [o0, o1) of source s (its block of rows starts at `offset`) into the output, a row per warp, with their
 // expert indices localized.
 __device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, int offset, int warp, int warps,
@@ -583,12 +603,7 @@ __device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, i
       else warp_copy<Load::kCoherent>(out_s, in_s, a.scale_row_bytes, lane);
     }
     if (a.topk_mode)
-      for (int k = lane; k < a.topk; k += kWarp) {
-        const int e = a.src.topk_idx[s][t * a.topk + k];
-        const bool mine = e >= first && e < first + local_experts;
-        a.recv_topk_idx[o * a.topk + k] = mine ? e - first : -1;
-        if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[s][t * a.topk + k] : 0.f;
-      }
+      for (int k = lane; k < a.topk; k += kWarp) localize_slot(a, o, s, t, k, first, local_experts);
   }
 }
 
@@ -625,15 +640,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
     copy_rows(a, s, o0, o1, offset, warp, warps, lane, first, local_experts);
   }
   const int all_warps = gridDim.x * warps;
-  for (int o = kept + blockIdx.x * warps + warp; o < a.capacity; o += all_warps) {
-    warp_zero(a.recv_x + int64_t(o) * a.x_row_bytes, a.x_row_bytes, lane);
-    if (a.recv_scales) warp_zero(a.recv_scales + int64_t(o) * a.scale_row_bytes, a.scale_row_bytes, lane);
-    if (a.topk_mode)
-      for (int k = lane; k < a.topk; k += kWarp) {
-        a.recv_topk_idx[o * a.topk + k] = -1;
-        if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = 0.f;
-      }
-  }
+  for (int o = kept + blockIdx.x * warps + warp; o < a.capacity; o += all_warps) pad_row(a, o, lane);
 }
 
 // Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, dealt out over
@@ -755,22 +762,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_bulk_ker
   const int local_experts = a.topk_mode ? a.num_experts / R : 0, first = from.self * local_experts;
   for (int o = blockIdx.x * helpers + helper; a.topk_mode && o < kept; o += gridDim.x * helpers) {
     const int2 st = a.row_map[o];
-    for (int k = 0; k < a.topk; ++k) {
-      const int e = a.src.topk_idx[st.x][st.y * a.topk + k];
-      const bool mine = e >= first && e < first + local_experts;
-      a.recv_topk_idx[o * a.topk + k] = mine ? e - first : -1;
-      if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[st.x][st.y * a.topk + k] : 0.f;
-    }
+    for (int k = 0; k < a.topk; ++k) localize_slot(a, o, st.x, st.y, k, first, local_experts);
   }
-  for (int o = kept + blockIdx.x * helper_warps + warp - kProducers; o < a.capacity; o += gridDim.x * helper_warps) {
-    warp_zero(a.recv_x + int64_t(o) * xrb, xrb, lane);
-    if (a.recv_scales) warp_zero(a.recv_scales + int64_t(o) * a.scale_row_bytes, a.scale_row_bytes, lane);
-    if (a.topk_mode)
-      for (int k = lane; k < a.topk; k += kWarp) {
-        a.recv_topk_idx[o * a.topk + k] = -1;
-        if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = 0.f;
-      }
-  }
+  for (int o = kept + blockIdx.x * helper_warps + warp - kProducers; o < a.capacity; o += gridDim.x * helper_warps)
+    pad_row(a, o, lane);
 }
 
 struct CombineSendArgs {
@@ -892,18 +887,14 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
             bulk_store(to.region[members[m]] + at, stage, bytes);
           },
           [&](int k) {
-            int rows_done[kMaxRanks];
+            int rows_done[kMaxRanks];  // by group position
             for (int m = 0; m < M; ++m) {
               const int done_pieces = k > m ? (k - m + M - 1) / M : 0;
-              rows_done[m] = done_pieces >= pieces[m]
-                                 ? j1[m] - j0[m]
-                                 : int(int64_t(done_pieces) * b.stage_bytes / rb);
+              rows_done[members[m]] = done_pieces >= pieces[m]
+                                          ? j1[m] - j0[m]
+                                          : int(int64_t(done_pieces) * b.stage_bytes / rb);
             }
-            publish_progress(to, c, [&](int s) {
-              int m = 0;
-              while (members[m] != s) ++m;
-              return rows_done[m];
-            });
+            publish_progress(to, c, [&](int s) { return rows_done[s]; });
           });
     }
     announce_meta(to);  // keeps the meta count at `chunks` a message (combine has no routing to send)

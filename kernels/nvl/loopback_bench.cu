@@ -207,8 +207,6 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
 namespace uccl_ep::nvl {
 namespace {
 
-constexpr int kTransferThreads = 512;
-
 // Each block copies its span of `bytes_per_block` with `producers` threads (lane 0 of warps 0..), each running its
 // own ring of `stages` stages over the pieces p, p + producers, ...; or, with warps, the block's warps copy with SM
 // loads and stores.
@@ -249,23 +247,22 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
 }  // namespace
 
 double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
-                  int producers, bool warps, char* peer_dst) {
+                  int producers, bool warps) {
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
   if (stages * producers > kMaxStages * 4 || uint64_t(stages) * producers * stage_bytes > kBulkSharedBytes)
     throw std::invalid_argument("copy_bench: too many stages");
   char *src = device_alloc<char>(size_t(blocks) * bytes_per_block), *dst = device_alloc<char>(size_t(blocks) * bytes_per_block);
   allow_shared_bytes(kBulkSharedBytes, copy_bench_kernel);
   const uint32_t shared = warps ? 0 : uint32_t(stages) * producers * stage_bytes;
-  char* to = peer_dst ? peer_dst : dst;
   for (int i = 0; i < 2; ++i)
-    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, to, bytes_per_block, stage_bytes, stages, producers, warps);
+    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers, warps);
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
   constexpr int kIters = 10;
   check(cudaEventRecord(start), "cudaEventRecord");
   for (int i = 0; i < kIters; ++i)
-    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, to, bytes_per_block, stage_bytes, stages, producers, warps);
+    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers, warps);
   check(cudaEventRecord(stop), "cudaEventRecord");
   check(cudaEventSynchronize(stop), "cudaEventSynchronize");
   check(cudaGetLastError(), "copy_bench_kernel");
