@@ -36,16 +36,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep
 
     header = common.run_header("GPU 0, two ranks on it")
     print(f"# {header['date']}  {header['command']}", flush=True)
     rows, record = [], {"header": header, "args": vars(args), "runs": []}
     for copies in args.copies.split(","):
         for budget in (int(b) for b in args.sms.split(",")):
-            os.environ["UCCL_EP_NUM_SMS"] = str(budget)
-            os.environ["UCCL_EP_NVL_BULK"] = "1" if copies == "bulk" else "0"
-            _uccl_ep.nvl_reload_transfer_settings()
+            _runtime.configure_native(Config(num_sms=budget, nvl_bulk=copies == "bulk"))
             for fp8 in (False, True):
                 r = dict(_uccl_ep.nvl_loopback_bench(0, args.tokens, args.hidden, args.topk, args.experts, fp8,
                                                      args.iters, 7))

@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "../kernels/fp8.hpp"
+#include "../kernels/contract.hpp"
 #include "../proxy/errors.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -61,6 +61,8 @@ auto dispatch_signature(Binding b) {
       .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
       .template Attr<int64_t>("num_experts")
       .template Attr<int64_t>("two_level")          // 0: the whole group; 1, 2: a level of two-level routing
+      .template Attr<int64_t>("path")               // Path (kernels/contract.hpp), decided at lowering
+      .template Attr<int64_t>("node_size")          // host paths: ranks per node of hierarchical rounds (0: flat)
       .template Ret<ffi::AnyBuffer>()               // recv_x
       .template Ret<ffi::AnyBuffer>()               // recv_scales
       .template Ret<ffi::Buffer<ffi::S32>>()        // recv_topk_idx
@@ -82,6 +84,8 @@ auto handle_op_signature(Binding b) {
       .template Attr<int64_t>("group_size")
       .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
       .template Attr<int64_t>("two_level")          // 0: the whole group; 1, 2: a level of two-level routing
+      .template Attr<int64_t>("path")               // Path (kernels/contract.hpp), decided at lowering
+      .template Attr<int64_t>("node_size")          // host paths: ranks per node of hierarchical rounds (0: flat)
       .template Ret<ffi::AnyBuffer>();              // recv_x or combined
 }
 
@@ -121,7 +125,8 @@ inline DispatchRows dispatch_rows(const ffi::AnyBuffer& x, const ffi::AnyBuffer&
       .template Attr<int64_t>("group_size")                       \
       .template Attr<int64_t>("op_index")                         \
       .template Attr<int64_t>("num_experts")                      \
-      .template Attr<int64_t>("max_tokens_per_rank")
+      .template Attr<int64_t>("max_tokens_per_rank") \
+      .template Attr<int64_t>("path")
 
 template <class Binding>
 auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
@@ -202,6 +207,128 @@ inline std::pair<const int32_t*, int> find_group(ffi::Span<const int32_t> table,
     for (int64_t i = 0; i < size; ++i)
       if (table[row + i] == rank) return {table.begin() + row, int(i)};
   return {nullptr, -1};
+}
+
+// The contract's element types from XLA's.
+inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
+  if (b.element_type() == ffi::DataType::F32) return FloatType::kF32;
+  if (b.element_type() == ffi::DataType::BF16) return FloatType::kBF16;
+  throw InvalidArgument(std::string("uccl_ep ") + op + ": rows must be float32 or bfloat16");
+}
+
+// Each op's FFI buffers and attributes decoded into its contract arguments, for every backend.
+inline DispatchArgs dispatch_args(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
+                                  const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
+                                  int64_t op_index, int64_t num_experts, int64_t node_size,
+                                  ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_topk_idx,
+                                  ffi::Result<ffi::Buffer<ffi::F32>>& recv_topk_weights,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_num_tokens,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
+                                  ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
+  const bool weights = topk_weights.element_count() != 0;
+  DispatchArgs a{};
+  a.x = x.untyped_data();
+  a.x_row_bytes = row_bytes(x);
+  a.scales = scales.untyped_data();
+  a.scale_row_bytes = row_bytes(scales);
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_weights = weights ? topk_weights.typed_data() : nullptr;
+  a.num_tokens = int(topk_idx.dimensions()[0]);
+  a.topk = int(topk_idx.dimensions()[1]);
+  a.num_experts = int(num_experts);
+  a.capacity = int(recv_x->dimensions()[0]);
+  a.recv_x = recv_x->untyped_data();
+  a.recv_scales = recv_scales->untyped_data();
+  a.recv_topk_idx = recv_topk_idx->typed_data();
+  a.recv_topk_weights = weights ? recv_topk_weights->typed_data() : nullptr;
+  a.recv_num_tokens = recv_num_tokens->typed_data();
+  a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
+  a.is_token_in_rank = is_token_in_rank->typed_data();
+  a.recv_counts = recv_counts->typed_data();
+  a.op_index = uint32_t(op_index);
+  a.node_size = int(node_size);
+  return a;
+}
+
+inline CachedDispatchArgs cached_dispatch_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::PRED>& is_token_in_rank,
+                                               const ffi::Buffer<ffi::S32>& recv_counts, int64_t op_index,
+                                               int64_t node_size, ffi::Result<ffi::AnyBuffer>& recv_x) {
+  return CachedDispatchArgs{x.untyped_data(),         row_bytes(x),
+                            int(x.dimensions()[0]),   int(recv_x->dimensions()[0]),
+                            is_token_in_rank.typed_data(), recv_counts.typed_data(),
+                            recv_x->untyped_data(),   uint32_t(op_index),
+                            int(node_size)};
+}
+
+inline CombineArgs combine_args(const ffi::AnyBuffer& y, const ffi::Buffer<ffi::PRED>& is_token_in_rank,
+                                const ffi::Buffer<ffi::S32>& recv_counts, int64_t op_index, int64_t node_size,
+                                ffi::Result<ffi::AnyBuffer>& out) {
+  return CombineArgs{y.untyped_data(),
+                     float_type(y, "combine"),
+                     int(y.dimensions()[1]),
+                     int(y.dimensions()[0]),
+                     int(is_token_in_rank.dimensions()[0]),
+                     is_token_in_rank.typed_data(),
+                     recv_counts.typed_data(),
+                     out->untyped_data(),
+                     uint32_t(op_index),
+                     int(node_size)};
+}
+
+// Low-latency ops come in halves; each half fills its part of the arguments.
+inline void set_low_latency_dispatch_inputs(LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x,
+                                            const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx,
+                                            int64_t op_index, int64_t fp8_cast) {
+  const DispatchRows rows = dispatch_rows(x, scales, fp8_cast);
+  a.x = x.untyped_data();
+  a.x_row_bytes = rows.row_bytes;
+  a.scales = rows.cast == Fp8Cast::kNone ? scales.untyped_data() : nullptr;
+  a.scale_row_bytes = rows.scale_row_bytes;
+  a.cast = rows.cast;
+  a.x_bf16 = rows.x_bf16;
+  a.topk_idx = topk_idx.typed_data();
+  a.num_tokens = int(topk_idx.dimensions()[0]);
+  a.topk = int(topk_idx.dimensions()[1]);
+  a.op_index = uint32_t(op_index);
+}
+
+inline void set_low_latency_dispatch_outputs(LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
+                                             ffi::Result<ffi::AnyBuffer>& recv_scales,
+                                             ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
+                                             ffi::Result<ffi::Buffer<ffi::S32>>& layout,
+                                             ffi::Result<ffi::Buffer<ffi::S32>>& src_slot) {
+  a.x_row_bytes = row_bytes_3d(*recv_x);
+  a.scale_row_bytes = row_bytes_3d(*recv_scales);
+  a.recv_x = recv_x->untyped_data();
+  a.recv_scales = recv_scales->untyped_data();
+  a.recv_count = recv_count->typed_data();
+  a.layout = layout->typed_data();
+  a.src_slot = src_slot->typed_data();
+}
+
+inline void set_low_latency_combine_send(LowLatencyCombineArgs& a, const ffi::AnyBuffer& y,
+                                         const ffi::Buffer<ffi::S32>& layout, const ffi::Buffer<ffi::S32>& src_slot,
+                                         int64_t op_index) {
+  a.y = y.untyped_data();
+  a.dtype = float_type(y, "low_latency_combine");
+  a.hidden = int(y.dimensions()[2]);
+  a.layout = layout.typed_data();
+  a.src_slot = src_slot.typed_data();
+  a.op_index = uint32_t(op_index);
+}
+
+inline void set_low_latency_combine_receive(LowLatencyCombineArgs& a, const ffi::Buffer<ffi::S32>& topk_idx,
+                                            const ffi::Buffer<ffi::F32>& topk_weights,
+                                            ffi::Result<ffi::AnyBuffer>& out) {
+  a.dtype = float_type(*out, "low_latency_combine");
+  a.hidden = int(out->dimensions()[1]);
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_weights = topk_weights.typed_data();
+  a.num_tokens = int(topk_idx.dimensions()[0]);
+  a.topk = int(topk_idx.dimensions()[1]);
+  a.out = out->untyped_data();
 }
 
 }  // namespace uccl_ep::ffi_common

@@ -2,26 +2,19 @@
 // call the CPU implementation in kernels/cpu. Nothing else happens here.
 #include "cpu_handlers.hpp"
 
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
 
-#ifdef UCCL_EP_WITH_CUDA
-#include <cuda_runtime_api.h>
-
-#include <algorithm>
-#include <deque>
-#include <map>
-#include <tuple>
-#include <vector>
-#endif
-
 #include "../kernels/cpu/low_latency.hpp"
 #include "../kernels/cpu/normal.hpp"
+#include "../kernels/settings.hpp"
 #include "common.hpp"
+#ifdef UCCL_EP_WITH_CUDA
+#include "staged.hpp"
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -57,18 +50,11 @@ void aborting_the_job_on_failure(Device& dev, int64_t two_level, Op&& op) {
   }
 }
 
-// UCCL_EP_POISON=1 fills outputs with 0xFF bytes before an op, so a row the op forgets to write shows as NaN
-// or -1 in tests instead of looking like valid data.
-bool poison_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("UCCL_EP_POISON");
-    return v && *v && std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
+// Test mode (settings().poison): outputs filled with 0xFF bytes before an op, so a row the op forgets to write
+// shows as NaN or -1 in tests instead of looking like valid data.
 template <class... Buffers>
 void poison(Buffers&... buffers) {
-  if (poison_enabled()) (std::memset(buffers->untyped_data(), 0xFF, buffers->size_bytes()), ...);
+  if (settings().poison) (std::memset(buffers->untyped_data(), 0xFF, buffers->size_bytes()), ...);
 }
 
 int64_t dim(const ffi::AnyBuffer& b, int i) { return b.dimensions()[i]; }
@@ -77,7 +63,7 @@ int64_t dim(const ffi::Buffer<T>& b, int i) { return b.dimensions()[i]; }
 
 // The lowering passes every EP group of the mesh ([groups, size], runtime ranks); this device's is the row
 // that holds its rank.
-cpu::Group group_of(Device& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
+Group group_of(Device& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
   auto [row, index] = ffi_common::find_group(table, size, dev.rank());
   if (!row)
     throw InvalidArgument(std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) +
@@ -98,8 +84,8 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
 
 ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                        ffi::Span<const int32_t> group_table,
-                        int64_t group_size, int64_t op_index, int64_t num_experts, int64_t two_level,
+                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                        int64_t num_experts, int64_t two_level, int64_t /*path*/, int64_t node_size,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
@@ -111,28 +97,11 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
     poison(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert,
            is_token_in_rank, recv_counts);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "dispatch");
-    const bool has_weights = topk_weights.element_count() != 0;
-    cpu::DispatchArgs a{};
-    a.x = static_cast<const uint8_t*>(x.untyped_data());
-    a.x_row_bytes = row_bytes(x);
-    a.scales = static_cast<const uint8_t*>(scales.untyped_data());
-    a.scale_row_bytes = row_bytes(scales);
-    a.topk_idx = topk_idx.typed_data();
-    a.topk_weights = has_weights ? topk_weights.typed_data() : nullptr;
-    a.num_tokens = int(dim(topk_idx, 0));
-    a.topk = int(dim(topk_idx, 1));
-    a.num_experts = int(num_experts);
-    a.capacity = int(dim(*recv_x, 0));
-    a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
-    a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
-    a.recv_topk_idx = recv_topk_idx->typed_data();
-    a.recv_topk_weights = has_weights ? recv_topk_weights->typed_data() : nullptr;
-    a.recv_num_tokens = recv_num_tokens->typed_data();
-    a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
-    a.is_token_in_rank = is_token_in_rank->typed_data();
-    a.recv_counts = recv_counts->typed_data();
-    a.op_index = uint32_t(op_index);
+    const Group g = group_of(dev, group_table, group_size, "dispatch");
+    const DispatchArgs a = ffi_common::dispatch_args(x, scales, topk_idx, topk_weights, op_index, num_experts,
+                                                     node_size, recv_x, recv_scales, recv_topk_idx,
+                                                     recv_topk_weights, recv_num_tokens, num_tokens_per_expert,
+                                                     is_token_in_rank, recv_counts);
     aborting_the_job_on_failure(dev, two_level, [&] { cpu::dispatch(dev, g, a); });
   });
 }
@@ -140,98 +109,29 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
 ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
                               ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                               ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                              int64_t two_level, ffi::Result<ffi::AnyBuffer> recv_x) {
+                              int64_t two_level, int64_t /*path*/, int64_t node_size,
+                              ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     poison(recv_x);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "cached_dispatch");
-    cpu::CachedDispatchArgs a{static_cast<const uint8_t*>(x.untyped_data()),
-                              uint64_t(row_bytes(x)),
-                              int(dim(x, 0)),
-                              is_token_in_rank.typed_data(),
-                              recv_counts.typed_data(),
-                              int(dim(*recv_x, 0)),
-                              static_cast<uint8_t*>(recv_x->untyped_data()),
-                              uint32_t(op_index)};
+    const Group g = group_of(dev, group_table, group_size, "cached_dispatch");
+    const CachedDispatchArgs a =
+        ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size, recv_x);
     aborting_the_job_on_failure(dev, two_level, [&] { cpu::cached_dispatch(dev, g, a); });
   });
-}
-
-cpu::FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
-  if (b.element_type() == ffi::DataType::F32) return cpu::FloatType::kF32;
-  if (b.element_type() == ffi::DataType::BF16) return cpu::FloatType::kBF16;
-  throw InvalidArgument(std::string("uccl_ep ") + op + ": expected float32 or bfloat16 rows");
 }
 
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                       int64_t two_level, ffi::Result<ffi::AnyBuffer> out) {
+                       int64_t two_level, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, "combine");
-    cpu::CombineArgs a{static_cast<const uint8_t*>(y.untyped_data()),
-                       float_type(y, "combine"),
-                       int(dim(y, 1)),
-                       int(dim(y, 0)),
-                       int(dim(is_token_in_rank, 0)),
-                       is_token_in_rank.typed_data(),
-                       recv_counts.typed_data(),
-                       static_cast<uint8_t*>(out->untyped_data()),
-                       uint32_t(op_index)};
+    const Group g = group_of(dev, group_table, group_size, "combine");
+    const CombineArgs a = ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, out);
     aborting_the_job_on_failure(dev, two_level, [&] { cpu::combine(dev, g, a); });
   });
-}
-
-// Argument filling shared by the one-call and two-call forms of the low-latency ops.
-void set_dispatch_inputs(cpu::LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
-                         const ffi::Buffer<ffi::S32>& topk_idx, int64_t op_index, int64_t fp8_cast) {
-  const ffi_common::DispatchRows rows = ffi_common::dispatch_rows(x, scales, fp8_cast);
-  a.x = static_cast<const uint8_t*>(x.untyped_data());
-  a.x_row_bytes = uint64_t(rows.row_bytes);
-  a.scales = rows.cast == Fp8Cast::kNone ? static_cast<const uint8_t*>(scales.untyped_data()) : nullptr;
-  a.scale_row_bytes = uint64_t(rows.scale_row_bytes);
-  a.cast = rows.cast;
-  a.x_bf16 = rows.x_bf16;
-  a.topk_idx = topk_idx.typed_data();
-  a.num_tokens = int(dim(topk_idx, 0));
-  a.topk = int(dim(topk_idx, 1));
-  a.op_index = uint32_t(op_index);
-}
-
-void set_dispatch_outputs(cpu::LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
-                          ffi::Result<ffi::AnyBuffer>& recv_scales, ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
-                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_slot) {
-  poison(recv_x, recv_scales, recv_count, layout, src_slot);
-  a.x_row_bytes = row_bytes_3d(*recv_x);
-  a.scale_row_bytes = row_bytes_3d(*recv_scales);
-  a.recv_x = static_cast<uint8_t*>(recv_x->untyped_data());
-  a.recv_scales = static_cast<uint8_t*>(recv_scales->untyped_data());
-  a.recv_count = recv_count->typed_data();
-  a.layout = layout->typed_data();
-  a.src_slot = src_slot->typed_data();
-}
-
-void set_combine_send(cpu::LowLatencyCombineArgs& a, const ffi::AnyBuffer& y, const ffi::Buffer<ffi::S32>& layout,
-                      int64_t op_index) {
-  a.y = static_cast<const uint8_t*>(y.untyped_data());
-  a.dtype = float_type(y, "low_latency_combine");
-  a.hidden = int(y.dimensions()[2]);
-  a.layout = layout.typed_data();
-  a.op_index = uint32_t(op_index);
-}
-
-void set_combine_receive(cpu::LowLatencyCombineArgs& a, const ffi::Buffer<ffi::S32>& topk_idx,
-                         const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out) {
-  poison(out);
-  a.dtype = float_type(*out, "low_latency_combine");
-  a.hidden = int(out->dimensions()[1]);
-  a.topk_idx = topk_idx.typed_data();
-  a.topk_weights = topk_weights.typed_data();
-  a.num_tokens = int(dim(topk_idx, 0));
-  a.topk = int(dim(topk_idx, 1));
-  a.out = static_cast<uint8_t*>(out->untyped_data());
 }
 
 // What every low-latency handler does first: find the device and its group, set the static sizes.
@@ -240,7 +140,7 @@ ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table,
                           int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
   return guarded([&] {
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    cpu::Group g = group_of(dev, group_table, group_size, op);
+    const Group g = group_of(dev, group_table, group_size, op);
     Args a{};
     a.num_experts = int(num_experts);
     a.max_tokens_per_rank = int(max_tokens_per_rank);
@@ -251,16 +151,18 @@ ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table,
 ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                   ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t fp8_cast,
-                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
+                                  int64_t fp8_cast, ffi::Result<ffi::AnyBuffer> recv_x,
+                                  ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
-  return low_latency_op<cpu::LowLatencyDispatchArgs>(
+  return low_latency_op<LowLatencyDispatchArgs>(
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
-        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-        set_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+      [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
+        poison(recv_x, recv_scales, recv_count, layout, src_slot);
+        ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+        ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
         cpu::low_latency_dispatch(dev, g, a);
       });
 }
@@ -268,12 +170,12 @@ ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuf
 ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                       ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t fp8_cast,
-                                      ffi::Result<ffi::Buffer<ffi::S32>> token) {
-  return low_latency_op<cpu::LowLatencyDispatchArgs>(
+                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
+                                      int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> token) {
+  return low_latency_op<LowLatencyDispatchArgs>(
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
-        set_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+      [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
+        ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
         cpu::low_latency_dispatch_send(dev, g, a);
         *token->typed_data() = int32_t(op_index);
       });
@@ -281,44 +183,47 @@ ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::An
 
 ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t topk,
-                                      ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
+                                      int64_t /*topk*/, ffi::Result<ffi::AnyBuffer> recv_x,
+                                      ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
-  return low_latency_op<cpu::LowLatencyDispatchArgs>(
+  return low_latency_op<LowLatencyDispatchArgs>(
       ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyDispatchArgs& a) {
-        set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-    a.topk = int(topk);
+      [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
+        poison(recv_x, recv_scales, recv_count, layout, src_slot);
+        ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
         cpu::low_latency_dispatch_receive(dev, g, a);
       });
 }
 
 // (src_slot is for the GPU kernels; the CPU exchange returns rows in the layout's order.)
 ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                 ffi::Buffer<ffi::S32> /*src_slot*/, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                                 ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                                 int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
+                                 ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx,
+                                 ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                 ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                 int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
                                  ffi::Result<ffi::AnyBuffer> out) {
-  return low_latency_op<cpu::LowLatencyCombineArgs>(
+  return low_latency_op<LowLatencyCombineArgs>(
       ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyCombineArgs& a) {
-        set_combine_receive(a, topk_idx, topk_weights, out);
-        set_combine_send(a, y, layout, op_index);
+      [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
+        poison(out);
+        ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
+        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
         cpu::low_latency_combine(dev, g, a);
       });
 }
 
 ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                     ffi::Buffer<ffi::S32> /*src_slot*/, ffi::AnyBuffer /*order*/,
+                                     ffi::Buffer<ffi::S32> src_slot, ffi::AnyBuffer /*order*/,
                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                     int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*topk*/,
-                                     ffi::Result<ffi::Buffer<ffi::S32>> token) {
-  return low_latency_op<cpu::LowLatencyCombineArgs>(
+                                     int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
+                                     int64_t /*topk*/, ffi::Result<ffi::Buffer<ffi::S32>> token) {
+  return low_latency_op<LowLatencyCombineArgs>(
       ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyCombineArgs& a) {
-        set_combine_send(a, y, layout, op_index);
+      [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
+        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
         cpu::low_latency_combine_send(dev, g, a);
         *token->typed_data() = int32_t(op_index);
       });
@@ -327,162 +232,17 @@ ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buf
 ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::Buffer<ffi::S32> topk_idx,
                                      ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                                     int64_t num_experts, int64_t max_tokens_per_rank,
+                                     int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
                                      ffi::Result<ffi::AnyBuffer> out) {
-  return low_latency_op<cpu::LowLatencyCombineArgs>(
+  return low_latency_op<LowLatencyCombineArgs>(
       ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const cpu::Group& g, cpu::LowLatencyCombineArgs& a) {
-        set_combine_receive(a, topk_idx, topk_weights, out);
+      [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
+        poison(out);
+        ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
         cpu::low_latency_combine_receive(dev, g, a);
       });
 }
 
-#ifdef UCCL_EP_WITH_CUDA
-// GPUs on several nodes: the proxy path, staged through host memory. Each op copies its device buffers to host
-// memory, runs the CPU implementation above on the copies, and copies the results back, on XLA's stream (with a
-// host wait before and after). Correct wherever the proxy runtime runs; one host round trip per op (kernels that
-// post commands to the proxies themselves are not built yet).
-
-// Pinned host memory for one device's staged ops, kept from call to call and grown when an op needs more: copies
-// from pinned memory run at PCIe speed, and no call allocates, zeroes or faults in its buffers again. (Measured on
-// 2xH200 before it, with a fresh zeroed std::vector per buffer per call: 171 ms for a BF16 dispatch of 4096
-// tokens x 7168.)
-class HostArena {
- public:
-  static HostArena& of(int32_t ordinal) {
-    static std::mutex mutex;
-    static std::map<int32_t, HostArena> arenas;  // stable addresses
-    std::lock_guard<std::mutex> lock(mutex);
-    return arenas[ordinal];
-  }
-  HostArena() = default;
-  HostArena(const HostArena&) = delete;
-  // Runtime shutdown frees nothing here: the arena lives as long as the process, like the CUDA context.
-
-  std::mutex& mutex() { return mutex_; }  // held for a whole staged op
-  char* reserve(size_t bytes) {
-    if (bytes > bytes_) {
-      const size_t grown = std::max(bytes, bytes_ * 3 / 2);
-      if (base_) cudaFreeHost(base_);
-      base_ = nullptr;
-      bytes_ = 0;
-      void* p = nullptr;
-      if (cudaHostAlloc(&p, grown, cudaHostAllocPortable) != cudaSuccess)
-        throw std::runtime_error("uccl_ep host staging: cudaHostAlloc of " + std::to_string(grown) + " bytes failed");
-      base_ = static_cast<char*>(p);
-      bytes_ = grown;
-    }
-    return base_;
-  }
-
- private:
-  std::mutex mutex_;
-  char* base_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-class HostStage {
- public:
-  HostStage(cudaStream_t stream, HostArena& arena) : stream_(stream), arena_(arena) {}
-
-  // First pass over the arguments: the host bytes they need.
-  void plan(const ffi::AnyBuffer& b) { need_ += slot(b.size_bytes()); }
-  template <ffi::DataType T>
-  void plan(const ffi::Buffer<T>& b) { need_ += slot(b.size_bytes()); }
-  template <class T>
-  void plan(ffi::Result<T>& r) { need_ += slot(r->size_bytes()); }
-  template <class T>
-  void plan(const T&) {}
-  // Then the host twin of each argument.
-  ffi::AnyBuffer operator()(const ffi::AnyBuffer& b) { return ffi::AnyBuffer(copy_in(b)); }
-  template <ffi::DataType T>
-  ffi::Buffer<T> operator()(const ffi::Buffer<T>& b) { return ffi::Buffer<T>(copy_in(b)); }
-  template <class T>
-  ffi::Result<T> operator()(ffi::Result<T>& r) {
-    const XLA_FFI_Buffer* host = describe(*r);
-    results_.push_back({r->untyped_data(), host->data, r->size_bytes()});
-    return ffi::Result<T>(T(host));
-  }
-  template <class T>
-  T operator()(T value) { return value; }  // attributes and spans stay as they are
-
-  // Waits for the copies to host memory (and the work before them).
-  void fetch() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
-  // Copies the results back and waits for them (the arena is reused by the next op).
-  void store() {
-    for (const auto& r : results_)
-      if (r.bytes)
-        check(cudaMemcpyAsync(r.device, r.host, r.bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-  }
-
- private:
-  struct Host {
-    XLA_FFI_Buffer buffer;
-    std::vector<int64_t> dims;
-  };
-  struct Copy {
-    void* device;
-    const void* host;
-    size_t bytes;
-  };
-  static size_t slot(size_t bytes) { return (std::max<size_t>(bytes, 16) + 255) / 256 * 256; }
-  static void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep host staging: ") + what + ": " +
-                                                   cudaGetErrorString(e));
-  }
-  template <class B>
-  const XLA_FFI_Buffer* describe(const B& b) {
-    if (!base_) base_ = arena_.reserve(need_);
-    if (used_ + slot(b.size_bytes()) > need_) throw std::logic_error("uccl_ep host staging: an argument was not planned");
-    Host& h = hosts_.emplace_back();
-    auto dims = b.dimensions();
-    h.dims.assign(dims.begin(), dims.end());
-    h.buffer = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(b.element_type()),
-                              base_ + used_, int64_t(h.dims.size()), h.dims.data()};
-    used_ += slot(b.size_bytes());
-    return &h.buffer;
-  }
-  template <class B>
-  const XLA_FFI_Buffer* copy_in(const B& b) {
-    const XLA_FFI_Buffer* host = describe(b);
-    if (b.size_bytes())
-      check(cudaMemcpyAsync(host->data, b.untyped_data(), b.size_bytes(), cudaMemcpyDeviceToHost, stream_),
-            "cudaMemcpyAsync");
-    return host;
-  }
-
-  cudaStream_t stream_;
-  HostArena& arena_;
-  char* base_ = nullptr;
-  size_t need_ = 0, used_ = 0;
-  std::deque<Host> hosts_;  // stable addresses: the FFI buffers point into them
-  std::vector<Copy> results_;
-};
-
-// A CUDA handler over the CPU implementation `kImpl`: the same arguments, after XLA's stream.
-template <auto kImpl>
-struct Staged;
-template <class... Args, ffi::Error (*kImpl)(int32_t, Args...)>
-struct Staged<kImpl> {
-  static ffi::Error call(cudaStream_t stream, int32_t ordinal, Args... args) {
-    try {
-      HostArena& arena = HostArena::of(ordinal);
-      std::lock_guard<std::mutex> lock(arena.mutex());
-      HostStage stage(stream, arena);
-      (stage.plan(args), ...);
-      auto host_args = std::tuple<Args...>(stage(args)...);
-      stage.fetch();
-      ffi::Error error = std::apply([&](auto&... a) { return kImpl(ordinal, a...); }, host_args);
-      if (error.failure()) return error;  // XLA fails the program: nothing reads the outputs
-      stage.store();
-      return error;
-    } catch (const std::exception& e) {
-      return ffi::Error(ffi::ErrorCode::kInternal, e.what());
-    }
-  }
-};
-#endif
 
 }  // namespace
 }  // namespace uccl_ep::ffi_cpu
@@ -504,11 +264,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
 UCCL_EP_FFI_OPS(UCCL_EP_CPU_HANDLER)
 
 #ifdef UCCL_EP_WITH_CUDA
-// The host-staged CUDA handlers (see HostStage); ffi/cuda_handlers.cpp routes to them when the process runs the
-// proxy runtime instead of the NVLink one.
-#define UCCL_EP_STAGED_HANDLER(stem, name, signature)                                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                       \
-      UcclEp##stem##Staged, Staged<stem##Impl>::call,                                  \
-      ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
+// The host-staged handlers of the ops for platform CUDA: the implementations above, after XLA's stream.
+namespace uccl_ep::ffi_cpu {
+#define UCCL_EP_STAGED_HANDLER(stem, name, signature)                                                       \
+  XLA_FFI_Error* Staged##stem(XLA_FFI_CallFrame* frame) {                                                   \
+    XLA_FFI_DEFINE_HANDLER(handler, Staged<stem##Impl>::call,                                               \
+                           ffi_common::signature(                                                           \
+                               ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())); \
+    return (*handler)(frame);                                                                               \
+  }
 UCCL_EP_FFI_OPS(UCCL_EP_STAGED_HANDLER)
+#undef UCCL_EP_STAGED_HANDLER
+}  // namespace uccl_ep::ffi_cpu
 #endif

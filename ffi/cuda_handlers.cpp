@@ -1,7 +1,7 @@
 // XLA FFI handlers for platform "CUDA": decode, find the GPU's state by device ordinal, call kernels/nvl on XLA's
-// stream. Built only with CUDA. The exported symbols route each call: GPUs of one node to the NVLink handlers here;
-// GPUs on several nodes (the proxy runtime) to the GPU-initiated handlers here, or to the host-staged ones in
-// cpu_handlers.cpp (where GPU-initiated ops are off, or the job has more ranks than they take).
+// stream. Built only with CUDA. Each op's handler runs the path its `path` attribute names (jax_uccl_ep/_plan.py):
+// the NVLink runtime (a node's GPUs), a node's NVLink runtime under two-level routing, the proxy runtime's
+// GPU-initiated kernels, or the host-staged CPU implementation (cpu_handlers.cpp).
 #include "cuda_handlers.hpp"
 
 #include <cuda_runtime.h>
@@ -11,10 +11,12 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "../kernels/nvl/api.hpp"
 #include "../proxy/runtime.hpp"
 #include "common.hpp"
+#include "cpu_handlers.hpp"
 
 namespace ffi = xla::ffi;
 using uccl_ep::nvl::NvlDevice;
@@ -91,8 +93,8 @@ LinkGroup group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size,
 template <class Link>
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                        int64_t num_experts, int64_t /*two_level: the targets name the level*/,
+                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                        int64_t num_experts, int64_t /*two_level*/, int64_t /*path*/, int64_t node_size,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
@@ -104,26 +106,10 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "dispatch");
     const auto& g = group.get();
-    const bool has_w = topk_weights.element_count() != 0;
-    uccl_ep::nvl::DispatchArgs a{};
-    a.x = x.untyped_data();
-    a.x_row_bytes = row_bytes(x);
-    a.scales = scales.untyped_data();
-    a.scale_row_bytes = row_bytes(scales);
-    a.topk_idx = topk_idx.typed_data();
-    a.topk_weights = has_w ? topk_weights.typed_data() : nullptr;
-    a.num_tokens = int(topk_idx.dimensions()[0]);
-    a.topk = int(topk_idx.dimensions()[1]);
-    a.num_experts = int(num_experts);
-    a.capacity = int(recv_x->dimensions()[0]);
-    a.recv_x = recv_x->untyped_data();
-    a.recv_scales = recv_scales->untyped_data();
-    a.recv_topk_idx = recv_topk_idx->typed_data();
-    a.recv_topk_weights = has_w ? recv_topk_weights->typed_data() : nullptr;
-    a.recv_num_tokens = recv_num_tokens->typed_data();
-    a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
-    a.is_token_in_rank = is_token_in_rank->typed_data();
-    a.recv_counts = recv_counts->typed_data();
+    const auto a = uccl_ep::ffi_common::dispatch_args(x, scales, topk_idx, topk_weights, op_index, num_experts,
+                                                      node_size, recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
+                                                      recv_num_tokens, num_tokens_per_expert, is_token_in_rank,
+                                                      recv_counts);
     uccl_ep::nvl::dispatch(dev, g, a, stream);
   });
 }
@@ -132,18 +118,14 @@ template <class Link>
 ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
                               ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                              int64_t /*op_index*/, int64_t /*two_level*/, ffi::Result<ffi::AnyBuffer> recv_x) {
+                              int64_t op_index, int64_t /*two_level*/, int64_t /*path*/, int64_t node_size,
+                              ffi::Result<ffi::AnyBuffer> recv_x) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "cached_dispatch");
     const auto& g = group.get();
-    uccl_ep::nvl::CachedDispatchArgs a{x.untyped_data(),
-                                       row_bytes(x),
-                                       int(x.dimensions()[0]),
-                                       int(recv_x->dimensions()[0]),
-                                       is_token_in_rank.typed_data(),
-                                       recv_counts.typed_data(),
-                                       recv_x->untyped_data()};
+    const auto a = uccl_ep::ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size,
+                                                             recv_x);
     uccl_ep::nvl::cached_dispatch(dev, g, a, stream);
   });
 }
@@ -151,38 +133,18 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
 template <class Link>
 ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                       int64_t /*two_level*/, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                       int64_t /*two_level*/, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> out) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "combine");
     const auto& g = group.get();
-    bool bf16;
-    if (y.element_type() == ffi::DataType::BF16)
-      bf16 = true;
-    else if (y.element_type() == ffi::DataType::F32)
-      bf16 = false;
-    else
-      throw std::invalid_argument("uccl_ep combine: y must be float32 or bfloat16");
-    uccl_ep::nvl::CombineArgs a{y.untyped_data(),
-                                bf16,
-                                int(y.dimensions()[1]),
-                                int(y.dimensions()[0]),
-                                int(is_token_in_rank.dimensions()[0]),
-                                is_token_in_rank.typed_data(),
-                                recv_counts.typed_data(),
-                                out->untyped_data()};
+    const auto a = uccl_ep::ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, out);
     uccl_ep::nvl::combine(dev, g, a, stream);
   });
 }
 
 // Low-latency halves. The fused calls run both halves back to back on XLA's stream.
-bool is_bf16(const ffi::AnyBuffer& b, const char* op) {
-  if (b.element_type() == ffi::DataType::BF16) return true;
-  if (b.element_type() == ffi::DataType::F32) return false;
-  throw std::invalid_argument(std::string("uccl_ep ") + op + ": rows must be float32 or bfloat16");
-}
-
 template <class Link, class Args, class Body>
 ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table, int64_t group_size, const char* op,
                           int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
@@ -197,68 +159,23 @@ ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table,
   });
 }
 
-void set_dispatch_inputs(uccl_ep::nvl::LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x,
-                         const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx, int64_t fp8_cast) {
-  const auto rows = uccl_ep::ffi_common::dispatch_rows(x, scales, fp8_cast);
-  a.x = x.untyped_data();
-  a.x_row_bytes = rows.row_bytes;
-  a.scales = rows.cast == uccl_ep::Fp8Cast::kNone ? scales.untyped_data() : nullptr;
-  a.scale_row_bytes = rows.scale_row_bytes;
-  a.cast = rows.cast;
-  a.x_bf16 = rows.x_bf16;
-  a.topk_idx = topk_idx.typed_data();
-  a.num_tokens = int(topk_idx.dimensions()[0]);
-  a.topk = int(topk_idx.dimensions()[1]);
-}
-
-void set_dispatch_outputs(uccl_ep::nvl::LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
-                          ffi::Result<ffi::AnyBuffer>& recv_scales, ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
-                          ffi::Result<ffi::Buffer<ffi::S32>>& layout, ffi::Result<ffi::Buffer<ffi::S32>>& src_slot) {
-  a.x_row_bytes = row_bytes_3d(*recv_x);
-  a.scale_row_bytes = row_bytes_3d(*recv_scales);
-  a.recv_x = recv_x->untyped_data();
-  a.recv_scales = recv_scales->untyped_data();
-  a.recv_count = recv_count->typed_data();
-  a.layout = layout->typed_data();
-  a.src_slot = src_slot->typed_data();
-}
-
-void set_combine_send(uccl_ep::nvl::LowLatencyCombineArgs& a, const ffi::AnyBuffer& y,
-                      const ffi::Buffer<ffi::S32>& layout, const ffi::Buffer<ffi::S32>& src_slot) {
-  a.y = y.untyped_data();
-  a.bf16 = is_bf16(y, "low_latency_combine");
-  a.hidden = int(y.dimensions()[2]);
-  a.layout = layout.typed_data();
-  a.src_slot = src_slot.typed_data();
-}
-
-void set_combine_recv(uccl_ep::nvl::LowLatencyCombineArgs& a, const ffi::Buffer<ffi::S32>& topk_idx,
-                      const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out) {
-  a.bf16 = is_bf16(*out, "low_latency_combine");
-  a.hidden = int(out->dimensions()[1]);
-  a.topk_idx = topk_idx.typed_data();
-  a.topk_weights = topk_weights.typed_data();
-  a.num_tokens = int(topk_idx.dimensions()[0]);
-  a.topk = int(topk_idx.dimensions()[1]);
-  a.out = out->untyped_data();
-}
-
 using LLDispatch = uccl_ep::nvl::LowLatencyDispatchArgs;
 using LLCombine = uccl_ep::nvl::LowLatencyCombineArgs;
 
 template <class Link>
 ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
-                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t fp8_cast,
+                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
+                                  int64_t fp8_cast,
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    set_dispatch_inputs(a, x, scales, topk_idx, fp8_cast);
-    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+    uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+    uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
     uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
   });
 }
@@ -267,11 +184,11 @@ template <class Link>
 ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                       ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                       ffi::Span<const int32_t> group_table, int64_t group_size,
-                                      int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
-                                      int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+                                      int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
+                                      int64_t /*path*/, int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    set_dispatch_inputs(a, x, scales, topk_idx, fp8_cast);
+    uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
     uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
   });
 }
@@ -280,14 +197,15 @@ template <class Link>
 ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
                                       ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                       int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
-                                      int64_t max_tokens_per_rank, int64_t topk, ffi::Result<ffi::AnyBuffer> recv_x,
+                                      int64_t max_tokens_per_rank, int64_t /*path*/, int64_t topk,
+                                      ffi::Result<ffi::AnyBuffer> recv_x,
                                       ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
                                     max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    set_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+    uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
     a.topk = int(topk);
     uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
   });
@@ -297,12 +215,12 @@ template <class Link>
 ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                                  ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                                 int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
-                                 ffi::Result<ffi::AnyBuffer> out) {
+                                 int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
+                                 int64_t /*path*/, ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    set_combine_send(a, y, layout, src_slot);
-    set_combine_recv(a, topk_idx, topk_weights, out);
+    uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
+    uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
     uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
   });
 }
@@ -312,11 +230,11 @@ ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::
                                      ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
                                      ffi::AnyBuffer /*order*/,
                                      ffi::Span<const int32_t> group_table, int64_t group_size,
-                                     int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
-                                     int64_t topk, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+                                     int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
+                                     int64_t /*path*/, int64_t topk, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    set_combine_send(a, y, layout, src_slot);
+    uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
     a.topk = int(topk);
     uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
   });
@@ -327,10 +245,11 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
                                      ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                                      ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                      int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
-                                     int64_t max_tokens_per_rank, ffi::Result<ffi::AnyBuffer> out) {
+                                     int64_t max_tokens_per_rank, int64_t /*path*/,
+                                     ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    set_combine_recv(a, topk_idx, topk_weights, out);
+    uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
     uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
   });
 }
@@ -340,42 +259,65 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
-#define UCCL_EP_LINK_HANDLERS(stem, name, signature)                                          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Nvl, stem##Impl<OverNvlink>,                   \
-                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Proxy, stem##Impl<OverProxy>,                  \
-                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
-UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_LINK_HANDLERS)
-UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_LINK_HANDLERS)
-// Two-level routing names its levels' targets itself: the node level (NVLink within a node) and the level across
-// nodes (GPU-initiated through the proxies), whatever the size of the whole job.
-#define UCCL_EP_LEVEL_HANDLERS(stem, name, signature)                                         \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Node, stem##Impl<OverNodeNvlink>,              \
-                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
-UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_LEVEL_HANDLERS)
-
-// The NVLink runtime alone serves GPUs of one node; when the process started the proxy runtime (GPUs on several
-// nodes, perhaps with a node-level NVLink runtime beside it), ops run GPU-initiated where they can
-// (kernels/nvl/api.hpp) and the rest host-staged.
 namespace {
-bool on_proxy() { return uccl_ep::Runtime::get().initialized(); }
-using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
-template <bool (*kGpuInitiated)(uint32_t)>
-XLA_FFI_Error* route(XLA_FFI_CallFrame* frame, Handler nvl, Handler proxy, Handler staged) {
-  if (!on_proxy()) return nvl(frame);
-  return kGpuInitiated(uccl_ep::Runtime::get().num_ranks()) ? proxy(frame) : staged(frame);
+// The value of the scalar attribute `name` of a call, or -1 when it has none.
+int64_t int_attribute(const XLA_FFI_CallFrame* frame, std::string_view name) {
+  for (int64_t i = 0; i < frame->attrs.size; ++i) {
+    const XLA_FFI_ByteSpan* n = frame->attrs.names[i];
+    if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR || std::string_view(n->ptr, n->len) != name) continue;
+    const auto* scalar = static_cast<const XLA_FFI_Scalar*>(frame->attrs.attrs[i]);
+    if (scalar->dtype == XLA_FFI_DataType_S64) return *static_cast<const int64_t*>(scalar->value);
+  }
+  return -1;
+}
+
+XLA_FFI_Error* invalid_argument(const XLA_FFI_CallFrame* frame, const std::string& message) {
+  XLA_FFI_Error_Create_Args args{};
+  args.struct_size = XLA_FFI_Error_Create_Args_STRUCT_SIZE;
+  args.message = message.c_str();
+  args.errc = XLA_FFI_Error_Code_INVALID_ARGUMENT;
+  return frame->api->XLA_FFI_Error_Create(&args);
+}
+
+// The handlers of one op, one per GPU path.
+struct PathHandlers {
+  XLA_FFI_Handler* nvlink;
+  XLA_FFI_Handler* node_nvlink;
+  XLA_FFI_Handler* proxy_gpu;
+  XLA_FFI_Handler* staged;
+};
+
+XLA_FFI_Error* run_path(XLA_FFI_CallFrame* frame, const PathHandlers& h, const char* op) {
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return h.nvlink(frame);  // metadata and other stages
+  switch (uccl_ep::Path(int_attribute(frame, "path"))) {
+    case uccl_ep::Path::kNvlink:
+      return h.nvlink(frame);
+    case uccl_ep::Path::kNodeNvlink:
+      return h.node_nvlink(frame);
+    case uccl_ep::Path::kProxyGpu:
+      return h.proxy_gpu(frame);
+    case uccl_ep::Path::kStaged:
+      return h.staged(frame);
+    default:
+      return invalid_argument(frame, std::string("uccl_ep ") + op + ": no GPU path " +
+                                         std::to_string(int_attribute(frame, "path")) +
+                                         " (lowered by another version of jax_uccl_ep?)");
+  }
 }
 }  // namespace
 
-#define UCCL_EP_ROUTED(stem, name, signature)                                                               \
-  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                  \
-    return route<uccl_ep::nvl::gpu_initiated_normal>(frame, UcclEp##stem##Nvl, UcclEp##stem##Proxy,         \
-                                                     UcclEp##stem##Staged);                                 \
+#define UCCL_EP_CUDA_HANDLER(stem, name, signature)                                                             \
+  namespace {                                                                                                   \
+  XLA_FFI_DEFINE_HANDLER(k##stem##Nvlink, stem##Impl<OverNvlink>,                                               \
+                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                  \
+  XLA_FFI_DEFINE_HANDLER(k##stem##NodeNvlink, stem##Impl<OverNodeNvlink>,                                       \
+                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                  \
+  XLA_FFI_DEFINE_HANDLER(k##stem##ProxyGpu, stem##Impl<OverProxy>,                                              \
+                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                  \
+  }                                                                                                             \
+  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                      \
+    return run_path(frame, {k##stem##Nvlink, k##stem##NodeNvlink, k##stem##ProxyGpu, uccl_ep::ffi_cpu::Staged##stem}, \
+                    name);                                                                                      \
   }
-UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_ROUTED)
-#define UCCL_EP_ROUTED_LOW_LATENCY(stem, name, signature)                                                   \
-  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                  \
-    return route<uccl_ep::nvl::gpu_initiated_low_latency>(frame, UcclEp##stem##Nvl, UcclEp##stem##Proxy,    \
-                                                          UcclEp##stem##Staged);                            \
-  }
-UCCL_EP_FFI_LOW_LATENCY_OPS(UCCL_EP_ROUTED_LOW_LATENCY)
+UCCL_EP_FFI_OPS(UCCL_EP_CUDA_HANDLER)
+#undef UCCL_EP_CUDA_HANDLER

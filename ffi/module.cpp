@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "../proxy/host_memory.hpp"
+#include "../kernels/settings.hpp"
 #include "../proxy/runtime.hpp"
 #include "cpu_handlers.hpp"
 #ifdef UCCL_EP_WITH_CUDA
@@ -126,12 +127,6 @@ NB_MODULE(_uccl_ep, m) {
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
     UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
 #undef UCCL_EP_CUDA_CAPSULE
-    // Two-level routing's levels: "uccl_ep_node_<op>" (NVLink in a node), "uccl_ep_proxy_<op>" (across nodes).
-#define UCCL_EP_LEVEL_CAPSULES(stem, name, signature)                       \
-    d[("uccl_ep_node_" + std::string(name).substr(8)).c_str()] = capsule(UcclEp##stem##Node); \
-    d[("uccl_ep_proxy_" + std::string(name).substr(8)).c_str()] = capsule(UcclEp##stem##Proxy);
-    UCCL_EP_FFI_NORMAL_OPS(UCCL_EP_LEVEL_CAPSULES)
-#undef UCCL_EP_LEVEL_CAPSULES
     return d;
   });
   m.def("nvl_start", [](size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
@@ -141,6 +136,8 @@ NB_MODULE(_uccl_ep, m) {
   }, nb::arg("buffer_bytes"), nb::arg("low_latency_bytes"), nb::arg("num_ranks"), nb::arg("local"),
      nb::arg("global_of_local") = std::vector<int32_t>{});
   m.def("nvl_gpu_initiated_normal", [](uint32_t num_ranks) { return nvl::gpu_initiated_normal(num_ranks); });
+  m.def("nvl_gpu_initiated_low_latency",
+        [](uint32_t num_ranks) { return nvl::gpu_initiated_low_latency(num_ranks); });
   m.def("nvl_ipc_handles", [] {
     nb::dict d;
     for (auto& [rank, h] : nvl::NvlRuntime::get().ipc_handles()) d[nb::int_(rank)] = nb::bytes(h.data(), h.size());
@@ -186,7 +183,7 @@ NB_MODULE(_uccl_ep, m) {
   m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
                                bool weights, int combine_hidden, bool combine_bf16) {
     size_t msg = std::max(nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
-                          nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16));
+                          nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16 ? FloatType::kBF16 : FloatType::kF32));
     return nvl::NvlDevice::buffer_bytes_for(num_ranks, msg);
   });
   m.def("nvl_num_sms", [] { return nvl::num_sms(); });
@@ -207,7 +204,6 @@ NB_MODULE(_uccl_ep, m) {
     }
     return out;
   });
-  m.def("nvl_reload_transfer_settings", [] { nvl::reload_transfer_settings(); });
   m.def("nvl_bulk_copies", [] { return nvl::bulk_copies(); });
   m.def("nvl_loopback_bench", [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters,
                                  uint64_t seed) {
@@ -319,7 +315,19 @@ NB_MODULE(_uccl_ep, m) {
 #endif
   m.def("host_allocator", [] { return std::string(host_allocator_name()); });
 
-  nb::class_<Config>(m, "Config")
+  nb::class_<Settings>(m, "Settings")
+      .def(nb::init<>())
+      .def_rw("timeout_s", &Settings::timeout_s)
+      .def_rw("num_sms", &Settings::num_sms)
+      .def_rw("nvl_bulk", &Settings::nvl_bulk)
+      .def_rw("nvl_deadline", &Settings::nvl_deadline)
+      .def_rw("ll_num_sms", &Settings::ll_num_sms)
+      .def_rw("ll_fused", &Settings::ll_fused)
+      .def_rw("kernel_timing", &Settings::kernel_timing)
+      .def_rw("poison", &Settings::poison);
+  m.def("configure", &configure);  // jax_uccl_ep/config.py's settings for the kernels and handlers
+
+  nb::class_<Config>(m, "ProxyConfig")
       .def(nb::init<>())
       .def_rw("providers", &Config::providers)
       .def_rw("num_channels", &Config::num_channels)
@@ -330,8 +338,7 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("max_write_bytes", &Config::max_write_bytes)
       .def_rw("max_inflight_bytes", &Config::max_inflight_bytes)
       .def_rw("ring_capacity", &Config::ring_capacity)
-      .def_rw("node_of_rank", &Config::node_of_rank)
-      .def_rw("hierarchical", &Config::hierarchical);
+      .def_rw("stuck_proxy_for_tests", &Config::stuck_proxy_for_tests);
 
   m.def("start", [](const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
     Runtime::get().start(config, num_ranks, local);

@@ -39,9 +39,11 @@ from .low_latency import (
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
 )
+from .config import Config
 from ._runtime import (
     buffer_bytes_held,
     check_errors,
+    config,
     initialize,
     is_initialized,
     low_latency_buffer_bytes,
@@ -63,6 +65,8 @@ from .normal import (
 )
 
 __all__ = [
+    "Config",
+    "config",
     "initialize",
     "shutdown",
     "is_initialized",

@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import _uccl_ep
+from . import _plan, _uccl_ep
 
 _registered = False
 
@@ -36,7 +36,7 @@ def register() -> None:
 
 def global_ranks() -> dict[int, int]:
     """Runtime rank of every device of the job: its index in jax.devices() sorted by id."""
-    return {d.id: r for r, d in enumerate(sorted(jax.devices(), key=lambda d: d.id))}
+    return _plan.global_ranks(jax.devices())
 
 
 def axes_of(axis_name: str | Sequence[str]) -> tuple[str, ...]:
@@ -95,7 +95,7 @@ except ImportError:
     from jax._src.core import ShapedArray
 
 
-def _abstract_eval(*operands, target, results, axis_name, level, attrs, has_side_effect):
+def _abstract_eval(*operands, op, results, axis_name, level, attrs, has_side_effect):
     return [ShapedArray(shape, dtype) for shape, dtype in results]
 
 
@@ -133,47 +133,33 @@ def _next_op_index(ctx) -> int:
     return counter.next - 1
 
 
-_NODE_LEVEL_OPS = ("uccl_ep_dispatch", "uccl_ep_combine", "uccl_ep_cached_dispatch")
-
-
-def _within_nodes_on_nvlink(ctx, table: np.ndarray) -> bool:
-    """Whether a normal-mode op on GPUs across nodes has EP groups that each lie within one node (say data
-    parallelism across nodes, expert parallelism within them) and a node-level NVLink runtime runs: then the op
-    runs over NVLink instead of through the proxies. Decided here, where the groups are known; the op's results
-    are the same either way."""
-    from . import _runtime
-
-    plan = _runtime.two_level()
-    if plan is None or not plan.nvlink or "cuda" not in tuple(getattr(ctx.module_context, "platforms", ())):
-        return False
-    return all(len({plan.node_of_rank[int(r)] for r in row}) == 1 for row in np.asarray(table))
-
-
-def _lowering(ctx, *operands, target, results, axis_name, level, attrs, has_side_effect):
+def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_effect):
     extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
     if has_side_effect:
         extra["op_index"] = np.int64(_next_op_index(ctx))
     if axis_name is not None:
         table = group_table(_concrete_mesh(ctx), axis_name)
         if level is not None:
-            from . import _runtime
-
             name, nodes, per_node = level
-            plan = _runtime.two_level()
-            now = "no two-level routing" if plan is None else f"{plan.num_nodes} nodes of {plan.per_node} ranks"
-            if plan is None or (plan.num_nodes, plan.per_node) != (nodes, per_node):
+            two = _plan.two_level()
+            now = "no two-level routing" if two is None else f"{two.num_nodes} nodes of {two.per_node} ranks"
+            if two is None or (two.num_nodes, two.per_node) != (nodes, per_node):
                 raise RuntimeError(f"jax_uccl_ep: this op was traced for two-level routing over {nodes} nodes of "
                                    f"{per_node} ranks, but the runtime now runs {now} (initialized again with other "
                                    "settings?); trace it again (jax.clear_caches())")
-            table = level_table(table, plan.node_of_rank, name)
+            table = level_table(table, two.node_of_rank, name)
             if table.shape[1] != (per_node if name == "node" else nodes):
                 raise ValueError(f"jax_uccl_ep: the EP axis's {name} groups hold {table.shape[1]} ranks where the op "
                                  f"was traced for {per_node if name == 'node' else nodes}")
-        elif target in _NODE_LEVEL_OPS and _within_nodes_on_nvlink(ctx, table):
-            target = "uccl_ep_node_" + target[len("uccl_ep_"):]
+        path = _plan.op_path(op, None if level is None else level[0], getattr(ctx.module_context, "platforms", ()),
+                             table)
         extra["group_table"] = table.reshape(-1)
         extra["group_size"] = np.int64(table.shape[1])
-    rule = jax.ffi.ffi_lowering(target, has_side_effect=has_side_effect)
+        extra["path"] = np.int64(path)
+        if op in _plan.NORMAL_OPS:
+            on_host = path in (_plan.Path.CPU, _plan.Path.STAGED)
+            extra["node_size"] = np.int64(_plan.node_size(_plan.current(), table) if on_host else 0)
+    rule = jax.ffi.ffi_lowering("uccl_ep_" + op, has_side_effect=has_side_effect)
     return rule(ctx, *operands, **extra)
 
 
@@ -185,10 +171,10 @@ except TypeError:
     mlir.register_lowering(ep_call_p, _lowering)
 
 
-def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,
+def call(op: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,
          axis_name: str | Sequence[str] | None = None, ordered: bool = True, after: jax.Array | None = None,
          level: tuple[str, int, int] | None = None, **attrs: Any) -> list[jax.Array]:
-    """Binds FFI target `target`.
+    """Binds EP op `op` (FFI target "uccl_ep_<op>").
 
     With `axis_name`, the handler also gets the EP group table; with a `level` of two-level routing ((name, nodes,
     ranks per node) as traced, name "node" or "across"), the table of that level's groups instead (level_table).
@@ -203,10 +189,41 @@ def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Ar
         operands = operands + (order,)
     return ep_call_p.bind(
         *operands,
-        target=target,
+        op=op,
         results=tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results),
         axis_name=None if axis_name is None else axes_of(axis_name),
         level=level,
         attrs=tuple(sorted(attrs.items())),
         has_side_effect=ordered,
     )
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _varying(outputs, axes):
+    """Marks FFI outputs as varying over `axes` inside shard_map: each device computes its own values."""
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in _varying_axes(x))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)
+
+    return jax.tree.map(cast, outputs)
+
+
+def ep_call(op, results, *operands, axis_name=None, varying_over=(), ordered=True, after=None, **attrs):
+    """call(), with outputs that vary over the EP axis and every axis its operands vary over."""
+    outs = call(op, results, *operands, axis_name=axis_name, ordered=ordered, after=after, **attrs)
+    axes = set(varying_over) | set(axes_of(axis_name) if axis_name is not None else ())
+    for a in operands:
+        axes |= _varying_axes(a)
+    return _varying(outs, tuple(sorted(axes)))

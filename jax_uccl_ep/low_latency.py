@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import normal
+from ._checks import FLOAT_DTYPES, axis_size, check, check_experts, check_topk
+from ._ffi import ep_call
 from .fp8 import FP8_BLOCK, pack_ue8m0
 
 AxisName = Union[str, Sequence[str]]
@@ -79,19 +80,19 @@ class LowLatencyPending:
 def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0):
     """Checks the arguments; returns (x, scales, fp8_cast, static) for the FFI calls."""
     _check_platform()
-    normal._check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
-    normal._check(x.dtype in (jnp.float32, jnp.bfloat16), f"x must be float32 or bfloat16, got {x.dtype}")
+    check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
+    check(x.dtype in FLOAT_DTYPES, f"x must be float32 or bfloat16, got {x.dtype}")
     t, h = x.shape
-    normal._check_topk(topk_idx, t)
-    num_ranks = normal._axis_size(axis_name)
-    normal._check_experts(num_experts, num_ranks)
-    normal._check(isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
+    check_topk(topk_idx, t)
+    num_ranks = axis_size(axis_name)
+    check_experts(num_experts, num_ranks)
+    check(isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
                   f"max_tokens_per_rank must be an int >= the tokens per rank ({t}), got {max_tokens_per_rank!r}")
     if use_ue8m0:
         round_scale = True
-        normal._check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
+        check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
     if use_fp8:  # the dispatch casts on the way, by per_token_cast_to_fp8's rule (one pass over x, no FP8 copy)
-        normal._check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
+        check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
         fp8_cast, wire_dtype, scale_width = (2 if round_scale else 1), jnp.float8_e4m3fn, h // FP8_BLOCK
     else:
         fp8_cast, wire_dtype, scale_width = 0, x.dtype, 0
@@ -119,7 +120,7 @@ def _dispatch_result(static, outs, cumulative_local_expert_recv_stats):
         recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
     stats = None
     if cumulative_local_expert_recv_stats is not None:
-        normal._check(cumulative_local_expert_recv_stats.shape == recv_count.shape,
+        check(cumulative_local_expert_recv_stats.shape == recv_count.shape,
                       f"cumulative_local_expert_recv_stats must have shape {recv_count.shape} (local experts), "
                       f"got {cumulative_local_expert_recv_stats.shape}")
         stats = cumulative_local_expert_recv_stats + recv_count.astype(cumulative_local_expert_recv_stats.dtype)
@@ -144,8 +145,8 @@ def low_latency_dispatch_send(
     """
     rows, scales, fp8_cast, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
                                                        use_fp8, round_scale, use_ue8m0)
-    (token,) = normal._ep_call(
-        "uccl_ep_low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
+    (token,) = ep_call(
+        "low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
         rows, scales, topk_idx, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3],
         fp8_cast=fp8_cast)
     return LowLatencyPending(token, static)
@@ -155,8 +156,8 @@ def low_latency_dispatch_recv(pending: LowLatencyPending,
                               cumulative_local_expert_recv_stats: jax.Array | None = None):
     """The receive half of low_latency_dispatch: returns (recv_x, recv_count, handle) as it does."""
     static = pending.static
-    normal._check(static[0] == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
-    outs = normal._ep_call("uccl_ep_low_latency_dispatch_recv", _dispatch_outputs(static), pending.token,
+    check(static[0] == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
+    outs = ep_call("low_latency_dispatch_recv", _dispatch_outputs(static), pending.token,
                            axis_name=static[1], num_experts=static[2], max_tokens_per_rank=static[3], topk=static[10])
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
@@ -193,7 +194,7 @@ def low_latency_dispatch(
     """
     rows, scales, fp8_cast, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
                                                        use_fp8, round_scale, use_ue8m0)
-    outs = normal._ep_call("uccl_ep_low_latency_dispatch", _dispatch_outputs(static), rows, scales, topk_idx,
+    outs = ep_call("low_latency_dispatch", _dispatch_outputs(static), rows, scales, topk_idx,
                            axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3],
                            fp8_cast=fp8_cast)
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
@@ -201,26 +202,26 @@ def low_latency_dispatch(
 
 def _check_combine_send(y, handle):
     _check_platform()
-    normal._check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
-    normal._check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
-    normal._check(y.dtype in (jnp.float32, jnp.bfloat16), f"y must be float32 or bfloat16, got {y.dtype}")
-    normal._check(y.shape[:2] == handle.src_slot.shape,
+    check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
+    check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
+    check(y.dtype in FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
+    check(y.shape[:2] == handle.src_slot.shape,
                   f"y must have {handle.src_slot.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
 
 
 def _check_combine_receive(topk_idx, topk_weights, topk: int):
-    normal._check_topk(topk_idx, None)
-    normal._check(topk_idx.shape[1] == topk, f"topk_idx must be the dispatch's, with K = {topk} slots per token, got "
+    check_topk(topk_idx, None)
+    check(topk_idx.shape[1] == topk, f"topk_idx must be the dispatch's, with K = {topk} slots per token, got "
                                              f"shape {topk_idx.shape}")
-    normal._check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
+    check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
                   f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
 
 
 def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLatencyPending:
     """The send half of low_latency_combine: y [L, R * N, H] float32 or bfloat16, rows as the dispatch laid them."""
     _check_combine_send(y, handle)
-    (token,) = normal._ep_call(
-        "uccl_ep_low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
+    (token,) = ep_call(
+        "low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
         y, handle.layout, handle.src_slot, axis_name=handle.axis_name, num_experts=handle.num_experts,
         max_tokens_per_rank=handle.max_tokens_per_rank, topk=handle.topk)
     static = ("combine", handle.axis_name, handle.num_experts, handle.max_tokens_per_rank, y.shape[2],
@@ -231,10 +232,10 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLaten
 def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, topk_weights: jax.Array) -> jax.Array:
     """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K], in y's dtype."""
     kind, axis_name, num_experts, n, h, dtype, topk = pending.static
-    normal._check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
+    check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
     _check_combine_receive(topk_idx, topk_weights, topk)
-    (out,) = normal._ep_call(
-        "uccl_ep_low_latency_combine_recv", (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
+    (out,) = ep_call(
+        "low_latency_combine_recv", (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
         pending.token, topk_idx, topk_weights, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
     return out
 
@@ -246,8 +247,8 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
     dtype. To overlap other work with the transfer, call low_latency_combine_send and low_latency_combine_recv."""
     _check_combine_send(y, handle)
     _check_combine_receive(topk_idx, topk_weights, handle.topk)
-    (out,) = normal._ep_call(
-        "uccl_ep_low_latency_combine", (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
+    (out,) = ep_call(
+        "low_latency_combine", (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
         y, handle.layout, handle.src_slot, topk_idx, topk_weights, axis_name=handle.axis_name,
         num_experts=handle.num_experts, max_tokens_per_rank=handle.max_tokens_per_rank)
     return out

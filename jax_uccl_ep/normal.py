@@ -3,7 +3,7 @@
 Rank r of an EP axis of size R owns experts [r*E/R, (r+1)*E/R). Dispatch sends each token once to every rank
 that owns one of its top-k experts; combine sends the rows back and sums them into the token's slot.
 
-Two-level routing (GPUs on several nodes, an EP axis over every rank of the job; _runtime.TwoLevel): a dispatch is
+Two-level routing (GPUs on several nodes, an EP axis over every rank of the job; _plan.TwoLevel): a dispatch is
 two dispatches. Across nodes first, among the ranks with the same index on their nodes: node n owns experts
 [n*E/N, (n+1)*E/N), so a token crosses the network once per node that needs it, and arrives with its expert indices
 local to that node. Then within the node (NVLink), by those indices. A combine runs the two in reverse: the node's
@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, _runtime
+from . import _ffi, _plan
+from ._checks import FLOAT_DTYPES, axis_size, check, check_experts, check_topk
+from ._ffi import ep_call
 from .fp8 import FP8_BLOCK
 
 AxisName = Union[str, Sequence[str]]
 Fp8Pair = tuple  # (x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)
-
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 class DispatchLayout(NamedTuple):
@@ -99,71 +99,17 @@ class DispatchResult(NamedTuple):
     handle: Handle
 
 
-def _axis_size(axis_name: AxisName) -> int:
-    return int(jax.lax.axis_size(axis_name))
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _varying(outputs, axes):
-    """Marks FFI outputs as varying over `axes` inside shard_map: each device computes its own values."""
-
-    def cast(x):
-        missing = tuple(a for a in axes if a not in _varying_axes(x))
-        if not missing:
-            return x
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(x, missing, to="varying")
-        return jax.lax.pvary(x, missing)
-
-    return jax.tree.map(cast, outputs)
-
-
-def _ep_call(target, results, *operands, axis_name=None, varying_over=(), ordered=True, after=None, **attrs):
-    """An FFI call whose outputs vary over the EP axis and every axis its operands vary over."""
-    outs = _ffi.call(target, results, *operands, axis_name=axis_name, ordered=ordered, after=after, **attrs)
-    axes = set(varying_over) | set(_ffi.axes_of(axis_name) if axis_name is not None else ())
-    for a in operands:
-        axes |= _varying_axes(a)
-    return _varying(outs, tuple(sorted(axes)))
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(f"jax_uccl_ep: {message}")
-
-
-def _check_topk(topk_idx: jax.Array, num_tokens: int | None, name: str = "topk_idx") -> None:
-    _check(topk_idx.ndim == 2, f"{name} must be 2-D [tokens, top_k], got shape {topk_idx.shape}")
-    _check(topk_idx.dtype == jnp.int32, f"{name} must be int32, got {topk_idx.dtype}")
-    if num_tokens is not None:
-        _check(topk_idx.shape[0] == num_tokens, f"{name} has {topk_idx.shape[0]} rows, x has {num_tokens}")
-
-
-def _check_experts(num_experts: int, num_ranks: int) -> None:
-    _check(isinstance(num_experts, (int, np.integer)) and num_experts > 0,
-           f"num_experts must be a positive int, got {num_experts!r}")
-    _check(num_experts % num_ranks == 0,
-           f"num_experts={num_experts} is not divisible by the axis size {num_ranks}")
-
-
 def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: AxisName) -> DispatchLayout:
     """Counts tokens per rank and per expert and the token-in-rank mask for `topk_idx` [T, K] (-1 = none).
 
     Raises at run time if an index is outside [-1, num_experts).
     """
-    num_ranks = _axis_size(axis_name)
-    _check_topk(topk_idx, None)
-    _check_experts(num_experts, num_ranks)
+    num_ranks = axis_size(axis_name)
+    check_topk(topk_idx, None)
+    check_experts(num_experts, num_ranks)
     t = topk_idx.shape[0]
-    outs = _ep_call(
-        "uccl_ep_layout",
+    outs = ep_call(
+        "layout",
         (
             jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
             jax.ShapeDtypeStruct((num_experts,), jnp.int32),
@@ -181,37 +127,25 @@ def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: Axi
 def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
     """Returns (rows, scales or a zero-width array, is_fp8) after checking shapes and dtypes."""
     if isinstance(x, (tuple, list)):
-        _check(len(x) == 2, "an FP8 x must be a pair (x_fp8, scales)")
+        check(len(x) == 2, "an FP8 x must be a pair (x_fp8, scales)")
         x_fp8, scales = x
-        _check(x_fp8.ndim == 2, f"x_fp8 must be 2-D [tokens, hidden], got shape {x_fp8.shape}")
-        _check(x_fp8.dtype == jnp.float8_e4m3fn, f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}")
+        check(x_fp8.ndim == 2, f"x_fp8 must be 2-D [tokens, hidden], got shape {x_fp8.shape}")
+        check(x_fp8.dtype == jnp.float8_e4m3fn, f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}")
         t, h = x_fp8.shape
-        _check(h % FP8_BLOCK == 0, f"FP8 hidden size must be a multiple of {FP8_BLOCK}, got {h}")
-        _check(scales.shape == (t, h // FP8_BLOCK),
+        check(h % FP8_BLOCK == 0, f"FP8 hidden size must be a multiple of {FP8_BLOCK}, got {h}")
+        check(scales.shape == (t, h // FP8_BLOCK),
                f"scales must have shape {(t, h // FP8_BLOCK)} for x_fp8 {x_fp8.shape}, got {scales.shape}")
-        _check(scales.dtype == jnp.float32, f"scales must be float32, got {scales.dtype}")
+        check(scales.dtype == jnp.float32, f"scales must be float32, got {scales.dtype}")
         return x_fp8, scales, True
-    _check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got shape {getattr(x, 'shape', x)}")
-    _check(x.dtype in _FLOAT_DTYPES, f"x must be float32 or bfloat16 (or an FP8 pair), got {x.dtype}")
+    check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got shape {getattr(x, 'shape', x)}")
+    check(x.dtype in FLOAT_DTYPES, f"x must be float32 or bfloat16 (or an FP8 pair), got {x.dtype}")
     return x, jnp.zeros((x.shape[0], 0), jnp.float32), False
 
 
 def _two_level_plan(axis_name: AxisName):
     """The runtime's two-level plan if it applies to this axis (one over every rank of the job), else None."""
-    plan = _runtime.two_level()
-    return plan if plan is not None and _axis_size(axis_name) == plan.num_ranks else None
-
-
-def _level_target(op: str, level: str | None) -> str:
-    """The FFI target of `op` ("dispatch", "combine", "cached_dispatch") at a level of two-level routing: on GPUs
-    the node level runs on the node's NVLink runtime and the level across nodes GPU-initiated (when it may), named
-    targets that skip the whole-job routing; CPU devices run both through the proxies."""
-    plan = _runtime.two_level()
-    if level == "node" and plan is not None and plan.nvlink:
-        return f"uccl_ep_node_{op}"
-    if level == "across" and plan is not None and plan.across_gpu_initiated:
-        return f"uccl_ep_proxy_{op}"
-    return f"uccl_ep_{op}"
+    plan = _plan.two_level()
+    return plan if plan is not None and axis_size(axis_name) == plan.num_ranks else None
 
 
 _LEVEL_CODES = {None: 0, "node": 1, "across": 2}
@@ -222,13 +156,13 @@ def _level_args(level: str | None) -> dict:
     refuses another), and the handlers' two_level attribute (CPU handlers abort the whole job when a level fails)."""
     if level is None:
         return dict(level=None, two_level=0)
-    plan = _runtime.two_level()
+    plan = _plan.two_level()
     return dict(level=(level, plan.num_nodes, plan.per_node), two_level=_LEVEL_CODES[level])
 
 
 def _level_size(axis_name: AxisName, level: str | None) -> int:
     if level is None:
-        return _axis_size(axis_name)
+        return axis_size(axis_name)
     plan = _two_level_plan(axis_name)
     return plan.per_node if level == "node" else plan.num_nodes
 
@@ -240,8 +174,8 @@ def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity,
     k = topk_idx.shape[1]
     num_ranks = _level_size(axis_name, level)
     weights = topk_weights if topk_weights is not None else jnp.zeros((t, 0), jnp.float32)
-    outs = _ep_call(
-        _level_target("dispatch", level),
+    outs = ep_call(
+        "dispatch",
         (
             jax.ShapeDtypeStruct((capacity, h), rows.dtype),
             jax.ShapeDtypeStruct((capacity, scales.shape[1]), jnp.float32),
@@ -286,7 +220,7 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
         # Sum within the node, then cross back once.
         return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
     t = handle.is_token_in_rank.shape[0]
-    (out,) = _ep_call(_level_target("combine", handle.level), (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
+    (out,) = ep_call("combine", (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
                       y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name, after=after,
                       **_level_args(handle.level))
     return out
@@ -296,7 +230,7 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int) -> jax.Ar
     if isinstance(handle, TwoLevelHandle):
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         return _cached_dispatch_call(_cached_dispatch_call(x, handle.across, forwarded), handle.within, capacity)
-    (out,) = _ep_call(_level_target("cached_dispatch", handle.level),
+    (out,) = ep_call("cached_dispatch",
                       (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
                       x, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name,
                       **_level_args(handle.level))
@@ -360,17 +294,17 @@ def dispatch(
     """
     rows, _, is_fp8 = _split_x(x)
     t = rows.shape[0]
-    _check(t >= 1, "x must hold at least one token")
-    _check_topk(topk_idx, t)
-    num_ranks = _axis_size(axis_name)
-    _check_experts(num_experts, num_ranks)
+    check(t >= 1, "x must hold at least one token")
+    check_topk(topk_idx, t)
+    num_ranks = axis_size(axis_name)
+    check_experts(num_experts, num_ranks)
     if topk_weights is not None:
-        _check(topk_weights.shape == topk_idx.shape,
+        check(topk_weights.shape == topk_idx.shape,
                f"topk_weights must have the shape of topk_idx {topk_idx.shape}, got {topk_weights.shape}")
-        _check(topk_weights.dtype == jnp.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
+        check(topk_weights.dtype == jnp.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
     if capacity is None:
         capacity = num_ranks * t
-    _check(isinstance(capacity, (int, np.integer)) and capacity >= 1,
+    check(isinstance(capacity, (int, np.integer)) and capacity >= 1,
            f"capacity must be a positive int (tokens), got {capacity!r}")
     if is_fp8:
         return _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, int(capacity))
@@ -408,8 +342,8 @@ def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
       each node's partial sum is rounded to y's dtype once before it crosses nodes (as DeepEP's internode
       combine does: bfloat16 on the network).
     """
-    _check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
-    _check(y.dtype in _FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
-    _check(isinstance(handle, (DispatchHandle, TwoLevelHandle)),
+    check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
+    check(y.dtype in FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
+    check(isinstance(handle, (DispatchHandle, TwoLevelHandle)),
            "handle must be the DispatchResult.handle of a dispatch")
     return _combine(y, handle)

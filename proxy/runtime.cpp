@@ -439,9 +439,9 @@ void Device::proxy_loop(int channel) {
   } catch (const std::exception& e) {
     fail(num_ranks_, std::string("proxy thread of channel ") + std::to_string(channel) + " stopped: " + e.what());
   }
-  // Test hook (UCCL_EP_TEST_STUCK_PROXY=1): behave like a thread stuck in libfabric after a peer died, still
-  // touching the device now and then, so that shutdown's abandon path runs (tests/test_reliability.py).
-  if (const char* v = std::getenv("UCCL_EP_TEST_STUCK_PROXY"); v && std::strcmp(v, "1") == 0)
+  // Test mode: behave like a thread stuck in libfabric after a peer died, still touching the device now and then,
+  // so that shutdown's abandon path runs (tests/test_reliability.py).
+  if (config_.stuck_proxy_for_tests)
     for (;;) {
       volatile uint64_t seen = ring.slots()[0].words[0];  // the slots are freed with the ring
       (void)seen;

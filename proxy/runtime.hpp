@@ -29,18 +29,18 @@ constexpr size_t kAbortOutOffset = 1024;
 constexpr size_t kAbortInOffset = 2048;
 constexpr size_t kAbortReasonBytes = 1024;
 
+// The proxy runtime's settings; jax_uccl_ep/config.py holds their defaults and fills every field.
 struct Config {
-  std::string providers = "shm,tcp;ofi_rxm";
-  int num_channels = 1;               // proxy threads (and rings, endpoints) per device
-  size_t buffer_bytes = 64ull << 20;  // registered bytes per device
-  double timeout_s = 120.0;
-  bool reorder = false;               // test mode: post writes out of order and late
-  uint32_t max_inflight_writes = 256; // per channel
-  uint32_t max_write_bytes = 1u << 20;
-  uint64_t max_inflight_bytes = 0;    // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
-  uint32_t ring_capacity = 4096;      // commands per ring
-  std::vector<int> node_of_rank;      // node of each global rank (empty: one node); see jax_uccl_ep.Topology
-  bool hierarchical = true;           // normal mode across nodes in rounds (kernels/cpu/normal.cpp)
+  std::string providers;         // libfabric providers to try, in order
+  int num_channels = 0;          // proxy threads (and rings, endpoints) per device
+  size_t buffer_bytes = 0;       // registered bytes per device
+  double timeout_s = 0;          // deadline of every wait on a peer
+  bool reorder = false;          // test mode: post writes out of order and late
+  uint32_t max_inflight_writes = 0;  // per channel
+  uint32_t max_write_bytes = 0;
+  uint64_t max_inflight_bytes = 0;   // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
+  uint32_t ring_capacity = 4096;     // commands per ring
+  bool stuck_proxy_for_tests = false;  // test mode: a proxy thread ignores stop(), as one stuck in libfabric would
 };
 
 struct DeviceStats {
@@ -65,12 +65,8 @@ class Device {
   int num_channels() const { return config_.num_channels; }
   double timeout_s() const { return config_.timeout_s; }
   uint32_t max_write_bytes() const { return config_.max_write_bytes; }
-  bool hierarchical() const { return config_.hierarchical; }
   // Whether this device failed on an abort a peer sent (rather than on a failure of its own).
   bool aborted_by_peer() const { return aborted_by_peer_.load(std::memory_order_acquire); }
-  int node_of(uint32_t rank) const {
-    return rank < config_.node_of_rank.size() ? config_.node_of_rank[rank] : 0;
-  }
   const std::string& provider() const { return fabric_->provider(); }
   const std::vector<std::string>& peer_shm_names() const { return fabric_->peer_shm_names(); }
   char* buffer() { return buffer_; }

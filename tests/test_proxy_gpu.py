@@ -84,12 +84,11 @@ def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
 
 def gpu_loopback(cases: list) -> list:
     """Child: normal mode's NVLink kernels between two ranks on GPU 0 (nvl_loopback_bench), per case."""
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep
 
     out = []
     for budget, bulk, tokens, hidden, topk, experts, fp8 in cases:
-        os.environ["UCCL_EP_NUM_SMS"], os.environ["UCCL_EP_NVL_BULK"] = str(budget), bulk
-        _uccl_ep.nvl_reload_transfer_settings()
+        _runtime.configure_native(Config(num_sms=budget, nvl_bulk=bulk == "1"))
         r = dict(_uccl_ep.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out)))
         out.append(dict(r, case=[budget, bulk, tokens, hidden, topk, experts, fp8]))
     return out

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_uccl_ep as ep
-from jax_uccl_ep import _ffi, _runtime
+from jax_uccl_ep import Config, _ffi, _runtime
 from mp import launch_ok
 
 HERE = os.path.abspath(__file__)
@@ -37,9 +37,8 @@ def test_level_tables_refuse_an_axis_that_interleaves_nodes(row, nodes):
         _ffi.level_table(np.array([row], np.int32), nodes, "across")
 
 
-def _settings(**kw) -> _runtime.RuntimeSettings:
-    base = _runtime.RuntimeSettings.from_env()
-    return _runtime.RuntimeSettings(**{**base.__dict__, **kw})
+def _settings(**kw) -> Config:
+    return Config(**kw)
 
 
 def test_plan_applies_where_nodes_are_equal_and_a_forced_setting_says_why_not():

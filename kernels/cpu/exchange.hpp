@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../../proxy/runtime.hpp"
+#include "../contract.hpp"
 
 namespace uccl_ep::cpu {
 
@@ -32,11 +33,18 @@ enum class OpKind : uint32_t {
 };
 const char* op_name(OpKind kind);
 
-struct Group {
-  const int32_t* ranks;  // global ranks in axis order
-  int size;
-  int self;              // this rank's index in `ranks`
-};
+// The contract's rows as bytes.
+inline const uint8_t* bytes_of(const void* p) { return static_cast<const uint8_t*>(p); }
+inline uint8_t* bytes_of(void* p) { return static_cast<uint8_t*>(p); }
+
+using uccl_ep::CachedDispatchArgs;
+using uccl_ep::CombineArgs;
+using uccl_ep::DispatchArgs;
+using uccl_ep::FloatType;
+using uccl_ep::Group;
+using uccl_ep::LowLatencyCombineArgs;
+using uccl_ep::LowLatencyDispatchArgs;
+
 // Checks the group against the device and finds this rank's index in it.
 Group make_group(const Device& dev, const int32_t* ranks, int size, const char* op);
 // The group's global ranks (the peers an abort tells).

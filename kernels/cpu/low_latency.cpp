@@ -85,12 +85,12 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
     while (i >= slots[d * L + l].size()) i -= uint32_t(slots[d * L + l++].size());
     const auto [t, k] = slots[d * L + l][i];
     if (a.cast != Fp8Cast::kNone)
-      cast_row_to_fp8(a.x + size_t(t) * a.x_row_bytes * (a.x_bf16 ? 2 : 4), a.x_bf16, int(a.x_row_bytes), a.cast, out,
+      cast_row_to_fp8(bytes_of(a.x) + size_t(t) * a.x_row_bytes * (a.x_bf16 ? 2 : 4), a.x_bf16, int(a.x_row_bytes), a.cast, out,
                       out + a.x_row_bytes);
     else {
-      std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
+      std::memcpy(out, bytes_of(a.x) + size_t(t) * a.x_row_bytes, a.x_row_bytes);
       if (a.scale_row_bytes)
-        std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
+        std::memcpy(out + a.x_row_bytes, bytes_of(a.scales) + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
     }
     int32_t lt[2] = {l, t * a.topk + k};
     std::memcpy(out + meta, lt, 8);
@@ -119,8 +119,8 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
         continue;
       }
       size_t o = size_t(lt[0]) * slab + size_t(fill[lt[0]]++);
-      std::memcpy(a.recv_x + o * a.x_row_bytes, in, a.x_row_bytes);
-      if (a.scale_row_bytes) std::memcpy(a.recv_scales + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
+      std::memcpy(bytes_of(a.recv_x) + o * a.x_row_bytes, in, a.x_row_bytes);
+      if (a.scale_row_bytes) std::memcpy(bytes_of(a.recv_scales) + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
       a.src_slot[o] = lt[1];
       ++a.layout[size_t(lt[0]) * R + s];
     }
@@ -131,8 +131,8 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
   for (int l = 0; l < L; ++l) {
     a.recv_count[l] = fill[l];
     size_t first = size_t(l) * slab + size_t(fill[l]), pad = slab - size_t(fill[l]);
-    std::memset(a.recv_x + first * a.x_row_bytes, 0, pad * a.x_row_bytes);
-    if (a.scale_row_bytes) std::memset(a.recv_scales + first * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
+    std::memset(bytes_of(a.recv_x) + first * a.x_row_bytes, 0, pad * a.x_row_bytes);
+    if (a.scale_row_bytes) std::memset(bytes_of(a.recv_scales) + first * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
     for (size_t i = 0; i < pad; ++i) a.src_slot[first + i] = -1;
   }
 }
@@ -160,7 +160,7 @@ void with_combine_send(const Group& group, const LowLatencyCombineArgs& a, Run&&
     int l = 0;
     while (i >= uint32_t(a.layout[size_t(l) * R + s])) i -= uint32_t(a.layout[size_t(l++) * R + s]);
     size_t row = size_t(l) * slab + size_t(begin[size_t(l) * R + s]) + i;
-    std::memcpy(out, a.y + row * row_bytes, row_bytes);
+    std::memcpy(out, bytes_of(a.y) + row * row_bytes, row_bytes);
   };
   run(plan, pack);
 }
@@ -196,7 +196,7 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
   // topk_idx is the dispatch's, checked there; a different one here shows as a row-count mismatch.
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + mismatch + " (stale handle?)");
   if (!bad_input.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + bad_input);
-  for (size_t i = 0; i < values; ++i) from_f32(acc[i], a.out + i * elem, a.dtype);
+  for (size_t i = 0; i < values; ++i) from_f32(acc[i], bytes_of(a.out) + i * elem, a.dtype);
 }
 
 }  // namespace

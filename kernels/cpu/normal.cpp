@@ -7,7 +7,6 @@
 #include <functional>
 #include <initializer_list>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -59,30 +58,20 @@ struct RowSink {
   }
 };
 
-// A group whose members fall into nodes as equal blocks of consecutive members (member s = node * per_node +
-// local, every block one node): dispatch then sends a token once to each node that needs it, and the rank with
-// the same local index there passes it on within the node. Every rank of the group reaches the same answer.
+// A group whose members fall into nodes as equal blocks of `per_node` consecutive members (member s = node *
+// per_node + local, every block one node; the plan checked that, jax_uccl_ep/_plan.py): dispatch then sends a token
+// once to each node that needs it, and the rank with the same local index there passes it on within the node.
 struct NodeBlocks {
   int nodes = 1, per_node = 1, node = 0, local = 0;
   std::vector<int32_t> across;  // ranks (n, local) for every node n
   std::vector<int32_t> within;  // ranks (node, l) for every l
 };
-std::optional<NodeBlocks> node_blocks(const Device& dev, const Group& g) {
-  if (!dev.hierarchical()) return std::nullopt;
-  const int self_node = dev.node_of(uint32_t(g.ranks[g.self]));
-  int per_node = 0;
-  for (int s = 0; s < g.size; ++s) per_node += dev.node_of(uint32_t(g.ranks[s])) == self_node;
-  if (per_node <= 1 || per_node == g.size || g.size % per_node != 0) return std::nullopt;
+// The blocks of `g` for the plan's node size (0 or 1: flat, no rounds).
+std::optional<NodeBlocks> node_blocks(const Group& g, int per_node) {
+  if (per_node <= 1 || per_node >= g.size || g.size % per_node != 0) return std::nullopt;
   NodeBlocks b;
   b.per_node = per_node;
   b.nodes = g.size / per_node;
-  std::set<int> seen;
-  for (int n = 0; n < b.nodes; ++n) {
-    const int node = dev.node_of(uint32_t(g.ranks[n * per_node]));
-    if (!seen.insert(node).second) return std::nullopt;
-    for (int l = 0; l < per_node; ++l)
-      if (dev.node_of(uint32_t(g.ranks[n * per_node + l])) != node) return std::nullopt;
-  }
   b.node = g.self / per_node;
   b.local = g.self % per_node;
   for (int n = 0; n < b.nodes; ++n) b.across.push_back(g.ranks[n * per_node + b.local]);
@@ -347,14 +336,14 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
   const uint64_t idx_off = a.x_row_bytes + a.scale_row_bytes;
   const uint64_t w_off = idx_off + 4ull * K;
   const uint64_t tag_off = w_off + (a.topk_weights ? 4ull * K : 0);
-  const auto nodes = node_blocks(dev, group);
+  const auto nodes = node_blocks(group, a.node_size);
   plan.row_bytes = nodes ? route_row_bytes(tag_off, nodes->per_node) : round_up16(tag_off);
   plan.shape_tag = (uint64_t(K) << 48) ^ (uint64_t(a.num_experts) << 24) ^ uint64_t(a.x_row_bytes) ^
                    (uint64_t(a.topk_weights != nullptr) << 62);
   auto pack_token = [&](uint32_t t, uint8_t* out) {
-    std::memcpy(out, a.x + size_t(t) * a.x_row_bytes, a.x_row_bytes);
+    std::memcpy(out, bytes_of(a.x) + size_t(t) * a.x_row_bytes, a.x_row_bytes);
     if (a.scale_row_bytes)
-      std::memcpy(out + a.x_row_bytes, a.scales + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
+      std::memcpy(out + a.x_row_bytes, bytes_of(a.scales) + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
     std::memcpy(out + idx_off, a.topk_idx + size_t(t) * K, 4ull * K);
     if (a.topk_weights) std::memcpy(out + w_off, a.topk_weights + size_t(t) * K, 4ull * K);
   };
@@ -367,8 +356,8 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
     for (uint32_t j = 0; j < count && first + j < a.capacity; ++j) {
       const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
       size_t o = size_t(first + j);
-      std::memcpy(a.recv_x + o * a.x_row_bytes, in, a.x_row_bytes);
-      if (a.scale_row_bytes) std::memcpy(a.recv_scales + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
+      std::memcpy(bytes_of(a.recv_x) + o * a.x_row_bytes, in, a.x_row_bytes);
+      if (a.scale_row_bytes) std::memcpy(bytes_of(a.recv_scales) + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
       for (int k = 0; k < K; ++k) {
         int32_t e;
         std::memcpy(&e, in + idx_off + 4ull * k, 4);
@@ -399,8 +388,8 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
   // Padding rows are defined: zeros, no expert.
   size_t valid = std::min(size_t(sink.total), size_t(a.capacity));
   size_t pad = size_t(a.capacity) - valid;
-  std::memset(a.recv_x + valid * a.x_row_bytes, 0, pad * a.x_row_bytes);
-  if (a.scale_row_bytes) std::memset(a.recv_scales + valid * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
+  std::memset(bytes_of(a.recv_x) + valid * a.x_row_bytes, 0, pad * a.x_row_bytes);
+  if (a.scale_row_bytes) std::memset(bytes_of(a.recv_scales) + valid * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
   for (size_t i = valid * K; i < size_t(a.capacity) * K; ++i) a.recv_topk_idx[i] = -1;
   if (a.topk_weights) std::memset(a.recv_topk_weights + valid * K, 0, pad * K * 4);
   *a.recv_num_tokens = int32_t(valid);
@@ -408,7 +397,7 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
 
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& a) {
   const int R = group.size;
-  const auto nodes = node_blocks(dev, group);
+  const auto nodes = node_blocks(group, a.node_size);
   const uint64_t row_bytes = nodes ? route_row_bytes(a.row_bytes, nodes->per_node) : round_up16(a.row_bytes);
   ExchangePlan plan{OpKind::kCachedDispatch, a.op_index, row_bytes, a.row_bytes, {}, ""};
   RowSink sink{a.capacity};
@@ -419,9 +408,9 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
                  " rows where the handle records " + std::to_string(a.recv_counts[s]);
     int64_t first = sink.claim(count);
     for (uint32_t j = 0; j < count && first + j < a.capacity; ++j)
-      std::memcpy(a.recv_x + size_t(first + j) * a.row_bytes, rows + uint64_t(j) * row_bytes, a.row_bytes);
+      std::memcpy(bytes_of(a.recv_x) + size_t(first + j) * a.row_bytes, rows + uint64_t(j) * row_bytes, a.row_bytes);
   };
-  auto pack_token = [&](uint32_t t, uint8_t* out) { std::memcpy(out, a.x + size_t(t) * a.row_bytes, a.row_bytes); };
+  auto pack_token = [&](uint32_t t, uint8_t* out) { std::memcpy(out, bytes_of(a.x) + size_t(t) * a.row_bytes, a.row_bytes); };
   if (nodes) {
     auto by_source = route_by_node(dev, group, *nodes, OpKind::kCachedDispatchAcrossNodes,
                                    OpKind::kCachedDispatchWithinNode, plan, a.is_token_in_rank, a.num_tokens,
@@ -435,7 +424,7 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep cached_dispatch: " + mismatch + " (stale handle?)");
   sink.check(dev, group, "cached_dispatch");
   size_t valid = size_t(sink.total);
-  std::memset(a.recv_x + valid * a.row_bytes, 0, (size_t(a.capacity) - valid) * a.row_bytes);
+  std::memset(bytes_of(a.recv_x) + valid * a.row_bytes, 0, (size_t(a.capacity) - valid) * a.row_bytes);
 }
 
 void combine(Device& dev, const Group& group, const CombineArgs& a) {
@@ -453,7 +442,7 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
                        std::to_string(a.capacity) + " (stale handle?)";
     plan.rows_to.assign(R, 0);
   }
-  auto y_row = [&](int s, uint32_t i) { return a.y + (offset[s] + i) * row_bytes; };
+  auto y_row = [&](int s, uint32_t i) { return bytes_of(a.y) + (offset[s] + i) * row_bytes; };
   auto add_row = [&](float* dst, const uint8_t* in) {
     if (a.dtype == FloatType::kF32) {
       const float* v = reinterpret_cast<const float*>(in);
@@ -467,7 +456,7 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
   const size_t values = size_t(a.num_tokens) * H;
   float* acc = zeroed_accumulator(values);
   std::string mismatch;
-  if (auto nodes = node_blocks(dev, group)) {
+  if (auto nodes = node_blocks(group, a.node_size)) {
     mismatch = combine_by_node(dev, group, *nodes, plan, a, y_row, add_row, acc);
   } else {
     auto tokens_from = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);

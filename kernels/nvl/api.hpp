@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "../../proxy/command.hpp"
-#include "../fp8.hpp"
+#include "../contract.hpp"
 
 namespace uccl_ep {
 class Device;     // proxy/runtime.hpp: a GPU's state in the proxy runtime (GPUs on several nodes)
@@ -49,10 +49,7 @@ constexpr int kChunks = 48;
 // check_errors(): a kernel cannot fail the call that launched it, and an op must not fail on one rank only
 // (its peers' streams would wait for it forever), so ops never raise them themselves.
 struct DeviceErrors {
-  // 0 none, 1 bad expert index, 2 capacity exceeded, 3 rows from a member differ from the handle's, 4 handle
-  // and y disagree, 5 a peer late (b: its message, or minus ours it did not acknowledge), 6/7/9 low-latency
-  // handle or buffer mismatches, 10 command ring full
-  int32_t code;
+  int32_t code;  // a DeviceErrorCode (kernels/contract.hpp), whose comment says what a, b, c hold
   int32_t rank;
   int64_t a, b, c;  // details: (token, slot, index) or (received, capacity, -)
 };
@@ -195,52 +192,21 @@ bool install_pinned_host_allocator();
 void stream_write_value(cudaStream_t stream, uint64_t* address, uint64_t value);
 void stream_wait_value(cudaStream_t stream, uint64_t* address, uint64_t value);
 
-struct Group {
-  const int32_t* ranks;  // host copy of the group's global ranks, in axis order
-  int size;
-  int self;
-};
+using uccl_ep::CachedDispatchArgs;
+using uccl_ep::CombineArgs;
+using uccl_ep::DispatchArgs;
+using uccl_ep::FloatType;
+using uccl_ep::Group;  // ranks: a host copy of the group's ranks
+using uccl_ep::LowLatencyCombineArgs;
+using uccl_ep::LowLatencyDispatchArgs;
 
-struct DispatchArgs {
-  const void* x;             // [T, x_row_bytes]
-  int64_t x_row_bytes;
-  const void* scales;        // [T, scale_row_bytes] or null
-  int64_t scale_row_bytes;
-  const int32_t* topk_idx;   // [T, K]
-  const float* topk_weights; // [T, K] or null
-  int num_tokens, topk, num_experts, capacity;
-  void* recv_x;
-  void* recv_scales;
-  int32_t* recv_topk_idx;
-  float* recv_topk_weights;
-  int32_t* recv_num_tokens;
-  int32_t* num_tokens_per_expert;  // [E / R]
-  bool* is_token_in_rank;          // [T, R]
-  int32_t* recv_counts;            // [R]
-};
 // Bytes of the message one rank sends another for a dispatch of this shape.
 size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights);
 void dispatch(NvlDevice& dev, const Group& group, const DispatchArgs& args, cudaStream_t stream);
 
-struct CachedDispatchArgs {
-  const void* x;
-  int64_t row_bytes;
-  int num_tokens, capacity;
-  const bool* is_token_in_rank;  // [T, R]
-  const int32_t* recv_counts;    // [R] (checked against what arrives)
-  void* recv_x;
-};
 void cached_dispatch(NvlDevice& dev, const Group& group, const CachedDispatchArgs& args, cudaStream_t stream);
 
-struct CombineArgs {
-  const void* y;  // [capacity, hidden]
-  bool bf16;      // else float32
-  int hidden, capacity, num_tokens;
-  const bool* is_token_in_rank;  // [T, R]
-  const int32_t* recv_counts;    // [R]
-  void* out;                     // [T, hidden]
-};
-size_t combine_message_bytes(int num_tokens, int hidden, bool bf16);
+size_t combine_message_bytes(int num_tokens, int hidden, FloatType dtype);
 void combine(NvlDevice& dev, const Group& group, const CombineArgs& args, cudaStream_t stream);
 
 // The GPU -> proxy command path without a transport (ring_bench.cu): `num_rings` warps each push
@@ -316,44 +282,27 @@ ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t pee
 void preload_intranode_kernels();
 void preload_low_latency_kernels();
 
-// Normal mode's SM budget (UCCL_EP_NUM_SMS, default 24, DeepEP's): the blocks of its send and receive kernels
-// together, half each (the send kernel at most kChunks), one per SM.
+// Views of the settings (kernels/settings.hpp) as the kernels use them.
+// Normal mode's SM budget: the blocks of its send and receive kernels together, half each (the send kernel at
+// most kChunks), one per SM.
 int num_sms();
-// Whether normal mode's NVLink kernels move rows with bulk copies (TMA) rather than SM stores (UCCL_EP_NVL_BULK=0);
-// rows that are not 16-byte multiples, and the proxy path's host-memory regions, always take SM stores.
+// Whether normal mode's NVLink kernels move rows with bulk copies (TMA) rather than SM stores; rows that are not
+// 16-byte multiples, and the proxy path's host-memory regions, always take SM stores.
 bool bulk_copies();
-// Reads both again from the environment (NvlRuntime::start does; so may a benchmark between runs).
-void reload_transfer_settings();
-// Blocks of the split low-latency receive kernels (UCCL_EP_LL_NUM_SMS, default 32); send and fused kernels use
-// 64 blocks of 512 threads.
+// Blocks of the split low-latency receive kernels; send and fused kernels use 64 blocks of 512 threads.
 int low_latency_blocks();
-// How long a kernel waits for a peer's message before it reports the peer as missing (UCCL_EP_TIMEOUT_S).
+// How long a kernel waits for a peer's message before it reports the peer as missing.
 uint64_t timeout_ns();
-// Whether normal mode waits for the peers' routing with a polling kernel that gives up after timeout_ns() (the
-// default) instead of stream memory waits, which cost no launch but never give up (UCCL_EP_NVL_DEADLINE=0). The
-// waits for rows inside the kernels always have the deadline.
+// Whether normal mode waits for the peers' routing with a polling kernel that gives up after timeout_ns() instead
+// of stream memory waits, which cost no launch but never give up. The waits for rows inside the kernels always
+// have the deadline.
 bool waits_have_deadline();
-// Low-latency kernels: a non-split op's send and receive in one kernel (else UCCL_EP_LL_FUSED=0).
+// Low-latency kernels: a non-split op's send and receive in one kernel.
 bool low_latency_fused();
 
 // Low-latency mode (low_latency.cu). Shapes as in jax_uccl_ep.low_latency: L = num_experts / R local experts,
 // N = max_tokens_per_rank; recv_x [L, R * N, x_row_bytes], rows of local expert l: [0, recv_count[l]) valid,
 // grouped by source (group order), then token. Padding rows of recv_x are not written (src_slot is -1 there).
-struct LowLatencyDispatchArgs {
-  const void* x;             // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
-  int64_t x_row_bytes;       // bytes of a row as sent and received (hidden with `cast`)
-  const void* scales;        // [T, scale_row_bytes] or null (with `cast` the dispatch makes them)
-  int64_t scale_row_bytes;   // hidden / 128 floats with `cast`
-  Fp8Cast cast;              // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
-  bool x_bf16;               // with `cast`: x is bfloat16, else float32
-  const int32_t* topk_idx;   // [T, K]
-  int num_tokens, topk, num_experts, max_tokens_per_rank;
-  void* recv_x;
-  void* recv_scales;
-  int32_t* recv_count;  // [L]
-  int32_t* layout;      // [L, R] rows from each source
-  int32_t* src_slot;    // [L, R * N] the row's slot on its source (token * K + k), -1 on padding
-};
 // The send half reads x, scales, topk_idx; the receive half (later on the same stream, no EP op between) writes
 // the outputs.
 void low_latency_dispatch_send(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
@@ -364,17 +313,6 @@ void low_latency_dispatch_recv(NvlDevice& dev, const Group& group, const LowLate
 void low_latency_dispatch(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
                           cudaStream_t stream);
 
-struct LowLatencyCombineArgs {
-  const void* y;  // [L, R * N, hidden]
-  bool bf16;      // else float32 (y and out)
-  int hidden, num_experts, max_tokens_per_rank;
-  const int32_t* layout;       // [L, R] from the dispatch
-  const int32_t* src_slot;     // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
-  const int32_t* topk_idx;     // [T, K] this rank's routing (as dispatched)
-  const float* topk_weights;   // [T, K]
-  int num_tokens, topk;         // topk: in every call (the send half gets it from the handle)
-  void* out;                   // [T, hidden]
-};
 void low_latency_combine_send(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
                               cudaStream_t stream);
 void low_latency_combine_recv(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
@@ -403,8 +341,8 @@ void low_latency_combine_recv(Device& dev, const Group& group, const LowLatencyC
 void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
 // Raises (and clears) the first input error the GPU-initiated ops of this process found, naming the rank.
 void check_proxy_errors(const char* op);
-// Whether low-latency ops on the proxy runtime run GPU-initiated (above) for a job of `num_ranks`: at most
-// kMaxLowLatencyRanks ranks and not turned off (UCCL_EP_GPU_INITIATED=0); else they are staged through the host.
+// Whether low-latency ops on the proxy runtime can run GPU-initiated (above) for a job of `num_ranks`: at most
+// kMaxLowLatencyRanks ranks, in pinned mapped memory. The plan (jax_uccl_ep/_plan.py) decides, with the settings.
 bool gpu_initiated_low_latency(uint32_t num_ranks);
 
 // Normal mode across nodes (GPUs on the proxy runtime), GPU-initiated: the NVLink path's kernels with each member's

@@ -11,6 +11,7 @@
 
 #include "../../proxy/errors.hpp"
 #include "../../proxy/host_memory.hpp"
+#include "../settings.hpp"
 #include "api.hpp"
 
 namespace uccl_ep::nvl {
@@ -83,19 +84,6 @@ bool install_pinned_host_allocator() {
 }
 
 namespace {
-// A positive integer from the environment, read once per variable by the caller's static.
-int positive_env(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  const int k = v ? std::atoi(v) : fallback;
-  return k > 0 ? k : fallback;
-}
-
-// Whether the environment sets `name` to exactly `value` (the switches below are on unless turned off).
-bool env_is(const char* name, const char* value) {
-  const char* v = std::getenv(name);
-  return v && std::string(v) == value;
-}
-
 // `count` zeroed Ts in pinned host memory the GPU reads and writes; *device gets the GPU's address of it.
 template <class T>
 T* mapped_host(size_t count, T** device) {
@@ -107,61 +95,23 @@ T* mapped_host(size_t count, T** device) {
 }
 }  // namespace
 
-namespace {
-// Normal mode's transfer settings, read at NvlRuntime::start (a benchmark may restart with others).
-std::atomic<int> g_num_sms{0};
-std::atomic<int> g_bulk{-1};
-}  // namespace
-
-void reload_transfer_settings() {
-  g_num_sms = positive_env("UCCL_EP_NUM_SMS", 24);
-  g_bulk = env_is("UCCL_EP_NVL_BULK", "0") ? 0 : 1;
-}
-
-int num_sms() {
-  if (g_num_sms.load() == 0) reload_transfer_settings();
-  return g_num_sms.load();
-}
-
-bool bulk_copies() {
-  if (g_bulk.load() < 0) reload_transfer_settings();
-  return g_bulk.load() == 1;
-}
-
-int low_latency_blocks() {
-  static const int n = positive_env("UCCL_EP_LL_NUM_SMS", 32);
-  return n;
-}
-
-bool waits_have_deadline() {
-  static const bool on = !env_is("UCCL_EP_NVL_DEADLINE", "0");
-  return on;
-}
-
-bool low_latency_fused() {
-  static const bool on = !env_is("UCCL_EP_LL_FUSED", "0");
-  return on;
-}
+int num_sms() { return std::max(2, settings().num_sms); }
+bool bulk_copies() { return settings().nvl_bulk; }
+int low_latency_blocks() { return std::max(1, settings().ll_num_sms); }
+bool waits_have_deadline() { return settings().nvl_deadline; }
+bool low_latency_fused() { return settings().ll_fused; }
 
 namespace {
+// The kernels write into the proxy's buffer and rings: only where the runtime made them pinned and mapped.
 bool gpu_initiated(uint32_t num_ranks, int most_ranks) {
-  static const bool on = !env_is("UCCL_EP_GPU_INITIATED", "0");
-  // The kernels write into the proxy's buffer and rings: only where the runtime made them pinned and mapped.
-  return on && num_ranks <= uint32_t(most_ranks) && std::string(host_allocator_name()) == kPinnedAllocator;
+  return num_ranks <= uint32_t(most_ranks) && std::string(host_allocator_name()) == kPinnedAllocator;
 }
 }  // namespace
 
 bool gpu_initiated_low_latency(uint32_t num_ranks) { return gpu_initiated(num_ranks, kMaxLowLatencyRanks); }
 bool gpu_initiated_normal(uint32_t num_ranks) { return gpu_initiated(num_ranks, kMaxRanks); }
 
-uint64_t timeout_ns() {
-  static const uint64_t ns = [] {
-    const char* v = std::getenv("UCCL_EP_TIMEOUT_S");
-    double s = v ? std::atof(v) : 120.0;
-    return uint64_t((s > 0 ? s : 120.0) * 1e9);
-  }();
-  return ns;
-}
+uint64_t timeout_ns() { return uint64_t(settings().timeout_s * 1e9); }
 
 size_t NvlDevice::buffer_bytes_for(int num_ranks, size_t message_bytes) {
   size_t region = (message_bytes + 4095) / 4096 * 4096;
@@ -187,10 +137,8 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   check(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), "cudaEventCreate");
   check(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), "cudaEventCreate");
-  if (const char* v = std::getenv("UCCL_EP_KERNEL_TIMING")) {
-    timing_ = std::string(v) != "0" && *v;
-    if (std::string(v) == "2") phases_host_ = mapped_host<uint64_t>(kPhaseWords, &phases_device_);
-  }
+  timing_ = settings().kernel_timing > 0;
+  if (settings().kernel_timing == 2) phases_host_ = mapped_host<uint64_t>(kPhaseWords, &phases_device_);
   preload_intranode_kernels();
   preload_low_latency_kernels();
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -373,53 +321,53 @@ void NvlDevice::check_errors(const char* op) {
 void raise_pending_device_error(DeviceErrors* word, const char* op, const std::function<int(int)>& rank_of) {
   DeviceErrors e;  // a snapshot: the word is the kernels' to write
   std::memcpy(&e, const_cast<const DeviceErrors*>(word), sizeof(e));
-  if (e.code == 0) return;
+  if (e.code == kNoError) return;
   std::memset(word, 0, sizeof(DeviceErrors));
   if (rank_of) {
     e.rank = rank_of(e.rank);
-    if (e.code == 5 || (e.code == 10 && e.a >= 0)) e.a = rank_of(int(e.a));  // the peer's rank
+    if (e.code == kPeerLate || (e.code == kRingFull && e.a >= 0)) e.a = rank_of(int(e.a));  // the peer's rank
   }
   raise_device_error(e, std::string("uccl_ep ") + op + ": an earlier op on rank " + std::to_string(e.rank) + " ");
 }
 
 void raise_device_error(const DeviceErrors& e, const std::string& where) {
-  if (e.code == 1)
+  if (e.code == kBadExpertIndex)
     throw std::invalid_argument(where + "found topk_idx[" + std::to_string(e.a) + ", " + std::to_string(e.b) +
                                 "] = " + std::to_string(e.c) + " outside [-1, num_experts) (that slot was skipped)");
-  if (e.code == 2)
+  if (e.code == kOverCapacity)
     throw std::invalid_argument(where + "received " + std::to_string(e.a) + " tokens but capacity is " +
                                 std::to_string(e.b) + " (rows past the capacity were dropped)");
-  if (e.code == 3)
+  if (e.code == kRowsDifferFromHandle)
     throw std::invalid_argument(where + "got " + std::to_string(e.b) + " rows from group member " +
                                 std::to_string(e.a) + " where the handle records " + std::to_string(e.c) +
                                 " (stale handle?)");
-  if (e.code == 5 && e.b < 0)
+  if (e.code == kPeerLate && e.b < 0)
     throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for rank " + std::to_string(e.a) +
                        " to finish reading our message " + std::to_string(-e.b) +
                        " (peer dead or out of step; UCCL_EP_TIMEOUT_S); results of that op are not valid");
-  if (e.code == 5)
+  if (e.code == kPeerLate)
     throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for message " +
                        std::to_string(e.b) + " from rank " + std::to_string(e.a) +
                        ", which did not arrive (peer dead or out of step; UCCL_EP_TIMEOUT_S); results of that op "
                        "are not valid");
-  if (e.code == 6)
+  if (e.code == kLowLatencyRowCount)
     throw std::invalid_argument(where + "got " + std::to_string(e.a) + " rows for local expert " +
                                 std::to_string(e.b) + " from rank " + std::to_string(e.c) +
                                 " in low_latency_combine where its dispatch sent a different number (was topk_idx "
                                 "the dispatch's?)");
-  if (e.code == 7)
+  if (e.code == kUnknownRowSource)
     throw std::runtime_error(where + "found a dispatch row from rank " + std::to_string(e.a) + " naming token row " +
                              std::to_string(e.b) + " and source slot " + std::to_string(e.c) +
                              " in low_latency_dispatch, which no sender writes (corrupt or out-of-step low-latency "
                              "buffer); that row was not delivered");
-  if (e.code == 9)
+  if (e.code == kNoSourceSlot)
     throw std::invalid_argument(where + "found no source slot (" + std::to_string(e.c) + ") for row " +
                                 std::to_string(e.b) + " of local expert " + std::to_string(e.a) +
                                 " in low_latency_combine (stale handle?); that row was not returned");
-  if (e.code == 4)
+  if (e.code == kHandleDisagreesWithY)
     throw std::invalid_argument(where + "was handed a handle recording " + std::to_string(e.a) +
                                 " received rows for a y of " + std::to_string(e.b) + " rows (stale handle?)");
-  if (e.code == 10)
+  if (e.code == kRingFull)
     throw TimeoutError(where + "found its proxy's command ring full for " + std::to_string(e.c) + " s " +
                        (e.a >= 0 ? "while sending to rank " + std::to_string(e.a) : std::string("acknowledging")) +
                        " (the proxy thread is stuck or gone; UCCL_EP_TIMEOUT_S); results of that op are not valid");
@@ -439,7 +387,6 @@ void NvlRuntime::start(size_t buffer_bytes, size_t low_latency_bytes, int num_ra
                        const std::vector<std::pair<int, int>>& local, const std::vector<int32_t>& global_of_local) {
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   if (!devices_.empty()) throw std::runtime_error("uccl_ep nvl: already started");
-  reload_transfer_settings();
   for (auto [ordinal, rank] : local) {
     devices_.push_back(std::make_unique<NvlDevice>(ordinal, rank, num_ranks, buffer_bytes, low_latency_bytes));
     devices_.back()->set_global_ranks(global_of_local);

@@ -61,11 +61,11 @@ void allow_shared_bytes(uint32_t bytes, const Kernels&... kernels) {
    ...);
 }
 
-// The first error of a kernel wins, except that a peer or proxy that did not answer (5, 10: the rank is out of step)
+// The first error of a kernel wins, except that a peer or proxy that did not answer (kPeerLate, kRingFull: the rank is out of step)
 // replaces an input error (the host must see it to tell the peers); check_errors() raises it on the host.
 __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
   int seen = atomicCAS(&err->code, 0, code);
-  if (seen != 0 && seen != 5 && seen != 10 && (code == 5 || code == 10))
+  if (seen != kNoError && seen != kPeerLate && seen != kRingFull && (code == kPeerLate || code == kRingFull))
     seen = atomicCAS(&err->code, seen, code) == seen ? 0 : seen;
   if (seen == 0) {
     err->rank = rank;
@@ -85,8 +85,8 @@ __device__ inline bool wait_flag(const uint64_t* flag, uint64_t value, int64_t m
   uint32_t spins = 0;
   while (load_acquire_sys(flag) < value)
     if ((++spins & 255) == 0 &&
-        (global_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == 5)) {
-      report(err, 5, rank, peer, message, int64_t(timeout_ns / 1000000000ull));
+        (global_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == kPeerLate)) {
+      report(err, kPeerLate, rank, peer, message, int64_t(timeout_ns / 1000000000ull));
       return false;
     }
   return true;

@@ -133,11 +133,11 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
   for (int b = 0; b < blocks; ++b) from_source += a.block_counts[s * blocks + b];
   a.recv_counts[s] = from_source;
   if (a.expected_counts && a.expected_counts[s] != from_source)
-    report(a.err, 3, a.rank, s, from_source, a.expected_counts[s]);
+    report(a.err, kRowsDifferFromHandle, a.rank, s, from_source, a.expected_counts[s]);
   if (s != 0) return;
   int total = 0;
   for (int i = 0; i < a.num_ranks * blocks; ++i) total += a.block_counts[i];
-  if (total > a.capacity) report(a.err, 2, a.rank, total, a.capacity, 0);
+  if (total > a.capacity) report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
   *a.recv_num_tokens = min(total, a.capacity);
 }
 
@@ -335,7 +335,7 @@ __device__ unsigned token_members(const DispatchSendArgs& a, int t, bool own) {
   for (int k = 0; k < a.topk; ++k) {
     const int e = a.topk_idx[t * a.topk + k];
     if (e >= 0 && e < a.num_experts) bits |= 1u << (e / local_experts);
-    else if (own && e != -1) report(a.to.err, 1, a.to.rank, t, k, e);
+    else if (own && e != -1) report(a.to.err, kBadExpertIndex, a.to.rank, t, k, e);
   }
   if (own)
     for (int d = 0; d < R; ++d) a.mask_out[t * R + d] = bits >> d & 1;
@@ -782,7 +782,7 @@ __device__ void check_combine_capacity(const CombineSendArgs& a) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   int total = 0;
   for (int s = 0; s < a.to.num_ranks; ++s) total += a.recv_counts[s];
-  if (total > a.capacity) report(a.to.err, 4, a.to.rank, total, a.capacity, 0);
+  if (total > a.capacity) report(a.to.err, kHandleDisagreesWithY, a.to.rank, total, a.capacity, 0);
 }
 
 // Send side of combine: the rows of each member go back to it, packed as they came (row j of its block of y is
@@ -1385,7 +1385,7 @@ struct CombineKernels {
 };
 CombineKernels combine_kernels(const CombineArgs& a, const Scratch& scratch, const SendTo& to,
                                const ReceiveFrom& from) {
-  const int64_t row_bytes = int64_t(a.hidden) * (a.bf16 ? 2 : 4);
+  const int64_t row_bytes = int64_t(a.hidden) * float_bytes(a.dtype);
   return {CombineSendArgs{to, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.recv_counts},
           CombineReceiveArgs{from, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.num_tokens,
                              a.recv_counts, a.is_token_in_rank, scratch.excl, static_cast<char*>(a.out)}};
@@ -1549,8 +1549,8 @@ size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale
   return dispatch_layout(num_tokens, x_row_bytes, scale_row_bytes, topk, weights).total;
 }
 
-size_t combine_message_bytes(int num_tokens, int hidden, bool bf16) {
-  return align16(size_t(num_tokens) * hidden * (bf16 ? 2 : 4));
+size_t combine_message_bytes(int num_tokens, int hidden, FloatType dtype) {
+  return align16(size_t(num_tokens) * hidden * size_t(float_bytes(dtype)));
 }
 
 void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
@@ -1590,7 +1590,7 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
 void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "combine");
-  check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.bf16), "combine");
+  check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.dtype), "combine");
   const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
@@ -1599,7 +1599,7 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   const JoinOnUnwind join{dev, stream};
   fork_send(dev, stream, [&](cudaStream_t side) { launch_combine_send(k.send, side, bulk); });
   launch_positions(a, g.size, scratch, stream);
-  launch_combine_receive(k.receive, a.bf16, stream, bulk);
+  launch_combine_receive(k.receive, (a.dtype == FloatType::kBF16), stream, bulk);
   finish(dev, g, k.receive.from, stream);
   dev.timing_end(stream, "combine");
 }
@@ -1641,7 +1641,7 @@ void cached_dispatch(uccl_ep::Device& dev, const Group& g, const CachedDispatchA
 
 void combine(uccl_ep::Device& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
   ProxyHalf half(dev, g, "combine", stream);
-  check_proxy_message(dev, g, combine_message_bytes(a.num_tokens, a.hidden, a.bf16), 1, "combine");
+  check_proxy_message(dev, g, combine_message_bytes(a.num_tokens, a.hidden, a.dtype), 1, "combine");
   const Scratch scratch = proxy_scratch(half.gpu(), 0, a.num_tokens);
   const CombineKernels k = combine_kernels(a, scratch, proxy_send_to(half), proxy_receive_from(half));
   MessagePieces m{};
@@ -1650,7 +1650,7 @@ void combine(uccl_ep::Device& dev, const Group& g, const CombineArgs& a, cudaStr
   run_over_proxy(half, m, stream, [&] { launch_send(combine_send_kernel, k.send, stream); },
                  [&] {
                    launch_positions(a, g.size, scratch, stream);
-                   launch_combine_receive(k.receive, a.bf16, stream);
+                   launch_combine_receive(k.receive, (a.dtype == FloatType::kBF16), stream);
                  });
 }
 

@@ -55,7 +55,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
   const size_t message = std::max(dispatch_message_bytes(T, x_row, scale_row, K, true),
-                                  combine_message_bytes(T, H, true));
+                                  combine_message_bytes(T, H, FloatType::kBF16));
   const size_t buffer = NvlDevice::buffer_bytes_for(R, message);
   std::vector<std::unique_ptr<NvlDevice>> devs;
   for (int r = 0; r < R; ++r) devs.push_back(std::make_unique<NvlDevice>(a.cuda_device, r, R, buffer, 0));
@@ -114,7 +114,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
                         k.recv_topk, k.recv_weights, k.recv_num, k.per_expert, k.in_rank, k.counts};
   };
   const auto combine_args = [&](Rank& k) {
-    return CombineArgs{k.recv_x, true, H, cap, T, k.in_rank, k.counts, k.out};
+    return CombineArgs{k.recv_x, FloatType::kBF16, H, cap, T, k.in_rank, k.counts, k.out, 0, 0};
   };
   // Both ranks' ops are queued before either is awaited: each waits for the other on the GPU.
   const auto run = [&](bool combine, int iters) {

@@ -107,7 +107,7 @@ __device__ void load_slots(const int32_t* topk_idx, int pairs, int topk, int num
   for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
     int e = topk_idx[p];
     if (e < -1 || e >= num_experts) {
-      if (report_bad) report(err, 1, rank, p / topk, p % topk, e);
+      if (report_bad) report(err, kBadExpertIndex, rank, p / topk, p % topk, e);
       e = -1;
     }
     idx[p] = e;
@@ -456,7 +456,7 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     total[l] = acc;
     if (blockIdx.x == 0) {
       out.recv_count[l] = int(min(int64_t(acc), slab));
-      if (acc > slab) report(err, 2, shape.rank, acc, slab, 0);
+      if (acc > slab) report(err, kOverCapacity, shape.rank, acc, slab, 0);
     }
   }
   const int warp = threadIdx.x / kWarp;
@@ -490,7 +490,7 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     }
     const int l = lo, j = r - first[s * L + l];
     if (token_row < 0 || token_row >= shape.max_tokens || slot < 0) {  // not what a sender of ours writes
-      if (lane == 0) report(err, 7, shape.rank, from.rank[s], token_row, slot);
+      if (lane == 0) report(err, kUnknownRowSource, shape.rank, from.rank[s], token_row, slot);
       continue;
     }
     if (offset[l * R + s] + j >= slab) continue;  // past the capacity: reported above
@@ -548,7 +548,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     const int all = warp_exclusive_scan(L, [&](int l) { return in_expert[l]; }, [&](int l, int v) { cum[l] = v; });
     if (threadIdx.x == 0) {
       cum[L] = all;
-      if (!valid && blockIdx.x == 0) report(err, 4, shape.rank, all, int64_t(L) * slab, 0);
+      if (!valid && blockIdx.x == 0) report(err, kHandleDisagreesWithY, shape.rank, all, int64_t(L) * slab, 0);
     }
   }
   __syncthreads();
@@ -567,7 +567,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
     const int64_t j = in.src_slot[int64_t(l) * slab + r];
     if (j < 0 || j >= shape.capacity_rows) {  // the layout counts a row the dispatch did not deliver here
-      if (lane == 0) report(err, 9, shape.rank, l, r, j);
+      if (lane == 0) report(err, kNoSourceSlot, shape.rank, l, r, j);
       continue;
     }
     const int64_t at = proxy ? packed_position(in, shape, begin, from_source, s, j, lane) : j;
@@ -611,7 +611,7 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   stamp(shape, kCombineRecv, 2);
   for (int e = threadIdx.x; e < out.num_experts && blockIdx.x == 0; e += blockDim.x) {
     const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
-    if (got != count[e]) report(err, 6, shape.rank, got, e % L, from.rank[e / L]);
+    if (got != count[e]) report(err, kLowLatencyRowCount, shape.rank, got, e % L, from.rank[e / L]);
   }
 
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
@@ -887,7 +887,7 @@ size_t dispatch_recv_shared(const Shape& shape) {
   return (3 * R * L + L + R + 1) * sizeof(int);
 }
 
-int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * (a.bf16 ? 2 : 4); }
+int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * float_bytes(a.dtype); }
 template <class Dev>
 Shape combine_shape(const Dev& dev, const Group& g, const LowLatencyCombineArgs& a) {
   if (combine_row_bytes(a) % 16 != 0)
@@ -929,7 +929,7 @@ void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t st
 
 void launch_combine_recv(const LowLatencyCombineArgs& a, const Shape& shape, const Inbox& from, DeviceErrors* err,
                          cudaStream_t stream) {
-  launch(a.bf16 ? combine_kernel<__nv_bfloat16, false, true> : combine_kernel<float, false, true>,
+  launch((a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, false, true> : combine_kernel<float, false, true>,
          low_latency_blocks(), kThreads, combine_recv_shared(a, from.packed), stream, CombineSource{}, combine_target(a), shape,
          Outbox{}, from, err, "low_latency combine receive kernel");
 }
@@ -1008,7 +1008,7 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   const Shape shape = combine_shape(dev, g, a);
-  run_fused(dev, g, stream, a.bf16 ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
+  run_fused(dev, g, stream, (a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
             std::max(combine_send_shared(shape, false), combine_recv_shared(a, false)), shape,
             combine_source(a), combine_target(a), "low_latency_combine", [&] {
               low_latency_combine_send(dev, g, a, stream);

@@ -61,7 +61,7 @@ __device__ bool push_message(const ProxyOut& p, int d, NextPiece&& next_piece, C
   const int lane = threadIdx.x % kWarp;
   int ok = 1;
   if (lane == 0 && p.ack[d] && !wait_count(p.ack[d], p.ack_want[d], deadline)) {
-    report(err, 5, rank, p.peer[d], int64_t(p.ack_want[d]), timeout_s);
+    report(err, kPeerLate, rank, p.peer[d], int64_t(p.ack_want[d]), timeout_s);
     ok = 0;
   }
   if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
@@ -89,7 +89,7 @@ __device__ bool push_message(const ProxyOut& p, int d, NextPiece&& next_piece, C
     __syncwarp();
     if (n == 0) return true;
     if (!warp_push(p.ring, batch[min(lane, n - 1)], n, head, tail_seen, deadline)) {
-      if (lane == 0) report(err, 10, rank, p.peer[d], 0, timeout_s);
+      if (lane == 0) report(err, kRingFull, rank, p.peer[d], 0, timeout_s);
       return false;
     }
     __syncwarp();
@@ -125,7 +125,7 @@ __global__ void acknowledge_kernel(ProxyOut p, int num_ranks, DeviceErrors* err,
   const int lane = threadIdx.x % kWarp, d = lane < p.self ? lane : lane + 1;  // the lane's member (not us)
   const Command cmd = lane < num_ranks - 1 ? message_fence(p.peer[d]) : Command{};
   if (!warp_push(p.ring, cmd, num_ranks - 1, head, tail_seen, global_ns() + p.timeout_ns) && lane == 0)
-    report(err, 10, rank, -1, 0, int64_t(p.timeout_ns / 1000000000ull));
+    report(err, kRingFull, rank, -1, 0, int64_t(p.timeout_ns / 1000000000ull));
 }
 
 // Which op's send half waits in a device's op state for its receive half.
@@ -241,7 +241,7 @@ class ProxyHalf {
       if (e != cudaSuccess) throw Error(where() + "kernel failed: " + cudaGetErrorString(e));
       DeviceErrors err;
       std::memcpy(&err, const_cast<const DeviceErrors*>(gpu_->errors_host), sizeof(err));
-      if (err.code != 5 && err.code != 7 && err.code != 10) return;
+      if (err.code != kPeerLate && err.code != kUnknownRowSource && err.code != kRingFull) return;
       std::memset(gpu_->errors_host, 0, sizeof(DeviceErrors));
       raise_device_error(err, where());
     });

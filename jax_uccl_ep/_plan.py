@@ -1,0 +1,171 @@
+"""The plan: which runtime and path carries each op, decided once and handed to the handlers.
+
+``initialize()`` records the runtime's facts here (``RuntimePlan``: which runtimes run, the topology, two-level
+routing); the lowering of every EP op asks ``op_path`` which path it takes and passes the answer to its FFI handler
+as the ``path`` attribute (and, for normal mode on the proxy runtime, ``node_size``: the ranks per node of the
+hierarchical rounds). Handlers dispatch on these and decide nothing. The numbers match ``uccl_ep::Path`` in
+kernels/contract.hpp.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+class Path(enum.IntEnum):
+    """How an op runs (mirrors uccl_ep::Path in kernels/contract.hpp)."""
+
+    CPU = 0  # CPU devices: kernels/cpu on the proxy runtime
+    NVLINK = 1  # GPUs of one node: the NVLink runtime's kernels
+    NODE_NVLINK = 2  # GPUs across nodes, a group within one node: that node's NVLink runtime
+    PROXY_GPU = 3  # GPUs across nodes: kernels that push the proxies' commands (GPU-initiated)
+    STAGED = 4  # GPUs across nodes: copied to the host and run by kernels/cpu on the proxy runtime
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the job's ranks (devices, in jax.devices() order by id) live: which node, which index on it.
+
+    Nodes come from the processes' host names, or, with ``UCCL_EP_GPUS_PER_NODE=k``, from consecutive groups of k
+    ranks (k=1 makes every device its own node, so the internode path can run on one machine).
+    """
+
+    node_of_rank: tuple[int, ...]  # node index of each global rank
+    local_rank: tuple[int, ...]  # rank's index among its node's ranks
+    source: str  # "hostnames" or "UCCL_EP_GPUS_PER_NODE=k"
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.node_of_rank) + 1 if self.node_of_rank else 0
+
+    def ranks_on(self, node: int) -> list[int]:
+        """Global ranks on `node`, in rank order."""
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    @staticmethod
+    def build(process_of_rank: list[int], host_of_process: list[str], per_node: int | None = None) -> Topology:
+        if per_node is not None:
+            if per_node < 1:
+                raise ValueError(f"UCCL_EP_GPUS_PER_NODE must be a positive integer, got {per_node}")
+            nodes = [r // per_node for r in range(len(process_of_rank))]
+            source = f"UCCL_EP_GPUS_PER_NODE={per_node}"
+        else:
+            order: dict[str, int] = {}
+            for p in process_of_rank:  # nodes numbered in order of their first rank
+                order.setdefault(host_of_process[p], len(order))
+            nodes = [order[host_of_process[p]] for p in process_of_rank]
+            source = "hostnames"
+        seen: dict[int, int] = {}
+        local = []
+        for n in nodes:
+            local.append(seen.get(n, 0))
+            seen[n] = local[-1] + 1
+        return Topology(tuple(nodes), tuple(local), source)
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """Two-level routing of normal mode (jax_uccl_ep/normal.py) for an EP axis over every rank of the job: a
+    dispatch first crosses nodes (a token once to each node that needs it, to the rank with its sender's index
+    there), then fans out within the node; a combine sums within the node first, then crosses back."""
+
+    num_nodes: int
+    per_node: int  # ranks on each node
+    node_of_rank: tuple[int, ...]
+    nvlink: bool  # the node level runs on a node-level NVLink runtime (GPUs), else through the proxies
+    across_gpu_initiated: bool  # the level across nodes runs GPU-initiated (kernels push the proxies' commands)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.per_node
+
+
+@dataclass(frozen=True)
+class RuntimePlan:
+    """What initialize() started, as the lowering needs it. Programs are traced under one plan; initialize()
+    clears JAX's caches when the next plan differs."""
+
+    platform: str  # "cpu" or "gpu"
+    nvlink: bool  # the whole job on one NVLink runtime (GPUs of one node)
+    topology: Topology
+    hierarchical: bool  # proxy runtime: normal mode in rounds across equal nodes (kernels/cpu/normal.cpp)
+    gpu_initiated_normal: bool  # proxy runtime on GPUs: normal-mode kernels push the proxies' commands
+    gpu_initiated_low_latency: bool  # likewise for low-latency mode
+    two_level: TwoLevel | None
+
+
+_current: RuntimePlan | None = None
+
+
+def current() -> RuntimePlan | None:
+    """The plan of the running runtime, or None before initialize() (and after shutdown())."""
+    return _current
+
+
+def set_current(plan: RuntimePlan | None) -> None:
+    global _current
+    _current = plan
+
+
+def two_level() -> TwoLevel | None:
+    """The two-level plan initialize() made, or None (one node, UCCL_EP_TWO_LEVEL=0, unequal nodes, ...)."""
+    return None if _current is None else _current.two_level
+
+
+def _within_one_node(plan: RuntimePlan, table: np.ndarray) -> bool:
+    nodes = plan.topology.node_of_rank
+    return all(len({nodes[int(r)] for r in row}) == 1 for row in np.asarray(table))
+
+
+def node_size(plan: RuntimePlan | None, table: np.ndarray) -> int:
+    """Ranks per node of the hierarchical rounds kernels/cpu runs normal mode in for groups `table` [groups, R],
+    or 0 (flat: every rank sends to every rank). Rounds apply where every group's members fall into equal blocks
+    of consecutive members, each block one node and no node twice, and every group has the same block size."""
+    if plan is None or not plan.hierarchical:
+        return 0
+    nodes = plan.topology.node_of_rank
+    sizes = set()
+    for row in np.asarray(table):
+        of = [nodes[int(r)] for r in row]
+        per_node = of.count(of[0])
+        if per_node <= 1 or per_node == len(of) or len(of) % per_node:
+            return 0
+        blocks = [of[i : i + per_node] for i in range(0, len(of), per_node)]
+        if any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+            return 0
+        sizes.add(per_node)
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+NORMAL_OPS = ("dispatch", "cached_dispatch", "combine")
+
+
+def op_path(op: str, level: str | None, platforms: Sequence[str], table: np.ndarray | None) -> Path:
+    """The path of EP op `op` ("dispatch", "low_latency_combine", ...) lowered for `platforms` over the groups
+    `table`, at a `level` of two-level routing ("node", "across") or over its whole group (None)."""
+    plan = _current
+    if "cuda" not in tuple(platforms):
+        return Path.CPU
+    if plan is None or plan.platform != "gpu":
+        return Path.NVLINK  # the handler names the missing runtime
+    if plan.nvlink:
+        return Path.NVLINK
+    if level == "node":
+        return Path.NODE_NVLINK
+    if level == "across":
+        return Path.PROXY_GPU if plan.two_level is not None and plan.two_level.across_gpu_initiated else Path.STAGED
+    if (op in NORMAL_OPS and plan.two_level is not None and plan.two_level.nvlink and table is not None
+            and _within_one_node(plan, table)):
+        # EP groups that each lie within a node (data parallelism across nodes, say): that node's NVLink runtime.
+        return Path.NODE_NVLINK
+    gpu_initiated = plan.gpu_initiated_normal if op in NORMAL_OPS else plan.gpu_initiated_low_latency
+    return Path.PROXY_GPU if gpu_initiated else Path.STAGED
+
+
+def global_ranks(devices: Sequence) -> dict[int, int]:
+    """Runtime rank of every device of the job: its index in `devices` (jax.devices()) sorted by id."""
+    return {d.id: r for r, d in enumerate(sorted(devices, key=lambda d: d.id))}

@@ -1,0 +1,125 @@
+// The contract between the ops' callers (ffi/) and their implementations (kernels/cpu on the host, kernels/nvl on
+// GPUs): the path an op takes, its EP group, its arguments as plain pointers and sizes, and the errors kernels
+// record. Framework-free (no XLA, CUDA or Python), so both backends and the FFI share one definition. Shapes:
+// T tokens of this rank, K top-k slots, R group members, E experts, L = E / R local experts, N max tokens per rank.
+#pragma once
+#include <cstdint>
+
+#include "fp8.hpp"
+
+namespace uccl_ep {
+
+// Where an op runs; decided once at lowering (jax_uccl_ep/_plan.py, the same numbers) and handed to the handler.
+enum class Path : int64_t {
+  kCpu = 0,         // CPU devices: kernels/cpu on the proxy runtime
+  kNvlink = 1,      // GPUs of one node: the NVLink runtime's kernels
+  kNodeNvlink = 2,  // GPUs across nodes, a group within one node: that node's NVLink runtime
+  kProxyGpu = 3,    // GPUs across nodes: kernels push the proxies' commands (GPU-initiated)
+  kStaged = 4,      // GPUs across nodes: copied to host memory and run by kernels/cpu
+};
+
+enum class FloatType { kF32, kBF16 };
+inline int64_t float_bytes(FloatType t) { return t == FloatType::kF32 ? 4 : 2; }
+
+// An op's EP group: its members' ranks (the runtime's numbering), in axis order, and this rank's index among them.
+struct Group {
+  const int32_t* ranks;
+  int size;
+  int self;
+};
+
+// Normal mode. Rows are opaque bytes except where a dtype is given.
+struct DispatchArgs {
+  const void* x;               // [T, x_row_bytes]
+  int64_t x_row_bytes;
+  const void* scales;          // [T, scale_row_bytes] (FP8 scales) or zero-width
+  int64_t scale_row_bytes;
+  const int32_t* topk_idx;     // [T, K] global expert, -1 for none
+  const float* topk_weights;   // [T, K] or null
+  int num_tokens, topk, num_experts;
+  int capacity;                // output rows
+  void* recv_x;                     // [capacity, x_row_bytes]
+  void* recv_scales;                // [capacity, scale_row_bytes]
+  int32_t* recv_topk_idx;           // [capacity, K] local expert or -1
+  float* recv_topk_weights;         // [capacity, K] when topk_weights
+  int32_t* recv_num_tokens;         // scalar
+  int32_t* num_tokens_per_expert;   // [L]
+  bool* is_token_in_rank;           // [T, R] (handle)
+  int32_t* recv_counts;             // [R] rows from each member (handle)
+  uint32_t op_index;                // position in the program, the same on every rank (host paths check it)
+  int node_size;                    // host paths: ranks per node of the hierarchical rounds (0: flat)
+};
+
+// Sends x rows by a dispatch's routing (its handle): the backward pass of combine.
+struct CachedDispatchArgs {
+  const void* x;                 // [T, row_bytes]
+  int64_t row_bytes;
+  int num_tokens, capacity;
+  const bool* is_token_in_rank;  // [T, R]
+  const int32_t* recv_counts;    // [R] (checked against what arrives)
+  void* recv_x;                  // [capacity, row_bytes]
+  uint32_t op_index;
+  int node_size;
+};
+
+// Returns each received row to its source and sums the copies of each token (float32 accumulation).
+struct CombineArgs {
+  const void* y;                 // [capacity, hidden]
+  FloatType dtype;               // of y and out
+  int hidden, capacity, num_tokens;
+  const bool* is_token_in_rank;  // [T, R]
+  const int32_t* recv_counts;    // [R]
+  void* out;                     // [T, hidden]
+  uint32_t op_index;
+  int node_size;
+};
+
+// Low-latency mode: each token goes to every selected expert (one copy per slot) into static expert-major buffers
+// [L, R * N, ...]; rows of local expert l: [0, recv_count[l]) valid, grouped by source (group order), then token.
+struct LowLatencyDispatchArgs {
+  const void* x;             // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
+  int64_t x_row_bytes;       // bytes of a row as sent and received (hidden with `cast`)
+  const void* scales;        // [T, scale_row_bytes] or null (with `cast` the dispatch makes them)
+  int64_t scale_row_bytes;   // hidden / 128 floats with `cast`
+  Fp8Cast cast;              // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
+  bool x_bf16;               // with `cast`: x is bfloat16, else float32
+  const int32_t* topk_idx;   // [T, K]
+  int num_tokens, topk, num_experts, max_tokens_per_rank;
+  uint32_t op_index;
+  void* recv_x;              // [L, R * N, x_row_bytes]
+  void* recv_scales;         // [L, R * N, scale_row_bytes]
+  int32_t* recv_count;       // [L]
+  int32_t* layout;           // [L, R] rows from each source (handle)
+  int32_t* src_slot;         // [L, R * N] the row's slot on its source (token * K + k), -1 on padding (handle)
+};
+
+struct LowLatencyCombineArgs {
+  const void* y;               // [L, R * N, hidden]
+  FloatType dtype;             // of y and out
+  int hidden, num_experts, max_tokens_per_rank;
+  const int32_t* layout;       // [L, R] from the dispatch
+  const int32_t* src_slot;     // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
+  const int32_t* topk_idx;     // [T, K] this rank's routing (as dispatched)
+  const float* topk_weights;   // [T, K]
+  int num_tokens, topk;        // topk: in every call (the send half gets it from the handle)
+  uint32_t op_index;
+  void* out;                   // [T, hidden]
+};
+
+// Errors GPU kernels find land in host-mapped memory (nvl::DeviceErrors) and are raised later by check_errors():
+// a kernel cannot fail the call that launched it. Each code's message, with its details a, b, c, is in
+// nvl::raise_device_error (kernels/nvl/device.cu).
+enum DeviceErrorCode : int32_t {
+  kNoError = 0,
+  kBadExpertIndex = 1,         // (token, slot, index)
+  kOverCapacity = 2,           // (received, capacity)
+  kRowsDifferFromHandle = 3,   // (member, rows, rows the handle records)
+  kHandleDisagreesWithY = 4,   // (rows the handle records, rows of y)
+  kPeerLate = 5,               // (peer, its message or minus ours it did not acknowledge, seconds)
+  kLowLatencyRowCount = 6,     // (rows, local expert, source rank)
+  kUnknownRowSource = 7,       // (source rank, token row, slot)
+  kNoSourceSlot = 9,           // (local expert, row, slot)
+  kRingFull = 10,              // (peer or -1, -, seconds)
+};
+
+}  // namespace uccl_ep

@@ -1,0 +1,26 @@
+// The settings the kernels and handlers read, handed over by the Python package (jax_uccl_ep/config.py reads
+// the environment and holds every default; nothing in C++ reads the environment). Set before a runtime starts
+// and between runs, never while an op runs.
+#pragma once
+
+namespace uccl_ep {
+
+struct Settings {
+  double timeout_s;   // deadline of every wait on a peer
+  int num_sms;        // normal mode's SM budget on GPUs: send and receive blocks together
+  bool nvl_bulk;      // normal mode's NVLink kernels move rows by bulk copies (TMA), else by SM stores
+  bool nvl_deadline;  // normal mode waits for the peers' routing with a polling kernel that has a deadline
+  int ll_num_sms;     // blocks of the split low-latency receive kernels
+  bool ll_fused;      // a non-split low-latency op's send and receive in one kernel
+  int kernel_timing;  // 1: CUDA events around each GPU op; 2: also the low-latency kernels' phase stamps
+  bool poison;        // CPU ops fill their outputs with 0xFF first (tests: unwritten rows show)
+};
+
+inline Settings& mutable_settings() {
+  static Settings s{};  // importing jax_uccl_ep configures it before any op or hook can run
+  return s;
+}
+inline const Settings& settings() { return mutable_settings(); }
+inline void configure(const Settings& s) { mutable_settings() = s; }
+
+}  // namespace uccl_ep
