@@ -102,7 +102,7 @@ def proxy_bytes_posted() -> tuple[int, int] | None:
         node = ep.topology().node_of_rank
         total = across = 0
         for r in _runtime.local_ranks():
-            to = _uccl_ep.stats(r)["bytes_posted_to"]
+            to = _uccl_ep.testing.stats(r)["bytes_posted_to"]
             total += sum(to)
             across += sum(b for p, b in enumerate(to) if node[p] != node[r])
         return total, across

@@ -187,8 +187,8 @@ def sms_used() -> str:
     try:
         import jax_uccl_ep as ep
 
-        n = int(ep._uccl_ep.nvl_num_sms())
-        copies = "bulk" if ep._uccl_ep.nvl_bulk_copies() else "stores"
+        n = int(ep._uccl_ep.testing.nvl_num_sms())
+        copies = "bulk" if ep._uccl_ep.testing.nvl_bulk_copies() else "stores"
     except Exception:
         return "?"
     send = max(1, min(n // 2, 48))

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         for budget in (int(b) for b in args.sms.split(",")):
             _runtime.configure_native(Config(num_sms=budget, nvl_bulk=copies == "bulk"))
             for fp8 in (False, True):
-                r = dict(_uccl_ep.nvl_loopback_bench(0, args.tokens, args.hidden, args.topk, args.experts, fp8,
+                r = dict(_uccl_ep.testing.nvl_loopback_bench(0, args.tokens, args.hidden, args.topk, args.experts, fp8,
                                                      args.iters, 7))
                 r.update(copies=copies, budget=budget, fp8=fp8)
                 record["runs"].append(r)

@@ -189,7 +189,7 @@ def kernel_spans(gpu: bool) -> dict:
     from jax_uccl_ep import _uccl_ep
 
     spans: dict = {}
-    for label, us in _uccl_ep.nvl_kernel_times()[0]:
+    for label, us in _uccl_ep.testing.nvl_kernel_times()[0]:
         spans.setdefault(label, []).append(us)
     return {k: statistics.median(v) for k, v in spans.items()}
 
@@ -208,7 +208,7 @@ def kernel_phases(gpu: bool) -> dict:
         return {}
     from jax_uccl_ep import _uccl_ep
 
-    stamps = _uccl_ep.nvl_kernel_phases()[0]
+    stamps = _uccl_ep.testing.nvl_kernel_phases()[0]
     if not stamps:  # UCCL_EP_KERNEL_TIMING is not 2
         return {}
     out = {}
@@ -245,7 +245,7 @@ def cupti_kernel_us(call, labels) -> dict:
 def _uccl_ep_blocks() -> int:
     from jax_uccl_ep import _uccl_ep
 
-    return int(_uccl_ep.nvl_low_latency_blocks())
+    return int(_uccl_ep.testing.nvl_low_latency_blocks())
 
 
 if __name__ == "__main__":

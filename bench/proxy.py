@@ -1,7 +1,7 @@
 """The proxy runtime alone: commands/s through a ring, commands/s through a device's rings with the transport,
 and write bandwidth per libfabric provider and message size between 2 processes.
 
-1. ring: `_uccl_ep.ring_commands_per_second` (one producer, one consumer thread, 32-byte commands, no transport).
+1. ring: `_uccl_ep.testing.ring_commands_per_second` (one producer, one consumer thread, 32-byte commands, no transport).
 2. transport commands: 2 processes, UCCL_EP_NUM_PROXY_THREADS=--channels rings per device, tiny writes
    (UCCL_EP_MAX_WRITE_BYTES=--cmd-write-bytes), so each message of --cmd-message-bytes is many commands. Both
    ranks post rounds of --cmd-window messages on every channel to each other and wait for the peer's; the rate is
@@ -62,10 +62,10 @@ def _start(env: dict) -> tuple:
 
 def _exchange(core, me: int, peer: int, nbytes: int, channel: int = 0) -> None:
     """One message each way, then a 0-byte ack each way."""
-    core.post_message(me, channel, peer, core.send_offset(me, peer), core.recv_offset(me, me), nbytes)
-    core.wait_message(me, channel, peer)
-    core.post_message(me, channel, peer, 0, 0, 0)
-    core.wait_message(me, channel, peer)
+    core.testing.post_message(me, channel, peer, core.testing.send_offset(me, peer), core.testing.recv_offset(me, me), nbytes)
+    core.testing.wait_message(me, channel, peer)
+    core.testing.post_message(me, channel, peer, 0, 0, 0)
+    core.testing.wait_message(me, channel, peer)
 
 
 def commands_child(cfg: dict) -> dict:
@@ -78,22 +78,22 @@ def commands_child(cfg: dict) -> dict:
         "UCCL_EP_REORDER": "0",
     })
     peer = 1 - me
-    channels = core.num_channels(me)
+    channels = core.testing.num_channels(me)
     size, window = cfg["message_bytes"], cfg["window"]
-    send, recv = core.send_offset(me, peer), core.recv_offset(me, me)
+    send, recv = core.testing.send_offset(me, peer), core.testing.recv_offset(me, me)
     _exchange(core, me, peer, size)  # warm up and line the ranks up
-    core.quiet(me)
-    c0, t0 = core.stats(me)["commands"], time.perf_counter()
+    core.testing.quiet(me)
+    c0, t0 = core.testing.stats(me)["commands"], time.perf_counter()
     rounds = 0
     # Both ranks run the same number of rounds (decided by rank 0's clock would need a message; a fixed count
     # measured from a first timed round keeps them equal without one).
     while True:
         for _ in range(window):
             for c in range(channels):
-                core.post_message(me, c, peer, send, recv, size)
+                core.testing.post_message(me, c, peer, send, recv, size)
         for _ in range(window):
             for c in range(channels):
-                core.wait_message(me, c, peer)
+                core.testing.wait_message(me, c, peer)
         rounds += 1
         if rounds == 1:
             per_round = time.perf_counter() - t0
@@ -104,10 +104,10 @@ def commands_child(cfg: dict) -> dict:
             total_rounds = _agree_max(f"proxy_bench/rounds/{cfg['tag']}", me, total_rounds)
         if rounds >= total_rounds:
             break
-    core.quiet(me)
+    core.testing.quiet(me)
     seconds = time.perf_counter() - t0
-    commands = core.stats(me)["commands"] - c0
-    stats = core.stats(me)
+    commands = core.testing.stats(me)["commands"] - c0
+    stats = core.testing.stats(me)
     ep.shutdown()
     return {"commands": commands, "seconds": seconds, "rate": commands / seconds, "channels": channels,
             "rounds": rounds, "provider": cfg["provider"], "stats": stats}
@@ -133,7 +133,7 @@ def bandwidth_child(cfg: dict) -> dict:
     }
     ep, core, me = _start(env)
     peer = 1 - me
-    provider = core.provider(me)
+    provider = core.testing.provider(me)
     out = []
     for size in sizes:
         iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["bytes_per_repeat"] // size)))
@@ -181,7 +181,7 @@ def ring_rows(capacities: list[int], count: int, repeats: int) -> tuple[list[lis
     for cap in capacities:
         rates = []
         for _ in range(repeats):
-            r = core.ring_commands_per_second(cap, count)
+            r = core.testing.ring_commands_per_second(cap, count)
             if r["out_of_order"] or r["received"] != count:
                 raise RuntimeError(f"ring_commands_per_second({cap}, {count}) lost or reordered commands: {r}")
             rates.append(r["commands_per_second"])

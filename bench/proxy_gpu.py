@@ -41,10 +41,10 @@ def transport_child(cases: list) -> dict:
 
     ep.initialize()
     rank = _ffi.global_ranks()[jax.local_devices()[0].id]
-    _uccl_ep.proxy_gpu_put(rank, rank ^ 1, 4096, 0)  # connection warm-up
-    results = [dict(_uccl_ep.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=m, writes=w), messages=m, writes=w,
+    _uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, 4096, 0)  # connection warm-up
+    results = [dict(_uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=m, writes=w), messages=m, writes=w,
                     bytes=nbytes) for m, w, nbytes in cases]
-    provider = _uccl_ep.provider(rank)
+    provider = _uccl_ep.testing.provider(rank)
     ep.shutdown()
     return {"rank": rank, "provider": provider, "results": results}
 
@@ -85,12 +85,12 @@ def main(argv=None) -> int:
     from jax_uccl_ep import _uccl_ep
 
     if args.transport:
-        if not hasattr(_uccl_ep, "nvl_ring_bench"):
+        if not hasattr(_uccl_ep.testing, "nvl_ring_bench"):
             print("jax_uccl_ep was built without CUDA: nothing to measure")
             return 1
         return transport(args, common)
 
-    if not hasattr(_uccl_ep, "nvl_ring_bench"):
+    if not hasattr(_uccl_ep.testing, "nvl_ring_bench"):
         print("jax_uccl_ep was built without CUDA: nothing to measure")
         return 1
     header = common.run_header("GPU %d" % args.device)
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     for i, rings in enumerate(int(r) for r in args.rings.split(",")):
         per_ring = max(1, args.commands // rings)
         try:
-            res = dict(_uccl_ep.nvl_ring_bench(args.device, rings, per_ring, args.capacity,
+            res = dict(_uccl_ep.testing.nvl_ring_bench(args.device, rings, per_ring, args.capacity,
                                                args.ping if i == 0 else 0), rings=rings)
         except RuntimeError as exc:
             print(f"proxy_gpu: {exc}")

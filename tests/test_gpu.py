@@ -277,7 +277,7 @@ def gpu_ep_within_nodes() -> dict:
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     args = [jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i, a=a: a[i]) for a in (x, idx)]
     jax.block_until_ready(f(*args))
-    posted = lambda: sum(_uccl_ep.stats(q)["bytes_posted"] for q in _runtime.local_ranks())  # noqa: E731
+    posted = lambda: sum(_uccl_ep.testing.stats(q)["bytes_posted"] for q in _runtime.local_ranks())  # noqa: E731
     before = posted()
     recv, n, combined = (cases.gather(a) for a in f(*args))
     problems = []
@@ -375,10 +375,10 @@ def gpu_proxy_put(nbytes: int) -> dict:
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
     rank = _ffi.global_ranks()[jax.local_devices()[0].id]
-    puts = [_uccl_ep.proxy_gpu_put(rank, rank ^ 1, nbytes, 0) for _ in range(2)]
+    puts = [_uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0) for _ in range(2)]
     # A stream: 64 messages of 8 writes each, back to back in the ring (the last one's payload is checked).
-    puts.append(_uccl_ep.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=64, writes=8))
-    words = _uccl_ep.published_words(rank)
+    puts.append(_uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=64, writes=8))
+    words = _uccl_ep.testing.published_words(rank)
     problems = {"after": cases.check_case(mesh, 7, 16, 256, 2, 4 * mesh.devices.size, jnp.float32)}
     ep.shutdown()
     return {"puts": puts, "words": words, "problems": problems, "ranks": mesh.devices.size}

@@ -18,7 +18,7 @@ def gpu_ring(commands: int, rounds: int) -> dict:
     """Child: GPU warps push numbered commands into host rings; then the ping-pong and one-way rounds."""
     from jax_uccl_ep import _uccl_ep
 
-    return dict(_uccl_ep.nvl_ring_bench(0, 4, commands, 1024, rounds))
+    return dict(_uccl_ep.testing.nvl_ring_bench(0, 4, commands, 1024, rounds))
 
 
 def test_gpu_pushes_every_command_through_the_rings_in_order():
@@ -89,7 +89,7 @@ def gpu_loopback(cases: list) -> list:
     out = []
     for budget, bulk, tokens, hidden, topk, experts, fp8 in cases:
         _runtime.configure_native(Config(num_sms=budget, nvl_bulk=bulk == "1"))
-        r = dict(_uccl_ep.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out)))
+        r = dict(_uccl_ep.testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out)))
         out.append(dict(r, case=[budget, bulk, tokens, hidden, topk, experts, fp8]))
     return out
 

@@ -173,7 +173,7 @@ def dead_peer_loop(seed: int, pid_dir: str, max_seconds: float) -> dict:
     with open(os.path.join(pid_dir, f"{me}.pid"), "w") as f:
         f.write(str(os.getpid()))
     ep.initialize()
-    provider = core.provider(ep._runtime.local_ranks()[0])
+    provider = core.testing.provider(ep._runtime.local_ranks()[0])
     my_segments = sorted(owned_by(shm_entries(), [os.getpid()]))
     num_ranks = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("ep",))
@@ -728,7 +728,7 @@ def peer_exits_after_initialize(pid_dir: str) -> dict:
     except Exception as e:  # noqa: BLE001 - the error under test
         error = str(e)
     from jax_uccl_ep import _uccl_ep as core
-    provider = core.provider(ep._runtime.local_ranks()[0])
+    provider = core.testing.provider(ep._runtime.local_ranks()[0])
     ep.shutdown()
     return {"error": error, "provider": provider}
 

@@ -39,8 +39,8 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
     ep.initialize()
     me = ep._runtime.local_ranks()[0]
     n = jax.device_count()
-    buf = core.buffer(me)
-    channels = core.num_channels(me)
+    buf = core.testing.buffer(me)
+    channels = core.testing.num_channels(me)
     mismatches = []
     moved = 0
     for rnd in range(rounds):
@@ -48,18 +48,18 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
             if peer == me:
                 continue
             data = _payload(seed, rnd, me, peer, max_bytes)
-            off = core.send_offset(me, peer)
+            off = core.testing.send_offset(me, peer)
             buf[off:off + data.size] = data
             for c in range(channels):
                 begin, length = _stripe(data.size, channels, c)
-                core.post_message(me, c, peer, off + begin, core.recv_offset(me, me) + begin, length)
+                core.testing.post_message(me, c, peer, off + begin, core.testing.recv_offset(me, me) + begin, length)
         for peer in range(n):
             if peer == me:
                 continue
             for c in range(channels):
-                core.wait_message(me, c, peer)
+                core.testing.wait_message(me, c, peer)
             want = _payload(seed, rnd, peer, me, max_bytes)
-            off = core.recv_offset(me, peer)
+            off = core.testing.recv_offset(me, peer)
             got = buf[off:off + want.size]
             if not np.array_equal(got, want):
                 mismatches.append([rnd, peer, int(np.count_nonzero(got != want))])
@@ -67,14 +67,14 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
         # Acknowledge, so nobody overwrites a region before its reader is done.
         for peer in range(n):
             if peer != me:
-                core.post_message(me, 0, peer, 0, 0, 0)
+                core.testing.post_message(me, 0, peer, 0, 0, 0)
         for peer in range(n):
             if peer != me:
-                core.wait_message(me, 0, peer)
-    core.quiet(me)
-    stats = core.stats(me)
-    provider = core.provider(me)
-    words = core.published_words(me)
+                core.testing.wait_message(me, 0, peer)
+    core.testing.quiet(me)
+    stats = core.testing.stats(me)
+    provider = core.testing.provider(me)
+    words = core.testing.published_words(me)
     ep.shutdown()
     return {"mismatches": mismatches, "bytes": moved, "stats": stats, "provider": provider, "words": words,
             "rank": me, "rounds": rounds}
@@ -140,21 +140,21 @@ def many_commands(messages: int, size: int) -> dict:
     ep.initialize()
     me = ep._runtime.local_ranks()[0]
     peer = 1 - me
-    buf = core.buffer(me)
+    buf = core.testing.buffer(me)
     mismatches = 0
     for i in range(messages):
         data = np.random.default_rng([i, me]).integers(0, 256, size, dtype=np.uint8)
-        off = core.send_offset(me, peer)
+        off = core.testing.send_offset(me, peer)
         buf[off:off + size] = data
-        core.post_message(me, 0, peer, off, core.recv_offset(me, me), size)
-        core.wait_message(me, 0, peer)
+        core.testing.post_message(me, 0, peer, off, core.testing.recv_offset(me, me), size)
+        core.testing.wait_message(me, 0, peer)
         want = np.random.default_rng([i, peer]).integers(0, 256, size, dtype=np.uint8)
-        roff = core.recv_offset(me, peer)
+        roff = core.testing.recv_offset(me, peer)
         mismatches += int(not np.array_equal(buf[roff:roff + size], want))
-        core.post_message(me, 0, peer, 0, 0, 0)
-        core.wait_message(me, 0, peer)
-    core.quiet(me)
-    commands = core.stats(me)["commands"]
+        core.testing.post_message(me, 0, peer, 0, 0, 0)
+        core.testing.wait_message(me, 0, peer)
+    core.testing.quiet(me)
+    commands = core.testing.stats(me)["commands"]
     ep.shutdown()
     return {"mismatches": mismatches, "commands": commands}
 
@@ -170,7 +170,7 @@ def wait_for_dead_peer(dead_rank: int) -> dict:
         os._exit(0)
     start = time.monotonic()
     try:
-        core.wait_message(me, 0, dead_rank)
+        core.testing.wait_message(me, 0, dead_rank)
         result = {"error": None}
     except TimeoutError as e:
         result = {"error": str(e), "seconds": time.monotonic() - start}
@@ -194,7 +194,7 @@ def test_dead_peer_is_named_within_the_deadline(provider):
 def test_ring_keeps_every_command_in_order():
     from jax_uccl_ep import _uccl_ep as core
 
-    stats = core.ring_commands_per_second(1024, 1_000_000)
+    stats = core.testing.ring_commands_per_second(1024, 1_000_000)
     assert stats["out_of_order"] == 0
     assert stats["received"] == 1_000_000
     assert stats["commands_per_second"] > 0
@@ -206,7 +206,7 @@ def test_ring_takes_no_slot_before_all_of_it_landed():
     wrap the 16-bit lap tags."""
     from jax_uccl_ep import _uccl_ep as core
 
-    stats = core.ring_slots_land_in_pieces(2, 140_000, 7)
+    stats = core.testing.ring_slots_land_in_pieces(2, 140_000, 7)
     assert stats == {"popped_early": 0, "wrong": 0}, stats
 
 

@@ -156,7 +156,7 @@ def bytes_across_nodes() -> dict:
 
     def across_bytes() -> int:
         node = ep.topology().node_of_rank
-        return sum(b for q in _runtime.local_ranks() for p, b in enumerate(_uccl_ep.stats(q)["bytes_posted_to"])
+        return sum(b for q in _runtime.local_ranks() for p, b in enumerate(_uccl_ep.testing.stats(q)["bytes_posted_to"])
                    if node[p] != node[q])
 
     def measure() -> int:

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "api.hpp"
+#include "testing.hpp"
 #include "bulk.cuh"
 #include "device_common.cuh"
 

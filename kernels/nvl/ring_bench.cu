@@ -15,6 +15,7 @@
 
 #include "../../proxy/ring.hpp"
 #include "api.hpp"
+#include "testing.hpp"
 #include "device_common.cuh"
 #include "ring_producer.cuh"
 

@@ -1,0 +1,78 @@
+// Microbenchmarks and test drivers of the GPU kernels (ring_bench.cu, loopback_bench.cu), built into a library of
+// their own and reached only through the extension's `testing` submodule.
+#pragma once
+#include <cstdint>
+
+#include "../../proxy/command.hpp"
+#include "api.hpp"
+
+namespace uccl_ep::nvl {
+
+// The GPU -> proxy command path without a transport (ring_bench.cu): `num_rings` warps each push
+// `commands_per_ring` no-op commands into their own ring, host threads drain them as proxies would.
+struct RingBenchResult {
+  double seconds;             // launch until every command was drained
+  double push_seconds;        // launch until the kernel finished
+  uint64_t commands;          // drained
+  uint64_t out_of_order;      // arrived out of sequence (must be 0)
+  double round_trip_median_ns, round_trip_p99_ns;  // ping-pong: push one command, see the host's echo
+  // One way, push until the proxy sees the command, on the host's clock: at most the upper figures, at least the
+  // median less host_read_round_trip_ns (a GPU read of mapped host memory, there and back).
+  double one_way_upper_median_ns, one_way_upper_p99_ns, host_read_round_trip_ns;
+  double push_ns;  // mean time a warp spends pushing one command (GPU clock)
+};
+RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
+                           uint64_t ping_rounds);
+
+// Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): two ranks on `cuda_device`, each
+// sending into the other's buffer, random top-k routing; dispatch (BF16 rows, or FP8 rows with scales) and, for
+// BF16, combine, each timed over `iters` calls (the slower rank's events), under the current transfer settings.
+struct LoopbackArgs {
+  int cuda_device, num_tokens, hidden, topk, num_experts;
+  bool fp8;
+  int iters;
+  uint64_t seed;
+};
+struct LoopbackResult {
+  double dispatch_us, combine_us;     // per call (combine: 0 with fp8)
+  uint64_t remote_rows, received_rows;  // of both ranks, per call
+  uint64_t x_row_bytes;               // bytes of a dispatched row (FP8: with its scales)
+  uint64_t mismatched_rows, mismatched_combine_rows;  // the last call's rows that differ from the inputs (must be 0)
+};
+LoopbackResult loopback_bench(const LoopbackArgs& args);
+// GB/s one kernel of `blocks` blocks copies within the GPU: per block `producers` threads each running bulk copies
+// through `stages` stages of `stage_bytes`, or (warps) the block's warps with SM loads and stores of rows of
+// `stage_bytes`.
+double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
+                  int producers, bool warps);
+
+// Messages from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload into
+// mapped host memory of the proxy's registered buffer, pushes `messages` messages of it to `peer` into a channel's
+// command ring (each `writes` writes that split the payload, then the fence that ends the message), waits for the
+// proxy to retire them all (a device quiet: `retired` reaching the ring's head), then for the peer's as many
+// messages to us (`released` reaching `released_target` + messages - 1), and compares the peer's payload with its
+// pattern. Addresses are host addresses of host_alloc'd (pinned, mapped) memory; the caller keeps every other
+// producer off the ring meanwhile.
+struct ProxyPutArgs {
+  RingSlot* ring_slots;
+  uint64_t* ring_head;
+  const uint64_t* ring_tail;
+  uint32_t ring_capacity;
+  const uint64_t* retired;    // the channel's retired-command count
+  const uint64_t* released;   // messages released from `peer` on the channel
+  uint64_t released_target;   // the count that means its next message is in
+  char* payload;              // our buffer at `write.local_offset`
+  const char* arrived;        // where the peer's message lands in our buffer
+  uint64_t bytes;             // of each message's payload (a multiple of 4 * writes)
+  uint32_t messages, writes;  // messages, and writes per message
+  Command write, fence;       // the first write of a message (its length bytes / writes) and the fence
+  uint32_t rank;              // ours: the payload pattern is (rank, word index)
+};
+struct ProxyPutResult {
+  uint64_t mismatched_words;        // words of the peer's message that differ from its pattern
+  double push_us, quiet_us, arrival_us;  // from the kernel's start (GPU clock): all pushed, all retired, all in
+  int timed_out;                    // 1: the ring stayed full, 2: no quiet, 3: no message, by timeout_ns()
+};
+ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t peer_rank);
+
+}  // namespace uccl_ep::nvl

@@ -1,0 +1,76 @@
+"""Settings: one module reads the environment, the README documents every variable it reads, bad values name
+themselves. No runtime needed."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from jax_uccl_ep import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _readme_variables() -> set[str]:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    table = text[text.index("## Environment variables") :]
+    table = table[: table.index("\n## ", 1)]
+    return set(re.findall(r"^\| `(UCCL_EP_[A-Z0-9_]+)`", table, re.M))
+
+
+def test_readme_table_lists_exactly_the_config_variables():
+    documented = _readme_variables() - {"UCCL_EP_CUDA"}  # a build option, read by CMake
+    assert documented == set(Config.env_names()), (
+        f"README only: {sorted(documented - set(Config.env_names()))}; "
+        f"Config only: {sorted(set(Config.env_names()) - documented)}"
+    )
+
+
+def test_only_the_settings_module_reads_the_environment():
+    readers = []
+    for folder in ("jax_uccl_ep", "ffi", "kernels", "proxy"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if not name.endswith((".py", ".cpp", ".hpp", ".cu", ".cuh")):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    text = f.read()
+                if re.search(r"getenv\(|os\.environ(?!\.setdefault\(\"CUDA_MODULE_LOADING\")", text):
+                    readers.append(os.path.relpath(path, ROOT))
+    # launch.py is the launcher command: it builds its children's environment from its own.
+    assert sorted(readers) == ["jax_uccl_ep/config.py", "jax_uccl_ep/launch.py"], readers
+
+
+def test_variables_override_fields_and_unset_ones_keep_them():
+    base = Config(num_sms=16, timeout_s=30.0, two_level="0")
+    env = {"UCCL_EP_NUM_SMS": "40", "UCCL_EP_NVL_BULK": "0", "UCCL_EP_FI_PROVIDER": "tcp;ofi_rxm",
+           "UCCL_EP_TWO_LEVEL": " ", "UCCL_EP_GPUS_PER_NODE": "2"}
+    got = Config.from_env(base, env)
+    assert (got.num_sms, got.nvl_bulk, got.fi_provider, got.gpus_per_node) == (40, False, "tcp;ofi_rxm", 2)
+    assert (got.timeout_s, got.two_level) == (30.0, "0")  # unset or blank: the field stays
+    assert Config.from_env(None, {}) == Config()
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("UCCL_EP_NUM_SMS", "many", "UCCL_EP_NUM_SMS='many' is not a valid integer"),
+        ("UCCL_EP_TIMEOUT_S", "-1", "timeout_s \\(UCCL_EP_TIMEOUT_S\\) must be positive"),
+        ("UCCL_EP_TWO_LEVEL", "yes", "must be auto, 1 or 0"),
+        ("UCCL_EP_BUFFER_BYTES", "0", "buffer_bytes \\(UCCL_EP_BUFFER_BYTES\\) must be positive"),
+    ],
+)
+def test_bad_values_name_the_variable(variable, value, message):
+    with pytest.raises(ValueError, match=message):
+        Config.from_env(None, {variable: value})
+
+
+def test_processes_compare_what_peers_depend_on():
+    shared = Config().shared()
+    assert "UCCL_EP_NUM_SMS" in shared and "UCCL_EP_BUFFER_BYTES" in shared
+    assert "UCCL_EP_TIMEOUT_S" not in shared  # each process may wait as long as it likes
+    assert Config(num_sms=8).shared() != shared
