@@ -22,8 +22,6 @@ namespace uccl_ep::ffi_cpu {
 namespace {
 
 namespace ffi_common = uccl_ep::ffi_common;
-using ffi_common::row_bytes;
-using ffi_common::row_bytes_3d;
 
 template <class Body>
 ffi::Error guarded(Body&& body) {
@@ -57,7 +55,6 @@ void poison(Buffers&... buffers) {
   if (settings().poison) (std::memset(buffers->untyped_data(), 0xFF, buffers->size_bytes()), ...);
 }
 
-int64_t dim(const ffi::AnyBuffer& b, int i) { return b.dimensions()[i]; }
 template <ffi::DataType T>
 int64_t dim(const ffi::Buffer<T>& b, int i) { return b.dimensions()[i]; }
 

@@ -1,4 +1,4 @@
-// Commands that producers (CPU ops now, GPU kernels later) push into a ring for a proxy thread to post.
+// Commands that producers (CPU ops, GPU kernels) push into a ring for a proxy thread to post.
 // Plain data, 32 bytes: a GPU warp can write one with two 16-byte stores.
 #pragma once
 #include <cstdint>

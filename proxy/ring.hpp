@@ -2,8 +2,8 @@
 // The producer owns `head`, the consumer owns `tail`. A slot is valid by its own content: every 8-byte word of it
 // carries the slot's lap tag (ring position / capacity, see encode_slot), so the consumer polls the slot at its
 // tail and takes it once all four words show this lap. No ordering between the slot's stores and the head is
-// needed (a GPU producer's release store of the head waited ~0.5 us for the slot's stores to cross PCIe, on the
-// path to the proxy: bench/RESULTS.md, session 9); the head is still kept, for counting (quiet) and for the next
+// needed (a GPU producer's release store of the head waits for the slot's stores to cross PCIe, on the path to the
+// proxy); the head is still kept, for counting (quiet) and for the next
 // producer to start from. 8-byte stores land whole in host memory, as NCCL's LL protocol relies on too.
 // Slots and both indices live in host_alloc'd memory (pinned and mapped into the GPUs when a CUDA build installed
 // that allocator), so the producer may be a GPU warp: slots(), head_word() and tail_word() are plain addresses,

@@ -124,13 +124,6 @@ void Device::wait_until(const Deadline& deadline, uint32_t peer, const char* op,
   }
 }
 
-void Device::check_no_pending_half(const char* op) const {
-  if (op_state_.has_value())
-    throw Error(std::string("uccl_ep ") + op +
-                ": the send half of a low-latency op still waits for its receive half on this device; run the "
-                "receive first");
-}
-
 std::string Device::local_peer_note(uint32_t peer, int channel) const {
   const Device* d = Runtime::get().local_device(peer);
   if (!d) return "";

@@ -111,12 +111,10 @@ class Device {
   // Consumer-side protocol state: whether this rank still waits for `peer` to acknowledge (free its receive
   // region after) the last message sent to it. Guarded by op_mutex().
   bool& awaiting_ack(uint32_t peer) { return awaiting_ack_[peer]; }
-  // State the op layer keeps between calls (a round waiting for its receive half), opaque here; it lives and
-  // dies with the device. Guarded by op_mutex().
+  // A slot for whatever the device's user keeps between calls, opaque here; it lives and dies with the device.
+  // Guarded by op_mutex().
   std::any& op_state() { return op_state_; }
-  // Throws Error if op_state() holds a round's send half that still waits for its receive half (no other round may
-  // run on the device in between).
-  void check_no_pending_half(const char* op) const;
+  const std::any& op_state() const { return op_state_; }
   DeviceStats stats() const;
   // For timeout messages naming a peer in this process: host rounds (op halves) this device entered, and the
   // messages it handed its rings for `peer` on `channel`.

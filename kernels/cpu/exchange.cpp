@@ -4,6 +4,8 @@
 #include <any>
 #include <cstring>
 
+#include "../pending_half.hpp"
+
 namespace uccl_ep::cpu {
 namespace {
 
@@ -207,7 +209,7 @@ void check_no_pending(Device& dev, const char* op) {
     throw Error(std::string("uccl_ep ") + op + ": the send half of " + op_name(sent->kind) + " (op #" +
                           std::to_string(sent->op_index) +
                           ") still waits for its receive half on this device; run the receive first");
-  dev.check_no_pending_half(op);  // a GPU-initiated one (kernels/nvl/low_latency.cu)
+  check_no_pending_half(dev, op);  // a GPU-initiated one (kernels/nvl/low_latency.cu)
 }
 
 }  // namespace

@@ -399,7 +399,7 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
   const int R = group.size;
   const auto nodes = node_blocks(group, a.node_size);
   const uint64_t row_bytes = nodes ? route_row_bytes(a.row_bytes, nodes->per_node) : round_up16(a.row_bytes);
-  ExchangePlan plan{OpKind::kCachedDispatch, a.op_index, row_bytes, a.row_bytes, {}, ""};
+  ExchangePlan plan{OpKind::kCachedDispatch, a.op_index, row_bytes, uint64_t(a.row_bytes), {}, ""};
   RowSink sink{a.capacity};
   std::string mismatch;
   auto place = [&](int s, uint32_t count, const uint8_t* rows) {

@@ -222,7 +222,7 @@ int num_sms();
 // Whether normal mode's NVLink kernels move rows with bulk copies (TMA) rather than SM stores; rows that are not
 // 16-byte multiples, and the proxy path's host-memory regions, always take SM stores.
 bool bulk_copies();
-// Blocks of the split low-latency receive kernels; send and fused kernels use 64 blocks of 512 threads.
+// Blocks of the split low-latency receive kernels; send and fused kernels use kSendBlocks (low_latency.cu).
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing.
 uint64_t timeout_ns();

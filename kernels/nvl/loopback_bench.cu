@@ -112,7 +112,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const int32_t members[R] = {0, 1};
   const auto dispatch_args = [&](Rank& k) {
     return DispatchArgs{k.x, x_row, k.scales, scale_row, k.topk, k.weights, T, K, E, cap, k.recv_x, k.recv_scales,
-                        k.recv_topk, k.recv_weights, k.recv_num, k.per_expert, k.in_rank, k.counts};
+                        k.recv_topk, k.recv_weights, k.recv_num, k.per_expert, k.in_rank, k.counts, 0, 0};
   };
   const auto combine_args = [&](Rank& k) {
     return CombineArgs{k.recv_x, FloatType::kBF16, H, cap, T, k.in_rank, k.counts, k.out, 0, 0};

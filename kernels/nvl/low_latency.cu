@@ -44,7 +44,7 @@ namespace {
 constexpr int kThreads = 1024;
 // Blocks of a send kernel: fixed, because receivers count arrivals by block (UCCL_EP_LL_NUM_SMS sets the
 // receive kernels' blocks).
-constexpr int kSendBlocks = 128;  // 64 left half of an H200's SMs idle in the receive phase of a fused op
+constexpr int kSendBlocks = 128;  // fewer leave SMs idle in the receive phase of a fused op
 constexpr int kSendThreads = 512;  // 128 registers a thread: the copy loop keeps its loads in flight unspilled
 constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
 

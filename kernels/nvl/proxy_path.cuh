@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../../proxy/runtime.hpp"
+#include "../pending_half.hpp"
 #include "api.hpp"
 #include "device_common.cuh"
 #include "ring_producer.cuh"
@@ -159,7 +160,7 @@ class ProxyHalf {
   template <class Launch>
   void send(ProxyOp op, Launch&& launch) {
     in_step([&] {
-      dev_.check_no_pending_half(op_);
+      check_no_pending_half(dev_, op_);
       dev_.quiet(op_);
       launch();
     });

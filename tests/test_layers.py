@@ -1,0 +1,73 @@
+"""The layers of docs/ARCHITECTURE.md hold: the package's imports form no cycle, and each C++ folder includes only
+what its layer may (proxy/ no kernels, ffi, CUDA or XLA; kernels/ no ffi, XLA or Python; kernels/cpu no CUDA)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "jax_uccl_ep")
+
+
+def _package_imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name in os.listdir(PACKAGE):
+        if not name.endswith(".py"):
+            continue
+        module = name[:-3]
+        with open(os.path.join(PACKAGE, name)) as f:
+            tree = ast.parse(f.read())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax_uccl_ep."):
+                deps.add(node.module.split(".")[1])
+        graph[module] = {d for d in deps if os.path.exists(os.path.join(PACKAGE, d + ".py"))}
+    return graph
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _package_imports()
+    graph.pop("__init__", None)  # the package's face imports everything; nothing imports it back
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            assert state.get(dep) != 1, "import cycle: " + " -> ".join(path + [dep])
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+FORBIDDEN = {
+    "proxy": [r"\.\./kernels/", r"\.\./ffi/", r"cuda", r"xla/", r"nanobind", r"Python\.h"],
+    "kernels": [r"\.\./ffi/", r"\.\./\.\./ffi/", r"xla/", r"nanobind", r"Python\.h"],
+    "kernels/cpu": [r"cuda", r"\.\./nvl/"],
+}
+
+
+def test_each_folder_includes_only_what_its_layer_may():
+    offences = []
+    for folder, patterns in FORBIDDEN.items():
+        top = os.path.join(ROOT, folder)
+        for dirpath, _, files in os.walk(top):
+            for name in files:
+                if not name.endswith((".hpp", ".cpp", ".cu", ".cuh")):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    includes = re.findall(r'^#include [<"]([^>"]+)[>"]', f.read(), re.M)
+                offences += [f"{os.path.relpath(path, ROOT)} includes {inc}" for inc in includes
+                             if any(re.search(p, inc) for p in patterns)]
+    assert not offences, offences
