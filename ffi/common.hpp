@@ -73,6 +73,17 @@ auto dispatch_signature(Binding b) {
       .template Ret<ffi::Buffer<ffi::S32>>();       // recv_counts
 }
 
+// get_dispatch_layout: local, no group.
+template <class Binding>
+auto layout_signature(Binding b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+      .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("num_ranks")
+      .template Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_rank
+      .template Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_expert
+      .template Ret<ffi::Buffer<ffi::PRED>>();  // is_token_in_rank
+}
+
 // cached_dispatch (x -> recv_x) and combine (y -> combined) take the same arguments.
 template <class Binding>
 auto handle_op_signature(Binding b) {
@@ -217,6 +228,16 @@ inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
 }
 
 // Each op's FFI buffers and attributes decoded into its contract arguments, for every backend.
+inline LayoutArgs layout_args(const ffi::Buffer<ffi::S32>& topk_idx, int64_t num_experts, int64_t num_ranks,
+                              ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_rank,
+                              ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
+                              ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank) {
+  return LayoutArgs{topk_idx.typed_data(),           int(topk_idx.dimensions()[0]),
+                    int(topk_idx.dimensions()[1]),   int(num_experts),
+                    int(num_ranks),                  num_tokens_per_rank->typed_data(),
+                    num_tokens_per_expert->typed_data(), is_token_in_rank->typed_data()};
+}
+
 inline DispatchArgs dispatch_args(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
                                   const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
                                   int64_t op_index, int64_t num_experts, int64_t node_size,

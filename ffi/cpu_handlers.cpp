@@ -55,9 +55,6 @@ void poison(Buffers&... buffers) {
   if (settings().poison) (std::memset(buffers->untyped_data(), 0xFF, buffers->size_bytes()), ...);
 }
 
-template <ffi::DataType T>
-int64_t dim(const ffi::Buffer<T>& b, int i) { return b.dimensions()[i]; }
-
 // The lowering passes every EP group of the mesh ([groups, size], runtime ranks); this device's is the row
 // that holds its rank.
 Group group_of(Device& dev, ffi::Span<const int32_t> table, int64_t size, const char* op) {
@@ -73,9 +70,10 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
                       ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
                       ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank) {
   return guarded([&] {
-    cpu::get_dispatch_layout(topk_idx.typed_data(), int(dim(topk_idx, 0)), int(dim(topk_idx, 1)), int(num_experts),
-                             int(num_ranks), num_tokens_per_rank->typed_data(), num_tokens_per_expert->typed_data(),
-                             is_token_in_rank->typed_data());
+    const LayoutArgs a = ffi_common::layout_args(topk_idx, num_experts, num_ranks, num_tokens_per_rank,
+                                                 num_tokens_per_expert, is_token_in_rank);
+    cpu::get_dispatch_layout(a.topk_idx, a.num_tokens, a.topk, a.num_experts, a.num_ranks, a.num_tokens_per_rank,
+                             a.num_tokens_per_expert, a.is_token_in_rank);
   });
 }
 
@@ -246,14 +244,7 @@ ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, 
 
 using namespace uccl_ep::ffi_cpu;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_rank
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
-                                  .Ret<ffi::Buffer<ffi::PRED>>());  // is_token_in_rank
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl, ffi_common::layout_signature(ffi::Ffi::Bind()));
 
 #define UCCL_EP_CPU_HANDLER(stem, name, signature) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl,  \

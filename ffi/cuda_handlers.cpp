@@ -256,6 +256,26 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::
 
 }  // namespace
 
+// get_dispatch_layout: no communication; a bad index goes to the error word of whichever runtime holds the GPU,
+// for check_errors() (the NVLink runtime's under two-level routing).
+ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts,
+                      int64_t num_ranks, ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_rank,
+                      ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+                      ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank) {
+  const bool nvlink = NvlRuntime::get().initialized();
+  return uccl_ep::ffi_common::guarded(nvlink ? OverNvlink::lifetime() : OverProxy::lifetime(), [&] {
+    const auto a = uccl_ep::ffi_common::layout_args(topk_idx, num_experts, num_ranks, num_tokens_per_rank,
+                                                    num_tokens_per_expert, is_token_in_rank);
+    if (nvlink) {
+      NvlDevice& dev = OverNvlink::device(ordinal);
+      uccl_ep::nvl::get_dispatch_layout(a, dev.errors_device(), dev.global_rank(), stream);
+    } else {
+      uccl_ep::Device& dev = OverProxy::device(ordinal);
+      uccl_ep::nvl::get_dispatch_layout(a, uccl_ep::nvl::proxy_error_word(dev.ordinal()), int(dev.rank()), stream);
+    }
+  });
+}
+
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
@@ -321,3 +341,5 @@ XLA_FFI_Error* run_path(XLA_FFI_CallFrame* frame, const PathHandlers& h, const c
   }
 UCCL_EP_FFI_OPS(UCCL_EP_CUDA_HANDLER)
 #undef UCCL_EP_CUDA_HANDLER
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCuda, LayoutImpl, uccl_ep::ffi_common::layout_signature(UCCL_EP_CUDA_BIND()));

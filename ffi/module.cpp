@@ -68,6 +68,7 @@ NB_MODULE(_uccl_ep, m) {
   // GPUs: NVLink buffers mapped among the GPUs of a host.
   m.def("cuda_registrations", [] {
     nb::dict d;
+    d["uccl_ep_layout"] = capsule(UcclEpLayoutCuda);
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
     UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
 #undef UCCL_EP_CUDA_CAPSULE

@@ -28,6 +28,16 @@ struct Group {
   int self;
 };
 
+// Routing counts of this rank's tokens (no communication): tokens per rank, top-k slots per expert, and which
+// ranks each token goes to. A slot outside [-1, E) is an error.
+struct LayoutArgs {
+  const int32_t* topk_idx;         // [T, K]
+  int num_tokens, topk, num_experts, num_ranks;
+  int32_t* num_tokens_per_rank;    // [R]
+  int32_t* num_tokens_per_expert;  // [E]
+  bool* is_token_in_rank;          // [T, R]
+};
+
 // Normal mode. Rows are opaque bytes except where a dtype is given.
 struct DispatchArgs {
   const void* x;               // [T, x_row_bytes]

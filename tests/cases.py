@@ -83,6 +83,32 @@ def roundtrip(mesh: Mesh, x, topk_idx, topk_weights, num_experts: int, capacity:
     return jax.tree.map(gather, outs)
 
 
+def check_layout(mesh: Mesh, seed: int, num_tokens: int, topk: int, num_experts: int) -> list[str]:
+    """get_dispatch_layout on every rank against counts taken here from the same routing (a slot per expert, a
+    token once per rank however many of its slots go there)."""
+    num_ranks = mesh.devices.size
+    idx = ref.random_routing(np.random.default_rng(seed), num_ranks, num_tokens, topk, num_experts)
+
+    def step(idx):
+        lay = ep.get_dispatch_layout(idx[0], num_experts=num_experts, axis_name="ep")
+        return jax.tree.map(lambda a: a[None], tuple(lay))
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    per_rank, per_expert, in_rank = jax.tree.map(gather, f(shard(mesh, idx)))
+    problems = []
+    owner = np.where(idx >= 0, idx // (num_experts // num_ranks), -1)
+    for r in range(num_ranks):
+        want_in_rank = np.stack([(owner[r] == q).any(-1) for q in range(num_ranks)], -1)
+        want_expert = np.bincount(idx[r][idx[r] >= 0], minlength=num_experts)
+        if not np.array_equal(in_rank[r], want_in_rank):
+            problems.append(f"rank {r}: is_token_in_rank differs")
+        if not np.array_equal(per_rank[r], want_in_rank.sum(0)):
+            problems.append(f"rank {r}: num_tokens_per_rank {per_rank[r]} != {want_in_rank.sum(0)}")
+        if not np.array_equal(per_expert[r], want_expert):
+            problems.append(f"rank {r}: num_tokens_per_expert differs")
+    return problems
+
+
 def two_level_per_node(num_ranks: int) -> int | None:
     """Ranks per node when normal mode routes in two levels over a mesh of `num_ranks` ranks (rows then arrive in
     two-level order), else None. The tests that expect two-level routing assert that it is on."""

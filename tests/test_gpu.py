@@ -53,6 +53,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     for i, (t, h, k, e, dtype, empty) in enumerate(shapes):
         problems[f"case{i}"] = cases.check_case(mesh, 100 + i, t, h, k, e, dtype, empty_rank=empty)
         print(f"case{i}: {problems[f'case{i}']}", flush=True)
+    problems["layout"] = cases.check_layout(mesh, 31, 50, 4, 8 * r)
     problems["fp8"] = cases.check_fp8(mesh, 7, 41, 256, 3, 4 * r)
     print(f"fp8: {problems['fp8']}", flush=True)
     if gradients == "1":

@@ -71,3 +71,18 @@ def test_each_folder_includes_only_what_its_layer_may():
                 offences += [f"{os.path.relpath(path, ROOT)} includes {inc}" for inc in includes
                              if any(re.search(p, inc) for p in patterns)]
     assert not offences, offences
+
+
+def test_every_op_has_a_handler_on_every_built_platform():
+    from jax_uccl_ep import _uccl_ep
+
+    ops = set()
+    for name in os.listdir(PACKAGE):
+        if name.endswith(".py"):
+            with open(os.path.join(PACKAGE, name)) as f:
+                ops |= set(re.findall(r'ep_call\(\s*"(\w+)"', f.read()))
+    assert {"layout", "dispatch", "combine", "low_latency_dispatch"} <= ops  # the scan finds the ops
+    targets = {"uccl_ep_" + op for op in ops}
+    assert targets <= set(_uccl_ep.cpu_registrations()), targets - set(_uccl_ep.cpu_registrations())
+    if hasattr(_uccl_ep, "cuda_registrations"):  # a CUDA build: every op on GPUs too
+        assert targets <= set(_uccl_ep.cuda_registrations()), targets - set(_uccl_ep.cuda_registrations())

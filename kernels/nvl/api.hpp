@@ -200,6 +200,10 @@ using uccl_ep::Group;  // ranks: a host copy of the group's ranks
 using uccl_ep::LowLatencyCombineArgs;
 using uccl_ep::LowLatencyDispatchArgs;
 
+using uccl_ep::LayoutArgs;
+// Enqueues the layout on `stream`; a bad expert index is skipped and recorded in `err` (raised by check_errors()).
+void get_dispatch_layout(const LayoutArgs& args, DeviceErrors* err, int rank, cudaStream_t stream);
+
 // Bytes of the message one rank sends another for a dispatch of this shape.
 size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights);
 void dispatch(NvlDevice& dev, const Group& group, const DispatchArgs& args, cudaStream_t stream);
@@ -274,6 +278,8 @@ void low_latency_combine_recv(Device& dev, const Group& group, const LowLatencyC
 void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
 // Raises (and clears) the first input error the GPU-initiated ops of this process found, naming the rank.
 void check_proxy_errors(const char* op);
+// The error word of the proxy path on `cuda_device` (device address), which check_proxy_errors() reads.
+DeviceErrors* proxy_error_word(int cuda_device);
 // Whether low-latency ops on the proxy runtime can run GPU-initiated (above) for a job of `num_ranks`: at most
 // kMaxLowLatencyRanks ranks, in pinned mapped memory. The plan (jax_uccl_ep/_plan.py) decides, with the settings.
 bool gpu_initiated_low_latency(uint32_t num_ranks);

@@ -1096,6 +1096,8 @@ namespace {
 
 }  // namespace
 
+DeviceErrors* proxy_error_word(int cuda_device) { return proxy_gpu(cuda_device).errors_device; }
+
 void check_proxy_errors(const char* op) {
   for (DeviceErrors* word : proxy_error_words()) raise_pending_device_error(word, op);
 }
