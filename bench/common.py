@@ -6,8 +6,8 @@
 - Bandwidth, both ways DESIGN.md asks for: DeepEP's formula (every byte a rank receives, its own rows included)
   and remote-only (bytes that cross between ranks). Both are per rank, averaged over the ranks.
 - A fixed-width table printer (benchmarks print their table last).
-- A spawner for multi-process CPU runs: tests/mp.py's launcher (jax.distributed on a free 127.0.0.1 port, process
-  groups killed on timeout), reused as is.
+- A spawner for multi-process runs on the package's launcher (jax_uccl_ep.launch: jax.distributed on a free
+  127.0.0.1 port, process groups killed on timeout).
 - The EP problem (random top-k routing, random normal x) and the ops measured on it, shared by normal.py (CPU)
   and intranode.py (GPU): jax_uccl_ep dispatch/combine, jax.lax.all_to_all on the padded payload and
   jax.lax.ragged_all_to_all on the exact ragged payload, each in its own jit inside one jax.shard_map.
@@ -17,7 +17,6 @@ This module imports jax lazily: proxy.py uses the table and the spawner without 
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -207,20 +206,8 @@ def write_json(path: str, payload: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Multi-process CPU runs (tests/mp.py's launcher)
+# Multi-process runs (the package's launcher)
 # ----------------------------------------------------------------------------------------------------------------
-
-def _load_mp():
-    name = "uccl_ep_tests_mp"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(REPO_ROOT, "tests", "mp.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def spawn(
     path: str,
@@ -237,13 +224,16 @@ def spawn(
 ) -> list[Any]:
     """Runs `function(*args)` of the file `path` in `num_processes` fresh processes; returns their results.
 
-    Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process (with `gpus`: one GPU each,
-    CUDA_VISIBLE_DEVICES=its index modulo the GPUs there are, or 0 for all with `share_gpu`) and (if
-    `distributed`) the jax.distributed coordinator of the job in its environment; jax_uccl_ep.initialize() picks those up. With distributed=False (one process only) the child
-    runs without jax.distributed, JAX's usual one-process-per-host mode. Raises with every rank's stderr if a
-    rank fails.
+    Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process (with `gpus`: one GPU each, the
+    visible GPU of its rank modulo the GPUs there are, or the first for all with `share_gpu`) and (if
+    `distributed`) the jax.distributed coordinator of the job in its environment; jax_uccl_ep.initialize() picks
+    those up. With distributed=False (one process only) the child runs without jax.distributed, JAX's usual
+    one-process-per-host mode. Raises with every rank's stderr if a rank fails.
     """
-    mp = _load_mp()
+    # Imported here: importing jax_uccl_ep imports jax, and proxy.py's parent uses only the table helpers.
+    from jax_uccl_ep import _spawn
+    from jax_uccl_ep.launch import detect_gpus
+
     child_env = dict(env or {})
     if not distributed:
         if num_processes != 1:
@@ -251,15 +241,19 @@ def spawn(
         child_env.update(JAX_COORDINATOR_ADDRESS="", JAX_NUM_PROCESSES="", JAX_PROCESS_ID="")
     per_rank = None
     if gpus:
-        # More processes than GPUs (or share_gpu: GPU 0 for all) take turns on them: rank i on GPU i mod count.
-        num_gpus = 1 if share_gpu else max(1, mp.count_gpus())
-        per_rank = [{"CUDA_VISIBLE_DEVICES": str(i % num_gpus)} for i in range(num_processes)]
-        if num_processes > num_gpus:  # JAX must not take each GPU's memory up front then
+        # More processes than GPUs (or share_gpu: the first GPU for all) take turns on them: rank i on GPU i mod
+        # count.
+        ids = detect_gpus() or ["0"]
+        if share_gpu:
+            ids = ids[:1]
+        per_rank = [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} for i in range(num_processes)]
+        if num_processes > len(ids):  # JAX must not take each GPU's memory up front then
             child_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    results = mp.launch(path, function, num_processes, args=args, devices_per_process=devices_per_process,
-                        timeout_s=timeout_s, env=child_env, per_rank_env=per_rank, platform="gpu" if gpus else "cpu")
+    results = _spawn.call_in_processes(path, function, num_processes, args=args,
+                                       devices_per_process=devices_per_process, timeout_s=timeout_s, env=child_env,
+                                       per_rank_env=per_rank, platform="gpu" if gpus else "cpu")
     if not all(r.ok for r in results):
-        raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{mp.describe(results)}")
+        raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{_spawn.describe(results)}")
     return [r.result for r in results]
 
 
