@@ -24,8 +24,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
@@ -418,7 +419,8 @@ class EPBench:
     def __init__(self, prob: EPProblem, devices=None, *, iters: int = 10, repeats: int = 5, cupti: bool = False):
         import jax
         import numpy as np
-        from jax.sharding import Mesh, PartitionSpec as P
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
 
         self.prob = prob
         self.iters = iters
@@ -456,6 +458,7 @@ class EPBench:
             before = proxy_bytes_posted()
             if before is not None:  # one more call, counting what the proxies post (per op and local rank)
                 import jax
+
                 from jax_uccl_ep import _runtime
 
                 jax.block_until_ready(fn(*args))
@@ -475,7 +478,7 @@ class EPBench:
                         cupti_activity(lambda: jax.block_until_ready(fn(*args))), self.iters)
                 except Exception as e:  # noqa: BLE001 (no torch: the timing stands without it)
                     res.extra["cupti_us_per_call"] = {"error": short_error(e, 120)}
-        except Exception as e:  # one op failing (not implemented on this platform, say) must not stop the rest
+        except Exception as e:  # noqa: BLE001 (one op failing, not implemented here say, must not stop the rest)
             res.error = short_error(e, 400)
         return res
 
@@ -500,6 +503,7 @@ class EPBench:
 
         def make():
             import jax.numpy as jnp
+
             import jax_uccl_ep as ep
 
             cap = p.max_recv
@@ -529,6 +533,7 @@ class EPBench:
         def make():
             import jax
             import jax.numpy as jnp
+
             import jax_uccl_ep as ep
 
             handle_tree = []
@@ -562,9 +567,10 @@ class EPBench:
 
         def make():
             import jax.numpy as jnp
+
             import jax_uccl_ep as ep
 
-            kw = dict(num_experts=p.experts, max_tokens_per_rank=p.tokens, axis_name=self.AXIS)
+            kw = {"num_experts": p.experts, "max_tokens_per_rank": p.tokens, "axis_name": self.AXIS}
 
             def dispatch_body(x, idx, w):
                 def step(tok):
@@ -646,7 +652,7 @@ class EPBench:
 
         return self._run(name, make, p.exact_bytes(False), note="exact ragged rows")
 
-    def op(self, name: str) -> "OpResult":
+    def op(self, name: str) -> OpResult:
         """Runs one op by name: 'dispatch', 'dispatch_fp8', 'combine', 'll_dispatch_fp8', 'll_combine',
         'all_to_all', 'ragged_all_to_all'."""
         table = {
