@@ -3,8 +3,9 @@
 - Timing: a jitted function runs the op `iters` times inside one jit (a fori_loop that carries data, so XLA can
   neither hoist nor merge the calls); the wall time of a whole call, after block_until_ready, divided by `iters`
   is the time per op; the median over `repeats` calls is reported.
-- Bandwidth, both ways DESIGN.md asks for: DeepEP's formula (every byte a rank receives, its own rows included)
-  and remote-only (bytes that cross between ranks). Both are per rank, averaged over the ranks.
+- Bandwidth, both ways the project's design notes (not in this repository) ask for: DeepEP's formula (every byte
+  a rank receives, its own rows included) and remote-only (bytes that cross between ranks). Both are per rank,
+  averaged over the ranks.
 - A fixed-width table printer (benchmarks print their table last).
 - A spawner for multi-process runs on the package's launcher (jax_uccl_ep.launch: jax.distributed on a free
   127.0.0.1 port, process groups killed on timeout).
