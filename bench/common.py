@@ -3,11 +3,12 @@
 - Timing: a jitted function runs the op `iters` times inside one jit (a fori_loop that carries data, so XLA can
   neither hoist nor merge the calls); the wall time of a whole call, after block_until_ready, divided by `iters`
   is the time per op; the median over `repeats` calls is reported.
-- Bandwidth, both ways DESIGN.md asks for: DeepEP's formula (every byte a rank receives, its own rows included)
-  and remote-only (bytes that cross between ranks). Both are per rank, averaged over the ranks.
+- Bandwidth, both ways the project's design notes (not in this repository) ask for: DeepEP's formula (every byte
+  a rank receives, its own rows included) and remote-only (bytes that cross between ranks). Both are per rank,
+  averaged over the ranks.
 - A fixed-width table printer (benchmarks print their table last).
-- A spawner for multi-process CPU runs: tests/mp.py's launcher (jax.distributed on a free 127.0.0.1 port, process
-  groups killed on timeout), reused as is.
+- A spawner for multi-process runs on the package's launcher (jax_uccl_ep.launch: jax.distributed on a free
+  127.0.0.1 port, process groups killed on timeout).
 - The EP problem (random top-k routing, random normal x) and the ops measured on it, shared by normal.py (CPU)
   and intranode.py (GPU): jax_uccl_ep dispatch/combine, jax.lax.all_to_all on the padded payload and
   jax.lax.ragged_all_to_all on the exact ragged payload, each in its own jit inside one jax.shard_map.
@@ -17,7 +18,6 @@ This module imports jax lazily: proxy.py uses the table and the spawner without 
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -25,8 +25,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
@@ -207,20 +208,8 @@ def write_json(path: str, payload: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Multi-process CPU runs (tests/mp.py's launcher)
+# Multi-process runs (the package's launcher)
 # ----------------------------------------------------------------------------------------------------------------
-
-def _load_mp():
-    name = "uccl_ep_tests_mp"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(REPO_ROOT, "tests", "mp.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def spawn(
     path: str,
@@ -237,13 +226,16 @@ def spawn(
 ) -> list[Any]:
     """Runs `function(*args)` of the file `path` in `num_processes` fresh processes; returns their results.
 
-    Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process (with `gpus`: one GPU each,
-    CUDA_VISIBLE_DEVICES=its index modulo the GPUs there are, or 0 for all with `share_gpu`) and (if
-    `distributed`) the jax.distributed coordinator of the job in its environment; jax_uccl_ep.initialize() picks those up. With distributed=False (one process only) the child
-    runs without jax.distributed, JAX's usual one-process-per-host mode. Raises with every rank's stderr if a
-    rank fails.
+    Each child gets JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=devices_per_process (with `gpus`: one GPU each, the
+    visible GPU of its rank modulo the GPUs there are, or the first for all with `share_gpu`) and (if
+    `distributed`) the jax.distributed coordinator of the job in its environment; jax_uccl_ep.initialize() picks
+    those up. With distributed=False (one process only) the child runs without jax.distributed, JAX's usual
+    one-process-per-host mode. Raises with every rank's stderr if a rank fails.
     """
-    mp = _load_mp()
+    # Imported here: importing jax_uccl_ep imports jax, and proxy.py's parent uses only the table helpers.
+    from jax_uccl_ep import _spawn
+    from jax_uccl_ep.launch import detect_gpus
+
     child_env = dict(env or {})
     if not distributed:
         if num_processes != 1:
@@ -251,15 +243,19 @@ def spawn(
         child_env.update(JAX_COORDINATOR_ADDRESS="", JAX_NUM_PROCESSES="", JAX_PROCESS_ID="")
     per_rank = None
     if gpus:
-        # More processes than GPUs (or share_gpu: GPU 0 for all) take turns on them: rank i on GPU i mod count.
-        num_gpus = 1 if share_gpu else max(1, mp.count_gpus())
-        per_rank = [{"CUDA_VISIBLE_DEVICES": str(i % num_gpus)} for i in range(num_processes)]
-        if num_processes > num_gpus:  # JAX must not take each GPU's memory up front then
+        # More processes than GPUs (or share_gpu: the first GPU for all) take turns on them: rank i on GPU i mod
+        # count.
+        ids = detect_gpus() or ["0"]
+        if share_gpu:
+            ids = ids[:1]
+        per_rank = [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} for i in range(num_processes)]
+        if num_processes > len(ids):  # JAX must not take each GPU's memory up front then
             child_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    results = mp.launch(path, function, num_processes, args=args, devices_per_process=devices_per_process,
-                        timeout_s=timeout_s, env=child_env, per_rank_env=per_rank, platform="gpu" if gpus else "cpu")
+    results = _spawn.call_in_processes(path, function, num_processes, args=args,
+                                       devices_per_process=devices_per_process, timeout_s=timeout_s, env=child_env,
+                                       per_rank_env=per_rank, platform="gpu" if gpus else "cpu")
     if not all(r.ok for r in results):
-        raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{mp.describe(results)}")
+        raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{_spawn.describe(results)}")
     return [r.result for r in results]
 
 
@@ -424,7 +420,8 @@ class EPBench:
     def __init__(self, prob: EPProblem, devices=None, *, iters: int = 10, repeats: int = 5, cupti: bool = False):
         import jax
         import numpy as np
-        from jax.sharding import Mesh, PartitionSpec as P
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
 
         self.prob = prob
         self.iters = iters
@@ -462,6 +459,7 @@ class EPBench:
             before = proxy_bytes_posted()
             if before is not None:  # one more call, counting what the proxies post (per op and local rank)
                 import jax
+
                 from jax_uccl_ep import _runtime
 
                 jax.block_until_ready(fn(*args))
@@ -481,7 +479,7 @@ class EPBench:
                         cupti_activity(lambda: jax.block_until_ready(fn(*args))), self.iters)
                 except Exception as e:  # noqa: BLE001 (no torch: the timing stands without it)
                     res.extra["cupti_us_per_call"] = {"error": short_error(e, 120)}
-        except Exception as e:  # one op failing (not implemented on this platform, say) must not stop the rest
+        except Exception as e:  # noqa: BLE001 (one op failing, not implemented here say, must not stop the rest)
             res.error = short_error(e, 400)
         return res
 
@@ -506,6 +504,7 @@ class EPBench:
 
         def make():
             import jax.numpy as jnp
+
             import jax_uccl_ep as ep
 
             cap = p.max_recv
@@ -535,6 +534,7 @@ class EPBench:
         def make():
             import jax
             import jax.numpy as jnp
+
             import jax_uccl_ep as ep
 
             handle_tree = []
@@ -568,9 +568,10 @@ class EPBench:
 
         def make():
             import jax.numpy as jnp
+
             import jax_uccl_ep as ep
 
-            kw = dict(num_experts=p.experts, max_tokens_per_rank=p.tokens, axis_name=self.AXIS)
+            kw = {"num_experts": p.experts, "max_tokens_per_rank": p.tokens, "axis_name": self.AXIS}
 
             def dispatch_body(x, idx, w):
                 def step(tok):
@@ -652,7 +653,7 @@ class EPBench:
 
         return self._run(name, make, p.exact_bytes(False), note="exact ragged rows")
 
-    def op(self, name: str) -> "OpResult":
+    def op(self, name: str) -> OpResult:
         """Runs one op by name: 'dispatch', 'dispatch_fp8', 'combine', 'll_dispatch_fp8', 'll_combine',
         'all_to_all', 'ragged_all_to_all'."""
         table = {

@@ -32,13 +32,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-# DESIGN.md's reference figures on 2xH200 (2026-11-21), DeepSeek-V3 sizes.
+# Reference figures from the project's design notes (not in this repository; bench/RESULTS.md lists them beside
+# the runs): 2xH200, 2026-11-21, DeepSeek-V3 sizes.
 REFERENCE_US = {
     "DeepEP v1 dispatch fp8": 245.0,
     "DeepEP v1 dispatch bfloat16": 345.0,
     "DeepEP v1 combine bfloat16": 408.0,
-    "NCCL all-to-all (DESIGN.md)": 256.0,
-    "JAX all_to_all (DESIGN.md)": 558.0,
+    "NCCL all-to-all (design notes)": 256.0,
+    "JAX all_to_all (design notes)": 558.0,
 }
 DEEPSEEK = dict(tokens=4096, hidden=7168, topk=8, experts=256)
 HEADERS = ["op", "impl", "time/call", "min", "GB/s DeepEP", "GB/s remote", "SMs", "note"]
@@ -358,7 +359,7 @@ def main(argv=None) -> int:
             nbytes = prob.padded_bytes() if "JAX all_to_all" in name else prob.exact_bytes(fp8)
             t = us * 1e-6
             rows.append([name, "reference", common.fmt_time(t), "", common.fmt_gbps(common.gbps(nbytes[0], t)),
-                         common.fmt_gbps(common.gbps(nbytes[1], t)), "", "DESIGN.md figure, this payload's bytes"])
+                         common.fmt_gbps(common.gbps(nbytes[1], t)), "", "design-notes figure, this payload's bytes"])
     common.write_json(args.out, record)
     print(f"# wrote {args.out}", flush=True)
     print()

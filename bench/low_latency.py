@@ -5,7 +5,8 @@ Decode sizes by default: 128 tokens per rank, hidden 7168, top-8 of 256 experts,
 the time is the median over `--repeats` of (call time / iters). Dispatch includes the FP8 cast (in our kernel); combine
 is timed alone on fixed expert outputs. all_to_all moves the static equivalent of the LL payload: [R, N * K, H]
 BF16 rows per rank (every destination could receive up to N * K rows).
-Reference on 2xH200 (DeepEP v1 LL): dispatch 28.4 us, combine 39.8 us (DESIGN.md).
+Reference on 2xH200 (DeepEP v1 LL): dispatch 28.4 us, combine 39.8 us (the project's design notes, not in this
+repository).
 
     python bench/low_latency.py                 # the devices JAX finds
     python bench/low_latency.py --cpu --ranks 2 --tokens 32 --hidden 512 --experts 16
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
             spans = {k: v for k, v in kernel_spans(gpu).items() if k in labels}
             phases = kernel_phases(gpu)
             cupti = {}
-            for _ in range(2 if args.cupti else 0):  # the first profiled call pays CUPTI's start (a 110 us median once)
+            for _ in range(2 if args.cupti else 0):  # the first profiled call pays CUPTI's start
                 cupti = cupti_kernel_us(lambda: jax.block_until_ready(fn(*inputs)), labels)
             results[name] = dict(tm.as_dict(), kernel_spans_us=spans, kernel_phases_us=phases, cupti_us=cupti)
             if phases:

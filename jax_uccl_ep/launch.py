@@ -19,12 +19,18 @@ for a child killed by a signal). Each child runs in its own process group (and s
 launcher kills the whole group when the child ends, so no process outlives the job; on Linux a child also dies if
 the launcher itself is killed.
 
-The launcher never imports jax: GPUs are found with ``nvidia-smi -L`` or ``/dev/nvidia<N>``.
+The launcher starts no JAX backend (that would take the GPUs' memory): GPUs are found with ``nvidia-smi -L`` or
+``/dev/nvidia<N>``.
+
+The same launcher from Python, which the tests and the benches use too: :func:`start` starts the N children with
+the environment above (less the platform choice, which the caller makes), each in its own process group and dying
+with the thread that started it; :func:`run` also waits for them, kills them all at a timeout and returns each
+one's exit status and output. ``main()`` is the command line on top of :func:`start`.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import os
 import re
 import shutil
@@ -34,11 +40,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import IO, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
 
 _POLL_S = 0.05
 _KILL_AFTER_TERM_S = 3.0
+_JOIN_PIPES_S = 2.0  # a process outside the child's group may hold its pipes open: stop reading after this
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,7 +68,7 @@ def detect_gpus() -> list[str]:
     count = 0
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+            out = subprocess.run(["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=20).stdout
             count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
         except (OSError, subprocess.SubprocessError):
             count = 0
@@ -69,27 +77,62 @@ def detect_gpus() -> list[str]:
     return [str(i) for i in range(count)]
 
 
+def child_env(rank: int, num_processes: int, port: int, env: Mapping[str, str | None] | None = None,
+              rank_env: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """The environment child `rank` of `num_processes` gets: this process's, the jax.distributed coordinator at
+    ``127.0.0.1:port`` (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``),
+    ``PYTHONUNBUFFERED=1``, ``FI_TCP_IFACE=lo`` unless set, then `env` and `rank_env` on top (a value of None
+    removes the variable)."""
+    out = dict(os.environ)
+    out.update(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(num_processes),
+        JAX_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",
+    )
+    out.setdefault("FI_TCP_IFACE", "lo")  # every peer is on this host: libfabric's tcp provider stays on loopback
+    for extra in (env, rank_env):
+        for key, value in (extra or {}).items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = value
+    return out
+
+
 def _exit_code(returncode: int) -> int:
     """A shell-style exit status: a child killed by signal S (returncode -S) becomes 128 + S."""
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: ask Linux to SIGKILL it when the launcher dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:  # not Linux: the process group is still killed on every normal launcher exit
-        pass
+# Runs first in every child on Linux, then execs the command: asks the kernel to SIGKILL the child when the thread
+# that started it ends. In the child, not in a preexec_fn: that makes subprocess fork() this process, which JAX
+# warns can deadlock once its threads run (the tests launch from a process that uses JAX).
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the launcher ended before that took effect
+    os.kill(os.getpid(), signal.SIGKILL)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-@dataclass
-class _Child:
-    rank: int
-    proc: subprocess.Popen
-    threads: list[threading.Thread] = field(default_factory=list)
-    returncode: int | None = None
+def _dying_with_parent(command: Sequence[str]) -> list[str]:
+    """`command`, run so that it dies with this process (Linux; elsewhere only the process groups are killed, on
+    every normal exit of the launcher)."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
+class Child:
+    """One started process: `rank`, `proc` (a Popen whose stdout and stderr are byte pipes), and `returncode` once
+    it has exited (negative: killed by that signal)."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.returncode: int | None = None
 
     def signal_group(self, sig: int) -> None:
         """Sends `sig` to the child's whole process group (it and anything it started)."""
@@ -98,7 +141,7 @@ class _Child:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def check_exit(self) -> int | None:
+    def poll(self) -> int | None:
         """The child's return code once it has exited (None while it runs); kills what it left in its group."""
         if self.returncode is not None:
             return self.returncode
@@ -113,6 +156,143 @@ class _Child:
         self.returncode = self.proc.wait()
         return self.returncode
 
+    def kill(self) -> int:
+        """Kills the child's process group (if it still runs) and returns its return code."""
+        if self.returncode is None:
+            self.signal_group(signal.SIGKILL)
+            self.returncode = self.proc.wait()
+        return self.returncode
+
+
+def start(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    env: Mapping[str, str | None] | None = None,
+    per_rank_env: Sequence[Mapping[str, str | None]] | None = None,
+    cwd: str | None = None,
+    port: int | None = None,
+) -> list[Child]:
+    """Starts `command` `num_processes` times, as the ranks of one jax.distributed job on this host.
+
+    Child i's environment is :func:`child_env` (coordinator on `port`, a free one by default; `env`, then
+    ``per_rank_env[i]`` on top). stdin is /dev/null; stdout and stderr are pipes the caller must read. Each child
+    leads its own process group and session (signals to this process do not reach it), and on Linux gets SIGKILL
+    when the thread that called start() ends: call it from a thread that outlives the children. If starting one
+    fails, the ones already started are killed.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be at least 1, not {num_processes}")
+    if per_rank_env is not None and len(per_rank_env) != num_processes:
+        raise ValueError(f"per_rank_env has {len(per_rank_env)} entries for {num_processes} processes")
+    port = free_port() if port is None else port
+    children: list[Child] = []
+    try:
+        for rank in range(num_processes):
+            proc = subprocess.Popen(
+                _dying_with_parent(command),
+                env=child_env(rank, num_processes, port, env, per_rank_env[rank] if per_rank_env else None),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # own process group: Ctrl-C reaches it only through the launcher
+            )
+            children.append(Child(rank, proc))
+    except BaseException:
+        for child in children:
+            child.kill()
+        raise
+    return children
+
+
+@dataclass
+class ChildResult:
+    """How one child of :func:`run` ended."""
+
+    rank: int
+    returncode: int | None  # None: still running at the timeout, then killed
+    stdout: str
+    stderr: str
+    seconds: float  # from the start of run() until it exited or was killed
+
+
+def run(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    env: Mapping[str, str | None] | None = None,
+    per_rank_env: Sequence[Mapping[str, str | None]] | None = None,
+    cwd: str | None = None,
+    timeout_s: float | None = None,
+) -> list[ChildResult]:
+    """Runs `command` in `num_processes` children (see :func:`start`) until all have exited; returns one
+    :class:`ChildResult` per rank, in rank order.
+
+    A child that fails does not stop the others. At `timeout_s` (None: no limit) every child still running is
+    killed with its process group. Nothing the children started outlives the call, also when it raises.
+    """
+    began = time.monotonic()
+    children = start(command, num_processes, env=env, per_rank_env=per_rank_env, cwd=cwd)
+    captured: list[tuple[list[bytes], list[bytes]]] = []
+    readers = []
+    for child in children:
+        out: list[bytes] = []
+        err: list[bytes] = []
+        captured.append((out, err))
+        for stream, chunks in ((child.proc.stdout, out), (child.proc.stderr, err)):
+            t = threading.Thread(target=_collect, args=(stream, chunks), daemon=True)
+            t.start()
+            readers.append(t)
+    ended: list[float | None] = [None] * num_processes
+    timed_out: set[int] = set()
+    deadline = None if timeout_s is None else began + timeout_s
+    try:
+        while True:
+            now = time.monotonic()
+            for child in children:
+                if ended[child.rank] is None and child.poll() is not None:
+                    ended[child.rank] = now - began
+            running = [c for c in children if c.returncode is None]
+            if not running:
+                break
+            if deadline is not None and now >= deadline:
+                for child in running:
+                    child.kill()
+                    timed_out.add(child.rank)
+                    ended[child.rank] = time.monotonic() - began
+                break
+            time.sleep(_POLL_S)
+    finally:
+        for child in children:  # after an exception (Ctrl-C, say): kill whatever still runs
+            child.kill()
+        for t in readers:
+            t.join(timeout=_JOIN_PIPES_S)
+    return [
+        ChildResult(
+            rank=child.rank,
+            returncode=None if child.rank in timed_out else child.returncode,
+            stdout=_decode(captured[child.rank][0]),
+            stderr=_decode(captured[child.rank][1]),
+            seconds=ended[child.rank] if ended[child.rank] is not None else time.monotonic() - began,
+        )
+        for child in children
+    ]
+
+
+def _collect(stream: IO[bytes], chunks: list[bytes]) -> None:
+    """Reads `stream` to its end into `chunks` (so a child never blocks on a full pipe)."""
+    with stream:
+        chunks.extend(iter(functools.partial(stream.read1, 1 << 16), b""))
+
+
+def _decode(chunks: list[bytes]) -> str:
+    return b"".join(list(chunks)).decode("utf-8", errors="replace")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The command line
+# ------------------------------------------------------------------------------------------------------------
 
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
     """Copies `stream` to `out` line by line, each line prefixed."""
@@ -122,24 +302,6 @@ def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) ->
             with lock:
                 out.write(f"{prefix}{line}\n")
                 out.flush()
-
-
-def _child_env(args: argparse.Namespace, rank: int, port: int, gpus: list[str], use_gpu: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-        JAX_NUM_PROCESSES=str(args.num_processes),
-        JAX_PROCESS_ID=str(rank),
-        PYTHONUNBUFFERED="1",
-    )
-    env.setdefault("FI_TCP_IFACE", "lo")
-    if use_gpu:
-        if args.gpus_per_process == "1":
-            env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
-    else:
-        env["JAX_PLATFORMS"] = "cpu"
-        env["JAX_NUM_CPU_DEVICES"] = str(args.devices_per_process or 1)
-    return env
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -186,66 +348,67 @@ def _choose_platform(args: argparse.Namespace) -> tuple[bool, list[str]]:
     return use_gpu, gpus
 
 
+def _platform_env(args: argparse.Namespace, use_gpu: bool,
+                  gpus: list[str]) -> tuple[dict[str, str], list[dict[str, str]] | None]:
+    """(environment of every child, environment per rank) for the platform chosen."""
+    if not use_gpu:
+        return {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(args.devices_per_process or 1)}, None
+    if args.gpus_per_process == "1":
+        return {}, [{"CUDA_VISIBLE_DEVICES": gpus[rank]} for rank in range(args.num_processes)]
+    return {}, None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the job; returns 0 if every child succeeded, else the first failing child's exit status."""
     args = parse_args(argv)
     use_gpu, gpus = _choose_platform(args)
-    port = free_port()
+    env, per_rank_env = _platform_env(args, use_gpu, gpus)
     lock = threading.Lock()
-    command = [sys.executable, args.script, *args.script_args]
-
-    children: list[_Child] = []
+    children: list[Child] = []
+    pumps: list[threading.Thread] = []
     received: list[int] = []  # signals forwarded so far
 
-    def forward(signum: int, _frame: object) -> None:
-        received.append(signum)
-        # A second Ctrl-C means "now": kill instead of asking.
-        sig = signal.SIGKILL if len(received) > 1 else signum
+    def signal_all(sig: int) -> None:
         for child in children:
             if child.returncode is None:
                 child.signal_group(sig)
 
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        # A second Ctrl-C means "now": kill instead of asking.
+        signal_all(signal.SIGKILL if len(received) > 1 else signum)
+
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        for rank in range(args.num_processes):
-            proc = subprocess.Popen(
-                command,
-                env=_child_env(args, rank, port, gpus, use_gpu),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # own process group: Ctrl-C reaches it only through us
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            )
-            children.append(_Child(rank, proc))
+        children.extend(start([sys.executable, args.script, *args.script_args], args.num_processes,
+                              env=env, per_rank_env=per_rank_env))
+        if received:  # a signal that came while they were starting has not reached them
+            signal_all(signal.SIGKILL if len(received) > 1 else received[0])
         for child in children:
             prefix = f"[rank {child.rank}] "
             for stream, out in ((child.proc.stdout, sys.stdout), (child.proc.stderr, sys.stderr)):
                 t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
                 t.start()
-                child.threads.append(t)
+                pumps.append(t)
         return _supervise(children, args.grace_period, received)
     finally:
         for child in children:  # only after an exception or an early return: kill whatever still runs
-            if child.check_exit() is None:
-                child.signal_group(signal.SIGKILL)
-                child.check_exit()
-        for child in children:
-            for t in child.threads:
-                t.join(timeout=2.0)
+            child.kill()
+        for t in pumps:
+            t.join(timeout=_JOIN_PIPES_S)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _supervise(children: list[_Child], grace_period: float, received: list[int]) -> int:
+def _supervise(children: list[Child], grace_period: float, received: list[int]) -> int:
     """Waits for the children; on the first failure (or a forwarded signal) ends the rest. Returns the exit code."""
-    first_failure: _Child | None = None
+    first_failure: Child | None = None
     stop_at: float | None = None  # when the survivors get SIGTERM
     kill_at: float | None = None  # when they get SIGKILL
     while True:
         running = []
         for child in children:
-            code = child.check_exit()
+            code = child.poll()
             if code is None:
                 running.append(child)
             elif code != 0 and first_failure is None:
