@@ -268,7 +268,7 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32
                                                     num_tokens_per_expert, is_token_in_rank);
     if (nvlink) {
       NvlDevice& dev = OverNvlink::device(ordinal);
-      uccl_ep::nvl::get_dispatch_layout(a, dev.errors_device(), dev.global_rank(), stream);
+      uccl_ep::nvl::get_dispatch_layout(a, dev.errors_device(), dev.rank(), stream);  // NVLink ranks, as its kernels record
     } else {
       uccl_ep::Device& dev = OverProxy::device(ordinal);
       uccl_ep::nvl::get_dispatch_layout(a, uccl_ep::nvl::proxy_error_word(dev.ordinal()), int(dev.rank()), stream);

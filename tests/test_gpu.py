@@ -89,6 +89,16 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         problems["bad_index"] = ["no error for expert 99"] if owns_rank0 else []
     except Exception as exc:  # noqa: BLE001
         problems["bad_index"] = [] if owns_rank0 and "= 99 outside" in str(exc) else [str(exc)[:300]]
+    # The layout (local, no peers) skips and reports a bad index the same way.
+    try:
+        jax.jit(jax.shard_map(lambda i: ep.get_dispatch_layout(i[0], num_experts=2 * r, axis_name="ep")[0][None],
+                              mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))(
+            cases.shard(mesh, idx2)).block_until_ready()
+        ep.check_errors()
+        problems["layout_bad_index"] = ["no error for expert 99 in the layout"] if owns_rank0 else []
+    except Exception as exc:  # noqa: BLE001
+        ok = owns_rank0 and "= 99 outside" in str(exc)
+        problems["layout_bad_index"] = [] if ok else [str(exc)[:300]]
     ep.shutdown()
     return {"problems": problems, "ranks": r, "two_level": two_level}
 

@@ -82,6 +82,17 @@ def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
     assert all(x.result["problems"] == [] for x in results), describe(results)
 
 
+@pytest.mark.parametrize("part", ["normal", "low_latency"])
+def test_nvlink_path_between_two_processes_on_one_gpu(part):
+    """Two processes on one GPU as one node: the NVLink runtime's path (CUDA IPC between the processes), each op
+    lowered to Path.NVLINK, the layout included, then the kernel-found errors from check_errors()."""
+    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
+    env = dict(SUITE_ENV, UCCL_EP_NVL_BUFFER_BYTES=str(256 << 20), UCCL_EP_TIMEOUT_S="60")
+    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_suite", 2, args=[part, "1", "0"],
+                     platform="gpu", per_rank_env=[shared, shared], timeout_s=240, env=env)
+    _check(results, 2)
+
+
 def gpu_loopback(cases: list) -> list:
     """Child: normal mode's NVLink kernels between two ranks on GPU 0 (nvl_loopback_bench), per case."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep
