@@ -15,6 +15,7 @@
 
 This module imports jax lazily: proxy.py uses the table and the spawner without starting a backend.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -36,6 +37,7 @@ REPO_ROOT = os.path.dirname(BENCH_DIR)
 # ----------------------------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def looped(step: Callable[[Any], Any], iters: int, unroll: bool = False) -> Callable[[Any], Any]:
     """Returns carry -> step(step(...step(carry))) (`iters` times) as one lax.fori_loop, or unrolled (a straight
@@ -119,6 +121,7 @@ def median(values: Sequence[float]) -> float:
 # Bandwidth
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def received_bytes(matrix) -> tuple[float, float]:
     """Mean bytes received per rank from a [src, dst] byte matrix: (all incl. local = DeepEP, remote only)."""
     import numpy as np
@@ -172,6 +175,7 @@ def short_error(e: BaseException | str, limit: int = 90) -> str:
 # Tables
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
     """Fixed-width table; the first column left-aligned, the others right-aligned."""
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
@@ -210,6 +214,7 @@ def write_json(path: str, payload: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Multi-process runs (the package's launcher)
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def spawn(
     path: str,
@@ -251,9 +256,17 @@ def spawn(
         per_rank = [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} for i in range(num_processes)]
         if num_processes > len(ids):  # JAX must not take each GPU's memory up front then
             child_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    results = _spawn.call_in_processes(path, function, num_processes, args=args,
-                                       devices_per_process=devices_per_process, timeout_s=timeout_s, env=child_env,
-                                       per_rank_env=per_rank, platform="gpu" if gpus else "cpu")
+    results = _spawn.call_in_processes(
+        path,
+        function,
+        num_processes,
+        args=args,
+        devices_per_process=devices_per_process,
+        timeout_s=timeout_s,
+        env=child_env,
+        per_rank_env=per_rank,
+        platform="gpu" if gpus else "cpu",
+    )
     if not all(r.ok for r in results):
         raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{_spawn.describe(results)}")
     return [r.result for r in results]
@@ -292,7 +305,7 @@ class EPProblem:
         rng = np.random.default_rng(self.seed)
         r, t, k, e = self.ranks, self.tokens, self.topk, self.experts
         scores = rng.random((r, t, e), dtype=np.float32)
-        idx = np.argpartition(scores, e - k, axis=-1)[..., e - k:]  # k distinct experts per token, uniform
+        idx = np.argpartition(scores, e - k, axis=-1)[..., e - k :]  # k distinct experts per token, uniform
         self.topk_idx = idx.astype(np.int32)
         w = rng.random((r, t, k), dtype=np.float32) + 0.1
         self.topk_weights = (w / w.sum(-1, keepdims=True)).astype(np.float32)
@@ -339,11 +352,14 @@ class EPProblem:
 
     def uccl_buffer_bytes(self) -> int:
         """UCCL_EP_BUFFER_BYTES that fits one dispatch (x, scales, top-k, weights per row) and one combine."""
+
         def r16(n):
             return (n + 15) // 16 * 16
 
-        row = max(r16(self.hidden * max(self.elem_bytes, 2) + 4 * (self.hidden // FP8_BLOCK) + 8 * self.topk),
-                  r16(self.hidden * 4))
+        row = max(
+            r16(self.hidden * max(self.elem_bytes, 2) + 4 * (self.hidden // FP8_BLOCK) + 8 * self.topk),
+            r16(self.hidden * 4),
+        )
         region = 64 + self.tokens * row
         region = (region + 4095) // 4096 * 4096 + 4096
         return 4096 + 2 * self.ranks * region + (1 << 20)
@@ -351,8 +367,13 @@ class EPProblem:
     def describe(self) -> dict:
         c = self.counts
         return {
-            "ranks": self.ranks, "tokens": self.tokens, "hidden": self.hidden, "topk": self.topk,
-            "experts": self.experts, "dtype": self.dtype, "seed": self.seed,
+            "ranks": self.ranks,
+            "tokens": self.tokens,
+            "hidden": self.hidden,
+            "topk": self.topk,
+            "experts": self.experts,
+            "dtype": self.dtype,
+            "seed": self.seed,
             "tokens_sent_per_rank_mean": float(c.sum(1).mean()),
             "tokens_recv_per_rank_max": int(c.sum(0).max()),
             "capacity_per_peer": self.capacity_per_peer,
@@ -399,8 +420,11 @@ def cupti_activity(call: Callable[[], Any], device_index: int = 0) -> list[tuple
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
-    return [(ev.name, ev.time_range.elapsed_us()) for ev in prof.events()
-            if ev.device_type == DeviceType.CUDA and ev.device_index == device_index]
+    return [
+        (ev.name, ev.time_range.elapsed_us())
+        for ev in prof.events()
+        if ev.device_type == DeviceType.CUDA and ev.device_index == device_index
+    ]
 
 
 def cupti_per_call(activity: list[tuple[str, float]], calls: int, top: int = 8) -> dict:
@@ -450,8 +474,9 @@ class EPBench:
         out_specs = spec if n_out is None else tuple([spec] * n_out)
         return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=tuple([spec] * n_in), out_specs=out_specs))
 
-    def _run(self, name: str, make: Callable[[], tuple[Callable, tuple]], nbytes: tuple[float, float],
-             note: str = "") -> OpResult:
+    def _run(
+        self, name: str, make: Callable[[], tuple[Callable, tuple]], nbytes: tuple[float, float], note: str = ""
+    ) -> OpResult:
         res = OpResult(name, bytes_deepep=nbytes[0], bytes_remote=nbytes[1], note=note)
         try:
             fn, args = make()
@@ -469,14 +494,16 @@ class EPBench:
                 if total:
                     res.extra["proxy_bytes_per_op"] = total
                     res.extra["bytes_across_nodes_per_op"] = across
-                    res.note = (res.note + "; " if res.note else "") + \
-                        f"proxies post {fmt_bytes(total)}/rank, {fmt_bytes(across)} across nodes"
+                    res.note = (
+                        res.note + "; " if res.note else ""
+                    ) + f"proxies post {fmt_bytes(total)}/rank, {fmt_bytes(across)} across nodes"
             if self.cupti:
                 import jax
 
                 try:
                     res.extra["cupti_us_per_call"] = cupti_per_call(
-                        cupti_activity(lambda: jax.block_until_ready(fn(*args))), self.iters)
+                        cupti_activity(lambda: jax.block_until_ready(fn(*args))), self.iters
+                    )
                 except Exception as e:  # noqa: BLE001 (no torch: the timing stands without it)
                     res.extra["cupti_us_per_call"] = {"error": short_error(e, 120)}
         except Exception as e:  # noqa: BLE001 (one op failing, not implemented here say, must not stop the rest)
@@ -516,8 +543,9 @@ class EPBench:
                 x = tuple(xs) if fp8 else xs[0]
 
                 def step(tok):
-                    out = ep.dispatch(x, jnp.where(tok < 0, 0, idx), w, num_experts=p.experts,
-                                      axis_name=self.AXIS, capacity=cap)
+                    out = ep.dispatch(
+                        x, jnp.where(tok < 0, 0, idx), w, num_experts=p.experts, axis_name=self.AXIS, capacity=cap
+                    )
                     return out.num_tokens
 
                 return looped(step, self.iters)(idx[0, 0] * 0)[None]  # (a zero that varies over the axis, as the carry)
@@ -587,8 +615,7 @@ class EPBench:
 
                 return looped(step, self.iters)(w[0, 0] * 0)[None]
 
-            return self._smap(combine_body if combine else dispatch_body, 3), (self.x, self.topk_idx,
-                                                                               self.topk_weights)
+            return self._smap(combine_body if combine else dispatch_body, 3), (self.x, self.topk_idx, self.topk_weights)
 
         return self._run(name, make, p.exact_bytes(not combine), note=f"max_tokens_per_rank {p.tokens}")
 
@@ -641,12 +668,16 @@ class EPBench:
             args = [
                 _global_array(self.mesh, spec, operand.reshape(r * send_rows, p.hidden)),
                 _global_array(self.mesh, spec, np.zeros((r * recv_rows, p.hidden), jdtype)),
-                *[_global_array(self.mesh, spec, a.reshape(-1).astype(np.int32))
-                  for a in (input_offsets, send_sizes, output_offsets, recv_sizes)],
+                *[
+                    _global_array(self.mesh, spec, a.reshape(-1).astype(np.int32))
+                    for a in (input_offsets, send_sizes, output_offsets, recv_sizes)
+                ],
             ]
 
             def body(operand, output, io, ss, oo, rs):
-                step = lambda out: jax.lax.ragged_all_to_all(operand, out, io, ss, oo, rs, axis_name=self.AXIS)
+                def step(out):
+                    return jax.lax.ragged_all_to_all(operand, out, io, ss, oo, rs, axis_name=self.AXIS)
+
                 return looped(step, self.iters)(output)
 
             return self._smap(body, 6), tuple(args)
@@ -694,13 +725,32 @@ def op_table_rows(results: list[dict], mode: str) -> list[list[str]]:
     rows = []
     for r in results:
         if r["error"]:
-            rows.append([r["name"], mode, "n/a", "n/a", "n/a", "n/a", fmt_bytes(r["bytes_deepep"]),
-                         f"n/a ({short_error(r['error'], 100)})"])
+            rows.append(
+                [
+                    r["name"],
+                    mode,
+                    "n/a",
+                    "n/a",
+                    "n/a",
+                    "n/a",
+                    fmt_bytes(r["bytes_deepep"]),
+                    f"n/a ({short_error(r['error'], 100)})",
+                ]
+            )
             continue
         t = r["timing"]["median_s"]
-        rows.append([r["name"], mode, fmt_time(t), fmt_time(r["timing"]["min_s"]),
-                     fmt_gbps(gbps(r["bytes_deepep"], t)), fmt_gbps(gbps(r["bytes_remote"], t)),
-                     fmt_bytes(r["bytes_deepep"]), r.get("note", "")])
+        rows.append(
+            [
+                r["name"],
+                mode,
+                fmt_time(t),
+                fmt_time(r["timing"]["min_s"]),
+                fmt_gbps(gbps(r["bytes_deepep"], t)),
+                fmt_gbps(gbps(r["bytes_remote"], t)),
+                fmt_bytes(r["bytes_deepep"]),
+                r.get("note", ""),
+            ]
+        )
     return rows
 
 

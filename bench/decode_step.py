@@ -15,6 +15,7 @@ FP8 within its bound).
     python bench/decode_step.py                      # the devices JAX finds
     python bench/decode_step.py --cpu --small        # smoke test on CPU devices
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,23 +47,24 @@ def main(argv=None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")
 
+    import common
     import jax
     import jax.numpy as jnp
+    import moe_layer as ml
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import common
     import jax_uccl_ep as ep
-    import moe_layer as ml
 
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("ep",))
     r, t = len(devices), args.tokens
     ep.initialize()
     dtype = jnp.bfloat16
-    params = ml.init_moe_params(jax.random.key(0), d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts,
-                                dtype=dtype)
+    params = ml.init_moe_params(
+        jax.random.key(0), d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, dtype=dtype
+    )
     specs = ml.moe_param_specs("ep")
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     x = jax.device_put(jax.random.normal(jax.random.key(1), (r * t, args.d_model), dtype), NamedSharding(mesh, P("ep")))
@@ -81,7 +83,9 @@ def main(argv=None) -> int:
             def step(h):
                 y = layer(p, h)
                 return (y * jax.lax.rsqrt(jnp.mean(jnp.square(y.astype(jnp.float32))) + 1e-6)).astype(h.dtype)
+
             return common.looped(step, args.steps, unroll=True)(x)
+
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))
 
     def once(layer):
@@ -98,17 +102,27 @@ def main(argv=None) -> int:
             tm = common.time_jitted(stepped(layers[name]), (params, x), iters=args.steps, repeats=args.repeats)
             base = base or tm.median_s
             results[name] = dict(tm.as_dict(), max_rel_error_vs_dense=err)
-            rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(tm.min_s), f"{tm.median_s / base:.2f}x",
-                         f"{err:.1e}"])
+            rows.append(
+                [
+                    name,
+                    common.fmt_time(tm.median_s),
+                    common.fmt_time(tm.min_s),
+                    f"{tm.median_s / base:.2f}x",
+                    f"{err:.1e}",
+                ]
+            )
         except Exception as exc:  # noqa: BLE001
             results[name] = {"error": str(exc)[:500]}
             rows.append([name, "n/a", common.short_error(exc, 50), "", ""])
     ep.check_errors()
     ep.shutdown()
     print(f"# {header}")
-    common.print_table(["layer", "time/step", "min", "vs first", "max rel err vs dense"], rows,
-                       title=f"MoE layer per decode step on {r}x {devices[0].device_kind}: {t} tokens/rank, "
-                             f"d_model {args.d_model}, d_ff {args.d_ff}, top-{args.top_k} of {args.experts}, bf16")
+    common.print_table(
+        ["layer", "time/step", "min", "vs first", "max rel err vs dense"],
+        rows,
+        title=f"MoE layer per decode step on {r}x {devices[0].device_kind}: {t} tokens/rank, "
+        f"d_model {args.d_model}, d_ff {args.d_ff}, top-{args.top_k} of {args.experts}, bf16",
+    )
     if args.out:
         common.write_json(args.out, {"header": header, "args": vars(args), "results": results})
     return 0

@@ -18,6 +18,7 @@ own (DeepEP's test formula: x only, FP8 = (1 + 4/128)/2 of BF16), "remote" = byt
     python bench/intranode.py --out $OUT/intranode.json               # on the GPU host
     python bench/intranode.py --cpu --tokens 64 --hidden 256          # smoke test on CPU devices
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ def free_port() -> int:
 # NCCL through torch.distributed
 # ------------------------------------------------------------------------------------------------------------
 
+
 def torch_status(ranks: int) -> str | None:
     """None if torch with CUDA, NCCL and `ranks` GPUs is usable, else why not (no CUDA context is created)."""
     try:
@@ -79,8 +81,7 @@ def nccl_worker(rank: int, world: int, port: int, cfg: dict, outdir: str) -> Non
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev)
     counts = np.array(cfg["counts"], dtype=np.int64)  # [src, dst]
     h, cap, iters, repeats = cfg["hidden"], cfg["capacity_per_peer"], cfg["iters"], cfg["repeats"]
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["dtype"]]
@@ -132,8 +133,14 @@ def run_nccl(prob: common.EPProblem, iters: int, repeats: int, timeout_s: float)
     import torch.multiprocessing as tmp
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on the lent machines
-    cfg = {"counts": prob.counts.tolist(), "hidden": prob.hidden, "capacity_per_peer": prob.capacity_per_peer,
-           "iters": iters, "repeats": repeats, "dtype": prob.dtype}
+    cfg = {
+        "counts": prob.counts.tolist(),
+        "hidden": prob.hidden,
+        "capacity_per_peer": prob.capacity_per_peer,
+        "iters": iters,
+        "repeats": repeats,
+        "dtype": prob.dtype,
+    }
     with tempfile.TemporaryDirectory(prefix="uccl_ep_nccl_") as outdir:
         ctx = tmp.spawn(nccl_worker, args=(prob.ranks, free_port(), cfg, outdir), nprocs=prob.ranks, join=False)
         deadline = time.monotonic() + timeout_s
@@ -149,16 +156,25 @@ def run_nccl(prob: common.EPProblem, iters: int, repeats: int, timeout_s: float)
 
 def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) -> list[common.OpResult]:
     specs = [
-        ("padded", f"NCCL all_to_all_single {prob.dtype} padded", prob.padded_bytes(),
-         f"[R*{prob.capacity_per_peer}, H]"),
+        (
+            "padded",
+            f"NCCL all_to_all_single {prob.dtype} padded",
+            prob.padded_bytes(),
+            f"[R*{prob.capacity_per_peer}, H]",
+        ),
         ("ragged", f"NCCL all_to_all_single {prob.dtype} ragged", prob.exact_bytes(False), "exact split sizes"),
-        ("ragged_fp8", "NCCL all_to_all_single fp8 rows ragged", prob.exact_bytes(True),
-         "uint8 rows of H + H/32 bytes"),
+        (
+            "ragged_fp8",
+            "NCCL all_to_all_single fp8 rows ragged",
+            prob.exact_bytes(True),
+            "uint8 rows of H + H/32 bytes",
+        ),
     ]
     out = []
     for key, name, nbytes, note in specs:
-        res = common.OpResult(name, bytes_deepep=nbytes[0], bytes_remote=nbytes[1], note=note,
-                              extra={"impl": "torch/NCCL"})
+        res = common.OpResult(
+            name, bytes_deepep=nbytes[0], bytes_remote=nbytes[1], note=note, extra={"impl": "torch/NCCL"}
+        )
         if nccl is None:
             res.error = reason or "not run"
         else:
@@ -168,8 +184,7 @@ def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) 
                 res.error = err or "missing"
             else:
                 slowest = max(ranks, key=lambda r: r[key]["median_s"])[key]
-                res.timing = common.Timing(slowest["median_s"], slowest["min_s"], slowest["max_s"],
-                                           0, 0)
+                res.timing = common.Timing(slowest["median_s"], slowest["min_s"], slowest["max_s"], 0, 0)
                 res.note += f"; NCCL {ranks[0].get('nccl', '?')}"
         out.append(res)
     return out
@@ -196,14 +211,24 @@ def sms_used() -> str:
     return f"{send}+{max(1, n - send)} {copies}"
 
 
-def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int, cupti: bool = False,
-            budgets: list[int] | None = None) -> tuple[list[common.OpResult], dict]:
+def run_jax(
+    prob: common.EPProblem,
+    ops: list[str],
+    iters: int,
+    repeats: int,
+    cupti: bool = False,
+    budgets: list[int] | None = None,
+) -> tuple[list[common.OpResult], dict]:
     """The XLA ops once, and jax_uccl_ep's at each SM budget in `budgets` (default: the environment's)."""
     import jax
 
     devices = jax.devices()[: prob.ranks]
-    info = {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
-            "jax": jax.__version__, "num_devices": len(jax.devices())}
+    info = {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "jax": jax.__version__,
+        "num_devices": len(jax.devices()),
+    }
     if len(devices) < prob.ranks:
         raise SystemExit(f"{len(devices)} JAX devices < --ranks {prob.ranks}")
     bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti)
@@ -212,8 +237,11 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int, cu
     def run_op(op: str) -> common.OpResult:
         t0 = time.perf_counter()
         res = bench.op(op)
-        print(f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
-              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(
+            f"# {res.name}: {'error' if res.error else common.fmt_time(res.timing.median_s)} "
+            f"({time.perf_counter() - t0:.1f} s)",
+            flush=True,
+        )
         if "cupti_us_per_call" in res.extra:
             shown = {k[:90]: v for k, v in res.extra["cupti_us_per_call"].items()}  # names are long templates
             print(f"#   device time per call on GPU 0 (us, CUPTI): {shown}", flush=True)
@@ -230,8 +258,9 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int, cu
 
             if devices[0].platform == "gpu":
                 # The NVLink buffer sized from the shapes, and reported: DeepEP's users meet ~2-3 GB per GPU.
-                nbytes = ep.nvl_buffer_bytes(prob.tokens, prob.hidden, num_ranks=len(jax.devices()),
-                                             topk=prob.topk, dtype=prob.dtype)
+                nbytes = ep.nvl_buffer_bytes(
+                    prob.tokens, prob.hidden, num_ranks=len(jax.devices()), topk=prob.topk, dtype=prob.dtype
+                )
                 info["nvl_buffer_bytes"] = nbytes
                 print(f"# NVLink buffer per GPU: {nbytes / 2**20:.1f} MiB", flush=True)
                 ep.initialize(buffer_bytes=nbytes)
@@ -245,8 +274,11 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int, cu
         sms = sms_used()
         for op in uccl_ops:
             if uccl_error:
-                name = {"dispatch": f"uccl_ep dispatch {prob.dtype}", "dispatch_fp8": "uccl_ep dispatch fp8",
-                        "combine": f"uccl_ep combine {prob.dtype}"}[op]
+                name = {
+                    "dispatch": f"uccl_ep dispatch {prob.dtype}",
+                    "dispatch_fp8": "uccl_ep dispatch fp8",
+                    "combine": f"uccl_ep combine {prob.dtype}",
+                }[op]
                 nbytes = prob.exact_bytes(op == "dispatch_fp8")
                 res = common.OpResult(name, error=uccl_error, bytes_deepep=nbytes[0], bytes_remote=nbytes[1])
             else:
@@ -266,6 +298,7 @@ def run_jax(prob: common.EPProblem, ops: list[str], iters: int, repeats: int, cu
 
 # ------------------------------------------------------------------------------------------------------------
 
+
 def rows_of(results: list[common.OpResult]) -> list[list[str]]:
     rows = []
     for r in results:
@@ -275,9 +308,18 @@ def rows_of(results: list[common.OpResult]) -> list[list[str]]:
             rows.append([r.name, impl, "n/a", "n/a", "n/a", "n/a", s, f"n/a ({common.short_error(r.error or '', 90)})"])
             continue
         t = r.timing.median_s
-        rows.append([r.name, impl, common.fmt_time(t), common.fmt_time(r.timing.min_s),
-                     common.fmt_gbps(common.gbps(r.bytes_deepep, t)), common.fmt_gbps(common.gbps(r.bytes_remote, t)),
-                     s, r.note])
+        rows.append(
+            [
+                r.name,
+                impl,
+                common.fmt_time(t),
+                common.fmt_time(r.timing.min_s),
+                common.fmt_gbps(common.gbps(r.bytes_deepep, t)),
+                common.fmt_gbps(common.gbps(r.bytes_remote, t)),
+                s,
+                r.note,
+            ]
+        )
     return rows
 
 
@@ -296,11 +338,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU devices (smoke test); skips NCCL")
     ap.add_argument("--no-torch", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--torch-timeout", type=float, default=300.0)
-    ap.add_argument("--cupti", action="store_true",
-                    help="also list each op's kernels and copies per call on GPU 0 (CUPTI through torch.profiler)")
-    ap.add_argument("--sms", default=None,
-                    help="comma-separated SM budgets (send + receive blocks) to sweep jax_uccl_ep's ops over, e.g. "
-                         "8,12,16,24,32 (default: UCCL_EP_NUM_SMS, else 24)")
+    ap.add_argument(
+        "--cupti",
+        action="store_true",
+        help="also list each op's kernels and copies per call on GPU 0 (CUPTI through torch.profiler)",
+    )
+    ap.add_argument(
+        "--sms",
+        default=None,
+        help="comma-separated SM budgets (send + receive blocks) to sweep jax_uccl_ep's ops over, e.g. "
+        "8,12,16,24,32 (default: UCCL_EP_NUM_SMS, else 24)",
+    )
     ap.add_argument("--out", default="intranode.json", help="JSON of the results")
     args = ap.parse_args(argv)
 
@@ -358,15 +406,29 @@ def main(argv=None) -> int:
             fp8 = "fp8" in name
             nbytes = prob.padded_bytes() if "JAX all_to_all" in name else prob.exact_bytes(fp8)
             t = us * 1e-6
-            rows.append([name, "reference", common.fmt_time(t), "", common.fmt_gbps(common.gbps(nbytes[0], t)),
-                         common.fmt_gbps(common.gbps(nbytes[1], t)), "", "design-notes figure, this payload's bytes"])
+            rows.append(
+                [
+                    name,
+                    "reference",
+                    common.fmt_time(t),
+                    "",
+                    common.fmt_gbps(common.gbps(nbytes[0], t)),
+                    common.fmt_gbps(common.gbps(nbytes[1], t)),
+                    "",
+                    "design-notes figure, this payload's bytes",
+                ]
+            )
     common.write_json(args.out, record)
     print(f"# wrote {args.out}", flush=True)
     print()
     kind = info.get("device_kind", "?")
-    common.print_table(HEADERS, rows, title=f"intranode normal mode on {ranks}x {kind}: T={args.tokens}/rank, "
-                                            f"H={args.hidden}, top-{args.topk} of {args.experts}, {args.iters} "
-                                            f"calls/loop, median of {args.repeats}")
+    common.print_table(
+        HEADERS,
+        rows,
+        title=f"intranode normal mode on {ranks}x {kind}: T={args.tokens}/rank, "
+        f"H={args.hidden}, top-{args.topk} of {args.experts}, {args.iters} "
+        f"calls/loop, median of {args.repeats}",
+    )
     return 0
 
 

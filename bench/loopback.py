@@ -11,6 +11,7 @@ including its own ("DeepEP"). Both ranks run at once, so the GPU's memory carrie
 
     python bench/loopback.py --out $OUT/loopback.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,28 +46,51 @@ def main(argv=None) -> int:
         for budget in (int(b) for b in args.sms.split(",")):
             _runtime.configure_native(Config(num_sms=budget, nvl_bulk=copies == "bulk"))
             for fp8 in (False, True):
-                r = dict(_uccl_ep.testing.nvl_loopback_bench(0, args.tokens, args.hidden, args.topk, args.experts, fp8,
-                                                     args.iters, 7))
+                r = dict(
+                    _uccl_ep.testing.nvl_loopback_bench(
+                        0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7
+                    )
+                )
                 r.update(copies=copies, budget=budget, fp8=fp8)
                 record["runs"].append(r)
                 remote = r["remote_rows"] / 2 * r["x_row_bytes"]  # per rank
                 received = r["received_rows"] / 2 * r["x_row_bytes"]
-                ok = "yes" if r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0 else \
-                    f"NO ({r['mismatched_rows']} rows, {r['mismatched_combine_rows']} sums)"
+                ok = (
+                    "yes"
+                    if r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0
+                    else f"NO ({r['mismatched_rows']} rows, {r['mismatched_combine_rows']} sums)"
+                )
                 ops = [("dispatch fp8" if fp8 else "dispatch bf16", r["dispatch_us"])]
                 if not fp8:
                     ops.append(("combine bf16", r["combine_us"]))
                 for name, us in ops:
-                    rows.append([name, copies, str(budget), f"{us:.1f} us", f"{remote / us / 1e3:.0f}",
-                                 f"{received / us / 1e3:.0f}", ok])
-                print(f"# {copies} {budget} SMs fp8={fp8}: " +
-                      ", ".join(f"{n} {us:.1f} us" for n, us in ops) + f", rows ok: {ok}", flush=True)
+                    rows.append(
+                        [
+                            name,
+                            copies,
+                            str(budget),
+                            f"{us:.1f} us",
+                            f"{remote / us / 1e3:.0f}",
+                            f"{received / us / 1e3:.0f}",
+                            ok,
+                        ]
+                    )
+                print(
+                    f"# {copies} {budget} SMs fp8={fp8}: "
+                    + ", ".join(f"{n} {us:.1f} us" for n, us in ops)
+                    + f", rows ok: {ok}",
+                    flush=True,
+                )
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print()
     rows.sort(key=lambda row: (row[0], int(row[2]), row[1]))
-    common.print_table(HEADERS, rows, title=f"loopback on GPU 0: T={args.tokens}/rank, H={args.hidden}, "
-                                            f"top-{args.topk} of {args.experts}, {args.iters} calls")
+    common.print_table(
+        HEADERS,
+        rows,
+        title=f"loopback on GPU 0: T={args.tokens}/rank, H={args.hidden}, "
+        f"top-{args.topk} of {args.experts}, {args.iters} calls",
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ repository).
     python bench/low_latency.py --cpu --ranks 2 --tokens 32 --hidden 512 --experts 16
     UCCL_EP_KERNEL_TIMING=2 python bench/low_latency.py    # GPUs: also where each kernel spends its time
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES=--ranks)")
     ap.add_argument("--out", default=None, help="write the timings as JSON here")
-    ap.add_argument("--cupti", action="store_true",
-                    help="GPUs: also time our kernels with CUPTI through torch.profiler (needs torch)")
+    ap.add_argument(
+        "--cupti",
+        action="store_true",
+        help="GPUs: also time our kernels with CUPTI through torch.profiler (needs torch)",
+    )
     args = ap.parse_args(argv)
     # GPU: events around our kernels (kernel_spans); 2 also stamps each kernel's phases (kernel_phases)
     os.environ.setdefault("UCCL_EP_KERNEL_TIMING", "1")
@@ -44,13 +48,13 @@ def main(argv=None) -> int:
     elif args.ranks:  # the runtime spans every visible GPU: show it only these (the buffer is sized for R of them)
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.ranks)))
 
+    import common
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import common
     import jax_uccl_ep as ep
 
     devices = jax.devices()[: args.ranks] if args.ranks else jax.devices()
@@ -73,8 +77,11 @@ def main(argv=None) -> int:
     ep.initialize(buffer_bytes=16 << 20, low_latency_buffer_bytes=ll_bytes)
     local = e // r
     unroll = not args.fori
-    y_rows = jax.make_array_from_callback((r * local, r * t, h), sharding,  # fixed expert outputs, made once
-                                          lambda i: np.ones((local, r * t, h), jnp.bfloat16))
+    y_rows = jax.make_array_from_callback(
+        (r * local, r * t, h),
+        sharding,  # fixed expert outputs, made once
+        lambda i: np.ones((local, r * t, h), jnp.bfloat16),
+    )
     kw = dict(num_experts=e, max_tokens_per_rank=t, axis_name="ep")
 
     def smap(body):
@@ -98,7 +105,9 @@ def main(argv=None) -> int:
             def step(tok):
                 _, count, _ = ep.low_latency_dispatch(x[0], routing(i, tok), use_fp8=use_fp8, **kw)
                 return count[0]
+
             return common.looped(step, args.iters, unroll)(busy_zero(i[0, 0, 0]))[None]
+
         return body
 
     def ll_combine(x, i, w, y):
@@ -107,17 +116,20 @@ def main(argv=None) -> int:
         def step(tok):
             out = ep.low_latency_combine(y, i[0], w[0] + tok * 0, handle)
             return out[0, 0].astype(jnp.float32)
+
         return common.looped(step, args.iters, unroll)(busy_zero(w[0, 0, 0]))[None]
 
     def ll_roundtrip(x, i, w, y):
         def step(tok):
             _, count, handle = ep.low_latency_dispatch(x[0], routing(i, tok), **kw)
             return ep.low_latency_combine(y, i[0], w[0], handle)[0, 0].astype(jnp.int32) * 0 + count[0]
+
         return common.looped(step, args.iters, unroll)(busy_zero(i[0, 0, 0]))[None]
 
     def all_to_all(x, i, w):
         def step(buf):
             return jax.lax.all_to_all(buf, "ep", 0, 0, tiled=True)
+
         buf = jnp.zeros((r * t * k, h), jnp.bfloat16) + x[0, :1] + busy_zero(x[0, 0, 0])
         return common.looped(step, args.iters, unroll)(buf)[:1, :1][None]
 
@@ -125,12 +137,14 @@ def main(argv=None) -> int:
     d = ["low_latency_dispatch", "low_latency_dispatch send", "low_latency_dispatch receive"]
     c = ["low_latency_combine", "low_latency_combine send", "low_latency_combine receive"]
     # DeepEP's reference figures were taken on 2xH200 at these sizes: no ratio for other R or sizes.
-    ref = (r == 2 and gpu and (t, h, k, e) == (128, 7168, 8, 256))
-    ops = (("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6 if ref else None, d),
-           ("uccl_ep LL dispatch bf16", ll_dispatch(False), None, d),
-           ("uccl_ep LL combine bf16", ll_combine, 39.8e-6 if ref else None, c),
-           ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6 if ref else None, d + c),
-           ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None, []))
+    ref = r == 2 and gpu and (t, h, k, e) == (128, 7168, 8, 256)
+    ops = (
+        ("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6 if ref else None, d),
+        ("uccl_ep LL dispatch bf16", ll_dispatch(False), None, d),
+        ("uccl_ep LL combine bf16", ll_combine, 39.8e-6 if ref else None, c),
+        ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6 if ref else None, d + c),
+        ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None, []),
+    )
     rows, results = [], {}
     for name, body, deepep, labels in ops:
         try:
@@ -143,17 +157,25 @@ def main(argv=None) -> int:
             phases = kernel_phases(gpu)
             cupti = {}
             for _ in range(2 if args.cupti else 0):  # the first profiled call pays CUPTI's start
-                cupti = cupti_kernel_us(lambda: jax.block_until_ready(fn(*inputs)), labels)
+                cupti = cupti_kernel_us(lambda fn=fn, inputs=inputs: jax.block_until_ready(fn(*inputs)), labels)
             results[name] = dict(tm.as_dict(), kernel_spans_us=spans, kernel_phases_us=phases, cupti_us=cupti)
             if phases:
                 print(f"# {name}: phases of the last call (block 0, us): {phases}")
             span_s = sum(spans.values()) * 1e-6 if spans else None
             ratio = f"{deepep / span_s:.2f}x" if deepep and span_s else ""
             cupti_s = sum(cupti.values()) * 1e-6 if cupti and "error" not in cupti else None
-            rows.append([name, common.fmt_time(tm.median_s), common.fmt_time(span_s),
-                         " + ".join(f"{v:.1f}" for v in spans.values()), common.fmt_time(cupti_s) if cupti_s else "",
-                         common.fmt_time(deepep) if deepep else "", ratio,
-                         f"{deepep / cupti_s:.2f}x" if deepep and cupti_s else ""])
+            rows.append(
+                [
+                    name,
+                    common.fmt_time(tm.median_s),
+                    common.fmt_time(span_s),
+                    " + ".join(f"{v:.1f}" for v in spans.values()),
+                    common.fmt_time(cupti_s) if cupti_s else "",
+                    common.fmt_time(deepep) if deepep else "",
+                    ratio,
+                    f"{deepep / cupti_s:.2f}x" if deepep and cupti_s else "",
+                ]
+            )
         except Exception as exc:  # noqa: BLE001
             results[name] = {"error": str(exc)[:500]}
             rows.append([name, "n/a", common.short_error(exc, 60), "", "", "", "", ""])
@@ -162,20 +184,28 @@ def main(argv=None) -> int:
     ep.shutdown()
     print(f"# {header}")
     if gpu:
-        print(f"# low-latency buffer per GPU: {common.fmt_bytes(ll_need)} for FP8 dispatch + BF16 combine, "
-              f"{common.fmt_bytes(ll_bytes)} with BF16 dispatch (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
-              f"held per GPU (normal, LL): {held.get(0)}; blocks: 128 per send or fused kernel, "
-              f"{_uccl_ep_blocks()} per receive kernel")
-    print("# time/call: jitted calls end to end (host launch and a ~ms matmul prologue on GPUs included, divided by "
-          "the calls); kernels: median GPU span of our kernels, one fused kernel per op or send + receive (waiting "
-          "for the peer included; the FP8 cast runs inside our dispatch kernel, as DeepEP's does)")
+        print(
+            f"# low-latency buffer per GPU: {common.fmt_bytes(ll_need)} for FP8 dispatch + BF16 combine, "
+            f"{common.fmt_bytes(ll_bytes)} with BF16 dispatch (DeepEP v1 LL at EP2 for this size: 1.9 GB); "
+            f"held per GPU (normal, LL): {held.get(0)}; blocks: 128 per send or fused kernel, "
+            f"{_uccl_ep_blocks()} per receive kernel"
+        )
+    print(
+        "# time/call: jitted calls end to end (host launch and a ~ms matmul prologue on GPUs included, divided by "
+        "the calls); kernels: median GPU span of our kernels, one fused kernel per op or send + receive (waiting "
+        "for the peer included; the FP8 cast runs inside our dispatch kernel, as DeepEP's does)"
+    )
     if args.cupti:
-        print("# CUPTI: median device time per call of our kernels, from torch.profiler (CUPTI kernel records, how "
-              "DeepEP's test times its kernels); no launch gaps or events")
-    common.print_table(["op", "time/call", "kernels", "spans us", "CUPTI", "DeepEP", "DeepEP/kernels", "DeepEP/CUPTI"],
-                       rows,
-                       title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}, "
-                             f"{'fori_loop' if args.fori else 'unrolled'} x{args.iters}")
+        print(
+            "# CUPTI: median device time per call of our kernels, from torch.profiler (CUPTI kernel records, how "
+            "DeepEP's test times its kernels); no launch gaps or events"
+        )
+    common.print_table(
+        ["op", "time/call", "kernels", "spans us", "CUPTI", "DeepEP", "DeepEP/kernels", "DeepEP/CUPTI"],
+        rows,
+        title=f"low-latency mode on {r}x {devices[0].device_kind}: N={t}/rank, H={h}, top-{k} of {e}, "
+        f"{'fori_loop' if args.fori else 'unrolled'} x{args.iters}",
+    )
     if args.out:
         common.write_json(args.out, {"header": header, "results": results, "low_latency_buffer_bytes": ll_bytes})
     return 0
@@ -214,7 +244,7 @@ def kernel_phases(gpu: bool) -> dict:
         return {}
     out = {}
     for k, (kernel, names) in PHASES.items():
-        ts = stamps[k * 8: k * 8 + len(names) + 1]
+        ts = stamps[k * 8 : k * 8 + len(names) + 1]
         if all(t > 0 for t in ts):
             out[kernel] = {n: round(b - a, 2) for n, a, b in zip(names, ts, ts[1:])}
     return out

@@ -24,6 +24,7 @@ With more ranks than GPUs, rank i runs on GPU i mod the GPU count; --share-gpu p
 routing on one GPU: two nodes of two). Such times are of processes taking turns on a GPU, not of the protocol; the
 bytes the proxies post per op, and those that cross nodes (the note), are exact.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def child(cfg: dict) -> dict:
     """In each spawned process: initialize the runtime, run every op, return this rank's results."""
     import jax
 
-    prob = common.EPProblem(cfg["ranks"], cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["dtype"],
-                            seed=cfg["seed"])
+    prob = common.EPProblem(
+        cfg["ranks"], cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["dtype"], seed=cfg["seed"]
+    )
     common.set_uccl_env_defaults(prob)
     import jax_uccl_ep as ep
 
@@ -52,8 +54,12 @@ def child(cfg: dict) -> dict:
     init_s = time.perf_counter() - t0
     devices = sorted(jax.devices(), key=lambda d: d.id)
     results = common.run_ep_ops(prob, cfg["ops"], iters=cfg["iters"], repeats=cfg["repeats"], devices=devices)
-    out = {"results": results, "init_s": init_s, "process": jax.process_index(),
-           "buffer_bytes": int(os.environ["UCCL_EP_BUFFER_BYTES"])}
+    out = {
+        "results": results,
+        "init_s": init_s,
+        "process": jax.process_index(),
+        "buffer_bytes": int(os.environ["UCCL_EP_BUFFER_BYTES"]),
+    }
     ep.shutdown()
     return out
 
@@ -66,17 +72,26 @@ def parse_args(argv=None):
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--ranks", type=int, default=2, help="EP ranks (CPU devices in all)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--processes", default=None,
-                    help="comma-separated process counts to run, each dividing --ranks (default: '1,R')")
-    ap.add_argument("--ops", default=",".join(DEFAULT_OPS),
-                    help=f"comma-separated subset of {ALL_OPS} (dispatch_fp8: x float8_e4m3fn + scales [T, H/128])")
+    ap.add_argument(
+        "--processes",
+        default=None,
+        help="comma-separated process counts to run, each dividing --ranks (default: '1,R')",
+    )
+    ap.add_argument(
+        "--ops",
+        default=",".join(DEFAULT_OPS),
+        help=f"comma-separated subset of {ALL_OPS} (dispatch_fp8: x float8_e4m3fn + scales [T, H/128])",
+    )
     ap.add_argument("--iters", type=int, default=20, help="op calls inside one jitted loop")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls; the median is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per process layout")
     ap.add_argument("--json", "--out", default=None, help="also write the results here")
-    ap.add_argument("--gpus", action="store_true",
-                    help="one process per GPU, each its own node (UCCL_EP_GPUS_PER_NODE, default 1): the proxy path")
+    ap.add_argument(
+        "--gpus",
+        action="store_true",
+        help="one process per GPU, each its own node (UCCL_EP_GPUS_PER_NODE, default 1): the proxy path",
+    )
     ap.add_argument("--share-gpu", action="store_true", help="with --gpus: every process on GPU 0")
     return ap.parse_args(argv)
 
@@ -92,8 +107,18 @@ def main(argv=None) -> int:
     unknown = set(ops) - set(ALL_OPS)
     if unknown:
         sys.exit(f"unknown --ops {sorted(unknown)}; choose from {ALL_OPS}")
-    cfg = dict(ranks=r, tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
-               dtype=args.dtype, seed=args.seed, ops=ops, iters=args.iters, repeats=args.repeats)
+    cfg = dict(
+        ranks=r,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        topk=args.topk,
+        experts=args.experts,
+        dtype=args.dtype,
+        seed=args.seed,
+        ops=ops,
+        iters=args.iters,
+        repeats=args.repeats,
+    )
     prob = common.EPProblem(r, args.tokens, args.hidden, args.topk, args.experts, args.dtype, seed=args.seed)
     header = common.run_header("GPUs as separate nodes (proxy path)" if args.gpus else "CPU devices")
     print(f"# {header['date']}  {header['command']}  (load average {header['load_avg_1m']})", flush=True)
@@ -106,31 +131,47 @@ def main(argv=None) -> int:
     for p in layouts:
         mode = f"{p}p x {r // p}dev"
         if args.gpus:
-            mode = f"{p}p on {'GPU 0' if args.share_gpu else 'the GPUs'} (nodes of " \
-                   f"{env['UCCL_EP_GPUS_PER_NODE']}, two-level {os.environ.get('UCCL_EP_TWO_LEVEL', 'auto')})"
+            mode = (
+                f"{p}p on {'GPU 0' if args.share_gpu else 'the GPUs'} (nodes of "
+                f"{env['UCCL_EP_GPUS_PER_NODE']}, two-level {os.environ.get('UCCL_EP_TWO_LEVEL', 'auto')})"
+            )
         t0 = time.perf_counter()
         try:
-            outs = common.spawn(__file__, "child", p, args=[cfg], devices_per_process=r // p, env=env,
-                                timeout_s=args.timeout, distributed=p > 1, gpus=args.gpus,
-                                share_gpu=args.share_gpu)
+            outs = common.spawn(
+                __file__,
+                "child",
+                p,
+                args=[cfg],
+                devices_per_process=r // p,
+                env=env,
+                timeout_s=args.timeout,
+                distributed=p > 1,
+                gpus=args.gpus,
+                share_gpu=args.share_gpu,
+            )
         except Exception as e:
             print(f"# layout {mode} failed:\n{e}", file=sys.stderr, flush=True)
-            failed = [dict(name=o, error=common.short_error(e), bytes_deepep=0, bytes_remote=0, note="")
-                      for o in ops]
+            failed = [dict(name=o, error=common.short_error(e), bytes_deepep=0, bytes_remote=0, note="") for o in ops]
             rows += common.op_table_rows(failed, mode)
             record["layouts"][mode] = {"error": str(e)}
             continue
         merged = common.merge_rank_results([o["results"] for o in outs])
-        print(f"# layout {mode}: {time.perf_counter() - t0:.1f} s wall, initialize {outs[0]['init_s']:.2f} s, "
-              f"UCCL_EP_BUFFER_BYTES={outs[0]['buffer_bytes']}", flush=True)
+        print(
+            f"# layout {mode}: {time.perf_counter() - t0:.1f} s wall, initialize {outs[0]['init_s']:.2f} s, "
+            f"UCCL_EP_BUFFER_BYTES={outs[0]['buffer_bytes']}",
+            flush=True,
+        )
         rows += common.op_table_rows(merged, mode)
         record["layouts"][mode] = merged
     if args.json:
         common.write_json(args.json, record)
     print()
-    common.print_table(common.OP_HEADERS, rows,
-                       title=f"normal mode, R={r}, T={args.tokens}, H={args.hidden}, top-{args.topk} of "
-                             f"{args.experts}, {args.dtype}, {args.iters} calls/jit, median of {args.repeats}")
+    common.print_table(
+        common.OP_HEADERS,
+        rows,
+        title=f"normal mode, R={r}, T={args.tokens}, H={args.hidden}, top-{args.topk} of "
+        f"{args.experts}, {args.dtype}, {args.iters} calls/jit, median of {args.repeats}",
+    )
     return 0
 
 

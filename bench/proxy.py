@@ -1,7 +1,8 @@
 """The proxy runtime alone: commands/s through a ring, commands/s through a device's rings with the transport,
 and write bandwidth per libfabric provider and message size between 2 processes.
 
-1. ring: `_uccl_ep.testing.ring_commands_per_second` (one producer, one consumer thread, 32-byte commands, no transport).
+1. ring: `_uccl_ep.testing.ring_commands_per_second` (one producer, one consumer thread, 32-byte commands, no
+   transport).
 2. transport commands: 2 processes, UCCL_EP_NUM_PROXY_THREADS=--channels rings per device, tiny writes
    (UCCL_EP_MAX_WRITE_BYTES=--cmd-write-bytes), so each message of --cmd-message-bytes is many commands. Both
    ranks post rounds of --cmd-window messages on every channel to each other and wait for the peer's; the rate is
@@ -15,6 +16,7 @@ CPU figures are informational: 2 cores are shared by both processes, their proxy
     python bench/proxy.py                   # defaults: well under 2 minutes on a 2-core machine
     python bench/proxy.py --sizes 4K,1M,8M --providers shm --cmd-seconds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +48,7 @@ def size_name(n: int) -> str:
 # Children (2 processes)
 # ------------------------------------------------------------------------------------------------------------
 
+
 def _start(env: dict) -> tuple:
     import jax_uccl_ep as ep
     from jax_uccl_ep import _uccl_ep as core
@@ -62,7 +65,9 @@ def _start(env: dict) -> tuple:
 
 def _exchange(core, me: int, peer: int, nbytes: int, channel: int = 0) -> None:
     """One message each way, then a 0-byte ack each way."""
-    core.testing.post_message(me, channel, peer, core.testing.send_offset(me, peer), core.testing.recv_offset(me, me), nbytes)
+    core.testing.post_message(
+        me, channel, peer, core.testing.send_offset(me, peer), core.testing.recv_offset(me, me), nbytes
+    )
     core.testing.wait_message(me, channel, peer)
     core.testing.post_message(me, channel, peer, 0, 0, 0)
     core.testing.wait_message(me, channel, peer)
@@ -70,13 +75,15 @@ def _exchange(core, me: int, peer: int, nbytes: int, channel: int = 0) -> None:
 
 def commands_child(cfg: dict) -> dict:
     """Many small writes through every ring of the device; returns commands/s of this device's proxies."""
-    ep, core, me = _start({
-        "UCCL_EP_FI_PROVIDER": cfg["provider"],
-        "UCCL_EP_NUM_PROXY_THREADS": cfg["channels"],
-        "UCCL_EP_MAX_WRITE_BYTES": cfg["write_bytes"],
-        "UCCL_EP_BUFFER_BYTES": max(16 << 20, 4 * cfg["message_bytes"] + (1 << 20)),
-        "UCCL_EP_REORDER": "0",
-    })
+    ep, core, me = _start(
+        {
+            "UCCL_EP_FI_PROVIDER": cfg["provider"],
+            "UCCL_EP_NUM_PROXY_THREADS": cfg["channels"],
+            "UCCL_EP_MAX_WRITE_BYTES": cfg["write_bytes"],
+            "UCCL_EP_BUFFER_BYTES": max(16 << 20, 4 * cfg["message_bytes"] + (1 << 20)),
+            "UCCL_EP_REORDER": "0",
+        }
+    )
     peer = 1 - me
     channels = core.testing.num_channels(me)
     size, window = cfg["message_bytes"], cfg["window"]
@@ -109,8 +116,15 @@ def commands_child(cfg: dict) -> dict:
     commands = core.testing.stats(me)["commands"] - c0
     stats = core.testing.stats(me)
     ep.shutdown()
-    return {"commands": commands, "seconds": seconds, "rate": commands / seconds, "channels": channels,
-            "rounds": rounds, "provider": cfg["provider"], "stats": stats}
+    return {
+        "commands": commands,
+        "seconds": seconds,
+        "rate": commands / seconds,
+        "channels": channels,
+        "rounds": rounds,
+        "provider": cfg["provider"],
+        "stats": stats,
+    }
 
 
 def _agree_max(key: str, me: int, value: int) -> int:
@@ -146,8 +160,15 @@ def bandwidth_child(cfg: dict) -> dict:
             for _ in range(iters):
                 _exchange(core, me, peer, size)
             times.append((time.perf_counter() - t0) / iters)
-        out.append({"size": size, "iters": iters, "median_s": statistics.median(times), "min_s": min(times),
-                    "max_s": max(times)})
+        out.append(
+            {
+                "size": size,
+                "iters": iters,
+                "median_s": statistics.median(times),
+                "min_s": min(times),
+                "max_s": max(times),
+            }
+        )
     ep.shutdown()
     return {"provider": provider, "results": out}
 
@@ -174,6 +195,7 @@ def child(cfg: dict) -> dict:
 # Parent
 # ------------------------------------------------------------------------------------------------------------
 
+
 def ring_rows(capacities: list[int], count: int, repeats: int) -> tuple[list[list[str]], list[dict]]:
     from jax_uccl_ep import _uccl_ep as core
 
@@ -186,9 +208,16 @@ def ring_rows(capacities: list[int], count: int, repeats: int) -> tuple[list[lis
                 raise RuntimeError(f"ring_commands_per_second({cap}, {count}) lost or reordered commands: {r}")
             rates.append(r["commands_per_second"])
         rate = statistics.median(rates)
-        rows.append(["ring: commands/s", "-", f"{cap} slots", common.fmt_time(1 / rate),
-                     f"{rate / 1e6:.2f} M cmd/s", f"{count} 32-byte commands, 1 producer + 1 consumer, median of "
-                     f"{repeats}"])
+        rows.append(
+            [
+                "ring: commands/s",
+                "-",
+                f"{cap} slots",
+                common.fmt_time(1 / rate),
+                f"{rate / 1e6:.2f} M cmd/s",
+                f"{count} 32-byte commands, 1 producer + 1 consumer, median of {repeats}",
+            ]
+        )
         record.append({"capacity": cap, "count": count, "rates": rates})
     return rows, record
 
@@ -222,22 +251,36 @@ def main(argv=None) -> int:
     print(f"# {header['date']}  {header['command']}  (load average {header['load_avg_1m']})", flush=True)
     rows, record = [], {"header": header}
     if "ring" not in skip:
-        r, record["ring"] = ring_rows([int(c) for c in args.ring_capacities.split(",")], args.ring_count,
-                                      args.ring_repeats)
+        r, record["ring"] = ring_rows(
+            [int(c) for c in args.ring_capacities.split(",")], args.ring_count, args.ring_repeats
+        )
         rows += r
 
     providers = [p for p in args.providers.split(",") if p] if "bandwidth" not in skip else []
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     cfg = {
-        "commands": None if "commands" in skip else {
-            "provider": args.cmd_provider, "channels": args.channels, "write_bytes": args.cmd_write_bytes,
-            "message_bytes": parse_size(args.cmd_message_bytes), "window": args.cmd_window,
-            "seconds": args.cmd_seconds, "max_rounds": 1_000_000, "tag": "cmd",
+        "commands": None
+        if "commands" in skip
+        else {
+            "provider": args.cmd_provider,
+            "channels": args.channels,
+            "write_bytes": args.cmd_write_bytes,
+            "message_bytes": parse_size(args.cmd_message_bytes),
+            "window": args.cmd_window,
+            "seconds": args.cmd_seconds,
+            "max_rounds": 1_000_000,
+            "tag": "cmd",
         },
         "providers": providers,
-        "bandwidth": {"sizes": sizes, "channels": args.bw_channels, "write_bytes": args.write_bytes,
-                      "bytes_per_repeat": parse_size(args.bytes_per_repeat), "min_iters": args.min_iters,
-                      "max_iters": args.max_iters, "repeats": args.repeats},
+        "bandwidth": {
+            "sizes": sizes,
+            "channels": args.bw_channels,
+            "write_bytes": args.write_bytes,
+            "bytes_per_repeat": parse_size(args.bytes_per_repeat),
+            "min_iters": args.min_iters,
+            "max_iters": args.max_iters,
+            "repeats": args.repeats,
+        },
     }
     if cfg["commands"] or providers:
         t0 = time.perf_counter()
@@ -249,11 +292,18 @@ def main(argv=None) -> int:
             rate = statistics.mean(c["rate"] for c in cm)
             c = cfg["commands"]
             writes = -(-c["message_bytes"] // c["write_bytes"])
-            rows.append([f"transport: commands/s, {cm[0]['channels']} rings", cm[0]["provider"],
-                         f"{c['write_bytes']} B writes", common.fmt_time(1 / rate),
-                         f"{rate / 1e6:.3f} M cmd/s", f"per device (mean of 2); {size_name(c['message_bytes'])} "
-                         f"messages = {writes} writes + fence; {sum(x['commands'] for x in cm)} cmds in "
-                         f"{max(x['seconds'] for x in cm):.1f} s"])
+            rows.append(
+                [
+                    f"transport: commands/s, {cm[0]['channels']} rings",
+                    cm[0]["provider"],
+                    f"{c['write_bytes']} B writes",
+                    common.fmt_time(1 / rate),
+                    f"{rate / 1e6:.3f} M cmd/s",
+                    f"per device (mean of 2); {size_name(c['message_bytes'])} "
+                    f"messages = {writes} writes + fence; {sum(x['commands'] for x in cm)} cmds in "
+                    f"{max(x['seconds'] for x in cm):.1f} s",
+                ]
+            )
         for i, provider in enumerate(providers):
             per_rank = [o["bandwidth"][i] for o in outs]
             err = next((p["error"] for p in per_rank if "error" in p), None)
@@ -263,13 +313,25 @@ def main(argv=None) -> int:
             for j, size in enumerate(sizes):
                 t = max(p["results"][j]["median_s"] for p in per_rank)
                 iters = per_rank[0]["results"][j]["iters"]
-                rows.append(["write ping-pong", per_rank[0]["provider"], size_name(size), common.fmt_time(t),
-                             f"{size / t / 1e9:.3f} GB/s", f"1 msg each way + ack; {iters} iters x {args.repeats}"])
+                rows.append(
+                    [
+                        "write ping-pong",
+                        per_rank[0]["provider"],
+                        size_name(size),
+                        common.fmt_time(t),
+                        f"{size / t / 1e9:.3f} GB/s",
+                        f"1 msg each way + ack; {iters} iters x {args.repeats}",
+                    ]
+                )
     if args.json:
         common.write_json(args.json, record)
     print()
-    common.print_table(HEADERS, rows, title="proxy runtime and transport (time/iter: per command for rates, per "
-                                            "exchange for ping-pong; GB/s one direction per rank)")
+    common.print_table(
+        HEADERS,
+        rows,
+        title="proxy runtime and transport (time/iter: per command for rates, per "
+        "exchange for ping-pong; GB/s one direction per rank)",
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ over that time, for many small writes and for a few large ones.
     python bench/proxy_gpu.py [--rings 1,2,4,8] [--commands 2000000] [--capacity 4096] [--ping 20000]
     python bench/proxy_gpu.py --transport
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ def transport_child(cases: list) -> dict:
     ep.initialize()
     rank = _ffi.global_ranks()[jax.local_devices()[0].id]
     _uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, 4096, 0)  # connection warm-up
-    results = [dict(_uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=m, writes=w), messages=m, writes=w,
-                    bytes=nbytes) for m, w, nbytes in cases]
+    results = [
+        dict(
+            _uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=m, writes=w),
+            messages=m,
+            writes=w,
+            bytes=nbytes,
+        )
+        for m, w, nbytes in cases
+    ]
     provider = _uccl_ep.testing.provider(rank)
     ep.shutdown()
     return {"rank": rank, "provider": provider, "results": results}
@@ -57,14 +65,37 @@ def transport(args, common) -> int:
     for out in sorted(outs, key=lambda o: o["rank"]):
         for res in out["results"]:
             bad = res["timed_out"] or res["mismatched_words"]
-            rows.append([out["rank"], res["messages"], res["writes"], res["bytes"] // res["writes"], res["commands"],
-                         f"{res['commands'] / res['quiet_us']:.3f}", f"{res['push_us']:.1f}", f"{res['quiet_us']:.1f}",
-                         f"{res['messages'] * res['bytes'] / res['quiet_us'] / 1e3:.2f}",
-                         "FAILED" if bad else "ok"])
+            rows.append(
+                [
+                    out["rank"],
+                    res["messages"],
+                    res["writes"],
+                    res["bytes"] // res["writes"],
+                    res["commands"],
+                    f"{res['commands'] / res['quiet_us']:.3f}",
+                    f"{res['push_us']:.1f}",
+                    f"{res['quiet_us']:.1f}",
+                    f"{res['messages'] * res['bytes'] / res['quiet_us'] / 1e3:.2f}",
+                    "FAILED" if bad else "ok",
+                ]
+            )
     print(f"# {header}")
-    common.print_table(["rank", "messages", "writes/msg", "bytes/write", "commands", "M cmd/s retired",
-                        "pushed us", "retired us", "GB/s", "check"], rows,
-                       title=f"GPU -> proxy -> {outs[0]['provider']} -> peer, channel 0, both ranks at once")
+    common.print_table(
+        [
+            "rank",
+            "messages",
+            "writes/msg",
+            "bytes/write",
+            "commands",
+            "M cmd/s retired",
+            "pushed us",
+            "retired us",
+            "GB/s",
+            "check",
+        ],
+        rows,
+        title=f"GPU -> proxy -> {outs[0]['provider']} -> peer, channel 0, both ranks at once",
+    )
     if args.out:
         common.write_json(args.out, {"header": header, "results": outs})
     return 0 if not any(r[-1] != "ok" for r in rows) else 1
@@ -82,6 +113,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import common
+
     from jax_uccl_ep import _uccl_ep
 
     if args.transport:
@@ -93,34 +125,54 @@ def main(argv=None) -> int:
     if not hasattr(_uccl_ep.testing, "nvl_ring_bench"):
         print("jax_uccl_ep was built without CUDA: nothing to measure")
         return 1
-    header = common.run_header("GPU %d" % args.device)
+    header = common.run_header(f"GPU {args.device}")
     rows, results = [], []
     for i, rings in enumerate(int(r) for r in args.rings.split(",")):
         per_ring = max(1, args.commands // rings)
         try:
-            res = dict(_uccl_ep.testing.nvl_ring_bench(args.device, rings, per_ring, args.capacity,
-                                               args.ping if i == 0 else 0), rings=rings)
+            res = dict(
+                _uccl_ep.testing.nvl_ring_bench(
+                    args.device, rings, per_ring, args.capacity, args.ping if i == 0 else 0
+                ),
+                rings=rings,
+            )
         except RuntimeError as exc:
             print(f"proxy_gpu: {exc}")
             return 1
         results.append(res)
-        rows.append([rings, res["commands"], f"{res['commands'] / res['seconds'] / 1e6:.1f}",
-                     f"{res['commands'] / res['push_seconds'] / 1e6:.1f}", res["out_of_order"],
-                     f"{res['round_trip_median_ns'] / 1e3:.2f} / {res['round_trip_p99_ns'] / 1e3:.2f}" if i == 0
-                     else ""])
+        rows.append(
+            [
+                rings,
+                res["commands"],
+                f"{res['commands'] / res['seconds'] / 1e6:.1f}",
+                f"{res['commands'] / res['push_seconds'] / 1e6:.1f}",
+                res["out_of_order"],
+                f"{res['round_trip_median_ns'] / 1e3:.2f} / {res['round_trip_p99_ns'] / 1e3:.2f}" if i == 0 else "",
+            ]
+        )
     print(f"# {header}")
-    common.print_table(["rings", "commands", "M cmd/s drained", "M cmd/s pushed", "out of order",
-                        "round trip us (median / p99)"], rows,
-                       title=f"GPU -> host command rings, capacity {args.capacity}, no transport")
+    common.print_table(
+        ["rings", "commands", "M cmd/s drained", "M cmd/s pushed", "out of order", "round trip us (median / p99)"],
+        rows,
+        title=f"GPU -> host command rings, capacity {args.capacity}, no transport",
+    )
     one_way = results[0]
     if one_way.get("one_way_upper_median_ns"):
         upper, read = one_way["one_way_upper_median_ns"], one_way["host_read_round_trip_ns"]
         common.print_table(
             ["push -> proxy sees it, us", "median", "p99", "GPU read of host memory, us", "warp in push, us"],
-            [["upper bound (host clock)", f"{upper / 1e3:.2f}", f"{one_way['one_way_upper_p99_ns'] / 1e3:.2f}",
-              f"{read / 1e3:.2f}", f"{one_way['push_ns'] / 1e3:.2f}"],
-             ["lower bound (upper - read)", f"{max(0.0, upper - read) / 1e3:.2f}", "", "", ""]],
-            title=f"one way, {args.ping} rounds, one command each, idle ring and proxy")
+            [
+                [
+                    "upper bound (host clock)",
+                    f"{upper / 1e3:.2f}",
+                    f"{one_way['one_way_upper_p99_ns'] / 1e3:.2f}",
+                    f"{read / 1e3:.2f}",
+                    f"{one_way['push_ns'] / 1e3:.2f}",
+                ],
+                ["lower bound (upper - read)", f"{max(0.0, upper - read) / 1e3:.2f}", "", "", ""],
+            ],
+            title=f"one way, {args.ping} rounds, one command each, idle ring and proxy",
+        )
     if args.out:
         common.write_json(args.out, {"header": header, "results": results})
     return 0

@@ -28,6 +28,7 @@ shrink it); uccl's dispatch sends a token once to each rank that owns one of its
     python bench/train_step.py --cpu --small                     # smoke run on 2 CPU devices (ragged: n/a)
     JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=2 python bench/train_step.py --small
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,12 +49,33 @@ JSON_MARK = "TRAIN_MOE_JSON "
 IMPLS = ["uccl", "all_to_all", "ragged", "dense"]
 
 # Model sizes: a small Mixtral-like MoE (8 experts, top-2) for 2 GPUs, and a smoke-test size for CPUs.
-GPU_SIZES = dict(d_model=2048, d_ff=4096, heads=16, experts=8, top_k=2, layers=4, seq_len=1024, batch_per_device=4,
-                 steps=30, warmup=5)
-SMALL_SIZES = dict(d_model=64, d_ff=128, heads=4, experts=4, top_k=2, layers=2, seq_len=32, batch_per_device=4,
-                   steps=6, warmup=2)
-HEADERS = ["impl", "experts", "step ms", "min ms", "tokens/s", "vs uccl", "final loss", "|loss - dense|",
-           "1st step s", "error"]
+GPU_SIZES = dict(
+    d_model=2048,
+    d_ff=4096,
+    heads=16,
+    experts=8,
+    top_k=2,
+    layers=4,
+    seq_len=1024,
+    batch_per_device=4,
+    steps=30,
+    warmup=5,
+)
+SMALL_SIZES = dict(
+    d_model=64, d_ff=128, heads=4, experts=4, top_k=2, layers=2, seq_len=32, batch_per_device=4, steps=6, warmup=2
+)
+HEADERS = [
+    "impl",
+    "experts",
+    "step ms",
+    "min ms",
+    "tokens/s",
+    "vs uccl",
+    "final loss",
+    "|loss - dense|",
+    "1st step s",
+    "error",
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,16 +85,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=--devices)")
     ap.add_argument("--devices", type=int, default=2, help="CPU devices with --cpu")
     for name, value in GPU_SIZES.items():
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                        help=f"default {value} ({SMALL_SIZES[name]} with --small)")
-    ap.add_argument("--expert-compute", choices=["grouped", "masked"], default="grouped",
-                    help="how uccl, all_to_all and ragged run their local experts (dense: every expert)")
-    ap.add_argument("--a2a-capacity", type=int, default=None,
-                    help="all_to_all: slots per (sender, receiver); default tokens * top-k (never drops)")
+        ap.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"default {value} ({SMALL_SIZES[name]} with --small)",
+        )
+    ap.add_argument(
+        "--expert-compute",
+        choices=["grouped", "masked"],
+        default="grouped",
+        help="how uccl, all_to_all and ragged run their local experts (dense: every expert)",
+    )
+    ap.add_argument(
+        "--a2a-capacity",
+        type=int,
+        default=None,
+        help="all_to_all: slots per (sender, receiver); default tokens * top-k (never drops)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=None, help="learning rate (default: train_moe's)")
-    ap.add_argument("--timeout", type=float, default=240.0,
-                    help="seconds per implementation (its child process is killed after that: n/a)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=240.0,
+        help="seconds per implementation (its child process is killed after that: n/a)",
+    )
     ap.add_argument("--verbose", action="store_true", help="echo each child's per-step lines")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -93,10 +131,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
     """examples/train_moe.py's arguments for one implementation (the same model for all)."""
     argv = (["--lr", str(args.lr)] if args.lr is not None else []) + [
-            "--ep-impl", impl, "--json", "--time-every", "0", "--seed", str(args.seed), "--steps", str(args.steps),
-            "--batch-per-device", str(args.batch_per_device), "--seq-len", str(args.seq_len),
-            "--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--heads", str(args.heads),
-            "--experts", str(args.experts), "--top-k", str(args.top_k), "--layers", str(args.layers)]
+        "--ep-impl",
+        impl,
+        "--json",
+        "--time-every",
+        "0",
+        "--seed",
+        str(args.seed),
+        "--steps",
+        str(args.steps),
+        "--batch-per-device",
+        str(args.batch_per_device),
+        "--seq-len",
+        str(args.seq_len),
+        "--d-model",
+        str(args.d_model),
+        "--d-ff",
+        str(args.d_ff),
+        "--heads",
+        str(args.heads),
+        "--experts",
+        str(args.experts),
+        "--top-k",
+        str(args.top_k),
+        "--layers",
+        str(args.layers),
+    ]
     if impl != "dense":
         argv += ["--expert-compute", args.expert_compute]
     if impl == "all_to_all" and args.a2a_capacity is not None:
@@ -141,18 +201,23 @@ def run_impl(args: argparse.Namespace, impl: str, env: dict[str, str]) -> dict[s
     summary = None
     for line in proc.stdout.splitlines():
         if line.startswith(JSON_MARK):
-            summary = json.loads(line[len(JSON_MARK):])
+            summary = json.loads(line[len(JSON_MARK) :])
     if proc.returncode != 0 or summary is None:
         result["error"] = error_line(proc.stderr or proc.stdout)
         if proc.returncode < 0:
             result["error"] = f"killed by signal {-proc.returncode}; " + result["error"]
         result["stderr_tail"] = proc.stderr[-4000:]
         return result
-    steps_ms = summary["step_ms"][args.warmup:]
+    steps_ms = summary["step_ms"][args.warmup :]
     median_ms = statistics.median(steps_ms)
     result.update(summary)
-    result.update(step_ms_median=median_ms, step_ms_min=min(steps_ms), first_step_s=summary["step_ms"][0] / 1e3,
-                  tokens_per_s=summary["tokens_per_step"] / (median_ms / 1e3), final_loss=summary["losses"][-1])
+    result.update(
+        step_ms_median=median_ms,
+        step_ms_min=min(steps_ms),
+        first_step_s=summary["step_ms"][0] / 1e3,
+        tokens_per_s=summary["tokens_per_step"] / (median_ms / 1e3),
+        final_loss=summary["losses"][-1],
+    )
     result["header"] = next((l for l in proc.stdout.splitlines() if l.startswith("train_moe:")), "")
     return result
 
@@ -168,11 +233,26 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             continue
         ms = r["step_ms_median"]
         ratio = f"{ms / uccl_ms:.2f}x" if uccl_ms else "n/a"
-        diff = (f"{max(abs(a - b) for a, b in zip(r['losses'], dense_losses)):.1e}"
-                if dense_losses and len(dense_losses) == len(r["losses"]) else "n/a")
+        diff = (
+            f"{max(abs(a - b) for a, b in zip(r['losses'], dense_losses)):.1e}"
+            if dense_losses and len(dense_losses) == len(r["losses"])
+            else "n/a"
+        )
         experts = "all" if r["impl"] == "dense" else (r.get("expert_compute") or "default")
-        rows.append([r["impl"], experts, f"{ms:.1f}", f"{r['step_ms_min']:.1f}", f"{r['tokens_per_s']:.0f}", ratio,
-                     f"{r['final_loss']:.4f}", diff, f"{r['first_step_s']:.1f}", ""])
+        rows.append(
+            [
+                r["impl"],
+                experts,
+                f"{ms:.1f}",
+                f"{r['step_ms_min']:.1f}",
+                f"{r['tokens_per_s']:.0f}",
+                ratio,
+                f"{r['final_loss']:.4f}",
+                diff,
+                f"{r['first_step_s']:.1f}",
+                "",
+            ]
+        )
     return rows
 
 
@@ -183,16 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     header = common.run_header("see the table's title")
     tokens = args.batch_per_device * args.seq_len
     config = {k: getattr(args, k) for k in GPU_SIZES} | {
-        "expert_compute": args.expert_compute, "a2a_capacity": args.a2a_capacity, "seed": args.seed,
-        "tokens_per_device": tokens, "cpu": args.cpu}
+        "expert_compute": args.expert_compute,
+        "a2a_capacity": args.a2a_capacity,
+        "seed": args.seed,
+        "tokens_per_device": tokens,
+        "cpu": args.cpu,
+    }
     print(f"# {header}", flush=True)
     print(f"# config: {config}", flush=True)
 
     results = []
     for impl in args.impl_list:
         res = run_impl(args, impl, env)
-        status = res.get("error") or (f"{res['step_ms_median']:.1f} ms/step, {res['tokens_per_s']:.0f} tok/s, "
-                                      f"final loss {res['final_loss']:.4f}")
+        status = res.get("error") or (
+            f"{res['step_ms_median']:.1f} ms/step, {res['tokens_per_s']:.0f} tok/s, final loss {res['final_loss']:.4f}"
+        )
         print(f"# {impl}: {status} ({res.get('wall_s', args.timeout):.1f} s)", flush=True)
         if "header" in res:
             print(f"#   {res['header']}", flush=True)
@@ -203,9 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     header["device"] = desc
     if args.out:
         common.write_json(args.out, {"header": header, "config": config, "results": results})
-    title = (f"training step on {desc}, one process: d_model {args.d_model}, d_ff {args.d_ff}, heads {args.heads}, "
-             f"{args.experts} experts top-{args.top_k}, {args.layers} layers, {args.batch_per_device}x{args.seq_len} "
-             f"tokens/device, float32 AdamW, median of steps {args.warmup + 1}-{args.steps}")
+    title = (
+        f"training step on {desc}, one process: d_model {args.d_model}, d_ff {args.d_ff}, heads {args.heads}, "
+        f"{args.experts} experts top-{args.top_k}, {args.layers} layers, {args.batch_per_device}x{args.seq_len} "
+        f"tokens/device, float32 AdamW, median of steps {args.warmup + 1}-{args.steps}"
+    )
     common.print_table(HEADERS, table_rows(results), title=title)
     return 0 if ok else 1
 

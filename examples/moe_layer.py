@@ -29,6 +29,7 @@ Parameters (global shapes; inside shard_map the expert weights have ``num_expert
      "w1":     [num_experts, d_model, d_ff],     # sharded over the EP axis (moe_param_specs)
      "w2":     [num_experts, d_ff, d_model]}     # sharded over the EP axis
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -43,9 +44,7 @@ Params = dict[str, jax.Array]
 ExpertCompute = Literal["masked", "grouped"]
 
 
-def init_moe_params(
-    key: jax.Array, *, d_model: int, d_ff: int, num_experts: int, dtype: Any = jnp.float32
-) -> Params:
+def init_moe_params(key: jax.Array, *, d_model: int, d_ff: int, num_experts: int, dtype: Any = jnp.float32) -> Params:
     """Random parameters of one MoE layer (global shapes: all ``num_experts`` experts)."""
     k_router, k_w1, k_w2 = jax.random.split(key, 3)
     return {
@@ -222,8 +221,9 @@ def moe_ffn_low_latency(
     weights, idx = route(params["router"], x, top_k)
     n = max_tokens_per_rank or x.shape[0]
     # 1. Every (token, expert) pair lands in that expert's slab: recv [L, R * N, D], rows [0, count[l]) valid.
-    recv, _, handle = ep.low_latency_dispatch(x, idx, num_experts=num_experts, max_tokens_per_rank=n,
-                                                  axis_name=axis_name, use_fp8=use_fp8)
+    recv, _, handle = ep.low_latency_dispatch(
+        x, idx, num_experts=num_experts, max_tokens_per_rank=n, axis_name=axis_name, use_fp8=use_fp8
+    )
     if use_fp8:
         rows, scales = recv
         slab = rows.shape[1]
@@ -353,23 +353,36 @@ def moe_ffn_ragged(
 
     # 3. Exchange: the receive buffer holds the chunks of rank 0, 1, ... at recv_offsets (padding rows are zeros).
     recv_x = jax.lax.ragged_all_to_all(
-        send_x, jnp.zeros((recv_rows, d_model), x.dtype), input_offsets, send_sizes, output_offsets, recv_sizes,
-        axis_name=axis_name)
+        send_x,
+        jnp.zeros((recv_rows, d_model), x.dtype),
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+        axis_name=axis_name,
+    )
 
     # 4. The local expert of each received row: within a source's chunk, rows come sorted by expert, so the
     #    buffer is a sequence of (source, local expert) segments in source-major order; -1 past the last one.
     local_counts = jax.lax.dynamic_slice_in_dim(counts, me * local_experts, local_experts, axis=1)  # [src, E/R]
     segment_end = jnp.cumsum(local_counts.reshape(-1))  # [R * E/R]
-    segment = jnp.searchsorted(segment_end, jnp.arange(recv_rows, dtype=jnp.int32), side="right",
-                               method="compare_all")  # R * E/R segments: a few compares per row
+    segment = jnp.searchsorted(
+        segment_end, jnp.arange(recv_rows, dtype=jnp.int32), side="right", method="compare_all"
+    )  # R * E/R segments: a few compares per row
     local_expert = jnp.where(segment < segment_end.shape[0], segment % local_experts, -1).astype(jnp.int32)
     ones = jnp.ones((recv_rows, 1), jnp.float32)
     y = apply_local_experts(params["w1"], params["w2"], recv_x, local_expert[:, None], ones, expert_compute)
 
     # 5. The reverse exchange: source i's rows go back to where they started in its send_x.
     back = jax.lax.ragged_all_to_all(
-        y.astype(x.dtype), jnp.zeros((slots, d_model), x.dtype), recv_offsets, recv_sizes, home_offsets, send_sizes,
-        axis_name=axis_name)
+        y.astype(x.dtype),
+        jnp.zeros((slots, d_model), x.dtype),
+        recv_offsets,
+        recv_sizes,
+        home_offsets,
+        send_sizes,
+        axis_name=axis_name,
+    )
 
     # 6. Un-sort to slot order and sum each token's slots with its router weights.
     slot_out = back[jnp.argsort(order)].reshape(tokens, top_k, d_model)

@@ -34,6 +34,7 @@ separate jitted calls on this step's shapes (tokens per device, d_model, top-k; 
 forward (``moe fwd``) and, for ``--ep-impl uccl``, one standalone ``dispatch`` and one standalone ``combine`` with
 random routing. Those are not slices of the training step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,13 +42,15 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_layer  # noqa: E402  (the example's MoE layer, next to this file)
@@ -124,13 +127,15 @@ def init_params(key: jax.Array, cfg: Config) -> dict:
     }
     for i in range(cfg.num_layers):
         k_qkv, k_out, k_moe = jax.random.split(keys[3 + i], 3)
-        params["layers"].append({
-            "norm_attn": jnp.ones((d,)),
-            "qkv": jax.random.normal(k_qkv, (d, 3 * d)) * d**-0.5,
-            "out": jax.random.normal(k_out, (d, d)) * d**-0.5 / cfg.num_layers,
-            "norm_moe": jnp.ones((d,)),
-            "moe": moe_layer.init_moe_params(k_moe, d_model=d, d_ff=cfg.d_ff, num_experts=cfg.num_experts),
-        })
+        params["layers"].append(
+            {
+                "norm_attn": jnp.ones((d,)),
+                "qkv": jax.random.normal(k_qkv, (d, 3 * d)) * d**-0.5,
+                "out": jax.random.normal(k_out, (d, d)) * d**-0.5 / cfg.num_layers,
+                "norm_moe": jnp.ones((d,)),
+                "moe": moe_layer.init_moe_params(k_moe, d_model=d, d_ff=cfg.d_ff, num_experts=cfg.num_experts),
+            }
+        )
     return params
 
 
@@ -214,15 +219,23 @@ def _median_ms(fn: Callable[[], Any], repeats: int = 3) -> float:
 class LayerTimer:
     """Standalone jitted MoE-layer / dispatch / combine calls on the training step's shapes."""
 
-    def __init__(self, mesh: Mesh, cfg: Config, impl: str, tokens_per_rank: int, capacity: int | None, seed: int,
-                 expert_compute: str | None = None):
+    def __init__(
+        self,
+        mesh: Mesh,
+        cfg: Config,
+        impl: str,
+        tokens_per_rank: int,
+        capacity: int | None,
+        seed: int,
+        expert_compute: str | None = None,
+    ):
         self.impl = impl
         r = mesh.size
         rng = np.random.default_rng([seed, 99])
         shard = NamedSharding(mesh, P(AXIS))
         self.x = _global_array(rng.standard_normal((r * tokens_per_rank, cfg.d_model), np.float32), shard)
         # Random routing: top_k distinct experts per token, random weights summing to one.
-        idx = np.argsort(rng.random((r * tokens_per_rank, cfg.num_experts)), axis=1)[:, :cfg.top_k]
+        idx = np.argsort(rng.random((r * tokens_per_rank, cfg.num_experts)), axis=1)[:, : cfg.top_k]
         w = rng.random(idx.shape).astype(np.float32)
         self.idx = _global_array(idx.astype(np.int32), shard)
         self.w = _global_array(w / w.sum(axis=1, keepdims=True), shard)
@@ -260,12 +273,20 @@ def _global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--ep-impl", choices=EP_IMPLS, default="uccl",
-                   help="uccl: jax_uccl_ep dispatch/combine; all_to_all: jax.lax.all_to_all, fixed capacity; "
-                        "ragged: jax.lax.ragged_all_to_all, dropless (GPU/TPU); dense: reference without dispatch")
-    p.add_argument("--expert-compute", choices=["masked", "grouped"], default=None,
-                   help="local experts of the EP layers: masked (every expert on every received row) or grouped "
-                        "(jax.lax.ragged_dot); default: the layer's own (ragged grouped, the others masked)")
+    p.add_argument(
+        "--ep-impl",
+        choices=EP_IMPLS,
+        default="uccl",
+        help="uccl: jax_uccl_ep dispatch/combine; all_to_all: jax.lax.all_to_all, fixed capacity; "
+        "ragged: jax.lax.ragged_all_to_all, dropless (GPU/TPU); dense: reference without dispatch",
+    )
+    p.add_argument(
+        "--expert-compute",
+        choices=["masked", "grouped"],
+        default=None,
+        help="local experts of the EP layers: masked (every expert on every received row) or grouped "
+        "(jax.lax.ragged_dot); default: the layer's own (ragged grouped, the others masked)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-per-device", type=int, default=8, help="sequences per device per step")
     p.add_argument("--seq-len", type=int, default=Config().seq_len)
@@ -275,10 +296,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=Config().num_experts)
     p.add_argument("--top-k", type=int, default=Config().top_k)
     p.add_argument("--layers", type=int, default=Config().num_layers)
-    p.add_argument("--capacity", type=int, default=None,
-                   help="uccl: rows each device may receive per dispatch (default: devices * tokens); all_to_all: "
-                        "slots each device sends to each device (default: tokens * top-k); both never drop by "
-                        "default; ignored by ragged and dense")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="uccl: rows each device may receive per dispatch (default: devices * tokens); all_to_all: "
+        "slots each device sends to each device (default: tokens * top-k); both never drop by "
+        "default; ignored by ragged and dense",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--time-every", type=int, default=10, help="time the MoE layer every N steps (0: never)")
     p.add_argument("--json", action="store_true", help=f"print a final '{JSON_MARK}{{...}}' line on process 0")
@@ -291,8 +316,15 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
 
     args = parse_args(argv)
     ep.initialize()  # joins jax.distributed when a launcher set JAX_COORDINATOR_ADDRESS
-    cfg = Config(seq_len=args.seq_len, d_model=args.d_model, num_heads=args.heads, d_ff=args.d_ff,
-                 num_experts=args.experts, top_k=args.top_k, num_layers=args.layers)
+    cfg = Config(
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        d_ff=args.d_ff,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        num_layers=args.layers,
+    )
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mesh = Mesh(np.array(devices), (AXIS,))
     r = mesh.size
@@ -304,11 +336,13 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         if log:
             print(*a, flush=True)
 
-    say(f"train_moe: {r} device(s) [{devices[0].platform}] in {jax.process_count()} process(es), "
+    say(
+        f"train_moe: {r} device(s) [{devices[0].platform}] in {jax.process_count()} process(es), "
         f"ep-impl={args.ep_impl}" + (f" ({args.expert_compute})" if args.expert_compute else "") + ", "
         f"{cfg.num_experts} experts ({cfg.num_experts // r}/device), top-{cfg.top_k}, "
         f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, heads={cfg.num_heads}, layers={cfg.num_layers}, "
-        f"batch {args.batch_per_device}x{cfg.seq_len} tokens/device")
+        f"batch {args.batch_per_device}x{cfg.seq_len} tokens/device"
+    )
 
     specs = param_specs(cfg)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -317,13 +351,19 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     # The optimizer's moments are sharded like the parameters (its step count is replicated). Say so explicitly:
     # zeros that depend on no input would otherwise land on one device.
     replicated = NamedSharding(mesh, P())
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params),
-                                          shardings, transform_non_params=lambda _: replicated)
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, s: s,
+        jax.eval_shape(optimizer.init, params),
+        shardings,
+        transform_non_params=lambda _: replicated,
+    )
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
 
     moe_fn = moe_fn_for(args.ep_impl, cfg, args.capacity, args.expert_compute)
-    loss_fn = jax.shard_map(partial(local_loss, cfg=cfg, moe_fn=moe_fn), mesh=mesh,
-                            in_specs=(specs, P(AXIS)), out_specs=P())
+    loss_fn = jax.shard_map(
+        partial(local_loss, cfg=cfg, moe_fn=moe_fn), mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P()
+    )
 
     @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(shardings, opt_shardings, replicated))
     def train_step(params, opt_state, batch):
@@ -335,8 +375,11 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     batch_sharding = NamedSharding(mesh, P(AXIS))
     tokens_per_device = args.batch_per_device * cfg.seq_len
     tokens_per_step = r * tokens_per_device
-    timer = (LayerTimer(mesh, cfg, args.ep_impl, tokens_per_device, args.capacity, args.seed, args.expert_compute)
-             if args.time_every > 0 else None)
+    timer = (
+        LayerTimer(mesh, cfg, args.ep_impl, tokens_per_device, args.capacity, args.seed, args.expert_compute)
+        if args.time_every > 0
+        else None
+    )
 
     losses: list[float] = []
     step_s: list[float] = []
@@ -349,8 +392,10 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         elapsed = time.perf_counter() - start
         losses.append(loss)
         step_s.append(elapsed)
-        line = (f"step {step:4d}/{args.steps}  loss {loss:.4f}  {tokens_per_step / elapsed:9.0f} tok/s  "
-                f"{elapsed * 1e3:8.1f} ms/step" + ("  (includes compilation)" if step == 1 else ""))
+        line = (
+            f"step {step:4d}/{args.steps}  loss {loss:.4f}  {tokens_per_step / elapsed:9.0f} tok/s  "
+            f"{elapsed * 1e3:8.1f} ms/step" + ("  (includes compilation)" if step == 1 else "")
+        )
         if timer is not None and (step % args.time_every == 0 or step == args.steps):
             t = timer.measure(params["layers"][0]["moe"])
             timings.append(t)
@@ -381,12 +426,17 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
             summary[key] = float(np.median(values))
     if losses:
         k = min(5, len(losses))
-        timed = [f"{key[:-3].replace('_', ' ')} {summary[key]:.2f} ms"
-                 for key in ("moe_fwd_ms", "dispatch_ms", "combine_ms") if key in summary]
-        say(f"summary: loss {np.mean(losses[:k]):.4f} (first {k} steps) -> {np.mean(losses[-k:]):.4f} "
+        timed = [
+            f"{key[:-3].replace('_', ' ')} {summary[key]:.2f} ms"
+            for key in ("moe_fwd_ms", "dispatch_ms", "combine_ms")
+            if key in summary
+        ]
+        say(
+            f"summary: loss {np.mean(losses[:k]):.4f} (first {k} steps) -> {np.mean(losses[-k:]):.4f} "
             f"(last {k}); floor (chain entropy) {summary['loss_floor']:.4f}; "
             f"{summary['tokens_per_s']:.0f} tok/s (median step after the first)"
-            + (f"; {', '.join(timed)} (standalone calls on the step's shapes, median)" if timed else ""))
+            + (f"; {', '.join(timed)} (standalone calls on the step's shapes, median)" if timed else "")
+        )
     if args.json and jax.process_index() == 0:
         print(JSON_MARK + json.dumps(summary), flush=True)
     return summary

@@ -14,13 +14,13 @@
 
 // The EP ops every platform handles: X(symbol stem, XLA target name, signature function below). Each handler file
 // names its implementation <stem>Impl and its exported symbol UcclEp<stem><Platform>.
-#define UCCL_EP_FFI_NORMAL_OPS(X)                                                             \
-  X(Dispatch, "uccl_ep_dispatch", dispatch_signature)                                         \
-  X(CachedDispatch, "uccl_ep_cached_dispatch", handle_op_signature)                           \
+#define UCCL_EP_FFI_NORMAL_OPS(X)                                   \
+  X(Dispatch, "uccl_ep_dispatch", dispatch_signature)               \
+  X(CachedDispatch, "uccl_ep_cached_dispatch", handle_op_signature) \
   X(Combine, "uccl_ep_combine", handle_op_signature)
-#define UCCL_EP_FFI_LOW_LATENCY_OPS(X)                                                        \
-  X(LowLatencyDispatch, "uccl_ep_low_latency_dispatch", low_latency_dispatch_signature)       \
-  X(LowLatencyCombine, "uccl_ep_low_latency_combine", low_latency_combine_signature)          \
+#define UCCL_EP_FFI_LOW_LATENCY_OPS(X)                                                                \
+  X(LowLatencyDispatch, "uccl_ep_low_latency_dispatch", low_latency_dispatch_signature)               \
+  X(LowLatencyCombine, "uccl_ep_low_latency_combine", low_latency_combine_signature)                  \
   X(LowLatencyDispatchSend, "uccl_ep_low_latency_dispatch_send", low_latency_dispatch_send_signature) \
   X(LowLatencyDispatchRecv, "uccl_ep_low_latency_dispatch_recv", low_latency_dispatch_recv_signature) \
   X(LowLatencyCombineSend, "uccl_ep_low_latency_combine_send", low_latency_combine_send_signature)    \
@@ -51,53 +51,56 @@ ffi::Error guarded(std::shared_mutex& lifetime, Body&& body) {
 
 template <class Binding>
 auto dispatch_signature(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // x
-      .template Arg<ffi::AnyBuffer>()               // scales (zero width unless FP8)
-      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
-      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights (zero width if absent)
-      .template Arg<ffi::AnyBuffer>()               // order: ignored (see jax_uccl_ep/_ffi.py)
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x
+      .template Arg<ffi::AnyBuffer>()         // scales (zero width unless FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()  // topk_weights (zero width if absent)
+      .template Arg<ffi::AnyBuffer>()         // order: ignored (see jax_uccl_ep/_ffi.py)
       .template Attr<ffi::Span<const int32_t>>("group_table")
       .template Attr<int64_t>("group_size")
-      .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
+      .template Attr<int64_t>("op_index")  // position in the program, the same on every rank
       .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("two_level")          // 0: the whole group; 1, 2: a level of two-level routing
-      .template Attr<int64_t>("path")               // Path (kernels/contract.hpp), decided at lowering
-      .template Attr<int64_t>("node_size")          // host paths: ranks per node of hierarchical rounds (0: flat)
-      .template Ret<ffi::AnyBuffer>()               // recv_x
-      .template Ret<ffi::AnyBuffer>()               // recv_scales
-      .template Ret<ffi::Buffer<ffi::S32>>()        // recv_topk_idx
-      .template Ret<ffi::Buffer<ffi::F32>>()        // recv_topk_weights
-      .template Ret<ffi::Buffer<ffi::S32>>()        // num_tokens
-      .template Ret<ffi::Buffer<ffi::S32>>()        // num_tokens_per_expert
-      .template Ret<ffi::Buffer<ffi::PRED>>()       // is_token_in_rank
-      .template Ret<ffi::Buffer<ffi::S32>>();       // recv_counts
+      .template Attr<int64_t>("two_level")     // 0: the whole group; 1, 2: a level of two-level routing
+      .template Attr<int64_t>("path")          // Path (kernels/contract.hpp), decided at lowering
+      .template Attr<int64_t>("node_size")     // host paths: ranks per node of hierarchical rounds (0: flat)
+      .template Ret<ffi::AnyBuffer>()          // recv_x
+      .template Ret<ffi::AnyBuffer>()          // recv_scales
+      .template Ret<ffi::Buffer<ffi::S32>>()   // recv_topk_idx
+      .template Ret<ffi::Buffer<ffi::F32>>()   // recv_topk_weights
+      .template Ret<ffi::Buffer<ffi::S32>>()   // num_tokens
+      .template Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_expert
+      .template Ret<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank
+      .template Ret<ffi::Buffer<ffi::S32>>();  // recv_counts
 }
 
 // get_dispatch_layout: local, no group.
 template <class Binding>
 auto layout_signature(Binding b) {
-  return std::move(b).template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
       .template Attr<int64_t>("num_experts")
       .template Attr<int64_t>("num_ranks")
-      .template Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_rank
-      .template Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_expert
+      .template Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_rank
+      .template Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
       .template Ret<ffi::Buffer<ffi::PRED>>();  // is_token_in_rank
 }
 
 // cached_dispatch (x -> recv_x) and combine (y -> combined) take the same arguments.
 template <class Binding>
 auto handle_op_signature(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // x or y
-      .template Arg<ffi::Buffer<ffi::PRED>>()       // is_token_in_rank
-      .template Arg<ffi::Buffer<ffi::S32>>()        // recv_counts
-      .template Arg<ffi::AnyBuffer>()               // order: ignored
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // x or y
+      .template Arg<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank
+      .template Arg<ffi::Buffer<ffi::S32>>()   // recv_counts
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Attr<ffi::Span<const int32_t>>("group_table")
       .template Attr<int64_t>("group_size")
-      .template Attr<int64_t>("op_index")           // position in the program, the same on every rank
-      .template Attr<int64_t>("two_level")          // 0: the whole group; 1, 2: a level of two-level routing
-      .template Attr<int64_t>("path")               // Path (kernels/contract.hpp), decided at lowering
-      .template Attr<int64_t>("node_size")          // host paths: ranks per node of hierarchical rounds (0: flat)
-      .template Ret<ffi::AnyBuffer>();              // recv_x or combined
+      .template Attr<int64_t>("op_index")   // position in the program, the same on every rank
+      .template Attr<int64_t>("two_level")  // 0: the whole group; 1, 2: a level of two-level routing
+      .template Attr<int64_t>("path")       // Path (kernels/contract.hpp), decided at lowering
+      .template Attr<int64_t>("node_size")  // host paths: ranks per node of hierarchical rounds (0: flat)
+      .template Ret<ffi::AnyBuffer>();      // recv_x or combined
 }
 
 // Bytes of one row of a [rows, ...] buffer, and of a [L, rows, width] one (0 without rows).
@@ -113,7 +116,7 @@ inline int64_t row_bytes_3d(const ffi::AnyBuffer& b) {
 // cast to FP8 by the dispatch (`fp8_cast` an Fp8Cast) or sent as given (scales [T, S] beside it).
 struct DispatchRows {
   Fp8Cast cast;
-  bool x_bf16;               // with a cast: x is bfloat16, else float32
+  bool x_bf16;  // with a cast: x is bfloat16, else float32
   int64_t row_bytes, scale_row_bytes;
 };
 inline DispatchRows dispatch_rows(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, int64_t fp8_cast) {
@@ -125,90 +128,95 @@ inline DispatchRows dispatch_rows(const ffi::AnyBuffer& x, const ffi::AnyBuffer&
                                 std::to_string(fp8_cast));
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   if ((!bf16 && x.element_type() != ffi::DataType::F32) || dims.size() != 2 || h % kFp8Block != 0)
-    throw std::invalid_argument("uccl_ep low_latency_dispatch: an FP8 cast takes x [tokens, hidden] float32 or "
-                                "bfloat16 with hidden a multiple of 128");
+    throw std::invalid_argument(
+        "uccl_ep low_latency_dispatch: an FP8 cast takes x [tokens, hidden] float32 or "
+        "bfloat16 with hidden a multiple of 128");
   return {Fp8Cast(fp8_cast), bf16, h, h / kFp8Block * int64_t(sizeof(float))};
 }
 
 // Low-latency ops come in halves: *_send returns a token that its *_recv takes.
-#define UCCL_EP_LL_ATTRS                                          \
-  template Attr<ffi::Span<const int32_t>>("group_table")          \
-      .template Attr<int64_t>("group_size")                       \
-      .template Attr<int64_t>("op_index")                         \
-      .template Attr<int64_t>("num_experts")                      \
-      .template Attr<int64_t>("max_tokens_per_rank") \
+#define UCCL_EP_LL_ATTRS                                 \
+  template Attr<ffi::Span<const int32_t>>("group_table") \
+      .template Attr<int64_t>("group_size")              \
+      .template Attr<int64_t>("op_index")                \
+      .template Attr<int64_t>("num_experts")             \
+      .template Attr<int64_t>("max_tokens_per_rank")     \
       .template Attr<int64_t>("path")
 
 template <class Binding>
 auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // x [T, H] (FP8 rows when scales are given)
-      .template Arg<ffi::AnyBuffer>()               // scales [T, H / 128] (zero width without FP8)
-      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
-      .template Arg<ffi::AnyBuffer>()               // order: ignored
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x [T, H] (FP8 rows when scales are given)
+      .template Arg<ffi::AnyBuffer>()         // scales [T, H / 128] (zero width without FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+      .template Arg<ffi::AnyBuffer>()         // order: ignored
       .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("fp8_cast")           // Fp8Cast: x as given, or cast to FP8 by the dispatch
-      .template Ret<ffi::AnyBuffer>()               // recv_x [L, R * N, H]
-      .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
-      .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
-      .template Ret<ffi::Buffer<ffi::S32>>()        // layout [L, R] (handle)
-      .template Ret<ffi::Buffer<ffi::S32>>();       // src_slot [L, R * N] (handle)
+      .template Attr<int64_t>("fp8_cast")      // Fp8Cast: x as given, or cast to FP8 by the dispatch
+      .template Ret<ffi::AnyBuffer>()          // recv_x [L, R * N, H]
+      .template Ret<ffi::AnyBuffer>()          // recv_scales [L, R * N, H / 128]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // recv_count [L]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // layout [L, R] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>();  // src_slot [L, R * N] (handle)
 }
 
 template <class Binding>
 auto low_latency_combine_signature(Binding b) {  // both halves in one call
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // y [L, R * N, H]
-      .template Arg<ffi::Buffer<ffi::S32>>()        // layout (handle)
-      .template Arg<ffi::Buffer<ffi::S32>>()        // src_slot (handle)
-      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
-      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights
-      .template Arg<ffi::AnyBuffer>()               // order: ignored
-      .UCCL_EP_LL_ATTRS
-      .template Ret<ffi::AnyBuffer>();              // combined [T, H]
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()                    // y [L, R * N, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()             // layout (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()             // src_slot (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()             // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()             // topk_weights
+      .template Arg<ffi::AnyBuffer>()                    // order: ignored
+      .UCCL_EP_LL_ATTRS.template Ret<ffi::AnyBuffer>();  // combined [T, H]
 }
 
 template <class Binding>
 auto low_latency_dispatch_send_signature(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // x [T, H] (FP8 rows when scales are given)
-      .template Arg<ffi::AnyBuffer>()               // scales [T, H / 128] (zero width without FP8)
-      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
-      .template Arg<ffi::AnyBuffer>()               // order: ignored
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x [T, H] (FP8 rows when scales are given)
+      .template Arg<ffi::AnyBuffer>()         // scales [T, H / 128] (zero width without FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+      .template Arg<ffi::AnyBuffer>()         // order: ignored
       .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("fp8_cast")           // Fp8Cast: x as given, or cast to FP8 by the dispatch
-      .template Ret<ffi::Buffer<ffi::S32>>();       // token for the receive half
+      .template Attr<int64_t>("fp8_cast")      // Fp8Cast: x as given, or cast to FP8 by the dispatch
+      .template Ret<ffi::Buffer<ffi::S32>>();  // token for the receive half
 }
 
 template <class Binding>
 auto low_latency_dispatch_recv_signature(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // token of the send half
-      .template Arg<ffi::AnyBuffer>()               // order: ignored
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // token of the send half
+      .template Arg<ffi::AnyBuffer>()  // order: ignored
       .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("topk")               // K of the send half (the size of its row map)
-      .template Ret<ffi::AnyBuffer>()               // recv_x [L, R * N, H]
-      .template Ret<ffi::AnyBuffer>()               // recv_scales [L, R * N, H / 128]
-      .template Ret<ffi::Buffer<ffi::S32>>()        // recv_count [L]
-      .template Ret<ffi::Buffer<ffi::S32>>()        // layout [L, R] (handle)
-      .template Ret<ffi::Buffer<ffi::S32>>();       // src_slot [L, R * N] (handle)
+      .template Attr<int64_t>("topk")          // K of the send half (the size of its row map)
+      .template Ret<ffi::AnyBuffer>()          // recv_x [L, R * N, H]
+      .template Ret<ffi::AnyBuffer>()          // recv_scales [L, R * N, H / 128]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // recv_count [L]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // layout [L, R] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>();  // src_slot [L, R * N] (handle)
 }
 
 template <class Binding>
 auto low_latency_combine_send_signature(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // y [L, R * N, H]
-      .template Arg<ffi::Buffer<ffi::S32>>()        // layout (handle)
-      .template Arg<ffi::Buffer<ffi::S32>>()        // src_slot (handle)
-      .template Arg<ffi::AnyBuffer>()               // order: ignored
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // y [L, R * N, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // layout (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // src_slot (handle)
+      .template Arg<ffi::AnyBuffer>()         // order: ignored
       .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("topk")               // K of the dispatch (the slots rows go back to)
-      .template Ret<ffi::Buffer<ffi::S32>>();       // token for the receive half
+      .template Attr<int64_t>("topk")          // K of the dispatch (the slots rows go back to)
+      .template Ret<ffi::Buffer<ffi::S32>>();  // token for the receive half
 }
 
 template <class Binding>
 auto low_latency_combine_recv_signature(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // token of the send half
-      .template Arg<ffi::Buffer<ffi::S32>>()        // topk_idx
-      .template Arg<ffi::Buffer<ffi::F32>>()        // topk_weights
-      .template Arg<ffi::AnyBuffer>()               // order: ignored
-      .UCCL_EP_LL_ATTRS
-      .template Ret<ffi::AnyBuffer>();              // combined [T, H]
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()                    // token of the send half
+      .template Arg<ffi::Buffer<ffi::S32>>()             // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()             // topk_weights
+      .template Arg<ffi::AnyBuffer>()                    // order: ignored
+      .UCCL_EP_LL_ATTRS.template Ret<ffi::AnyBuffer>();  // combined [T, H]
 }
 
 // The lowering passes every EP group of the mesh ([groups, size] runtime ranks). Returns the start of the row
@@ -232,22 +240,23 @@ inline LayoutArgs layout_args(const ffi::Buffer<ffi::S32>& topk_idx, int64_t num
                               ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_rank,
                               ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
                               ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank) {
-  return LayoutArgs{topk_idx.typed_data(),           int(topk_idx.dimensions()[0]),
-                    int(topk_idx.dimensions()[1]),   int(num_experts),
-                    int(num_ranks),                  num_tokens_per_rank->typed_data(),
-                    num_tokens_per_expert->typed_data(), is_token_in_rank->typed_data()};
+  return LayoutArgs{topk_idx.typed_data(),
+                    int(topk_idx.dimensions()[0]),
+                    int(topk_idx.dimensions()[1]),
+                    int(num_experts),
+                    int(num_ranks),
+                    num_tokens_per_rank->typed_data(),
+                    num_tokens_per_expert->typed_data(),
+                    is_token_in_rank->typed_data()};
 }
 
-inline DispatchArgs dispatch_args(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
-                                  const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
-                                  int64_t op_index, int64_t num_experts, int64_t node_size,
-                                  ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
-                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_topk_idx,
-                                  ffi::Result<ffi::Buffer<ffi::F32>>& recv_topk_weights,
-                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_num_tokens,
-                                  ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
-                                  ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank,
-                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
+inline DispatchArgs dispatch_args(
+    const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx,
+    const ffi::Buffer<ffi::F32>& topk_weights, int64_t op_index, int64_t num_experts, int64_t node_size,
+    ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
+    ffi::Result<ffi::Buffer<ffi::S32>>& recv_topk_idx, ffi::Result<ffi::Buffer<ffi::F32>>& recv_topk_weights,
+    ffi::Result<ffi::Buffer<ffi::S32>>& recv_num_tokens, ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
+    ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
   const bool weights = topk_weights.element_count() != 0;
   DispatchArgs a{};
   a.x = x.untyped_data();
@@ -276,10 +285,14 @@ inline DispatchArgs dispatch_args(const ffi::AnyBuffer& x, const ffi::AnyBuffer&
 inline CachedDispatchArgs cached_dispatch_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::PRED>& is_token_in_rank,
                                                const ffi::Buffer<ffi::S32>& recv_counts, int64_t op_index,
                                                int64_t node_size, ffi::Result<ffi::AnyBuffer>& recv_x) {
-  return CachedDispatchArgs{x.untyped_data(),         row_bytes(x),
-                            int(x.dimensions()[0]),   int(recv_x->dimensions()[0]),
-                            is_token_in_rank.typed_data(), recv_counts.typed_data(),
-                            recv_x->untyped_data(),   uint32_t(op_index),
+  return CachedDispatchArgs{x.untyped_data(),
+                            row_bytes(x),
+                            int(x.dimensions()[0]),
+                            int(recv_x->dimensions()[0]),
+                            is_token_in_rank.typed_data(),
+                            recv_counts.typed_data(),
+                            recv_x->untyped_data(),
+                            uint32_t(op_index),
                             int(node_size)};
 }
 

@@ -79,10 +79,9 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
 
 ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                        int64_t num_experts, int64_t two_level, int64_t /*path*/, int64_t node_size,
-                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index, int64_t num_experts,
+                        int64_t two_level, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::Result<ffi::AnyBuffer> recv_scales, ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
                         ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
@@ -93,10 +92,9 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
            is_token_in_rank, recv_counts);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     const Group g = group_of(dev, group_table, group_size, "dispatch");
-    const DispatchArgs a = ffi_common::dispatch_args(x, scales, topk_idx, topk_weights, op_index, num_experts,
-                                                     node_size, recv_x, recv_scales, recv_topk_idx,
-                                                     recv_topk_weights, recv_num_tokens, num_tokens_per_expert,
-                                                     is_token_in_rank, recv_counts);
+    const DispatchArgs a = ffi_common::dispatch_args(
+        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, recv_x, recv_scales, recv_topk_idx,
+        recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
     aborting_the_job_on_failure(dev, two_level, [&] { cpu::dispatch(dev, g, a); });
   });
 }
@@ -118,8 +116,8 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
 
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                       int64_t two_level, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index, int64_t two_level,
+                       int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
@@ -146,9 +144,8 @@ ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table,
 ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                   ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                  int64_t fp8_cast, ffi::Result<ffi::AnyBuffer> recv_x,
-                                  ffi::Result<ffi::AnyBuffer> recv_scales,
+                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/, int64_t fp8_cast,
+                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
@@ -238,7 +235,6 @@ ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, 
       });
 }
 
-
 }  // namespace
 }  // namespace uccl_ep::ffi_cpu
 
@@ -246,20 +242,20 @@ using namespace uccl_ep::ffi_cpu;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl, ffi_common::layout_signature(ffi::Ffi::Bind()));
 
-#define UCCL_EP_CPU_HANDLER(stem, name, signature) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl,  \
+#define UCCL_EP_CPU_HANDLER(stem, name, signature)             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl, \
                                 ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
 UCCL_EP_FFI_OPS(UCCL_EP_CPU_HANDLER)
 
 #ifdef UCCL_EP_WITH_CUDA
 // The host-staged handlers of the ops for platform CUDA: the implementations above, after XLA's stream.
 namespace uccl_ep::ffi_cpu {
-#define UCCL_EP_STAGED_HANDLER(stem, name, signature)                                                       \
-  XLA_FFI_Error* Staged##stem(XLA_FFI_CallFrame* frame) {                                                   \
-    XLA_FFI_DEFINE_HANDLER(handler, Staged<stem##Impl>::call,                                               \
-                           ffi_common::signature(                                                           \
-                               ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())); \
-    return (*handler)(frame);                                                                               \
+#define UCCL_EP_STAGED_HANDLER(stem, name, signature)                                                                \
+  XLA_FFI_Error* Staged##stem(XLA_FFI_CallFrame* frame) {                                                            \
+    XLA_FFI_DEFINE_HANDLER(                                                                                          \
+        handler, Staged<stem##Impl>::call,                                                                           \
+        ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())); \
+    return (*handler)(frame);                                                                                        \
   }
 UCCL_EP_FFI_OPS(UCCL_EP_STAGED_HANDLER)
 #undef UCCL_EP_STAGED_HANDLER

@@ -19,10 +19,10 @@
 #include "cpu_handlers.hpp"
 
 namespace ffi = xla::ffi;
-using uccl_ep::nvl::NvlDevice;
-using uccl_ep::nvl::NvlRuntime;
 using uccl_ep::ffi_common::row_bytes;
 using uccl_ep::ffi_common::row_bytes_3d;
+using uccl_ep::nvl::NvlDevice;
+using uccl_ep::nvl::NvlRuntime;
 
 namespace {
 
@@ -53,8 +53,10 @@ class LinkGroup {
     for (int s = 0; s < group_.size; ++s) {
       const int local = dev.local_of(group_.ranks[s]);
       if (local < 0)
-        throw std::invalid_argument("uccl_ep: rank " + std::to_string(group_.ranks[s]) + " of a node-level group is "
-                                    "not on the node of rank " + std::to_string(dev.global_rank()));
+        throw std::invalid_argument("uccl_ep: rank " + std::to_string(group_.ranks[s]) +
+                                    " of a node-level group is "
+                                    "not on the node of rank " +
+                                    std::to_string(dev.global_rank()));
       local_[size_t(s)] = local;
     }
     renumbered_ = true;
@@ -93,10 +95,9 @@ LinkGroup group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size,
 template <class Link>
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                        int64_t num_experts, int64_t /*two_level*/, int64_t /*path*/, int64_t node_size,
-                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index, int64_t num_experts,
+                        int64_t /*two_level*/, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::Result<ffi::AnyBuffer> recv_scales, ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
                         ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
                         ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
@@ -106,10 +107,9 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "dispatch");
     const auto& g = group.get();
-    const auto a = uccl_ep::ffi_common::dispatch_args(x, scales, topk_idx, topk_weights, op_index, num_experts,
-                                                      node_size, recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-                                                      recv_num_tokens, num_tokens_per_expert, is_token_in_rank,
-                                                      recv_counts);
+    const auto a = uccl_ep::ffi_common::dispatch_args(
+        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, recv_x, recv_scales, recv_topk_idx,
+        recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
     uccl_ep::nvl::dispatch(dev, g, a, stream);
   });
 }
@@ -124,8 +124,8 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "cached_dispatch");
     const auto& g = group.get();
-    const auto a = uccl_ep::ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size,
-                                                             recv_x);
+    const auto a =
+        uccl_ep::ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size, recv_x);
     uccl_ep::nvl::cached_dispatch(dev, g, a, stream);
   });
 }
@@ -166,31 +166,32 @@ template <class Link>
 ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                   ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                   ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                  int64_t fp8_cast,
+                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/, int64_t fp8_cast,
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
-  return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
-                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
-    uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-    uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
-  });
+  return low_latency_op<Link, LLDispatch>(
+      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
+      [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+        uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+        uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
+      });
 }
 
 template <class Link>
 ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                                       ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
-                                      ffi::Span<const int32_t> group_table, int64_t group_size,
-                                      int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
-                                      int64_t /*path*/, int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
-  return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
-                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
-    uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
-  });
+                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
+                                      int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+  return low_latency_op<Link, LLDispatch>(
+      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
+      [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+        uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
+      });
 }
 
 template <class Link>
@@ -198,60 +199,62 @@ ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi:
                                       ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
                                       int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
                                       int64_t max_tokens_per_rank, int64_t /*path*/, int64_t topk,
-                                      ffi::Result<ffi::AnyBuffer> recv_x,
-                                      ffi::Result<ffi::AnyBuffer> recv_scales,
+                                      ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
-  return low_latency_op<Link, LLDispatch>(ordinal, group_table, group_size, "low_latency_dispatch", num_experts,
-                                    max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-    uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-    a.topk = int(topk);
-    uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
-  });
+  return low_latency_op<Link, LLDispatch>(
+      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
+      [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+        uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+        a.topk = int(topk);
+        uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
+      });
 }
 
 template <class Link>
 ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                 ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                                 ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                                 int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
-                                 int64_t /*path*/, ffi::Result<ffi::AnyBuffer> out) {
-  return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
-                                   max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
-    uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
-    uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
-  });
+                                 ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx,
+                                 ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                 ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
+                                 int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  return low_latency_op<Link, LLCombine>(
+      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
+      [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
+        uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
+        uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
+      });
 }
 
 template <class Link>
 ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
                                      ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
-                                     ffi::AnyBuffer /*order*/,
-                                     ffi::Span<const int32_t> group_table, int64_t group_size,
+                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
                                      int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
                                      int64_t /*path*/, int64_t topk, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
-  return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
-                                   max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
-    a.topk = int(topk);
-    uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
-  });
+  return low_latency_op<Link, LLCombine>(
+      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
+      [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
+        a.topk = int(topk);
+        uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
+      });
 }
 
 template <class Link>
 ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
                                      ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
-                                     int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
-                                     int64_t max_tokens_per_rank, int64_t /*path*/,
-                                     ffi::Result<ffi::AnyBuffer> out) {
-  return low_latency_op<Link, LLCombine>(ordinal, group_table, group_size, "low_latency_combine", num_experts,
-                                   max_tokens_per_rank, [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-    uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
-    uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
-  });
+                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
+                                     int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
+                                     int64_t /*path*/, ffi::Result<ffi::AnyBuffer> out) {
+  return low_latency_op<Link, LLCombine>(
+      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
+      [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+        uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
+        uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
+      });
 }
 
 }  // namespace
@@ -268,7 +271,8 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32
                                                     num_tokens_per_expert, is_token_in_rank);
     if (nvlink) {
       NvlDevice& dev = OverNvlink::device(ordinal);
-      uccl_ep::nvl::get_dispatch_layout(a, dev.errors_device(), dev.rank(), stream);  // NVLink ranks, as its kernels record
+      uccl_ep::nvl::get_dispatch_layout(a, dev.errors_device(), dev.rank(),
+                                        stream);  // NVLink ranks, as its kernels record
     } else {
       uccl_ep::Device& dev = OverProxy::device(ordinal);
       uccl_ep::nvl::get_dispatch_layout(a, uccl_ep::nvl::proxy_error_word(dev.ordinal()), int(dev.rank()), stream);
@@ -326,18 +330,18 @@ XLA_FFI_Error* run_path(XLA_FFI_CallFrame* frame, const PathHandlers& h, const c
 }
 }  // namespace
 
-#define UCCL_EP_CUDA_HANDLER(stem, name, signature)                                                             \
-  namespace {                                                                                                   \
-  XLA_FFI_DEFINE_HANDLER(k##stem##Nvlink, stem##Impl<OverNvlink>,                                               \
-                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                  \
-  XLA_FFI_DEFINE_HANDLER(k##stem##NodeNvlink, stem##Impl<OverNodeNvlink>,                                       \
-                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                  \
-  XLA_FFI_DEFINE_HANDLER(k##stem##ProxyGpu, stem##Impl<OverProxy>,                                              \
-                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                  \
-  }                                                                                                             \
-  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                      \
+#define UCCL_EP_CUDA_HANDLER(stem, name, signature)                                                                   \
+  namespace {                                                                                                         \
+  XLA_FFI_DEFINE_HANDLER(k##stem##Nvlink, stem##Impl<OverNvlink>,                                                     \
+                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                        \
+  XLA_FFI_DEFINE_HANDLER(k##stem##NodeNvlink, stem##Impl<OverNodeNvlink>,                                             \
+                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                        \
+  XLA_FFI_DEFINE_HANDLER(k##stem##ProxyGpu, stem##Impl<OverProxy>,                                                    \
+                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                        \
+  }                                                                                                                   \
+  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                            \
     return run_path(frame, {k##stem##Nvlink, k##stem##NodeNvlink, k##stem##ProxyGpu, uccl_ep::ffi_cpu::Staged##stem}, \
-                    name);                                                                                      \
+                    name);                                                                                            \
   }
 UCCL_EP_FFI_OPS(UCCL_EP_CUDA_HANDLER)
 #undef UCCL_EP_CUDA_HANDLER

@@ -13,9 +13,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../kernels/settings.hpp"
 #include "../proxy/host_memory.hpp"
-#include "../kernels/settings.hpp"
-#include "../kernels/settings.hpp"
 #include "../proxy/runtime.hpp"
 #include "cpu_handlers.hpp"
 #ifdef UCCL_EP_WITH_CUDA
@@ -74,15 +73,17 @@ NB_MODULE(_uccl_ep, m) {
 #undef UCCL_EP_CUDA_CAPSULE
     return d;
   });
-  m.def("nvl_start", [](size_t buffer_bytes, size_t low_latency_bytes, int num_ranks,
-                        const std::vector<std::pair<int, int>>& local, const std::vector<int32_t>& global_of_local) {
-    nb::gil_scoped_release release;
-    nvl::NvlRuntime::get().start(buffer_bytes, low_latency_bytes, num_ranks, local, global_of_local);
-  }, nb::arg("buffer_bytes"), nb::arg("low_latency_bytes"), nb::arg("num_ranks"), nb::arg("local"),
-     nb::arg("global_of_local") = std::vector<int32_t>{});
+  m.def(
+      "nvl_start",
+      [](size_t buffer_bytes, size_t low_latency_bytes, int num_ranks, const std::vector<std::pair<int, int>>& local,
+         const std::vector<int32_t>& global_of_local) {
+        nb::gil_scoped_release release;
+        nvl::NvlRuntime::get().start(buffer_bytes, low_latency_bytes, num_ranks, local, global_of_local);
+      },
+      nb::arg("buffer_bytes"), nb::arg("low_latency_bytes"), nb::arg("num_ranks"), nb::arg("local"),
+      nb::arg("global_of_local") = std::vector<int32_t>{});
   m.def("nvl_gpu_initiated_normal", [](uint32_t num_ranks) { return nvl::gpu_initiated_normal(num_ranks); });
-  m.def("nvl_gpu_initiated_low_latency",
-        [](uint32_t num_ranks) { return nvl::gpu_initiated_low_latency(num_ranks); });
+  m.def("nvl_gpu_initiated_low_latency", [](uint32_t num_ranks) { return nvl::gpu_initiated_low_latency(num_ranks); });
   m.def("nvl_ipc_handles", [] {
     nb::dict d;
     for (auto& [rank, h] : nvl::NvlRuntime::get().ipc_handles()) d[nb::int_(rank)] = nb::bytes(h.data(), h.size());
@@ -127,8 +128,9 @@ NB_MODULE(_uccl_ep, m) {
   });
   m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
                                bool weights, int combine_hidden, bool combine_bf16) {
-    size_t msg = std::max(nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
-                          nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16 ? FloatType::kBF16 : FloatType::kF32));
+    size_t msg = std::max(
+        nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
+        nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16 ? FloatType::kBF16 : FloatType::kF32));
     return nvl::NvlDevice::buffer_bytes_for(num_ranks, msg);
   });
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
@@ -190,6 +192,7 @@ NB_MODULE(_uccl_ep, m) {
   });
   m.def("is_initialized", [] { return Runtime::get().initialized(); });
 
-  define_testing(m.def_submodule("testing", "Hooks for tests and benchmarks: the transport driven directly, "
-                                             "microbenchmarks, kernel timings. Not part of the API."));
+  define_testing(m.def_submodule("testing",
+                                 "Hooks for tests and benchmarks: the transport driven directly, "
+                                 "microbenchmarks, kernel timings. Not part of the API."));
 }

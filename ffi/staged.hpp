@@ -64,15 +64,21 @@ class HostStage {
   // First pass over the arguments: the host bytes they need.
   void plan(const ffi::AnyBuffer& b) { need_ += slot(b.size_bytes()); }
   template <ffi::DataType T>
-  void plan(const ffi::Buffer<T>& b) { need_ += slot(b.size_bytes()); }
+  void plan(const ffi::Buffer<T>& b) {
+    need_ += slot(b.size_bytes());
+  }
   template <class T>
-  void plan(ffi::Result<T>& r) { need_ += slot(r->size_bytes()); }
+  void plan(ffi::Result<T>& r) {
+    need_ += slot(r->size_bytes());
+  }
   template <class T>
   void plan(const T&) {}
   // Then the host twin of each argument.
   ffi::AnyBuffer operator()(const ffi::AnyBuffer& b) { return ffi::AnyBuffer(copy_in(b)); }
   template <ffi::DataType T>
-  ffi::Buffer<T> operator()(const ffi::Buffer<T>& b) { return ffi::Buffer<T>(copy_in(b)); }
+  ffi::Buffer<T> operator()(const ffi::Buffer<T>& b) {
+    return ffi::Buffer<T>(copy_in(b));
+  }
   template <class T>
   ffi::Result<T> operator()(ffi::Result<T>& r) {
     const XLA_FFI_Buffer* host = describe(*r);
@@ -80,7 +86,9 @@ class HostStage {
     return ffi::Result<T>(T(host));
   }
   template <class T>
-  T operator()(T value) { return value; }  // attributes and spans stay as they are
+  T operator()(T value) {
+    return value;
+  }  // attributes and spans stay as they are
 
   // Waits for the copies to host memory (and the work before them).
   void fetch() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
@@ -104,18 +112,20 @@ class HostStage {
   };
   static size_t slot(size_t bytes) { return (std::max<size_t>(bytes, 16) + 255) / 256 * 256; }
   static void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep host staging: ") + what + ": " +
-                                                   cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("uccl_ep host staging: ") + what + ": " + cudaGetErrorString(e));
   }
   template <class B>
   const XLA_FFI_Buffer* describe(const B& b) {
     if (!base_) base_ = arena_.reserve(need_);
-    if (used_ + slot(b.size_bytes()) > need_) throw std::logic_error("uccl_ep host staging: an argument was not planned");
+    if (used_ + slot(b.size_bytes()) > need_)
+      throw std::logic_error("uccl_ep host staging: an argument was not planned");
     Host& h = hosts_.emplace_back();
     auto dims = b.dimensions();
     h.dims.assign(dims.begin(), dims.end());
-    h.buffer = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(b.element_type()),
-                              base_ + used_, int64_t(h.dims.size()), h.dims.data()};
+    h.buffer = XLA_FFI_Buffer{
+        XLA_FFI_Buffer_STRUCT_SIZE, nullptr,      static_cast<XLA_FFI_DataType>(b.element_type()), base_ + used_,
+        int64_t(h.dims.size()),     h.dims.data()};
     used_ += slot(b.size_bytes());
     return &h.buffer;
   }

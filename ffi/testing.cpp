@@ -64,7 +64,7 @@ nb::dict ring_slots_land_in_pieces(uint32_t capacity, uint64_t positions, uint32
   std::mt19937_64 rng(seed);
   uint64_t early = 0, wrong = 0;
   for (uint64_t p = 0; p < positions; ++p) {
-    const Command cmd{Op(1 + rng() % 3), uint8_t(rng()), 0, uint32_t(rng()), rng() & kOffsetMask,
+    const Command cmd{Op(1 + rng() % 3),   uint8_t(rng()),  0, uint32_t(rng()), rng() & kOffsetMask,
                       rng() & kOffsetMask, uint32_t(rng()), 0};
     uint64_t words[4];
     encode_slot(cmd, lap_tag(p, ring.shift()), words);
@@ -108,125 +108,134 @@ void define_testing(nb::module_ m) {
     return out;
   });
   m.def("nvl_bulk_copies", [] { return nvl::bulk_copies(); });
-  m.def("nvl_loopback_bench", [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters,
-                                 uint64_t seed) {
-    nvl::LoopbackResult r;
-    {
-      nb::gil_scoped_release release;
-      r = nvl::loopback_bench(nvl::LoopbackArgs{device, tokens, hidden, topk, experts, fp8, iters, seed});
-    }
-    nb::dict d;
-    d["dispatch_us"] = r.dispatch_us;
-    d["combine_us"] = r.combine_us;
-    d["remote_rows"] = r.remote_rows;
-    d["received_rows"] = r.received_rows;
-    d["x_row_bytes"] = r.x_row_bytes;
-    d["mismatched_rows"] = r.mismatched_rows;
-    d["mismatched_combine_rows"] = r.mismatched_combine_rows;
-    d["num_sms"] = nvl::num_sms();
-    d["bulk"] = nvl::bulk_copies();
-    return d;
-  });
+  m.def("nvl_loopback_bench",
+        [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters, uint64_t seed) {
+          nvl::LoopbackResult r;
+          {
+            nb::gil_scoped_release release;
+            r = nvl::loopback_bench(nvl::LoopbackArgs{device, tokens, hidden, topk, experts, fp8, iters, seed});
+          }
+          nb::dict d;
+          d["dispatch_us"] = r.dispatch_us;
+          d["combine_us"] = r.combine_us;
+          d["remote_rows"] = r.remote_rows;
+          d["received_rows"] = r.received_rows;
+          d["x_row_bytes"] = r.x_row_bytes;
+          d["mismatched_rows"] = r.mismatched_rows;
+          d["mismatched_combine_rows"] = r.mismatched_combine_rows;
+          d["num_sms"] = nvl::num_sms();
+          d["bulk"] = nvl::bulk_copies();
+          return d;
+        });
   m.def("nvl_copy_bench", [](int device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
                              int producers, bool warps) {
     nb::gil_scoped_release release;
     return nvl::copy_bench(device, blocks, bytes_per_block, stage_bytes, stages, producers, warps);
   });
-  m.def("nvl_ring_bench", [](int device, int num_rings, uint64_t commands_per_ring, uint32_t capacity,
-                             uint64_t ping_rounds) {
-    nvl::RingBenchResult r;
-    {
-      nb::gil_scoped_release release;
-      r = nvl::ring_bench(device, num_rings, commands_per_ring, capacity, ping_rounds);
-    }
-    nb::dict d;
-    d["seconds"] = r.seconds;
-    d["push_seconds"] = r.push_seconds;
-    d["commands"] = r.commands;
-    d["out_of_order"] = r.out_of_order;
-    d["round_trip_median_ns"] = r.round_trip_median_ns;
-    d["round_trip_p99_ns"] = r.round_trip_p99_ns;
-    d["one_way_upper_median_ns"] = r.one_way_upper_median_ns;
-    d["one_way_upper_p99_ns"] = r.one_way_upper_p99_ns;
-    d["host_read_round_trip_ns"] = r.host_read_round_trip_ns;
-    d["push_ns"] = r.push_ns;
-    return d;
-  });
+  m.def("nvl_ring_bench",
+        [](int device, int num_rings, uint64_t commands_per_ring, uint32_t capacity, uint64_t ping_rounds) {
+          nvl::RingBenchResult r;
+          {
+            nb::gil_scoped_release release;
+            r = nvl::ring_bench(device, num_rings, commands_per_ring, capacity, ping_rounds);
+          }
+          nb::dict d;
+          d["seconds"] = r.seconds;
+          d["push_seconds"] = r.push_seconds;
+          d["commands"] = r.commands;
+          d["out_of_order"] = r.out_of_order;
+          d["round_trip_median_ns"] = r.round_trip_median_ns;
+          d["round_trip_p99_ns"] = r.round_trip_p99_ns;
+          d["one_way_upper_median_ns"] = r.one_way_upper_median_ns;
+          d["one_way_upper_p99_ns"] = r.one_way_upper_p99_ns;
+          d["host_read_round_trip_ns"] = r.host_read_round_trip_ns;
+          d["push_ns"] = r.push_ns;
+          return d;
+        });
   // A GPU of the proxy runtime sends `peer` one message from a kernel and awaits peer's (nvl::proxy_put); both
   // ranks of a pair call it at once. Keeps the host's message count in step (wait_message after the kernel).
-  m.def("proxy_gpu_put", [](uint32_t rank, uint32_t peer, uint64_t bytes, int channel, uint32_t messages,
-                            uint32_t writes) {
-    Device& d = Runtime::get().device_by_rank(rank);
-    if (peer == rank || peer >= d.num_ranks() || channel < 0 || channel >= d.num_channels() || writes == 0 ||
-        bytes % (4 * uint64_t(writes)) != 0 || bytes == 0 || bytes > d.region_bytes() || bytes > UINT32_MAX ||
-        messages == 0 || messages > kEpochWindow / 2 || writes >= kMaxWritesPerMessage)
-      throw std::invalid_argument("proxy_gpu_put: another rank, a channel of this device, 0 < bytes <= " +
-                                  std::to_string(d.region_bytes()) + " (a multiple of 4 * writes), 1 to " +
-                                  std::to_string(kEpochWindow / 2) + " messages of 1 to " +
-                                  std::to_string(kMaxWritesPerMessage - 1) + " writes");
-    nvl::ProxyPutResult r;
-    {
-      nb::gil_scoped_release release;
-      std::lock_guard<std::mutex> lock(d.op_mutex());
-      d.check_usable("proxy_gpu_put");
-      CommandRing& ring = d.ring(channel);
-      nvl::ProxyPutArgs a{};
-      a.ring_slots = ring.slots();
-      a.ring_head = ring.head_word();
-      a.ring_tail = ring.tail_word();
-      a.ring_capacity = ring.capacity();
-      a.retired = d.retired_word(channel);
-      a.released = d.released_word(peer, channel);
-      a.released_target = d.consumed(peer, channel) + 1;
-      a.payload = d.buffer() + d.send_offset(peer);
-      a.arrived = d.buffer() + d.recv_offset(peer);
-      a.bytes = bytes;
-      a.messages = messages;
-      a.writes = writes;
-      a.write = Command{Op::kWrite, 0, 0, peer, d.send_offset(peer), d.recv_offset(rank), uint32_t(bytes / writes), 0};
-      a.fence = message_fence(peer);
-      a.rank = rank;
-      r = nvl::proxy_put(d.ordinal(), a, peer);
-      if (r.timed_out != 0) {  // the host's counts no longer match what the kernel did: out of step
-        static const char* what[] = {"", "the ring stayed full", "its writes were not retired",
-                                     "the peer's messages did not arrive"};
-        const std::string message = "uccl_ep proxy_gpu_put: rank " + std::to_string(rank) + ": " +
-                                    what[std::min(r.timed_out, 3)] + " within UCCL_EP_TIMEOUT_S (peer " +
-                                    std::to_string(peer) + ")";
-        d.abort({peer}, message);
-        throw TimeoutError(message);
-      }
-      for (uint32_t i = 0; i < messages; ++i) d.wait_message(channel, peer, "proxy_gpu_put");  // consume them here too
-    }
-    nb::dict out;
-    out["mismatched_words"] = r.mismatched_words;
-    out["push_us"] = r.push_us;
-    out["quiet_us"] = r.quiet_us;
-    out["arrival_us"] = r.arrival_us;
-    out["timed_out"] = r.timed_out;
-    out["commands"] = uint64_t(messages) * (uint64_t(writes) + 1);
-    return out;
-  }, nb::arg("rank"), nb::arg("peer"), nb::arg("bytes"), nb::arg("channel"), nb::arg("messages") = 1,
-     nb::arg("writes") = 1);
+  m.def(
+      "proxy_gpu_put",
+      [](uint32_t rank, uint32_t peer, uint64_t bytes, int channel, uint32_t messages, uint32_t writes) {
+        Device& d = Runtime::get().device_by_rank(rank);
+        if (peer == rank || peer >= d.num_ranks() || channel < 0 || channel >= d.num_channels() || writes == 0 ||
+            bytes % (4 * uint64_t(writes)) != 0 || bytes == 0 || bytes > d.region_bytes() || bytes > UINT32_MAX ||
+            messages == 0 || messages > kEpochWindow / 2 || writes >= kMaxWritesPerMessage)
+          throw std::invalid_argument("proxy_gpu_put: another rank, a channel of this device, 0 < bytes <= " +
+                                      std::to_string(d.region_bytes()) + " (a multiple of 4 * writes), 1 to " +
+                                      std::to_string(kEpochWindow / 2) + " messages of 1 to " +
+                                      std::to_string(kMaxWritesPerMessage - 1) + " writes");
+        nvl::ProxyPutResult r;
+        {
+          nb::gil_scoped_release release;
+          std::lock_guard<std::mutex> lock(d.op_mutex());
+          d.check_usable("proxy_gpu_put");
+          CommandRing& ring = d.ring(channel);
+          nvl::ProxyPutArgs a{};
+          a.ring_slots = ring.slots();
+          a.ring_head = ring.head_word();
+          a.ring_tail = ring.tail_word();
+          a.ring_capacity = ring.capacity();
+          a.retired = d.retired_word(channel);
+          a.released = d.released_word(peer, channel);
+          a.released_target = d.consumed(peer, channel) + 1;
+          a.payload = d.buffer() + d.send_offset(peer);
+          a.arrived = d.buffer() + d.recv_offset(peer);
+          a.bytes = bytes;
+          a.messages = messages;
+          a.writes = writes;
+          a.write =
+              Command{Op::kWrite, 0, 0, peer, d.send_offset(peer), d.recv_offset(rank), uint32_t(bytes / writes), 0};
+          a.fence = message_fence(peer);
+          a.rank = rank;
+          r = nvl::proxy_put(d.ordinal(), a, peer);
+          if (r.timed_out != 0) {  // the host's counts no longer match what the kernel did: out of step
+            static const char* what[] = {"", "the ring stayed full", "its writes were not retired",
+                                         "the peer's messages did not arrive"};
+            const std::string message = "uccl_ep proxy_gpu_put: rank " + std::to_string(rank) + ": " +
+                                        what[std::min(r.timed_out, 3)] + " within UCCL_EP_TIMEOUT_S (peer " +
+                                        std::to_string(peer) + ")";
+            d.abort({peer}, message);
+            throw TimeoutError(message);
+          }
+          for (uint32_t i = 0; i < messages; ++i)
+            d.wait_message(channel, peer, "proxy_gpu_put");  // consume them here too
+        }
+        nb::dict out;
+        out["mismatched_words"] = r.mismatched_words;
+        out["push_us"] = r.push_us;
+        out["quiet_us"] = r.quiet_us;
+        out["arrival_us"] = r.arrival_us;
+        out["timed_out"] = r.timed_out;
+        out["commands"] = uint64_t(messages) * (uint64_t(writes) + 1);
+        return out;
+      },
+      nb::arg("rank"), nb::arg("peer"), nb::arg("bytes"), nb::arg("channel"), nb::arg("messages") = 1,
+      nb::arg("writes") = 1);
 #endif
   // Transport API on one local device, by global rank.
   m.def("provider", [](uint32_t rank) { return Runtime::get().device_by_rank(rank).provider(); });
   m.def("num_channels", [](uint32_t rank) { return Runtime::get().device_by_rank(rank).num_channels(); });
   m.def("region_bytes", [](uint32_t rank) { return Runtime::get().device_by_rank(rank).region_bytes(); });
-  m.def("send_offset", [](uint32_t rank, uint32_t peer) { return Runtime::get().device_by_rank(rank).send_offset(peer); });
-  m.def("recv_offset", [](uint32_t rank, uint32_t peer) { return Runtime::get().device_by_rank(rank).recv_offset(peer); });
-  m.def("buffer", [](uint32_t rank) {
-    Device& d = Runtime::get().device_by_rank(rank);
-    size_t shape[1] = {d.buffer_bytes()};
-    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(d.buffer(), 1, shape, nb::handle());
-  }, nb::rv_policy::reference);
-  m.def("post_message", [](uint32_t rank, int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset,
-                           uint64_t length) {
-    Device& d = Runtime::get().device_by_rank(rank);
-    nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(d.op_mutex());
-    d.post_message(channel, peer, local_offset, remote_offset, length, "post_message");
-  });
+  m.def("send_offset",
+        [](uint32_t rank, uint32_t peer) { return Runtime::get().device_by_rank(rank).send_offset(peer); });
+  m.def("recv_offset",
+        [](uint32_t rank, uint32_t peer) { return Runtime::get().device_by_rank(rank).recv_offset(peer); });
+  m.def(
+      "buffer",
+      [](uint32_t rank) {
+        Device& d = Runtime::get().device_by_rank(rank);
+        size_t shape[1] = {d.buffer_bytes()};
+        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(d.buffer(), 1, shape, nb::handle());
+      },
+      nb::rv_policy::reference);
+  m.def("post_message",
+        [](uint32_t rank, int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length) {
+          Device& d = Runtime::get().device_by_rank(rank);
+          nb::gil_scoped_release release;
+          std::lock_guard<std::mutex> lock(d.op_mutex());
+          d.post_message(channel, peer, local_offset, remote_offset, length, "post_message");
+        });
   m.def("wait_message", [](uint32_t rank, int channel, uint32_t peer) {
     Device& d = Runtime::get().device_by_rank(rank);
     nb::gil_scoped_release release;

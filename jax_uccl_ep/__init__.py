@@ -2,6 +2,7 @@
 
 Call ``initialize()`` once per process, then use the ops inside ``jax.shard_map`` over the EP mesh axis.
 """
+
 import glob as _glob
 import os as _os
 import sys as _sys
@@ -20,7 +21,8 @@ def _find_extension() -> None:
             return
     raise ImportError(
         f"jax_uccl_ep's compiled extension is missing (importing the sources at {here}): "
-        "install the package first (pip install .), or build in place (pip install -e . -Ceditable.mode=inplace)")
+        "install the package first (pip install .), or build in place (pip install -e . -Ceditable.mode=inplace)"
+    )
 
 
 _find_extension()
@@ -28,6 +30,21 @@ _find_extension()
 # waits for a peer; with one process driving several GPUs that can deadlock. Load eagerly (read when CUDA starts,
 # so this takes effect if jax_uccl_ep is imported before JAX first touches a GPU).
 _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+from ._runtime import (
+    Topology,
+    TwoLevel,
+    buffer_bytes_held,
+    check_errors,
+    config,
+    initialize,
+    is_initialized,
+    low_latency_buffer_bytes,
+    nvl_buffer_bytes,
+    shutdown,
+    topology,
+    two_level,
+)
+from .config import Config
 from .fp8 import pack_ue8m0, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
 from .low_latency import (
     LowLatencyHandle,
@@ -38,21 +55,6 @@ from .low_latency import (
     low_latency_dispatch,
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
-)
-from .config import Config
-from ._runtime import (
-    buffer_bytes_held,
-    check_errors,
-    config,
-    initialize,
-    is_initialized,
-    low_latency_buffer_bytes,
-    nvl_buffer_bytes,
-    shutdown,
-    topology,
-    Topology,
-    two_level,
-    TwoLevel,
 )
 from .normal import (
     DispatchHandle,

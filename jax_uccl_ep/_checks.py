@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,8 @@ def check_topk(topk_idx: jax.Array, num_tokens: int | None, name: str = "topk_id
 
 
 def check_experts(num_experts: int, num_ranks: int) -> None:
-    check(isinstance(num_experts, (int, np.integer)) and num_experts > 0,
-          f"num_experts must be a positive int, got {num_experts!r}")
+    check(
+        isinstance(num_experts, (int, np.integer)) and num_experts > 0,
+        f"num_experts must be a positive int, got {num_experts!r}",
+    )
     check(num_experts % num_ranks == 0, f"num_experts={num_experts} is not divisible by the axis size {num_ranks}")

@@ -5,10 +5,12 @@ concrete mesh is not visible at trace time, but it is at lowering time: the lowe
 lowering context and hands every device the table of groups as an attribute, so no handler ever reads device
 memory to learn its peers.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +75,13 @@ def level_table(table: np.ndarray, node_of_rank: Sequence[int], level: str) -> n
     for row in np.asarray(table):
         nodes = [int(node_of_rank[r]) for r in row]
         per_node = nodes.count(nodes[0])
-        blocks = [nodes[i:i + per_node] for i in range(0, len(nodes), per_node)]
-        if (len(nodes) % per_node or any(len(set(b)) != 1 for b in blocks)
-                or len({b[0] for b in blocks}) != len(blocks)):
+        blocks = [nodes[i : i + per_node] for i in range(0, len(nodes), per_node)]
+        if len(nodes) % per_node or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
             raise ValueError(
                 "jax_uccl_ep: two-level routing needs the EP axis to list each node's ranks together, node after "
                 f"node (a mesh over jax.devices() in order does); this axis's ranks {list(map(int, row))} sit on "
-                f"nodes {nodes}. Reorder the mesh's devices, or set UCCL_EP_TWO_LEVEL=0 for flat routing")
+                f"nodes {nodes}. Reorder the mesh's devices, or set UCCL_EP_TWO_LEVEL=0 for flat routing"
+            )
         grid = np.asarray(row, np.int32).reshape(len(blocks), per_node)
         rows.append(grid if level == "node" else grid.T)
     return np.concatenate(rows).astype(np.int32)
@@ -144,15 +146,20 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
             two = _plan.two_level()
             now = "no two-level routing" if two is None else f"{two.num_nodes} nodes of {two.per_node} ranks"
             if two is None or (two.num_nodes, two.per_node) != (nodes, per_node):
-                raise RuntimeError(f"jax_uccl_ep: this op was traced for two-level routing over {nodes} nodes of "
-                                   f"{per_node} ranks, but the runtime now runs {now} (initialized again with other "
-                                   "settings?); trace it again (jax.clear_caches())")
+                raise RuntimeError(
+                    f"jax_uccl_ep: this op was traced for two-level routing over {nodes} nodes of "
+                    f"{per_node} ranks, but the runtime now runs {now} (initialized again with other "
+                    "settings?); trace it again (jax.clear_caches())"
+                )
             table = level_table(table, two.node_of_rank, name)
             if table.shape[1] != (per_node if name == "node" else nodes):
-                raise ValueError(f"jax_uccl_ep: the EP axis's {name} groups hold {table.shape[1]} ranks where the op "
-                                 f"was traced for {per_node if name == 'node' else nodes}")
-        path = _plan.op_path(op, None if level is None else level[0], getattr(ctx.module_context, "platforms", ()),
-                             table)
+                raise ValueError(
+                    f"jax_uccl_ep: the EP axis's {name} groups hold {table.shape[1]} ranks where the op "
+                    f"was traced for {per_node if name == 'node' else nodes}"
+                )
+        path = _plan.op_path(
+            op, None if level is None else level[0], getattr(ctx.module_context, "platforms", ()), table
+        )
         extra["group_table"] = table.reshape(-1)
         extra["group_size"] = np.int64(table.shape[1])
         extra["path"] = np.int64(path)
@@ -171,17 +178,25 @@ except TypeError:
     mlir.register_lowering(ep_call_p, _lowering)
 
 
-def call(op: str, results: Sequence[jax.ShapeDtypeStruct], *operands: jax.Array,
-         axis_name: str | Sequence[str] | None = None, ordered: bool = True, after: jax.Array | None = None,
-         level: tuple[str, int, int] | None = None, **attrs: Any) -> list[jax.Array]:
+def call(
+    op: str,
+    results: Sequence[jax.ShapeDtypeStruct],
+    *operands: jax.Array,
+    axis_name: str | Sequence[str] | None = None,
+    ordered: bool = True,
+    after: jax.Array | None = None,
+    level: tuple[str, int, int] | None = None,
+    **attrs: Any,
+) -> list[jax.Array]:
     """Binds EP op `op` (FFI target "uccl_ep_<op>").
 
     With `axis_name`, the handler also gets the EP group table; with a `level` of two-level routing ((name, nodes,
     ranks per node) as traced, name "node" or "across"), the table of that level's groups instead (level_table).
-    An `ordered` op is never merged or dropped and takes one extra operand its handler ignores: one element of `after`, if given, which makes it run after the
-    op that produced `after`. Every rank must run the communicating ops in one order, and XLA:CPU starts
-    independent custom calls in any order (seen: the two combines of dispatch's backward pass ran in opposite
-    orders on two ranks), so ops that do not depend on each other through data must be chained this way.
+    An `ordered` op is never merged or dropped and takes one extra operand its handler ignores: one element of
+    `after`, if given, which makes it run after the op that produced `after`. Every rank must run the
+    communicating ops in one order, and XLA:CPU starts independent custom calls in any order (the two combines of
+    dispatch's backward pass ran in opposite orders on two ranks), so ops that do not depend on each other through
+    data must be chained this way.
     """
     register()
     if ordered:

@@ -10,8 +10,8 @@ kernels/contract.hpp.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -158,8 +158,13 @@ def op_path(op: str, level: str | None, platforms: Sequence[str], table: np.ndar
         return Path.NODE_NVLINK
     if level == "across":
         return Path.PROXY_GPU if plan.two_level is not None and plan.two_level.across_gpu_initiated else Path.STAGED
-    if (op in NORMAL_OPS and plan.two_level is not None and plan.two_level.nvlink and table is not None
-            and _within_one_node(plan, table)):
+    if (
+        op in NORMAL_OPS
+        and plan.two_level is not None
+        and plan.two_level.nvlink
+        and table is not None
+        and _within_one_node(plan, table)
+    ):
         # EP groups that each lie within a node (data parallelism across nodes, say): that node's NVLink runtime.
         return Path.NODE_NVLINK
     gpu_initiated = plan.gpu_initiated_normal if op in NORMAL_OPS else plan.gpu_initiated_low_latency

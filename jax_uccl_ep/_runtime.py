@@ -1,4 +1,5 @@
 """The process-global proxy runtime: start, connect through jax.distributed's key-value store, shut down."""
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,7 @@ def two_level() -> TwoLevel | None:
     return _plan.two_level()
 
 
-def _plan_two_level(config: Config, topo: Topology, platform: str,
-                    process_of_rank: list[int]) -> TwoLevel | None:
+def _plan_two_level(config: Config, topo: Topology, platform: str, process_of_rank: list[int]) -> TwoLevel | None:
     """Whether normal mode routes in two levels: by default on GPUs across nodes with 2 to 8 GPUs on every node
     (the node level runs over NVLink); CPU devices take it only with UCCL_EP_TWO_LEVEL=1 (their default is the
     hierarchical rounds of kernels/cpu, the same routing inside one op). Every process decides from the same facts
@@ -49,8 +49,9 @@ def _plan_two_level(config: Config, topo: Topology, platform: str,
         reason = "every node holds one rank"
     elif gpu and per_node > 8:
         reason = f"{per_node} GPUs per node (NVLink groups hold at most 8)"
-    elif gpu and any(len({n for n, p in zip(topo.node_of_rank, process_of_rank) if p == q}) > 1
-                     for q in set(process_of_rank)):
+    elif gpu and any(
+        len({n for n, p in zip(topo.node_of_rank, process_of_rank) if p == q}) > 1 for q in set(process_of_rank)
+    ):
         reason = "a process drives GPUs of several nodes (a node's NVLink runtime is per process)"
     if reason is not None:
         if mode == "1":
@@ -99,8 +100,7 @@ def _exchange(client: Any, key: str, local: dict[int, bytes], count: int, timeou
     for index, value in local.items():
         client.key_value_set_bytes(f"{key}/{index}", value)
     return [
-        local[i] if i in local else client.blocking_key_value_get_bytes(f"{key}/{i}", timeout_ms)
-        for i in range(count)
+        local[i] if i in local else client.blocking_key_value_get_bytes(f"{key}/{i}", timeout_ms) for i in range(count)
     ]
 
 
@@ -109,10 +109,10 @@ def _check_settings_agree(per_process: list[bytes]) -> None:
     values = [json.loads(v) for v in per_process]
     differ = [name for name in values[0] if len({v.get(name) for v in values}) > 1]
     if differ:
-        lines = [f"{name}: " + ", ".join(f"process {i} {v.get(name)}" for i, v in enumerate(values))
-                 for name in differ]
-        raise ValueError("jax_uccl_ep.initialize: every process must use the same settings; these differ:\n  " +
-                         "\n  ".join(lines))
+        lines = [f"{name}: " + ", ".join(f"process {i} {v.get(name)}" for i, v in enumerate(values)) for name in differ]
+        raise ValueError(
+            "jax_uccl_ep.initialize: every process must use the same settings; these differ:\n  " + "\n  ".join(lines)
+        )
 
 
 def _ffi_device_ordinal(device: Any) -> int:
@@ -132,14 +132,27 @@ def configure_native(config: Config) -> None:
     """Hands the settings the C++ side reads (kernels, handlers) to it; initialize() does, and so does importing
     the package (with the environment's settings), so hooks that run without initialize() see them too."""
     settings = _uccl_ep.Settings()
-    for name in ("timeout_s", "num_sms", "nvl_bulk", "nvl_deadline", "ll_num_sms", "ll_fused", "kernel_timing",
-                 "poison"):
+    for name in (
+        "timeout_s",
+        "num_sms",
+        "nvl_bulk",
+        "nvl_deadline",
+        "ll_num_sms",
+        "ll_fused",
+        "kernel_timing",
+        "poison",
+    ):
         setattr(settings, name, getattr(config, name))
     _uccl_ep.configure(settings)
 
 
-def initialize(*, config: Config | None = None, buffer_bytes: int | None = None,
-               low_latency_buffer_bytes: int | None = None, **kwargs: Any) -> None:
+def initialize(
+    *,
+    config: Config | None = None,
+    buffer_bytes: int | None = None,
+    low_latency_buffer_bytes: int | None = None,
+    **kwargs: Any,
+) -> None:
     """Starts the process-global runtime (idempotent, thread-safe).
 
     If jax.distributed is not initialized and `kwargs` (or the usual environment, e.g.
@@ -192,8 +205,9 @@ def initialize(*, config: Config | None = None, buffer_bytes: int | None = None,
         if num_processes > 1:
             hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
             mine = json.dumps(config.shared(), sort_keys=True).encode()
-            _check_settings_agree(_exchange(client, f"{key}/settings", {jax.process_index(): mine}, num_processes,
-                                            timeout_ms))
+            _check_settings_agree(
+                _exchange(client, f"{key}/settings", {jax.process_index(): mine}, num_processes, timeout_ms)
+            )
         configure_native(config)
         process_of_rank = [d.process_index for d in devices]
         topo = Topology.build(process_of_rank, [h.decode() for h in hosts], config.gpus_per_node)
@@ -252,18 +266,24 @@ def _warn_ignored_on_proxy(two: TwoLevel | None, explicit: dict[str, int | None]
     node-level NVLink runtime beside it under two-level routing. A process may drive several of them (a process per
     host, as multi-host JAX jobs run): XLA launches each GPU's work from a thread of its own, so an op that waits
     on the host for its peers holds up no other GPU of the process."""
-    ignored = [name for name, v in (("buffer_bytes", None if two else explicit["buffer_bytes"]),
-                                     ("low_latency_buffer_bytes", explicit["low_latency_buffer_bytes"]))
-               if v is not None]
+    ignored = [
+        name
+        for name, v in (
+            ("buffer_bytes", None if two else explicit["buffer_bytes"]),
+            ("low_latency_buffer_bytes", explicit["low_latency_buffer_bytes"]),
+        )
+        if v is not None
+    ]
     if ignored:
-        warnings.warn(f"jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
-                      f"UCCL_EP_BUFFER_BYTES sizes; {' and '.join(ignored)} ignored"
-                      + ("" if two else " (buffer_bytes sizes the NVLink buffers of two-level routing only)"),
-                      stacklevel=3)
+        warnings.warn(
+            f"jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
+            f"UCCL_EP_BUFFER_BYTES sizes; {' and '.join(ignored)} ignored"
+            + ("" if two else " (buffer_bytes sizes the NVLink buffers of two-level routing only)"),
+            stacklevel=3,
+        )
 
 
-def _start_node_gpus(buffer_bytes: int, topo: Topology, local: list, client: Any, key: str,
-                     timeout_ms: int) -> None:
+def _start_node_gpus(buffer_bytes: int, topo: Topology, local: list, client: Any, key: str, timeout_ms: int) -> None:
     """The node level of two-level routing: an NVLink runtime among each node's GPUs (NVLink ranks are the ranks'
     indices on their node), beside the proxy runtime. IPC handles go through the key-value store by global rank."""
     node = topo.node_of_rank[local[0][1]]
@@ -281,8 +301,10 @@ def _connect_nvlink(members: list[int], client: Any, key: str, timeout_ms: int) 
         if jax.process_count() > 1:
             for r, h in handles.items():
                 client.key_value_set_bytes(f"{key}/ipc/{r}", h)
-            ordered = [handles[r] if r in handles else
-                       client.blocking_key_value_get_bytes(f"{key}/ipc/{r}", timeout_ms) for r in members]
+            ordered = [
+                handles[r] if r in handles else client.blocking_key_value_get_bytes(f"{key}/ipc/{r}", timeout_ms)
+                for r in members
+            ]
         else:
             ordered = [handles[r] for r in members]
         _uccl_ep.nvl_connect(ordered)
@@ -293,8 +315,9 @@ def _connect_nvlink(members: list[int], client: Any, key: str, timeout_ms: int) 
         raise
 
 
-def _start_proxies(config: Config, devices: list, local: list, topo: Topology, client: Any, key: str,
-                   timeout_ms: int) -> None:
+def _start_proxies(
+    config: Config, devices: list, local: list, topo: Topology, client: Any, key: str, timeout_ms: int
+) -> None:
     num_processes = jax.process_count()
     if hasattr(_uccl_ep, "install_pinned_host_allocator") and config.pinned:
         # On a machine with GPUs, rings and buffers in pinned, mapped memory (GPU producers, staging).
@@ -388,8 +411,17 @@ def _dispatch_row_bytes(hidden: int, fp8: bool, dtype: Any) -> tuple[int, int]:
     return hidden * np.dtype(dtype).itemsize, 0
 
 
-def nvl_buffer_bytes(num_tokens: int, hidden: int, *, num_ranks: int, topk: int, dtype: Any = "bfloat16",
-                     fp8: bool = False, with_weights: bool = True, combine_dtype: Any = "bfloat16") -> int:
+def nvl_buffer_bytes(
+    num_tokens: int,
+    hidden: int,
+    *,
+    num_ranks: int,
+    topk: int,
+    dtype: Any = "bfloat16",
+    fp8: bool = False,
+    with_weights: bool = True,
+    combine_dtype: Any = "bfloat16",
+) -> int:
     """Bytes of NVLink buffer per GPU that dispatch and combine need for these shapes (pass to initialize()).
 
     num_tokens: tokens per rank; hidden: channels; dtype: of x (ignored with fp8, whose rows are hidden bytes
@@ -399,13 +431,22 @@ def nvl_buffer_bytes(num_tokens: int, hidden: int, *, num_ranks: int, topk: int,
 
     x_row, scale_row = _dispatch_row_bytes(hidden, fp8, dtype)
     combine_bf16 = np.dtype(combine_dtype).itemsize == 2
-    return int(_uccl_ep.nvl_bytes_needed(num_ranks, num_tokens, x_row, scale_row, topk, with_weights, hidden,
-                                         combine_bf16))
+    return int(
+        _uccl_ep.nvl_bytes_needed(num_ranks, num_tokens, x_row, scale_row, topk, with_weights, hidden, combine_bf16)
+    )
 
 
-def low_latency_buffer_bytes(max_tokens_per_rank: int, hidden: int, *, num_ranks: int, num_experts: int,
-                             topk: int, fp8: bool = True, dispatch_dtype: Any = "bfloat16",
-                             combine_dtype: Any = "bfloat16") -> int:
+def low_latency_buffer_bytes(
+    max_tokens_per_rank: int,
+    hidden: int,
+    *,
+    num_ranks: int,
+    num_experts: int,
+    topk: int,
+    fp8: bool = True,
+    dispatch_dtype: Any = "bfloat16",
+    combine_dtype: Any = "bfloat16",
+) -> int:
     """Bytes of low-latency buffer per GPU that low_latency_dispatch/combine need for these shapes (pass to
     initialize(low_latency_buffer_bytes=...)). Two halves (consecutive ops alternate) of one region per sending
     rank, each large enough for a sender's worst case to one receiver: its max_tokens_per_rank token rows and
@@ -419,8 +460,11 @@ def low_latency_buffer_bytes(max_tokens_per_rank: int, hidden: int, *, num_ranks
     combine_row = hidden * np.dtype(combine_dtype).itemsize
     if not hasattr(_uccl_ep, "nvl_low_latency_bytes_needed"):
         raise RuntimeError("jax_uccl_ep: low_latency_buffer_bytes is for GPUs; this build has no CUDA")
-    return int(_uccl_ep.nvl_low_latency_bytes_needed(num_ranks, num_experts, max_tokens_per_rank, topk, x_row,
-                                                     scale_row, combine_row))
+    return int(
+        _uccl_ep.nvl_low_latency_bytes_needed(
+            num_ranks, num_experts, max_tokens_per_rank, topk, x_row, scale_row, combine_row
+        )
+    )
 
 
 def buffer_bytes_held() -> dict[int, tuple[int, int]]:

@@ -9,6 +9,7 @@ Variables the children read: ``UCCL_EP_TEST_STACKS_AFTER_S`` (set here, 15 s bef
 prints every thread's stack before it is killed) and ``UCCL_EP_TEST_HARD_EXIT=1`` (the caller's choice: end with
 ``os._exit(0)`` after the result, since a dead peer would hold up jax.distributed's exit barrier).
 """
+
 from __future__ import annotations
 
 import json
@@ -92,8 +93,9 @@ def call_in_processes(
     overrides.update(env or {})
     command = [sys.executable, "-c", _CHILD, os.path.abspath(path), function, json.dumps(args or [])]
     with tempfile.TemporaryDirectory(prefix="uccl_ep_mp_", ignore_cleanup_errors=True) as workdir:
-        done = _launch.run(command, num_processes, env=overrides, per_rank_env=per_rank_env, cwd=workdir,
-                           timeout_s=timeout_s)
+        done = _launch.run(
+            command, num_processes, env=overrides, per_rank_env=per_rank_env, cwd=workdir, timeout_s=timeout_s
+        )
     return [RankResult(d.rank, d.returncode, _result(d.stdout), d.stdout, d.stderr, d.seconds) for d in done]
 
 
@@ -102,7 +104,7 @@ def _result(stdout: str) -> Any:
     result = None
     for line in stdout.splitlines():
         if line.startswith(RESULT_MARK):
-            result = json.loads(line[len(RESULT_MARK):])
+            result = json.loads(line[len(RESULT_MARK) :])
     return result
 
 
@@ -111,7 +113,8 @@ def describe(results: list[RankResult]) -> str:
     message."""
     return "\n".join(
         f"--- rank {r.rank}: exit {r.returncode}, {r.seconds:.1f} s\n"
-        f"stdout: {_without_result(r.stdout)[-1500:]}\nstderr: {r.stderr[-3000:]}" for r in results
+        f"stdout: {_without_result(r.stdout)[-1500:]}\nstderr: {r.stderr[-3000:]}"
+        for r in results
     )
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["Config", "distributed_env"]
 
@@ -110,8 +111,15 @@ class Config:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("num_proxy_threads", "buffer_bytes", "max_inflight_writes", "max_write_bytes", "num_sms",
-                     "ll_num_sms", "nvl_buffer_bytes"):
+        for name in (
+            "num_proxy_threads",
+            "buffer_bytes",
+            "max_inflight_writes",
+            "max_write_bytes",
+            "num_sms",
+            "ll_num_sms",
+            "nvl_buffer_bytes",
+        ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} ({self.env_name(name)}) must be positive, got {getattr(self, name)}")
         for name in ("max_inflight_bytes", "ll_buffer_bytes", "kernel_timing"):
@@ -120,7 +128,9 @@ class Config:
         if self.timeout_s <= 0:
             problems.append(f"timeout_s (UCCL_EP_TIMEOUT_S) must be positive, got {self.timeout_s}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
-            problems.append(f"gpus_per_node (UCCL_EP_GPUS_PER_NODE) must be a positive integer, got {self.gpus_per_node}")
+            problems.append(
+                f"gpus_per_node (UCCL_EP_GPUS_PER_NODE) must be a positive integer, got {self.gpus_per_node}"
+            )
         if self.two_level not in ("auto", "1", "0"):
             problems.append(f"two_level (UCCL_EP_TWO_LEVEL) must be auto, 1 or 0, got {self.two_level!r}")
         if problems:
@@ -149,17 +159,26 @@ class Config:
             try:
                 values[f.name] = _parse(f, raw.strip())
             except ValueError:
-                raise ValueError(
-                    f"jax_uccl_ep: {f.metadata['env']}={raw!r} is not a valid {_kind(f)}"
-                ) from None
+                raise ValueError(f"jax_uccl_ep: {f.metadata['env']}={raw!r} is not a valid {_kind(f)}") from None
         return dataclasses.replace(base or cls(), **values)
 
     def shared(self) -> dict[str, str]:
         """The settings every process of a job must share, by variable name (initialize() compares them): peers
         compute where their messages land, their shapes and routes from their own settings."""
-        local_only = ("timeout_s", "fi_provider", "reorder", "poison", "kernel_timing", "nvl_deadline", "ll_fused",
-                      "ll_num_sms", "max_inflight_writes", "max_inflight_bytes", "max_write_bytes",
-                      "stuck_proxy_for_tests")
+        local_only = (
+            "timeout_s",
+            "fi_provider",
+            "reorder",
+            "poison",
+            "kernel_timing",
+            "nvl_deadline",
+            "ll_fused",
+            "ll_num_sms",
+            "max_inflight_writes",
+            "max_inflight_bytes",
+            "max_write_bytes",
+            "stuck_proxy_for_tests",
+        )
         return {f.metadata["env"]: str(getattr(self, f.name)) for f in _FIELDS.values() if f.name not in local_only}
 
 

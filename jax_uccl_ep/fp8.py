@@ -1,4 +1,5 @@
 """FP8 casts for dispatch: per-token, per-128-channel scaling into float8_e4m3fn, as DeepSeek's recipe does."""
+
 from __future__ import annotations
 
 import jax
@@ -16,8 +17,10 @@ def per_token_cast_to_fp8(x: jax.Array, round_scale: bool = False) -> tuple[jax.
     the scales are rounded up to powers of two (what UE8M0 scales can hold).
     """
     if x.ndim != 2 or x.shape[1] % FP8_BLOCK:
-        raise ValueError(f"per_token_cast_to_fp8: x must be [tokens, hidden] with hidden a multiple of "
-                         f"{FP8_BLOCK}, got shape {x.shape}")
+        raise ValueError(
+            f"per_token_cast_to_fp8: x must be [tokens, hidden] with hidden a multiple of "
+            f"{FP8_BLOCK}, got shape {x.shape}"
+        )
     t, h = x.shape
     blocks = x.astype(jnp.float32).reshape(t, h // FP8_BLOCK, FP8_BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-4)  # all-zero blocks keep a finite scale

@@ -27,6 +27,7 @@ the environment above (less the platform choice, which the caller makes), each i
 with the thread that started it; :func:`run` also waits for them, kills them all at a timeout and returns each
 one's exit status and output. ``main()`` is the command line on top of :func:`start`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,8 +78,13 @@ def detect_gpus() -> list[str]:
     return [str(i) for i in range(count)]
 
 
-def child_env(rank: int, num_processes: int, port: int, env: Mapping[str, str | None] | None = None,
-              rank_env: Mapping[str, str | None] | None = None) -> dict[str, str]:
+def child_env(
+    rank: int,
+    num_processes: int,
+    port: int,
+    env: Mapping[str, str | None] | None = None,
+    rank_env: Mapping[str, str | None] | None = None,
+) -> dict[str, str]:
     """The environment child `rank` of `num_processes` gets: this process's, the jax.distributed coordinator at
     ``127.0.0.1:port`` (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``),
     ``PYTHONUNBUFFERED=1``, ``FI_TCP_IFACE=lo`` unless set, then `env` and `rank_env` on top (a value of None
@@ -294,6 +300,7 @@ def _decode(chunks: list[bytes]) -> str:
 # The command line
 # ------------------------------------------------------------------------------------------------------------
 
+
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
     """Copies `stream` to `out` line by line, each line prefixed."""
     with stream:
@@ -311,14 +318,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Run a JAX script in N local processes wired together with jax.distributed.",
     )
     parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
-    parser.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                        help="CPU devices per process (JAX_NUM_CPU_DEVICES; default 1); CPU runs only")
-    parser.add_argument("--gpus-per-process", choices=["1", "all"], default="1",
-                        help="one GPU per process (CUDA_VISIBLE_DEVICES), or every GPU in one process (-n 1)")
-    parser.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
-                        help="auto: GPUs when present, otherwise CPU processes")
-    parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
-                        help="seconds the other processes get after one fails, before they are killed")
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="CPU devices per process (JAX_NUM_CPU_DEVICES; default 1); CPU runs only",
+    )
+    parser.add_argument(
+        "--gpus-per-process",
+        choices=["1", "all"],
+        default="1",
+        help="one GPU per process (CUDA_VISIBLE_DEVICES), or every GPU in one process (-n 1)",
+    )
+    parser.add_argument(
+        "--platform",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="auto: GPUs when present, otherwise CPU processes",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds the other processes get after one fails, before they are killed",
+    )
     parser.add_argument("script", help="Python script to run in every process")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = parser.parse_args(argv)
@@ -343,13 +368,16 @@ def _choose_platform(args: argparse.Namespace) -> tuple[bool, list[str]]:
         if args.gpus_per_process == "all" and args.num_processes != 1:
             raise SystemExit("jax_uccl_ep.launch: --gpus-per-process all runs one process; use -n 1")
         if args.gpus_per_process == "1" and args.num_processes > len(gpus):
-            raise SystemExit(f"jax_uccl_ep.launch: -n {args.num_processes} with one GPU per process, "
-                             f"but only {len(gpus)} GPU(s) are visible")
+            raise SystemExit(
+                f"jax_uccl_ep.launch: -n {args.num_processes} with one GPU per process, "
+                f"but only {len(gpus)} GPU(s) are visible"
+            )
     return use_gpu, gpus
 
 
-def _platform_env(args: argparse.Namespace, use_gpu: bool,
-                  gpus: list[str]) -> tuple[dict[str, str], list[dict[str, str]] | None]:
+def _platform_env(
+    args: argparse.Namespace, use_gpu: bool, gpus: list[str]
+) -> tuple[dict[str, str], list[dict[str, str]] | None]:
     """(environment of every child, environment per rank) for the platform chosen."""
     if not use_gpu:
         return {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(args.devices_per_process or 1)}, None
@@ -380,8 +408,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        children.extend(start([sys.executable, args.script, *args.script_args], args.num_processes,
-                              env=env, per_rank_env=per_rank_env))
+        children.extend(
+            start(
+                [sys.executable, args.script, *args.script_args], args.num_processes, env=env, per_rank_env=per_rank_env
+            )
+        )
         if received:  # a signal that came while they were starting has not reached them
             signal_all(signal.SIGKILL if len(received) > 1 else received[0])
         for child in children:
@@ -421,9 +452,13 @@ def _supervise(children: list[Child], grace_period: float, received: list[int]) 
         if first_failure is not None and stop_at is None and not received:
             stop_at = now + grace_period
             with_survivors = ", ".join(str(c.rank) for c in running)
-            print(f"jax_uccl_ep.launch: rank {first_failure.rank} exited with status "
-                  f"{_exit_code(first_failure.returncode)}; stopping rank(s) {with_survivors} "
-                  f"in {grace_period:g} s", file=sys.stderr, flush=True)
+            print(
+                f"jax_uccl_ep.launch: rank {first_failure.rank} exited with status "
+                f"{_exit_code(first_failure.returncode)}; stopping rank(s) {with_survivors} "
+                f"in {grace_period:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
         if stop_at is not None and now >= stop_at:
             for child in running:
                 child.signal_group(signal.SIGTERM)

@@ -7,9 +7,11 @@ max_tokens_per_rank. Combine weights each returned row by its router weight on t
 CPU devices go through the proxy runtime; GPUs of one host store rows straight into each other's buffers over
 NVLink (kernels/nvl/low_latency.cu), with an arrival counter per sender and a deadline on every wait.
 """
+
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +28,16 @@ AxisName = Union[str, Sequence[str]]
 class LowLatencyHandle:
     """What low_latency_combine needs from a low_latency_dispatch."""
 
-    def __init__(self, layout: jax.Array, src_slot: jax.Array, axis_name: AxisName, num_experts: int,
-                 max_tokens_per_rank: int, topk: int, cumulative_local_expert_recv_stats: jax.Array | None = None):
+    def __init__(
+        self,
+        layout: jax.Array,
+        src_slot: jax.Array,
+        axis_name: AxisName,
+        num_experts: int,
+        max_tokens_per_rank: int,
+        topk: int,
+        cumulative_local_expert_recv_stats: jax.Array | None = None,
+    ):
         self.layout = layout  # [L, R] int32: rows of each local expert from each source rank
         # [L, R * N] int32: the row's top-k slot on its source rank (token * K + k), -1 on padding. The combine
         # sends each row back to that slot, so the source needs no routing pass of its own.
@@ -45,8 +55,10 @@ class LowLatencyHandle:
         return jnp.where(self.src_slot >= 0, self.src_slot // self.topk, -1)
 
     def tree_flatten(self):
-        return ((self.layout, self.src_slot, self.cumulative_local_expert_recv_stats),
-                (self.axis_name, self.num_experts, self.max_tokens_per_rank, self.topk))
+        return (
+            (self.layout, self.src_slot, self.cumulative_local_expert_recv_stats),
+            (self.axis_name, self.num_experts, self.max_tokens_per_rank, self.topk),
+        )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -56,8 +68,9 @@ class LowLatencyHandle:
 
 def _check_platform() -> None:
     if jax.devices()[0].platform not in ("cpu", "gpu"):
-        raise NotImplementedError(f"jax_uccl_ep: low-latency mode runs on CPU devices and NVIDIA GPUs, not on "
-                                  f"{jax.devices()[0].platform}")
+        raise NotImplementedError(
+            f"jax_uccl_ep: low-latency mode runs on CPU devices and NVIDIA GPUs, not on {jax.devices()[0].platform}"
+        )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -86,8 +99,10 @@ def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, 
     check_topk(topk_idx, t)
     num_ranks = axis_size(axis_name)
     check_experts(num_experts, num_ranks)
-    check(isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
-                  f"max_tokens_per_rank must be an int >= the tokens per rank ({t}), got {max_tokens_per_rank!r}")
+    check(
+        isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
+        f"max_tokens_per_rank must be an int >= the tokens per rank ({t}), got {max_tokens_per_rank!r}",
+    )
     if use_ue8m0:
         round_scale = True
         check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
@@ -96,8 +111,19 @@ def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, 
         fp8_cast, wire_dtype, scale_width = (2 if round_scale else 1), jnp.float8_e4m3fn, h // FP8_BLOCK
     else:
         fp8_cast, wire_dtype, scale_width = 0, x.dtype, 0
-    static = ("dispatch", axis_name, num_experts, int(max_tokens_per_rank), num_ranks, h, np.dtype(wire_dtype).name,
-              scale_width, use_fp8, use_ue8m0, topk_idx.shape[1])
+    static = (
+        "dispatch",
+        axis_name,
+        num_experts,
+        int(max_tokens_per_rank),
+        num_ranks,
+        h,
+        np.dtype(wire_dtype).name,
+        scale_width,
+        use_fp8,
+        use_ue8m0,
+        topk_idx.shape[1],
+    )
     return x, jnp.zeros((t, 0), jnp.float32), fp8_cast, static
 
 
@@ -120,9 +146,11 @@ def _dispatch_result(static, outs, cumulative_local_expert_recv_stats):
         recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
     stats = None
     if cumulative_local_expert_recv_stats is not None:
-        check(cumulative_local_expert_recv_stats.shape == recv_count.shape,
-                      f"cumulative_local_expert_recv_stats must have shape {recv_count.shape} (local experts), "
-                      f"got {cumulative_local_expert_recv_stats.shape}")
+        check(
+            cumulative_local_expert_recv_stats.shape == recv_count.shape,
+            f"cumulative_local_expert_recv_stats must have shape {recv_count.shape} (local experts), "
+            f"got {cumulative_local_expert_recv_stats.shape}",
+        )
         stats = cumulative_local_expert_recv_stats + recv_count.astype(cumulative_local_expert_recv_stats.dtype)
     return recv_x, recv_count, LowLatencyHandle(layout, src_slot, axis_name, num_experts, n, topk, stats)
 
@@ -143,22 +171,36 @@ def low_latency_dispatch_send(
     XLA may move independent ops across the halves: make the work you put between them, and the next EP op,
     depend on the data so that no other EP op lands in between (that fails with an out-of-step error).
     """
-    rows, scales, fp8_cast, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
-                                                       use_fp8, round_scale, use_ue8m0)
+    rows, scales, fp8_cast, static = _prepare_dispatch(
+        x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
+    )
     (token,) = ep_call(
-        "low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        rows, scales, topk_idx, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3],
-        fp8_cast=fp8_cast)
+        "low_latency_dispatch_send",
+        (jax.ShapeDtypeStruct((1,), jnp.int32),),
+        rows,
+        scales,
+        topk_idx,
+        axis_name=axis_name,
+        num_experts=num_experts,
+        max_tokens_per_rank=static[3],
+        fp8_cast=fp8_cast,
+    )
     return LowLatencyPending(token, static)
 
 
-def low_latency_dispatch_recv(pending: LowLatencyPending,
-                              cumulative_local_expert_recv_stats: jax.Array | None = None):
+def low_latency_dispatch_recv(pending: LowLatencyPending, cumulative_local_expert_recv_stats: jax.Array | None = None):
     """The receive half of low_latency_dispatch: returns (recv_x, recv_count, handle) as it does."""
     static = pending.static
     check(static[0] == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
-    outs = ep_call("low_latency_dispatch_recv", _dispatch_outputs(static), pending.token,
-                           axis_name=static[1], num_experts=static[2], max_tokens_per_rank=static[3], topk=static[10])
+    outs = ep_call(
+        "low_latency_dispatch_recv",
+        _dispatch_outputs(static),
+        pending.token,
+        axis_name=static[1],
+        num_experts=static[2],
+        max_tokens_per_rank=static[3],
+        topk=static[10],
+    )
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
 
@@ -192,11 +234,20 @@ def low_latency_dispatch(
       they are not written (whatever the buffer held: mask with recv_count); handle.src_token is -1 there.
       To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
-    rows, scales, fp8_cast, static = _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
-                                                       use_fp8, round_scale, use_ue8m0)
-    outs = ep_call("low_latency_dispatch", _dispatch_outputs(static), rows, scales, topk_idx,
-                           axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=static[3],
-                           fp8_cast=fp8_cast)
+    rows, scales, fp8_cast, static = _prepare_dispatch(
+        x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
+    )
+    outs = ep_call(
+        "low_latency_dispatch",
+        _dispatch_outputs(static),
+        rows,
+        scales,
+        topk_idx,
+        axis_name=axis_name,
+        num_experts=num_experts,
+        max_tokens_per_rank=static[3],
+        fp8_cast=fp8_cast,
+    )
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
 
@@ -205,27 +256,47 @@ def _check_combine_send(y, handle):
     check(isinstance(handle, LowLatencyHandle), "handle must be the handle of a low_latency_dispatch")
     check(hasattr(y, "ndim") and y.ndim == 3, f"y must be [local experts, R * N, hidden], got {getattr(y, 'shape', y)}")
     check(y.dtype in FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
-    check(y.shape[:2] == handle.src_slot.shape,
-                  f"y must have {handle.src_slot.shape} leading dims (the dispatch's layout), got {y.shape[:2]}")
+    check(
+        y.shape[:2] == handle.src_slot.shape,
+        f"y must have {handle.src_slot.shape} leading dims (the dispatch's layout), got {y.shape[:2]}",
+    )
 
 
 def _check_combine_receive(topk_idx, topk_weights, topk: int):
     check_topk(topk_idx, None)
-    check(topk_idx.shape[1] == topk, f"topk_idx must be the dispatch's, with K = {topk} slots per token, got "
-                                             f"shape {topk_idx.shape}")
-    check(topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
-                  f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}")
+    check(
+        topk_idx.shape[1] == topk,
+        f"topk_idx must be the dispatch's, with K = {topk} slots per token, got shape {topk_idx.shape}",
+    )
+    check(
+        topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
+        f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}",
+    )
 
 
 def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLatencyPending:
     """The send half of low_latency_combine: y [L, R * N, H] float32 or bfloat16, rows as the dispatch laid them."""
     _check_combine_send(y, handle)
     (token,) = ep_call(
-        "low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        y, handle.layout, handle.src_slot, axis_name=handle.axis_name, num_experts=handle.num_experts,
-        max_tokens_per_rank=handle.max_tokens_per_rank, topk=handle.topk)
-    static = ("combine", handle.axis_name, handle.num_experts, handle.max_tokens_per_rank, y.shape[2],
-              np.dtype(y.dtype).name, handle.topk)
+        "low_latency_combine_send",
+        (jax.ShapeDtypeStruct((1,), jnp.int32),),
+        y,
+        handle.layout,
+        handle.src_slot,
+        axis_name=handle.axis_name,
+        num_experts=handle.num_experts,
+        max_tokens_per_rank=handle.max_tokens_per_rank,
+        topk=handle.topk,
+    )
+    static = (
+        "combine",
+        handle.axis_name,
+        handle.num_experts,
+        handle.max_tokens_per_rank,
+        y.shape[2],
+        np.dtype(y.dtype).name,
+        handle.topk,
+    )
     return LowLatencyPending(token, static)
 
 
@@ -235,20 +306,36 @@ def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, to
     check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
     _check_combine_receive(topk_idx, topk_weights, topk)
     (out,) = ep_call(
-        "low_latency_combine_recv", (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
-        pending.token, topk_idx, topk_weights, axis_name=axis_name, num_experts=num_experts, max_tokens_per_rank=n)
+        "low_latency_combine_recv",
+        (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
+        pending.token,
+        topk_idx,
+        topk_weights,
+        axis_name=axis_name,
+        num_experts=num_experts,
+        max_tokens_per_rank=n,
+    )
     return out
 
 
-def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        handle: LowLatencyHandle) -> jax.Array:
+def low_latency_combine(
+    y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, handle: LowLatencyHandle
+) -> jax.Array:
     """Returns expert outputs y [L, R * N, H] (rows as low_latency_dispatch laid them out) to their tokens and sums
     them weighted by topk_weights [T, K] (slots with topk_idx -1 contribute nothing), in float32; [T, H] in y's
     dtype. To overlap other work with the transfer, call low_latency_combine_send and low_latency_combine_recv."""
     _check_combine_send(y, handle)
     _check_combine_receive(topk_idx, topk_weights, handle.topk)
     (out,) = ep_call(
-        "low_latency_combine", (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
-        y, handle.layout, handle.src_slot, topk_idx, topk_weights, axis_name=handle.axis_name,
-        num_experts=handle.num_experts, max_tokens_per_rank=handle.max_tokens_per_rank)
+        "low_latency_combine",
+        (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
+        y,
+        handle.layout,
+        handle.src_slot,
+        topk_idx,
+        topk_weights,
+        axis_name=handle.axis_name,
+        num_experts=handle.num_experts,
+        max_tokens_per_rank=handle.max_tokens_per_rank,
+    )
     return out

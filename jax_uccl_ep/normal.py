@@ -10,10 +10,12 @@ local to that node. Then within the node (NVLink), by those indices. A combine r
 rows of a token are summed within the node, then cross back once. Rows then arrive grouped by the node rank that
 forwarded them (the sender's index on its node), then by source node, then by token.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import NamedTuple, Sequence, Union
+from typing import NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +42,9 @@ class DispatchLayout(NamedTuple):
 class DispatchHandle:
     """What combine (and the backward passes) need from a dispatch: two arrays and the EP axis."""
 
-    def __init__(self, is_token_in_rank: jax.Array, recv_counts: jax.Array, axis_name: AxisName,
-                 level: str | None = None):
+    def __init__(
+        self, is_token_in_rank: jax.Array, recv_counts: jax.Array, axis_name: AxisName, level: str | None = None
+    ):
         self.is_token_in_rank = is_token_in_rank  # [T, R] bool: where this rank's tokens went
         self.recv_counts = recv_counts  # [R] int32: rows received from each rank, in row order
         self.axis_name = axis_name
@@ -56,8 +59,10 @@ class DispatchHandle:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level!r}"
-        return f"DispatchHandle(axis_name={self.axis_name!r}{level}, is_token_in_rank={self.is_token_in_rank!r}, " \
-               f"recv_counts={self.recv_counts!r})"
+        return (
+            f"DispatchHandle(axis_name={self.axis_name!r}{level}, is_token_in_rank={self.is_token_in_rank!r}, "
+            f"recv_counts={self.recv_counts!r})"
+        )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -133,8 +138,10 @@ def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
         check(x_fp8.dtype == jnp.float8_e4m3fn, f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}")
         t, h = x_fp8.shape
         check(h % FP8_BLOCK == 0, f"FP8 hidden size must be a multiple of {FP8_BLOCK}, got {h}")
-        check(scales.shape == (t, h // FP8_BLOCK),
-               f"scales must have shape {(t, h // FP8_BLOCK)} for x_fp8 {x_fp8.shape}, got {scales.shape}")
+        check(
+            scales.shape == (t, h // FP8_BLOCK),
+            f"scales must have shape {(t, h // FP8_BLOCK)} for x_fp8 {x_fp8.shape}, got {scales.shape}",
+        )
         check(scales.dtype == jnp.float32, f"scales must be float32, got {scales.dtype}")
         return x_fp8, scales, True
     check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got shape {getattr(x, 'shape', x)}")
@@ -186,7 +193,10 @@ def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity,
             jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
             jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
         ),
-        rows, scales, topk_idx, weights,
+        rows,
+        scales,
+        topk_idx,
+        weights,
         axis_name=axis_name,
         num_experts=num_experts,
         **_level_args(level),
@@ -210,8 +220,9 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
     # and padding rows with -1 everywhere, so the node level forwards exactly the valid rows.
     t = topk_idx.shape[0]
     across = _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, plan.num_nodes * t, "across")
-    within = _dispatch_level(across.x, across.topk_idx, across.topk_weights, num_experts // plan.num_nodes,
-                             axis_name, capacity, "node")
+    within = _dispatch_level(
+        across.x, across.topk_idx, across.topk_weights, num_experts // plan.num_nodes, axis_name, capacity, "node"
+    )
     return within._replace(handle=TwoLevelHandle(across.handle, within.handle))
 
 
@@ -220,9 +231,16 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
         # Sum within the node, then cross back once.
         return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
     t = handle.is_token_in_rank.shape[0]
-    (out,) = ep_call("combine", (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
-                      y, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name, after=after,
-                      **_level_args(handle.level))
+    (out,) = ep_call(
+        "combine",
+        (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
+        y,
+        handle.is_token_in_rank,
+        handle.recv_counts,
+        axis_name=handle.axis_name,
+        after=after,
+        **_level_args(handle.level),
+    )
     return out
 
 
@@ -230,10 +248,15 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int) -> jax.Ar
     if isinstance(handle, TwoLevelHandle):
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         return _cached_dispatch_call(_cached_dispatch_call(x, handle.across, forwarded), handle.within, capacity)
-    (out,) = ep_call("cached_dispatch",
-                      (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
-                      x, handle.is_token_in_rank, handle.recv_counts, axis_name=handle.axis_name,
-                      **_level_args(handle.level))
+    (out,) = ep_call(
+        "cached_dispatch",
+        (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
+        x,
+        handle.is_token_in_rank,
+        handle.recv_counts,
+        axis_name=handle.axis_name,
+        **_level_args(handle.level),
+    )
     return out
 
 
@@ -299,13 +322,17 @@ def dispatch(
     num_ranks = axis_size(axis_name)
     check_experts(num_experts, num_ranks)
     if topk_weights is not None:
-        check(topk_weights.shape == topk_idx.shape,
-               f"topk_weights must have the shape of topk_idx {topk_idx.shape}, got {topk_weights.shape}")
+        check(
+            topk_weights.shape == topk_idx.shape,
+            f"topk_weights must have the shape of topk_idx {topk_idx.shape}, got {topk_weights.shape}",
+        )
         check(topk_weights.dtype == jnp.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
     if capacity is None:
         capacity = num_ranks * t
-    check(isinstance(capacity, (int, np.integer)) and capacity >= 1,
-           f"capacity must be a positive int (tokens), got {capacity!r}")
+    check(
+        isinstance(capacity, (int, np.integer)) and capacity >= 1,
+        f"capacity must be a positive int (tokens), got {capacity!r}",
+    )
     if is_fp8:
         return _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, int(capacity))
     return _dispatch(x, topk_idx, topk_weights, num_experts, axis_name, int(capacity))
@@ -344,6 +371,7 @@ def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
     """
     check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
     check(y.dtype in FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
-    check(isinstance(handle, (DispatchHandle, TwoLevelHandle)),
-           "handle must be the DispatchResult.handle of a dispatch")
+    check(
+        isinstance(handle, (DispatchHandle, TwoLevelHandle)), "handle must be the DispatchResult.handle of a dispatch"
+    )
     return _combine(y, handle)

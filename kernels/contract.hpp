@@ -31,7 +31,7 @@ struct Group {
 // Routing counts of this rank's tokens (no communication): tokens per rank, top-k slots per expert, and which
 // ranks each token goes to. A slot outside [-1, E) is an error.
 struct LayoutArgs {
-  const int32_t* topk_idx;         // [T, K]
+  const int32_t* topk_idx;  // [T, K]
   int num_tokens, topk, num_experts, num_ranks;
   int32_t* num_tokens_per_rank;    // [R]
   int32_t* num_tokens_per_expert;  // [E]
@@ -40,29 +40,29 @@ struct LayoutArgs {
 
 // Normal mode. Rows are opaque bytes except where a dtype is given.
 struct DispatchArgs {
-  const void* x;               // [T, x_row_bytes]
+  const void* x;  // [T, x_row_bytes]
   int64_t x_row_bytes;
-  const void* scales;          // [T, scale_row_bytes] (FP8 scales) or zero-width
+  const void* scales;  // [T, scale_row_bytes] (FP8 scales) or zero-width
   int64_t scale_row_bytes;
-  const int32_t* topk_idx;     // [T, K] global expert, -1 for none
-  const float* topk_weights;   // [T, K] or null
+  const int32_t* topk_idx;    // [T, K] global expert, -1 for none
+  const float* topk_weights;  // [T, K] or null
   int num_tokens, topk, num_experts;
-  int capacity;                // output rows
-  void* recv_x;                     // [capacity, x_row_bytes]
-  void* recv_scales;                // [capacity, scale_row_bytes]
-  int32_t* recv_topk_idx;           // [capacity, K] local expert or -1
-  float* recv_topk_weights;         // [capacity, K] when topk_weights
-  int32_t* recv_num_tokens;         // scalar
-  int32_t* num_tokens_per_expert;   // [L]
-  bool* is_token_in_rank;           // [T, R] (handle)
-  int32_t* recv_counts;             // [R] rows from each member (handle)
-  uint32_t op_index;                // position in the program, the same on every rank (host paths check it)
-  int node_size;                    // host paths: ranks per node of the hierarchical rounds (0: flat)
+  int capacity;                    // output rows
+  void* recv_x;                    // [capacity, x_row_bytes]
+  void* recv_scales;               // [capacity, scale_row_bytes]
+  int32_t* recv_topk_idx;          // [capacity, K] local expert or -1
+  float* recv_topk_weights;        // [capacity, K] when topk_weights
+  int32_t* recv_num_tokens;        // scalar
+  int32_t* num_tokens_per_expert;  // [L]
+  bool* is_token_in_rank;          // [T, R] (handle)
+  int32_t* recv_counts;            // [R] rows from each member (handle)
+  uint32_t op_index;               // position in the program, the same on every rank (host paths check it)
+  int node_size;                   // host paths: ranks per node of the hierarchical rounds (0: flat)
 };
 
 // Sends x rows by a dispatch's routing (its handle): the backward pass of combine.
 struct CachedDispatchArgs {
-  const void* x;                 // [T, row_bytes]
+  const void* x;  // [T, row_bytes]
   int64_t row_bytes;
   int num_tokens, capacity;
   const bool* is_token_in_rank;  // [T, R]
@@ -74,8 +74,8 @@ struct CachedDispatchArgs {
 
 // Returns each received row to its source and sums the copies of each token (float32 accumulation).
 struct CombineArgs {
-  const void* y;                 // [capacity, hidden]
-  FloatType dtype;               // of y and out
+  const void* y;    // [capacity, hidden]
+  FloatType dtype;  // of y and out
   int hidden, capacity, num_tokens;
   const bool* is_token_in_rank;  // [T, R]
   const int32_t* recv_counts;    // [R]
@@ -87,33 +87,33 @@ struct CombineArgs {
 // Low-latency mode: each token goes to every selected expert (one copy per slot) into static expert-major buffers
 // [L, R * N, ...]; rows of local expert l: [0, recv_count[l]) valid, grouped by source (group order), then token.
 struct LowLatencyDispatchArgs {
-  const void* x;             // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
-  int64_t x_row_bytes;       // bytes of a row as sent and received (hidden with `cast`)
-  const void* scales;        // [T, scale_row_bytes] or null (with `cast` the dispatch makes them)
-  int64_t scale_row_bytes;   // hidden / 128 floats with `cast`
-  Fp8Cast cast;              // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
-  bool x_bf16;               // with `cast`: x is bfloat16, else float32
-  const int32_t* topk_idx;   // [T, K]
+  const void* x;            // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
+  int64_t x_row_bytes;      // bytes of a row as sent and received (hidden with `cast`)
+  const void* scales;       // [T, scale_row_bytes] or null (with `cast` the dispatch makes them)
+  int64_t scale_row_bytes;  // hidden / 128 floats with `cast`
+  Fp8Cast cast;             // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
+  bool x_bf16;              // with `cast`: x is bfloat16, else float32
+  const int32_t* topk_idx;  // [T, K]
   int num_tokens, topk, num_experts, max_tokens_per_rank;
   uint32_t op_index;
-  void* recv_x;              // [L, R * N, x_row_bytes]
-  void* recv_scales;         // [L, R * N, scale_row_bytes]
-  int32_t* recv_count;       // [L]
-  int32_t* layout;           // [L, R] rows from each source (handle)
-  int32_t* src_slot;         // [L, R * N] the row's slot on its source (token * K + k), -1 on padding (handle)
+  void* recv_x;         // [L, R * N, x_row_bytes]
+  void* recv_scales;    // [L, R * N, scale_row_bytes]
+  int32_t* recv_count;  // [L]
+  int32_t* layout;      // [L, R] rows from each source (handle)
+  int32_t* src_slot;    // [L, R * N] the row's slot on its source (token * K + k), -1 on padding (handle)
 };
 
 struct LowLatencyCombineArgs {
-  const void* y;               // [L, R * N, hidden]
-  FloatType dtype;             // of y and out
+  const void* y;    // [L, R * N, hidden]
+  FloatType dtype;  // of y and out
   int hidden, num_experts, max_tokens_per_rank;
-  const int32_t* layout;       // [L, R] from the dispatch
-  const int32_t* src_slot;     // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
-  const int32_t* topk_idx;     // [T, K] this rank's routing (as dispatched)
-  const float* topk_weights;   // [T, K]
-  int num_tokens, topk;        // topk: in every call (the send half gets it from the handle)
+  const int32_t* layout;      // [L, R] from the dispatch
+  const int32_t* src_slot;    // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
+  const int32_t* topk_idx;    // [T, K] this rank's routing (as dispatched)
+  const float* topk_weights;  // [T, K]
+  int num_tokens, topk;       // topk: in every call (the send half gets it from the handle)
   uint32_t op_index;
-  void* out;                   // [T, hidden]
+  void* out;  // [T, hidden]
 };
 
 // Errors GPU kernels find land in host-mapped memory (nvl::DeviceErrors) and are raised later by check_errors():
@@ -121,15 +121,15 @@ struct LowLatencyCombineArgs {
 // nvl::raise_device_error (kernels/nvl/device.cu).
 enum DeviceErrorCode : int32_t {
   kNoError = 0,
-  kBadExpertIndex = 1,         // (token, slot, index)
-  kOverCapacity = 2,           // (received, capacity)
-  kRowsDifferFromHandle = 3,   // (member, rows, rows the handle records)
-  kHandleDisagreesWithY = 4,   // (rows the handle records, rows of y)
-  kPeerLate = 5,               // (peer, its message or minus ours it did not acknowledge, seconds)
-  kLowLatencyRowCount = 6,     // (rows, local expert, source rank)
-  kUnknownRowSource = 7,       // (source rank, token row, slot)
-  kNoSourceSlot = 9,           // (local expert, row, slot)
-  kRingFull = 10,              // (peer or -1, -, seconds)
+  kBadExpertIndex = 1,        // (token, slot, index)
+  kOverCapacity = 2,          // (received, capacity)
+  kRowsDifferFromHandle = 3,  // (member, rows, rows the handle records)
+  kHandleDisagreesWithY = 4,  // (rows the handle records, rows of y)
+  kPeerLate = 5,              // (peer, its message or minus ours it did not acknowledge, seconds)
+  kLowLatencyRowCount = 6,    // (rows, local expert, source rank)
+  kUnknownRowSource = 7,      // (source rank, token row, slot)
+  kNoSourceSlot = 9,          // (local expert, row, slot)
+  kRingFull = 10,             // (peer or -1, -, seconds)
 };
 
 }  // namespace uccl_ep

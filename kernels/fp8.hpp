@@ -25,9 +25,9 @@ enum class Fp8Cast : int { kNone = 0, kCast = 1, kCastPowerOfTwoScales = 2 };
 UCCL_EP_HOST_DEVICE float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 
 UCCL_EP_HOST_DEVICE float fp8_scale(float amax, Fp8Cast cast) {
-  if (!(amax - amax == 0.f)) return amax;  // NaN or inf: the scale is it, as JAX's amax / 448 gives
+  if (!(amax - amax == 0.f)) return amax;          // NaN or inf: the scale is it, as JAX's amax / 448 gives
   float s = fmaxf(amax, 1e-4f) * (1.f / kFp8Max);  // as XLA computes amax / 448 (a product with the reciprocal)
-  if (cast == Fp8Cast::kCastPowerOfTwoScales) {  // 2^ceil(log2 s), exactly: s = m * 2^e with m in [0.5, 1)
+  if (cast == Fp8Cast::kCastPowerOfTwoScales) {    // 2^ceil(log2 s), exactly: s = m * 2^e with m in [0.5, 1)
     int e = 0;
     const float m = frexpf(s, &e);
     s = ldexpf(1.f, m == 0.5f ? e - 1 : e);

@@ -27,8 +27,8 @@ class Deadline {
  public:
   explicit Deadline(double seconds)
       : seconds_(seconds),
-        end_(std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                      std::chrono::duration<double>(seconds))) {}
+        end_(std::chrono::steady_clock::now() +
+             std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds))) {}
   bool expired() const { return std::chrono::steady_clock::now() >= end_; }
   double seconds() const { return seconds_; }
 

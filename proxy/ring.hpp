@@ -52,8 +52,8 @@ constexpr bool decode_slot(const uint64_t w[4], uint64_t tag, Command* out) {
   if (((w[0] >> 16) & 0xFFFF) != tag || (w[1] >> kOffsetBits) != tag || (w[2] >> kOffsetBits) != tag ||
       (w[3] >> 32) != tag)
     return false;
-  *out = Command{Op(uint8_t(w[0])), uint8_t(w[0] >> 8), 0, uint32_t(w[0] >> 32), w[1] & kOffsetMask,
-                 w[2] & kOffsetMask, uint32_t(w[3]), 0};
+  *out = Command{Op(uint8_t(w[0])),  uint8_t(w[0] >> 8), 0, uint32_t(w[0] >> 32), w[1] & kOffsetMask,
+                 w[2] & kOffsetMask, uint32_t(w[3]),     0};
   return true;
 }
 

@@ -46,8 +46,8 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   buffer_ = static_cast<char*>(host_alloc((config_.buffer_bytes + page - 1) / page * page));
   std::memset(buffer_, 0, config_.buffer_bytes);
   try {
-    fabric_ = std::make_unique<FabricDevice>(config_.providers, rank, buffer_, config_.buffer_bytes,
-                                             config_.num_channels);
+    fabric_ =
+        std::make_unique<FabricDevice>(config_.providers, rank, buffer_, config_.buffer_bytes, config_.num_channels);
   } catch (...) {
     host_free(buffer_);
     throw;
@@ -73,8 +73,7 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   sequencers_.resize(slots);
   arrivals_ = std::vector<ArrivalCounter>(slots);  // not movable: built in place
   peer_failure_.assign(num_ranks, "");
-  for (int c = 0; c < config_.num_channels; ++c)
-    rings_.push_back(std::make_unique<CommandRing>(config_.ring_capacity));
+  for (int c = 0; c < config_.num_channels; ++c) rings_.push_back(std::make_unique<CommandRing>(config_.ring_capacity));
 }
 
 bool Device::stop(double seconds) {
@@ -127,10 +126,9 @@ void Device::wait_until(const Deadline& deadline, uint32_t peer, const char* op,
 std::string Device::local_peer_note(uint32_t peer, int channel) const {
   const Device* d = Runtime::get().local_device(peer);
   if (!d) return "";
-  return "; rank " + std::to_string(peer) + " runs in this process: it entered " +
-         std::to_string(d->rounds_entered()) + " host rounds (this rank " + std::to_string(rounds_entered()) +
-         ") and handed its proxy " + std::to_string(d->messages_posted(rank_, channel)) +
-         " messages for this rank on this channel";
+  return "; rank " + std::to_string(peer) + " runs in this process: it entered " + std::to_string(d->rounds_entered()) +
+         " host rounds (this rank " + std::to_string(rounds_entered()) + ") and handed its proxy " +
+         std::to_string(d->messages_posted(rank_, channel)) + " messages for this rank on this channel";
 }
 
 std::string Device::exited_peers_note() const {
@@ -142,15 +140,17 @@ std::string Device::exited_peers_note() const {
 }
 
 void Device::push(int channel, const Command& cmd, const Deadline& deadline, const char* op) {
-  wait_until(deadline, cmd.peer, op, [&] { return rings_[channel]->try_push(cmd); }, [&] {
-    return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
-           std::to_string(deadline.seconds()) + " s with the command ring of channel " + std::to_string(channel) +
-           " full (rank " + std::to_string(cmd.peer) + " is not draining writes; UCCL_EP_TIMEOUT_S)";
-  });
+  wait_until(
+      deadline, cmd.peer, op, [&] { return rings_[channel]->try_push(cmd); },
+      [&] {
+        return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+               std::to_string(deadline.seconds()) + " s with the command ring of channel " + std::to_string(channel) +
+               " full (rank " + std::to_string(cmd.peer) + " is not draining writes; UCCL_EP_TIMEOUT_S)";
+      });
 }
 
-void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset,
-                          uint64_t length, const char* op) {
+void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
+                          const char* op) {
   if (peer >= num_ranks_) throw InvalidArgument(std::string("uccl_ep ") + op + ": no rank " + std::to_string(peer));
   if (channel < 0 || channel >= config_.num_channels)
     throw InvalidArgument(std::string("uccl_ep ") + op + ": no channel " + std::to_string(channel));
@@ -164,8 +164,8 @@ void Device::post_message(int channel, uint32_t peer, uint64_t local_offset, uin
     return;
   }
   Deadline deadline(config_.timeout_s);
-  uint64_t chunk = std::max<uint64_t>(config_.max_write_bytes, (length + kMaxWritesPerMessage - 2) /
-                                                                    (kMaxWritesPerMessage - 1));
+  uint64_t chunk =
+      std::max<uint64_t>(config_.max_write_bytes, (length + kMaxWritesPerMessage - 2) / (kMaxWritesPerMessage - 1));
   for (uint64_t done = 0; done < length; done += chunk) {
     uint32_t n = uint32_t(std::min(chunk, length - done));
     push(channel, Command{Op::kWrite, 0, 0, peer, local_offset + done, remote_offset + done, n, 0}, deadline, op);
@@ -178,32 +178,36 @@ void Device::wait_message(int channel, uint32_t peer, const char* op) {
   size_t slot = size_t(peer) * config_.num_channels + channel;
   uint64_t want = consumed_[slot] + 1;
   Deadline deadline(config_.timeout_s);
-  wait_until(deadline, peer, op, [&] { return (*released_)[slot].load(std::memory_order_acquire) >= want; }, [&] {
-    return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
-           std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) + " (channel " +
-           std::to_string(channel) +
-           "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S) [waiting for its " +
-           arrivals_[slot].describe() + "]" + local_peer_note(peer, channel);
-  });
+  wait_until(
+      deadline, peer, op, [&] { return (*released_)[slot].load(std::memory_order_acquire) >= want; },
+      [&] {
+        return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+               std::to_string(deadline.seconds()) + " s waiting for rank " + std::to_string(peer) + " (channel " +
+               std::to_string(channel) +
+               "): the peer did not arrive (dead, hung, or running a different op; UCCL_EP_TIMEOUT_S) [waiting for "
+               "its " +
+               arrivals_[slot].describe() + "]" + local_peer_note(peer, channel);
+      });
   consumed_[slot] = want;
 }
 
 void Device::quiet(const char* op, double seconds) {
   Deadline deadline(seconds < 0 ? config_.timeout_s : seconds);
   for (int c = 0; c < config_.num_channels; ++c) {
-    wait_until(deadline, rank_, op, [&] { return (*retired_)[c].load(std::memory_order_acquire) >= rings_[c]->pushed(); },
-               [&] {
-                 std::string peers;
-                 for (uint32_t p = 0; p < num_ranks_; ++p)
-                   if (inflight_[p].load() > 0) peers += (peers.empty() ? "" : ", ") + std::to_string(p);
-                 // Nothing posted and uncompleted: the proxy may still be trying to post to a peer that went away.
-                 const int64_t posting = posting_[c].load();
-                 if (peers.empty() && posting > 0) peers = std::to_string(posting - 1);
-                 return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
-                        std::to_string(deadline.seconds()) + " s waiting for its writes on channel " +
-                        std::to_string(c) + " to complete; rank(s) " + (peers.empty() ? "?" : peers) +
-                        " did not take them (dead or hung; UCCL_EP_TIMEOUT_S)";
-               });
+    wait_until(
+        deadline, rank_, op, [&] { return (*retired_)[c].load(std::memory_order_acquire) >= rings_[c]->pushed(); },
+        [&] {
+          std::string peers;
+          for (uint32_t p = 0; p < num_ranks_; ++p)
+            if (inflight_[p].load() > 0) peers += (peers.empty() ? "" : ", ") + std::to_string(p);
+          // Nothing posted and uncompleted: the proxy may still be trying to post to a peer that went away.
+          const int64_t posting = posting_[c].load();
+          if (peers.empty() && posting > 0) peers = std::to_string(posting - 1);
+          return std::string("uccl_ep ") + op + ": rank " + std::to_string(rank_) + " timed out after " +
+                 std::to_string(deadline.seconds()) + " s waiting for its writes on channel " + std::to_string(c) +
+                 " to complete; rank(s) " + (peers.empty() ? "?" : peers) +
+                 " did not take them (dead or hung; UCCL_EP_TIMEOUT_S)";
+        });
   }
 }
 
@@ -314,8 +318,10 @@ void Device::post(int channel, const Command& cmd, std::vector<WriteContext>& co
     // spinning (two such threads were seen using both cores of a 2-core machine while the peer process's proxy
     // threads, runnable, got ~1 ms of CPU in 20 s; see docs/RELIABILITY.md).
     if (drain_completions(channel, contexts, free_list) == 0) {
-      if (refused && ++slow_retries > 1000) std::this_thread::sleep_for(std::chrono::microseconds(500));
-      else backoff.pause();
+      if (refused && ++slow_retries > 1000)
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      else
+        backoff.pause();
     }
     if (!running_.load(std::memory_order_relaxed)) return;
   }
@@ -330,8 +336,9 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
     // Contexts are ours only when they point into our table.
     auto* ctx = static_cast<WriteContext*>(error_ctx);
     bool ours = ctx >= contexts.data() && ctx < contexts.data() + contexts.size();
-    fail(ours ? ctx->peer : num_ranks_, ours ? error : "transport error on channel " + std::to_string(channel) +
-                                                      " (the failed operation names no peer): " + error);
+    fail(ours ? ctx->peer : num_ranks_, ours ? error
+                                             : "transport error on channel " + std::to_string(channel) +
+                                                   " (the failed operation names no peer): " + error);
     if (ours) {
       free_list.push_back(ctx->index);
       inflight_bytes_[channel] -= ctx->length;
@@ -352,8 +359,8 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
         std::memcpy(&author, buffer_ + kAbortInOffset, 4);
         const char* text = buffer_ + kAbortInOffset + 4;
         aborted_by_peer_.store(true, std::memory_order_release);
-        fail(num_ranks_, "rank " + std::to_string(author < num_ranks_ ? author : imm.sender) + " aborted: " +
-                             std::string(text, strnlen(text, kAbortReasonBytes - 4)));
+        fail(num_ranks_, "rank " + std::to_string(author < num_ranks_ ? author : imm.sender) +
+                             " aborted: " + std::string(text, strnlen(text, kAbortReasonBytes - 4)));
         continue;
       }
       size_t slot = size_t(imm.sender) * config_.num_channels + channel;
@@ -498,8 +505,8 @@ void Runtime::shutdown() {
   std::unique_lock<std::shared_mutex> lock(lifetime_);
   initialized_.store(false, std::memory_order_release);
   std::vector<std::string> peer_shm_names;
-  for (auto& d : devices_) peer_shm_names.insert(peer_shm_names.end(), d->peer_shm_names().begin(),
-                                                 d->peer_shm_names().end());
+  for (auto& d : devices_)
+    peer_shm_names.insert(peer_shm_names.end(), d->peer_shm_names().begin(), d->peer_shm_names().end());
   bool abandoned = false;
   for (auto& d : devices_)
     if (!d->stop(std::min(d->timeout_s(), 5.0))) {

@@ -31,15 +31,15 @@ constexpr size_t kAbortReasonBytes = 1024;
 
 // The proxy runtime's settings; jax_uccl_ep/config.py holds their defaults and fills every field.
 struct Config {
-  std::string providers;         // libfabric providers to try, in order
-  int num_channels = 0;          // proxy threads (and rings, endpoints) per device
-  size_t buffer_bytes = 0;       // registered bytes per device
-  double timeout_s = 0;          // deadline of every wait on a peer
-  bool reorder = false;          // test mode: post writes out of order and late
+  std::string providers;             // libfabric providers to try, in order
+  int num_channels = 0;              // proxy threads (and rings, endpoints) per device
+  size_t buffer_bytes = 0;           // registered bytes per device
+  double timeout_s = 0;              // deadline of every wait on a peer
+  bool reorder = false;              // test mode: post writes out of order and late
   uint32_t max_inflight_writes = 0;  // per channel
   uint32_t max_write_bytes = 0;
-  uint64_t max_inflight_bytes = 0;   // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
-  uint32_t ring_capacity = 4096;     // commands per ring
+  uint64_t max_inflight_bytes = 0;     // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
+  uint32_t ring_capacity = 4096;       // commands per ring
   bool stuck_proxy_for_tests = false;  // test mode: a proxy thread ignores stop(), as one stuck in libfabric would
 };
 
@@ -48,7 +48,7 @@ struct DeviceStats {
   uint64_t writes_posted = 0;  // fi_writedata calls that succeeded
   uint64_t bytes_posted = 0;
   uint64_t messages_received = 0;
-  uint64_t peak_inflight_bytes = 0;  // the most posted, uncompleted bytes one channel had at once
+  uint64_t peak_inflight_bytes = 0;       // the most posted, uncompleted bytes one channel had at once
   std::vector<uint64_t> bytes_posted_to;  // per peer rank: what crossed to it (to other nodes: the network)
 };
 
@@ -100,7 +100,9 @@ class Device {
   const uint64_t* retired_word(int channel) const { return retired_->word(size_t(channel)); }
   // Messages from `peer` on `channel` that wait_message() has consumed (a consumer that is not a host thread waits
   // for the released word to pass it, then calls wait_message() to keep the count in step). Guarded by op_mutex().
-  uint64_t consumed(uint32_t peer, int channel) const { return consumed_[size_t(peer) * config_.num_channels + channel]; }
+  uint64_t consumed(uint32_t peer, int channel) const {
+    return consumed_[size_t(peer) * config_.num_channels + channel];
+  }
   CommandRing& ring(int channel) { return *rings_[channel]; }
   // After an error that left this rank out of step with its peers: fail every later op here, and tell `peers`
   // so that they fail at once (naming this rank and `reason`) instead of waiting for their deadline.
@@ -159,23 +161,23 @@ class Device {
   std::vector<std::unique_ptr<CommandRing>> rings_;
   std::vector<std::thread> threads_;
   std::atomic<bool> running_{false};
-  std::unique_ptr<std::atomic<bool>[]> exited_;  // per proxy thread
-  bool abandoned_ = false;                       // a proxy thread was left behind by stop()
-  std::unique_ptr<std::atomic<int64_t>[]> inflight_;  // posted, uncompleted writes per peer
+  std::unique_ptr<std::atomic<bool>[]> exited_;             // per proxy thread
+  bool abandoned_ = false;                                  // a proxy thread was left behind by stop()
+  std::unique_ptr<std::atomic<int64_t>[]> inflight_;        // posted, uncompleted writes per peer
   std::unique_ptr<std::atomic<uint64_t>[]> stat_bytes_to_;  // posted bytes per peer
-  std::unique_ptr<std::atomic<int64_t>[]> posting_;   // per channel: 1 + the peer of a write not yet posted, else 0
-  std::unique_ptr<uint64_t[]> inflight_bytes_;        // posted, uncompleted bytes per channel (its proxy's own)
+  std::unique_ptr<std::atomic<int64_t>[]> posting_;  // per channel: 1 + the peer of a write not yet posted, else 0
+  std::unique_ptr<uint64_t[]> inflight_bytes_;       // posted, uncompleted bytes per channel (its proxy's own)
   std::unique_ptr<std::atomic<uint64_t>[]> peak_inflight_bytes_;  // per channel
   std::mutex op_mutex_;
 
   // Receive side: released_ is written by the proxy of each channel, read by consumers.
-  std::unique_ptr<HostCounters> released_;            // [num_ranks * num_channels]
-  std::vector<uint64_t> consumed_;                    // consumer-owned, same shape
-  std::unique_ptr<bool[]> awaiting_ack_;              // consumer-owned, [num_ranks]
+  std::unique_ptr<HostCounters> released_;  // [num_ranks * num_channels]
+  std::vector<uint64_t> consumed_;          // consumer-owned, same shape
+  std::unique_ptr<bool[]> awaiting_ack_;    // consumer-owned, [num_ranks]
   std::any op_state_;
-  std::unique_ptr<HostCounters> retired_;             // commands completed, per channel
-  std::vector<MessageSequencer> sequencers_;          // proxy-owned, [num_ranks * num_channels]
-  std::vector<ArrivalCounter> arrivals_;              // proxy-owned, same shape
+  std::unique_ptr<HostCounters> retired_;     // commands completed, per channel
+  std::vector<MessageSequencer> sequencers_;  // proxy-owned, [num_ranks * num_channels]
+  std::vector<ArrivalCounter> arrivals_;      // proxy-owned, same shape
 
   std::atomic<bool> failed_{false};
   std::atomic<bool> aborted_by_peer_{false};

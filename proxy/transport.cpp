@@ -1,9 +1,9 @@
 #include "transport.hpp"
 
+#include <dirent.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
-#include <dirent.h>
 #include <rdma/fi_rma.h>
 #include <unistd.h>
 
@@ -138,8 +138,7 @@ EndpointInfo EndpointInfo::deserialize(const std::vector<uint8_t>& bytes) {
   return info;
 }
 
-FabricDevice::FabricDevice(const std::string& providers, uint32_t rank, void* buffer, size_t bytes,
-                           int num_channels)
+FabricDevice::FabricDevice(const std::string& providers, uint32_t rank, void* buffer, size_t bytes, int num_channels)
     : rank_(rank), buffer_(static_cast<char*>(buffer)), bytes_(bytes) {
   std::string tried;
   for (const auto& prov : split(providers, ',')) {
@@ -249,8 +248,8 @@ void FabricDevice::connect(const std::vector<EndpointInfo>& peers) {
   }
 }
 
-bool FabricDevice::post_write(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset,
-                              size_t length, uint32_t imm, void* context) {
+bool FabricDevice::post_write(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, size_t length,
+                              uint32_t imm, void* context) {
   auto& ch = channels_[channel];
   ssize_t rc = fi_writedata(ch.ep, buffer_ + local_offset, length, mr_desc_, imm, ch.peer_addr[peer],
                             peer_base_[peer] + remote_offset, peer_key_[peer], context);

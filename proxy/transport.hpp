@@ -24,9 +24,9 @@ struct EndpointInfo {
 };
 
 struct Completion {
-  bool remote_data;   // an incoming write carrying an immediate
-  uint32_t imm;       // valid when remote_data
-  void* context;      // our context for local completions
+  bool remote_data;  // an incoming write carrying an immediate
+  uint32_t imm;      // valid when remote_data
+  void* context;     // our context for local completions
 };
 
 // libfabric's shm provider names its segments /dev/shm/<pid>:<domain>:<endpoint>. A process killed before it

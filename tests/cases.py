@@ -2,6 +2,7 @@
 
 Functions return lists of problems instead of asserting, so child processes can report them.
 """
+
 from __future__ import annotations
 
 import os
@@ -10,12 +11,12 @@ import pickle
 import jax
 import jax.numpy as jnp
 import numpy as np
+import reference as ref
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_uccl_ep as ep
-import reference as ref
 
 
 def mesh_of(devices) -> Mesh:
@@ -63,16 +64,23 @@ def roundtrip(mesh: Mesh, x, topk_idx, topk_weights, num_experts: int, capacity:
         else:
             xs, idx, w = args
             xs = xs[0]
-        res = ep.dispatch(xs, idx[0], w[0] if has_w else None, num_experts=num_experts, axis_name="ep",
-                          capacity=capacity)
+        res = ep.dispatch(
+            xs, idx[0], w[0] if has_w else None, num_experts=num_experts, axis_name="ep", capacity=capacity
+        )
         rows = res.x[0].astype(jnp.float32) if fp8 else res.x
         rank = jax.lax.axis_index("ep")
         valid = jnp.arange(rows.shape[0]) < res.num_tokens
         # Padding rows get huge values: combine must ignore them.
         y = jnp.where(valid[:, None], rows * (rank + 1).astype(rows.dtype) + 1, 1e6).astype(rows.dtype)
         combined = ep.combine(y, res.handle)
-        out = (res.x, res.topk_idx, res.topk_weights if has_w else jnp.zeros((), jnp.float32),
-               res.num_tokens[None], res.num_tokens_per_expert, combined)
+        out = (
+            res.x,
+            res.topk_idx,
+            res.topk_weights if has_w else jnp.zeros((), jnp.float32),
+            res.num_tokens[None],
+            res.num_tokens_per_expert,
+            combined,
+        )
         return jax.tree.map(lambda a: a[None], out)
 
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -177,8 +185,9 @@ def random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype, *
 
 def check_case(mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, empty_rank=None) -> list[str]:
     num_ranks = mesh.devices.size
-    x_dev, x_ref, idx, w = random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype,
-                                       empty_rank=empty_rank)
+    x_dev, x_ref, idx, w = random_case(
+        seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype, empty_rank=empty_rank
+    )
     outs = roundtrip(mesh, x_dev, idx, w, num_experts)
     return check_roundtrip(outs, x_ref, idx, w, num_experts, dtype, empty=empty_rank)
 
@@ -262,8 +271,9 @@ def low_latency_reference(idx, num_experts):
     return out
 
 
-def check_low_latency(mesh, seed, num_tokens, n, hidden, topk, num_experts, *, split=False, zero_padding=True,
-                      **kw) -> list[str]:
+def check_low_latency(
+    mesh, seed, num_tokens, n, hidden, topk, num_experts, *, split=False, zero_padding=True, **kw
+) -> list[str]:
     """low_latency_dispatch, a per-expert transform, low_latency_combine (fused or split into halves) against
     the reference: counts, layout, source tags, rows (FP8 within e4m3's bound) and the weighted combine."""
     num_ranks = mesh.devices.size
@@ -295,8 +305,7 @@ def check_low_latency(mesh, seed, num_tokens, n, hidden, topk, num_experts, *, s
             out = ep.low_latency_combine_recv(ep.low_latency_combine_send(y, handle), idx[0], w[0])
         else:
             out = ep.low_latency_combine(y, idx[0], w[0], handle)
-        return (deq[None], count[None], handle.layout[None], handle.src_token[None], handle.src_slot[None],
-                out[None])
+        return (deq[None], count[None], handle.layout[None], handle.src_token[None], handle.src_slot[None], out[None])
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     deq, count, layout, src_token, src_slot, out = (gather(a) for a in f(*(shard(mesh, a) for a in (xb, idx, w))))
@@ -347,8 +356,9 @@ def check_low_latency(mesh, seed, num_tokens, n, hidden, topk, num_experts, *, s
     return problems
 
 
-def check_low_latency_fp8_cast(mesh, seed, num_tokens, hidden, topk, num_experts, *, dtype=jnp.bfloat16,
-                               round_scale=False, nonfinite=False) -> list[str]:
+def check_low_latency_fp8_cast(
+    mesh, seed, num_tokens, hidden, topk, num_experts, *, dtype=jnp.bfloat16, round_scale=False, nonfinite=False
+) -> list[str]:
     """The FP8 rows and scales a low-latency dispatch delivers against per_token_cast_to_fp8 of their source tokens
     (the dispatch casts on the way). Blocks of very different magnitudes, an all-zero block and values in e4m3's
     subnormal range. The rule is the same, the last bit of a float32 step may not be (XLA, the CPU and the GPU
@@ -360,14 +370,15 @@ def check_low_latency_fp8_cast(mesh, seed, num_tokens, hidden, topk, num_experts
     rng = np.random.default_rng(seed)
     idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
     mag = np.exp(rng.uniform(-8, 8, (num_ranks, num_tokens, hidden // 128, 1)))
-    x = (rng.standard_normal((num_ranks, num_tokens, hidden // 128, 128)) * mag)
+    x = rng.standard_normal((num_ranks, num_tokens, hidden // 128, 128)) * mag
     x[:, :, 0, :] *= np.where(rng.random(128) < 0.5, 1e-4, 1.0)  # values ~2^-13 of the block's largest: subnormals
     x[:, 0, -1, :] = 0.0  # an all-zero block keeps a finite scale
     if nonfinite:
         x[:, 1, -1, 5], x[:, 2, 0, 7] = np.nan, np.inf
     x = np.asarray(jnp.asarray(x.reshape(num_ranks, num_tokens, hidden), dtype))
-    args = dict(num_experts=num_experts, max_tokens_per_rank=num_tokens, axis_name="ep", use_fp8=True,
-                round_scale=round_scale)
+    args = dict(
+        num_experts=num_experts, max_tokens_per_rank=num_tokens, axis_name="ep", use_fp8=True, round_scale=round_scale
+    )
 
     def body(x, idx):
         (rows, scales), count, handle = ep.low_latency_dispatch(x[0], idx[0], **args)
@@ -394,8 +405,11 @@ def check_low_latency_fp8_cast(mesh, seed, num_tokens, hidden, topk, num_experts
                 if src_slot[r, l, i] // topk != t or idx[s, t, src_slot[r, l, i] % topk] != r * local + l:
                     problems.append(f"rank {r} expert {l} row {i}: from token {src_slot[r, l, i] // topk}, not {t}")
                     continue
-                if not (np.array_equal(scales[r, l, i], want_scales[s, t], equal_nan=True) if round_scale else
-                        np.allclose(scales[r, l, i], want_scales[s, t], rtol=1e-6, atol=0, equal_nan=True)):
+                if not (
+                    np.array_equal(scales[r, l, i], want_scales[s, t], equal_nan=True)
+                    if round_scale
+                    else np.allclose(scales[r, l, i], want_scales[s, t], rtol=1e-6, atol=0, equal_nan=True)
+                ):
                     problems.append(f"rank {r} expert {l} row {i}: scales differ from per_token_cast_to_fp8's")
                 got, want = rows[r, l, i].astype(np.int16), want_rows[s, t].astype(np.int16)
                 got[got & 0x7F == 0x7F], want[want & 0x7F == 0x7F] = 0x7F, 0x7F  # NaN, either sign

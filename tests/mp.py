@@ -5,6 +5,7 @@ The names the tests import, on top of the package's launcher (jax_uccl_ep.launch
 child runs in its own process group, killed at the timeout, and dies with the test process, so no test leaves
 processes behind.
 """
+
 from __future__ import annotations
 
 from typing import Any

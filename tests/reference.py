@@ -1,4 +1,5 @@
 """Plain-NumPy reference for normal-mode dispatch and combine, written from the spec, not from the code."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,14 +41,16 @@ def dispatch(x, topk_idx, topk_weights, num_experts, per_node=None):
             for e in row:
                 if e >= 0:
                     counts[e] += 1
-        out.append({
-            "x": np.array(rows).reshape((len(rows),) + x.shape[2:]),
-            "topk_idx": np.array(idx, np.int64).reshape(len(rows), k),
-            "topk_weights": None if topk_weights is None else np.array(w, np.float64).reshape(len(rows), k),
-            "num_tokens": len(rows),
-            "num_tokens_per_expert": counts,
-            "sources": src,
-        })
+        out.append(
+            {
+                "x": np.array(rows).reshape((len(rows),) + x.shape[2:]),
+                "topk_idx": np.array(idx, np.int64).reshape(len(rows), k),
+                "topk_weights": None if topk_weights is None else np.array(w, np.float64).reshape(len(rows), k),
+                "num_tokens": len(rows),
+                "num_tokens_per_expert": counts,
+                "sources": src,
+            }
+        )
     return out
 
 
@@ -62,8 +65,7 @@ def combine(ys, dispatched, num_tokens):
     return out
 
 
-def random_routing(rng, num_ranks, num_tokens, topk, num_experts, *, mask_prob=0.2, skew=True,
-                   empty_rank=None):
+def random_routing(rng, num_ranks, num_tokens, topk, num_experts, *, mask_prob=0.2, skew=True, empty_rank=None):
     """Distinct experts per token, some slots masked (-1); skewed popularity; optionally one rank gets nothing."""
     per_rank = num_experts // num_ranks
     allowed = np.arange(num_experts)

@@ -47,8 +47,13 @@ def test_only_the_settings_module_reads_the_environment():
 
 def test_variables_override_fields_and_unset_ones_keep_them():
     base = Config(num_sms=16, timeout_s=30.0, two_level="0")
-    env = {"UCCL_EP_NUM_SMS": "40", "UCCL_EP_NVL_BULK": "0", "UCCL_EP_FI_PROVIDER": "tcp;ofi_rxm",
-           "UCCL_EP_TWO_LEVEL": " ", "UCCL_EP_GPUS_PER_NODE": "2"}
+    env = {
+        "UCCL_EP_NUM_SMS": "40",
+        "UCCL_EP_NVL_BULK": "0",
+        "UCCL_EP_FI_PROVIDER": "tcp;ofi_rxm",
+        "UCCL_EP_TWO_LEVEL": " ",
+        "UCCL_EP_GPUS_PER_NODE": "2",
+    }
     got = Config.from_env(base, env)
     assert (got.num_sms, got.nvl_bulk, got.fi_provider, got.gpus_per_node) == (40, False, "tcp;ofi_rxm", 2)
     assert (got.timeout_s, got.two_level) == (30.0, "0")  # unset or blank: the field stays

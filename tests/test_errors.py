@@ -1,4 +1,5 @@
 """Bad input and misuse: each case fails with an error that names what is wrong, and the runtime stays usable."""
+
 from __future__ import annotations
 
 import os
@@ -7,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from mp import describe, launch, launch_ok
 
 import jax_uccl_ep as ep
-import reference as ref
-from mp import describe, launch, launch_ok
 
 HERE = os.path.abspath(__file__)
 R, T, H, K, E = 4, 6, 128, 2, 8
@@ -28,8 +29,9 @@ def _call(x, idx, w=None, *, num_experts=E, capacity=None, ranks=R):
     mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
 
     def body(x, idx, *w):
-        res = ep.dispatch(x[0], idx[0], w[0][0] if w else None, num_experts=num_experts, axis_name="ep",
-                          capacity=capacity)
+        res = ep.dispatch(
+            x[0], idx[0], w[0][0] if w else None, num_experts=num_experts, axis_name="ep", capacity=capacity
+        )
         out = ep.combine(res.x, res.handle)
         return out[None], res.num_tokens[None], (res.topk_weights[None] if w else res.num_tokens[None])
 
@@ -71,8 +73,14 @@ def test_layout_rejects_bad_expert_index():
     _, idx, _ = _inputs()
     idx[1, 2, 0] = E + 5
     mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
-    f = jax.jit(jax.shard_map(lambda i: ep.get_dispatch_layout(i[0], num_experts=E, axis_name="ep")[0][None],
-                              mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    f = jax.jit(
+        jax.shard_map(
+            lambda i: ep.get_dispatch_layout(i[0], num_experts=E, axis_name="ep")[0][None],
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+    )
     with pytest.raises(Exception, match="is outside"):
         np.asarray(f(jnp.asarray(idx)))
 
@@ -129,8 +137,12 @@ def test_fp8_hidden_must_be_multiple_of_128():
     x = jnp.ones((2, 4, 96), jnp.float8_e4m3fn)
     s = jnp.ones((2, 4, 1), jnp.float32)
     idx = jnp.zeros((2, 4, 1), jnp.int32)
-    f = jax.shard_map(lambda x, s, i: ep.dispatch((x[0], s[0]), i[0], num_experts=2, axis_name="ep").num_tokens[None],
-                      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    f = jax.shard_map(
+        lambda x, s, i: ep.dispatch((x[0], s[0]), i[0], num_experts=2, axis_name="ep").num_tokens[None],
+        mesh=mesh,
+        in_specs=P("ep"),
+        out_specs=P("ep"),
+    )
     with pytest.raises(ValueError, match="FP8 hidden size must be a multiple of 128, got 96"):
         jax.jit(f)(x, s, idx)
 
@@ -225,12 +237,16 @@ def mismatched_hidden(mode: str = "normal") -> dict:
     x = jax.make_array_from_callback((2, 4, hidden), sharding, lambda s: np.ones((1, 4, hidden), np.float32))
     i = jax.make_array_from_callback((2, 4, 1), sharding, lambda s: np.zeros((1, 4, 1), np.int32) + 1)
     if mode == "normal":
+
         def body(x, i):
             return ep.dispatch(x[0], i[0], num_experts=2, axis_name="ep").x[None]
     else:
+
         def body(x, i):
-            return ep.low_latency_dispatch(x[0], i[0], num_experts=2, max_tokens_per_rank=4, axis_name="ep",
-                                           use_fp8=False)[0][None]
+            return ep.low_latency_dispatch(
+                x[0], i[0], num_experts=2, max_tokens_per_rank=4, axis_name="ep", use_fp8=False
+            )[0][None]
+
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     try:
         f(x, i).block_until_ready()
@@ -243,8 +259,14 @@ def mismatched_hidden(mode: str = "normal") -> dict:
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_mismatched_shapes_across_ranks_are_detected_not_hung(mode):
-    results = launch(HERE, "mismatched_hidden", 2, args=[mode],
-                     env={"UCCL_EP_TIMEOUT_S": "20", "UCCL_EP_TEST_HARD_EXIT": "1"}, timeout_s=120)
+    results = launch(
+        HERE,
+        "mismatched_hidden",
+        2,
+        args=[mode],
+        env={"UCCL_EP_TIMEOUT_S": "20", "UCCL_EP_TEST_HARD_EXIT": "1"},
+        timeout_s=120,
+    )
     assert all(r.ok for r in results), describe(results)
     for r in results:
         assert r.result["error"] is not None
@@ -264,8 +286,10 @@ def initialize_outcome() -> dict:
 def test_processes_with_different_settings_are_refused_at_initialize():
     """Peers compute where their messages land from their own buffer layout: a process whose buffer (or channels)
     differs would corrupt them. Every process refuses, naming the setting and each process's value."""
-    per_rank = [{"UCCL_EP_BUFFER_BYTES": str(8 << 20)},
-                {"UCCL_EP_BUFFER_BYTES": str(16 << 20), "UCCL_EP_NUM_PROXY_THREADS": "2"}]
+    per_rank = [
+        {"UCCL_EP_BUFFER_BYTES": str(8 << 20)},
+        {"UCCL_EP_BUFFER_BYTES": str(16 << 20), "UCCL_EP_NUM_PROXY_THREADS": "2"},
+    ]
     results = launch(HERE, "initialize_outcome", 2, per_rank_env=per_rank, timeout_s=120)
     assert all(x.ok for x in results), describe(results)
     for x in results:
@@ -276,5 +300,6 @@ def test_processes_with_different_settings_are_refused_at_initialize():
         assert "UCCL_EP_HIERARCHICAL" not in msg, msg  # only what differs
     # The same settings everywhere: no complaint.
     same = [{"UCCL_EP_BUFFER_BYTES": str(8 << 20)}] * 2
-    assert [x.result for x in launch(HERE, "initialize_outcome", 2, per_rank_env=same, timeout_s=120)] == \
-        [{"error": None}] * 2
+    assert [x.result for x in launch(HERE, "initialize_outcome", 2, per_rank_env=same, timeout_s=120)] == [
+        {"error": None}
+    ] * 2

@@ -1,4 +1,5 @@
 """The examples (MoE layer, MoE transformer training) and the multi-process launcher."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +14,6 @@ from functools import partial
 
 import numpy as np
 import pytest
-
 from mp import launch_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +35,14 @@ def _load(name: str):
 
 def _launcher(args: list[str], cwd: str, timeout: float = 120.0, **kwargs) -> subprocess.CompletedProcess:
     """Runs `python -m jax_uccl_ep.launch args...` from `cwd` (outside the repository: the installed package)."""
-    return subprocess.run([sys.executable, "-m", "jax_uccl_ep.launch", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "jax_uccl_ep.launch", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -60,6 +66,7 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 @pytest.fixture(scope="module")
 def ep_runtime():
     import jax
+
     import jax_uccl_ep
 
     jax_uccl_ep.initialize()
@@ -79,8 +86,9 @@ def test_moe_layer_matches_dense_reference_with_gradients(ep_runtime, top_k):
 # with the real collective has its own test, which skips on CPU and says why.
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name, axis_index_groups=None):
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None
+):
     """jax.lax.ragged_all_to_all (one chunk per peer) from all_to_all, gathers and scatters; differentiable."""
     import jax
     import jax.numpy as jnp
@@ -101,7 +109,8 @@ def _layer_vs_dense(layer, *, top_k: int, seed: int, tokens: int = 20) -> None:
     """layer(params, x, num_experts, top_k, axis_name) in shard_map vs moe_ffn_dense: output and all gradients."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     ml = _load("moe_layer")
     mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
@@ -115,8 +124,12 @@ def _layer_vs_dense(layer, *, top_k: int, seed: int, tokens: int = 20) -> None:
     specs = ml.moe_param_specs("ep")
 
     def ep_loss(p, x):
-        y = jax.shard_map(lambda p, x: layer(p, x, num_experts=num_experts, top_k=top_k, axis_name="ep"),
-                          mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep"))(p, x)
+        y = jax.shard_map(
+            lambda p, x: layer(p, x, num_experts=num_experts, top_k=top_k, axis_name="ep"),
+            mesh=mesh,
+            in_specs=(specs, P("ep")),
+            out_specs=P("ep"),
+        )(p, x)
         return jnp.sum(y * cotangent), y
 
     def dense_loss(p, x):
@@ -132,16 +145,17 @@ def _layer_vs_dense(layer, *, top_k: int, seed: int, tokens: int = 20) -> None:
     for (path, g), (_, g_ref) in zip(flat, flat_ref):
         g, g_ref = np.asarray(g), np.asarray(g_ref)
         assert np.abs(g_ref).max() > 1e-3, f"{jax.tree_util.keystr(path)}: reference gradient vanished"
-        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5 * np.abs(g_ref).max(),
-                                   err_msg=f"gradient {jax.tree_util.keystr(path)}")
+        np.testing.assert_allclose(
+            g, g_ref, rtol=1e-4, atol=1e-5 * np.abs(g_ref).max(), err_msg=f"gradient {jax.tree_util.keystr(path)}"
+        )
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_low_latency_layer_matches_dense_reference(ep_runtime, use_fp8):
     """moe_ffn_low_latency (forward, decode-sized batches with a larger static budget) against moe_ffn_dense."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     ml = _load("moe_layer")
     mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
@@ -149,10 +163,16 @@ def test_low_latency_layer_matches_dense_reference(ep_runtime, use_fp8):
     keys = jax.random.split(jax.random.key(21), 3)
     params = ml.init_moe_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
     x = jax.random.normal(keys[1], (r * tokens, d_model))
-    layer = jax.jit(jax.shard_map(
-        lambda p, x: ml.moe_ffn_low_latency(p, x, num_experts=num_experts, top_k=top_k, axis_name="ep",
-                                            max_tokens_per_rank=8, use_fp8=use_fp8),
-        mesh=mesh, in_specs=(ml.moe_param_specs("ep"), P("ep")), out_specs=P("ep")))
+    layer = jax.jit(
+        jax.shard_map(
+            lambda p, x: ml.moe_ffn_low_latency(
+                p, x, num_experts=num_experts, top_k=top_k, axis_name="ep", max_tokens_per_rank=8, use_fp8=use_fp8
+            ),
+            mesh=mesh,
+            in_specs=(ml.moe_param_specs("ep"), P("ep")),
+            out_specs=P("ep"),
+        )
+    )
     y = np.asarray(layer(params, x))
     y_ref = np.asarray(ml.moe_ffn_dense(params, x, num_experts=num_experts, top_k=top_k))
     assert float(np.std(y_ref)) > 1e-2
@@ -165,31 +185,42 @@ def test_emulated_ragged_all_to_all_follows_the_documented_example():
     """The example in jax.lax.ragged_all_to_all's docstring, on 2 devices, through the emulation."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices (JAX_NUM_CPU_DEVICES)")
     mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)[:2]), ("x",))
-    args = [jnp.array(a, jnp.int32) for a in (
-        [[1, 2, 2], [3, 4, 0]],  # operand
-        [[0, 0, 0, 0], [0, 0, 0, 0]],  # output
-        [[0, 1], [0, 1]],  # input_offsets
-        [[1, 2], [1, 1]],  # send_sizes
-        [[0, 0], [1, 2]],  # output_offsets
-        [[1, 1], [2, 1]],  # recv_sizes
-    )]
-    f = jax.shard_map(lambda *a: emulated_ragged_all_to_all(*(v[0] for v in a), axis_name="x")[None],
-                      mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    args = [
+        jnp.array(a, jnp.int32)
+        for a in (
+            [[1, 2, 2], [3, 4, 0]],  # operand
+            [[0, 0, 0, 0], [0, 0, 0, 0]],  # output
+            [[0, 1], [0, 1]],  # input_offsets
+            [[1, 2], [1, 1]],  # send_sizes
+            [[0, 0], [1, 2]],  # output_offsets
+            [[1, 1], [2, 1]],  # recv_sizes
+        )
+    ]
+    f = jax.shard_map(
+        lambda *a: emulated_ragged_all_to_all(*(v[0] for v in a), axis_name="x")[None],
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+    )
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(*args)), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-@pytest.mark.parametrize("impl,expert_compute,top_k", [
-    ("all_to_all", "masked", 2),
-    ("all_to_all", "grouped", 3),
-    ("ragged", "grouped", 2),
-    ("ragged", "masked", 3),
-    ("uccl", "grouped", 2),
-])
+@pytest.mark.parametrize(
+    "impl,expert_compute,top_k",
+    [
+        ("all_to_all", "masked", 2),
+        ("all_to_all", "grouped", 3),
+        ("ragged", "grouped", 2),
+        ("ragged", "masked", 3),
+        ("uccl", "grouped", 2),
+    ],
+)
 def test_ep_layers_match_dense_reference_with_gradients(ep_runtime, monkeypatch, impl, expert_compute, top_k):
     import jax
 
@@ -203,7 +234,8 @@ def test_ep_layers_match_dense_reference_with_gradients(ep_runtime, monkeypatch,
 def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime):
     """With C slots per (sender, receiver), the first C slots (token order) for each rank count, the rest add 0."""
     import jax
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     ml = _load("moe_layer")
     mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
@@ -213,10 +245,16 @@ def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime):
     params = ml.init_moe_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
     params["router"] = params["router"] + 2.0 * jax.random.normal(keys[1], (1, num_experts))
     x = jax.random.normal(keys[2], (r * tokens, d_model))
-    layer = jax.jit(jax.shard_map(
-        lambda p, x: ml.moe_ffn_all_to_all(p, x, num_experts=num_experts, top_k=top_k, axis_name="ep",
-                                           capacity=capacity),
-        mesh=mesh, in_specs=(ml.moe_param_specs("ep"), P("ep")), out_specs=P("ep")))
+    layer = jax.jit(
+        jax.shard_map(
+            lambda p, x: ml.moe_ffn_all_to_all(
+                p, x, num_experts=num_experts, top_k=top_k, axis_name="ep", capacity=capacity
+            ),
+            mesh=mesh,
+            in_specs=(ml.moe_param_specs("ep"), P("ep")),
+            out_specs=P("ep"),
+        )
+    )
     y = np.asarray(layer(params, x))
 
     weights, idx = (np.asarray(a) for a in ml.route(params["router"], x, top_k))
@@ -247,8 +285,7 @@ def test_ragged_layer_with_the_real_ragged_all_to_all(ep_runtime):
     except Exception as e:  # noqa: BLE001  (JaxRuntimeError; its module moved between jax versions)
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         if jax.devices()[0].platform == "cpu" and "ragged-all-to-all" in message and "UNIMPLEMENTED" in message:
-            pytest.skip(f"XLA:CPU (jax {jax.__version__}) cannot run ragged_all_to_all: {type(e).__name__}: "
-                        f"{message}")
+            pytest.skip(f"XLA:CPU (jax {jax.__version__}) cannot run ragged_all_to_all: {type(e).__name__}: {message}")
         raise
 
 
@@ -286,16 +323,24 @@ def test_training_loss_curves_match_dense_reference(tmp_path):
     pytest.importorskip("optax")
     steps = 20
     # uccl: the command a user types, through the launcher.
-    proc = _launcher(["-n", "2", TRAIN, "--steps", str(steps), "--ep-impl", "uccl", "--time-every", "0",
-                      "--json", "--seed", "3"], cwd=str(tmp_path), timeout=150)
+    proc = _launcher(
+        ["-n", "2", TRAIN, "--steps", str(steps), "--ep-impl", "uccl", "--time-every", "0", "--json", "--seed", "3"],
+        cwd=str(tmp_path),
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith(f"[rank 0] {JSON_MARK}")]
     assert len(lines) == 1, proc.stdout[-3000:]
-    uccl = json.loads(lines[0][len(f"[rank 0] {JSON_MARK}"):])
+    uccl = json.loads(lines[0][len(f"[rank 0] {JSON_MARK}") :])
     assert any(l.startswith("[rank 0] step   20/20") for l in proc.stdout.splitlines())
     # dense: train() called as a function in 2 processes through tests/mp.py.
-    dense = launch_ok(TRAIN, "train", 2, args=[["--steps", str(steps), "--ep-impl", "dense", "--time-every", "0",
-                                                "--seed", "3"]], timeout_s=150)
+    dense = launch_ok(
+        TRAIN,
+        "train",
+        2,
+        args=[["--steps", str(steps), "--ep-impl", "dense", "--time-every", "0", "--seed", "3"]],
+        timeout_s=150,
+    )
     assert dense[0]["losses"] == dense[1]["losses"]  # every process reports the global loss
 
     assert uccl["processes"] == 2 and uccl["devices"] == 2 and dense[0]["ep_impl"] == "dense"
@@ -349,20 +394,26 @@ def test_launcher_kills_the_rest_when_a_rank_fails(tmp_path):
 
 def test_launcher_sets_the_environment(tmp_path):
     script = tmp_path / "env.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, os
         keys = ["JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_PLATFORMS",
                 "JAX_NUM_CPU_DEVICES", "FI_TCP_IFACE", "CUDA_VISIBLE_DEVICES"]
         print(json.dumps({k: os.environ.get(k) for k in keys}))
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k != "FI_TCP_IFACE"}
-    proc = _launcher(["-n", "2", "--platform", "cpu", "--devices-per-process", "3", str(script)],
-                     cwd=str(tmp_path), timeout=60, env=env)
+    proc = _launcher(
+        ["-n", "2", "--platform", "cpu", "--devices-per-process", "3", str(script)],
+        cwd=str(tmp_path),
+        timeout=60,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     seen = {}
     for line in proc.stdout.splitlines():
         rank, _, payload = line.partition("] ")
-        seen[int(rank[len("[rank "):])] = json.loads(payload)
+        seen[int(rank[len("[rank ") :])] = json.loads(payload)
     assert sorted(seen) == [0, 1]
     assert seen[0]["JAX_COORDINATOR_ADDRESS"] == seen[1]["JAX_COORDINATOR_ADDRESS"]
     assert seen[0]["JAX_COORDINATOR_ADDRESS"].startswith("127.0.0.1:")
@@ -376,14 +427,20 @@ def test_launcher_sets_the_environment(tmp_path):
 
 def test_launcher_forwards_sigterm(tmp_path):
     script = tmp_path / "wait.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, time
         print("ready", os.getpid(), flush=True)
         time.sleep(300)
-    """))
-    launcher = subprocess.Popen([sys.executable, "-m", "jax_uccl_ep.launch", "-n", "2", "--grace-period", "1",
-                                 str(script)], cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    """)
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jax_uccl_ep.launch", "-n", "2", "--grace-period", "1", str(script)],
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         pids = []
         while len(pids) < 2:

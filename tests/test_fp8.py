@@ -1,4 +1,5 @@
 """FP8 casts: round trip within float8_e4m3fn's precision, scales per 128 channels, and the bad-shape errors."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -12,7 +13,9 @@ import jax_uccl_ep as ep
 def test_round_trip_within_fp8_precision(tokens, hidden):
     rng = np.random.default_rng(tokens * hidden)
     # Blocks of very different magnitudes: each must be scaled on its own.
-    x = rng.standard_normal((tokens, hidden)) * np.exp(rng.uniform(-6, 6, (tokens, hidden // 128, 1))).repeat(128, 2).reshape(tokens, hidden)
+    x = rng.standard_normal((tokens, hidden)) * np.exp(rng.uniform(-6, 6, (tokens, hidden // 128, 1))).repeat(
+        128, 2
+    ).reshape(tokens, hidden)
     x = jnp.asarray(x, jnp.float32)
     x_fp8, scales = ep.per_token_cast_to_fp8(x)
     assert x_fp8.dtype == jnp.float8_e4m3fn and x_fp8.shape == x.shape
@@ -55,8 +58,9 @@ def test_rounded_scales_are_exact_powers_of_two():
     assert np.all(mantissa == 0.5), s[mantissa != 0.5][:4]
     plain = np.asarray(ep.per_token_cast_to_fp8(jnp.asarray(x, jnp.float32))[1])
     assert np.all((s >= plain) & (s < 2 * plain))  # the next power of two up
-    np.testing.assert_array_equal(np.asarray(ep.unpack_ue8m0(ep.pack_ue8m0(jnp.asarray(s).reshape(16, 4)))),
-                                  s.reshape(16, 4))
+    np.testing.assert_array_equal(
+        np.asarray(ep.unpack_ue8m0(ep.pack_ue8m0(jnp.asarray(s).reshape(16, 4)))), s.reshape(16, 4)
+    )
 
 
 def test_nonfinite_blocks_keep_nonfinite_scales():

@@ -2,13 +2,13 @@
 
 Both process modes: one process driving every GPU (JAX's default) and one process per GPU.
 """
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
 import pytest
-
 from mp import count_gpus, describe, launch
 
 HERE = os.path.abspath(__file__)
@@ -22,13 +22,13 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     """Child: the checks of one mode ("normal" or "low_latency") on a mesh of all GPUs of the job; with
     error_checks "0", only the reference checks (the NVLink runtime's kernel-found errors are left out); with
     gradients "0", no gradient check (its loss sums with an XLA collective, which NCCL refuses on a shared GPU)."""
+    import cases
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import cases
-    import jax_uccl_ep as ep
     import reference as ref
+
+    import jax_uccl_ep as ep
 
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
@@ -91,9 +91,14 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         problems["bad_index"] = [] if owns_rank0 and "= 99 outside" in str(exc) else [str(exc)[:300]]
     # The layout (local, no peers) skips and reports a bad index the same way.
     try:
-        jax.jit(jax.shard_map(lambda i: ep.get_dispatch_layout(i[0], num_experts=2 * r, axis_name="ep")[0][None],
-                              mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))(
-            cases.shard(mesh, idx2)).block_until_ready()
+        jax.jit(
+            jax.shard_map(
+                lambda i: ep.get_dispatch_layout(i[0], num_experts=2 * r, axis_name="ep")[0][None],
+                mesh=mesh,
+                in_specs=cases.P("ep"),
+                out_specs=cases.P("ep"),
+            )
+        )(cases.shard(mesh, idx2)).block_until_ready()
         ep.check_errors()
         problems["layout_bad_index"] = ["no error for expert 99 in the layout"] if owns_rank0 else []
     except Exception as exc:  # noqa: BLE001
@@ -124,8 +129,9 @@ def _low_latency_checks(mesh, problems: dict) -> None:
     # The cast in the send kernel against per_token_cast_to_fp8: several tokens a block, an odd number of 128-channel
     # blocks, float32 input with power-of-two scales.
     problems["ll_cast"] = cases.check_low_latency_fp8_cast(mesh, 320, 200, 384, 8, 16 * r, nonfinite=True)
-    problems["ll_cast_f32"] = cases.check_low_latency_fp8_cast(mesh, 321, 33, 7168, 4, 8 * r, dtype=jnp.float32,
-                                                                round_scale=True)
+    problems["ll_cast_f32"] = cases.check_low_latency_fp8_cast(
+        mesh, 321, 33, 7168, 4, 8 * r, dtype=jnp.float32, round_scale=True
+    )
     print(f"ll_cast: {problems['ll_cast']} {problems['ll_cast_f32']}", flush=True)
 
 
@@ -134,13 +140,12 @@ def gpu_missing_peer(mode: str = "low_latency") -> dict:
     gives up after UCCL_EP_TIMEOUT_S and check_errors() names the missing rank."""
     import time
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     import cases
-    import jax_uccl_ep as ep
+    import jax
+    import numpy as np
     from jax._src import distributed
+
+    import jax_uccl_ep as ep
 
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
@@ -151,12 +156,16 @@ def gpu_missing_peer(mode: str = "low_latency") -> dict:
         x = cases.shard(mesh, np.ones((r, 4, 128), np.float32))
         idx = cases.shard(mesh, np.zeros((r, 4, 1), np.int32) + r)  # every token to an expert of rank 1
         if mode == "low_latency":
+
             def body(x, i):
-                return ep.low_latency_dispatch(x[0], i[0], num_experts=2 * r, max_tokens_per_rank=4,
-                                               axis_name="ep", use_fp8=False)[1][None]
+                return ep.low_latency_dispatch(
+                    x[0], i[0], num_experts=2 * r, max_tokens_per_rank=4, axis_name="ep", use_fp8=False
+                )[1][None]
         else:
+
             def body(x, i):
                 return ep.dispatch(x[0], i[0], num_experts=2 * r, axis_name="ep").num_tokens[None]
+
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
         start = time.monotonic()
         try:
@@ -194,8 +203,9 @@ def test_one_process_drives_all_gpus(part):
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
 def test_one_process_per_gpu(part):
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS)]
-    results = launch(HERE, "gpu_suite", NUM_GPUS, args=[part], platform="gpu", per_rank_env=per_rank,
-                     timeout_s=150, env=SUITE_ENV)
+    results = launch(
+        HERE, "gpu_suite", NUM_GPUS, args=[part], platform="gpu", per_rank_env=per_rank, timeout_s=150, env=SUITE_ENV
+    )
     _check(results, NUM_GPUS)
 
 
@@ -225,8 +235,16 @@ def test_gpus_as_separate_nodes_over_the_proxy(part, reorder):
     check_errors(), as over NVLink."""
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS)]
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20))
-    results = launch(HERE, "gpu_suite", NUM_GPUS, args=[part, "1" if part == "normal" else "0"], platform="gpu",
-                     per_rank_env=per_rank, timeout_s=150, env=env)
+    results = launch(
+        HERE,
+        "gpu_suite",
+        NUM_GPUS,
+        args=[part, "1" if part == "normal" else "0"],
+        platform="gpu",
+        per_rank_env=per_rank,
+        timeout_s=150,
+        env=env,
+    )
     _check(results, NUM_GPUS)
 
 
@@ -236,10 +254,16 @@ def test_over_the_proxy_staged_through_the_host(part):
     before GPU-initiated ops; still the one for jobs larger than those take: 8 ranks in normal mode, 32 in
     low-latency mode), against the same references."""
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS)]
-    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_REORDER="1", UCCL_EP_GPU_INITIATED="0",
-               UCCL_EP_BUFFER_BYTES=str(256 << 20))
-    results = launch(HERE, "gpu_suite", NUM_GPUS, args=[part, "0"], platform="gpu", per_rank_env=per_rank,
-                     timeout_s=150, env=env)
+    env = dict(
+        SUITE_ENV,
+        UCCL_EP_GPUS_PER_NODE="1",
+        UCCL_EP_REORDER="1",
+        UCCL_EP_GPU_INITIATED="0",
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
+    )
+    results = launch(
+        HERE, "gpu_suite", NUM_GPUS, args=[part, "0"], platform="gpu", per_rank_env=per_rank, timeout_s=150, env=env
+    )
     _check(results, NUM_GPUS)
 
 
@@ -250,11 +274,21 @@ def test_two_level_routing_over_nvlink_and_the_proxies(reorder):
     GPUs; the reference checks in two-level row order and the kernel-found errors, with the proxies' reorder mode
     off and on. Results go through the key-value store (NCCL refuses two ranks on one GPU)."""
     g = min(NUM_GPUS, 4)
-    per_rank = [{"CUDA_VISIBLE_DEVICES": str(i % g), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                 "UCCL_EP_TEST_KV_GATHER": "1"} for i in range(2 * g)]
+    per_rank = [
+        {"CUDA_VISIBLE_DEVICES": str(i % g), "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
+        for i in range(2 * g)
+    ]
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE=str(g), UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20))
-    results = launch(HERE, "gpu_suite", 2 * g, args=["normal", "1", "0"], platform="gpu", per_rank_env=per_rank,
-                     timeout_s=300, env=env)
+    results = launch(
+        HERE,
+        "gpu_suite",
+        2 * g,
+        args=["normal", "1", "0"],
+        platform="gpu",
+        per_rank_env=per_rank,
+        timeout_s=300,
+        env=env,
+    )
     _check(results, 2 * g)
     assert all(x.result["two_level"] == [2, g, True, True] for x in results), describe(results)
 
@@ -263,13 +297,13 @@ def gpu_ep_within_nodes() -> dict:
     """Child (GPUs on two nodes of two, UCCL_EP_GPUS_PER_NODE=2): a (dp=2, ep=2) mesh whose EP groups are the nodes.
     Their ops run over the node's NVLink runtime: rows and combine against the reference, and the proxies post
     nothing meanwhile."""
+    import cases
     import jax
+    import reference as ref
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import cases
     import jax_uccl_ep as ep
-    import reference as ref
     from jax_uccl_ep import _runtime, _uccl_ep
 
     ep.initialize()
@@ -313,11 +347,11 @@ def gpu_proxy_bad_index() -> dict:
     """Child (each GPU its own node: GPU-initiated low-latency ops): expert 99 in rank 0's routing. The op itself
     does not fail (its peers stay in step), check_errors() names the slot in rank 0's process only, and a reference
     check right after passes."""
-    import jax
-
     import cases
-    import jax_uccl_ep as ep
+    import jax
     import reference as ref
+
+    import jax_uccl_ep as ep
     from jax_uccl_ep import _ffi
 
     ep.initialize()
@@ -329,8 +363,9 @@ def gpu_proxy_bad_index() -> dict:
     x = np.random.default_rng(4).standard_normal((r, 8, 128)).astype(np.float32)
 
     def body(x, i):
-        return ep.low_latency_dispatch(x[0], i[0], num_experts=4 * r, max_tokens_per_rank=8, axis_name="ep",
-                                       use_fp8=False)[1][None]
+        return ep.low_latency_dispatch(
+            x[0], i[0], num_experts=4 * r, max_tokens_per_rank=8, axis_name="ep", use_fp8=False
+        )[1][None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
     error = None
@@ -348,8 +383,9 @@ def gpu_proxy_bad_index() -> dict:
 def test_bad_expert_index_over_the_proxy_is_named_by_check_errors():
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS)]
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(64 << 20))
-    results = launch(HERE, "gpu_proxy_bad_index", NUM_GPUS, platform="gpu", per_rank_env=per_rank, timeout_s=150,
-                     env=env)
+    results = launch(
+        HERE, "gpu_proxy_bad_index", NUM_GPUS, platform="gpu", per_rank_env=per_rank, timeout_s=150, env=env
+    )
     assert all(x.ok for x in results), describe(results)
     for x in results:
         res = x.result
@@ -365,8 +401,9 @@ def test_one_process_drives_gpus_on_separate_nodes(part):
     """UCCL_EP_GPUS_PER_NODE=1 with one process for all GPUs (a multi-host job with a process per host): the staged
     ops of one GPU wait for their peers without holding up the process's other GPUs."""
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(256 << 20))
-    results = launch(HERE, "gpu_suite", 1, args=[part, "1" if part == "normal" else "0"], platform="gpu",
-                     timeout_s=150, env=env)
+    results = launch(
+        HERE, "gpu_suite", 1, args=[part, "1" if part == "normal" else "0"], platform="gpu", timeout_s=150, env=env
+    )
     _check(results, NUM_GPUS)
 
 
@@ -376,10 +413,10 @@ def gpu_proxy_put(nbytes: int) -> dict:
     partner's message awaited and checked on the GPU), twice, then 64 messages of 8 writes in a row; then a staged
     round trip still matches the reference
     (the host's protocol state stayed in step with what the kernels did)."""
+    import cases
     import jax
     import jax.numpy as jnp
 
-    import cases
     import jax_uccl_ep as ep
     from jax_uccl_ep import _ffi, _uccl_ep
 
@@ -398,8 +435,16 @@ def gpu_proxy_put(nbytes: int) -> dict:
 def test_gpu_kernel_sends_through_the_proxy_and_waits_on_its_words():
     per_rank = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(NUM_GPUS - NUM_GPUS % 2)]
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(64 << 20))
-    results = launch(HERE, "gpu_proxy_put", len(per_rank), args=[65536], platform="gpu", per_rank_env=per_rank,
-                     timeout_s=120, env=env)
+    results = launch(
+        HERE,
+        "gpu_proxy_put",
+        len(per_rank),
+        args=[65536],
+        platform="gpu",
+        per_rank_env=per_rank,
+        timeout_s=120,
+        env=env,
+    )
     _check(results, len(per_rank))
     for x in results:
         for put in x.result["puts"]:
@@ -418,8 +463,16 @@ def test_missing_peer_is_named_within_the_deadline(mode):
     env = {"UCCL_EP_TIMEOUT_S": "5", "UCCL_EP_NVL_BUFFER_BYTES": str(64 << 20)}
     if mode.endswith("over the proxy"):
         env.update(UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_BUFFER_BYTES=str(32 << 20))
-    results = launch(HERE, "gpu_missing_peer", 2, args=[mode.split()[0]], platform="gpu", per_rank_env=per_rank,
-                     timeout_s=200, env=env)
+    results = launch(
+        HERE,
+        "gpu_missing_peer",
+        2,
+        args=[mode.split()[0]],
+        platform="gpu",
+        per_rank_env=per_rank,
+        timeout_s=200,
+        env=env,
+    )
     assert all(x.ok for x in results), describe(results)
     first = next(x.result for x in results if x.result["process"] == 0)
     assert first["error"] and "did not arrive" in first["error"] and "from rank 1" in first["error"], first
@@ -429,10 +482,10 @@ def test_missing_peer_is_named_within_the_deadline(mode):
 def gpu_soak(steps: int) -> dict:
     """Child: `steps` rounds of normal and low-latency round trips in one jitted loop, fresh random routing each
     round (some slots masked), checked on the GPUs against what identity experts must give back."""
+    import cases
     import jax
     import jax.numpy as jnp
 
-    import cases
     import jax_uccl_ep as ep
 
     ep.initialize()
@@ -456,8 +509,9 @@ def gpu_soak(steps: int) -> dict:
             out = ep.combine(res.x, res.handle)
             err_normal = jnp.max(jnp.abs(out - xi * ranks_hit[:, None]))
             # Low-latency mode, identity experts and unit weights: once per valid slot.
-            recv, count, handle = ep.low_latency_dispatch(xi, idx, num_experts=e, max_tokens_per_rank=t,
-                                                          axis_name="ep", use_fp8=False)
+            recv, count, handle = ep.low_latency_dispatch(
+                xi, idx, num_experts=e, max_tokens_per_rank=t, axis_name="ep", use_fp8=False
+            )
             out_ll = ep.low_latency_combine(recv, idx, jnp.ones((t, k), jnp.float32), handle)
             err_ll = jnp.max(jnp.abs(out_ll - xi * valid.sum(-1, keepdims=True)))
             # Nothing lost or duplicated: rows received everywhere = valid slots sent everywhere.
@@ -484,8 +538,9 @@ def test_soak_round_trips_stay_exact(link):
     """Over NVLink, and GPU-initiated over the proxy (each GPU its own node; fewer rounds: every op there waits
     for its kernels and the messages cross tcp): normal and low-latency ops interleaved stay in step."""
     env = dict(SUITE_ENV, **({"UCCL_EP_GPUS_PER_NODE": "1"} if link == "over the proxy" else {}))
-    results = launch(HERE, "gpu_soak", 1, args=[2000 if link == "nvlink" else 400], platform="gpu", timeout_s=300,
-                     env=env)
+    results = launch(
+        HERE, "gpu_soak", 1, args=[2000 if link == "nvlink" else 400], platform="gpu", timeout_s=300, env=env
+    )
     assert all(x.ok for x in results), describe(results)
     res = results[0].result
     print(res)
@@ -497,6 +552,7 @@ def test_soak_round_trips_stay_exact(link):
 def test_low_latency_variants(variant):
     """The non-default low-latency path (send and receive as two launches) against the same reference."""
     name, value = variant.split("=")
-    results = launch(HERE, "gpu_suite", 1, args=["low_latency"], platform="gpu", timeout_s=150,
-                     env=dict(SUITE_ENV, **{name: value}))
+    results = launch(
+        HERE, "gpu_suite", 1, args=["low_latency"], platform="gpu", timeout_s=150, env=dict(SUITE_ENV, **{name: value})
+    )
     _check(results, NUM_GPUS)

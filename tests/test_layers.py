@@ -68,8 +68,11 @@ def test_each_folder_includes_only_what_its_layer_may():
                 path = os.path.join(dirpath, name)
                 with open(path) as f:
                     includes = re.findall(r'^#include [<"]([^>"]+)[>"]', f.read(), re.M)
-                offences += [f"{os.path.relpath(path, ROOT)} includes {inc}" for inc in includes
-                             if any(re.search(p, inc) for p in patterns)]
+                offences += [
+                    f"{os.path.relpath(path, ROOT)} includes {inc}"
+                    for inc in includes
+                    if any(re.search(p, inc) for p in patterns)
+                ]
     assert not offences, offences
 
 

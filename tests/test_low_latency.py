@@ -1,16 +1,17 @@
 """Low-latency mode on CPU devices against a NumPy reference written from the spec."""
+
 from __future__ import annotations
 
+import cases
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import cases
 import jax_uccl_ep as ep
-import reference as ref
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -19,26 +20,33 @@ def runtime():
     yield
 
 
-@pytest.mark.parametrize("num_ranks,num_tokens,n,hidden,topk,num_experts,kw", [
-    (1, 5, 8, 128, 2, 4, dict(use_fp8=False)),
-    (2, 16, 16, 256, 3, 8, dict(use_fp8=True)),
-    (4, 13, 20, 512, 4, 16, dict(use_fp8=True, round_scale=True)),
-    (4, 9, 9, 512, 2, 8, dict(use_fp8=True, use_ue8m0=True)),
-    (4, 11, 12, 128, 3, 8, dict(use_fp8=False)),
-])
+@pytest.mark.parametrize(
+    "num_ranks,num_tokens,n,hidden,topk,num_experts,kw",
+    [
+        (1, 5, 8, 128, 2, 4, dict(use_fp8=False)),
+        (2, 16, 16, 256, 3, 8, dict(use_fp8=True)),
+        (4, 13, 20, 512, 4, 16, dict(use_fp8=True, round_scale=True)),
+        (4, 9, 9, 512, 2, 8, dict(use_fp8=True, use_ue8m0=True)),
+        (4, 11, 12, 128, 3, 8, dict(use_fp8=False)),
+    ],
+)
 def test_dispatch_and_weighted_combine_match_reference(num_ranks, num_tokens, n, hidden, topk, num_experts, kw):
     mesh = Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
-    problems = cases.check_low_latency(mesh, num_ranks * 100 + num_tokens, num_tokens, n, hidden, topk,
-                                       num_experts, **kw)
+    problems = cases.check_low_latency(
+        mesh, num_ranks * 100 + num_tokens, num_tokens, n, hidden, topk, num_experts, **kw
+    )
     assert problems == []
 
 
-@pytest.mark.parametrize("dtype,round_scale,hidden", [(jnp.bfloat16, False, 384), (jnp.float32, False, 128),
-                                                      (jnp.bfloat16, True, 384), (jnp.float32, True, 640)])
+@pytest.mark.parametrize(
+    "dtype,round_scale,hidden",
+    [(jnp.bfloat16, False, 384), (jnp.float32, False, 128), (jnp.bfloat16, True, 384), (jnp.float32, True, 640)],
+)
 def test_dispatch_casts_to_fp8_as_per_token_cast_to_fp8(dtype, round_scale, hidden):
     mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
-    problems = cases.check_low_latency_fp8_cast(mesh, 11, 12, hidden, 3, 8, dtype=dtype, round_scale=round_scale,
-                                                nonfinite=True)
+    problems = cases.check_low_latency_fp8_cast(
+        mesh, 11, 12, hidden, 3, 8, dtype=dtype, round_scale=round_scale, nonfinite=True
+    )
     assert problems == [], problems[:4]
 
 
@@ -60,9 +68,14 @@ def test_too_many_tokens_and_bad_hidden_are_named():
     idx = jnp.zeros((2, 8, 1), jnp.int32)
 
     def call(n, **kw):
-        f = jax.shard_map(lambda x, i: ep.low_latency_dispatch(x[0], i[0], num_experts=2, max_tokens_per_rank=n,
-                                                               axis_name="ep", **kw)[1][None],
-                          mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        f = jax.shard_map(
+            lambda x, i: ep.low_latency_dispatch(
+                x[0], i[0], num_experts=2, max_tokens_per_rank=n, axis_name="ep", **kw
+            )[1][None],
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
         return jax.jit(f)(x, idx)
 
     with pytest.raises(ValueError, match="max_tokens_per_rank must be an int >= the tokens per rank"):
@@ -80,8 +93,9 @@ def test_combine_with_another_number_of_slots_is_named():
     idx = jnp.asarray(rng.integers(0, 4, (2, 8, 2)), jnp.int32)
 
     def body(x, i, split):
-        recv, _, handle = ep.low_latency_dispatch(x[0], i[0], num_experts=4, max_tokens_per_rank=8, axis_name="ep",
-                                                  use_fp8=False)
+        recv, _, handle = ep.low_latency_dispatch(
+            x[0], i[0], num_experts=4, max_tokens_per_rank=8, axis_name="ep", use_fp8=False
+        )
         wider = jnp.concatenate([i[0], i[0][:, :1]], axis=1)  # K = 3
         w = jnp.ones(wider.shape, jnp.float32)
         if split:
@@ -89,19 +103,19 @@ def test_combine_with_another_number_of_slots_is_named():
         return ep.low_latency_combine(recv, wider, w, handle)[None]
 
     for split in (False, True):
-        f = jax.shard_map(lambda x, i: body(x, i, split), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        f = jax.shard_map(lambda x, i, split=split: body(x, i, split), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
         with pytest.raises(ValueError, match=r"topk_idx must be the dispatch's, with K = 2 slots per token"):
             jax.jit(f)(x, idx)
 
 
 def multi_process_low_latency(seed: int) -> dict:
     """Child: low-latency dispatch and combine over every device of 2 processes (R = 4)."""
+    import cases
     import jax
     import numpy as np
-
-    import cases
-    import jax_uccl_ep as ep
     import reference as ref
+
+    import jax_uccl_ep as ep
 
     ep.initialize()
     mesh = cases.mesh_of(jax.devices())
@@ -113,8 +127,9 @@ def multi_process_low_latency(seed: int) -> dict:
     w = rng.random((r, t, k)).astype(np.float32)
 
     def body(x, idx, w):
-        recv, count, handle = ep.low_latency_dispatch(x[0], idx[0], num_experts=e, max_tokens_per_rank=n,
-                                                      axis_name="ep", use_fp8=False)
+        recv, count, handle = ep.low_latency_dispatch(
+            x[0], idx[0], num_experts=e, max_tokens_per_rank=n, axis_name="ep", use_fp8=False
+        )
         return ep.low_latency_combine(recv * 2, idx[0], w[0], handle)[None], count[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
@@ -133,8 +148,9 @@ def multi_process_low_latency(seed: int) -> dict:
 def test_low_latency_across_processes():
     from mp import launch_ok
 
-    for res in launch_ok(__file__, "multi_process_low_latency", 2, args=[4], devices_per_process=2,
-                         env={"UCCL_EP_REORDER": "1"}):
+    for res in launch_ok(
+        __file__, "multi_process_low_latency", 2, args=[4], devices_per_process=2, env={"UCCL_EP_REORDER": "1"}
+    ):
         assert res["problems"] == []
 
 
@@ -162,8 +178,10 @@ def test_split_halves_give_identical_results_with_work_between():
         out = ep.low_latency_combine_recv(pending, i[0], w[0])
         return out[None], count[None], (busy @ jnp.linalg.pinv(o[0]))[None]
 
-    run = lambda body: [np.asarray(a) for a in jax.jit(jax.shard_map(  # noqa: E731
-        body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w, other)]
+    def run(body):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        return [np.asarray(a) for a in f(x, idx, w, other)]
+
     a, b = run(fused), run(split)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
@@ -177,8 +195,9 @@ def test_another_ep_op_between_the_halves_is_refused():
     idx = jnp.asarray(rng.integers(0, 4, (2, 4, 1)), jnp.int32)
 
     def body(x, i):
-        pending = ep.low_latency_dispatch_send(x[0], i[0], num_experts=4, max_tokens_per_rank=4, axis_name="ep",
-                                               use_fp8=False)
+        pending = ep.low_latency_dispatch_send(
+            x[0], i[0], num_experts=4, max_tokens_per_rank=4, axis_name="ep", use_fp8=False
+        )
         # A normal dispatch between the halves (data dependencies pin it there): not allowed.
         xi = x[0] + jnp.where(pending.token[0] < -1000, 1.0, 0.0)  # not foldable: XLA cannot see the value
         r = ep.dispatch(xi, i[0], num_experts=4, axis_name="ep")
@@ -192,8 +211,16 @@ def test_another_ep_op_between_the_halves_is_refused():
     # The waiting round's messages were never read: the ranks are out of step until the runtime is reset.
     ep.shutdown()
     ep.initialize()
-    g = jax.jit(jax.shard_map(lambda x, i: ep.combine(*(lambda r: (r.x, r.handle))(
-        ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep")))[None], mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    g = jax.jit(
+        jax.shard_map(
+            lambda x, i: ep.combine(
+                *(lambda r: (r.x, r.handle))(ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep"))
+            )[None],
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+        )
+    )
     np.testing.assert_allclose(np.asarray(g(x, idx)), np.asarray(x))
 
 
@@ -207,9 +234,15 @@ def test_running_per_expert_counter_adds_up_over_steps():
     def body(x, idx):
         stats = jnp.zeros((e // num_ranks,), jnp.int32)
         for s in range(steps):
-            _, _, handle = ep.low_latency_dispatch(x[0], idx[0, s], num_experts=e, max_tokens_per_rank=t,
-                                                   axis_name="ep", use_fp8=False,
-                                                   cumulative_local_expert_recv_stats=stats)
+            _, _, handle = ep.low_latency_dispatch(
+                x[0],
+                idx[0, s],
+                num_experts=e,
+                max_tokens_per_rank=t,
+                axis_name="ep",
+                use_fp8=False,
+                cumulative_local_expert_recv_stats=stats,
+            )
             stats = handle.cumulative_local_expert_recv_stats
         return stats[None]
 
@@ -224,8 +257,9 @@ def _ll_round_trip(x, idx, w, *, combine_idx=None, num_experts=8, n=None, ranks=
     n = n or x.shape[1]
 
     def body(x, i, ci, w):
-        recv, count, handle = ep.low_latency_dispatch(x[0], i[0], num_experts=num_experts, max_tokens_per_rank=n,
-                                                      axis_name="ep", use_fp8=False)
+        recv, count, handle = ep.low_latency_dispatch(
+            x[0], i[0], num_experts=num_experts, max_tokens_per_rank=n, axis_name="ep", use_fp8=False
+        )
         return ep.low_latency_combine(recv, ci[0], w[0], handle)[None], count[None]
 
     ci = idx if combine_idx is None else combine_idx

@@ -1,19 +1,20 @@
 """Normal-mode dispatch/combine on CPU devices against the NumPy reference: values, layout, grads, errors."""
+
 from __future__ import annotations
 
 import os
 
+import cases
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-
-import cases
-import jax_uccl_ep as ep
-import reference as ref
 from mp import launch_ok
+
+import jax_uccl_ep as ep
 
 HERE = os.path.abspath(__file__)
 
@@ -43,8 +44,9 @@ CASES = [
 def test_dispatch_combine_match_reference(num_ranks, num_tokens, hidden, topk, num_experts, dtype, empty_rank):
     empty = (num_ranks - 1) if (empty_rank and num_ranks > 1) else None
     seed = hash((num_ranks, num_tokens, hidden, topk, empty_rank)) % 2**32
-    assert cases.check_case(_mesh(num_ranks), seed, num_tokens, hidden, topk, num_experts, dtype,
-                            empty_rank=empty) == []
+    assert (
+        cases.check_case(_mesh(num_ranks), seed, num_tokens, hidden, topk, num_experts, dtype, empty_rank=empty) == []
+    )
 
 
 def test_fp8_pair_travels_with_its_scales():
@@ -121,10 +123,10 @@ def test_back_to_back_calls_reuse_buffers_safely():
 
 def multi_process_roundtrip(seed: int) -> dict:
     """Child: R = all devices of all processes; dispatch, combine and gradients against the reference."""
+    import cases
     import jax
     import jax.numpy as jnp
 
-    import cases
     import jax_uccl_ep as ep
 
     ep.initialize()
@@ -139,8 +141,13 @@ def multi_process_roundtrip(seed: int) -> dict:
 @pytest.mark.parametrize("provider,reorder,threads", [("shm", "0", "1"), ("tcp;ofi_rxm", "1", "1"), ("shm", "1", "3")])
 def test_across_processes(provider, reorder, threads):
     # Several proxy threads: each message is striped over their channels, the acks ride channel 0.
-    env = {"UCCL_EP_FI_PROVIDER": provider, "UCCL_EP_REORDER": reorder, "UCCL_EP_POISON": "1",
-           "UCCL_EP_NUM_PROXY_THREADS": threads, "UCCL_EP_MAX_WRITE_BYTES": "4096"}
+    env = {
+        "UCCL_EP_FI_PROVIDER": provider,
+        "UCCL_EP_REORDER": reorder,
+        "UCCL_EP_POISON": "1",
+        "UCCL_EP_NUM_PROXY_THREADS": threads,
+        "UCCL_EP_MAX_WRITE_BYTES": "4096",
+    }
     results = launch_ok(HERE, "multi_process_roundtrip", 2, args=[17], devices_per_process=2, env=env)
     for r in results:
         assert r["ranks"] == 4
@@ -175,8 +182,12 @@ def independent_chains(iterations: int) -> dict:
         rng = np.random.default_rng(it)
         x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
         w = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
-        i = np.stack([np.stack([rng.choice(num_experts, topk, replace=False) for _ in range(num_tokens)])
-                      for _ in range(num_ranks)]).astype(np.int32)
+        i = np.stack(
+            [
+                np.stack([rng.choice(num_experts, topk, replace=False) for _ in range(num_tokens)])
+                for _ in range(num_ranks)
+            ]
+        ).astype(np.int32)
         args = [jax.make_array_from_callback(a.shape, sharding, lambda s, a=a: a[s]) for a in (x, w, i)]
         try:
             jax.block_until_ready(g(*args))

@@ -1,12 +1,12 @@
 """The GPU -> proxy command path on one GPU: warps push commands into host rings (kernels/nvl/ring_producer.cuh),
 host threads pop them as proxy threads do; and the GPU-initiated ops across nodes with two processes sharing that
 GPU, each its own node. Skipped without an NVIDIA GPU."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
-
 from mp import describe, launch
 from test_gpu import NUM_GPUS, SUITE_ENV, _check
 
@@ -22,8 +22,9 @@ def gpu_ring(commands: int, rounds: int) -> dict:
 
 
 def test_gpu_pushes_every_command_through_the_rings_in_order():
-    results = launch(HERE, "gpu_ring", 1, args=[300_000, 1000], platform="gpu", timeout_s=120,
-                     env={"UCCL_EP_TIMEOUT_S": "30"})
+    results = launch(
+        HERE, "gpu_ring", 1, args=[300_000, 1000], platform="gpu", timeout_s=120, env={"UCCL_EP_TIMEOUT_S": "30"}
+    )
     assert all(x.ok for x in results), describe(results)
     res = results[0].result
     print(res)
@@ -47,11 +48,24 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
     (UCCL_EP_TEST_KV_GATHER): NCCL refuses two ranks on one GPU. The processes' kernels take turns on the GPU, so
     every wait on a peer spans the GPU's time slices: slower, the same protocol."""
     shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
-    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20),
-               UCCL_EP_TIMEOUT_S="60")
+    env = dict(
+        SUITE_ENV,
+        UCCL_EP_GPUS_PER_NODE="1",
+        UCCL_EP_REORDER=reorder,
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
+        UCCL_EP_TIMEOUT_S="60",
+    )
     # Normal mode without its gradient check (an XLA collective, which NCCL refuses on a shared GPU).
-    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_suite", 2, args=[part, "0", "0"],
-                     platform="gpu", per_rank_env=[shared, shared], timeout_s=200, env=env)
+    results = launch(
+        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
+        "gpu_suite",
+        2,
+        args=[part, "0", "0"],
+        platform="gpu",
+        per_rank_env=[shared, shared],
+        timeout_s=200,
+        env=env,
+    )
     _check(results, 2)
 
 
@@ -63,10 +77,23 @@ def test_two_level_routing_on_one_shared_gpu(part, reorder):
     errors (capacity at the node level, a bad expert index at the level across nodes) from check_errors().
     Low-latency mode, flat through the proxies, runs beside the node-level runtime."""
     shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
-    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="2", UCCL_EP_REORDER=reorder, UCCL_EP_BUFFER_BYTES=str(256 << 20),
-               UCCL_EP_TIMEOUT_S="60")
-    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_suite", 4, args=[part, "1", "0"],
-                     platform="gpu", per_rank_env=[shared] * 4, timeout_s=300, env=env)
+    env = dict(
+        SUITE_ENV,
+        UCCL_EP_GPUS_PER_NODE="2",
+        UCCL_EP_REORDER=reorder,
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
+        UCCL_EP_TIMEOUT_S="60",
+    )
+    results = launch(
+        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
+        "gpu_suite",
+        4,
+        args=[part, "1", "0"],
+        platform="gpu",
+        per_rank_env=[shared] * 4,
+        timeout_s=300,
+        env=env,
+    )
     _check(results, 4)
     assert all(x.result["two_level"] == [2, 2, True, True] for x in results), describe(results)
 
@@ -76,8 +103,15 @@ def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
     NVLink runtime (CUDA IPC here), not the proxies, and match the reference."""
     shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
     env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="2", UCCL_EP_BUFFER_BYTES=str(64 << 20), UCCL_EP_TIMEOUT_S="60")
-    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_ep_within_nodes", 4, platform="gpu",
-                     per_rank_env=[shared] * 4, timeout_s=200, env=env)
+    results = launch(
+        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
+        "gpu_ep_within_nodes",
+        4,
+        platform="gpu",
+        per_rank_env=[shared] * 4,
+        timeout_s=200,
+        env=env,
+    )
     assert all(x.ok for x in results), describe(results)
     assert all(x.result["problems"] == [] for x in results), describe(results)
 
@@ -88,8 +122,16 @@ def test_nvlink_path_between_two_processes_on_one_gpu(part):
     lowered to Path.NVLINK, the layout included, then the kernel-found errors from check_errors()."""
     shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
     env = dict(SUITE_ENV, UCCL_EP_NVL_BUFFER_BYTES=str(256 << 20), UCCL_EP_TIMEOUT_S="60")
-    results = launch(os.path.join(os.path.dirname(HERE), "test_gpu.py"), "gpu_suite", 2, args=[part, "1", "0"],
-                     platform="gpu", per_rank_env=[shared, shared], timeout_s=240, env=env)
+    results = launch(
+        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
+        "gpu_suite",
+        2,
+        args=[part, "1", "0"],
+        platform="gpu",
+        per_rank_env=[shared, shared],
+        timeout_s=240,
+        env=env,
+    )
     _check(results, 2)
 
 
@@ -110,11 +152,21 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
     into chunks and pieces, a chunk per send block down to a budget of 2. Every row of the last dispatch is
     compared with the sender's input and every combined sum with x times the token's copies (host-side)."""
-    cases = [(budget, bulk, tokens, hidden, 8, 64, fp8)
-             for budget, tokens, hidden in [(2, 301, 256), (6, 1000, 7168), (24, 4096, 7168), (12, 777, 20480)]
-             for bulk in ("1", "0") for fp8 in (False, True)]
-    results = launch(HERE, "gpu_loopback", 1, args=[cases], platform="gpu", timeout_s=300,
-                     env={"UCCL_EP_TIMEOUT_S": "30", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    cases = [
+        (budget, bulk, tokens, hidden, 8, 64, fp8)
+        for budget, tokens, hidden in [(2, 301, 256), (6, 1000, 7168), (24, 4096, 7168), (12, 777, 20480)]
+        for bulk in ("1", "0")
+        for fp8 in (False, True)
+    ]
+    results = launch(
+        HERE,
+        "gpu_loopback",
+        1,
+        args=[cases],
+        platform="gpu",
+        timeout_s=300,
+        env={"UCCL_EP_TIMEOUT_S": "30", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    )
     assert all(x.ok for x in results), describe(results)
     for r in results[0].result:
         print(r)

@@ -1,4 +1,5 @@
 """The README's usage snippet runs as written (in a fresh process with 4 CPU devices)."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,8 @@ def test_usage_snippet_runs():
     assert blocks, "the README has no python snippet"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
     env.pop("JAX_COORDINATOR_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tempfile.mkdtemp(), env=env, capture_output=True,
-                          text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", blocks[0]], cwd=tempfile.mkdtemp(), env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("(64, 256)"), done.stdout

@@ -5,6 +5,7 @@ exactly representable (multiples of 1/16 below 64 in magnitude, never zero), so 
 combine can be compared with the NumPy reference for equality, not within a tolerance: a lost, duplicated or
 misplaced row changes the result.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from mp import describe, launch
 
 import jax_uccl_ep as ep
-import reference as ref
-from mp import describe, launch
 
 HERE = os.path.abspath(__file__)
 SHM = "/dev/shm"
@@ -36,12 +37,12 @@ def exact_values(rng: np.random.Generator, shape) -> np.ndarray:
     return (k / 16.0).astype(np.float32)
 
 
-def make_inputs(seed, num_ranks: int, num_tokens: int, hidden: int, topk: int, num_experts: int,
-                empty_rank=None):
+def make_inputs(seed, num_ranks: int, num_tokens: int, hidden: int, topk: int, num_experts: int, empty_rank=None):
     """Global inputs [R, T, ...] of one step: x, topk_idx (skewed, 20% masked slots), topk_weights."""
     rng = np.random.default_rng(seed)
-    idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts, mask_prob=0.2, skew=True,
-                             empty_rank=empty_rank)
+    idx = ref.random_routing(
+        rng, num_ranks, num_tokens, topk, num_experts, mask_prob=0.2, skew=True, empty_rank=empty_rank
+    )
     x = exact_values(rng, (num_ranks, num_tokens, hidden))
     w = (rng.integers(1, 256, size=(num_ranks, num_tokens, topk)) / 256.0).astype(np.float32)
     return x, idx, w
@@ -56,8 +57,10 @@ def roundtrip_body(num_experts: int, axis_name="ep"):
         valid = (jnp.arange(res.x.shape[0]) < res.num_tokens)[:, None]
         y = jnp.where(valid, res.x * (rank + 1.0) + 0.25 * (rank + 1.0), 1e6)  # padding must be ignored
         out = ep.combine(y, res.handle)
-        return tuple(a[None] for a in (res.x, res.topk_idx, res.topk_weights, res.num_tokens[None],
-                                       res.num_tokens_per_expert, out))
+        return tuple(
+            a[None]
+            for a in (res.x, res.topk_idx, res.topk_weights, res.num_tokens[None], res.num_tokens_per_expert, out)
+        )
 
     return body
 
@@ -202,9 +205,16 @@ def dead_peer_loop(seed: int, pid_dir: str, max_seconds: float) -> dict:
             t0 = time.monotonic()
             ep.shutdown()
             shutdown_s = time.monotonic() - t0
-            result = {"error": str(e), "raised_at": raised, "steps": steps, "check_errors": errors,
-                      "shutdown_s": shutdown_s, "provider": provider, "segments_while_running": my_segments,
-                      "segments_after_shutdown": sorted(owned_by(shm_entries(), [os.getpid()]))}
+            result = {
+                "error": str(e),
+                "raised_at": raised,
+                "steps": steps,
+                "check_errors": errors,
+                "shutdown_s": shutdown_s,
+                "provider": provider,
+                "segments_while_running": my_segments,
+                "segments_after_shutdown": sorted(owned_by(shm_entries(), [os.getpid()])),
+            }
             linger_as_coordinator(me, pid_dir, [r for r in range(3) if r != DEAD_RANK])
             return result
         expected, combined = expected_roundtrip(x, idx, w, num_experts)
@@ -265,8 +275,15 @@ def test_dead_peer_mid_loop_is_named_and_nothing_is_left_behind(provider, seed):
             # the rank that saw it as "rank 1 aborted: ..."); over shm a timeout that blames a survivor stuck on the
             # dead process adds "rank(s) 2 exited (process gone)".
             named = re.search(r"\brank(?:\(s\))? 2\b", msg) is not None and any(
-                m in msg for m in ("did not arrive", "aborted", "did not take them", "transport error with rank 2",
-                                   "exited (process gone)"))
+                m in msg
+                for m in (
+                    "did not arrive",
+                    "aborted",
+                    "did not take them",
+                    "transport error with rank 2",
+                    "exited (process gone)",
+                )
+            )
             if not named:
                 assert any(m in msg for m in UNNAMED_PEER_MESSAGES), f"rank {r.rank}: error does not name rank 2: {msg}"
                 expected_failures.append(f"rank {r.rank}'s error does not name the dead rank 2: {msg!r}")
@@ -307,8 +324,12 @@ def stuck_proxy_shutdown() -> dict:
     ep.shutdown()
     shutdown_s = time.monotonic() - start
     time.sleep(0.3)  # the left-behind threads keep touching their device meanwhile: it must still exist
-    return {"errors": errors, "shutdown_s": shutdown_s, "segments_while_running": segments,
-            "segments_after_shutdown": sorted(owned_by(shm_entries(), [os.getpid()]))}
+    return {
+        "errors": errors,
+        "shutdown_s": shutdown_s,
+        "segments_while_running": segments,
+        "segments_after_shutdown": sorted(owned_by(shm_entries(), [os.getpid()])),
+    }
 
 
 def test_shutdown_leaves_stuck_proxy_threads_behind_without_hanging_or_crashing():
@@ -350,8 +371,7 @@ def soak(steps: int, seed: int) -> dict:
         empty = (step // 7) % num_ranks if step % 7 == 3 else None  # now and then one rank receives nothing
         x, idx, w = make_inputs([seed, step], num_ranks, num_tokens, hidden, topk, num_experts, empty_rank=empty)
         try:
-            local = _local_outputs(f(_global_array(mesh, x), _global_array(mesh, idx), _global_array(mesh, w)),
-                                   mesh)
+            local = _local_outputs(f(_global_array(mesh, x), _global_array(mesh, idx), _global_array(mesh, w)), mesh)
         except Exception as e:  # noqa: BLE001 - reported to the test
             errors.append(f"step {step}: {str(e)[:500]}")
             break
@@ -368,10 +388,18 @@ def soak(steps: int, seed: int) -> dict:
     seconds = time.monotonic() - start
     segments_running = sorted(owned_by(shm_entries(), [os.getpid()]))
     ep.shutdown()
-    return {"errors": errors, "steps": step + 1, "got_rows": got_rows, "want_rows": want_rows,
-            "got_sum": got_sum, "want_sum": want_sum, "seconds": seconds, "pid": os.getpid(),
-            "segments_running": segments_running,
-            "segments_after_shutdown": sorted(owned_by(shm_entries(), [os.getpid()]))}
+    return {
+        "errors": errors,
+        "steps": step + 1,
+        "got_rows": got_rows,
+        "want_rows": want_rows,
+        "got_sum": got_sum,
+        "want_sum": want_sum,
+        "seconds": seconds,
+        "pid": os.getpid(),
+        "segments_running": segments_running,
+        "segments_after_shutdown": sorted(owned_by(shm_entries(), [os.getpid()])),
+    }
 
 
 def test_soak_random_routing_nothing_lost_or_duplicated():
@@ -391,11 +419,11 @@ def test_soak_random_routing_nothing_lost_or_duplicated():
     assert len({r["want_rows"] for r in res}) == 1 and len({r["want_sum"] for r in res}) == 1
     assert sum(r["got_rows"] for r in res) == res[0]["want_rows"] > 0
     assert sum(r["got_sum"] for r in res) == pytest.approx(res[0]["want_sum"], rel=1e-12, abs=1e-6)
-    print(f"soak: {SOAK_STEPS} steps in {max(r['seconds'] for r in res):.1f} s, "
-          f"{res[0]['want_rows']} rows dispatched")
+    print(f"soak: {SOAK_STEPS} steps in {max(r['seconds'] for r in res):.1f} s, {res[0]['want_rows']} rows dispatched")
 
 
 # ----------------------------------------------------------------------------------------------- 3. memory
+
 
 def _roundtrip_4(num_tokens=16, hidden=256, topk=2, num_experts=8):
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
@@ -429,8 +457,9 @@ def memory_many_calls(calls: int, warmup: int) -> dict:
 
 def test_rss_flat_over_many_calls():
     env = {"JAX_COORDINATOR_ADDRESS": ""}
-    (r,) = [x for x in launch(HERE, "memory_many_calls", 1, args=[2000, 200], devices_per_process=4, env=env,
-                              timeout_s=300)]
+    (r,) = [
+        x for x in launch(HERE, "memory_many_calls", 1, args=[2000, 200], devices_per_process=4, env=env, timeout_s=300)
+    ]
     assert r.ok, describe([r])
     res = r.result
     assert res["errors"] == []
@@ -469,8 +498,7 @@ def memory_init_shutdown(cycles: int) -> dict:
         threads.append([running_threads, thread_count()])
         rss.append(rss_bytes())
         segments.append([segments_running, len(owned_by(shm_entries(), [os.getpid()]))])
-    return {"errors": errors, "threads": threads, "rss": rss, "segments": segments,
-            "initialized": ep.is_initialized()}
+    return {"errors": errors, "threads": threads, "rss": rss, "segments": segments, "initialized": ep.is_initialized()}
 
 
 def test_initialize_shutdown_cycles_leave_no_threads_or_memory():
@@ -587,12 +615,14 @@ def test_different_jitted_functions_interleaved(runtime):
         idx_c = ref.random_routing(rng, 4, 10, 3, e_c)
         xd, idx_d, wd = make_inputs([44, i], 4, 8, 128, 2, e_d)
         cd = exact_values(rng, xd.shape)
-        queued.append((
-            (a, f_a(*a)),
-            ((xb, idx_b), f_b(jnp.asarray(xb, jnp.bfloat16), idx_b)),
-            ((xc, sc, idx_c), f_c(xc, sc, idx_c)),
-            ((xd, wd, idx_d, cd), f_d(xd, wd, idx_d, cd)),
-        ))
+        queued.append(
+            (
+                (a, f_a(*a)),
+                ((xb, idx_b), f_b(jnp.asarray(xb, jnp.bfloat16), idx_b)),
+                ((xc, sc, idx_c), f_c(xc, sc, idx_c)),
+                ((xd, wd, idx_d, cd), f_d(xd, wd, idx_d, cd)),
+            )
+        )
     jax.block_until_ready([q[j][1] for q in queued for j in range(4)])
     errors = []
     for i, (qa, qb, qc, qd) in enumerate(queued):
@@ -612,8 +642,11 @@ def test_different_jitted_functions_interleaved(runtime):
         exp_s = ref.dispatch(sc, idx_c, None, e_c)
         for r in range(4):
             m = exp_x[r]["num_tokens"]
-            if int(n_c[r, 0]) != m or not np.array_equal(np.asarray(rx[r, :m].astype(jnp.float32)), exp_x[r]["x"]) \
-                    or not np.array_equal(np.asarray(rs[r, :m]), exp_s[r]["x"]):
+            if (
+                int(n_c[r, 0]) != m
+                or not np.array_equal(np.asarray(rx[r, :m].astype(jnp.float32)), exp_x[r]["x"])
+                or not np.array_equal(np.asarray(rs[r, :m]), exp_s[r]["x"])
+            ):
                 errors.append(f"{i} fp8: rank {r} differs")
             owners = np.where(idx_c[r] >= 0, idx_c[r] // (e_c // 4), -1)
             want_per_rank = [(owners == d).any(-1).sum() for d in range(4)]
@@ -622,8 +655,10 @@ def test_different_jitted_functions_interleaved(runtime):
         # Gradients (backward: a cached dispatch and two chained combines) against the dense formula.
         (xd, wd, idx_d, cd), (gx, gw) = qd
         dx, dw = _dense_grad(xd.astype(np.float64), wd.astype(np.float64), idx_d, cd.astype(np.float64), e_d)
-        if not (np.allclose(np.asarray(gx), dx, rtol=1e-6, atol=1e-6)
-                and np.allclose(np.asarray(gw), dw, rtol=1e-5, atol=1e-4)):
+        if not (
+            np.allclose(np.asarray(gx), dx, rtol=1e-6, atol=1e-6)
+            and np.allclose(np.asarray(gw), dw, rtol=1e-5, atol=1e-4)
+        ):
             errors.append(f"{i} grad differs")
     assert errors == []
 
@@ -649,8 +684,9 @@ def test_two_ep_meshes_used_alternately(runtime):
     groups = {"4": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
     for i, (which, a, outs) in enumerate(queued):
         for g in groups[which]:
-            errors += [f"call {i} ({which}) group {g}: {m}"
-                       for m in _check_roundtrip_outputs(outs, a, num_experts, ranks=g)]
+            errors += [
+                f"call {i} ({which}) group {g}: {m}" for m in _check_roundtrip_outputs(outs, a, num_experts, ranks=g)
+            ]
     assert errors == []
 
 
@@ -691,8 +727,9 @@ def chained_independent_roundtrips(iterations: int) -> dict:
 
 
 def test_independent_ops_chained_by_the_user_across_processes():
-    results = launch(HERE, "chained_independent_roundtrips", 4, args=[100], env={"UCCL_EP_TIMEOUT_S": "20"},
-                     timeout_s=300)
+    results = launch(
+        HERE, "chained_independent_roundtrips", 4, args=[100], env={"UCCL_EP_TIMEOUT_S": "20"}, timeout_s=300
+    )
     assert all(r.ok for r in results), describe(results)
     for r in results:
         assert r.result["errors"] == []
@@ -728,6 +765,7 @@ def peer_exits_after_initialize(pid_dir: str) -> dict:
     except Exception as e:  # noqa: BLE001 - the error under test
         error = str(e)
     from jax_uccl_ep import _uccl_ep as core
+
     provider = core.testing.provider(ep._runtime.local_ranks()[0])
     ep.shutdown()
     return {"error": error, "provider": provider}

@@ -1,12 +1,13 @@
 """Node layout from jax.distributed (host names) or UCCL_EP_GPUS_PER_NODE, and the ops across "nodes"."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
+from mp import launch_ok
 
 import jax_uccl_ep as ep
-from mp import launch_ok
 
 HERE = os.path.abspath(__file__)
 
@@ -32,10 +33,9 @@ def test_gpus_per_node_overrides_host_names():
 def every_device_its_own_node() -> dict:
     """Child: with UCCL_EP_GPUS_PER_NODE=1 the ranks are separate nodes (network providers first) and normal and
     low-latency mode match the references (the path GPUs on several nodes take, through host memory)."""
+    import cases
     import jax
     import jax.numpy as jnp
-
-    import cases
 
     ep.initialize()
     topo = ep.topology()
@@ -55,8 +55,13 @@ def every_device_its_own_node() -> dict:
 @pytest.mark.parametrize("reorder", ["0", "1"])
 def test_every_device_its_own_node_across_processes(reorder):
     """Issue 4's CPU proof: each process its own node over tcp, with the proxies' reorder mode off and on."""
-    for res in launch_ok(HERE, "every_device_its_own_node", 2, devices_per_process=1,
-                         env={"UCCL_EP_GPUS_PER_NODE": "1", "UCCL_EP_REORDER": reorder}):
+    for res in launch_ok(
+        HERE,
+        "every_device_its_own_node",
+        2,
+        devices_per_process=1,
+        env={"UCCL_EP_GPUS_PER_NODE": "1", "UCCL_EP_REORDER": reorder},
+    ):
         assert res["nodes"] == 2 and res["source"] == "UCCL_EP_GPUS_PER_NODE=1"
         assert res["problems"] == {}
 
@@ -74,11 +79,10 @@ def two_nodes_of_two() -> dict:
     within the node, combine sums within the node before crossing back; results must match the references; bad
     input fails every rank and leaves the runtime usable; a stale handle fails with a named error and aborts the
     group (usable again after shutdown and initialize)."""
+    import cases
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import cases
     import reference as ref
 
     ep.initialize()
@@ -109,8 +113,9 @@ def two_nodes_of_two() -> dict:
 
     stale_error = ""
     try:
-        jax.block_until_ready(jax.jit(jax.shard_map(stale, mesh=mesh, in_specs=cases.P("ep"),
-                                                    out_specs=cases.P("ep")))(xs, ia, ib))
+        jax.block_until_ready(
+            jax.jit(jax.shard_map(stale, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))(xs, ia, ib)
+        )
     except Exception as exc:  # noqa: BLE001
         stale_error = str(exc)
     # Found in combine's last round, so the whole group was aborted: a fresh runtime works again.
@@ -121,13 +126,17 @@ def two_nodes_of_two() -> dict:
     return {"error": error, "stale_error": stale_error, "problems": {k: v for k, v in problems.items() if v}}
 
 
-
 @pytest.mark.parametrize("processes,reorder", [(2, "0"), (2, "1"), (4, "0")])
 def test_dispatch_crosses_nodes_once_per_token(processes, reorder):
     """Two nodes of two ranks (a process per node, or per rank as GPUs across nodes run): the hierarchical
     dispatch and combine (kernels/cpu/normal.cpp) against the references."""
-    results = launch_ok(HERE, "two_nodes_of_two", processes, devices_per_process=4 // processes,
-                        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_REORDER": reorder})
+    results = launch_ok(
+        HERE,
+        "two_nodes_of_two",
+        processes,
+        devices_per_process=4 // processes,
+        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_REORDER": reorder},
+    )
     for res in results:
         assert res["problems"] == {}
         # Every rank fails on rank 3's bad index, in the hierarchical rounds (their names say so).

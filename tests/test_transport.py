@@ -1,4 +1,5 @@
 """The proxy runtime and libfabric transport, driven directly: payloads, immediates, ordering, dead peers."""
+
 from __future__ import annotations
 
 import os
@@ -6,8 +7,7 @@ import time
 
 import numpy as np
 import pytest
-
-from mp import launch, launch_ok, describe
+from mp import describe, launch, launch_ok
 
 HERE = os.path.abspath(__file__)
 PROVIDERS = ["shm", "tcp;ofi_rxm"]
@@ -33,6 +33,7 @@ def _stripe(size: int, channels: int, c: int) -> tuple[int, int]:
 def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
     """Child: every rank writes a random payload to every peer each round, then checks what it received."""
     import jax
+
     import jax_uccl_ep as ep
     from jax_uccl_ep import _uccl_ep as core
 
@@ -49,7 +50,7 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
                 continue
             data = _payload(seed, rnd, me, peer, max_bytes)
             off = core.testing.send_offset(me, peer)
-            buf[off:off + data.size] = data
+            buf[off : off + data.size] = data
             for c in range(channels):
                 begin, length = _stripe(data.size, channels, c)
                 core.testing.post_message(me, c, peer, off + begin, core.testing.recv_offset(me, me) + begin, length)
@@ -60,7 +61,7 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
                 core.testing.wait_message(me, c, peer)
             want = _payload(seed, rnd, peer, me, max_bytes)
             off = core.testing.recv_offset(me, peer)
-            got = buf[off:off + want.size]
+            got = buf[off : off + want.size]
             if not np.array_equal(got, want):
                 mismatches.append([rnd, peer, int(np.count_nonzero(got != want))])
             moved += want.size
@@ -76,8 +77,15 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
     provider = core.testing.provider(me)
     words = core.testing.published_words(me)
     ep.shutdown()
-    return {"mismatches": mismatches, "bytes": moved, "stats": stats, "provider": provider, "words": words,
-            "rank": me, "rounds": rounds}
+    return {
+        "mismatches": mismatches,
+        "bytes": moved,
+        "stats": stats,
+        "provider": provider,
+        "words": words,
+        "rank": me,
+        "rounds": rounds,
+    }
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -110,8 +118,12 @@ def test_random_payloads_reach_every_peer(provider, num_processes, reorder):
 def test_inflight_bytes_cap_bounds_what_a_proxy_posts(cap):
     """UCCL_EP_MAX_INFLIGHT_BYTES: with 32 KiB writes and a 96 KiB cap a proxy never has more than three writes
     posted and uncompleted, and payloads still arrive exact; without the cap it posts further ahead."""
-    env = {"UCCL_EP_FI_PROVIDER": "tcp;ofi_rxm", "UCCL_EP_MAX_WRITE_BYTES": str(32 << 10),
-           "UCCL_EP_MAX_INFLIGHT_BYTES": str(cap), "UCCL_EP_BUFFER_BYTES": str(40 << 20)}
+    env = {
+        "UCCL_EP_FI_PROVIDER": "tcp;ofi_rxm",
+        "UCCL_EP_MAX_WRITE_BYTES": str(32 << 10),
+        "UCCL_EP_MAX_INFLIGHT_BYTES": str(cap),
+        "UCCL_EP_BUFFER_BYTES": str(40 << 20),
+    }
     results = launch_ok(HERE, "exchange_rounds", 2, args=[4, 11, 4 << 20], env=env)
     for r in results:
         assert r["mismatches"] == []
@@ -124,8 +136,12 @@ def test_inflight_bytes_cap_bounds_what_a_proxy_posts(cap):
 
 def test_hundred_thousand_commands_through_the_rings():
     # 64-byte writes: each 64 KiB message is 1024 writes and a fence.
-    env = {"UCCL_EP_FI_PROVIDER": "shm", "UCCL_EP_MAX_WRITE_BYTES": "64", "UCCL_EP_REORDER": "1",
-           "UCCL_EP_BUFFER_BYTES": str(4 << 20)}
+    env = {
+        "UCCL_EP_FI_PROVIDER": "shm",
+        "UCCL_EP_MAX_WRITE_BYTES": "64",
+        "UCCL_EP_REORDER": "1",
+        "UCCL_EP_BUFFER_BYTES": str(4 << 20),
+    }
     results = launch_ok(HERE, "many_commands", 2, args=[100, 64 << 10], env=env)
     for r in results:
         assert r["mismatches"] == 0
@@ -145,12 +161,12 @@ def many_commands(messages: int, size: int) -> dict:
     for i in range(messages):
         data = np.random.default_rng([i, me]).integers(0, 256, size, dtype=np.uint8)
         off = core.testing.send_offset(me, peer)
-        buf[off:off + size] = data
+        buf[off : off + size] = data
         core.testing.post_message(me, 0, peer, off, core.testing.recv_offset(me, me), size)
         core.testing.wait_message(me, 0, peer)
         want = np.random.default_rng([i, peer]).integers(0, 256, size, dtype=np.uint8)
         roff = core.testing.recv_offset(me, peer)
-        mismatches += int(not np.array_equal(buf[roff:roff + size], want))
+        mismatches += int(not np.array_equal(buf[roff : roff + size], want))
         core.testing.post_message(me, 0, peer, 0, 0, 0)
         core.testing.wait_message(me, 0, peer)
     core.testing.quiet(me)

@@ -3,16 +3,17 @@
 GPUs on several nodes take it by default (the node level over NVLink: tests/test_proxy_gpu.py runs it on one shared
 GPU); CPU devices take it with UCCL_EP_TWO_LEVEL=1, both levels through the proxies, which is what runs here.
 """
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
 import pytest
+from mp import launch_ok
 
 import jax_uccl_ep as ep
 from jax_uccl_ep import Config, _ffi, _runtime
-from mp import launch_ok
 
 HERE = os.path.abspath(__file__)
 
@@ -27,11 +28,14 @@ def test_level_tables_split_each_group_into_nodes_and_across_them():
     assert across.tolist() == [[0, 2, 4], [1, 3, 5], [4, 0, 2], [5, 1, 3]]
 
 
-@pytest.mark.parametrize("row,nodes", [
-    ([0, 2, 1, 3], [0, 0, 1, 1]),  # the nodes alternate along the axis
-    ([0, 1, 2, 3, 4, 5], [0, 0, 1, 1, 1, 1]),  # one node's ranks in two blocks
-    ([0, 1, 2], [0, 0, 1]),  # blocks of unequal size
-])
+@pytest.mark.parametrize(
+    "row,nodes",
+    [
+        ([0, 2, 1, 3], [0, 0, 1, 1]),  # the nodes alternate along the axis
+        ([0, 1, 2, 3, 4, 5], [0, 0, 1, 1, 1, 1]),  # one node's ranks in two blocks
+        ([0, 1, 2], [0, 0, 1]),  # blocks of unequal size
+    ],
+)
 def test_level_tables_refuse_an_axis_that_interleaves_nodes(row, nodes):
     with pytest.raises(ValueError, match="list each node's ranks together.*UCCL_EP_TWO_LEVEL=0"):
         _ffi.level_table(np.array([row], np.int32), nodes, "across")
@@ -72,10 +76,9 @@ def two_nodes_two_levels() -> dict:
     usable after them; a mesh whose axis interleaves nodes refused with a named error."""
     import time
 
+    import cases
     import jax
     import jax.numpy as jnp
-
-    import cases
     import reference as ref
 
     ep.initialize()
@@ -121,15 +124,25 @@ def two_nodes_two_levels() -> dict:
     except Exception as exc:  # noqa: BLE001
         order_error = str(exc)
     ep.shutdown()
-    return {"plan": None if plan is None else [plan.num_nodes, plan.per_node, plan.nvlink], "seconds": seconds,
-            "bad_error": bad_error, "capacity_error": capacity_error, "order_error": order_error,
-            "problems": {k: v for k, v in problems.items() if v}}
+    return {
+        "plan": None if plan is None else [plan.num_nodes, plan.per_node, plan.nvlink],
+        "seconds": seconds,
+        "bad_error": bad_error,
+        "capacity_error": capacity_error,
+        "order_error": order_error,
+        "problems": {k: v for k, v in problems.items() if v},
+    }
 
 
 @pytest.mark.parametrize("processes,reorder", [(2, "0"), (4, "1")])
 def test_two_levels_match_the_reference(processes, reorder):
-    results = launch_ok(HERE, "two_nodes_two_levels", processes, devices_per_process=4 // processes,
-                        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1", "UCCL_EP_REORDER": reorder})
+    results = launch_ok(
+        HERE,
+        "two_nodes_two_levels",
+        processes,
+        devices_per_process=4 // processes,
+        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1", "UCCL_EP_REORDER": reorder},
+    )
     for res in results:
         assert res["plan"] == [2, 2, False]
         assert res["problems"] == {}
@@ -144,10 +157,10 @@ def bytes_across_nodes() -> dict:
     node for one dispatch, under two-level routing and then flat (UCCL_EP_TWO_LEVEL=0, UCCL_EP_HIERARCHICAL=0), with
     the routing's own counts: token-node pairs (a token to a node that owns one of its experts) and token-rank
     pairs (to each such rank) across nodes, for this process's ranks."""
-    import jax
-
     import cases
+    import jax
     import reference as ref
+
     from jax_uccl_ep import _uccl_ep
 
     r, t, h, k, e = 4, 64, 1024, 4, 16
@@ -156,8 +169,12 @@ def bytes_across_nodes() -> dict:
 
     def across_bytes() -> int:
         node = ep.topology().node_of_rank
-        return sum(b for q in _runtime.local_ranks() for p, b in enumerate(_uccl_ep.testing.stats(q)["bytes_posted_to"])
-                   if node[p] != node[q])
+        return sum(
+            b
+            for q in _runtime.local_ranks()
+            for p, b in enumerate(_uccl_ep.testing.stats(q)["bytes_posted_to"])
+            if node[p] != node[q]
+        )
 
     def measure() -> int:
         ep.initialize()
@@ -191,15 +208,27 @@ def bytes_across_nodes() -> dict:
         needs = [(owner[s] == d).any(-1) for d in other]
         node_pairs += int(np.logical_or.reduce(needs).sum())
         rank_pairs += int(sum(n.sum() for n in needs))
-    return {"two_level": int(two_level), "flat": int(flat), "on": on, "off": not off,
-            "node_pairs": node_pairs, "rank_pairs": rank_pairs, "row_bytes": h * 4}
+    return {
+        "two_level": int(two_level),
+        "flat": int(flat),
+        "on": on,
+        "off": not off,
+        "node_pairs": node_pairs,
+        "rank_pairs": rank_pairs,
+        "row_bytes": h * 4,
+    }
 
 
 def test_a_token_crosses_to_another_node_once():
     """The measure two-level routing exists for: what the proxies post across nodes per dispatch is about one row
     per token and node that needs it, against one per token and rank there when routing is flat."""
-    for res in launch_ok(HERE, "bytes_across_nodes", 2, devices_per_process=2,
-                         env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1"}):
+    for res in launch_ok(
+        HERE,
+        "bytes_across_nodes",
+        2,
+        devices_per_process=2,
+        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1"},
+    ):
         assert res["on"] and res["off"], res
         assert res["rank_pairs"] > res["node_pairs"] > 0, res  # the routing makes the two differ
         rows = res["row_bytes"]
@@ -213,11 +242,9 @@ def failure_on_a_smaller_axis() -> dict:
     is not the whole job, so its ops are single-level; a capacity failure in the first EP group (process 0's ranks)
     stays there: process 1's group finishes, and its runtime keeps working."""
     import jax
-    from jax.sharding import Mesh
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     import reference as ref
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     ep.initialize()
     devices = sorted(jax.devices(), key=lambda d: d.id)
@@ -248,9 +275,16 @@ def failure_on_a_smaller_axis() -> dict:
         own = Mesh(np.array([d for d in devices if d.process_index == 1]), ("ep",))  # ranks each token reached
         idx2 = ref.random_routing(np.random.default_rng(44), 2, 8, 2, 4)
         x2 = np.random.default_rng(45).standard_normal((2, 8, 128)).astype(np.float32)
-        g = jax.jit(jax.shard_map(lambda x, i: ep.combine(*(lambda r: (r.x, r.handle))(
-            ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep")))[None], mesh=own, in_specs=P("ep"),
-            out_specs=P("ep")))
+        g = jax.jit(
+            jax.shard_map(
+                lambda x, i: ep.combine(
+                    *(lambda r: (r.x, r.handle))(ep.dispatch(x[0], i[0], num_experts=4, axis_name="ep"))
+                )[None],
+                mesh=own,
+                in_specs=P("ep"),
+                out_specs=P("ep"),
+            )
+        )
         got = np.asarray(g(*(jax.device_put(a, NamedSharding(own, P("ep"))) for a in (x2, idx2))))
         reached = np.stack([((idx2 >= 0) & (idx2 // 2 == d)).any(-1) for d in range(2)]).sum(0)
         usable = [] if np.allclose(got, x2 * reached[..., None], rtol=1e-6) else ["round trip differs"]
@@ -259,8 +293,13 @@ def failure_on_a_smaller_axis() -> dict:
 
 
 def test_a_failure_outside_two_level_ops_does_not_abort_the_job():
-    results = launch_ok(HERE, "failure_on_a_smaller_axis", 2, devices_per_process=2,
-                        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1"})
+    results = launch_ok(
+        HERE,
+        "failure_on_a_smaller_axis",
+        2,
+        devices_per_process=2,
+        env={"UCCL_EP_GPUS_PER_NODE": "2", "UCCL_EP_TWO_LEVEL": "1"},
+    )
     by_process = {res["process"]: res for res in results}
     assert "capacity is 8" in by_process[0]["error"], by_process[0]
     assert by_process[1]["error"] == "" and by_process[1]["usable"] == [], by_process[1]

@@ -19,9 +19,9 @@ struct Header {
   uint32_t rows;
   uint64_t row_bytes;
   uint64_t shape_tag;
-  int32_t status;         // 0 fine, 1 the sender's input was bad
-  uint32_t error_bytes;   // status 1: length of the sender's error text, which follows the header
-  uint32_t op_index;      // the op's position in the sender's program
+  int32_t status;        // 0 fine, 1 the sender's input was bad
+  uint32_t error_bytes;  // status 1: length of the sender's error text, which follows the header
+  uint32_t op_index;     // the op's position in the sender's program
   uint32_t reserved[5];
 };
 constexpr size_t kMaxErrorBytes = 1024;
@@ -39,18 +39,30 @@ std::pair<uint64_t, uint64_t> stripe(uint64_t bytes, int channels, int c) {
 
 const char* op_name(OpKind kind) {
   switch (kind) {
-    case OpKind::kDispatch: return "dispatch";
-    case OpKind::kCachedDispatch: return "cached_dispatch";
-    case OpKind::kCombine: return "combine";
-    case OpKind::kLowLatencyDispatch: return "low_latency_dispatch";
-    case OpKind::kLowLatencyCombine: return "low_latency_combine";
-    case OpKind::kDispatchAcrossNodes: return "dispatch (across nodes)";
-    case OpKind::kDispatchWithinNode: return "dispatch (within the node)";
-    case OpKind::kCombineRoutesAcrossNodes: return "combine (routes across nodes)";
-    case OpKind::kCombineWithinNode: return "combine (within the node)";
-    case OpKind::kCombineAcrossNodes: return "combine (across nodes)";
-    case OpKind::kCachedDispatchAcrossNodes: return "cached_dispatch (across nodes)";
-    case OpKind::kCachedDispatchWithinNode: return "cached_dispatch (within the node)";
+    case OpKind::kDispatch:
+      return "dispatch";
+    case OpKind::kCachedDispatch:
+      return "cached_dispatch";
+    case OpKind::kCombine:
+      return "combine";
+    case OpKind::kLowLatencyDispatch:
+      return "low_latency_dispatch";
+    case OpKind::kLowLatencyCombine:
+      return "low_latency_combine";
+    case OpKind::kDispatchAcrossNodes:
+      return "dispatch (across nodes)";
+    case OpKind::kDispatchWithinNode:
+      return "dispatch (within the node)";
+    case OpKind::kCombineRoutesAcrossNodes:
+      return "combine (routes across nodes)";
+    case OpKind::kCombineWithinNode:
+      return "combine (within the node)";
+    case OpKind::kCombineAcrossNodes:
+      return "combine (across nodes)";
+    case OpKind::kCachedDispatchAcrossNodes:
+      return "cached_dispatch (across nodes)";
+    case OpKind::kCachedDispatchWithinNode:
+      return "cached_dispatch (within the node)";
   }
   return "unknown";
 }
@@ -114,8 +126,8 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
     }
     uint8_t* region = reinterpret_cast<uint8_t*>(dev.buffer() + dev.send_offset(peer));
     uint32_t error_bytes = bad_input ? uint32_t(std::min(local_error.size(), kMaxErrorBytes)) : 0;
-    Header h{kMagic, uint32_t(plan.kind), dev.rank(), rows, plan.row_bytes, plan.shape_tag, bad_input ? 1 : 0,
-             error_bytes, plan.op_index, {}};
+    Header h{kMagic,         uint32_t(plan.kind), dev.rank(),  rows,          plan.row_bytes,
+             plan.shape_tag, bad_input ? 1 : 0,   error_bytes, plan.op_index, {}};
     std::memcpy(region, &h, sizeof(h));
     // A rank with bad input sends its error text in place of rows, so every peer can report the cause.
     std::memcpy(region + kHeaderBytes, local_error.data(), error_bytes);
@@ -146,13 +158,12 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
     if (h.magic != kMagic || h.sender != peer)
       problem = "sent a corrupt message header";
     else if (h.status != 0)
-      problem = "reported invalid input: " +
-                std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
-                            std::min<size_t>(h.error_bytes, kMaxErrorBytes));
+      problem = "reported invalid input: " + std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
+                                                         std::min<size_t>(h.error_bytes, kMaxErrorBytes));
     else if (h.op_index != sent.op_index)
       problem = std::string("ran op #") + std::to_string(h.op_index) + " (" + op_name(OpKind(h.kind)) +
-                ") of its program while this rank ran op #" + std::to_string(sent.op_index) + " (" + op + "): " +
-                "op order differs across ranks (make one op depend on the other's output)";
+                ") of its program while this rank ran op #" + std::to_string(sent.op_index) + " (" + op +
+                "): " + "op order differs across ranks (make one op depend on the other's output)";
     else if (h.kind != uint32_t(sent.kind) || h.row_bytes != sent.row_bytes || h.shape_tag != sent.shape_tag)
       problem = std::string("ran ") + op_name(OpKind(h.kind)) + " with " + std::to_string(h.row_bytes) +
                 "-byte rows (shape tag " + std::to_string(h.shape_tag) + ") while this rank ran " + op + " with " +
@@ -207,8 +218,8 @@ auto guarded_half(Device& dev, const Group& group, const char* op, Half&& half) 
 void check_no_pending(Device& dev, const char* op) {
   if (const SentRound* sent = std::any_cast<SentRound>(&dev.op_state()))
     throw Error(std::string("uccl_ep ") + op + ": the send half of " + op_name(sent->kind) + " (op #" +
-                          std::to_string(sent->op_index) +
-                          ") still waits for its receive half on this device; run the receive first");
+                std::to_string(sent->op_index) +
+                ") still waits for its receive half on this device; run the receive first");
   check_no_pending_half(dev, op);  // a GPU-initiated one (kernels/nvl/low_latency.cu)
 }
 

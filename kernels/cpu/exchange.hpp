@@ -23,8 +23,8 @@ enum class OpKind : uint32_t {
   kCombine = 3,
   kLowLatencyDispatch = 4,
   kLowLatencyCombine = 5,
-  kDispatchAcrossNodes = 6,  // hierarchical dispatch: a token once to each node that needs it
-  kDispatchWithinNode = 7,   // then on to the node's ranks that need it
+  kDispatchAcrossNodes = 6,       // hierarchical dispatch: a token once to each node that needs it
+  kDispatchWithinNode = 7,        // then on to the node's ranks that need it
   kCombineRoutesAcrossNodes = 8,  // hierarchical combine: which tokens each node's ranks hold, per source
   kCombineWithinNode = 9,         // the rows, to the rank that forwarded them, summed there
   kCombineAcrossNodes = 10,       // one partial sum per token and node, back to the source
@@ -52,11 +52,11 @@ std::vector<uint32_t> group_peers(const Group& group);
 
 struct ExchangePlan {
   OpKind kind;
-  uint32_t op_index;                       // position in the program: the same on every rank
-  uint64_t row_bytes;                      // every row of every message
-  uint64_t shape_tag;                      // op-specific shape summary that must agree across ranks
-  std::vector<uint32_t> rows_to;           // rows for each group member
-  std::string local_error;                 // non-empty: this rank's input is bad; it still takes part
+  uint32_t op_index;              // position in the program: the same on every rank
+  uint64_t row_bytes;             // every row of every message
+  uint64_t shape_tag;             // op-specific shape summary that must agree across ranks
+  std::vector<uint32_t> rows_to;  // rows for each group member
+  std::string local_error;        // non-empty: this rank's input is bad; it still takes part
 };
 
 // Packs row i of the message for group member `dst` at `out` (row_bytes bytes).

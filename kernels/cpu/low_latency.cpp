@@ -67,8 +67,9 @@ namespace {
 template <class Run>
 void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
-  ExchangePlan plan{OpKind::kLowLatencyDispatch, a.op_index, round_up16(dispatch_meta_offset(a) + 8),
-                    dispatch_shape_tag(a), {}, check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
+  ExchangePlan plan{
+      OpKind::kLowLatencyDispatch, a.op_index, round_up16(dispatch_meta_offset(a) + 8),
+      dispatch_shape_tag(a),       {},         check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
   if (plan.local_error.empty() && a.num_tokens > N)
     plan.local_error = "rank " + std::to_string(dev.rank()) + " has " + std::to_string(a.num_tokens) +
                        " tokens, more than max_tokens_per_rank=" + std::to_string(N);
@@ -85,8 +86,8 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
     while (i >= slots[d * L + l].size()) i -= uint32_t(slots[d * L + l++].size());
     const auto [t, k] = slots[d * L + l][i];
     if (a.cast != Fp8Cast::kNone)
-      cast_row_to_fp8(bytes_of(a.x) + size_t(t) * a.x_row_bytes * (a.x_bf16 ? 2 : 4), a.x_bf16, int(a.x_row_bytes), a.cast, out,
-                      out + a.x_row_bytes);
+      cast_row_to_fp8(bytes_of(a.x) + size_t(t) * a.x_row_bytes * (a.x_bf16 ? 2 : 4), a.x_bf16, int(a.x_row_bytes),
+                      a.cast, out, out + a.x_row_bytes);
     else {
       std::memcpy(out, bytes_of(a.x) + size_t(t) * a.x_row_bytes, a.x_row_bytes);
       if (a.scale_row_bytes)
@@ -114,13 +115,15 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
       int32_t lt[2];
       std::memcpy(lt, in + meta, 8);
       if (lt[0] < 0 || lt[0] >= L || fill[lt[0]] >= int32_t(slab)) {
-        if (bad.empty()) bad = "rank " + std::to_string(group.ranks[s]) + " sent a row for local expert " +
-                               std::to_string(lt[0]) + " that does not fit";
+        if (bad.empty())
+          bad = "rank " + std::to_string(group.ranks[s]) + " sent a row for local expert " + std::to_string(lt[0]) +
+                " that does not fit";
         continue;
       }
       size_t o = size_t(lt[0]) * slab + size_t(fill[lt[0]]++);
       std::memcpy(bytes_of(a.recv_x) + o * a.x_row_bytes, in, a.x_row_bytes);
-      if (a.scale_row_bytes) std::memcpy(bytes_of(a.recv_scales) + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
+      if (a.scale_row_bytes)
+        std::memcpy(bytes_of(a.recv_scales) + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
       a.src_slot[o] = lt[1];
       ++a.layout[size_t(lt[0]) * R + s];
     }
@@ -150,7 +153,8 @@ void with_combine_send(const Group& group, const LowLatencyCombineArgs& a, Run&&
     for (int l = 0; l < L; ++l) {
       int32_t n = a.layout[size_t(l) * R + s];
       begin[size_t(l) * R + s] = s == 0 ? 0 : begin[size_t(l) * R + s - 1] + a.layout[size_t(l) * R + s - 1];
-      if (n < 0 || begin[size_t(l) * R + s] + n > int64_t(slab)) plan.local_error = "the handle's layout does not fit y";
+      if (n < 0 || begin[size_t(l) * R + s] + n > int64_t(slab))
+        plan.local_error = "the handle's layout does not fit y";
       rows += uint32_t(std::max(0, n));
     }
     plan.rows_to.push_back(rows);

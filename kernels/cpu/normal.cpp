@@ -52,9 +52,10 @@ struct RowSink {
   }
   void check(Device& dev, const Group& group, const char* op) const {
     if (total > uint64_t(capacity))
-      abort_group(dev, group, std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + " received " +
-                                  std::to_string(total) + " tokens but capacity is " + std::to_string(capacity) +
-                                  "; pass a larger capacity (the default, group size * tokens per rank, never drops)");
+      abort_group(dev, group,
+                  std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + " received " +
+                      std::to_string(total) + " tokens but capacity is " + std::to_string(capacity) +
+                      "; pass a larger capacity (the default, group size * tokens per rank, never drops)");
   }
 };
 
@@ -122,49 +123,50 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
   const Group within = make_group(dev, b.within.data(), P, op);
 
   const auto to_node = tokens_by_node(mask, num_tokens, b.nodes, P);  // tokens each node needs
-  std::vector<std::vector<uint8_t>> from_node(b.nodes);  // round 1's rows, by source node
-  std::vector<std::vector<const uint8_t*>> forward(P);   // round 2's rows for each rank of this node
+  std::vector<std::vector<uint8_t>> from_node(b.nodes);               // round 1's rows, by source node
+  std::vector<std::vector<const uint8_t*>> forward(P);                // round 2's rows for each rank of this node
   std::vector<std::vector<uint8_t>> by_source(R);
-  in_rounds(dev, group, {
-      [&](const std::string&) {
-        ExchangePlan plan{across_kind, flat.op_index, row_bytes, flat.shape_tag, sizes(to_node), flat.local_error};
-        exchange(dev, across, plan,
-                 [&](int n, uint32_t i, uint8_t* out) {
-                   const uint32_t t = to_node[n][i];
-                   pack_row(t, out);
-                   const int32_t tag[2] = {int32_t(t), b.node};
-                   std::memcpy(out + tag_off, tag, 8);
-                   for (int l = 0; l < P; ++l) out[tag_off + 8 + l] = mask[size_t(t) * R + n * P + l];
-                 },
-                 [&](int n, uint32_t count, const uint8_t* rows) {
-                   from_node[n].assign(rows, rows + uint64_t(count) * row_bytes);
-                 });
-      },
-      [&](const std::string& error) {
-        for (int n = 0; n < b.nodes && error.empty(); ++n)
-          for (size_t j = 0; j < from_node[n].size() / row_bytes; ++j) {
-            const uint8_t* row = from_node[n].data() + j * row_bytes;
-            for (int l = 0; l < P; ++l)
-              if (row[tag_off + 8 + l]) forward[l].push_back(row);
-          }
-        std::vector<uint32_t> rows_to(P);
-        for (int l = 0; l < P; ++l) rows_to[l] = uint32_t(forward[l].size());
-        ExchangePlan plan{within_kind, flat.op_index, row_bytes, flat.shape_tag, rows_to, error};
-        exchange(dev, within, plan,
-                 [&](int l, uint32_t i, uint8_t* out) { std::memcpy(out, forward[l][i], row_bytes); },
-                 [&](int l, uint32_t count, const uint8_t* rows) {
-                   for (uint32_t j = 0; j < count; ++j) {
-                     const uint8_t* row = rows + uint64_t(j) * row_bytes;
-                     int32_t node;
-                     std::memcpy(&node, row + tag_off + 4, 4);
-                     if (node < 0 || node >= b.nodes)
-                       throw Error(std::string("uccl_ep ") + op + ": a forwarded row names node " +
-                                   std::to_string(node));
-                     auto& dst = by_source[node * P + l];
-                     dst.insert(dst.end(), row, row + row_bytes);
-                   }
-                 });
-      }});
+  in_rounds(
+      dev, group,
+      {[&](const std::string&) {
+         ExchangePlan plan{across_kind, flat.op_index, row_bytes, flat.shape_tag, sizes(to_node), flat.local_error};
+         exchange(
+             dev, across, plan,
+             [&](int n, uint32_t i, uint8_t* out) {
+               const uint32_t t = to_node[n][i];
+               pack_row(t, out);
+               const int32_t tag[2] = {int32_t(t), b.node};
+               std::memcpy(out + tag_off, tag, 8);
+               for (int l = 0; l < P; ++l) out[tag_off + 8 + l] = mask[size_t(t) * R + n * P + l];
+             },
+             [&](int n, uint32_t count, const uint8_t* rows) {
+               from_node[n].assign(rows, rows + uint64_t(count) * row_bytes);
+             });
+       },
+       [&](const std::string& error) {
+         for (int n = 0; n < b.nodes && error.empty(); ++n)
+           for (size_t j = 0; j < from_node[n].size() / row_bytes; ++j) {
+             const uint8_t* row = from_node[n].data() + j * row_bytes;
+             for (int l = 0; l < P; ++l)
+               if (row[tag_off + 8 + l]) forward[l].push_back(row);
+           }
+         std::vector<uint32_t> rows_to(P);
+         for (int l = 0; l < P; ++l) rows_to[l] = uint32_t(forward[l].size());
+         ExchangePlan plan{within_kind, flat.op_index, row_bytes, flat.shape_tag, rows_to, error};
+         exchange(
+             dev, within, plan, [&](int l, uint32_t i, uint8_t* out) { std::memcpy(out, forward[l][i], row_bytes); },
+             [&](int l, uint32_t count, const uint8_t* rows) {
+               for (uint32_t j = 0; j < count; ++j) {
+                 const uint8_t* row = rows + uint64_t(j) * row_bytes;
+                 int32_t node;
+                 std::memcpy(&node, row + tag_off + 4, 4);
+                 if (node < 0 || node >= b.nodes)
+                   throw Error(std::string("uccl_ep ") + op + ": a forwarded row names node " + std::to_string(node));
+                 auto& dst = by_source[node * P + l];
+                 dst.insert(dst.end(), row, row + row_bytes);
+               }
+             });
+       }});
   return by_source;
 }
 
@@ -183,7 +185,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
   const Group within = make_group(dev, b.within.data(), P, "combine");
   const uint64_t route_bytes = round_up16(4 + uint64_t(P));
   const uint64_t y_bytes = uint64_t(H) * (a.dtype == FloatType::kF32 ? 4 : 2);
-  const uint64_t partial_bytes = round_up16(y_bytes);  // sums cross back in y's type, as DeepEP's do
+  const uint64_t partial_bytes = round_up16(y_bytes);     // sums cross back in y's type, as DeepEP's do
   const uint64_t tagged_bytes = round_up16(y_bytes + 4);  // round 2: a y row, then its source node
   std::string mismatch, abort_after;
   auto note = [&](const std::string& what) {
@@ -191,102 +193,115 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
   };
 
   const auto to_node = tokens_by_node(a.is_token_in_rank, a.num_tokens, b.nodes, P);  // this rank's, per node
-  std::vector<std::vector<uint8_t>> routes(b.nodes);     // round 1's rows, by source node
-  std::vector<std::vector<float>> partial(b.nodes);      // [tokens of routes[n], H] sums for source node n
-  std::vector<std::vector<uint32_t>> slots(b.nodes * P); // [n * P + l]: route rows of source node n that rank l holds
+  std::vector<std::vector<uint8_t>> routes(b.nodes);                                  // round 1's rows, by source node
+  std::vector<std::vector<float>> partial(b.nodes);       // [tokens of routes[n], H] sums for source node n
+  std::vector<std::vector<uint32_t>> slots(b.nodes * P);  // [n * P + l]: route rows of source node n that rank l holds
   try {
-    in_rounds(dev, group, {
-        [&](const std::string&) {
-          ExchangePlan plan{OpKind::kCombineRoutesAcrossNodes, flat.op_index, route_bytes, flat.shape_tag,
-                            sizes(to_node), flat.local_error};
-          exchange(dev, across, plan,
-                   [&](int n, uint32_t i, uint8_t* out) {
-                     const uint32_t t = to_node[n][i];
-                     std::memcpy(out, &t, 4);
-                     for (int l = 0; l < P; ++l) out[4 + l] = a.is_token_in_rank[size_t(t) * R + n * P + l];
-                   },
-                   [&](int n, uint32_t count, const uint8_t* rows) {
-                     routes[n].assign(rows, rows + uint64_t(count) * route_bytes);
-                   });
-        },
-        [&](const std::string& error) {
-          for (int n = 0; n < b.nodes; ++n) {
-            const size_t count = routes[n].size() / route_bytes;
-            partial[n].assign(count * H, 0.0f);
-            for (size_t i = 0; i < count; ++i)
-              for (int l = 0; l < P; ++l)
-                if (routes[n][i * route_bytes + 4 + l]) slots[n * P + l].push_back(uint32_t(i));
-          }
-          // To the rank of this node with local index l: the rows of sources (n, l), node by node.
-          std::vector<uint32_t> rows_to(P, 0);
-          for (int l = 0; l < P; ++l)
-            for (int n = 0; n < b.nodes; ++n) rows_to[l] += uint32_t(std::max(0, a.recv_counts[n * P + l]));
-          ExchangePlan plan{OpKind::kCombineWithinNode, flat.op_index, tagged_bytes, flat.shape_tag, rows_to,
-                            error.empty() ? flat.local_error : error};
-          exchange(dev, within, plan,
-                   [&](int l, uint32_t i, uint8_t* out) {
-                     int32_t n = 0;
-                     for (uint32_t c; i >= (c = uint32_t(std::max(0, a.recv_counts[n * P + l]))); ++n) i -= c;
-                     std::memcpy(out, y_row(n * P + l, i), y_bytes);
-                     std::memcpy(out + y_bytes, &n, 4);
-                   },
-                   [&](int l, uint32_t count, const uint8_t* rows) {
-                     // The rows of each source node must be exactly the ones its routes give rank l.
-                     size_t expected = 0;
-                     for (int n = 0; n < b.nodes; ++n) expected += slots[n * P + l].size();
-                     bool match = count == expected;
-                     for (int n = 0, j = 0; n < b.nodes && match; ++n)
-                       for (size_t k = 0; k < slots[n * P + l].size() && match; ++k, ++j) {
-                         int32_t node;
-                         std::memcpy(&node, rows + uint64_t(j) * tagged_bytes + y_bytes, 4);
-                         match = node == n;
+    in_rounds(dev, group,
+              {[&](const std::string&) {
+                 ExchangePlan plan{OpKind::kCombineRoutesAcrossNodes,
+                                   flat.op_index,
+                                   route_bytes,
+                                   flat.shape_tag,
+                                   sizes(to_node),
+                                   flat.local_error};
+                 exchange(
+                     dev, across, plan,
+                     [&](int n, uint32_t i, uint8_t* out) {
+                       const uint32_t t = to_node[n][i];
+                       std::memcpy(out, &t, 4);
+                       for (int l = 0; l < P; ++l) out[4 + l] = a.is_token_in_rank[size_t(t) * R + n * P + l];
+                     },
+                     [&](int n, uint32_t count, const uint8_t* rows) {
+                       routes[n].assign(rows, rows + uint64_t(count) * route_bytes);
+                     });
+               },
+               [&](const std::string& error) {
+                 for (int n = 0; n < b.nodes; ++n) {
+                   const size_t count = routes[n].size() / route_bytes;
+                   partial[n].assign(count * H, 0.0f);
+                   for (size_t i = 0; i < count; ++i)
+                     for (int l = 0; l < P; ++l)
+                       if (routes[n][i * route_bytes + 4 + l]) slots[n * P + l].push_back(uint32_t(i));
+                 }
+                 // To the rank of this node with local index l: the rows of sources (n, l), node by node.
+                 std::vector<uint32_t> rows_to(P, 0);
+                 for (int l = 0; l < P; ++l)
+                   for (int n = 0; n < b.nodes; ++n) rows_to[l] += uint32_t(std::max(0, a.recv_counts[n * P + l]));
+                 ExchangePlan plan{OpKind::kCombineWithinNode,
+                                   flat.op_index,
+                                   tagged_bytes,
+                                   flat.shape_tag,
+                                   rows_to,
+                                   error.empty() ? flat.local_error : error};
+                 exchange(
+                     dev, within, plan,
+                     [&](int l, uint32_t i, uint8_t* out) {
+                       int32_t n = 0;
+                       for (uint32_t c; i >= (c = uint32_t(std::max(0, a.recv_counts[n * P + l]))); ++n) i -= c;
+                       std::memcpy(out, y_row(n * P + l, i), y_bytes);
+                       std::memcpy(out + y_bytes, &n, 4);
+                     },
+                     [&](int l, uint32_t count, const uint8_t* rows) {
+                       // The rows of each source node must be exactly the ones its routes give rank l.
+                       size_t expected = 0;
+                       for (int n = 0; n < b.nodes; ++n) expected += slots[n * P + l].size();
+                       bool match = count == expected;
+                       for (int n = 0, j = 0; n < b.nodes && match; ++n)
+                         for (size_t k = 0; k < slots[n * P + l].size() && match; ++k, ++j) {
+                           int32_t node;
+                           std::memcpy(&node, rows + uint64_t(j) * tagged_bytes + y_bytes, 4);
+                           match = node == n;
+                         }
+                       if (!match) {
+                         note("rank " + std::to_string(b.within[l]) + " returned " + std::to_string(count) +
+                              " rows that do not match the " + std::to_string(expected) +
+                              " its sources' routes give it");
+                         return;
                        }
-                     if (!match) {
-                       note("rank " + std::to_string(b.within[l]) + " returned " + std::to_string(count) +
-                            " rows that do not match the " + std::to_string(expected) + " its sources' routes give it");
-                       return;
-                     }
-                     for (int n = 0; n < b.nodes; ++n)
-                       for (uint32_t slot : slots[n * P + l]) {
-                         add_row(partial[n].data() + size_t(slot) * H, rows);
-                         rows += tagged_bytes;
+                       for (int n = 0; n < b.nodes; ++n)
+                         for (uint32_t slot : slots[n * P + l]) {
+                           add_row(partial[n].data() + size_t(slot) * H, rows);
+                           rows += tagged_bytes;
+                         }
+                     });
+               },
+               [&](const std::string& error) {
+                 std::vector<uint32_t> rows_to(b.nodes);
+                 for (int n = 0; n < b.nodes; ++n) rows_to[n] = uint32_t(routes[n].size() / route_bytes);
+                 // Rows that did not match the routes make the sums wrong: the sources learn it here, as a collective
+                 // error (every rank stays in step and usable), instead of receiving them.
+                 std::string status = error;
+                 if (status.empty() && !mismatch.empty()) {
+                   status = std::string("uccl_ep ") + op_name(OpKind::kCombineWithinNode) + ": rank " +
+                            std::to_string(dev.rank()) + ": " + mismatch + " (stale handle?)";
+                   abort_after = status;
+                 }
+                 mismatch.clear();
+                 ExchangePlan plan{
+                     OpKind::kCombineAcrossNodes, flat.op_index, partial_bytes, flat.shape_tag, rows_to, status};
+                 exchange(
+                     dev, across, plan,
+                     [&](int n, uint32_t i, uint8_t* out) {
+                       const float* sum = partial[n].data() + size_t(i) * H;
+                       if (a.dtype == FloatType::kF32) {
+                         std::memcpy(out, sum, size_t(H) * 4);
+                       } else {
+                         uint16_t* o = reinterpret_cast<uint16_t*>(out);
+                         for (int h = 0; h < H; ++h) o[h] = f32_to_bf16(sum[h]);
                        }
-                   });
-        },
-        [&](const std::string& error) {
-          std::vector<uint32_t> rows_to(b.nodes);
-          for (int n = 0; n < b.nodes; ++n) rows_to[n] = uint32_t(routes[n].size() / route_bytes);
-          // Rows that did not match the routes make the sums wrong: the sources learn it here, as a collective error
-          // (every rank stays in step and usable), instead of receiving them.
-          std::string status = error;
-          if (status.empty() && !mismatch.empty()) {
-            status = std::string("uccl_ep ") + op_name(OpKind::kCombineWithinNode) + ": rank " +
-                     std::to_string(dev.rank()) + ": " + mismatch + " (stale handle?)";
-            abort_after = status;
-          }
-          mismatch.clear();
-          ExchangePlan plan{OpKind::kCombineAcrossNodes, flat.op_index, partial_bytes, flat.shape_tag, rows_to, status};
-          exchange(dev, across, plan,
-                   [&](int n, uint32_t i, uint8_t* out) {
-                     const float* sum = partial[n].data() + size_t(i) * H;
-                     if (a.dtype == FloatType::kF32) {
-                       std::memcpy(out, sum, size_t(H) * 4);
-                     } else {
-                       uint16_t* o = reinterpret_cast<uint16_t*>(out);
-                       for (int h = 0; h < H; ++h) o[h] = f32_to_bf16(sum[h]);
-                     }
-                   },
-                   [&](int n, uint32_t count, const uint8_t* rows) {
-                     if (count != to_node[n].size()) {
-                       note("rank " + std::to_string(b.across[n]) + " returned " + std::to_string(count) +
-                            " sums where this rank sent its node " + std::to_string(to_node[n].size()) + " tokens");
-                       return;
-                     }
-                     for (uint32_t j = 0; j < count; ++j) {
-                       add_row(acc + size_t(to_node[n][j]) * H, rows + uint64_t(j) * partial_bytes);
-                     }
-                   });
-        }});
+                     },
+                     [&](int n, uint32_t count, const uint8_t* rows) {
+                       if (count != to_node[n].size()) {
+                         note("rank " + std::to_string(b.across[n]) + " returned " + std::to_string(count) +
+                              " sums where this rank sent its node " + std::to_string(to_node[n].size()) + " tokens");
+                         return;
+                       }
+                       for (uint32_t j = 0; j < count; ++j) {
+                         add_row(acc + size_t(to_node[n][j]) * H, rows + uint64_t(j) * partial_bytes);
+                       }
+                     });
+               }});
   } catch (const CollectiveError&) {
     // This rank's sources learned of the stale rows in the last round; the rest of the group learns by an abort,
     // as from the flat combine.
@@ -357,7 +372,8 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
       const uint8_t* in = rows + uint64_t(j) * plan.row_bytes;
       size_t o = size_t(first + j);
       std::memcpy(bytes_of(a.recv_x) + o * a.x_row_bytes, in, a.x_row_bytes);
-      if (a.scale_row_bytes) std::memcpy(bytes_of(a.recv_scales) + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
+      if (a.scale_row_bytes)
+        std::memcpy(bytes_of(a.recv_scales) + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
       for (int k = 0; k < K; ++k) {
         int32_t e;
         std::memcpy(&e, in + idx_off + 4ull * k, 4);
@@ -410,11 +426,13 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
     for (uint32_t j = 0; j < count && first + j < a.capacity; ++j)
       std::memcpy(bytes_of(a.recv_x) + size_t(first + j) * a.row_bytes, rows + uint64_t(j) * row_bytes, a.row_bytes);
   };
-  auto pack_token = [&](uint32_t t, uint8_t* out) { std::memcpy(out, bytes_of(a.x) + size_t(t) * a.row_bytes, a.row_bytes); };
+  auto pack_token = [&](uint32_t t, uint8_t* out) {
+    std::memcpy(out, bytes_of(a.x) + size_t(t) * a.row_bytes, a.row_bytes);
+  };
   if (nodes) {
-    auto by_source = route_by_node(dev, group, *nodes, OpKind::kCachedDispatchAcrossNodes,
-                                   OpKind::kCachedDispatchWithinNode, plan, a.is_token_in_rank, a.num_tokens,
-                                   pack_token, a.row_bytes);
+    auto by_source =
+        route_by_node(dev, group, *nodes, OpKind::kCachedDispatchAcrossNodes, OpKind::kCachedDispatchWithinNode, plan,
+                      a.is_token_in_rank, a.num_tokens, pack_token, a.row_bytes);
     for (int s = 0; s < R; ++s) place(s, uint32_t(by_source[s].size() / row_bytes), by_source[s].data());
   } else {
     auto tokens_to = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
@@ -460,17 +478,18 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
     mismatch = combine_by_node(dev, group, *nodes, plan, a, y_row, add_row, acc);
   } else {
     auto tokens_from = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
-    exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { std::memcpy(out, y_row(d, i), row_bytes); },
-             [&](int s, uint32_t count, const uint8_t* rows) {
-               if (count != tokens_from[s].size()) {
-                 if (mismatch.empty())
-                   mismatch = "rank " + std::to_string(group.ranks[s]) + " returned " + std::to_string(count) +
-                              " rows where this rank sent it " + std::to_string(tokens_from[s].size()) + " tokens";
-                 return;
-               }
-               for (uint32_t j = 0; j < count; ++j)
-                 add_row(acc + size_t(tokens_from[s][j]) * H, rows + uint64_t(j) * plan.row_bytes);
-             });
+    exchange(
+        dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { std::memcpy(out, y_row(d, i), row_bytes); },
+        [&](int s, uint32_t count, const uint8_t* rows) {
+          if (count != tokens_from[s].size()) {
+            if (mismatch.empty())
+              mismatch = "rank " + std::to_string(group.ranks[s]) + " returned " + std::to_string(count) +
+                         " rows where this rank sent it " + std::to_string(tokens_from[s].size()) + " tokens";
+            return;
+          }
+          for (uint32_t j = 0; j < count; ++j)
+            add_row(acc + size_t(tokens_from[s][j]) * H, rows + uint64_t(j) * plan.row_bytes);
+        });
   }
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep combine: " + mismatch + " (stale handle?)");
   if (a.dtype == FloatType::kF32) {

@@ -32,7 +32,7 @@
 namespace uccl_ep {
 class Device;     // proxy/runtime.hpp: a GPU's state in the proxy runtime (GPUs on several nodes)
 struct RingSlot;  // proxy/ring.hpp: a command ring's slot
-}
+}  // namespace uccl_ep
 
 namespace uccl_ep::nvl {
 
@@ -108,8 +108,8 @@ class NvlDevice {
   // rank. SM kernels write rows straight into the peer's region; an arrival counter per sender counts its
   // send blocks (op count x blocks per send).
   size_t low_latency_bytes() const { return ll_bytes_; }
-  size_t low_latency_stride() const { return ll_stride_; }  // bytes of one sender's region
-  char* low_latency_region(int parity, int sender) const;   // ours, written by `sender`
+  size_t low_latency_stride() const { return ll_stride_; }    // bytes of one sender's region
+  char* low_latency_region(int parity, int sender) const;     // ours, written by `sender`
   char* peer_low_latency_region(int peer, int parity) const;  // peer's region for us
   uint64_t* low_latency_arrivals(int sender) const;  // ours: how many of the sender's send blocks arrived, ever
   uint64_t* peer_low_latency_arrivals(int peer) const;
@@ -126,7 +126,7 @@ class NvlDevice {
   // the last launch of each kernel) into kPhaseWords mapped words: [kernel * 8 + phase], see low_latency.cu.
   static constexpr int kPhaseWords = 32;
   uint64_t* phases_device() const { return phases_device_; }  // null unless enabled
-  std::vector<uint64_t> kernel_phases();                       // waits for the GPU
+  std::vector<uint64_t> kernel_phases();                      // waits for the GPU
 
   DeviceErrors* errors_device() const { return errors_device_; }
   // Raises (std::runtime_error) and clears a pending kernel-detected error.
@@ -247,15 +247,13 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& group, const LowLate
 void low_latency_dispatch_recv(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
                                cudaStream_t stream);
 // Both halves, in one kernel where its blocks fit on the GPU at once (UCCL_EP_LL_FUSED=0: two launches).
-void low_latency_dispatch(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args,
-                          cudaStream_t stream);
+void low_latency_dispatch(NvlDevice& dev, const Group& group, const LowLatencyDispatchArgs& args, cudaStream_t stream);
 
 void low_latency_combine_send(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
                               cudaStream_t stream);
 void low_latency_combine_recv(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
                               cudaStream_t stream);
-void low_latency_combine(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args,
-                         cudaStream_t stream);
+void low_latency_combine(NvlDevice& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
 // Low-latency mode across nodes (GPUs on the proxy runtime), GPU-initiated: the same kernels, with regions in the
 // proxy's registered buffer (pinned host memory mapped into the GPU) in place of the peers' NVLink buffers. The
 // send kernel's last block pushes one message per receiver into channel 0's command ring (a write per used piece
@@ -271,10 +269,8 @@ void low_latency_dispatch_send(Device& dev, const Group& group, const LowLatency
 void low_latency_dispatch_recv(Device& dev, const Group& group, const LowLatencyDispatchArgs& args,
                                cudaStream_t stream);
 void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& args, cudaStream_t stream);
-void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyCombineArgs& args,
-                              cudaStream_t stream);
-void low_latency_combine_recv(Device& dev, const Group& group, const LowLatencyCombineArgs& args,
-                              cudaStream_t stream);
+void low_latency_combine_send(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
+void low_latency_combine_recv(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
 void low_latency_combine(Device& dev, const Group& group, const LowLatencyCombineArgs& args, cudaStream_t stream);
 // Raises (and clears) the first input error the GPU-initiated ops of this process found, naming the rank.
 void check_proxy_errors(const char* op);
@@ -299,7 +295,7 @@ void combine(Device& dev, const Group& group, const CombineArgs& args, cudaStrea
 bool gpu_initiated_normal(uint32_t num_ranks);
 
 // Bytes of low-latency area per GPU for these shapes (rows: the larger of a dispatch row and a combine row).
-size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
-                             int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row_bytes);
+size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk, int64_t x_row_bytes,
+                             int64_t scale_row_bytes, int64_t combine_row_bytes);
 
 }  // namespace uccl_ep::nvl

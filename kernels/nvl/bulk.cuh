@@ -43,8 +43,9 @@ __device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
 
 // global -> shared, completing `bytes` on `bar`.
 __device__ __forceinline__ void bulk_load(void* smem, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(shared_address(smem)), "l"(src), "r"(bytes), "r"(shared_address(bar))
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_address(smem)),
+               "l"(src), "r"(bytes), "r"(shared_address(bar))
                : "memory");
 }
 // shared -> global (ours or a peer's), in the thread's current bulk group.

@@ -346,13 +346,13 @@ void raise_device_error(const DeviceErrors& e, const std::string& where) {
                        " to finish reading our message " + std::to_string(-e.b) +
                        " (peer dead or out of step; UCCL_EP_TIMEOUT_S); results of that op are not valid");
   if (e.code == kPeerLate)
-    throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for message " +
-                       std::to_string(e.b) + " from rank " + std::to_string(e.a) +
+    throw TimeoutError(where + "waited " + std::to_string(e.c) + " s for message " + std::to_string(e.b) +
+                       " from rank " + std::to_string(e.a) +
                        ", which did not arrive (peer dead or out of step; UCCL_EP_TIMEOUT_S); results of that op "
                        "are not valid");
   if (e.code == kLowLatencyRowCount)
-    throw std::invalid_argument(where + "got " + std::to_string(e.a) + " rows for local expert " +
-                                std::to_string(e.b) + " from rank " + std::to_string(e.c) +
+    throw std::invalid_argument(where + "got " + std::to_string(e.a) + " rows for local expert " + std::to_string(e.b) +
+                                " from rank " + std::to_string(e.c) +
                                 " in low_latency_combine where its dispatch sent a different number (was topk_idx "
                                 "the dispatch's?)");
   if (e.code == kUnknownRowSource)

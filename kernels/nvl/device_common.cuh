@@ -61,8 +61,8 @@ void allow_shared_bytes(uint32_t bytes, const Kernels&... kernels) {
    ...);
 }
 
-// The first error of a kernel wins, except that a peer or proxy that did not answer (kPeerLate, kRingFull: the rank is out of step)
-// replaces an input error (the host must see it to tell the peers); check_errors() raises it on the host.
+// The first error of a kernel wins, except that a peer or proxy that did not answer (kPeerLate, kRingFull: the rank is
+// out of step) replaces an input error (the host must see it to tell the peers); check_errors() raises it on the host.
 __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t b, int64_t c) {
   int seen = atomicCAS(&err->code, 0, code);
   if (seen != kNoError && seen != kPeerLate && seen != kRingFull && (code == kPeerLate || code == kRingFull))
@@ -97,8 +97,10 @@ __device__ inline bool wait_flag(const uint64_t* flag, uint64_t value, int64_t m
 enum class Load { kReadOnly, kCoherent };
 template <Load kLoad>
 __device__ __forceinline__ int4 load16(const int4* p) {
-  if constexpr (kLoad == Load::kReadOnly) return __ldg(p);
-  else return __ldcg(p);
+  if constexpr (kLoad == Load::kReadOnly)
+    return __ldg(p);
+  else
+    return __ldcg(p);
 }
 
 // Copies `bytes` with one warp. 16-byte rows move as int4 with several loads in flight per lane before their
@@ -107,7 +109,8 @@ constexpr int kUnroll = 4;
 template <Load kLoad = Load::kReadOnly>
 __device__ __forceinline__ void warp_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes,
                                           int lane) {
-  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
+  if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 &&
+      (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
     const int64_t n = bytes / 16;
@@ -172,15 +175,23 @@ struct Vec<__nv_bfloat16> {
 template <typename T>
 __device__ __forceinline__ float to_float(T v);
 template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
+__device__ __forceinline__ float to_float<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 }  // namespace
 }  // namespace uccl_ep::nvl

@@ -67,14 +67,14 @@ struct ScanArgs {
   Sources src;
   bool topk_mode;  // topk_idx per source, else the token-in-rank mask (cached dispatch)
   int num_tokens, topk, num_experts, num_ranks, self, rank, capacity;
-  int2* row_map;                    // [capacity]: (source, token) of each output row
-  int32_t* recv_counts;             // [R] rows from each source
-  int32_t* recv_num_tokens;         // rows kept (<= capacity)
-  int32_t* num_tokens_per_expert;   // topk mode: [local experts]
-  const int32_t* expected_counts;   // cached mode: the handle's counts to check against, else null
-  int32_t* block_counts;            // scratch [R, blocks]
+  int2* row_map;                   // [capacity]: (source, token) of each output row
+  int32_t* recv_counts;            // [R] rows from each source
+  int32_t* recv_num_tokens;        // rows kept (<= capacity)
+  int32_t* num_tokens_per_expert;  // topk mode: [local experts]
+  const int32_t* expected_counts;  // cached mode: the handle's counts to check against, else null
+  int32_t* block_counts;           // scratch [R, blocks]
   DeviceErrors* err;
-  int32_t* row_before;              // scratch [R, T + 1]: output row of source s's first row from token >= t
+  int32_t* row_before;  // scratch [R, T + 1]: output row of source s's first row from token >= t
 };
 
 __device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int first, int local_experts) {
@@ -141,8 +141,8 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
 
 int scan_blocks(int num_tokens) { return std::max(1, (num_tokens + kScanThreads - 1) / kScanThreads); }
 
-// The ops' device scratch: excl [T + 1, R] (rows' positions in messages) | row_map [capacity] | counts [kMaxRanks] and rows
-// kept (cached dispatch, which checks them against the handle's) | block_counts [R, blocks]. Grows the device's
+// The ops' device scratch: excl [T + 1, R] (rows' positions in messages) | row_map [capacity] | counts [kMaxRanks] and
+// rows kept (cached dispatch, which checks them against the handle's) | block_counts [R, blocks]. Grows the device's
 // scratch to fit.
 struct Scratch {
   int32_t* excl;
@@ -169,8 +169,12 @@ Scratch scratch_at(void* scratch, int capacity, int num_tokens) {
   const ScratchOffsets o = scratch_offsets(capacity, num_tokens);
   char* base = static_cast<char*>(scratch);
   int32_t* counts = reinterpret_cast<int32_t*>(base + o.counts);
-  return {reinterpret_cast<int32_t*>(base), reinterpret_cast<int2*>(base + o.map), counts, counts + kMaxRanks,
-          reinterpret_cast<int32_t*>(base + o.blocks), reinterpret_cast<int32_t*>(base + o.before)};
+  return {reinterpret_cast<int32_t*>(base),
+          reinterpret_cast<int2*>(base + o.map),
+          counts,
+          counts + kMaxRanks,
+          reinterpret_cast<int32_t*>(base + o.blocks),
+          reinterpret_cast<int32_t*>(base + o.before)};
 }
 Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
   dev.ensure_scratch(scratch_bytes(capacity, num_tokens));
@@ -185,13 +189,12 @@ void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
   check(cudaGetLastError(), "dispatch_place_kernel");
 }
 
-
 // Combine's view of this rank's tokens: excl[t * R + d] = how many tokens before t went to d in the dispatch, for t
 // in [0, T] (row T: the totals), from the handle's token-in-rank mask. Token t's copy from d comes back as row
 // excl[t, d] of d's message (rows go packed in token order both ways). One block: a block scan per member over runs
 // of tokens per thread.
-__global__ void __launch_bounds__(kScanThreads) positions_kernel(const bool* mask, int num_tokens, int num_ranks,
-                                                                 int32_t* excl) {
+__global__ void __launch_bounds__(kScanThreads)
+    positions_kernel(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {
   const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
   const int t0 = min(num_tokens, int(threadIdx.x) * per_thread), t1 = min(num_tokens, t0 + per_thread);
   for (int d = 0; d < num_ranks; ++d) {
@@ -224,7 +227,7 @@ struct SendTo : Members {
 };
 // And a receive kernel, of each member's message to us.
 struct ReceiveFrom : Members {
-  const char* region[kMaxRanks];     // our in-region written by the member
+  const char* region[kMaxRanks];  // our in-region written by the member
   const uint64_t* chunks[kMaxRanks];
   uint64_t message[kMaxRanks];
 };
@@ -274,8 +277,8 @@ __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_f
 // Waits (one thread) until chunk c of member s's message has `done` landed; returns how much has, or -1 (timeout).
 __device__ int wait_progress(const ReceiveFrom& from, int s, int c, int done) {
   const uint64_t* word = from.chunks[s] + c;
-  if (!wait_flag(word, progress(from.message[s], done), int64_t(from.message[s]), from.timeout_ns, from.err,
-                 from.rank, from.rank_of[s]))
+  if (!wait_flag(word, progress(from.message[s], done), int64_t(from.message[s]), from.timeout_ns, from.err, from.rank,
+                 from.rank_of[s]))
     return -1;
   return int(uint32_t(load_acquire_sys(word)));
 }
@@ -308,9 +311,9 @@ struct DispatchSendArgs {
   int chunks, num_tokens;
   const int32_t* topk_idx;  // [T, K] topk mode: the layout comes from it (mask_out), else from mask_in
   int topk, num_experts;
-  const bool* mask_in;      // [T, R]
-  bool* mask_out;           // [T, R] topk mode: this rank's layout (the handle's is_token_in_rank)
-  int32_t* excl;            // [T, R] scratch: token t's row in its message to d
+  const bool* mask_in;  // [T, R]
+  bool* mask_out;       // [T, R] topk mode: this rank's layout (the handle's is_token_in_rank)
+  int32_t* excl;        // [T, R] scratch: token t's row in its message to d
   RoutingPiece routing[2];
   const char* x;
   int64_t x_row_bytes;
@@ -332,8 +335,10 @@ __device__ unsigned token_members(const DispatchSendArgs& a, int t, bool own) {
   const int local_experts = a.num_experts / R;
   for (int k = 0; k < a.topk; ++k) {
     const int e = a.topk_idx[t * a.topk + k];
-    if (e >= 0 && e < a.num_experts) bits |= 1u << (e / local_experts);
-    else if (own && e != -1) report(a.to.err, kBadExpertIndex, a.to.rank, t, k, e);
+    if (e >= 0 && e < a.num_experts)
+      bits |= 1u << (e / local_experts);
+    else if (own && e != -1)
+      report(a.to.err, kBadExpertIndex, a.to.rank, t, k, e);
   }
   if (own)
     for (int d = 0; d < R; ++d) a.mask_out[t * R + d] = bits >> d & 1;
@@ -539,8 +544,10 @@ __device__ __forceinline__ int pieces(int num_tokens, int chunks) {
 __device__ int first_row_from(const int2* row_map, int lo, int hi, int t) {
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (row_map[mid].y < t) lo = mid + 1;
-    else hi = mid;
+    if (row_map[mid].y < t)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -592,13 +599,17 @@ __device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, i
     const int64_t row = own ? t : o - offset;
     char* out_x = a.recv_x + int64_t(o) * a.x_row_bytes;
     const char* in_x = a.src.x[s] + row * a.x_row_bytes;
-    if (own) warp_copy(out_x, in_x, a.x_row_bytes, lane);
-    else warp_copy<Load::kCoherent>(out_x, in_x, a.x_row_bytes, lane);  // landed while we ran
+    if (own)
+      warp_copy(out_x, in_x, a.x_row_bytes, lane);
+    else
+      warp_copy<Load::kCoherent>(out_x, in_x, a.x_row_bytes, lane);  // landed while we ran
     if (a.recv_scales) {
       char* out_s = a.recv_scales + int64_t(o) * a.scale_row_bytes;
       const char* in_s = a.src.scales[s] + row * a.scale_row_bytes;
-      if (own) warp_copy(out_s, in_s, a.scale_row_bytes, lane);
-      else warp_copy<Load::kCoherent>(out_s, in_s, a.scale_row_bytes, lane);
+      if (own)
+        warp_copy(out_s, in_s, a.scale_row_bytes, lane);
+      else
+        warp_copy<Load::kCoherent>(out_s, in_s, a.scale_row_bytes, lane);
     }
     if (a.topk_mode)
       for (int k = lane; k < a.topk; k += kWarp) localize_slot(a, o, s, t, k, first, local_experts);
@@ -648,8 +659,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
 // our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept row
 // and write the padding past the kept count.
 constexpr int kProducers = 4;
-__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_bulk_kernel(DispatchReceiveArgs a,
-                                                                                    BulkShape b) {
+__global__ void __launch_bounds__(kTransferThreads, 1)
+    dispatch_receive_bulk_kernel(DispatchReceiveArgs a, BulkShape b) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ char* part_dst[kMaxStages][2];
@@ -663,8 +674,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_bulk_ker
   const int64_t xrb = a.x_row_bytes, srb = a.recv_scales ? a.scale_row_bytes : 0;
   if (warp < kProducers && lane == 0) {
     const int per = b.stages / kProducers, first_stage = warp * per;
-    StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per,
-                   full + first_stage};
+    StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per, full + first_stage};
     int* item_tokens = producer_tokens[warp];
     int offset[kMaxRanks];
     for (int q = 0, o = 0; q < R; o += a.counts[q], ++q) offset[q] = o;
@@ -805,7 +815,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(Combi
       int pair = 0;
       for (int s = 0; s < R; ++s) {
         if (s == to.self) continue;
-        const int j0 = chunk_begin(a.recv_counts[s], a.chunks, c), n = chunk_begin(a.recv_counts[s], a.chunks, c + 1) - j0;
+        const int j0 = chunk_begin(a.recv_counts[s], a.chunks, c),
+                  n = chunk_begin(a.recv_counts[s], a.chunks, c + 1) - j0;
         for (int k = k0; k < min(n, k0 + warps); ++k) {
           if (pair++ % warps != warp) continue;
           const int j = j0 + k;
@@ -888,9 +899,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
             int rows_done[kMaxRanks];  // by group position
             for (int m = 0; m < M; ++m) {
               const int done_pieces = k > m ? (k - m + M - 1) / M : 0;
-              rows_done[members[m]] = done_pieces >= pieces[m]
-                                          ? j1[m] - j0[m]
-                                          : int(int64_t(done_pieces) * b.stage_bytes / rb);
+              rows_done[members[m]] =
+                  done_pieces >= pieces[m] ? j1[m] - j0[m] : int(int64_t(done_pieces) * b.stage_bytes / rb);
             }
             publish_progress(to, c, [&](int s) { return rows_done[s]; });
           });
@@ -912,9 +922,10 @@ struct CombineReceiveArgs {
 };
 
 // Receive side of combine: work items of kPieceTokens tokens, in the order the members' send blocks make progress
-// (roughly: a member's rows for our token chunk c sit in its chunk c when routing is even). A block waits until the chunks of each member that
-// hold those tokens' rows have them (a thread per (member, chunk)), then sums every token's copies in float32 with
-// (token, 2 KiB segment) work per warp; each lane sums up to four 16-byte vectors with their loads issued together.
+// (roughly: a member's rows for our token chunk c sit in its chunk c when routing is even). A block waits until the
+// chunks of each member that hold those tokens' rows have them (a thread per (member, chunk)), then sums every token's
+// copies in float32 with (token, 2 KiB segment) work per warp; each lane sums up to four 16-byte vectors with their
+// loads issued together.
 constexpr int64_t kSegmentBytes = 2048;
 template <typename T>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(CombineReceiveArgs a) {
@@ -951,8 +962,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(Co
       for (int d = 0; d < R; ++d) {
         if (!a.mask[t * R + d]) continue;
         const int j = a.excl[t * R + d];
-        if (d != from.self) rows[n++] = from.region[d] + int64_t(j) * a.row_bytes;
-        else if (own_offset + j < a.capacity) rows[n++] = a.y + int64_t(own_offset + j) * a.row_bytes;
+        if (d != from.self)
+          rows[n++] = from.region[d] + int64_t(j) * a.row_bytes;
+        else if (own_offset + j < a.capacity)
+          rows[n++] = a.y + int64_t(own_offset + j) * a.row_bytes;
         // else: dropped by the dispatch
       }
       if (!vector) {  // rows of a few elements (a weight gradient, say): one element per lane
@@ -1019,7 +1032,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
     for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
     const int64_t rb = a.row_bytes;
     const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
-    const char* (*listed)[kMaxRanks] = copies[warp];
+    const char*(*listed)[kMaxRanks] = copies[warp];
     int job = 0;  // lane 0's, among this producer's stages
     const auto next_stage = [&](int& st) {
       st = warp * per + job % per;
@@ -1037,7 +1050,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
         const int d = p / a.chunks, cc = p % a.chunks;
         const int lo = a.excl[t0 * R + d], hi = a.excl[t1 * R + d], n = a.excl[T_ * R + d];
         const int c0 = chunk_begin(n, a.chunks, cc), c1 = chunk_begin(n, a.chunks, cc + 1);
-        if (d != from.self && lo < hi && c0 < c1 && c0 < hi && c1 > lo && wait_progress(from, d, cc, min(hi, c1) - c0) < 0)
+        if (d != from.self && lo < hi && c0 < c1 && c0 < hi && c1 > lo &&
+            wait_progress(from, d, cc, min(hi, c1) - c0) < 0)
           ok = false;
       }
       if (!__all_sync(0xffffffffu, ok)) continue;
@@ -1046,8 +1060,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
         const char* row = nullptr;
         if (a.mask[t * R + d]) {
           const int j = a.excl[t * R + d];
-          if (d != from.self) row = from.region[d] + int64_t(j) * rb;
-          else if (own_offset + j < a.capacity) row = a.y + int64_t(own_offset + j) * rb;  // else: dropped
+          if (d != from.self)
+            row = from.region[d] + int64_t(j) * rb;
+          else if (own_offset + j < a.capacity)
+            row = a.y + int64_t(own_offset + j) * rb;  // else: dropped
         }
         listed[i][d] = row;
       }
@@ -1106,11 +1122,11 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
 
 void check_fits(const NvlDevice& dev, size_t message, const char* op) {
   if (message > dev.region_bytes())
-    throw std::invalid_argument(std::string("uccl_ep ") + op + ": a message of this shape needs " +
-                                std::to_string(message) + " bytes per peer but the NVLink buffer holds " +
-                                std::to_string(dev.region_bytes()) + "; initialize with buffer_bytes >= " +
-                                std::to_string(NvlDevice::buffer_bytes_for(dev.num_ranks(), message)) +
-                                " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
+    throw std::invalid_argument(
+        std::string("uccl_ep ") + op + ": a message of this shape needs " + std::to_string(message) +
+        " bytes per peer but the NVLink buffer holds " + std::to_string(dev.region_bytes()) +
+        "; initialize with buffer_bytes >= " + std::to_string(NvlDevice::buffer_bytes_for(dev.num_ranks(), message)) +
+        " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
 }
 
 // Waits for peers' flags on the GPU with a deadline (the default): a thread polls each, so a dead peer is reported
@@ -1273,7 +1289,6 @@ void wait_routing(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaS
   wait_flags(dev, stream, w);
 }
 
-
 struct DispatchLayoutBytes {
   size_t x, scales, idx, weights, total;
 };
@@ -1313,9 +1328,22 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
                                  const Scratch& scratch, const SendTo& to, const ReceiveFrom& from) {
   DispatchKernels k{};
   k.local_experts = a.num_experts / g.size;
-  k.send = DispatchSendArgs{to, send_blocks(), a.num_tokens, a.topk_idx, a.topk, a.num_experts, nullptr,
-                            a.is_token_in_rank, scratch.excl, {}, static_cast<const char*>(a.x), a.x_row_bytes, l.x,
-                            static_cast<const char*>(a.scales), a.scale_row_bytes, l.scales};
+  k.send = DispatchSendArgs{to,
+                            send_blocks(),
+                            a.num_tokens,
+                            a.topk_idx,
+                            a.topk,
+                            a.num_experts,
+                            nullptr,
+                            a.is_token_in_rank,
+                            scratch.excl,
+                            {},
+                            static_cast<const char*>(a.x),
+                            a.x_row_bytes,
+                            l.x,
+                            static_cast<const char*>(a.scales),
+                            a.scale_row_bytes,
+                            l.scales};
   k.send.routing[0] = {reinterpret_cast<const char*>(a.topk_idx), l.idx, int64_t(a.topk) * 4};
   k.send.routing[1] = {reinterpret_cast<const char*>(a.topk_weights), l.weights, int64_t(a.topk) * 4};
   Sources src{};
@@ -1327,21 +1355,63 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
     src.scales[s] = own ? static_cast<const char*>(a.scales) : base + l.scales;
     src.weights[s] = own ? a.topk_weights : reinterpret_cast<const float*>(base + l.weights);
   }
-  k.scan = ScanArgs{src, true, a.num_tokens, a.topk, a.num_experts, g.size, g.self, from.rank, a.capacity,
-                    scratch.row_map, a.recv_counts, a.recv_num_tokens, a.num_tokens_per_expert, nullptr,
-                    scratch.block_counts, from.err, scratch.row_before};
-  k.receive = DispatchReceiveArgs{from, src, true, send_blocks(), a.topk, a.num_experts, a.num_tokens, a.capacity,
-                                  scratch.row_map, a.recv_counts, a.recv_num_tokens, a.x_row_bytes, a.scale_row_bytes,
-                                  static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales), a.recv_topk_idx,
-                                  a.recv_topk_weights, scratch.row_before};
+  k.scan = ScanArgs{src,
+                    true,
+                    a.num_tokens,
+                    a.topk,
+                    a.num_experts,
+                    g.size,
+                    g.self,
+                    from.rank,
+                    a.capacity,
+                    scratch.row_map,
+                    a.recv_counts,
+                    a.recv_num_tokens,
+                    a.num_tokens_per_expert,
+                    nullptr,
+                    scratch.block_counts,
+                    from.err,
+                    scratch.row_before};
+  k.receive = DispatchReceiveArgs{from,
+                                  src,
+                                  true,
+                                  send_blocks(),
+                                  a.topk,
+                                  a.num_experts,
+                                  a.num_tokens,
+                                  a.capacity,
+                                  scratch.row_map,
+                                  a.recv_counts,
+                                  a.recv_num_tokens,
+                                  a.x_row_bytes,
+                                  a.scale_row_bytes,
+                                  static_cast<char*>(a.recv_x),
+                                  static_cast<char*>(a.recv_scales),
+                                  a.recv_topk_idx,
+                                  a.recv_topk_weights,
+                                  scratch.row_before};
   return k;
 }
 DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group& g, const Scratch& scratch,
                                         const SendTo& to, const ReceiveFrom& from) {
   const size_t mask_at = cached_mask_offset(a.num_tokens, a.row_bytes);
   DispatchKernels k{};
-  k.send = DispatchSendArgs{to, send_blocks(), a.num_tokens, nullptr, 0, 0, a.is_token_in_rank, nullptr,
-                            scratch.excl, {}, static_cast<const char*>(a.x), a.row_bytes, 0, nullptr, 0, 0};
+  k.send = DispatchSendArgs{to,
+                            send_blocks(),
+                            a.num_tokens,
+                            nullptr,
+                            0,
+                            0,
+                            a.is_token_in_rank,
+                            nullptr,
+                            scratch.excl,
+                            {},
+                            static_cast<const char*>(a.x),
+                            a.row_bytes,
+                            0,
+                            nullptr,
+                            0,
+                            0};
   k.send.routing[0] = {reinterpret_cast<const char*>(a.is_token_in_rank), mask_at, int64_t(g.size)};
   Sources src{};
   for (int s = 0; s < g.size; ++s) {
@@ -1350,12 +1420,41 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
     src.x[s] = own ? static_cast<const char*>(a.x) : from.region[s];
   }
   // The counts land in scratch: the scan checks them against the handle's.
-  k.scan = ScanArgs{src, false, a.num_tokens, 0, 0, g.size, g.self, from.rank, a.capacity, scratch.row_map,
-                    scratch.counts, scratch.num_rows, nullptr, a.recv_counts, scratch.block_counts, from.err,
+  k.scan = ScanArgs{src,
+                    false,
+                    a.num_tokens,
+                    0,
+                    0,
+                    g.size,
+                    g.self,
+                    from.rank,
+                    a.capacity,
+                    scratch.row_map,
+                    scratch.counts,
+                    scratch.num_rows,
+                    nullptr,
+                    a.recv_counts,
+                    scratch.block_counts,
+                    from.err,
                     scratch.row_before};
-  k.receive = DispatchReceiveArgs{from, src, false, send_blocks(), 0, 0, a.num_tokens, a.capacity, scratch.row_map,
-                                  scratch.counts, scratch.num_rows, a.row_bytes, 0, static_cast<char*>(a.recv_x),
-                                  nullptr, nullptr, nullptr, scratch.row_before};
+  k.receive = DispatchReceiveArgs{from,
+                                  src,
+                                  false,
+                                  send_blocks(),
+                                  0,
+                                  0,
+                                  a.num_tokens,
+                                  a.capacity,
+                                  scratch.row_map,
+                                  scratch.counts,
+                                  scratch.num_rows,
+                                  a.row_bytes,
+                                  0,
+                                  static_cast<char*>(a.recv_x),
+                                  nullptr,
+                                  nullptr,
+                                  nullptr,
+                                  scratch.row_before};
   return k;
 }
 // The receive side once the routing is in: the scan, then the rows.
@@ -1373,8 +1472,8 @@ void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, bool
 void launch_dispatch_send(const DispatchKernels& k, cudaStream_t side, bool bulk) {
   if (!bulk) return launch_send(dispatch_send_kernel, k.send, side);
   const int64_t tail = k.send.scales ? k.send.scale_row_bytes : 0;
-  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, tail, kSendTablesBytes),
-              send_blocks(), side, "dispatch_send_bulk_kernel");
+  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, tail, kSendTablesBytes), send_blocks(),
+              side, "dispatch_send_bulk_kernel");
 }
 
 struct CombineKernels {
@@ -1395,12 +1494,16 @@ void launch_positions(const CombineArgs& a, int num_ranks, const Scratch& scratc
 void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_t stream, bool bulk = false) {
   if (bulk) {
     const BulkShape b = combine_receive_stages(ra.row_bytes, ra.from.num_ranks);
-    if (bf16) launch_bulk(combine_receive_bulk_kernel<__nv_bfloat16>, ra, b, receive_blocks(), stream, "combine_receive");
-    else launch_bulk(combine_receive_bulk_kernel<float>, ra, b, receive_blocks(), stream, "combine_receive");
+    if (bf16)
+      launch_bulk(combine_receive_bulk_kernel<__nv_bfloat16>, ra, b, receive_blocks(), stream, "combine_receive");
+    else
+      launch_bulk(combine_receive_bulk_kernel<float>, ra, b, receive_blocks(), stream, "combine_receive");
     return;
   }
-  if (bf16) combine_receive_kernel<__nv_bfloat16><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
-  else combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  if (bf16)
+    combine_receive_kernel<__nv_bfloat16><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
+  else
+    combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
   check(cudaGetLastError(), "combine_receive_kernel");
 }
 void launch_combine_send(const CombineSendArgs& sa, cudaStream_t side, bool bulk) {
@@ -1494,8 +1597,9 @@ void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t byte
                                 std::to_string(kScratchBytes + 2 * size_t(dev.num_ranks()) * region));
   }
   if (!fits_writes(dev, pieces, int64_t(bytes)))
-    throw std::invalid_argument(std::string("uccl_ep ") + op +
-                                ": UCCL_EP_MAX_WRITE_BYTES is too small for these rows (a message may hold 2047 writes)");
+    throw std::invalid_argument(
+        std::string("uccl_ep ") + op +
+        ": UCCL_EP_MAX_WRITE_BYTES is too small for these rows (a message may hold 2047 writes)");
 }
 
 // The ops' device scratch on the proxy path, grown as needed (every proxy op waits for its kernels, so none runs).
@@ -1618,8 +1722,9 @@ void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaS
   add_piece(m, l.scales, 0, a.scale_row_bytes);
   add_piece(m, l.idx, size_t(a.num_tokens) * a.topk * 4, 0);
   if (has_w) add_piece(m, l.weights, size_t(a.num_tokens) * a.topk * 4, 0);
-  run_over_proxy(half, m, stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
-                 [&] { launch_dispatch_receive(k, stream); });
+  run_over_proxy(
+      half, m, stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
+      [&] { launch_dispatch_receive(k, stream); });
 }
 
 void cached_dispatch(uccl_ep::Device& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
@@ -1633,8 +1738,9 @@ void cached_dispatch(uccl_ep::Device& dev, const Group& g, const CachedDispatchA
   m.mask = a.is_token_in_rank;
   add_piece(m, 0, 0, a.row_bytes);
   add_piece(m, cached_mask_offset(a.num_tokens, a.row_bytes), size_t(a.num_tokens) * g.size, 0);
-  run_over_proxy(half, m, stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
-                 [&] { launch_dispatch_receive(k, stream); });
+  run_over_proxy(
+      half, m, stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
+      [&] { launch_dispatch_receive(k, stream); });
 }
 
 void combine(uccl_ep::Device& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
@@ -1645,11 +1751,12 @@ void combine(uccl_ep::Device& dev, const Group& g, const CombineArgs& a, cudaStr
   MessagePieces m{};
   m.counts = a.recv_counts;
   add_piece(m, 0, 0, k.send.row_bytes);
-  run_over_proxy(half, m, stream, [&] { launch_send(combine_send_kernel, k.send, stream); },
-                 [&] {
-                   launch_positions(a, g.size, scratch, stream);
-                   launch_combine_receive(k.receive, (a.dtype == FloatType::kBF16), stream);
-                 });
+  run_over_proxy(
+      half, m, stream, [&] { launch_send(combine_send_kernel, k.send, stream); },
+      [&] {
+        launch_positions(a, g.size, scratch, stream);
+        launch_combine_receive(k.receive, (a.dtype == FloatType::kBF16), stream);
+      });
 }
 
 void preload_intranode_kernels() {

@@ -11,8 +11,8 @@ namespace {
 
 // A thread per token. A slot outside [-1, E) is skipped and reported (the first one wins), as dispatch does.
 __global__ void layout_kernel(const int32_t* __restrict__ topk_idx, int num_tokens, int topk, int num_experts,
-                              int num_ranks, int32_t* per_rank, int32_t* per_expert, bool* in_rank,
-                              DeviceErrors* err, int rank) {
+                              int num_ranks, int32_t* per_rank, int32_t* per_expert, bool* in_rank, DeviceErrors* err,
+                              int rank) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= num_tokens) return;
   const int experts_per_rank = num_experts / num_ranks;
@@ -26,7 +26,8 @@ __global__ void layout_kernel(const int32_t* __restrict__ topk_idx, int num_toke
     atomicAdd(per_expert + e, 1);
     const int r = e / experts_per_rank;
     bool first = true;  // the token counts once per rank however many of its slots go there
-    for (int j = 0; j < k && first; ++j) first = !(idx[j] >= 0 && idx[j] < num_experts && idx[j] / experts_per_rank == r);
+    for (int j = 0; j < k && first; ++j)
+      first = !(idx[j] >= 0 && idx[j] < num_experts && idx[j] / experts_per_rank == r);
     if (first) {
       in_rank[int64_t(t) * num_ranks + r] = true;
       atomicAdd(per_rank + r, 1);

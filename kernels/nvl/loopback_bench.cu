@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "api.hpp"
-#include "testing.hpp"
 #include "bulk.cuh"
 #include "device_common.cuh"
+#include "testing.hpp"
 
 namespace uccl_ep::nvl {
 namespace {
@@ -29,8 +29,8 @@ T* device_alloc(size_t count) {
 
 // One rank's inputs and outputs.
 struct Rank {
-  std::vector<uint8_t> x_host;        // [T, x_row_bytes]
-  std::vector<int32_t> topk_host;     // [T, K]
+  std::vector<uint8_t> x_host;     // [T, x_row_bytes]
+  std::vector<int32_t> topk_host;  // [T, K]
   void *x = nullptr, *scales = nullptr, *recv_x = nullptr, *recv_scales = nullptr, *out = nullptr;
   int32_t *topk = nullptr, *recv_topk = nullptr, *recv_num = nullptr, *per_expert = nullptr, *counts = nullptr;
   float *weights = nullptr, *recv_weights = nullptr;
@@ -51,12 +51,13 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   constexpr int R = 2;
   const int T = a.num_tokens, H = a.hidden, K = a.topk, E = a.num_experts, cap = R * T;
   if (T < 1 || H < 128 || H % 128 || K < 1 || K > E || E % R || a.iters < 1)
-    throw std::invalid_argument("loopback_bench: tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts, "
-                                "experts divisible by 2, iters >= 1");
+    throw std::invalid_argument(
+        "loopback_bench: tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts, "
+        "experts divisible by 2, iters >= 1");
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
-  const size_t message = std::max(dispatch_message_bytes(T, x_row, scale_row, K, true),
-                                  combine_message_bytes(T, H, FloatType::kBF16));
+  const size_t message =
+      std::max(dispatch_message_bytes(T, x_row, scale_row, K, true), combine_message_bytes(T, H, FloatType::kBF16));
   const size_t buffer = NvlDevice::buffer_bytes_for(R, message);
   std::vector<std::unique_ptr<NvlDevice>> devs;
   for (int r = 0; r < R; ++r) devs.push_back(std::make_unique<NvlDevice>(a.cuda_device, r, R, buffer, 0));
@@ -111,8 +112,9 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   }
   const int32_t members[R] = {0, 1};
   const auto dispatch_args = [&](Rank& k) {
-    return DispatchArgs{k.x, x_row, k.scales, scale_row, k.topk, k.weights, T, K, E, cap, k.recv_x, k.recv_scales,
-                        k.recv_topk, k.recv_weights, k.recv_num, k.per_expert, k.in_rank, k.counts, 0, 0};
+    return DispatchArgs{
+        k.x,      x_row,         k.scales,    scale_row,      k.topk,     k.weights,    T,         K,        E, cap,
+        k.recv_x, k.recv_scales, k.recv_topk, k.recv_weights, k.recv_num, k.per_expert, k.in_rank, k.counts, 0, 0};
   };
   const auto combine_args = [&](Rank& k) {
     return CombineArgs{k.recv_x, FloatType::kBF16, H, cap, T, k.in_rank, k.counts, k.out, 0, 0};
@@ -122,8 +124,10 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     for (int i = 0; i < iters; ++i)
       for (int r = 0; r < R; ++r) {
         const Group g{members, R, r};
-        if (combine) nvl::combine(*devs[r], g, combine_args(ranks[r]), ranks[r].stream);
-        else nvl::dispatch(*devs[r], g, dispatch_args(ranks[r]), ranks[r].stream);
+        if (combine)
+          nvl::combine(*devs[r], g, combine_args(ranks[r]), ranks[r].stream);
+        else
+          nvl::dispatch(*devs[r], g, dispatch_args(ranks[r]), ranks[r].stream);
       }
   };
   const auto timed_us = [&](bool combine) {
@@ -167,8 +171,8 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
         if (!mine) continue;
         if (s != r) ++res.remote_rows;
         ++res.received_rows;
-        if (o >= got_rows || std::memcmp(got.data() + o * x_row, ranks[s].x_host.data() + int64_t(t) * x_row,
-                                         size_t(x_row)) != 0)
+        if (o >= got_rows ||
+            std::memcmp(got.data() + o * x_row, ranks[s].x_host.data() + int64_t(t) * x_row, size_t(x_row)) != 0)
           ++res.mismatched_rows;
         ++o;
       }
@@ -241,29 +245,34 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         bulk_load(stage, src + base + k * stage_bytes, stage_bytes, bar);
         return stage_bytes;
       },
-      [&](int j, char* stage) { bulk_store(dst + base + (int64_t(j) * producers + warp) * stage_bytes, stage, stage_bytes); },
+      [&](int j, char* stage) {
+        bulk_store(dst + base + (int64_t(j) * producers + warp) * stage_bytes, stage, stage_bytes);
+      },
       [](int) {});
 }
 
 }  // namespace
 
-double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
-                  int producers, bool warps) {
+double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages, int producers,
+                  bool warps) {
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
   if (stages * producers > kMaxStages * 4 || uint64_t(stages) * producers * stage_bytes > kBulkSharedBytes)
     throw std::invalid_argument("copy_bench: too many stages");
-  char *src = device_alloc<char>(size_t(blocks) * bytes_per_block), *dst = device_alloc<char>(size_t(blocks) * bytes_per_block);
+  char *src = device_alloc<char>(size_t(blocks) * bytes_per_block),
+       *dst = device_alloc<char>(size_t(blocks) * bytes_per_block);
   allow_shared_bytes(kBulkSharedBytes, copy_bench_kernel);
   const uint32_t shared = warps ? 0 : uint32_t(stages) * producers * stage_bytes;
   for (int i = 0; i < 2; ++i)
-    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers, warps);
+    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers,
+                                                            warps);
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
   constexpr int kIters = 10;
   check(cudaEventRecord(start), "cudaEventRecord");
   for (int i = 0; i < kIters; ++i)
-    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers, warps);
+    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers,
+                                                            warps);
   check(cudaEventRecord(stop), "cudaEventRecord");
   check(cudaEventSynchronize(stop), "cudaEventSynchronize");
   check(cudaGetLastError(), "copy_bench_kernel");

@@ -44,10 +44,9 @@ namespace {
 constexpr int kThreads = 1024;
 // Blocks of a send kernel: fixed, because receivers count arrivals by block (UCCL_EP_LL_NUM_SMS sets the
 // receive kernels' blocks).
-constexpr int kSendBlocks = 128;  // fewer leave SMs idle in the receive phase of a fused op
+constexpr int kSendBlocks = 128;   // fewer leave SMs idle in the receive phase of a fused op
 constexpr int kSendThreads = 512;  // 128 registers a thread: the copy loop keeps its loads in flight unspilled
 constexpr int64_t kCombineSegmentBytes = 1024;  // a warp's share of a combined row: two 16-byte vectors a lane
-
 
 // Where a send kernel writes (by group position).
 struct Outbox {
@@ -69,7 +68,7 @@ struct Inbox {
 };
 
 struct Shape {
-  int num_ranks, local_experts, max_tokens;  // R, L, N
+  int num_ranks, local_experts, max_tokens;        // R, L, N
   int64_t counts_bytes, row_bytes, capacity_rows;  // region layout: combine rows; dispatch: token rows, map entries
   int64_t tokens_at;                               // dispatch: where the token rows start (after the row map)
   int rank;                                        // this GPU's global rank (error reports)
@@ -147,8 +146,6 @@ __device__ bool finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
   __syncthreads();
   return last;
 }
-
-
 
 // Thread 0 waits for every source's arrival counter; false (on every thread) if one did not come in time. An
 // earlier timeout (error code 5 pending) ends the wait at once: the stream is out of step after it.
@@ -240,9 +237,7 @@ template <>
 struct Channels8<__nv_bfloat16> {
   int4 raw;
   __device__ void load(const char* p) { raw = __ldg(reinterpret_cast<const int4*>(p)); }
-  __device__ float get(int i) const {
-    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&raw)[i]);
-  }
+  __device__ float get(int i) const { return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&raw)[i]); }
 };
 template <>
 struct Channels8<float> {
@@ -293,7 +288,6 @@ __device__ void warp_cast_fp8(const char* x, int hidden, int step0, int step1, F
   }
 }
 
-
 // The last send block of an op on the proxy path (whole block): the messages of every other member. Over the
 // proxy a message is a run of writes: only the pieces of a region that hold something go.
 
@@ -333,8 +327,8 @@ __device__ void push_combine_messages(const Shape& shape, const ProxyOut& p, con
   if (threadIdx.x < kWarp)
     push_messages(p, shape.num_ranks, shape.rank, err, [&](int s, int piece, uint64_t& begin, uint64_t& bytes) {
       begin = 0;
-      bytes = uint64_t(shape.counts_bytes) + uint64_t(valid ? from_source[s * (L + 1) + L] : 0) *
-                                                 uint64_t(shape.row_bytes);
+      bytes =
+          uint64_t(shape.counts_bytes) + uint64_t(valid ? from_source[s * (L + 1) + L] : 0) * uint64_t(shape.row_bytes);
       return piece == 0;
     });
 }
@@ -352,14 +346,16 @@ __device__ int64_t packed_position(const CombineSource& in, const Shape& shape, 
     int lo = 0, hi = L;  // the expert: the last l with prefix[l] <= i
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (prefix[mid] <= i) lo = mid; else hi = mid;
+      if (prefix[mid] <= i)
+        lo = mid;
+      else
+        hi = mid;
     }
     below += in.src_slot[int64_t(lo) * slab + begin[lo * R + s] + (i - prefix[lo])] < j;
   }
   for (int d = kWarp / 2; d > 0; d /= 2) below += __shfl_xor_sync(0xffffffffu, below, d);
   return below;
 }
-
 
 // Each phase below is a whole-block device function over the kernel's dynamic shared memory `smem`; a kernel runs
 // one phase (split calls) or both (send, then receive: one launch per op).
@@ -414,8 +410,7 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
       const int64_t b0 = min(in.x_row_bytes, int64_t(s0) * 512), b1 = min(in.x_row_bytes, int64_t(s1) * 512);
       warp_copy(row + b0, src + b0, b1 - b0, lane);
       if (piece == 0 && in.scale_row_bytes)
-        warp_copy(row + in.scales_at, in.scales + int64_t(trip.token) * in.scale_row_bytes, in.scale_row_bytes,
-                  lane);
+        warp_copy(row + in.scales_at, in.scales + int64_t(trip.token) * in.scale_row_bytes, in.scale_row_bytes, lane);
     }
   }
   stamp(shape, kDispatchSend, 2);
@@ -435,7 +430,7 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
                               DeviceErrors* err, int* smem) {
   const int R = shape.num_ranks, L = shape.local_experts;
   const int64_t slab = int64_t(R) * shape.max_tokens;  // rows per local expert
-  int* count = smem;            // [s * L + l]
+  int* count = smem;                                   // [s * L + l]
   int* offset = count + R * L;  // [l * R + s]: where source s's rows of expert l start in recv_x[l]
   int* first = offset + R * L;  // [s * L + l]: where they start in source s's row map
   int* total = first + R * L;   // [l]
@@ -461,8 +456,8 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
   }
   const int warp = threadIdx.x / kWarp;
   if (warp < R) {  // source `warp`: where each expert's rows start in its map, its rows, then the prefix over sources
-    const int rows = warp_exclusive_scan(L, [&](int l) { return count[warp * L + l]; },
-                                         [&](int l, int v) { first[warp * L + l] = v; });
+    const int rows = warp_exclusive_scan(
+        L, [&](int l) { return count[warp * L + l]; }, [&](int l, int v) { first[warp * L + l] = v; });
     if (threadIdx.x % kWarp == 0) rows_from[warp + 1] = rows;
   }
   __syncthreads();
@@ -486,7 +481,10 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     int lo = 0, hi = L;  // the expert: the last l whose rows start at or before r
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (first[s * L + mid] <= r) lo = mid; else hi = mid;
+      if (first[s * L + mid] <= r)
+        lo = mid;
+      else
+        hi = mid;
     }
     const int l = lo, j = r - first[s * L + l];
     if (token_row < 0 || token_row >= shape.max_tokens || slot < 0) {  // not what a sender of ours writes
@@ -514,10 +512,10 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
                              int* smem) {
   const int R = shape.num_ranks, L = shape.local_experts;
   const int64_t slab = int64_t(R) * shape.max_tokens;
-  int* rows = smem;               // [l * R + s]: the handle's layout
-  int* begin = rows + R * L;      // [l * R + s]: where source s's rows start in y[l]
-  int* cum = begin + R * L;       // [L + 1]: prefix of rows per expert
-  int* in_expert = cum + L + 1;   // [L]: rows of expert l
+  int* rows = smem;                  // [l * R + s]: the handle's layout
+  int* begin = rows + R * L;         // [l * R + s]: where source s's rows start in y[l]
+  int* cum = begin + R * L;          // [L + 1]: prefix of rows per expert
+  int* in_expert = cum + L + 1;      // [L]: rows of expert l
   int* from_source = in_expert + L;  // proxy path: [s * (L + 1) + l], source s's rows of experts < l
   const bool proxy = to.proxy.ring.slots != nullptr;
   __shared__ bool valid;
@@ -560,7 +558,10 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     int lo = 0, hi = L;  // the expert: the last l with cum[l] <= i
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (cum[mid] <= i) lo = mid; else hi = mid;
+      if (cum[mid] <= i)
+        lo = mid;
+      else
+        hi = mid;
     }
     const int l = lo, r = i - cum[l];
     int s = 0;
@@ -590,8 +591,8 @@ template <typename T, int kRowsInFlight>
 __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
                              DeviceErrors* err, int* smem) {
   const int pairs = out.num_tokens * out.topk, L = shape.local_experts, topk = out.topk;
-  int* idx = smem;            // [pairs]: topk_idx, -1 where unused or out of range
-  int* count = idx + pairs;   // [num_experts] (block 0): slots per expert, for the stale-handle check
+  int* idx = smem;                          // [pairs]: topk_idx, -1 where unused or out of range
+  int* count = idx + pairs;                 // [num_experts] (block 0): slots per expert, for the stale-handle check
   int* position = count + out.num_experts;  // packed: [pairs], the slot's row in its expert's rank's message
   stamp(shape, kCombineRecv, 0);
   load_slots(out.topk_idx, pairs, topk, out.num_experts, idx, err, shape.rank, false);
@@ -634,8 +635,9 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
         used[r] = e >= 0 && j < shape.capacity_rows;
         if (from.packed && used[r]) j = position[t * topk + k];
         weight[r] = used[r] ? out.topk_weights[t * topk + k] : 0.f;
-        const int4* row = used[r] ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes +
-                                                                  j * shape.row_bytes) : nullptr;
+        const int4* row =
+            used[r] ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes + j * shape.row_bytes)
+                    : nullptr;
 #pragma unroll
         for (int u = 0; u < kVecs; ++u)
           if (used[r] && v0 + u * kWarp < row_vecs) v[r][u] = __ldcg(row + v0 + u * kWarp);
@@ -690,9 +692,9 @@ struct CombinePhases {
 
 // One launch of an op's send phase, receive phase, or both (fused: the receive reuses the shared memory).
 template <class Phases, bool kSend, bool kRecv>
-__global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1) phase_kernel(
-    typename Phases::In in, typename Phases::Out out, Shape shape, Outbox to, Inbox from, uint64_t timeout_ns,
-    DeviceErrors* err) {
+__global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1)
+    phase_kernel(typename Phases::In in, typename Phases::Out out, Shape shape, Outbox to, Inbox from,
+                 uint64_t timeout_ns, DeviceErrors* err) {
   extern __shared__ int smem[];
   if constexpr (kSend) Phases::template send<kRecv>(in, shape, to, err, smem);
   if constexpr (kSend && kRecv) __syncthreads();
@@ -767,8 +769,9 @@ Shape shape_of(const Dev& dev, const Group& g, int num_experts, int max_tokens, 
 // Shared memory of a kernel; above the default 48 KiB it must be allowed first.
 template <class Kernel>
 size_t shared_bytes(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                               "cudaFuncSetAttribute (shared memory; fewer tokens or experts per call)");
+  if (bytes > 48 * 1024)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+          "cudaFuncSetAttribute (shared memory; fewer tokens or experts per call)");
   return bytes;
 }
 
@@ -802,18 +805,19 @@ Inbox inbox(NvlDevice& dev, const Group& g) {
 std::string bytes_advice(const NvlDevice& dev, int64_t need_per_sender) {
   const size_t need = size_t(2) * dev.num_ranks() * ((need_per_sender + 255) / 256 * 256);
   return "the low-latency buffer holds " + std::to_string(dev.low_latency_stride()) + " bytes per sender, these " +
-         "shapes need " + std::to_string(need_per_sender) + "; initialize with low_latency_buffer_bytes >= " +
-         std::to_string((need + 8191) / 8192 * 8192) + " (jax_uccl_ep.low_latency_buffer_bytes gives it)";
+         "shapes need " + std::to_string(need_per_sender) +
+         "; initialize with low_latency_buffer_bytes >= " + std::to_string((need + 8191) / 8192 * 8192) +
+         " (jax_uccl_ep.low_latency_buffer_bytes gives it)";
 }
 
 }  // namespace
 
-size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
-                             int64_t x_row_bytes, int64_t scale_row_bytes, int64_t combine_row) {
+size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk, int64_t x_row_bytes,
+                             int64_t scale_row_bytes, int64_t combine_row) {
   const int local = num_experts / std::max(1, num_ranks);
-  const int64_t region = std::max(
-      dispatch_region_bytes(local, max_tokens_per_rank, topk, token_row_bytes(x_row_bytes, scale_row_bytes)),
-      combine_region_bytes(local, max_tokens_per_rank, topk, int64_t(align16(combine_row))));
+  const int64_t region =
+      std::max(dispatch_region_bytes(local, max_tokens_per_rank, topk, token_row_bytes(x_row_bytes, scale_row_bytes)),
+               combine_region_bytes(local, max_tokens_per_rank, topk, int64_t(align16(combine_row))));
   const size_t half = size_t(num_ranks) * ((region + 255) / 256 * 256);
   return 2 * ((half + 4095) / 4096 * 4096);
 }
@@ -873,8 +877,14 @@ DispatchSource dispatch_source(const LowLatencyDispatchArgs& a) {
           a.num_experts};
 }
 DispatchTarget dispatch_target(const LowLatencyDispatchArgs& a) {
-  return {a.x_row_bytes, a.scale_row_bytes, int64_t(align16(a.x_row_bytes)), static_cast<char*>(a.recv_x),
-          static_cast<char*>(a.recv_scales), a.recv_count, a.layout, a.src_slot};
+  return {a.x_row_bytes,
+          a.scale_row_bytes,
+          int64_t(align16(a.x_row_bytes)),
+          static_cast<char*>(a.recv_x),
+          static_cast<char*>(a.recv_scales),
+          a.recv_count,
+          a.layout,
+          a.src_slot};
 }
 // Send: the block's token trips, the routing, slots per expert (dispatch_send).
 size_t dispatch_send_shared(const LowLatencyDispatchArgs& a, const Shape& shape) {
@@ -891,22 +901,23 @@ int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hid
 template <class Dev>
 Shape combine_shape(const Dev& dev, const Group& g, const LowLatencyCombineArgs& a) {
   if (combine_row_bytes(a) % 16 != 0)
-    throw std::invalid_argument("uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
-                                "a multiple of 8 for bfloat16, 4 for float32), got hidden " + std::to_string(a.hidden));
+    throw std::invalid_argument(
+        "uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
+        "a multiple of 8 for bfloat16, 4 for float32), got hidden " +
+        std::to_string(a.hidden));
   Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
   // Rows go back to slot t * K + k of their source: every region needs room for N * K combine rows. Refuse before
   // anything moves (every rank has the same shapes and buffer, so every rank refuses, in either half).
   const int64_t need = combine_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes);
-  if (need > region_stride(dev))
-    throw std::invalid_argument("uccl_ep low_latency_combine: " + bytes_advice(dev, need));
+  if (need > region_stride(dev)) throw std::invalid_argument("uccl_ep low_latency_combine: " + bytes_advice(dev, need));
   return shape;
 }
 CombineSource combine_source(const LowLatencyCombineArgs& a) {
   return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout, a.src_slot};
 }
 CombineTarget combine_target(const LowLatencyCombineArgs& a) {
-  return {a.topk_idx, a.topk_weights, a.num_tokens, a.topk, a.num_experts, combine_row_bytes(a),
-          static_cast<char*>(a.out)};
+  return {a.topk_idx,           a.topk_weights,           a.num_tokens, a.topk, a.num_experts,
+          combine_row_bytes(a), static_cast<char*>(a.out)};
 }
 // Send: the layout, where each source's rows start, prefixes; on the proxy path each source's rows by expert.
 size_t combine_send_shared(const Shape& shape, bool proxy) {
@@ -929,9 +940,10 @@ void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t st
 
 void launch_combine_recv(const LowLatencyCombineArgs& a, const Shape& shape, const Inbox& from, DeviceErrors* err,
                          cudaStream_t stream) {
-  launch((a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, false, true> : combine_kernel<float, false, true>,
-         low_latency_blocks(), kThreads, combine_recv_shared(a, from.packed), stream, CombineSource{}, combine_target(a), shape,
-         Outbox{}, from, err, "low_latency combine receive kernel");
+  launch(
+      (a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, false, true> : combine_kernel<float, false, true>,
+      low_latency_blocks(), kThreads, combine_recv_shared(a, from.packed), stream, CombineSource{}, combine_target(a),
+      shape, Outbox{}, from, err, "low_latency combine receive kernel");
 }
 
 // An op's send and receive as one launch of `kernel`, or through `split()` (its two launches) where the fused
@@ -961,7 +973,8 @@ void low_latency_dispatch_send(NvlDevice& dev, const Group& g, const LowLatencyD
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
   launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
-         dispatch_source(a), DispatchTarget{}, shape, to, Inbox{}, dev.errors_device(), "low_latency dispatch send kernel");
+         dispatch_source(a), DispatchTarget{}, shape, to, Inbox{}, dev.errors_device(),
+         "low_latency dispatch send kernel");
   dev.timing_end(stream, "low_latency_dispatch send");
   dev.timing_begin(stream);
 }
@@ -972,7 +985,8 @@ void low_latency_dispatch_recv(NvlDevice& dev, const Group& g, const LowLatencyD
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Inbox from = inbox(dev, g);
   launch(dispatch_kernel<false, true>, low_latency_blocks(), kThreads, dispatch_recv_shared(shape), stream,
-         DispatchSource{}, dispatch_target(a), shape, Outbox{}, from, dev.errors_device(), "low_latency dispatch receive kernel");
+         DispatchSource{}, dispatch_target(a), shape, Outbox{}, from, dev.errors_device(),
+         "low_latency dispatch receive kernel");
   dev.timing_end(stream, "low_latency_dispatch receive");
 }
 
@@ -992,8 +1006,9 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
-  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, false), stream,
-         combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev.errors_device(), "low_latency combine send kernel");
+  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, false),
+         stream, combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev.errors_device(),
+         "low_latency combine send kernel");
   dev.timing_end(stream, "low_latency_combine send");
   dev.timing_begin(stream);
 }
@@ -1008,12 +1023,14 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   const Shape shape = combine_shape(dev, g, a);
-  run_fused(dev, g, stream, (a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
-            std::max(combine_send_shared(shape, false), combine_recv_shared(a, false)), shape,
-            combine_source(a), combine_target(a), "low_latency_combine", [&] {
-              low_latency_combine_send(dev, g, a, stream);
-              low_latency_combine_recv(dev, g, a, stream);
-            });
+  run_fused(
+      dev, g, stream,
+      (a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
+      std::max(combine_send_shared(shape, false), combine_recv_shared(a, false)), shape, combine_source(a),
+      combine_target(a), "low_latency_combine", [&] {
+        low_latency_combine_send(dev, g, a, stream);
+        low_latency_combine_recv(dev, g, a, stream);
+      });
 }
 
 // ---- Across nodes: the proxy runtime's registered buffer in place of the NVLink peers (see api.hpp) ----
@@ -1092,9 +1109,7 @@ ProxyGpu& proxy_gpu(int cuda_device) {
   return g;
 }
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 DeviceErrors* proxy_error_word(int cuda_device) { return proxy_gpu(cuda_device).errors_device; }
 
@@ -1107,8 +1122,9 @@ void low_latency_dispatch_send(uccl_ep::Device& dev, const Group& g, const LowLa
   ProxyHalf half(dev, g, "low_latency_dispatch", stream);
   const Shape shape = dispatch_shape(dev, g, a);
   if (!fits_writes(dev, 2, dispatch_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes)))
-    throw std::invalid_argument("uccl_ep low_latency_dispatch: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
-                                "(a message may hold 2047 writes)");
+    throw std::invalid_argument(
+        "uccl_ep low_latency_dispatch: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
+        "(a message may hold 2047 writes)");
   half.send(ProxyOp::kLowLatencyDispatch, [&] {
     launch(dispatch_kernel<true, false>, kSendBlocks, kSendThreads, dispatch_send_shared(a, shape), stream,
            dispatch_source(a), DispatchTarget{}, shape, outbox(half, half.proxy_out()), Inbox{}, half.errors(),
@@ -1138,8 +1154,9 @@ void low_latency_combine_send(uccl_ep::Device& dev, const Group& g, const LowLat
   const Shape shape = combine_shape(dev, g, a);
   // A message: the counts and up to N * K rows, packed.
   if (!fits_writes(dev, 1, shape.counts_bytes + shape.row_bytes * a.max_tokens_per_rank * a.topk))
-    throw std::invalid_argument("uccl_ep low_latency_combine: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
-                                "(a message may hold 2047 writes)");
+    throw std::invalid_argument(
+        "uccl_ep low_latency_combine: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
+        "(a message may hold 2047 writes)");
   half.send(ProxyOp::kLowLatencyCombine, [&] {
     launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, true),
            stream, combine_source(a), CombineTarget{}, shape, outbox(half, half.proxy_out()), Inbox{}, half.errors(),

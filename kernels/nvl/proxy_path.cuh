@@ -49,7 +49,7 @@ struct ProxyOut {
   int self;                                    // our group position (our own rows need no message)
   uint32_t max_write_bytes;
   uint64_t timeout_ns;
-  unsigned int* done;                          // device word: send blocks finished (the last block resets it)
+  unsigned int* done;  // device word: send blocks finished (the last block resets it)
 };
 
 // Warp 0 of a send kernel's last block (proxy path), all lanes: pushes the message to member d. Lane 0 takes the

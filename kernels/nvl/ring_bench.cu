@@ -15,9 +15,9 @@
 
 #include "../../proxy/ring.hpp"
 #include "api.hpp"
-#include "testing.hpp"
 #include "device_common.cuh"
 #include "ring_producer.cuh"
+#include "testing.hpp"
 
 namespace uccl_ep::nvl {
 namespace {
@@ -118,8 +118,9 @@ __global__ void one_way_kernel(DeviceRing ring, uint64_t rounds, const uint64_t*
 }
 
 uint64_t host_ns() {
-  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch()).count());
+  return uint64_t(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
 }
 
 double percentile(std::vector<uint64_t>& v, int pct) {

@@ -11,10 +11,10 @@ namespace uccl_ep::nvl {
 // The GPU -> proxy command path without a transport (ring_bench.cu): `num_rings` warps each push
 // `commands_per_ring` no-op commands into their own ring, host threads drain them as proxies would.
 struct RingBenchResult {
-  double seconds;             // launch until every command was drained
-  double push_seconds;        // launch until the kernel finished
-  uint64_t commands;          // drained
-  uint64_t out_of_order;      // arrived out of sequence (must be 0)
+  double seconds;                                  // launch until every command was drained
+  double push_seconds;                             // launch until the kernel finished
+  uint64_t commands;                               // drained
+  uint64_t out_of_order;                           // arrived out of sequence (must be 0)
   double round_trip_median_ns, round_trip_p99_ns;  // ping-pong: push one command, see the host's echo
   // One way, push until the proxy sees the command, on the host's clock: at most the upper figures, at least the
   // median less host_read_round_trip_ns (a GPU read of mapped host memory, there and back).
@@ -34,17 +34,17 @@ struct LoopbackArgs {
   uint64_t seed;
 };
 struct LoopbackResult {
-  double dispatch_us, combine_us;     // per call (combine: 0 with fp8)
-  uint64_t remote_rows, received_rows;  // of both ranks, per call
-  uint64_t x_row_bytes;               // bytes of a dispatched row (FP8: with its scales)
+  double dispatch_us, combine_us;                     // per call (combine: 0 with fp8)
+  uint64_t remote_rows, received_rows;                // of both ranks, per call
+  uint64_t x_row_bytes;                               // bytes of a dispatched row (FP8: with its scales)
   uint64_t mismatched_rows, mismatched_combine_rows;  // the last call's rows that differ from the inputs (must be 0)
 };
 LoopbackResult loopback_bench(const LoopbackArgs& args);
 // GB/s one kernel of `blocks` blocks copies within the GPU: per block `producers` threads each running bulk copies
 // through `stages` stages of `stage_bytes`, or (warps) the block's warps with SM loads and stores of rows of
 // `stage_bytes`.
-double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
-                  int producers, bool warps);
+double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages, int producers,
+                  bool warps);
 
 // Messages from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload into
 // mapped host memory of the proxy's registered buffer, pushes `messages` messages of it to `peer` into a channel's
@@ -69,9 +69,9 @@ struct ProxyPutArgs {
   uint32_t rank;              // ours: the payload pattern is (rank, word index)
 };
 struct ProxyPutResult {
-  uint64_t mismatched_words;        // words of the peer's message that differ from its pattern
+  uint64_t mismatched_words;             // words of the peer's message that differ from its pattern
   double push_us, quiet_us, arrival_us;  // from the kernel's start (GPU clock): all pushed, all retired, all in
-  int timed_out;                    // 1: the ring stayed full, 2: no quiet, 3: no message, by timeout_ns()
+  int timed_out;                         // 1: the ring stayed full, 2: no quiet, 3: no message, by timeout_ns()
 };
 ProxyPutResult proxy_put(int cuda_device, const ProxyPutArgs& args, uint32_t peer_rank);
 

@@ -5,6 +5,7 @@ tests/test_normal.py::test_across_processes[shm-1-3]) it reproduces the rare sta
 
     python tests/stress/init_cycles.py [cycles] [timeout_s]
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,10 @@ TESTS = os.path.dirname(HERE)
 
 def cycles(n: int) -> dict:
     """Child: `n` initialize / round trip / shutdown cycles; stops at the first failure."""
+    import cases
     import jax
     import jax.numpy as jnp
 
-    import cases
     import jax_uccl_ep as ep
 
     for c in range(n):
@@ -45,11 +46,18 @@ def main() -> int:
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 150
     timeout_s = sys.argv[2] if len(sys.argv) > 2 else "20"
-    env = {"UCCL_EP_FI_PROVIDER": "shm", "UCCL_EP_REORDER": "1", "UCCL_EP_POISON": "1",
-           "UCCL_EP_NUM_PROXY_THREADS": "3", "UCCL_EP_MAX_WRITE_BYTES": "4096", "UCCL_EP_TIMEOUT_S": timeout_s,
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), TESTS, os.environ.get("PYTHONPATH", "")])}
-    results = launch(os.path.abspath(__file__), "cycles", 2, args=[n], devices_per_process=2, env=env,
-                     timeout_s=60 + 10 * n)
+    env = {
+        "UCCL_EP_FI_PROVIDER": "shm",
+        "UCCL_EP_REORDER": "1",
+        "UCCL_EP_POISON": "1",
+        "UCCL_EP_NUM_PROXY_THREADS": "3",
+        "UCCL_EP_MAX_WRITE_BYTES": "4096",
+        "UCCL_EP_TIMEOUT_S": timeout_s,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), TESTS, os.environ.get("PYTHONPATH", "")]),
+    }
+    results = launch(
+        os.path.abspath(__file__), "cycles", 2, args=[n], devices_per_process=2, env=env, timeout_s=60 + 10 * n
+    )
     failed = False
     for r in results:
         print(f"process {r.rank}: exit {r.returncode}, {json.dumps(r.result)}")
