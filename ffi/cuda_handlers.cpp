@@ -8,6 +8,7 @@
 
 #include <array>
 #include <exception>
+#include <optional>
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
@@ -284,15 +285,20 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
 namespace {
-// The value of the scalar attribute `name` of a call, or -1 when it has none.
-int64_t int_attribute(const XLA_FFI_CallFrame* frame, std::string_view name) {
+// The `path` attribute of a call, decoded as XLA decodes attributes; on failure, what the call carries instead.
+std::optional<int64_t> path_attribute(XLA_FFI_CallFrame* frame, std::string* problem) {
+  const ffi::Dictionary attrs(&frame->attrs);
+  auto path = attrs.get<int64_t>("path");
+  if (!path.has_error()) return *path;
+  *problem = path.error().message() + " (attributes:";
   for (int64_t i = 0; i < frame->attrs.size; ++i) {
     const XLA_FFI_ByteSpan* n = frame->attrs.names[i];
-    if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR || std::string_view(n->ptr, n->len) != name) continue;
-    const auto* scalar = static_cast<const XLA_FFI_Scalar*>(frame->attrs.attrs[i]);
-    if (scalar->dtype == XLA_FFI_DataType_S64) return *static_cast<const int64_t*>(scalar->value);
+    *problem += " " + std::string(n->ptr, n->len) + ":" + std::to_string(int(frame->attrs.types[i]));
+    if (frame->attrs.types[i] == XLA_FFI_AttrType_SCALAR)
+      *problem += "/" + std::to_string(int(static_cast<const XLA_FFI_Scalar*>(frame->attrs.attrs[i])->dtype));
   }
-  return -1;
+  *problem += ")";
+  return std::nullopt;
 }
 
 XLA_FFI_Error* invalid_argument(const XLA_FFI_CallFrame* frame, const std::string& message) {
@@ -312,8 +318,14 @@ struct PathHandlers {
 };
 
 XLA_FFI_Error* run_path(XLA_FFI_CallFrame* frame, const PathHandlers& h, const char* op) {
-  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return h.nvlink(frame);  // metadata and other stages
-  switch (uccl_ep::Path(int_attribute(frame, "path"))) {
+  // XLA asks a handler for its metadata (API version, traits) with a frame that carries no attributes, and calls
+  // it at other stages than execution: every path's handler answers those alike.
+  const bool metadata = frame->extension_start != nullptr && frame->extension_start->type == XLA_FFI_Extension_Metadata;
+  if (metadata || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return h.nvlink(frame);
+  std::string problem;
+  const std::optional<int64_t> path = path_attribute(frame, &problem);
+  if (!path) return invalid_argument(frame, std::string("uccl_ep ") + op + ": no path attribute: " + problem);
+  switch (uccl_ep::Path(*path)) {
     case uccl_ep::Path::kNvlink:
       return h.nvlink(frame);
     case uccl_ep::Path::kNodeNvlink:
@@ -323,8 +335,7 @@ XLA_FFI_Error* run_path(XLA_FFI_CallFrame* frame, const PathHandlers& h, const c
     case uccl_ep::Path::kStaged:
       return h.staged(frame);
     default:
-      return invalid_argument(frame, std::string("uccl_ep ") + op + ": no GPU path " +
-                                         std::to_string(int_attribute(frame, "path")) +
+      return invalid_argument(frame, std::string("uccl_ep ") + op + ": no GPU path " + std::to_string(*path) +
                                          " (lowered by another version of jax_uccl_ep?)");
   }
 }
