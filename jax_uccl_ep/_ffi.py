@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from . import _plan, _uccl_ep
 
@@ -171,6 +171,27 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
 
 
 ep_call_p.def_abstract_eval(_abstract_eval)
+
+
+def _no_jvp(primals, tangents, *, op, **params):
+    if op.startswith("low_latency"):
+        hint = "low-latency ops are for inference and decoding; train with dispatch and combine, which have VJPs"
+    elif op == "dispatch":
+        hint = "an FP8 dispatch has no derivative: pass the bfloat16 rows to dispatch for training"
+    else:
+        hint = "dispatch and combine have reverse-mode derivatives (jax.grad, jax.vjp), not forward-mode ones"
+    raise NotImplementedError(f"jax_uccl_ep: {op} is not differentiable here ({hint})")
+
+
+def _no_batching(args, dims, *, op, **params):
+    raise NotImplementedError(
+        f"jax_uccl_ep: {op} cannot run under jax.vmap (each call is one collective of the EP group); fold the "
+        "vmapped dimension into the tokens instead: the ops take [..., hidden] and keep the leading dimensions"
+    )
+
+
+ad.primitive_jvps[ep_call_p] = _no_jvp
+batching.primitive_batchers[ep_call_p] = _no_batching
 try:
     # Lowered once per op: a cached lowering would give two identical ops one op_index.
     mlir.register_lowering(ep_call_p, _lowering, cacheable=False)

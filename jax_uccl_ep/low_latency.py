@@ -17,7 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import FLOAT_DTYPES, axis_size, check, check_experts, check_topk
+from ._checks import (
+    FLOAT_DTYPES,
+    as_expert_indices,
+    as_router_weights,
+    axis_size,
+    check,
+    check_experts,
+    check_topk,
+)
 from ._ffi import ep_call
 from .fp8 import FP8_BLOCK, pack_ue8m0
 
@@ -171,6 +179,7 @@ def low_latency_dispatch_send(
     XLA may move independent ops across the halves: make the work you put between them, and the next EP op,
     depend on the data so that no other EP op lands in between (that fails with an out-of-step error).
     """
+    topk_idx = as_expert_indices(topk_idx)
     rows, scales, fp8_cast, static = _prepare_dispatch(
         x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
     )
@@ -220,7 +229,7 @@ def low_latency_dispatch(
 
     Args:
       x: [T, H] bfloat16 or float32 tokens, T <= max_tokens_per_rank (H a multiple of 128 with use_fp8).
-      topk_idx: [T, K] int32 global experts, -1 for an unused slot.
+      topk_idx: [T, K] global experts (any integer dtype), -1 for an unused slot.
       num_experts: E, divisible by the axis size R. max_tokens_per_rank: N, the static row budget per source.
       use_fp8: send float8_e4m3fn rows with float32 scales per 128 channels; round_scale rounds the scales to
         powers of two; use_ue8m0 (implies round_scale) returns them packed as UE8M0 exponents, four per int32.
@@ -234,6 +243,7 @@ def low_latency_dispatch(
       they are not written (whatever the buffer held: mask with recv_count); handle.src_token is -1 there.
       To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
+    topk_idx = as_expert_indices(topk_idx)
     rows, scales, fp8_cast, static = _prepare_dispatch(
         x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
     )
@@ -262,16 +272,16 @@ def _check_combine_send(y, handle):
     )
 
 
-def _check_combine_receive(topk_idx, topk_weights, topk: int):
+def _combine_routing(topk_idx, topk_weights, topk: int):
+    """The receive half's routing as the kernels take it: int32 indices, float32 weights (any int and float
+    dtypes in)."""
+    topk_idx = as_expert_indices(topk_idx)
     check_topk(topk_idx, None)
     check(
         topk_idx.shape[1] == topk,
         f"topk_idx must be the dispatch's, with K = {topk} slots per token, got shape {topk_idx.shape}",
     )
-    check(
-        topk_weights.shape == topk_idx.shape and topk_weights.dtype == jnp.float32,
-        f"topk_weights must be float32 of shape {topk_idx.shape}, got {topk_weights.dtype}{topk_weights.shape}",
-    )
+    return topk_idx, as_router_weights(topk_weights, topk_idx)
 
 
 def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLatencyPending:
@@ -304,7 +314,7 @@ def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, to
     """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K], in y's dtype."""
     kind, axis_name, num_experts, n, h, dtype, topk = pending.static
     check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
-    _check_combine_receive(topk_idx, topk_weights, topk)
+    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, topk)
     (out,) = ep_call(
         "low_latency_combine_recv",
         (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
@@ -325,7 +335,7 @@ def low_latency_combine(
     them weighted by topk_weights [T, K] (slots with topk_idx -1 contribute nothing), in float32; [T, H] in y's
     dtype. To overlap other work with the transfer, call low_latency_combine_send and low_latency_combine_recv."""
     _check_combine_send(y, handle)
-    _check_combine_receive(topk_idx, topk_weights, handle.topk)
+    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, handle.topk)
     (out,) = ep_call(
         "low_latency_combine",
         (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),

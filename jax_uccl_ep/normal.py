@@ -22,7 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi, _plan
-from ._checks import FLOAT_DTYPES, axis_size, check, check_experts, check_topk
+from ._checks import (
+    FLOAT_DTYPES,
+    ROW_DTYPES,
+    as_expert_indices,
+    as_router_weights,
+    axis_size,
+    check,
+    check_experts,
+    flatten_tokens,
+)
 from ._ffi import ep_call
 from .fp8 import FP8_BLOCK
 
@@ -43,15 +52,21 @@ class DispatchHandle:
     """What combine (and the backward passes) need from a dispatch: two arrays and the EP axis."""
 
     def __init__(
-        self, is_token_in_rank: jax.Array, recv_counts: jax.Array, axis_name: AxisName, level: str | None = None
+        self,
+        is_token_in_rank: jax.Array,
+        recv_counts: jax.Array,
+        axis_name: AxisName,
+        level: str | None = None,
+        token_shape: tuple[int, ...] | None = None,
     ):
         self.is_token_in_rank = is_token_in_rank  # [T, R] bool: where this rank's tokens went
         self.recv_counts = recv_counts  # [R] int32: rows received from each rank, in row order
         self.axis_name = axis_name
         self.level = level  # None (the whole axis), or a level of two-level routing ("node", "across")
+        self.token_shape = token_shape  # the leading dimensions of dispatch's x (combine restores them)
 
     def tree_flatten(self):
-        return (self.is_token_in_rank, self.recv_counts), (self.axis_name, self.level)
+        return (self.is_token_in_rank, self.recv_counts), (self.axis_name, self.level, self.token_shape)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -70,20 +85,21 @@ class TwoLevelHandle:
     """A dispatch handle under two-level routing: the dispatch across nodes (its rows are the tokens the node
     level forwards), then the one within the node."""
 
-    def __init__(self, across: DispatchHandle, within: DispatchHandle):
+    def __init__(self, across: DispatchHandle, within: DispatchHandle, token_shape: tuple[int, ...] | None = None):
         self.across = across  # over the ranks with this rank's index on every node
         self.within = within  # over this node's ranks
+        self.token_shape = token_shape  # the leading dimensions of dispatch's x (combine restores them)
 
     @property
     def axis_name(self) -> AxisName:
         return self.within.axis_name
 
     def tree_flatten(self):
-        return (self.across, self.within), None
+        return (self.across, self.within), self.token_shape
 
     @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
+    def tree_unflatten(cls, token_shape, children):
+        return cls(*children, token_shape)
 
     def __repr__(self) -> str:
         return f"TwoLevelHandle(across={self.across!r}, within={self.within!r})"
@@ -105,12 +121,14 @@ class DispatchResult(NamedTuple):
 
 
 def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: AxisName) -> DispatchLayout:
-    """Counts tokens per rank and per expert and the token-in-rank mask for `topk_idx` [T, K] (-1 = none).
+    """Counts tokens per rank and per expert and the token-in-rank mask for `topk_idx` [..., K] (any integer dtype,
+    -1 = none; the leading dimensions are the tokens, and is_token_in_rank keeps them: [..., R]).
 
-    Raises at run time if an index is outside [-1, num_experts).
+    An index outside [-1, num_experts) raises at run time on CPU devices; on GPUs its slot is skipped and
+    check_errors() raises it.
     """
     num_ranks = axis_size(axis_name)
-    check_topk(topk_idx, None)
+    topk_idx, lead = flatten_tokens(as_expert_indices(topk_idx))
     check_experts(num_experts, num_ranks)
     t = topk_idx.shape[0]
     outs = ep_call(
@@ -126,7 +144,8 @@ def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: Axi
         num_experts=num_experts,
         num_ranks=num_ranks,
     )
-    return DispatchLayout(*outs)
+    per_rank, per_expert, in_rank = outs
+    return DispatchLayout(per_rank, per_expert, in_rank.reshape((*lead, num_ranks)))
 
 
 def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
@@ -145,7 +164,7 @@ def _split_x(x: jax.Array | Fp8Pair) -> tuple[jax.Array, jax.Array, bool]:
         check(scales.dtype == jnp.float32, f"scales must be float32, got {scales.dtype}")
         return x_fp8, scales, True
     check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got shape {getattr(x, 'shape', x)}")
-    check(x.dtype in FLOAT_DTYPES, f"x must be float32 or bfloat16 (or an FP8 pair), got {x.dtype}")
+    check(x.dtype in ROW_DTYPES, f"x must be float32, bfloat16 or float16 (or an FP8 pair), got {x.dtype}")
     return x, jnp.zeros((x.shape[0], 0), jnp.float32), False
 
 
@@ -227,6 +246,8 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
 
 
 def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) -> jax.Array:
+    if y.dtype not in FLOAT_DTYPES:  # float16: the kernels sum float32 and bfloat16 rows
+        return _combine_call(y.astype(jnp.float32), handle, after).astype(y.dtype)
     if isinstance(handle, TwoLevelHandle):
         # Sum within the node, then cross back once.
         return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
@@ -262,8 +283,8 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int) -> jax.Ar
 
 def _no_cotangent(handle: Handle) -> Handle:
     if isinstance(handle, TwoLevelHandle):
-        return TwoLevelHandle(_no_cotangent(handle.across), _no_cotangent(handle.within))
-    return DispatchHandle(None, None, handle.axis_name, handle.level)
+        return TwoLevelHandle(_no_cotangent(handle.across), _no_cotangent(handle.within), handle.token_shape)
+    return DispatchHandle(None, None, handle.axis_name, handle.level, handle.token_shape)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -302,40 +323,59 @@ def dispatch(
     """Sends each token to every rank of `axis_name` that owns one of its experts (call inside shard_map).
 
     Args:
-      x: [T, H] float32 or bfloat16 rows, or an FP8 pair (x_fp8 [T, H] float8_e4m3fn, scales [T, H//128] float32).
-      topk_idx: [T, K] int32 global expert indices, -1 for an unused slot.
-      topk_weights: optional [T, K] float32 router weights, forwarded with the rows.
+      x: [..., H] float32, bfloat16 or float16 rows (the leading dimensions are the tokens, e.g. [batch, seq]), or
+        an FP8 pair (x_fp8 [..., H] float8_e4m3fn, scales [..., H // 128] float32).
+      topk_idx: [..., K] global expert indices of any integer dtype, -1 for an unused slot.
+      topk_weights: optional [..., K] router weights of any float dtype, forwarded with the rows (carried in
+        float32, returned in their own dtype).
       num_experts: total experts E; must be divisible by the axis size R.
       axis_name: the EP mesh axis.
       capacity: output rows (tokens) per rank; defaults to R * T, which never drops. More arrivals than
         `capacity` raise an error that names the rank, the count and the capacity.
 
     Returns:
-      A DispatchResult; rows are ordered by source rank, then source token index. Under two-level routing (GPUs on
-      several nodes, see the module's docstring) by the rank of this node that forwarded them, then source node,
-      then source token; `handle` is then a TwoLevelHandle.
+      A DispatchResult of 2-D rows [capacity, ...], ordered by source rank, then source token index (the leading
+      dimensions flattened in order). Under two-level routing (GPUs on several nodes, see the module's docstring)
+      by the rank of this node that forwarded them, then source node, then source token; `handle` is then a
+      TwoLevelHandle. combine() gives back x's leading dimensions.
     """
+    if isinstance(x, (tuple, list)):
+        check(len(x) == 2, "an FP8 x must be a pair (x_fp8, scales)")
+        (x_fp8, lead), (scales, _) = flatten_tokens(x[0]), flatten_tokens(x[1])
+        x = (x_fp8, scales)
+    else:
+        x, lead = flatten_tokens(x)
     rows, _, is_fp8 = _split_x(x)
     t = rows.shape[0]
     check(t >= 1, "x must hold at least one token")
-    check_topk(topk_idx, t)
+    idx = as_expert_indices(topk_idx)
+    check(
+        tuple(idx.shape[:-1]) == lead,
+        f"topk_idx must be [..., K] with x's leading dimensions {lead}, got shape {idx.shape}",
+    )
+    idx = idx.reshape(t, -1)
+    weights = None
+    if topk_weights is not None:
+        weights = as_router_weights(topk_weights, topk_idx).reshape(t, -1)
     num_ranks = axis_size(axis_name)
     check_experts(num_experts, num_ranks)
-    if topk_weights is not None:
-        check(
-            topk_weights.shape == topk_idx.shape,
-            f"topk_weights must have the shape of topk_idx {topk_idx.shape}, got {topk_weights.shape}",
-        )
-        check(topk_weights.dtype == jnp.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
     if capacity is None:
         capacity = num_ranks * t
     check(
         isinstance(capacity, (int, np.integer)) and capacity >= 1,
         f"capacity must be a positive int (tokens), got {capacity!r}",
     )
-    if is_fp8:
-        return _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, int(capacity))
-    return _dispatch(x, topk_idx, topk_weights, num_experts, axis_name, int(capacity))
+    call = _dispatch_call if is_fp8 else _dispatch
+    out = call(x, idx, weights, num_experts, axis_name, int(capacity))
+    if topk_weights is not None and topk_weights.dtype != jnp.float32:
+        out = out._replace(topk_weights=out.topk_weights.astype(topk_weights.dtype))
+    return out._replace(handle=_with_token_shape(out.handle, lead))
+
+
+def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
+    if isinstance(handle, TwoLevelHandle):
+        return TwoLevelHandle(handle.across, handle.within, token_shape)
+    return DispatchHandle(handle.is_token_in_rank, handle.recv_counts, handle.axis_name, handle.level, token_shape)
 
 
 @jax.custom_vjp
@@ -361,17 +401,21 @@ def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
     """Returns dispatched rows to their source ranks and sums the copies of each token (call inside shard_map).
 
     Args:
-      y: [capacity, H] float32 or bfloat16, rows in the order dispatch produced them (padding rows ignored).
+      y: [capacity, H] float32, bfloat16 or float16, rows in the order dispatch produced them (padding rows
+        ignored).
       handle: the DispatchResult.handle of that dispatch.
 
     Returns:
-      [T, H] in y's dtype, accumulated in float32; tokens that went nowhere get zeros. Under two-level routing
-      each node's partial sum is rounded to y's dtype once before it crosses nodes (as DeepEP's internode
-      combine does: bfloat16 on the network).
+      [..., H] in y's dtype with the leading dimensions of dispatch's x, accumulated in float32 (float16 rows
+      travel as float32); tokens that went nowhere get zeros. Under two-level routing each node's partial sum is
+      rounded to y's dtype once before it crosses nodes (as DeepEP's internode combine does: bfloat16 on the
+      network).
     """
     check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
-    check(y.dtype in FLOAT_DTYPES, f"y must be float32 or bfloat16, got {y.dtype}")
+    check(y.dtype in ROW_DTYPES, f"y must be float32, bfloat16 or float16, got {y.dtype}")
     check(
         isinstance(handle, (DispatchHandle, TwoLevelHandle)), "handle must be the DispatchResult.handle of a dispatch"
     )
-    return _combine(y, handle)
+    out = _combine(y, handle)
+    token_shape = handle.token_shape
+    return out if token_shape is None else out.reshape((*token_shape, out.shape[-1]))
