@@ -136,8 +136,9 @@ def test_unsupported_transformations_name_themselves():
         ep.dispatch(x2, idx2, num_experts=E, axis_name="ep")
 
     def ll(x, idx):
-        out = ep.low_latency_dispatch(x[0], idx[0], num_experts=E, max_tokens_per_rank=B * S, axis_name="ep",
-                                      use_fp8=False)
+        out = ep.low_latency_dispatch(
+            x[0], idx[0], num_experts=E, max_tokens_per_rank=B * S, axis_name="ep", use_fp8=False
+        )
         return out[0].astype(jnp.float32).sum()[None]
 
     f = jax.shard_map(ll, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
