@@ -9,6 +9,7 @@ memory to learn its peers.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,6 +136,22 @@ def _next_op_index(ctx) -> int:
     return counter.next - 1
 
 
+_warned_staged: set[str] = set()
+
+
+def _warn_staged(op: str) -> None:
+    if op in _warned_staged:
+        return
+    _warned_staged.add(op)
+    warnings.warn(
+        f"jax_uccl_ep: {op} runs host-staged (copies to host memory and back each call): GPU-initiated ops are off "
+        "(UCCL_EP_GPU_INITIATED=0 or UCCL_EP_PINNED=0) or the EP group is larger than they take (8 ranks in normal "
+        "mode, 32 in low-latency mode)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_effect):
     extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
     if has_side_effect:
@@ -160,6 +177,8 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
         path = _plan.op_path(
             op, None if level is None else level[0], getattr(ctx.module_context, "platforms", ()), table
         )
+        if path == _plan.Path.STAGED:
+            _warn_staged(op)
         extra["group_table"] = table.reshape(-1)
         extra["group_size"] = np.int64(table.shape[1])
         extra["path"] = np.int64(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import logging
 import socket
 import threading
 import warnings
@@ -14,8 +15,9 @@ import jax
 
 from . import _ffi, _plan, _uccl_ep
 from ._plan import Topology, TwoLevel
-from .config import Config, distributed_env
+from .config import Config, cluster_launcher, distributed_env
 
+_log = logging.getLogger("jax_uccl_ep")
 _lock = threading.Lock()
 _previous_plan: _plan.RuntimePlan | None = None  # the last initialize()'s: programs lowered under it use its paths
 _config: Config | None = None
@@ -85,15 +87,26 @@ def _distributed_client() -> Any | None:
 
 
 def _maybe_initialize_distributed(kwargs: dict) -> None:
+    """Joins the job's jax.distributed, unless the caller already did: with `kwargs`, or what a launcher put in
+    the environment (jax_uccl_ep.launch's coordinator, or Slurm's and Open MPI's, which JAX reads itself)."""
     if _distributed_client() is not None:
         return
     kwargs = kwargs or distributed_env()
-    if not kwargs:
+    launcher = None if kwargs else cluster_launcher()
+    if not kwargs and launcher is None:
         return
     if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
         # XLA's CPU collectives across processes (psum, all_gather in user code and tests) need gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        where = launcher or "the coordinator in the environment (JAX_COORDINATOR_ADDRESS)"
+        raise RuntimeError(
+            f"jax_uccl_ep.initialize: could not join the job started by {where}: {e}. Call "
+            "jax_uccl_ep.initialize() before the first JAX computation (or jax.distributed.initialize(...) yourself "
+            "first, then jax_uccl_ep.initialize())"
+        ) from e
 
 
 def _exchange(client: Any, key: str, local: dict[int, bytes], count: int, timeout_ms: int) -> list[bytes]:
@@ -245,10 +258,46 @@ def initialize(
             jax.clear_caches()  # compiled programs carry the paths of the plan they were lowered under
         _plan.set_current(plan)
         _previous_plan = plan
+        if jax.process_index() == 0:
+            _log.info("%s", describe_plan(plan, config))
         _config = config
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def describe_plan(plan: _plan.RuntimePlan, config: Config) -> str:
+    """One line: the runtimes, the buffers and the nodes initialize() set up (logged on process 0 at INFO)."""
+    topo = plan.topology
+    ranks, nodes = len(topo.node_of_rank), topo.num_nodes
+    parts = [f"jax_uccl_ep: {ranks} ranks on {nodes} node{'s' if nodes != 1 else ''} ({topo.source})"]
+    if plan.nvlink:
+        parts.append(
+            f"NVLink runtime, {config.nvl_buffer_bytes >> 20} MiB normal + "
+            f"{config.ll_buffer_bytes >> 20} MiB low-latency buffer per GPU, {config.num_sms} SMs"
+        )
+    else:
+        gpu = plan.platform == "gpu"
+        parts.append(
+            f"proxy runtime ({config.fi_provider or 'default providers'}), "
+            f"{config.buffer_bytes >> 20} MiB buffer per device"
+        )
+        if gpu:
+            parts.append(
+                "normal mode "
+                + ("GPU-initiated" if plan.gpu_initiated_normal else "host-staged")
+                + ", low-latency "
+                + ("GPU-initiated" if plan.gpu_initiated_low_latency else "host-staged")
+            )
+        if plan.two_level is not None:
+            two = plan.two_level
+            parts.append(
+                f"two-level routing: {two.num_nodes} nodes of {two.per_node}"
+                + (", node level on NVLink" if two.nvlink else "")
+            )
+        elif plan.hierarchical and nodes > 1:
+            parts.append("hierarchical rounds across nodes")
+    return "; ".join(parts)
 
 
 def config() -> Config:

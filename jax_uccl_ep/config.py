@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Config", "distributed_env"]
+__all__ = ["Config", "cluster_launcher", "distributed_env"]
 
 
 def _env(name: str, doc: str) -> dict[str, str]:
@@ -216,3 +216,21 @@ def distributed_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     if env.get("JAX_LOCAL_DEVICE_IDS"):
         kwargs["local_device_ids"] = [int(i) for i in env["JAX_LOCAL_DEVICE_IDS"].split(",")]
     return kwargs
+
+
+def cluster_launcher(environ: Mapping[str, str] | None = None) -> str | None:
+    """The cluster launcher that started this process as one of several ("Slurm", "Open MPI"), whose environment
+    jax.distributed.initialize() reads on its own; None for a single process or another launcher."""
+    env = os.environ if environ is None else environ
+
+    def several(name: str) -> bool:
+        try:
+            return int(env.get(name, "1")) > 1
+        except ValueError:
+            return False
+
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None and several("SLURM_NTASKS"):
+        return "Slurm"
+    if several("OMPI_COMM_WORLD_SIZE"):
+        return "Open MPI"
+    return None

@@ -80,3 +80,30 @@ def test_processes_compare_what_peers_depend_on():
     assert "UCCL_EP_NUM_SMS" in shared and "UCCL_EP_BUFFER_BYTES" in shared
     assert "UCCL_EP_TIMEOUT_S" not in shared  # each process may wait as long as it likes
     assert Config(num_sms=8).shared() != shared
+
+
+def test_cluster_launchers_are_recognised_only_for_several_processes():
+    from jax_uccl_ep.config import cluster_launcher
+
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}
+    assert cluster_launcher(slurm) == "Slurm"
+    assert cluster_launcher(dict(slurm, SLURM_NTASKS="1")) is None  # one task: nothing to join
+    assert cluster_launcher({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4"}) is None  # salloc shell, not an srun step
+    assert cluster_launcher({"OMPI_COMM_WORLD_SIZE": "2"}) == "Open MPI"
+    assert cluster_launcher({"OMPI_COMM_WORLD_SIZE": "1"}) is None
+    assert cluster_launcher({}) is None
+
+
+def test_the_plan_summary_names_runtime_buffers_and_nodes():
+    from jax_uccl_ep import _plan, _runtime
+
+    topo = _plan.Topology.build([0, 0, 1, 1], ["a", "b"])
+    two = _plan.TwoLevel(2, 2, topo.node_of_rank, True, True)
+    gpu = _plan.RuntimePlan("gpu", False, topo, True, True, False, two)
+    line = _runtime.describe_plan(gpu, Config(buffer_bytes=32 << 20))
+    assert "4 ranks on 2 nodes (hostnames)" in line and "32 MiB buffer per device" in line
+    assert "normal mode GPU-initiated, low-latency host-staged" in line and "two-level routing: 2 nodes of 2" in line
+    one_node = _plan.RuntimePlan("gpu", True, _plan.Topology.build([0, 0], ["a"]), True, False, False, None)
+    assert "NVLink runtime, 1024 MiB normal + 256 MiB low-latency buffer per GPU, 24 SMs" in _runtime.describe_plan(
+        one_node, Config()
+    )
