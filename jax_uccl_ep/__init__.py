@@ -30,6 +30,7 @@ _find_extension()
 # waits for a peer; with one process driving several GPUs that can deadlock. Load eagerly (read when CUDA starts,
 # so this takes effect if jax_uccl_ep is imported before JAX first touches a GPU).
 _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+from . import layers
 from ._runtime import (
     Topology,
     TwoLevel,
@@ -67,6 +68,7 @@ from .normal import (
 )
 
 __all__ = [
+    "layers",
     "Config",
     "config",
     "initialize",

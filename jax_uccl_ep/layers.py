@@ -1,0 +1,277 @@
+"""An expert-parallel Mixture-of-Experts feed-forward layer, built on dispatch and combine.
+
+``moe_ffn(params, x, mesh=mesh, config=MoEConfig(...))`` takes activations ``x [..., S, D]`` as a model holds them
+(sharded over the mesh's EP axis along their first dimension), opens the ``jax.shard_map`` itself, and returns
+``MoEOutput(y, aux_loss, stats)``. Inside a ``shard_map`` of your own, call ``moe_ffn_local`` on this rank's
+shard instead. ``moe_ffn_reference`` computes the same function densely (every expert on every token), for
+parity checks. ``moe_ffn_decode`` is the low-latency variant for decoding (forward only).
+
+Each token goes to its top-k experts: ``y = sum_k w_k * expert_{i_k}(x)`` with SwiGLU experts
+``expert_e(x) = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Rank r of the EP axis (size R) owns experts
+``[r*E/R, (r+1)*E/R)``; on each rank the received (row, expert) pairs run as grouped matmuls
+(``jax.lax.ragged_dot``) over its experts. Parameters (global shapes; ``moe_param_specs`` shards the experts)::
+
+    {"router": [D, E], "w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .low_latency import low_latency_combine, low_latency_dispatch
+from .normal import combine, dispatch
+
+__all__ = [
+    "MoEConfig",
+    "MoEOutput",
+    "MoEStats",
+    "capacity_for",
+    "init_moe_params",
+    "moe_ffn",
+    "moe_ffn_decode",
+    "moe_ffn_local",
+    "moe_ffn_reference",
+    "moe_param_specs",
+]
+
+Params = dict[str, jax.Array]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """What the layer computes. Units: experts, tokens."""
+
+    num_experts: int
+    top_k: int
+    score: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts, or independent sigmoids
+    renormalize: bool = True  # the top-k weights of a token sum to one
+    aux_loss_coef: float = 0.0  # load-balancing loss (Switch Transformer's) times this; 0 leaves it out
+    capacity_factor: float | None = None  # rows a rank may receive, per its tokens' top-k slots (None: never drops)
+
+
+class MoEStats(NamedTuple):
+    """Per-call counts, one entry per EP rank."""
+
+    rows_received: jax.Array  # [R] int32: token rows each rank received (its experts' work)
+    tokens_per_expert: jax.Array  # [E] int32: (token, expert) pairs routed to each expert, over the whole axis
+
+
+class MoEOutput(NamedTuple):
+    y: jax.Array  # like x
+    aux_loss: jax.Array  # float32 scalar (0 when aux_loss_coef is 0)
+    stats: MoEStats
+
+
+def init_moe_params(key: jax.Array, *, d_model: int, d_ff: int, num_experts: int, dtype: Any = jnp.float32) -> Params:
+    """Random parameters of one layer (global shapes: all experts), scaled by fan-in."""
+    k_router, k_gate, k_up, k_down = jax.random.split(key, 4)
+    normal = jax.random.normal
+    return {
+        "router": normal(k_router, (d_model, num_experts), dtype) * d_model**-0.5,
+        "w_gate": normal(k_gate, (num_experts, d_model, d_ff), dtype) * d_model**-0.5,
+        "w_up": normal(k_up, (num_experts, d_model, d_ff), dtype) * d_model**-0.5,
+        "w_down": normal(k_down, (num_experts, d_ff, d_model), dtype) * d_ff**-0.5,
+    }
+
+
+def moe_param_specs(axis_name: str | tuple[str, ...]) -> dict[str, P]:
+    """PartitionSpecs of the parameters: the router replicated, the experts split over the EP axis."""
+    return {"router": P(), "w_gate": P(axis_name), "w_up": P(axis_name), "w_down": P(axis_name)}
+
+
+def capacity_for(num_tokens: int, top_k: int, num_ranks: int, capacity_factor: float) -> int:
+    """Rows a rank receives at most for `capacity_factor` (MaxText's): factor x the rows a rank gets on average,
+    ``num_tokens * top_k / num_ranks``, at least 1 and at most the never-dropping ``num_ranks * num_tokens``."""
+    if capacity_factor <= 0:
+        raise ValueError(f"jax_uccl_ep: capacity_factor must be positive, got {capacity_factor}")
+    rows = math.ceil(capacity_factor * num_tokens * top_k / num_ranks)
+    return max(1, min(num_ranks * num_tokens, rows))
+
+
+def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The router on tokens ``x [T, D]``: (weights [T, K] float32, expert indices [T, K] int32, scores [T, E]
+    float32)."""
+    logits = jnp.dot(x, router, preferred_element_type=jnp.float32)
+    if config.score == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    elif config.score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        raise ValueError(f"jax_uccl_ep: MoEConfig.score must be 'softmax' or 'sigmoid', got {config.score!r}")
+    weights, idx = jax.lax.top_k(scores, config.top_k)
+    if config.renormalize:
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
+    return weights, idx.astype(jnp.int32), scores
+
+
+def load_balancing_loss(scores: jax.Array, idx: jax.Array, num_experts: int) -> jax.Array:
+    """Switch Transformer's auxiliary loss on one rank's tokens: ``E * sum_e f_e * p_e``, f_e the fraction of
+    (token, slot) pairs routed to expert e, p_e its mean router score. 1 when balanced."""
+    counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(1.0)
+    fraction = counts / idx.size
+    mean_score = jnp.mean(scores, axis=0)
+    return num_experts * jnp.sum(fraction * mean_score)
+
+
+def swiglu_experts(params: Params, rows: jax.Array, expert: jax.Array) -> jax.Array:
+    """Each row of ``rows [N, D]`` through its chosen local experts only: ``[N, K, D]`` float32, zeros for slots
+    with expert -1. The (row, slot) pairs are sorted by expert so that each expert's rows are contiguous, the
+    three matmuls run as ``jax.lax.ragged_dot`` over those groups, and outputs go back to (row, slot) order."""
+    n, k = expert.shape
+    groups = params["w_gate"].shape[0]
+    flat = expert.reshape(n * k)
+    key = jnp.where(flat < 0, groups, flat)  # unused pairs after every group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=groups).astype(jnp.int32)  # pairs with key == groups are in no group
+    x = rows[order // k]
+    gate = jax.lax.ragged_dot(x, params["w_gate"], sizes, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(x, params["w_up"], sizes, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(rows.dtype)
+    y = jax.lax.ragged_dot(h, params["w_down"], sizes, preferred_element_type=jnp.float32)
+    y = jnp.where((key[order] < groups)[:, None], y, 0.0)
+    return y[jnp.argsort(order)].reshape(n, k, -1)
+
+
+def _check_params(params: Params, num_experts: int, axis_name: Any, where: str) -> None:
+    missing = {"router", "w_gate", "w_up", "w_down"} - set(params)
+    if missing:
+        raise ValueError(f"jax_uccl_ep.{where}: params lack {sorted(missing)} (see init_moe_params)")
+    local, ranks = params["w_gate"].shape[0], jax.lax.axis_size(axis_name)
+    if local * ranks != num_experts:
+        raise ValueError(
+            f"jax_uccl_ep.{where}: this rank holds {local} experts of {num_experts} on an EP axis of {ranks} ranks; "
+            f"shard the expert weights over {axis_name!r} (moe_param_specs)"
+        )
+
+
+def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str | tuple[str, ...]) -> MoEOutput:
+    """The layer on this rank's shard, inside a ``jax.shard_map`` over `axis_name`: `params` holds this rank's
+    experts ([E/R, ...]) and the router; ``x [..., D]`` this rank's tokens. stats hold this rank's counts ([1]
+    rows, [E] pairs), aux_loss this rank's loss (moe_ffn averages both over the axis)."""
+    _check_params(params, config.num_experts, axis_name, "moe_ffn_local")
+    lead, d = x.shape[:-1], x.shape[-1]
+    tokens = x.reshape(-1, d)
+    weights, idx, scores = route(params["router"], tokens, config)
+    capacity = None
+    if config.capacity_factor is not None:
+        ranks = jax.lax.axis_size(axis_name)
+        capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor)
+    res = dispatch(tokens, idx, weights, num_experts=config.num_experts, axis_name=axis_name, capacity=capacity)
+    out = swiglu_experts(params, res.x, res.topk_idx)
+    y = jnp.einsum("nk,nkd->nd", res.topk_weights, out).astype(x.dtype)
+    y = combine(y, res.handle).reshape(*lead, d)
+    aux = jnp.zeros((), jnp.float32)
+    if config.aux_loss_coef:
+        aux = config.aux_loss_coef * load_balancing_loss(scores, idx, config.num_experts)
+    per_expert = jnp.zeros((config.num_experts,), jnp.int32).at[idx.reshape(-1)].add(1)
+    return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), per_expert))
+
+
+def moe_ffn(
+    params: Params,
+    x: jax.Array,
+    *,
+    mesh: Mesh,
+    config: MoEConfig,
+    axis_name: str = "ep",
+    token_spec: P | None = None,
+) -> MoEOutput:
+    """The expert-parallel layer on global arrays: opens a ``jax.shard_map`` over `mesh` and runs
+    ``moe_ffn_local`` on every rank.
+
+    Args:
+      params: global parameters (``init_moe_params``), laid out by ``moe_param_specs(axis_name)`` or replicated.
+      x: ``[B, ..., D]`` activations; by default the first dimension is split over `axis_name` (every rank routes
+        its own tokens). `token_spec` gives another PartitionSpec for x (its leading dimensions must be split over
+        `axis_name` in some way, and no dimension may split D).
+      config: the layer's MoEConfig.
+      axis_name: the EP mesh axis (its size must divide num_experts).
+
+    Returns:
+      MoEOutput: y like x; aux_loss averaged over the EP ranks; stats.rows_received [R] and
+      stats.tokens_per_expert [E] summed over the ranks.
+    """
+    spec = token_spec if token_spec is not None else P(axis_name)
+
+    def body(p, x):
+        out = moe_ffn_local(p, x, config, axis_name=axis_name)
+        aux = jax.lax.pmean(out.aux_loss, axis_name)
+        per_expert = jax.lax.psum(out.stats.tokens_per_expert, axis_name)
+        return out.y, aux, out.stats.rows_received, per_expert
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(moe_param_specs(axis_name), spec),
+        out_specs=(spec, P(), P(axis_name), P()),
+    )
+    y, aux, rows, per_expert = f(params, x)
+    return MoEOutput(y, aux, MoEStats(rows, per_expert))
+
+
+def moe_ffn_reference(params: Params, x: jax.Array, config: MoEConfig) -> MoEOutput:
+    """The same layer without expert parallelism: every expert on every token (all parameters in one place),
+    masked by the router's choice. For parity tests; ``E`` times the expert FLOPs."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    tokens = x.reshape(-1, d)
+    weights, idx, scores = route(params["router"], tokens, config)
+    gate = jnp.einsum("td,edf->etf", tokens, params["w_gate"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("td,edf->etf", tokens, params["w_up"], preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    out = jnp.einsum("etf,efd->etd", h, params["w_down"], preferred_element_type=jnp.float32)
+    coef = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, config.num_experts, dtype=jnp.float32))
+    y = jnp.einsum("te,etd->td", coef, out).astype(x.dtype).reshape(*lead, d)
+    aux = jnp.zeros((), jnp.float32)
+    if config.aux_loss_coef:
+        aux = config.aux_loss_coef * load_balancing_loss(scores, idx, config.num_experts)
+    per_expert = jnp.zeros((config.num_experts,), jnp.int32).at[idx.reshape(-1)].add(1)
+    return MoEOutput(y, aux, MoEStats(jnp.zeros((0,), jnp.int32), per_expert))
+
+
+def moe_ffn_decode(
+    params: Params,
+    x: jax.Array,
+    config: MoEConfig,
+    *,
+    axis_name: str | tuple[str, ...],
+    max_tokens_per_rank: int,
+    use_fp8: bool = True,
+) -> jax.Array:
+    """The layer for decoding, inside a ``jax.shard_map``: low-latency dispatch (FP8 rows by default) into static
+    per-expert buffers, the local experts batched per expert, low-latency combine weighted by the router. ``x [...,
+    D]`` with at most `max_tokens_per_rank` tokens. Forward only."""
+    _check_params(params, config.num_experts, axis_name, "moe_ffn_decode")
+    lead, d = x.shape[:-1], x.shape[-1]
+    tokens = x.reshape(-1, d)
+    weights, idx, _ = route(params["router"], tokens, config)
+    recv, count, handle = low_latency_dispatch(
+        tokens,
+        idx,
+        num_experts=config.num_experts,
+        max_tokens_per_rank=max_tokens_per_rank,
+        axis_name=axis_name,
+        use_fp8=use_fp8,
+    )
+    if use_fp8:
+        from .fp8 import per_token_cast_back
+
+        rows, scales = recv
+        local, slots = rows.shape[:2]
+        rows = per_token_cast_back(rows.reshape(local * slots, d), scales.reshape(local * slots, -1))
+        rows = rows.reshape(local, slots, d).astype(x.dtype)
+    else:
+        rows = recv
+    valid = jnp.arange(rows.shape[1])[None, :] < count[:, None]  # padding rows may hold anything on GPUs
+    rows = jnp.where(valid[..., None], rows, 0).astype(x.dtype)
+    gate = jnp.einsum("lnd,ldf->lnf", rows, params["w_gate"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("lnd,ldf->lnf", rows, params["w_up"], preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    y = jnp.einsum("lnf,lfd->lnd", h, params["w_down"], preferred_element_type=jnp.float32).astype(x.dtype)
+    return low_latency_combine(y, idx, weights, handle).reshape(*lead, d)

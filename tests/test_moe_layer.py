@@ -1,0 +1,238 @@
+"""The package's MoE layer against its dense reference: forward, gradients, aux loss and counts, under jit,
+remat and scan; the decoding variant; the Flax NNX module when flax is installed. 4 CPU devices, one process."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_uccl_ep as ep
+from jax_uccl_ep import layers
+
+R, B, S, D, F, E, K = 4, 8, 6, 128, 96, 16, 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    ep.initialize()
+    yield
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+
+def _inputs(seed: int, dtype=jnp.float32):
+    kp, kx = jax.random.split(jax.random.key(seed))
+    params = layers.init_moe_params(kp, d_model=D, d_ff=F, num_experts=E, dtype=dtype)
+    x = jax.random.normal(kx, (B, S, D), dtype)
+    mesh = _mesh()
+    specs = layers.moe_param_specs("ep")
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    return params, jax.device_put(x, NamedSharding(mesh, P("ep"))), mesh
+
+
+def _per_rank_reference(params, x, config):
+    """The reference on each rank's tokens (the layer's aux loss and counts are per rank, then reduced)."""
+    outs = [layers.moe_ffn_reference(params, x[r * B // R : (r + 1) * B // R], config) for r in range(R)]
+    y = jnp.concatenate([o.y for o in outs])
+    aux = jnp.mean(jnp.stack([o.aux_loss for o in outs]))
+    per_expert = sum(o.stats.tokens_per_expert for o in outs)
+    return y, aux, per_expert
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        layers.MoEConfig(num_experts=E, top_k=K, aux_loss_coef=0.01),
+        layers.MoEConfig(num_experts=E, top_k=2, score="sigmoid", renormalize=False),
+    ],
+    ids=["softmax-aux", "sigmoid"],
+)
+def test_forward_matches_the_dense_reference(config):
+    params, x, mesh = _inputs(1)
+    out = jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config))(params, x)
+    y, aux, per_expert = _per_rank_reference(params, x, config)
+    assert out.y.shape == x.shape
+    np.testing.assert_allclose(np.asarray(out.y), np.asarray(y), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(float(out.aux_loss), float(aux), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.stats.tokens_per_expert), np.asarray(per_expert))
+    # Rank r received one row per token that has an expert in [r*E/R, (r+1)*E/R).
+    _, idx, _ = layers.route(params["router"], x.reshape(-1, D), config)
+    owners = np.asarray(idx) // (E // R)
+    want_rows = [int((owners == r).any(-1).sum()) for r in range(R)]
+    np.testing.assert_array_equal(np.asarray(out.stats.rows_received), want_rows)
+    assert (float(out.aux_loss) > 0) == (config.aux_loss_coef > 0)
+
+
+def test_gradients_match_the_dense_reference_under_remat_and_scan():
+    config = layers.MoEConfig(num_experts=E, top_k=K, aux_loss_coef=0.01)
+    params, x, mesh = _inputs(2)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), params)  # two layers, scanned
+
+    def model(ffn):
+        def loss(stacked, x):
+            @jax.checkpoint
+            def layer(h, p):
+                y, aux = ffn(p, h)
+                return h + y, aux
+
+            h, aux = jax.lax.scan(layer, x, stacked)
+            return jnp.mean(h**2) + jnp.sum(aux)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    def ep_ffn(p, h):
+        out = layers.moe_ffn(p, h, mesh=mesh, config=config)
+        return out.y, out.aux_loss
+
+    def dense_ffn(p, h):
+        y, aux, _ = _per_rank_reference(p, h, config)
+        return y, aux
+
+    (v1, (gp1, gx1)), (v2, (gp2, gx2)) = model(ep_ffn)(stacked, x), model(dense_ffn)(stacked, x)
+    np.testing.assert_allclose(float(v1), float(v2), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx1), np.asarray(gx2), rtol=1e-4, atol=1e-6)
+    for name in gp1:
+        np.testing.assert_allclose(np.asarray(gp1[name]), np.asarray(gp2[name]), rtol=1e-4, atol=1e-6, err_msg=name)
+    assert all(float(jnp.abs(g).sum()) > 0 for g in gp1.values())  # every parameter gets a gradient
+
+
+def test_bfloat16_layer_tracks_the_reference():
+    config = layers.MoEConfig(num_experts=E, top_k=K)
+    params, x, mesh = _inputs(3, jnp.bfloat16)
+    out = jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config))(params, x)
+    y, _, _ = _per_rank_reference(params, x, config)
+    assert out.y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out.y, np.float32), np.asarray(y, np.float32), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_decode_layer_matches_the_reference(use_fp8):
+    config = layers.MoEConfig(num_experts=E, top_k=K)
+    params, x, mesh = _inputs(4)
+    tokens = x.reshape(R, B // R * S, D)
+
+    def body(p, t):
+        return layers.moe_ffn_decode(p, t[0], config, axis_name="ep", max_tokens_per_rank=t.shape[1], use_fp8=use_fp8)[
+            None
+        ]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(layers.moe_param_specs("ep"), P("ep")), out_specs=P("ep")))
+    got = np.asarray(f(params, tokens)).reshape(B, S, D)
+    want = np.asarray(layers.moe_ffn_reference(params, x, config).y)
+    tol = dict(rtol=0.1, atol=0.1) if use_fp8 else dict(rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, want, **tol)
+
+
+def test_capacity_for_follows_the_factor():
+    assert layers.capacity_for(1024, 8, 8, 1.0) == 1024
+    assert layers.capacity_for(1024, 8, 8, 1.25) == 1280
+    assert layers.capacity_for(10, 2, 4, 100.0) == 40  # never more than R * T
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        layers.capacity_for(10, 2, 4, 0)
+
+
+def test_flax_nnx_module_trains_like_the_functional_layer():
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_uccl_ep.nnx import MoE
+
+    config = layers.MoEConfig(num_experts=E, top_k=K, aux_loss_coef=0.01)
+    mesh = _mesh()
+    model = MoE(D, F, config, mesh=mesh, rngs=nnx.Rngs(0))
+    assert model.w_gate[...].sharding.spec == P("ep", None, None)  # experts placed over the EP axis
+    x = jax.device_put(jax.random.normal(jax.random.key(5), (B, S, D)), NamedSharding(mesh, P("ep")))
+
+    @nnx.jit
+    def loss_and_grad(model, x):
+        def loss(model):
+            y, aux, _ = model(x)
+            return jnp.mean(y**2) + aux
+
+        return nnx.value_and_grad(loss)(model)
+
+    value, grads = loss_and_grad(model, x)
+    params = model.params()
+
+    def ref_loss(p):
+        y, aux, _ = _per_rank_reference(p, x, config)
+        return jnp.mean(y**2) + aux
+
+    want_value, want_grads = jax.value_and_grad(ref_loss)(params)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    for name in params:
+        got = grads[name][...]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want_grads[name]), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def train_steps(steps: int, platform: str = "cpu") -> dict:
+    """Child (several processes): SGD steps of a one-layer model through the EP layer and through the dense
+    reference from the same start; returns both loss curves."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import layers
+
+    ep.initialize()
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devices), ("ep",))
+    r = len(devices)
+    config = layers.MoEConfig(num_experts=4 * r, top_k=2, aux_loss_coef=0.01)
+    host = layers.init_moe_params(jax.random.key(0), d_model=128, d_ff=64, num_experts=4 * r)
+    specs = layers.moe_param_specs("ep")
+
+    def global_array(a, spec):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+    params = {k: global_array(v, specs[k]) for k, v in host.items()}
+    x = global_array(jax.random.normal(jax.random.key(1), (2 * r, 4, 128)), P("ep"))
+    target = global_array(jax.random.normal(jax.random.key(2), (2 * r, 4, 128)), P("ep"))
+
+    def dense(p, x):
+        shards = [layers.moe_ffn_reference(p, x[i * 2 : (i + 1) * 2], config) for i in range(r)]
+        return jnp.concatenate([s.y for s in shards]), jnp.mean(jnp.stack([s.aux_loss for s in shards]))
+
+    def expert_parallel(p, x):
+        out = layers.moe_ffn(p, x, mesh=mesh, config=config)
+        return out.y, out.aux_loss
+
+    curves = {}
+    for name, ffn in (("ep", expert_parallel), ("dense", dense)):
+
+        @jax.jit
+        def step(p, x, target, ffn=ffn):
+            def loss(p):
+                y, aux = ffn(p, x)
+                return jnp.mean((y - target) ** 2) + aux
+
+            value, grads = jax.value_and_grad(loss)(p)
+            return value, jax.tree.map(lambda a, g: a - 0.5 * g, p, grads)
+
+        p, losses = params, []
+        for _ in range(steps):
+            value, p = step(p, x, target)
+            losses.append(float(value))
+        curves[name] = losses
+    ep.shutdown()
+    return curves
+
+
+def test_training_across_two_processes_follows_the_dense_reference():
+    import os
+
+    from mp import launch_ok
+
+    results = launch_ok(os.path.abspath(__file__), "train_steps", 2, args=[5], devices_per_process=2, timeout_s=240)
+    for curves in results:
+        np.testing.assert_allclose(curves["ep"], curves["dense"], rtol=1e-4)
+        assert curves["ep"][-1] < curves["ep"][0]  # it learns
+    assert results[0] == results[1]  # every process sees the same global loss
