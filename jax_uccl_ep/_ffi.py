@@ -196,7 +196,10 @@ def _no_jvp(primals, tangents, *, op, **params):
     if op.startswith("low_latency"):
         hint = "low-latency ops are for inference and decoding; train with dispatch and combine, which have VJPs"
     elif op == "dispatch":
-        hint = "an FP8 dispatch has no derivative: pass the bfloat16 rows to dispatch for training"
+        hint = (
+            "an FP8 pair has no derivative: pass the unquantized rows with use_fp8=True for an FP8 dispatch that "
+            "has one"
+        )
     else:
         hint = "dispatch and combine have reverse-mode derivatives (jax.grad, jax.vjp), not forward-mode ones"
     raise NotImplementedError(f"jax_uccl_ep: {op} is not differentiable here ({hint})")

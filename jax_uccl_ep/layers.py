@@ -54,6 +54,7 @@ class MoEConfig:
     renormalize: bool = True  # the top-k weights of a token sum to one
     aux_loss_coef: float = 0.0  # load-balancing loss (Switch Transformer's) times this; 0 leaves it out
     capacity_factor: float | None = None  # rows a rank may receive, per its tokens' top-k slots (None: never drops)
+    fp8_dispatch: bool = False  # rows travel as FP8 (dispatch's use_fp8; the backward stays in x's dtype)
 
 
 class MoEStats(NamedTuple):
@@ -163,7 +164,15 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     if config.capacity_factor is not None:
         ranks = jax.lax.axis_size(axis_name)
         capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor)
-    res = dispatch(tokens, idx, weights, num_experts=config.num_experts, axis_name=axis_name, capacity=capacity)
+    res = dispatch(
+        tokens,
+        idx,
+        weights,
+        num_experts=config.num_experts,
+        axis_name=axis_name,
+        capacity=capacity,
+        use_fp8=config.fp8_dispatch,
+    )
     out = swiglu_experts(params, res.x, res.topk_idx)
     y = jnp.einsum("nk,nkd->nd", res.topk_weights, out).astype(x.dtype)
     y = combine(y, res.handle).reshape(*lead, d)

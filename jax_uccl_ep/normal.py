@@ -33,7 +33,7 @@ from ._checks import (
     flatten_tokens,
 )
 from ._ffi import ep_call
-from .fp8 import FP8_BLOCK
+from .fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 AxisName = Union[str, Sequence[str]]
 Fp8Pair = tuple  # (x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)
@@ -311,6 +311,29 @@ def _dispatch_bwd(num_experts, axis_name, capacity, residuals, g):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
+def _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+    """Rows cast to FP8 with per-128-channel scales, dispatched as FP8, and cast back to x's dtype on arrival."""
+    pair = per_token_cast_to_fp8(x)
+    out = _dispatch_call(pair, topk_idx, topk_weights, num_experts, axis_name, capacity)
+    rows, scales = out.x
+    return out._replace(x=per_token_cast_back(rows, scales, dtype=x.dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dispatch_fp8_wire(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+    return _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+
+
+def _dispatch_fp8_wire_fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+    out = _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+    return out, (out.handle, out.topk_idx)
+
+
+# The casts are taken as the identity, as FP8 training does: the cotangent of the received rows goes home in their
+# own dtype (a combine), exactly as for rows dispatched unquantized.
+_dispatch_fp8_wire.defvjp(_dispatch_fp8_wire_fwd, _dispatch_bwd)
+
+
 def dispatch(
     x: jax.Array | Fp8Pair,
     topk_idx: jax.Array,
@@ -319,6 +342,7 @@ def dispatch(
     num_experts: int,
     axis_name: AxisName,
     capacity: int | None = None,
+    use_fp8: bool = False,
 ) -> DispatchResult:
     """Sends each token to every rank of `axis_name` that owns one of its experts (call inside shard_map).
 
@@ -332,6 +356,10 @@ def dispatch(
       axis_name: the EP mesh axis.
       capacity: output rows (tokens) per rank; defaults to R * T, which never drops. More arrivals than
         `capacity` raise an error that names the rank, the count and the capacity.
+      use_fp8: x (float32, bfloat16 or float16, H a multiple of 128) travels as FP8 with a float32 scale per 128
+        channels (half BF16's bytes) and arrives cast back to x's dtype. Differentiable: the backward pass is a
+        combine in x's dtype (the casts taken as the identity, as FP8 training does). An FP8 pair passed as x
+        instead arrives as a pair and has no gradient.
 
     Returns:
       A DispatchResult of 2-D rows [capacity, ...], ordered by source rank, then source token index (the leading
@@ -365,7 +393,10 @@ def dispatch(
         isinstance(capacity, (int, np.integer)) and capacity >= 1,
         f"capacity must be a positive int (tokens), got {capacity!r}",
     )
-    call = _dispatch_call if is_fp8 else _dispatch
+    if use_fp8:
+        check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
+        check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
+    call = _dispatch_call if is_fp8 else _dispatch_fp8_wire if use_fp8 else _dispatch
     out = call(x, idx, weights, num_experts, axis_name, int(capacity))
     if topk_weights is not None and topk_weights.dtype != jnp.float32:
         out = out._replace(topk_weights=out.topk_weights.astype(topk_weights.dtype))

@@ -155,3 +155,25 @@ def test_unsupported_transformations_name_themselves():
     g = jax.shard_map(vmapped, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
     with pytest.raises(NotImplementedError, match="cannot run under jax.vmap"):
         jax.jit(g)(jnp.asarray(x), jnp.asarray(idx))
+
+
+def test_fp8_dispatch_is_differentiable_with_the_cast_as_identity():
+    x, idx, w = _routing(11)
+    x = jnp.asarray(x, jnp.bfloat16)
+    scale = jnp.arange(1, H + 1, dtype=jnp.float32) / H  # a loss linear in the received rows
+
+    def loss(x, use_fp8):
+        def body(x, idx):
+            res = ep.dispatch(x[0], idx[0], num_experts=E, axis_name="ep", use_fp8=use_fp8)
+            y = (res.x.astype(jnp.float32) * scale).astype(res.x.dtype)
+            return ep.combine(y, res.handle)[None]
+
+        f = jax.shard_map(body, mesh=_mesh(), in_specs=P("ep"), out_specs=P("ep"))
+        return f(x, jnp.asarray(idx)).astype(jnp.float32).sum()
+
+    v8, g8 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(x, True)
+    v16, g16 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(x, False)
+    assert g8.dtype == jnp.bfloat16 and g8.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(g8, np.float32), np.asarray(g16, np.float32))  # same backward
+    assert abs(float(v8) - float(v16)) <= 0.02 * abs(float(v16))  # forward within FP8 rounding
+    assert float(v8) != float(v16)  # and it did travel as FP8

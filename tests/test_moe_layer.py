@@ -236,3 +236,86 @@ def test_training_across_two_processes_follows_the_dense_reference():
         np.testing.assert_allclose(curves["ep"], curves["dense"], rtol=1e-4)
         assert curves["ep"][-1] < curves["ep"][0]  # it learns
     assert results[0] == results[1]  # every process sees the same global loss
+
+
+def layer_parity_child(fp8: bool) -> dict:
+    """Child (processes sharing GPUs, no XLA collectives): the layer's output and gradients on each rank against
+    the dense reference computed whole in every process. Each rank differentiates its own loss; the EP ops'
+    backward passes exchange the cotangents, so expert weights and inputs get the gradient of the total loss."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import layers
+
+    ep.initialize()
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devices), ("ep",))
+    r, b, s, d = len(devices), 2 * len(devices), 8, 256
+    config = layers.MoEConfig(num_experts=8 * r, top_k=4, aux_loss_coef=0.01, fp8_dispatch=fp8)
+    host = {
+        k: np.asarray(v)
+        for k, v in layers.init_moe_params(jax.random.key(3), d_model=d, d_ff=128, num_experts=8 * r).items()
+    }
+    x_host = np.asarray(jax.random.normal(jax.random.key(4), (b, s, d)))
+    specs = layers.moe_param_specs("ep")
+
+    def global_array(a, spec):
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+    def local_loss(p, x):
+        out = layers.moe_ffn_local(p, x, config, axis_name="ep")
+        return jnp.sum(out.y.astype(jnp.float32) ** 2) / (b * s * d) + out.aux_loss / r
+
+    def body(p, x):
+        value, (gp, gx) = jax.value_and_grad(local_loss, argnums=(0, 1))(p, x)
+        y = layers.moe_ffn_local(p, x, config, axis_name="ep").y
+        return y, value[None], {k: gp[k] for k in ("w_gate", "w_up", "w_down")}, gx
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, P("ep")),
+            out_specs=(P("ep"), P("ep"), {k: P("ep") for k in ("w_gate", "w_up", "w_down")}, P("ep")),
+        )
+    )
+    params = {k: global_array(v, specs[k]) for k, v in host.items()}
+    y, _, gp, gx = f(params, global_array(x_host, P("ep")))
+
+    def dense_loss(p, x):
+        shards = [layers.moe_ffn_reference(p, x[i * 2 : (i + 1) * 2], config) for i in range(r)]
+        y = jnp.concatenate([o.y for o in shards])
+        return jnp.sum(y.astype(jnp.float32) ** 2) / (b * s * d) + sum(o.aux_loss for o in shards) / r, y
+
+    (_, y_ref), (gp_ref, gx_ref) = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True))(host, x_host)
+    tol = 0.1 if fp8 else 2e-3
+    problems = []
+
+    def compare(name, got, want):
+        for shard in got.addressable_shards:
+            a, w = np.asarray(shard.data, np.float32), np.asarray(want, np.float32)[shard.index]
+            err = np.abs(a - w).max() / max(np.abs(w).max(), 1e-12)
+            if not err <= tol:
+                problems.append(f"{name} shard {shard.index}: relative error {err:.3g}")
+
+    compare("y", y, y_ref)
+    compare("dx", gx, gx_ref)
+    for k in gp:
+        compare(f"d{k}", gp[k], gp_ref[k])
+    ep.check_errors()
+    ep.shutdown()
+    return {"problems": problems}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_layer_gradients_across_processes_match_the_reference(fp8):
+    import os
+
+    from mp import launch_ok
+
+    for result in launch_ok(os.path.abspath(__file__), "layer_parity_child", 2, args=[fp8], devices_per_process=2):
+        assert result["problems"] == []

@@ -135,6 +135,26 @@ def test_nvlink_path_between_two_processes_on_one_gpu(part):
     _check(results, 2)
 
 
+@pytest.mark.parametrize("fp8", ["0", "1"])
+def test_moe_layer_on_one_shared_gpu(fp8):
+    """The package's MoE layer (jax_uccl_ep.layers) on two processes sharing one GPU (the NVLink path): output
+    and gradients against the dense reference, BF16 and FP8 dispatch."""
+    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env = dict(SUITE_ENV, UCCL_EP_TIMEOUT_S="60")
+    results = launch(
+        os.path.join(os.path.dirname(HERE), "test_moe_layer.py"),
+        "layer_parity_child",
+        2,
+        args=[fp8 == "1"],
+        platform="gpu",
+        per_rank_env=[shared, shared],
+        timeout_s=240,
+        env=env,
+    )
+    assert all(x.ok for x in results), describe(results)
+    assert all(x.result["problems"] == [] for x in results), describe(results)
+
+
 def gpu_loopback(cases: list) -> list:
     """Child: normal mode's NVLink kernels between two ranks on GPU 0 (nvl_loopback_bench), per case."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep
