@@ -287,16 +287,6 @@ def _no_cotangent(handle: Handle) -> Handle:
     return DispatchHandle(None, None, handle.axis_name, handle.level, handle.token_shape)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _dispatch(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
-    return _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
-
-
-def _dispatch_fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
-    out = _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
-    return out, (out.handle, out.topk_idx)
-
-
 def _dispatch_bwd(num_experts, axis_name, capacity, residuals, g):
     handle, recv_idx = residuals
     dx = _combine_call(g.x, handle)  # the VJP of dispatch is a combine
@@ -308,9 +298,6 @@ def _dispatch_bwd(num_experts, axis_name, capacity, residuals, g):
     return dx, None, dw
 
 
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
 def _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
     """Rows cast to FP8 with per-128-channel scales, dispatched as FP8, and cast back to x's dtype on arrival."""
     pair = per_token_cast_to_fp8(x)
@@ -319,19 +306,24 @@ def _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
     return out._replace(x=per_token_cast_back(rows, scales, dtype=x.dtype))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _dispatch_fp8_wire(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
-    return _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+def _differentiable(forward):
+    """`forward` (a dispatch's call) with dispatch's VJP: a combine of the rows' cotangent, in their dtype. For the
+    FP8 wire the casts are taken as the identity, as FP8 training does."""
+
+    @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+    def op(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+        return forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+
+    def fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+        out = forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+        return out, (out.handle, out.topk_idx)
+
+    op.defvjp(fwd, _dispatch_bwd)
+    return op
 
 
-def _dispatch_fp8_wire_fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
-    out = _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
-    return out, (out.handle, out.topk_idx)
-
-
-# The casts are taken as the identity, as FP8 training does: the cotangent of the received rows goes home in their
-# own dtype (a combine), exactly as for rows dispatched unquantized.
-_dispatch_fp8_wire.defvjp(_dispatch_fp8_wire_fwd, _dispatch_bwd)
+_dispatch = _differentiable(_dispatch_call)
+_dispatch_fp8_wire = _differentiable(_fp8_wire_call)
 
 
 def dispatch(

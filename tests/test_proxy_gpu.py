@@ -14,6 +14,25 @@ HERE = os.path.abspath(__file__)
 pytestmark = pytest.mark.skipif(NUM_GPUS < 1, reason="needs an NVIDIA GPU")
 
 
+def _on_one_gpu(file: str, function: str, n: int, *, args=(), timeout_s=240, kv_gather=True, **env):
+    """Runs `function` of tests/`file` in `n` processes that all drive GPU 0, with the suite's settings and `env`
+    on top. kv_gather: results gathered through jax.distributed's key-value store (NCCL refuses two ranks on one
+    GPU)."""
+    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if kv_gather:
+        shared["UCCL_EP_TEST_KV_GATHER"] = "1"
+    return launch(
+        os.path.join(os.path.dirname(HERE), file),
+        function,
+        n,
+        args=list(args),
+        platform="gpu",
+        per_rank_env=[shared] * n,
+        timeout_s=timeout_s,
+        env=dict(SUITE_ENV, UCCL_EP_TIMEOUT_S="60", **env),
+    )
+
+
 def gpu_ring(commands: int, rounds: int) -> dict:
     """Child: GPU warps push numbered commands into host rings; then the ping-pong and one-way rounds."""
     from jax_uccl_ep import _uccl_ep
@@ -47,24 +66,16 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
     proxies' reorder mode off and on. Results are gathered through jax.distributed's key-value store
     (UCCL_EP_TEST_KV_GATHER): NCCL refuses two ranks on one GPU. The processes' kernels take turns on the GPU, so
     every wait on a peer spans the GPU's time slices: slower, the same protocol."""
-    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
-    env = dict(
-        SUITE_ENV,
-        UCCL_EP_GPUS_PER_NODE="1",
-        UCCL_EP_REORDER=reorder,
-        UCCL_EP_BUFFER_BYTES=str(256 << 20),
-        UCCL_EP_TIMEOUT_S="60",
-    )
     # Normal mode without its gradient check (an XLA collective, which NCCL refuses on a shared GPU).
-    results = launch(
-        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
+    results = _on_one_gpu(
+        "test_gpu.py",
         "gpu_suite",
         2,
         args=[part, "0", "0"],
-        platform="gpu",
-        per_rank_env=[shared, shared],
         timeout_s=200,
-        env=env,
+        UCCL_EP_GPUS_PER_NODE="1",
+        UCCL_EP_REORDER=reorder,
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
     )
     _check(results, 2)
 
@@ -76,23 +87,15 @@ def test_two_level_routing_on_one_shared_gpu(part, reorder):
     IPC between the processes, here on one GPU); the reference checks in two-level row order, then the kernel-found
     errors (capacity at the node level, a bad expert index at the level across nodes) from check_errors().
     Low-latency mode, flat through the proxies, runs beside the node-level runtime."""
-    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
-    env = dict(
-        SUITE_ENV,
-        UCCL_EP_GPUS_PER_NODE="2",
-        UCCL_EP_REORDER=reorder,
-        UCCL_EP_BUFFER_BYTES=str(256 << 20),
-        UCCL_EP_TIMEOUT_S="60",
-    )
-    results = launch(
-        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
+    results = _on_one_gpu(
+        "test_gpu.py",
         "gpu_suite",
         4,
         args=[part, "1", "0"],
-        platform="gpu",
-        per_rank_env=[shared] * 4,
         timeout_s=300,
-        env=env,
+        UCCL_EP_GPUS_PER_NODE="2",
+        UCCL_EP_REORDER=reorder,
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
     )
     _check(results, 4)
     assert all(x.result["two_level"] == [2, 2, True, True] for x in results), describe(results)
@@ -101,16 +104,13 @@ def test_two_level_routing_on_one_shared_gpu(part, reorder):
 def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
     """Four processes on one GPU as two nodes of two, EP over each node (a (dp, ep) mesh): the ops take the node's
     NVLink runtime (CUDA IPC here), not the proxies, and match the reference."""
-    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
-    env = dict(SUITE_ENV, UCCL_EP_GPUS_PER_NODE="2", UCCL_EP_BUFFER_BYTES=str(64 << 20), UCCL_EP_TIMEOUT_S="60")
-    results = launch(
-        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
+    results = _on_one_gpu(
+        "test_gpu.py",
         "gpu_ep_within_nodes",
         4,
-        platform="gpu",
-        per_rank_env=[shared] * 4,
         timeout_s=200,
-        env=env,
+        UCCL_EP_GPUS_PER_NODE="2",
+        UCCL_EP_BUFFER_BYTES=str(64 << 20),
     )
     assert all(x.ok for x in results), describe(results)
     assert all(x.result["problems"] == [] for x in results), describe(results)
@@ -120,18 +120,7 @@ def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
 def test_nvlink_path_between_two_processes_on_one_gpu(part):
     """Two processes on one GPU as one node: the NVLink runtime's path (CUDA IPC between the processes), each op
     lowered to Path.NVLINK, the layout included, then the kernel-found errors from check_errors()."""
-    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "UCCL_EP_TEST_KV_GATHER": "1"}
-    env = dict(SUITE_ENV, UCCL_EP_NVL_BUFFER_BYTES=str(256 << 20), UCCL_EP_TIMEOUT_S="60")
-    results = launch(
-        os.path.join(os.path.dirname(HERE), "test_gpu.py"),
-        "gpu_suite",
-        2,
-        args=[part, "1", "0"],
-        platform="gpu",
-        per_rank_env=[shared, shared],
-        timeout_s=240,
-        env=env,
-    )
+    results = _on_one_gpu("test_gpu.py", "gpu_suite", 2, args=[part, "1", "0"], UCCL_EP_NVL_BUFFER_BYTES=str(256 << 20))
     _check(results, 2)
 
 
@@ -139,18 +128,7 @@ def test_nvlink_path_between_two_processes_on_one_gpu(part):
 def test_moe_layer_on_one_shared_gpu(fp8):
     """The package's MoE layer (jax_uccl_ep.layers) on two processes sharing one GPU (the NVLink path): output
     and gradients against the dense reference, BF16 and FP8 dispatch."""
-    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    env = dict(SUITE_ENV, UCCL_EP_TIMEOUT_S="60")
-    results = launch(
-        os.path.join(os.path.dirname(HERE), "test_moe_layer.py"),
-        "layer_parity_child",
-        2,
-        args=[fp8 == "1"],
-        platform="gpu",
-        per_rank_env=[shared, shared],
-        timeout_s=240,
-        env=env,
-    )
+    results = _on_one_gpu("test_moe_layer.py", "layer_parity_child", 2, args=[fp8 == "1"], kv_gather=False)
     assert all(x.ok for x in results), describe(results)
     assert all(x.result["problems"] == [] for x in results), describe(results)
 
