@@ -265,10 +265,11 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
     return out
 
 
-def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int) -> jax.Array:
+def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: jax.Array | None = None) -> jax.Array:
     if isinstance(handle, TwoLevelHandle):
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
-        return _cached_dispatch_call(_cached_dispatch_call(x, handle.across, forwarded), handle.within, capacity)
+        across = _cached_dispatch_call(x, handle.across, forwarded, after=after)
+        return _cached_dispatch_call(across, handle.within, capacity)
     (out,) = ep_call(
         "cached_dispatch",
         (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
@@ -276,6 +277,7 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int) -> jax.Ar
         handle.is_token_in_rank,
         handle.recv_counts,
         axis_name=handle.axis_name,
+        after=after,
         **_level_args(handle.level),
     )
     return out
@@ -407,13 +409,16 @@ def _combine(y, handle):
 
 
 def _combine_fwd(y, handle):
-    return _combine_call(y, handle), (handle, y.shape[0])
+    out = _combine_call(y, handle)
+    return out, (handle, y.shape[0], out.reshape(-1)[:1])
 
 
 def _combine_bwd(residuals, g):
-    handle, capacity = residuals
-    # The VJP of combine is a dispatch of the cotangent along the same routing.
-    dy = _cached_dispatch_call(g, handle, capacity)
+    handle, capacity, forward_done = residuals
+    # The VJP of combine is a dispatch of the cotangent along the same routing. It runs after the forward combine:
+    # a cotangent that does not depend on the forward's output (a loss linear in it) would otherwise let XLA start
+    # it first on some ranks and after on others, and every rank must run the EP ops in one order.
+    dy = _cached_dispatch_call(g, handle, capacity, after=forward_done)
     return dy, _no_cotangent(handle)
 
 
