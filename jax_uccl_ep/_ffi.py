@@ -145,8 +145,8 @@ def _warn_staged(op: str) -> None:
     _warned_staged.add(op)
     warnings.warn(
         f"jax_uccl_ep: {op} runs host-staged (copies to host memory and back each call): GPU-initiated ops are off "
-        "(UCCL_EP_GPU_INITIATED=0 or UCCL_EP_PINNED=0) or the EP group is larger than they take (8 ranks in normal "
-        "mode, 32 in low-latency mode)",
+        "(UCCL_EP_GPU_INITIATED=0 or UCCL_EP_PINNED=0) or the job has more ranks than they take (8 in normal mode, "
+        "32 in low-latency mode)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -157,6 +157,12 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
     if has_side_effect:
         extra["op_index"] = np.int64(_next_op_index(ctx))
     if axis_name is not None:
+        if _plan.current() is None:
+            # The path is fixed in the compiled program: one lowered without a runtime would keep a guessed one.
+            raise RuntimeError(
+                f"jax_uccl_ep {op}: the runtime is not initialized; call jax_uccl_ep.initialize() first (before the "
+                "first EP op is traced and compiled)"
+            )
         table = group_table(_concrete_mesh(ctx), axis_name)
         if level is not None:
             name, nodes, per_node = level

@@ -124,7 +124,9 @@ def _within_one_node(plan: RuntimePlan, table: np.ndarray) -> bool:
 def node_size(plan: RuntimePlan | None, table: np.ndarray) -> int:
     """Ranks per node of the hierarchical rounds kernels/cpu runs normal mode in for groups `table` [groups, R],
     or 0 (flat: every rank sends to every rank). Rounds apply where every group's members fall into equal blocks
-    of consecutive members, each block one node and no node twice, and every group has the same block size."""
+    of consecutive members, each block one node and no node twice, and every group has the same block size (the
+    attribute is one value for the whole table; a table whose groups differ runs flat, which is slower across
+    nodes but gives the same results)."""
     if plan is None or not plan.hierarchical:
         return 0
     nodes = plan.topology.node_of_rank
@@ -151,7 +153,7 @@ def op_path(op: str, level: str | None, platforms: Sequence[str], table: np.ndar
     if "cuda" not in tuple(platforms):
         return Path.CPU
     if plan is None or plan.platform != "gpu":
-        return Path.NVLINK  # the handler names the missing runtime
+        return Path.NVLINK  # unreachable from the lowering, which refuses to lower without a runtime
     if plan.nvlink:
         return Path.NVLINK
     if level == "node":

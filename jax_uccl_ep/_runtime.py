@@ -100,12 +100,13 @@ def _maybe_initialize_distributed(kwargs: dict) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(**kwargs)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         where = launcher or "the coordinator in the environment (JAX_COORDINATOR_ADDRESS)"
         raise RuntimeError(
             f"jax_uccl_ep.initialize: could not join the job started by {where}: {e}. Call "
-            "jax_uccl_ep.initialize() before the first JAX computation (or jax.distributed.initialize(...) yourself "
-            "first, then jax_uccl_ep.initialize())"
+            "jax_uccl_ep.initialize() before the first JAX computation, or call jax.distributed.initialize(...) "
+            "yourself first (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID), then "
+            "jax_uccl_ep.initialize()"
         ) from e
 
 
@@ -283,12 +284,12 @@ def describe_plan(plan: _plan.RuntimePlan, config: Config) -> str:
             f"{config.buffer_bytes >> 20} MiB buffer per device"
         )
         if gpu:
-            parts.append(
-                "normal mode "
-                + ("GPU-initiated" if plan.gpu_initiated_normal else "host-staged")
-                + ", low-latency "
-                + ("GPU-initiated" if plan.gpu_initiated_low_latency else "host-staged")
-            )
+            normal = "GPU-initiated" if plan.gpu_initiated_normal else "host-staged"
+            if plan.two_level is not None and plan.two_level.nvlink:
+                across = "GPU-initiated" if plan.two_level.across_gpu_initiated else "host-staged"
+                normal = f"in two levels (across nodes {across})"
+            low_latency = "GPU-initiated" if plan.gpu_initiated_low_latency else "host-staged"
+            parts.append(f"normal mode {normal}, low-latency {low_latency}")
         if plan.two_level is not None:
             two = plan.two_level
             parts.append(
@@ -479,7 +480,7 @@ def nvl_buffer_bytes(
     import numpy as np
 
     x_row, scale_row = _dispatch_row_bytes(hidden, fp8, dtype)
-    combine_bf16 = np.dtype(combine_dtype).itemsize == 2
+    combine_bf16 = np.dtype(combine_dtype) == np.dtype(jax.numpy.bfloat16)  # float16 rows travel as float32
     return int(
         _uccl_ep.nvl_bytes_needed(num_ranks, num_tokens, x_row, scale_row, topk, with_weights, hidden, combine_bf16)
     )

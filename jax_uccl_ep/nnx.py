@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,16 +23,15 @@ from .layers import MoEConfig, MoEOutput, init_moe_params, moe_ffn, moe_param_sp
 __all__ = ["MoE"]
 
 _WEIGHTS = ("router", "w_gate", "w_up", "w_down")
+_FLAX_VERSION = tuple(int(p) for p in flax.__version__.split(".")[:2] if p.isdigit())
 
 
 def _param(value: jax.Array, names: tuple, mesh: Mesh) -> nnx.Param:
     """A parameter placed by `names` on `mesh`, with the names as its partitioning metadata."""
-    for key in ("out_sharding", "sharding_names"):  # flax >= 0.12 places such parameters eagerly
-        try:
-            return nnx.Param(value, mesh=mesh, **{key: names})
-        except TypeError:
-            continue
-    return nnx.Param(jax.device_put(value, NamedSharding(mesh, P(*names))), sharding=names)
+    placed = jax.device_put(value, NamedSharding(mesh, P(*names)))
+    if _FLAX_VERSION >= (0, 12):  # out_sharding: the partitioning flax reads (nnx.get_partition_spec)
+        return nnx.Param(placed, out_sharding=names, mesh=mesh)
+    return nnx.Param(placed, sharding=names)  # older flax's metadata key
 
 
 class MoE(nnx.Module):

@@ -102,7 +102,8 @@ def test_the_plan_summary_names_runtime_buffers_and_nodes():
     gpu = _plan.RuntimePlan("gpu", False, topo, True, True, False, two)
     line = _runtime.describe_plan(gpu, Config(buffer_bytes=32 << 20))
     assert "4 ranks on 2 nodes (hostnames)" in line and "32 MiB buffer per device" in line
-    assert "normal mode GPU-initiated, low-latency host-staged" in line and "two-level routing: 2 nodes of 2" in line
+    assert "normal mode in two levels (across nodes GPU-initiated), low-latency host-staged" in line
+    assert "two-level routing: 2 nodes of 2" in line
     one_node = _plan.RuntimePlan("gpu", True, _plan.Topology.build([0, 0], ["a"]), True, False, False, None)
     assert "NVLink runtime, 1024 MiB normal + 256 MiB low-latency buffer per GPU, 24 SMs" in _runtime.describe_plan(
         one_node, Config()

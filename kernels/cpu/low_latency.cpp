@@ -50,7 +50,7 @@ namespace {
 uint64_t dispatch_meta_offset(const LowLatencyDispatchArgs& a) { return a.x_row_bytes + a.scale_row_bytes; }
 uint64_t dispatch_shape_tag(const LowLatencyDispatchArgs& a) {
   return (uint64_t(a.max_tokens_per_rank) << 40) ^ (uint64_t(a.num_experts) << 20) ^ a.x_row_bytes ^
-         (a.scale_row_bytes << 52);
+         (uint64_t(a.scale_row_bytes) << 52);
 }
 uint64_t combine_row_bytes(const LowLatencyCombineArgs& a) {
   return uint64_t(a.hidden) * (a.dtype == FloatType::kF32 ? 4 : 2);
