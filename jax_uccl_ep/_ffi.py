@@ -157,7 +157,8 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
     if has_side_effect:
         extra["op_index"] = np.int64(_next_op_index(ctx))
     if axis_name is not None:
-        if _plan.current() is None:
+        plan = _plan.current()
+        if plan is None:
             # The path is fixed in the compiled program: one lowered without a runtime would keep a guessed one.
             raise RuntimeError(
                 f"jax_uccl_ep {op}: the runtime is not initialized; call jax_uccl_ep.initialize() first (before the "
@@ -166,7 +167,7 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
         table = group_table(_concrete_mesh(ctx), axis_name)
         if level is not None:
             name, nodes, per_node = level
-            two = _plan.two_level()
+            two = plan.two_level
             now = "no two-level routing" if two is None else f"{two.num_nodes} nodes of {two.per_node} ranks"
             if two is None or (two.num_nodes, two.per_node) != (nodes, per_node):
                 raise RuntimeError(
@@ -180,9 +181,8 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
                     f"jax_uccl_ep: the EP axis's {name} groups hold {table.shape[1]} ranks where the op "
                     f"was traced for {per_node if name == 'node' else nodes}"
                 )
-        path = _plan.op_path(
-            op, None if level is None else level[0], getattr(ctx.module_context, "platforms", ()), table
-        )
+        platforms = getattr(ctx.module_context, "platforms", ())
+        path = _plan.op_path(plan, op, None if level is None else level[0], platforms, table)
         if path == _plan.Path.STAGED:
             _warn_staged(op)
         extra["group_table"] = table.reshape(-1)
@@ -190,7 +190,7 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
         extra["path"] = np.int64(path)
         if op in _plan.NORMAL_OPS:
             on_host = path in (_plan.Path.CPU, _plan.Path.STAGED)
-            extra["node_size"] = np.int64(_plan.node_size(_plan.current(), table) if on_host else 0)
+            extra["node_size"] = np.int64(_plan.node_size(plan, table) if on_host else 0)
     rule = jax.ffi.ffi_lowering("uccl_ep_" + op, has_side_effect=has_side_effect)
     return rule(ctx, *operands, **extra)
 

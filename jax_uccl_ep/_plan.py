@@ -121,13 +121,13 @@ def _within_one_node(plan: RuntimePlan, table: np.ndarray) -> bool:
     return all(len({nodes[int(r)] for r in row}) == 1 for row in np.asarray(table))
 
 
-def node_size(plan: RuntimePlan | None, table: np.ndarray) -> int:
+def node_size(plan: RuntimePlan, table: np.ndarray) -> int:
     """Ranks per node of the hierarchical rounds kernels/cpu runs normal mode in for groups `table` [groups, R],
     or 0 (flat: every rank sends to every rank). Rounds apply where every group's members fall into equal blocks
     of consecutive members, each block one node and no node twice, and every group has the same block size (the
     attribute is one value for the whole table; a table whose groups differ runs flat, which is slower across
     nodes but gives the same results)."""
-    if plan is None or not plan.hierarchical:
+    if not plan.hierarchical:
         return 0
     nodes = plan.topology.node_of_rank
     sizes = set()
@@ -146,27 +146,18 @@ def node_size(plan: RuntimePlan | None, table: np.ndarray) -> int:
 NORMAL_OPS = ("dispatch", "cached_dispatch", "combine")
 
 
-def op_path(op: str, level: str | None, platforms: Sequence[str], table: np.ndarray | None) -> Path:
-    """The path of EP op `op` ("dispatch", "low_latency_combine", ...) lowered for `platforms` over the groups
-    `table`, at a `level` of two-level routing ("node", "across") or over its whole group (None)."""
-    plan = _current
+def op_path(plan: RuntimePlan, op: str, level: str | None, platforms: Sequence[str], table: np.ndarray) -> Path:
+    """The path of EP op `op` ("dispatch", "low_latency_combine", ...) under `plan`, lowered for `platforms` over
+    the groups `table`, at a `level` of two-level routing ("node", "across") or over its whole group (None)."""
     if "cuda" not in tuple(platforms):
         return Path.CPU
-    if plan is None or plan.platform != "gpu":
-        return Path.NVLINK  # unreachable from the lowering, which refuses to lower without a runtime
     if plan.nvlink:
         return Path.NVLINK
     if level == "node":
         return Path.NODE_NVLINK
     if level == "across":
         return Path.PROXY_GPU if plan.two_level is not None and plan.two_level.across_gpu_initiated else Path.STAGED
-    if (
-        op in NORMAL_OPS
-        and plan.two_level is not None
-        and plan.two_level.nvlink
-        and table is not None
-        and _within_one_node(plan, table)
-    ):
+    if op in NORMAL_OPS and plan.two_level is not None and plan.two_level.nvlink and _within_one_node(plan, table):
         # EP groups that each lie within a node (data parallelism across nodes, say): that node's NVLink runtime.
         return Path.NODE_NVLINK
     gpu_initiated = plan.gpu_initiated_normal if op in NORMAL_OPS else plan.gpu_initiated_low_latency

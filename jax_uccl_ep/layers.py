@@ -112,13 +112,21 @@ def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array
     return weights, idx.astype(jnp.int32), scores
 
 
-def load_balancing_loss(scores: jax.Array, idx: jax.Array, num_experts: int) -> jax.Array:
+def load_balancing_loss(scores: jax.Array, pairs_per_expert: jax.Array) -> jax.Array:
     """Switch Transformer's auxiliary loss on one rank's tokens: ``E * sum_e f_e * p_e``, f_e the fraction of
-    (token, slot) pairs routed to expert e, p_e its mean router score. 1 when balanced."""
-    counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(1.0)
-    fraction = counts / idx.size
-    mean_score = jnp.mean(scores, axis=0)
-    return num_experts * jnp.sum(fraction * mean_score)
+    (token, slot) pairs routed to expert e (`pairs_per_expert` [E] counts them), p_e its mean router score
+    (`scores` [T, E]). 1 when balanced."""
+    fraction = pairs_per_expert.astype(jnp.float32) / jnp.sum(pairs_per_expert)
+    return scores.shape[-1] * jnp.sum(fraction * jnp.mean(scores, axis=0))
+
+
+def _routing_stats(scores: jax.Array, idx: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """(the weighted load-balancing loss, 0 without aux_loss_coef; (token, slot) pairs per expert [E] int32)."""
+    per_expert = jnp.zeros((config.num_experts,), jnp.int32).at[idx.reshape(-1)].add(1)
+    aux = jnp.zeros((), jnp.float32)
+    if config.aux_loss_coef:
+        aux = config.aux_loss_coef * load_balancing_loss(scores, per_expert)
+    return aux, per_expert
 
 
 def swiglu_experts(params: Params, rows: jax.Array, expert: jax.Array) -> jax.Array:
@@ -176,10 +184,7 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     out = swiglu_experts(params, res.x, res.topk_idx)
     y = jnp.einsum("nk,nkd->nd", res.topk_weights, out).astype(x.dtype)
     y = combine(y, res.handle).reshape(*lead, d)
-    aux = jnp.zeros((), jnp.float32)
-    if config.aux_loss_coef:
-        aux = config.aux_loss_coef * load_balancing_loss(scores, idx, config.num_experts)
-    per_expert = jnp.zeros((config.num_experts,), jnp.int32).at[idx.reshape(-1)].add(1)
+    aux, per_expert = _routing_stats(scores, idx, config)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), per_expert))
 
 
@@ -237,10 +242,7 @@ def moe_ffn_reference(params: Params, x: jax.Array, config: MoEConfig) -> MoEOut
     out = jnp.einsum("etf,efd->etd", h, params["w_down"], preferred_element_type=jnp.float32)
     coef = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, config.num_experts, dtype=jnp.float32))
     y = jnp.einsum("te,etd->td", coef, out).astype(x.dtype).reshape(*lead, d)
-    aux = jnp.zeros((), jnp.float32)
-    if config.aux_loss_coef:
-        aux = config.aux_loss_coef * load_balancing_loss(scores, idx, config.num_experts)
-    per_expert = jnp.zeros((config.num_experts,), jnp.int32).at[idx.reshape(-1)].add(1)
+    aux, per_expert = _routing_stats(scores, idx, config)
     return MoEOutput(y, aux, MoEStats(jnp.zeros((0,), jnp.int32), per_expert))
 
 

@@ -99,8 +99,9 @@ class LowLatencyPending:
 
 
 def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0):
-    """Checks the arguments; returns (x, scales, fp8_cast, static) for the FFI calls."""
+    """Checks the arguments; returns the FFI calls' operands (x, scales, int32 topk_idx), fp8_cast and static."""
     _check_platform()
+    topk_idx = as_expert_indices(topk_idx)
     check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
     check(x.dtype in FLOAT_DTYPES, f"x must be float32 or bfloat16, got {x.dtype}")
     t, h = x.shape
@@ -132,7 +133,7 @@ def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, 
         use_ue8m0,
         topk_idx.shape[1],
     )
-    return x, jnp.zeros((t, 0), jnp.float32), fp8_cast, static
+    return (x, jnp.zeros((t, 0), jnp.float32), topk_idx), fp8_cast, static
 
 
 def _dispatch_outputs(static) -> tuple:
@@ -179,16 +180,13 @@ def low_latency_dispatch_send(
     XLA may move independent ops across the halves: make the work you put between them, and the next EP op,
     depend on the data so that no other EP op lands in between (that fails with an out-of-step error).
     """
-    topk_idx = as_expert_indices(topk_idx)
-    rows, scales, fp8_cast, static = _prepare_dispatch(
+    operands, fp8_cast, static = _prepare_dispatch(
         x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
     )
     (token,) = ep_call(
         "low_latency_dispatch_send",
         (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        rows,
-        scales,
-        topk_idx,
+        *operands,
         axis_name=axis_name,
         num_experts=num_experts,
         max_tokens_per_rank=static[3],
@@ -243,16 +241,13 @@ def low_latency_dispatch(
       they are not written (whatever the buffer held: mask with recv_count); handle.src_token is -1 there.
       To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
-    topk_idx = as_expert_indices(topk_idx)
-    rows, scales, fp8_cast, static = _prepare_dispatch(
+    operands, fp8_cast, static = _prepare_dispatch(
         x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
     )
     outs = ep_call(
         "low_latency_dispatch",
         _dispatch_outputs(static),
-        rows,
-        scales,
-        topk_idx,
+        *operands,
         axis_name=axis_name,
         num_experts=num_experts,
         max_tokens_per_rank=static[3],

@@ -36,9 +36,11 @@ def _inputs(seed: int, dtype=jnp.float32):
     return params, jax.device_put(x, NamedSharding(mesh, P("ep"))), mesh
 
 
-def _per_rank_reference(params, x, config):
-    """The reference on each rank's tokens (the layer's aux loss and counts are per rank, then reduced)."""
-    outs = [layers.moe_ffn_reference(params, x[r * B // R : (r + 1) * B // R], config) for r in range(R)]
+def _per_rank_reference(params, x, config, ranks=R):
+    """The reference on each rank's tokens, x's first dimension split over `ranks` (the layer's aux loss and
+    counts are per rank, then reduced): (y, mean aux loss, pairs per expert)."""
+    per = x.shape[0] // ranks
+    outs = [layers.moe_ffn_reference(params, x[r * per : (r + 1) * per], config) for r in range(ranks)]
     y = jnp.concatenate([o.y for o in outs])
     aux = jnp.mean(jnp.stack([o.aux_loss for o in outs]))
     per_expert = sum(o.stats.tokens_per_expert for o in outs)
@@ -198,8 +200,8 @@ def train_steps(steps: int, platform: str = "cpu") -> dict:
     target = global_array(jax.random.normal(jax.random.key(2), (2 * r, 4, 128)), P("ep"))
 
     def dense(p, x):
-        shards = [layers.moe_ffn_reference(p, x[i * 2 : (i + 1) * 2], config) for i in range(r)]
-        return jnp.concatenate([s.y for s in shards]), jnp.mean(jnp.stack([s.aux_loss for s in shards]))
+        y, aux, _ = _per_rank_reference(p, x, config, r)
+        return y, aux
 
     def expert_parallel(p, x):
         out = layers.moe_ffn(p, x, mesh=mesh, config=config)
@@ -287,9 +289,8 @@ def layer_parity_child(fp8: bool) -> dict:
     y, _, gp, gx = f(params, global_array(x_host, P("ep")))
 
     def dense_loss(p, x):
-        shards = [layers.moe_ffn_reference(p, x[i * 2 : (i + 1) * 2], config) for i in range(r)]
-        y = jnp.concatenate([o.y for o in shards])
-        return jnp.sum(y.astype(jnp.float32) ** 2) / (b * s * d) + sum(o.aux_loss for o in shards) / r, y
+        y, aux, _ = _per_rank_reference(p, x, config, r)
+        return jnp.sum(y.astype(jnp.float32) ** 2) / (b * s * d) + aux, y
 
     (_, y_ref), (gp_ref, gx_ref) = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True))(host, x_host)
     tol = 0.1 if fp8 else 2e-3
