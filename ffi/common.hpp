@@ -64,6 +64,7 @@ auto dispatch_signature(Binding b) {
       .template Attr<int64_t>("two_level")     // 0: the whole group; 1, 2: a level of two-level routing
       .template Attr<int64_t>("path")          // Path (kernels/contract.hpp), decided at lowering
       .template Attr<int64_t>("node_size")     // host paths: ranks per node of hierarchical rounds (0: flat)
+      .template Attr<int64_t>("overflow")      // Overflow: rows past the capacity fail the op or are dropped
       .template Ret<ffi::AnyBuffer>()          // recv_x
       .template Ret<ffi::AnyBuffer>()          // recv_scales
       .template Ret<ffi::Buffer<ffi::S32>>()   // recv_topk_idx
@@ -100,6 +101,7 @@ auto handle_op_signature(Binding b) {
       .template Attr<int64_t>("two_level")  // 0: the whole group; 1, 2: a level of two-level routing
       .template Attr<int64_t>("path")       // Path (kernels/contract.hpp), decided at lowering
       .template Attr<int64_t>("node_size")  // host paths: ranks per node of hierarchical rounds (0: flat)
+      .template Attr<int64_t>("overflow")   // the dispatch's Overflow
       .template Ret<ffi::AnyBuffer>();      // recv_x or combined
 }
 
@@ -228,6 +230,15 @@ inline std::pair<const int32_t*, int> find_group(ffi::Span<const int32_t> table,
   return {nullptr, -1};
 }
 
+// The two_level attribute's value for the level within a node (jax_uccl_ep/normal.py's _LEVEL_CODES).
+constexpr int64_t kNodeLevel = 1;
+
+inline Overflow overflow_of(int64_t code) {
+  if (code != int64_t(Overflow::kError) && code != int64_t(Overflow::kDrop))
+    throw std::invalid_argument("uccl_ep: overflow must be 0 (error) or 1 (drop), got " + std::to_string(code));
+  return Overflow(code);
+}
+
 // The contract's element types from XLA's.
 inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
   if (b.element_type() == ffi::DataType::F32) return FloatType::kF32;
@@ -253,7 +264,7 @@ inline LayoutArgs layout_args(const ffi::Buffer<ffi::S32>& topk_idx, int64_t num
 inline DispatchArgs dispatch_args(
     const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx,
     const ffi::Buffer<ffi::F32>& topk_weights, int64_t op_index, int64_t num_experts, int64_t node_size,
-    ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
+    int64_t two_level, int64_t overflow, ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
     ffi::Result<ffi::Buffer<ffi::S32>>& recv_topk_idx, ffi::Result<ffi::Buffer<ffi::F32>>& recv_topk_weights,
     ffi::Result<ffi::Buffer<ffi::S32>>& recv_num_tokens, ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
     ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
@@ -269,6 +280,8 @@ inline DispatchArgs dispatch_args(
   a.topk = int(topk_idx.dimensions()[1]);
   a.num_experts = int(num_experts);
   a.capacity = int(recv_x->dimensions()[0]);
+  a.overflow = overflow_of(overflow);
+  a.overflow_status_over_job = two_level == kNodeLevel;
   a.recv_x = recv_x->untyped_data();
   a.recv_scales = recv_scales->untyped_data();
   a.recv_topk_idx = recv_topk_idx->typed_data();
@@ -284,26 +297,24 @@ inline DispatchArgs dispatch_args(
 
 inline CachedDispatchArgs cached_dispatch_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::PRED>& is_token_in_rank,
                                                const ffi::Buffer<ffi::S32>& recv_counts, int64_t op_index,
-                                               int64_t node_size, ffi::Result<ffi::AnyBuffer>& recv_x) {
-  return CachedDispatchArgs{x.untyped_data(),
-                            row_bytes(x),
-                            int(x.dimensions()[0]),
-                            int(recv_x->dimensions()[0]),
-                            is_token_in_rank.typed_data(),
-                            recv_counts.typed_data(),
-                            recv_x->untyped_data(),
-                            uint32_t(op_index),
-                            int(node_size)};
+                                               int64_t node_size, int64_t overflow,
+                                               ffi::Result<ffi::AnyBuffer>& recv_x) {
+  return CachedDispatchArgs{x.untyped_data(),         row_bytes(x),
+                            int(x.dimensions()[0]),   int(recv_x->dimensions()[0]),
+                            overflow_of(overflow),    is_token_in_rank.typed_data(),
+                            recv_counts.typed_data(), recv_x->untyped_data(),
+                            uint32_t(op_index),       int(node_size)};
 }
 
 inline CombineArgs combine_args(const ffi::AnyBuffer& y, const ffi::Buffer<ffi::PRED>& is_token_in_rank,
                                 const ffi::Buffer<ffi::S32>& recv_counts, int64_t op_index, int64_t node_size,
-                                ffi::Result<ffi::AnyBuffer>& out) {
+                                int64_t overflow, ffi::Result<ffi::AnyBuffer>& out) {
   return CombineArgs{y.untyped_data(),
                      float_type(y, "combine"),
                      int(y.dimensions()[1]),
                      int(y.dimensions()[0]),
                      int(is_token_in_rank.dimensions()[0]),
+                     overflow_of(overflow),
                      is_token_in_rank.typed_data(),
                      recv_counts.typed_data(),
                      out->untyped_data(),

@@ -36,6 +36,8 @@ template <class Op>
 void aborting_the_job_on_failure(Device& dev, int64_t two_level, Op&& op) {
   try {
     op();
+  } catch (const cpu::RaisedOnEveryRank&) {
+    throw;  // every rank of the job raises it in this op: all stay in step
   } catch (const std::exception& e) {
     // A rank that failed on a peer's abort does not pass it on: the author told everyone.
     if (two_level != 0 && !dev.aborted_by_peer()) {
@@ -77,24 +79,22 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64
   });
 }
 
-ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index, int64_t num_experts,
-                        int64_t two_level, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> recv_x,
-                        ffi::Result<ffi::AnyBuffer> recv_scales, ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
-                        ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
-                        ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
-                        ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+ffi::Error DispatchImpl(
+    int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
+    ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
+    int64_t group_size, int64_t op_index, int64_t num_experts, int64_t two_level, int64_t /*path*/, int64_t node_size,
+    int64_t overflow, ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+    ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx, ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+    ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens, ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+    ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
   return guarded([&] {
     poison(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert,
            is_token_in_rank, recv_counts);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     const Group g = group_of(dev, group_table, group_size, "dispatch");
     const DispatchArgs a = ffi_common::dispatch_args(
-        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, recv_x, recv_scales, recv_topk_idx,
-        recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
+        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, two_level, overflow, recv_x, recv_scales,
+        recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
     aborting_the_job_on_failure(dev, two_level, [&] { cpu::dispatch(dev, g, a); });
   });
 }
@@ -102,14 +102,14 @@ ffi::Error DispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales
 ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
                               ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                               ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                              int64_t two_level, int64_t /*path*/, int64_t node_size,
+                              int64_t two_level, int64_t /*path*/, int64_t node_size, int64_t overflow,
                               ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     poison(recv_x);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     const Group g = group_of(dev, group_table, group_size, "cached_dispatch");
     const CachedDispatchArgs a =
-        ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size, recv_x);
+        ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size, overflow, recv_x);
     aborting_the_job_on_failure(dev, two_level, [&] { cpu::cached_dispatch(dev, g, a); });
   });
 }
@@ -117,12 +117,13 @@ ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi
 ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index, int64_t two_level,
-                       int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> out) {
+                       int64_t /*path*/, int64_t node_size, int64_t overflow, ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
     const Group g = group_of(dev, group_table, group_size, "combine");
-    const CombineArgs a = ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, out);
+    const CombineArgs a =
+        ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, overflow, out);
     aborting_the_job_on_failure(dev, two_level, [&] { cpu::combine(dev, g, a); });
   });
 }

@@ -94,23 +94,21 @@ LinkGroup group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size,
 }
 
 template <class Link>
-ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
-                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index, int64_t num_experts,
-                        int64_t /*two_level*/, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> recv_x,
-                        ffi::Result<ffi::AnyBuffer> recv_scales, ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
-                        ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
-                        ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
-                        ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+ffi::Error DispatchImpl(
+    cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
+    ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
+    int64_t group_size, int64_t op_index, int64_t num_experts, int64_t two_level, int64_t /*path*/, int64_t node_size,
+    int64_t overflow, ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+    ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx, ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+    ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens, ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+    ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "dispatch");
     const auto& g = group.get();
     const auto a = uccl_ep::ffi_common::dispatch_args(
-        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, recv_x, recv_scales, recv_topk_idx,
-        recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
+        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, two_level, overflow, recv_x, recv_scales,
+        recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
     uccl_ep::nvl::dispatch(dev, g, a, stream);
   });
 }
@@ -120,13 +118,13 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuff
                               ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
                               ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
                               int64_t op_index, int64_t /*two_level*/, int64_t /*path*/, int64_t node_size,
-                              ffi::Result<ffi::AnyBuffer> recv_x) {
+                              int64_t overflow, ffi::Result<ffi::AnyBuffer> recv_x) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "cached_dispatch");
     const auto& g = group.get();
-    const auto a =
-        uccl_ep::ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size, recv_x);
+    const auto a = uccl_ep::ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size,
+                                                             overflow, recv_x);
     uccl_ep::nvl::cached_dispatch(dev, g, a, stream);
   });
 }
@@ -135,12 +133,14 @@ template <class Link>
 ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
                        ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
                        ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                       int64_t /*two_level*/, int64_t /*path*/, int64_t node_size, ffi::Result<ffi::AnyBuffer> out) {
+                       int64_t /*two_level*/, int64_t /*path*/, int64_t node_size, int64_t overflow,
+                       ffi::Result<ffi::AnyBuffer> out) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
     const auto group = group_of<Link>(dev, group_table, group_size, "combine");
     const auto& g = group.get();
-    const auto a = uccl_ep::ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, out);
+    const auto a =
+        uccl_ep::ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, overflow, out);
     uccl_ep::nvl::combine(dev, g, a, stream);
   });
 }

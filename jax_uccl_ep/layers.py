@@ -54,13 +54,15 @@ class MoEConfig:
     renormalize: bool = True  # the top-k weights of a token sum to one
     aux_loss_coef: float = 0.0  # load-balancing loss (Switch Transformer's) times this; 0 leaves it out
     capacity_factor: float | None = None  # rows a rank may receive, per its tokens' top-k slots (None: never drops)
+    overflow: Literal["drop", "error"] = "drop"  # rows past that capacity: dropped (MaxText's), or an error
     fp8_dispatch: bool = False  # rows travel as FP8 (dispatch's use_fp8; the backward stays in x's dtype)
 
 
 class MoEStats(NamedTuple):
     """Per-call counts, one entry per EP rank."""
 
-    rows_received: jax.Array  # [R] int32: token rows each rank received (its experts' work)
+    rows_received: jax.Array  # [R] int32: token rows each rank received and kept (its experts' work)
+    rows_dropped: jax.Array  # [R] int32: rows that arrived past a rank's capacity and were dropped
     tokens_per_expert: jax.Array  # [E] int32: (token, expert) pairs routed to each expert, over the whole axis
 
 
@@ -179,13 +181,14 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         num_experts=config.num_experts,
         axis_name=axis_name,
         capacity=capacity,
+        overflow=config.overflow,
         use_fp8=config.fp8_dispatch,
     )
     out = swiglu_experts(params, res.x, res.topk_idx)
     y = jnp.einsum("nk,nkd->nd", res.topk_weights, out).astype(x.dtype)
     y = combine(y, res.handle).reshape(*lead, d)
     aux, per_expert = _routing_stats(scores, idx, config)
-    return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), per_expert))
+    return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
 
 
 def moe_ffn(
@@ -209,8 +212,8 @@ def moe_ffn(
       axis_name: the EP mesh axis (its size must divide num_experts).
 
     Returns:
-      MoEOutput: y like x; aux_loss averaged over the EP ranks; stats.rows_received [R] and
-      stats.tokens_per_expert [E] summed over the ranks.
+      MoEOutput: y like x; aux_loss averaged over the EP ranks; stats.rows_received [R], stats.rows_dropped [R]
+      and stats.tokens_per_expert [E] summed over the ranks.
     """
     spec = token_spec if token_spec is not None else P(axis_name)
 
@@ -218,16 +221,16 @@ def moe_ffn(
         out = moe_ffn_local(p, x, config, axis_name=axis_name)
         aux = jax.lax.pmean(out.aux_loss, axis_name)
         per_expert = jax.lax.psum(out.stats.tokens_per_expert, axis_name)
-        return out.y, aux, out.stats.rows_received, per_expert
+        return out.y, aux, out.stats.rows_received, out.stats.rows_dropped, per_expert
 
     f = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(moe_param_specs(axis_name), spec),
-        out_specs=(spec, P(), P(axis_name), P()),
+        out_specs=(spec, P(), P(axis_name), P(axis_name), P()),
     )
-    y, aux, rows, per_expert = f(params, x)
-    return MoEOutput(y, aux, MoEStats(rows, per_expert))
+    y, aux, rows, dropped, per_expert = f(params, x)
+    return MoEOutput(y, aux, MoEStats(rows, dropped, per_expert))
 
 
 def moe_ffn_reference(params: Params, x: jax.Array, config: MoEConfig) -> MoEOutput:
@@ -243,7 +246,8 @@ def moe_ffn_reference(params: Params, x: jax.Array, config: MoEConfig) -> MoEOut
     coef = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, config.num_experts, dtype=jnp.float32))
     y = jnp.einsum("te,etd->td", coef, out).astype(x.dtype).reshape(*lead, d)
     aux, per_expert = _routing_stats(scores, idx, config)
-    return MoEOutput(y, aux, MoEStats(jnp.zeros((0,), jnp.int32), per_expert))
+    none = jnp.zeros((0,), jnp.int32)
+    return MoEOutput(y, aux, MoEStats(none, none, per_expert))
 
 
 def moe_ffn_decode(

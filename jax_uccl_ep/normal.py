@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import NamedTuple, Union
+from typing import Literal, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,8 @@ from .fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 AxisName = Union[str, Sequence[str]]
 Fp8Pair = tuple  # (x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)
+Overflow = Literal["error", "drop"]
+_OVERFLOW_CODES = {"error": 0, "drop": 1}  # uccl_ep::Overflow (kernels/contract.hpp)
 
 
 class DispatchLayout(NamedTuple):
@@ -58,15 +60,17 @@ class DispatchHandle:
         axis_name: AxisName,
         level: str | None = None,
         token_shape: tuple[int, ...] | None = None,
+        overflow: Overflow = "error",
     ):
         self.is_token_in_rank = is_token_in_rank  # [T, R] bool: where this rank's tokens went
-        self.recv_counts = recv_counts  # [R] int32: rows received from each rank, in row order
+        self.recv_counts = recv_counts  # [R] int32: rows each rank sent here, in row order (dropped ones included)
         self.axis_name = axis_name
         self.level = level  # None (the whole axis), or a level of two-level routing ("node", "across")
         self.token_shape = token_shape  # the leading dimensions of dispatch's x (combine restores them)
+        self.overflow = overflow  # the dispatch's policy: under "drop", rows past the capacity come back as zeros
 
     def tree_flatten(self):
-        return (self.is_token_in_rank, self.recv_counts), (self.axis_name, self.level, self.token_shape)
+        return (self.is_token_in_rank, self.recv_counts), (self.axis_name, self.level, self.token_shape, self.overflow)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -74,8 +78,9 @@ class DispatchHandle:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level!r}"
+        drop = ", overflow='drop'" if self.overflow == "drop" else ""
         return (
-            f"DispatchHandle(axis_name={self.axis_name!r}{level}, is_token_in_rank={self.is_token_in_rank!r}, "
+            f"DispatchHandle(axis_name={self.axis_name!r}{level}{drop}, is_token_in_rank={self.is_token_in_rank!r}, "
             f"recv_counts={self.recv_counts!r})"
         )
 
@@ -116,8 +121,9 @@ class DispatchResult(NamedTuple):
     topk_idx: jax.Array  # [capacity, K] int32: local expert index or -1
     topk_weights: jax.Array | None  # [capacity, K] float32, 0 where topk_idx is -1
     num_tokens: jax.Array  # int32 scalar: valid rows
-    num_tokens_per_expert: jax.Array  # [num_experts / R] int32
+    num_tokens_per_expert: jax.Array  # [num_experts / R] int32, of the rows kept
     handle: Handle
+    num_dropped: jax.Array  # int32 scalar: rows that arrived past the capacity and were dropped (overflow="drop")
 
 
 def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: AxisName) -> DispatchLayout:
@@ -193,7 +199,7 @@ def _level_size(axis_name: AxisName, level: str | None) -> int:
     return plan.per_node if level == "node" else plan.num_nodes
 
 
-def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, level=None):
+def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow, level=None):
     """One dispatch over the axis, or over one level of two-level routing."""
     rows, scales, is_fp8 = _split_x(x)
     t, h = rows.shape
@@ -218,6 +224,7 @@ def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity,
         weights,
         axis_name=axis_name,
         num_experts=num_experts,
+        overflow=_OVERFLOW_CODES[overflow],
         **_level_args(level),
     )
     recv_x, recv_scales, recv_idx, recv_w, n, per_expert, in_rank, counts = outs
@@ -227,20 +234,29 @@ def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity,
         topk_weights=recv_w if topk_weights is not None else None,
         num_tokens=n,
         num_tokens_per_expert=per_expert,
-        handle=DispatchHandle(in_rank, counts, axis_name, level),
+        handle=DispatchHandle(in_rank, counts, axis_name, level, overflow=overflow),
+        num_dropped=jnp.sum(counts) - n,
     )
 
 
-def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
     plan = _two_level_plan(axis_name)
     if plan is None:
-        return _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+        return _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
     # Across nodes: node n owns experts [n*E/N, (n+1)*E/N); its rows come back with node-local indices (or -1)
-    # and padding rows with -1 everywhere, so the node level forwards exactly the valid rows.
+    # and padding rows with -1 everywhere, so the node level forwards exactly the valid rows. That level's
+    # capacity holds every row a node can get; only the node level applies the user's.
     t = topk_idx.shape[0]
-    across = _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, plan.num_nodes * t, "across")
+    across = _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, plan.num_nodes * t, "error", "across")
     within = _dispatch_level(
-        across.x, across.topk_idx, across.topk_weights, num_experts // plan.num_nodes, axis_name, capacity, "node"
+        across.x,
+        across.topk_idx,
+        across.topk_weights,
+        num_experts // plan.num_nodes,
+        axis_name,
+        capacity,
+        overflow,
+        "node",
     )
     return within._replace(handle=TwoLevelHandle(across.handle, within.handle))
 
@@ -260,6 +276,7 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
         handle.recv_counts,
         axis_name=handle.axis_name,
         after=after,
+        overflow=_OVERFLOW_CODES[handle.overflow],
         **_level_args(handle.level),
     )
     return out
@@ -278,6 +295,7 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: ja
         handle.recv_counts,
         axis_name=handle.axis_name,
         after=after,
+        overflow=_OVERFLOW_CODES[handle.overflow],
         **_level_args(handle.level),
     )
     return out
@@ -286,10 +304,10 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: ja
 def _no_cotangent(handle: Handle) -> Handle:
     if isinstance(handle, TwoLevelHandle):
         return TwoLevelHandle(_no_cotangent(handle.across), _no_cotangent(handle.within), handle.token_shape)
-    return DispatchHandle(None, None, handle.axis_name, handle.level, handle.token_shape)
+    return DispatchHandle(None, None, handle.axis_name, handle.level, handle.token_shape, handle.overflow)
 
 
-def _dispatch_bwd(num_experts, axis_name, capacity, residuals, g):
+def _dispatch_bwd(num_experts, axis_name, capacity, overflow, residuals, g):
     handle, recv_idx = residuals
     dx = _combine_call(g.x, handle)  # the VJP of dispatch is a combine
     dw = None
@@ -300,10 +318,10 @@ def _dispatch_bwd(num_experts, axis_name, capacity, residuals, g):
     return dx, None, dw
 
 
-def _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
+def _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
     """Rows cast to FP8 with per-128-channel scales, dispatched as FP8, and cast back to x's dtype on arrival."""
     pair = per_token_cast_to_fp8(x)
-    out = _dispatch_call(pair, topk_idx, topk_weights, num_experts, axis_name, capacity)
+    out = _dispatch_call(pair, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
     rows, scales = out.x
     return out._replace(x=per_token_cast_back(rows, scales, dtype=x.dtype))
 
@@ -312,12 +330,12 @@ def _differentiable(forward):
     """`forward` (a dispatch's call) with dispatch's VJP: a combine of the rows' cotangent, in their dtype. For the
     FP8 wire the casts are taken as the identity, as FP8 training does."""
 
-    @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-    def op(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
-        return forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+    @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+    def op(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
+        return forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
 
-    def fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity):
-        out = forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity)
+    def fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
+        out = forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
         return out, (out.handle, out.topk_idx)
 
     op.defvjp(fwd, _dispatch_bwd)
@@ -336,6 +354,7 @@ def dispatch(
     num_experts: int,
     axis_name: AxisName,
     capacity: int | None = None,
+    overflow: Overflow = "error",
     use_fp8: bool = False,
 ) -> DispatchResult:
     """Sends each token to every rank of `axis_name` that owns one of its experts (call inside shard_map).
@@ -348,8 +367,15 @@ def dispatch(
         float32, returned in their own dtype).
       num_experts: total experts E; must be divisible by the axis size R.
       axis_name: the EP mesh axis.
-      capacity: output rows (tokens) per rank; defaults to R * T, which never drops. More arrivals than
-        `capacity` raise an error that names the rank, the count and the capacity.
+      capacity: output rows (tokens) per rank; defaults to R * T, which never overflows.
+      overflow: what happens to rows past `capacity` on a rank. Either way the rank keeps its first `capacity`
+        rows in row order (by source rank, then source token), so which rows go is deterministic.
+        "error": the op fails with an error naming the rank, the count and the capacity. On CPU devices (and
+        host-staged GPU ops) every rank raises it in the same op and the runtime stays usable; GPU kernels cannot
+        fail their call, so there the rows are dropped and `check_errors()` raises it in the process of the rank
+        that overflowed. "drop": dropping is intended: `num_dropped` counts the rows, their tokens get no
+        contribution from this rank's experts (combine returns zeros for them, and no gradient flows through
+        them), and nothing is raised.
       use_fp8: x (float32, bfloat16 or float16, H a multiple of 128) travels as FP8 with a float32 scale per 128
         channels (half BF16's bytes) and arrives cast back to x's dtype. Differentiable: the backward pass is a
         combine in x's dtype (the casts taken as the identity, as FP8 training does). An FP8 pair passed as x
@@ -387,11 +413,12 @@ def dispatch(
         isinstance(capacity, (int, np.integer)) and capacity >= 1,
         f"capacity must be a positive int (tokens), got {capacity!r}",
     )
+    check(overflow in _OVERFLOW_CODES, f"overflow must be 'error' or 'drop', got {overflow!r}")
     if use_fp8:
         check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
         check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
     call = _dispatch_call if is_fp8 else _dispatch_fp8_wire if use_fp8 else _dispatch
-    out = call(x, idx, weights, num_experts, axis_name, int(capacity))
+    out = call(x, idx, weights, num_experts, axis_name, int(capacity), overflow)
     if topk_weights is not None and topk_weights.dtype != jnp.float32:
         out = out._replace(topk_weights=out.topk_weights.astype(topk_weights.dtype))
     return out._replace(handle=_with_token_shape(out.handle, lead))
@@ -400,7 +427,9 @@ def dispatch(
 def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
     if isinstance(handle, TwoLevelHandle):
         return TwoLevelHandle(handle.across, handle.within, token_shape)
-    return DispatchHandle(handle.is_token_in_rank, handle.recv_counts, handle.axis_name, handle.level, token_shape)
+    return DispatchHandle(
+        handle.is_token_in_rank, handle.recv_counts, handle.axis_name, handle.level, token_shape, handle.overflow
+    )
 
 
 @jax.custom_vjp

@@ -18,6 +18,14 @@ enum class Path : int64_t {
   kStaged = 4,      // GPUs across nodes: copied to host memory and run by kernels/cpu
 };
 
+// What a dispatch does with rows past its capacity (the receiver keeps its first `capacity` rows in row order,
+// by source member then token, either way):
+//   kError: the op fails. On the host paths every rank of the group raises it in the op (the runtime stays usable);
+//           GPU kernels record it for check_errors() on the rank that overflowed.
+//   kDrop:  the rest are dropped on purpose; their combine returns zeros to their sources.
+// Its cached dispatch and combine take the dispatch's policy: under kDrop a handle may record more rows than y has.
+enum class Overflow : int64_t { kError = 0, kDrop = 1 };
+
 enum class FloatType { kF32, kBF16 };
 inline int64_t float_bytes(FloatType t) { return t == FloatType::kF32 ? 4 : 2; }
 
@@ -48,6 +56,9 @@ struct DispatchArgs {
   const float* topk_weights;  // [T, K] or null
   int num_tokens, topk, num_experts;
   int capacity;                    // output rows
+  Overflow overflow;               // rows past the capacity
+  bool overflow_status_over_job;   // host paths: a capacity error reaches every rank of the runtime (the node level
+                                   // of two-level routing, whose other nodes wait on this one), not only the group
   void* recv_x;                    // [capacity, x_row_bytes]
   void* recv_scales;               // [capacity, scale_row_bytes]
   int32_t* recv_topk_idx;          // [capacity, K] local expert or -1
@@ -65,6 +76,7 @@ struct CachedDispatchArgs {
   const void* x;  // [T, row_bytes]
   int64_t row_bytes;
   int num_tokens, capacity;
+  Overflow overflow;             // the dispatch's
   const bool* is_token_in_rank;  // [T, R]
   const int32_t* recv_counts;    // [R] (checked against what arrives)
   void* recv_x;                  // [capacity, row_bytes]
@@ -77,8 +89,9 @@ struct CombineArgs {
   const void* y;    // [capacity, hidden]
   FloatType dtype;  // of y and out
   int hidden, capacity, num_tokens;
+  Overflow overflow;             // the dispatch's: under kDrop rows past y's end go back as zeros
   const bool* is_token_in_rank;  // [T, R]
-  const int32_t* recv_counts;    // [R]
+  const int32_t* recv_counts;    // [R] rows each member sent (all of them, dropped ones included)
   void* out;                     // [T, hidden]
   uint32_t op_index;
   int node_size;
@@ -122,7 +135,7 @@ struct LowLatencyCombineArgs {
 enum DeviceErrorCode : int32_t {
   kNoError = 0,
   kBadExpertIndex = 1,        // (token, slot, index)
-  kOverCapacity = 2,          // (received, capacity)
+  kOverCapacity = 2,          // (received, capacity): Overflow::kError only
   kRowsDifferFromHandle = 3,  // (member, rows, rows the handle records)
   kHandleDisagreesWithY = 4,  // (rows the handle records, rows of y)
   kPeerLate = 5,              // (peer, its message or minus ours it did not acknowledge, seconds)

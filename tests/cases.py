@@ -426,3 +426,76 @@ def check_low_latency_fp8_cast(
     if checked == 0:
         problems.append("no rows were checked")
     return problems
+
+
+def check_drop(mesh, seed, num_tokens, hidden, topk, num_experts, capacity) -> list[str]:
+    """overflow="drop" against the reference: each rank keeps the first `capacity` rows of its reference order and
+    counts the rest in num_dropped; combine sums only the kept rows' transforms; the gradient of a loss through
+    dispatch and combine flows through the kept rows only."""
+    num_ranks = mesh.devices.size
+    x, _, idx, w = random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, jnp.float32)
+    c = np.random.default_rng(seed + 1).standard_normal(x.shape).astype(np.float32)
+    full = ref.dispatch(x, idx, w, num_experts, per_node=two_level_per_node(num_ranks))
+    kept = [dict(d, sources=d["sources"][:capacity]) for d in full]
+
+    def body(x, idx, w, c):
+        # Each rank differentiates its own loss (its tokens' sums): no XLA collective, which NCCL refuses on a
+        # shared GPU; the EP ops' backward passes carry the cotangents.
+        def local_loss(x):
+            res = ep.dispatch(
+                x, idx[0], w[0], num_experts=num_experts, axis_name="ep", capacity=capacity, overflow="drop"
+            )
+            scale = (jax.lax.axis_index("ep") + 1).astype(jnp.float32)
+            out = ep.combine(jnp.tanh(res.x) * scale, res.handle)
+            counts = (res.num_tokens, res.num_dropped, res.num_tokens_per_expert)
+            return jnp.sum(out * c[0]), (res.x, res.topk_idx, res.topk_weights, counts, out)
+
+        gx, outs = jax.grad(local_loss, has_aux=True)(x[0])
+        return jax.tree.map(lambda a: a[None], (outs, gx))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    outs, gx = f(*(shard(mesh, a) for a in (x, idx, w, c)))
+    recv_x, recv_idx, recv_w, (n, dropped, per_expert), out = jax.tree.map(gather, outs)
+    gx = gather(gx)
+    problems = []
+    if not any(d["num_tokens"] > capacity for d in full):
+        problems.append("the case drops nothing: it tests no overflow")
+    want_out = np.zeros(x.shape, np.float64)
+    want_gx = np.zeros(x.shape, np.float64)
+    for r, (d, k) in enumerate(zip(full, kept)):
+        keep = min(d["num_tokens"], capacity)
+        if n[r] != keep or dropped[r] != d["num_tokens"] - keep:
+            problems.append(f"rank {r}: kept {n[r]} and dropped {dropped[r]} of {d['num_tokens']} rows")
+            continue
+        if not np.array_equal(recv_x[r][:keep], d["x"][:keep]) or np.any(recv_x[r][keep:] != 0):
+            problems.append(f"rank {r}: kept rows differ from the first {keep} of the reference order")
+        if not np.array_equal(recv_idx[r][:keep], d["topk_idx"][:keep]) or np.any(recv_idx[r][keep:] != -1):
+            problems.append(f"rank {r}: topk_idx of the kept rows differ")
+        if not np.allclose(recv_w[r][:keep], d["topk_weights"][:keep]):
+            problems.append(f"rank {r}: topk_weights of the kept rows differ")
+        want_experts = np.bincount(d["topk_idx"][:keep][d["topk_idx"][:keep] >= 0], minlength=per_expert.shape[1])
+        if not np.array_equal(per_expert[r], want_experts):
+            problems.append(f"rank {r}: num_tokens_per_expert {per_expert[r]} counts other rows than the kept ones")
+        for s, t in k["sources"]:
+            want_out[s, t] += np.tanh(x[s, t].astype(np.float64)) * (r + 1)
+            want_gx[s, t] += (1 - np.tanh(x[s, t].astype(np.float64)) ** 2) * (r + 1) * c[s, t]
+    if not np.allclose(out, want_out, rtol=1e-5, atol=1e-5):
+        problems.append("combine differs from the sum over kept rows")
+    if not np.allclose(gx, want_gx, rtol=1e-4, atol=1e-5):
+        problems.append("gradient differs from the one through kept rows")
+    return problems
+
+
+def overflow_error(mesh, seed, num_tokens, hidden, num_experts, capacity) -> str:
+    """The error text of a dispatch whose rank 0 receives every token (num_ranks * num_tokens rows) under
+    overflow="error", or "" if the op (and, on GPUs, check_errors()) raised nothing."""
+    num_ranks = mesh.devices.size
+    x, _, _, w = random_case(seed, num_ranks, num_tokens, hidden, 2, num_experts, jnp.float32)
+    idx = np.full((num_ranks, num_tokens, 2), -1, np.int32)
+    idx[:, :, 0] = 0  # expert 0 lives on rank 0
+    try:
+        roundtrip(mesh, x, idx, w[..., :2], num_experts, capacity=capacity)
+        ep.check_errors()
+        return ""
+    except Exception as e:  # noqa: BLE001
+        return str(e)

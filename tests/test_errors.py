@@ -91,11 +91,7 @@ def test_capacity_exceeded_names_rank_count_and_capacity():
     idx[:, :, 0] = 0  # every token of every rank goes to expert 0 on rank 0: R*T tokens arrive there
     with pytest.raises(Exception, match=rf"rank 0 received {R * T} tokens but capacity is 5"):
         _call(x, jnp.asarray(idx), capacity=5)
-    # Only rank 0 failed, so it is out of step with its peers: later ops fail fast and say how to recover.
-    with pytest.raises(Exception, match=r"out of step .* call jax_uccl_ep.shutdown\(\) and jax_uccl_ep.initialize\(\)"):
-        _check_roundtrip_still_works()
-    ep.shutdown()
-    ep.initialize()
+    # Every rank failed in that op, so they stay in step: no restart.
     _check_roundtrip_still_works()
 
 

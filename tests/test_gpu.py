@@ -59,7 +59,9 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     if gradients == "1":
         problems["gradients"] = cases.check_gradients(mesh, 9, 24, 128, 3, 4 * r)
         print(f"gradients: {problems['gradients']}", flush=True)
-    ep.check_errors()  # nothing pending so far
+    problems["drop"] = cases.check_drop(mesh, 12, 40, 256, 3, 4 * r, capacity=20)
+    print(f"drop: {problems['drop']}", flush=True)
+    ep.check_errors()  # nothing pending so far (dropping on purpose is no error)
     if error_checks == "0":
         ep.shutdown()
         return {"problems": problems, "ranks": r, "two_level": two_level}

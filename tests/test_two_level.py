@@ -72,8 +72,9 @@ def test_plan_applies_where_nodes_are_equal_and_a_forced_setting_says_why_not():
 
 def two_nodes_two_levels() -> dict:
     """Child (4 ranks, UCCL_EP_GPUS_PER_NODE=2, UCCL_EP_TWO_LEVEL=1): dispatch and combine in two levels against the
-    reference in two-level row order; FP8; gradients; capacity and bad-index errors on every rank, the runtime
-    usable after them; a mesh whose axis interleaves nodes refused with a named error."""
+    reference in two-level row order; FP8; gradients; a bad index fails every rank (then a restart), a capacity
+    overflow too (without one); overflow="drop" in two-level row order; a mesh whose axis interleaves nodes refused
+    with a named error."""
     import time
 
     import cases
@@ -112,9 +113,9 @@ def two_nodes_two_levels() -> dict:
     full = np.full((r, 16, 2), -1, np.int32)
     full[:, :, 0] = 0  # every token to expert 0 (rank 0): 16 * r rows for a capacity of 3
     capacity_error = error_of(full, capacity=3)
-    ep.shutdown()
-    ep.initialize()
+    # Every rank of the job raised the overflow in the node level's op: no restart.
     problems["after_capacity"] = cases.check_case(mesh, 39, 10, 128, 2, 2 * r, jnp.float32)
+    problems["drop"] = cases.check_drop(mesh, 42, 20, 128, 3, 4 * r, 14)
 
     # The nodes interleaved along the axis: expert ownership by position no longer matches the nodes.
     interleaved = cases.mesh_of([devices[i] for i in (0, 2, 1, 3)])

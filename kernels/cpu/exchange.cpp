@@ -63,6 +63,8 @@ const char* op_name(OpKind kind) {
       return "cached_dispatch (across nodes)";
     case OpKind::kCachedDispatchWithinNode:
       return "cached_dispatch (within the node)";
+    case OpKind::kCapacityCheck:
+      return "dispatch (capacity check)";
   }
   return "unknown";
 }

@@ -17,6 +17,12 @@
 
 namespace uccl_ep::cpu {
 
+// A collective error that every rank of the runtime raised in the same op (a status round over the whole job):
+// nothing is out of step, so callers that abort the job on a level's failure let it pass.
+struct RaisedOnEveryRank : CollectiveError {
+  using CollectiveError::CollectiveError;
+};
+
 enum class OpKind : uint32_t {
   kDispatch = 1,
   kCachedDispatch = 2,
@@ -30,6 +36,7 @@ enum class OpKind : uint32_t {
   kCombineAcrossNodes = 10,       // one partial sum per token and node, back to the source
   kCachedDispatchAcrossNodes = 11,
   kCachedDispatchWithinNode = 12,
+  kCapacityCheck = 13,  // after a dispatch that may overflow under Overflow::kError: each rank's verdict, no rows
 };
 const char* op_name(OpKind kind);
 

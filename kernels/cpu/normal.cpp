@@ -41,7 +41,7 @@ std::vector<uint32_t> sizes(const std::vector<std::vector<uint32_t>>& lists) {
   return out;
 }
 
-// Bookkeeping of received rows against the output capacity: overflow is counted, never written.
+// Bookkeeping of received rows against the output capacity: rows past it are counted, never written.
 struct RowSink {
   int capacity;
   uint64_t total = 0;
@@ -50,14 +50,39 @@ struct RowSink {
     total += count;
     return first;
   }
-  void check(Device& dev, const Group& group, const char* op) const {
-    if (total > uint64_t(capacity))
-      abort_group(dev, group,
-                  std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + " received " +
-                      std::to_string(total) + " tokens but capacity is " + std::to_string(capacity) +
-                      "; pass a larger capacity (the default, group size * tokens per rank, never drops)");
+  bool overflowed() const { return total > uint64_t(capacity); }
+  std::string overflow_message(const Device& dev) const {
+    return "rank " + std::to_string(dev.rank()) + " received " + std::to_string(total) + " tokens but capacity is " +
+           std::to_string(capacity) +
+           "; pass a larger capacity (the default, group size * tokens per rank, never drops) or overflow='drop'";
   }
 };
+
+// Under Overflow::kError a dispatch whose rows may exceed some rank's capacity ends with a round of verdicts, so
+// that every rank raises a rank's overflow in the same op and all stay in step (the runtime remains usable). The
+// round runs over the group, or over every rank of the runtime for the node level of two-level routing.
+void check_capacity_everywhere(Device& dev, const Group& group, const DispatchArgs& a, const RowSink& sink) {
+  const uint64_t most_rows = uint64_t(group.size) * uint64_t(a.num_tokens);  // every member sends all its tokens
+  if (a.overflow != Overflow::kError || most_rows <= uint64_t(a.capacity)) return;
+  std::vector<int32_t> everyone;
+  Group round = group;
+  if (a.overflow_status_over_job) {
+    for (uint32_t r = 0; r < dev.num_ranks(); ++r) everyone.push_back(int32_t(r));
+    round = make_group(dev, everyone.data(), int(everyone.size()), "dispatch");
+  }
+  ExchangePlan plan{OpKind::kCapacityCheck,
+                    a.op_index,
+                    16,
+                    uint64_t(a.capacity),
+                    std::vector<uint32_t>(round.size, 0),
+                    sink.overflowed() ? sink.overflow_message(dev) : ""};
+  try {
+    exchange(dev, round, plan, [](int, uint32_t, uint8_t*) {}, [](int, uint32_t, const uint8_t*) {});
+  } catch (const CollectiveError& e) {
+    if (a.overflow_status_over_job) throw RaisedOnEveryRank(e.what());
+    throw;
+  }
+}
 
 // A group whose members fall into nodes as equal blocks of `per_node` consecutive members (member s = node *
 // per_node + local, every block one node; the plan checked that, jax_uccl_ep/_plan.py): dispatch then sends a token
@@ -177,9 +202,9 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
 // cross nodes, at one more rounding per node), and the source adds them into `acc` ([T, H]) in float32.
 // Rows that do not match the routes (a stale handle) found by a forwarder fail the sources it serves with a
 // collective error; returns such a mismatch found by this rank as a source (then out of step), or "".
-template <class YRow, class AddRow>
+template <class CopyYRow, class AddRow>
 std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b, const ExchangePlan& flat,
-                            const CombineArgs& a, YRow&& y_row, AddRow&& add_row, float* acc) {
+                            const CombineArgs& a, CopyYRow&& copy_y_row, AddRow&& add_row, float* acc) {
   const int R = group.size, P = b.per_node, H = a.hidden;
   const Group across = make_group(dev, b.across.data(), b.nodes, "combine");
   const Group within = make_group(dev, b.within.data(), P, "combine");
@@ -239,7 +264,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
                      [&](int l, uint32_t i, uint8_t* out) {
                        int32_t n = 0;
                        for (uint32_t c; i >= (c = uint32_t(std::max(0, a.recv_counts[n * P + l]))); ++n) i -= c;
-                       std::memcpy(out, y_row(n * P + l, i), y_bytes);
+                       copy_y_row(n * P + l, i, out);
                        std::memcpy(out + y_bytes, &n, 4);
                      },
                      [&](int l, uint32_t count, const uint8_t* rows) {
@@ -399,7 +424,7 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
     plan.rows_to = sizes(tokens_to);
     exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { pack_token(tokens_to[d][i], out); }, place);
   }
-  sink.check(dev, group, "dispatch");
+  check_capacity_everywhere(dev, group, a, sink);
 
   // Padding rows are defined: zeros, no expert.
   size_t valid = std::min(size_t(sink.total), size_t(a.capacity));
@@ -440,8 +465,10 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
     exchange(dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { pack_token(tokens_to[d][i], out); }, place);
   }
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep cached_dispatch: " + mismatch + " (stale handle?)");
-  sink.check(dev, group, "cached_dispatch");
-  size_t valid = size_t(sink.total);
+  // Rows past the capacity: dropped by a dropping dispatch's handle; otherwise its dispatch would have failed.
+  if (sink.overflowed() && a.overflow != Overflow::kDrop)
+    abort_group(dev, group, "uccl_ep cached_dispatch: " + sink.overflow_message(dev) + " (stale handle?)");
+  size_t valid = std::min(size_t(sink.total), size_t(a.capacity));
   std::memset(bytes_of(a.recv_x) + valid * a.row_bytes, 0, (size_t(a.capacity) - valid) * a.row_bytes);
 }
 
@@ -455,12 +482,19 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
   for (int s = 0; s < R; ++s) offset[s + 1] = offset[s] + uint64_t(std::max(0, a.recv_counts[s]));
   ExchangePlan plan{OpKind::kCombine, a.op_index, round_up16(row_bytes), row_bytes, {}, ""};
   for (int s = 0; s < R; ++s) plan.rows_to.push_back(uint32_t(std::max(0, a.recv_counts[s])));
-  if (offset[R] > uint64_t(a.capacity)) {
+  if (offset[R] > uint64_t(a.capacity) && a.overflow != Overflow::kDrop) {
     plan.local_error = "the handle records " + std::to_string(offset[R]) + " received rows but y has " +
                        std::to_string(a.capacity) + " (stale handle?)";
     plan.rows_to.assign(R, 0);
   }
-  auto y_row = [&](int s, uint32_t i) { return bytes_of(a.y) + (offset[s] + i) * row_bytes; };
+  // Row i from member s, or zeros for a row its dispatch dropped past y's end.
+  auto copy_y_row = [&](int s, uint32_t i, uint8_t* out) {
+    const uint64_t row = offset[s] + i;
+    if (row < uint64_t(a.capacity))
+      std::memcpy(out, bytes_of(a.y) + row * row_bytes, row_bytes);
+    else
+      std::memset(out, 0, row_bytes);
+  };
   auto add_row = [&](float* dst, const uint8_t* in) {
     if (a.dtype == FloatType::kF32) {
       const float* v = reinterpret_cast<const float*>(in);
@@ -475,11 +509,11 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
   float* acc = zeroed_accumulator(values);
   std::string mismatch;
   if (auto nodes = node_blocks(group, a.node_size)) {
-    mismatch = combine_by_node(dev, group, *nodes, plan, a, y_row, add_row, acc);
+    mismatch = combine_by_node(dev, group, *nodes, plan, a, copy_y_row, add_row, acc);
   } else {
     auto tokens_from = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
     exchange(
-        dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { std::memcpy(out, y_row(d, i), row_bytes); },
+        dev, group, plan, [&](int d, uint32_t i, uint8_t* out) { copy_y_row(d, i, out); },
         [&](int s, uint32_t count, const uint8_t* rows) {
           if (count != tokens_from[s].size()) {
             if (mismatch.empty())

@@ -75,6 +75,7 @@ struct ScanArgs {
   int32_t* block_counts;           // scratch [R, blocks]
   DeviceErrors* err;
   int32_t* row_before;  // scratch [R, T + 1]: output row of source s's first row from token >= t
+  bool drop_overflow;   // Overflow::kDrop: rows past the capacity are dropped on purpose, not an error
 };
 
 __device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int first, int local_experts) {
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
   if (s != 0) return;
   int total = 0;
   for (int i = 0; i < a.num_ranks * blocks; ++i) total += a.block_counts[i];
-  if (total > a.capacity) report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
+  if (total > a.capacity && !a.drop_overflow) report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
   *a.recv_num_tokens = min(total, a.capacity);
 }
 
@@ -783,19 +784,20 @@ struct CombineSendArgs {
   int64_t row_bytes;
   int capacity;
   const int32_t* recv_counts;  // [R] from the dispatch (before its capacity cut)
+  bool drop_overflow;          // the dispatch dropped rows past y's end on purpose (Overflow::kDrop)
 };
 
-// The dispatch's rows must fit y (else rows were dropped): reported once, by block 0.
+// The dispatch's rows must fit y unless it dropped rows on purpose: reported once, by block 0.
 __device__ void check_combine_capacity(const CombineSendArgs& a) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (blockIdx.x != 0 || threadIdx.x != 0 || a.drop_overflow) return;
   int total = 0;
   for (int s = 0; s < a.to.num_ranks; ++s) total += a.recv_counts[s];
   if (total > a.capacity) report(a.to.err, kHandleDisagreesWithY, a.to.rank, total, a.capacity, 0);
 }
 
 // Send side of combine: the rows of each member go back to it, packed as they came (row j of its block of y is
-// row j of its message). Rows the dispatch dropped past y's capacity (an error check_errors() reports) go back as
-// zeros, and y is never read past its end. Chunk c of the rows to member s: chunk_begin(recv_counts[s], chunks, c);
+// row j of its message). Rows the dispatch dropped past y's capacity go back as zeros, and y is never read past its
+// end. Chunk c of the rows to member s: chunk_begin(recv_counts[s], chunks, c);
 // its progress in rows.
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(CombineSendArgs a) {
   const SendTo& to = a.to;
@@ -838,8 +840,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(Combi
 
 // Send side of combine with bulk copies: the rows of chunk c to each member are contiguous in y and in its region, so
 // one thread moves them in stage-sized pieces, members taken in turn, and announces each member's rows as their
-// stores complete. Rows past y's capacity (dropped by the dispatch, an error check_errors() reports) go back as
-// zeros, written by the block before the pieces move.
+// stores complete. Rows past y's capacity (dropped by the dispatch) go back as zeros, written by the block before the
+// pieces move.
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(CombineSendArgs a, BulkShape b) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -1371,7 +1373,8 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
                     nullptr,
                     scratch.block_counts,
                     from.err,
-                    scratch.row_before};
+                    scratch.row_before,
+                    a.overflow == Overflow::kDrop};
   k.receive = DispatchReceiveArgs{from,
                                   src,
                                   true,
@@ -1436,7 +1439,8 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
                     a.recv_counts,
                     scratch.block_counts,
                     from.err,
-                    scratch.row_before};
+                    scratch.row_before,
+                    a.overflow == Overflow::kDrop};
   k.receive = DispatchReceiveArgs{from,
                                   src,
                                   false,
@@ -1483,7 +1487,8 @@ struct CombineKernels {
 CombineKernels combine_kernels(const CombineArgs& a, const Scratch& scratch, const SendTo& to,
                                const ReceiveFrom& from) {
   const int64_t row_bytes = int64_t(a.hidden) * float_bytes(a.dtype);
-  return {CombineSendArgs{to, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.recv_counts},
+  return {CombineSendArgs{to, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.recv_counts,
+                          a.overflow == Overflow::kDrop},
           CombineReceiveArgs{from, send_blocks(), static_cast<const char*>(a.y), row_bytes, a.capacity, a.num_tokens,
                              a.recv_counts, a.is_token_in_rank, scratch.excl, static_cast<char*>(a.out)}};
 }

@@ -112,12 +112,38 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   }
   const int32_t members[R] = {0, 1};
   const auto dispatch_args = [&](Rank& k) {
-    return DispatchArgs{
-        k.x,      x_row,         k.scales,    scale_row,      k.topk,     k.weights,    T,         K,        E, cap,
-        k.recv_x, k.recv_scales, k.recv_topk, k.recv_weights, k.recv_num, k.per_expert, k.in_rank, k.counts, 0, 0};
+    DispatchArgs a{};
+    a.x = k.x;
+    a.x_row_bytes = x_row;
+    a.scales = k.scales;
+    a.scale_row_bytes = scale_row;
+    a.topk_idx = k.topk;
+    a.topk_weights = k.weights;
+    a.num_tokens = T;
+    a.topk = K;
+    a.num_experts = E;
+    a.capacity = cap;
+    a.recv_x = k.recv_x;
+    a.recv_scales = k.recv_scales;
+    a.recv_topk_idx = k.recv_topk;
+    a.recv_topk_weights = k.recv_weights;
+    a.recv_num_tokens = k.recv_num;
+    a.num_tokens_per_expert = k.per_expert;
+    a.is_token_in_rank = k.in_rank;
+    a.recv_counts = k.counts;
+    return a;
   };
   const auto combine_args = [&](Rank& k) {
-    return CombineArgs{k.recv_x, FloatType::kBF16, H, cap, T, k.in_rank, k.counts, k.out, 0, 0};
+    CombineArgs a{};
+    a.y = k.recv_x;
+    a.dtype = FloatType::kBF16;
+    a.hidden = H;
+    a.capacity = cap;
+    a.num_tokens = T;
+    a.is_token_in_rank = k.in_rank;
+    a.recv_counts = k.counts;
+    a.out = k.out;
+    return a;
   };
   // Both ranks' ops are queued before either is awaited: each waits for the other on the GPU.
   const auto run = [&](bool combine, int iters) {
