@@ -21,7 +21,7 @@ its tokens reach the experts; all compute the same function on the same paramete
 float rounding:
 
 * ``uccl`` (default): jax_uccl_ep dispatch/combine (``jax_uccl_ep.layers.moe_ffn_local``; ``--capacity-factor``
-  bounds the rows each device receives, default: never drops);
+  bounds the rows each device receives, and more raise an error; default: never drops);
 * ``all_to_all``: ``jax.lax.all_to_all`` on a fixed-capacity ``[R, C, D]`` buffer, GShard/MaxText style
   (``examples/moe_layer.py``'s ``moe_ffn_all_to_all``; C from ``--capacity-factor`` or ``--capacity``, default
   tokens * top-k: never drops);
@@ -322,9 +322,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--capacity-factor",
         type=float,
         default=None,
-        help="MoEConfig.capacity_factor: uccl receives at most factor x tokens * top-k / devices rows per device; "
-        "all_to_all sends at most that many slots to each device (default: never drop); ignored by ragged and "
-        "dense",
+        help="MoEConfig.capacity_factor: uccl receives at most factor x tokens * top-k / devices rows per device "
+        "(more raise an error); all_to_all sends at most that many slots to each device and drops the rest "
+        "(default: never drop); ignored by ragged and dense",
     )
     p.add_argument(
         "--capacity",
