@@ -1,12 +1,13 @@
 """One MoE layer at decode sizes, per step, with each expert-parallel implementation in the same run.
 
 A decode step sends a few hundred tokens per rank through the MoE feed-forward; the exchange's latency, not its
-bandwidth, sets the step time. This times examples/moe_layer.py's layers on the same parameters and tokens:
+bandwidth, sets the step time. This times the package's MoE layer (jax_uccl_ep.layers) and the baselines of
+examples/moe_layer.py on the same parameters and tokens (the same function: router, SwiGLU experts):
 
-  uccl LL fp8 / bf16   moe_ffn_low_latency (jax_uccl_ep low-latency dispatch/combine, static buffers)
-  uccl normal          moe_ffn (jax_uccl_ep dispatch/combine)
-  all_to_all           moe_ffn_all_to_all (jax.lax.all_to_all, fixed capacity, never drops)
-  dense                moe_ffn_dense (expert weights all-gathered; no EP)
+  uccl LL fp8 / bf16   layers.moe_ffn_decode (jax_uccl_ep low-latency dispatch/combine, static buffers)
+  uccl normal          layers.moe_ffn_local (jax_uccl_ep dispatch/combine)
+  all_to_all           moe_layer.moe_ffn_all_to_all (jax.lax.all_to_all, fixed capacity, never drops)
+  dense                moe_layer.moe_ffn_dense (layers.moe_ffn_reference, expert weights all-gathered; no EP)
 
 Each layer runs `--steps` times in one jit, unrolled, each step's output feeding the next step's input; the time
 is the median over `--repeats` of (call time / steps). All layers must agree with dense (checked on the first step;
@@ -56,25 +57,27 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jax_uccl_ep as ep
+    from jax_uccl_ep import layers
 
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("ep",))
     r, t = len(devices), args.tokens
     ep.initialize()
     dtype = jnp.bfloat16
-    params = ml.init_moe_params(
+    params = layers.init_moe_params(
         jax.random.key(0), d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, dtype=dtype
     )
-    specs = ml.moe_param_specs("ep")
+    specs = layers.moe_param_specs("ep")
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     x = jax.device_put(jax.random.normal(jax.random.key(1), (r * t, args.d_model), dtype), NamedSharding(mesh, P("ep")))
-    kw = dict(num_experts=args.experts, top_k=args.top_k, axis_name="ep")
-    layers = {
-        "uccl_ll_fp8": lambda p, x: ml.moe_ffn_low_latency(p, x, use_fp8=True, **kw),
-        "uccl_ll_bf16": lambda p, x: ml.moe_ffn_low_latency(p, x, use_fp8=False, **kw),
-        "uccl": lambda p, x: ml.moe_ffn(p, x, expert_compute="grouped", **kw),
-        "all_to_all": lambda p, x: ml.moe_ffn_all_to_all(p, x, expert_compute="grouped", **kw),
-        "dense": lambda p, x: ml.moe_ffn_dense(p, x, num_experts=args.experts, top_k=args.top_k, axis_name="ep"),
+    config = layers.MoEConfig(num_experts=args.experts, top_k=args.top_k)
+    kw = dict(axis_name="ep", max_tokens_per_rank=t)
+    impls = {
+        "uccl_ll_fp8": lambda p, x: layers.moe_ffn_decode(p, x, config, use_fp8=True, **kw),
+        "uccl_ll_bf16": lambda p, x: layers.moe_ffn_decode(p, x, config, use_fp8=False, **kw),
+        "uccl": lambda p, x: layers.moe_ffn_local(p, x, config, axis_name="ep").y,
+        "all_to_all": lambda p, x: ml.moe_ffn_all_to_all(p, x, config, axis_name="ep").y,
+        "dense": lambda p, x: ml.moe_ffn_dense(p, x, config, axis_name="ep").y,
     }
 
     def stepped(layer):
@@ -92,14 +95,14 @@ def main(argv=None) -> int:
         return jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))
 
     header = common.run_header(f"{r}x {devices[0].device_kind}")
-    reference = np.asarray(once(layers["dense"])(params, x), np.float32)
+    reference = np.asarray(once(impls["dense"])(params, x), np.float32)
     rows, results = [], {}
     base = None
     for name in args.impls.split(","):
         try:
-            got = np.asarray(once(layers[name])(params, x), np.float32)
+            got = np.asarray(once(impls[name])(params, x), np.float32)
             err = float(np.abs(got - reference).max() / (np.abs(reference).max() + 1e-30))
-            tm = common.time_jitted(stepped(layers[name]), (params, x), iters=args.steps, repeats=args.repeats)
+            tm = common.time_jitted(stepped(impls[name]), (params, x), iters=args.steps, repeats=args.repeats)
             base = base or tm.median_s
             results[name] = dict(tm.as_dict(), max_rel_error_vs_dense=err)
             rows.append(

@@ -1,12 +1,13 @@
 """Training step time of the same MoE transformer with each expert-parallel implementation, in one run.
 
-Trains examples/train_moe.py's model (token + position embeddings, causal attention, MoE feed-forward with top-k
-routing, AdamW; float32) once per implementation, with the same sizes, seed and data:
+Trains examples/train_moe.py's model (token + position embeddings, causal attention, the package's MoE
+feed-forward: softmax top-k router, SwiGLU experts, load-balancing loss; AdamW; float32) once per implementation,
+with the same sizes, seed and data:
 
-  uccl        jax_uccl_ep dispatch/combine                              (moe_layer.moe_ffn)
-  all_to_all  jax.lax.all_to_all on a fixed-capacity [R, C, D] buffer    (moe_layer.moe_ffn_all_to_all; GShard/MaxText)
-  ragged      jax.lax.ragged_all_to_all, dropless                       (moe_layer.moe_ffn_ragged; MaxText)
-  dense       every expert on every token, expert weights all-gathered  (moe_layer.moe_ffn_dense; no EP)
+  uccl        jax_uccl_ep dispatch/combine                             (jax_uccl_ep.layers.moe_ffn_local)
+  all_to_all  jax.lax.all_to_all on a fixed-capacity [R, C, D] buffer   (moe_layer.moe_ffn_all_to_all; GShard/MaxText)
+  ragged      jax.lax.ragged_all_to_all, dropless                      (moe_layer.moe_ffn_ragged; MaxText)
+  dense       every expert on every token, expert weights all-gathered (jax_uccl_ep.layers.moe_ffn_reference; no EP)
 
 Each implementation runs in its own child process (`python examples/train_moe.py --json ...`) that drives every
 local device (one process, R devices, data and expert parallel over them), so one that fails, hangs (--timeout) or
@@ -16,13 +17,12 @@ tokens/s = tokens per step (all devices) / that median. "vs uccl" is step time /
 The losses of all implementations should agree to float rounding (same model, data and initialization): the
 "|loss - dense|" column is the largest difference over the steps.
 
-The three EP implementations run their local experts the same way, set by --expert-compute: grouped (default),
-jax.lax.ragged_dot over the chosen (row, expert) pairs, whose static size is R * tokens * top-k pairs per device
-for all three; or masked, every local expert on every received row (uccl receives R * tokens rows, all_to_all and
-ragged R * tokens * top-k: masked costs them top-k times uccl's FLOPs). dense runs every expert on every token.
-all_to_all's buffer holds C = tokens * top-k slots per destination by default (never drops; --a2a-capacity to
-shrink it); uccl's dispatch sends a token once to each rank that owns one of its experts, the others once per
-(token, expert) pair.
+The three EP implementations run their local experts the same way, the package's grouped SwiGLU experts
+(jax.lax.ragged_dot over the chosen (row, expert) pairs), on receive buffers of static size: uccl R * tokens rows
+holding R * tokens * top-k pairs, all_to_all and ragged R * tokens * top-k rows of one pair each. dense runs every
+expert on every token. all_to_all's buffer holds C = tokens * top-k slots per destination by default (never drops;
+--a2a-capacity to shrink it); uccl's dispatch sends a token once to each rank that owns one of its experts, the
+others once per (token, expert) pair.
 
     python bench/train_step.py --out $OUT/train_step.json        # GPUs: defaults sized for 2x H200
     python bench/train_step.py --cpu --small                     # smoke run on 2 CPU devices (ragged: n/a)
@@ -92,12 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help=f"default {value} ({SMALL_SIZES[name]} with --small)",
         )
     ap.add_argument(
-        "--expert-compute",
-        choices=["grouped", "masked"],
-        default="grouped",
-        help="how uccl, all_to_all and ragged run their local experts (dense: every expert)",
-    )
-    ap.add_argument(
         "--a2a-capacity",
         type=int,
         default=None,
@@ -157,8 +151,6 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
         "--layers",
         str(args.layers),
     ]
-    if impl != "dense":
-        argv += ["--expert-compute", args.expert_compute]
     if impl == "all_to_all" and args.a2a_capacity is not None:
         argv += ["--capacity", str(args.a2a_capacity)]
     return argv
@@ -238,7 +230,7 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             if dense_losses and len(dense_losses) == len(r["losses"])
             else "n/a"
         )
-        experts = "all" if r["impl"] == "dense" else (r.get("expert_compute") or "default")
+        experts = "all" if r["impl"] == "dense" else "grouped"
         rows.append(
             [
                 r["impl"],
@@ -263,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     header = common.run_header("see the table's title")
     tokens = args.batch_per_device * args.seq_len
     config = {k: getattr(args, k) for k in GPU_SIZES} | {
-        "expert_compute": args.expert_compute,
         "a2a_capacity": args.a2a_capacity,
         "seed": args.seed,
         "tokens_per_device": tokens,

@@ -15,18 +15,23 @@ or in one process with 4 CPU devices, or on the GPUs of a machine (one process p
     JAX_NUM_CPU_DEVICES=4 python examples/train_moe.py --steps 5
     python -m jax_uccl_ep.launch -n 8 examples/train_moe.py --steps 50
 
-``--ep-impl`` picks the MoE layer's expert parallelism (``examples/moe_layer.py``); all give the same math, so the
-loss curves agree to float rounding:
+The MoE feed-forward is the package's layer, ``jax_uccl_ep.layers`` (softmax top-k router, SwiGLU experts as
+grouped matmuls, Switch Transformer's load-balancing loss weighted by ``--aux-loss-coef``). ``--ep-impl`` picks how
+its tokens reach the experts; all compute the same function on the same parameters, so the loss curves agree to
+float rounding:
 
-* ``uccl`` (default): jax_uccl_ep dispatch/combine (``moe_ffn``);
+* ``uccl`` (default): jax_uccl_ep dispatch/combine (``jax_uccl_ep.layers.moe_ffn_local``; ``--capacity-factor``
+  bounds the rows each device receives, and more raise an error; default: never drops);
 * ``all_to_all``: ``jax.lax.all_to_all`` on a fixed-capacity ``[R, C, D]`` buffer, GShard/MaxText style
-  (``moe_ffn_all_to_all``; ``--capacity`` is C, default tokens * top-k: never drops);
+  (``examples/moe_layer.py``'s ``moe_ffn_all_to_all``; C from ``--capacity-factor`` or ``--capacity``, default
+  tokens * top-k: never drops);
 * ``ragged``: ``jax.lax.ragged_all_to_all``, MaxText's dropless path (``moe_ffn_ragged``; not on XLA:CPU);
-* ``dense``: the reference formulation (every expert on every token, expert weights all-gathered).
+* ``dense``: the package's reference (``jax_uccl_ep.layers.moe_ffn_reference``: every expert on every token, expert
+  weights all-gathered).
 
-``--expert-compute masked|grouped`` picks how the EP layers run their local experts (every local expert on every
-received row, or ``jax.lax.ragged_dot`` over the chosen rows); the default is each layer's own (uccl and all_to_all
-masked, ragged grouped). ``bench/train_step.py`` times the four side by side.
+``bench/train_step.py`` times the four side by side. The printed ``loss`` is the next-token cross-entropy (what the
+chain's entropy bounds); ``aux`` is the load-balancing loss summed over the layers (about ``--layers`` times
+``--aux-loss-coef`` when the experts are balanced), and the step minimizes their sum.
 
 Timing columns are honest about what they measure: ``ms/step`` and ``tok/s`` are the wall time of a whole training
 step (forward, backward, optimizer; host-synchronized). Every ``--time-every`` steps the script also times, in
@@ -53,9 +58,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moe_layer  # noqa: E402  (the example's MoE layer, next to this file)
+import moe_layer  # (the baselines beside the package's layer, next to this file)
 
-import jax_uccl_ep as ep  # noqa: E402
+import jax_uccl_ep as ep
+from jax_uccl_ep import layers
 
 AXIS = "ep"
 JSON_MARK = "TRAIN_MOE_JSON "
@@ -72,6 +78,17 @@ class Config(NamedTuple):
     num_experts: int = 8
     top_k: int = 2
     num_layers: int = 2
+    aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per MoE layer
+    capacity_factor: float | None = None  # rows a device may receive per its tokens' slots (None: never drops)
+
+    def moe(self) -> layers.MoEConfig:
+        """The MoE layers' configuration."""
+        return layers.MoEConfig(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            aux_loss_coef=self.aux_loss_coef,
+            capacity_factor=self.capacity_factor,
+        )
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -133,7 +150,7 @@ def init_params(key: jax.Array, cfg: Config) -> dict:
                 "qkv": jax.random.normal(k_qkv, (d, 3 * d)) * d**-0.5,
                 "out": jax.random.normal(k_out, (d, d)) * d**-0.5 / cfg.num_layers,
                 "norm_moe": jnp.ones((d,)),
-                "moe": moe_layer.init_moe_params(k_moe, d_model=d, d_ff=cfg.d_ff, num_experts=cfg.num_experts),
+                "moe": layers.init_moe_params(k_moe, d_model=d, d_ff=cfg.d_ff, num_experts=cfg.num_experts),
             }
         )
     return params
@@ -141,7 +158,7 @@ def init_params(key: jax.Array, cfg: Config) -> dict:
 
 def param_specs(cfg: Config) -> dict:
     """Everything replicated except the experts, which are split over the EP axis."""
-    layer = {"norm_attn": P(), "qkv": P(), "out": P(), "norm_moe": P(), "moe": moe_layer.moe_param_specs(AXIS)}
+    layer = {"norm_attn": P(), "qkv": P(), "out": P(), "norm_moe": P(), "moe": layers.moe_param_specs(AXIS)}
     return {"embed": P(), "pos": P(), "head": P(), "norm_f": P(), "layers": [layer] * cfg.num_layers}
 
 
@@ -161,47 +178,47 @@ def attention(layer: dict, x: jax.Array, num_heads: int) -> jax.Array:
     return out @ layer["out"]
 
 
-MoeFn = Callable[[dict, jax.Array], jax.Array]
-EP_IMPLS = ("uccl", "all_to_all", "ragged", "dense")
+MoeFn = Callable[[dict, jax.Array], layers.MoEOutput]
+EP_IMPLS = tuple(moe_layer.LAYERS)  # uccl, all_to_all, ragged, dense
 
 
-def moe_fn_for(impl: str, cfg: Config, capacity: int | None, expert_compute: str | None = None) -> MoeFn:
-    """The MoE feed-forward of one rank: [tokens, D] -> [tokens, D] (inside shard_map).
+def moe_fn_for(impl: str, cfg: Config, capacity: int | None = None) -> MoeFn:
+    """The MoE feed-forward of one rank: (params, x [..., D]) -> MoEOutput (inside shard_map).
 
-    capacity: uccl's rows per receiving device, all_to_all's slots per (sender, receiver); ignored otherwise.
-    expert_compute: "masked" or "grouped" for the EP layers; None keeps the layer's default. Ignored by dense.
+    capacity: all_to_all's slots per (sender, receiver), overriding cfg.capacity_factor; None for the others.
     """
-    kwargs: dict[str, Any] = dict(num_experts=cfg.num_experts, top_k=cfg.top_k, axis_name=AXIS)
-    if expert_compute is not None and impl != "dense":
-        kwargs["expert_compute"] = expert_compute
-    if impl == "uccl":
-        return partial(moe_layer.moe_ffn, capacity=capacity, **kwargs)
-    if impl == "all_to_all":
-        return partial(moe_layer.moe_ffn_all_to_all, capacity=capacity, **kwargs)
-    if impl == "ragged":
-        return partial(moe_layer.moe_ffn_ragged, **kwargs)
-    if impl == "dense":
-        return partial(moe_layer.moe_ffn_dense, num_experts=cfg.num_experts, top_k=cfg.top_k, axis_name=AXIS)
-    raise ValueError(f"unknown --ep-impl {impl!r}")
+    if capacity is not None:
+        if impl != "all_to_all":
+            raise ValueError(f"capacity (slots per sender and receiver) is all_to_all's; {impl} takes capacity_factor")
+        return partial(moe_layer.moe_ffn_all_to_all, config=cfg.moe(), axis_name=AXIS, capacity=capacity)
+    return moe_layer.local_layer(impl, cfg.moe(), axis_name=AXIS)
 
 
-def forward(params: dict, tokens: jax.Array, cfg: Config, moe_fn: MoeFn) -> jax.Array:
-    """Logits [B, S, vocab] for this rank's tokens [B, S] (inside shard_map)."""
-    b, s = tokens.shape
+def forward(params: dict, tokens: jax.Array, cfg: Config, moe_fn: MoeFn) -> tuple[jax.Array, jax.Array]:
+    """(logits [B, S, vocab], this rank's load-balancing loss summed over the layers) for this rank's tokens [B, S]
+    (inside shard_map)."""
+    s = tokens.shape[1]
     x = params["embed"][tokens] + params["pos"][None, :s]
+    aux = jnp.zeros((), jnp.float32)
     for layer in params["layers"]:
         x = x + attention(layer, rms_norm(x, layer["norm_attn"]), cfg.num_heads)
-        h = rms_norm(x, layer["norm_moe"]).reshape(b * s, cfg.d_model)
-        x = x + moe_fn(layer["moe"], h).reshape(b, s, cfg.d_model)
-    return rms_norm(x, params["norm_f"]) @ params["head"]
+        out = moe_fn(layer["moe"], rms_norm(x, layer["norm_moe"]))
+        x = x + out.y
+        aux = aux + out.aux_loss
+    return rms_norm(x, params["norm_f"]) @ params["head"], aux
 
 
-def local_loss(params: dict, batch: jax.Array, cfg: Config, moe_fn: MoeFn) -> jax.Array:
-    """Mean next-token cross-entropy over the whole (global) batch; each rank sees its slice [B, S+1]."""
-    logits = forward(params, batch[:, :-1], cfg, moe_fn)
+def local_loss(params: dict, batch: jax.Array, cfg: Config, moe_fn: MoeFn) -> tuple[jax.Array, dict]:
+    """(cross-entropy + aux loss, {"ce", "aux"}), each averaged over the ranks; each rank sees its slice [B, S+1].
+
+    The cross-entropy is the mean over the whole (global) batch; the aux loss the ranks' mean, as
+    ``layers.moe_ffn`` reports it.
+    """
+    logits, aux = forward(params, batch[:, :-1], cfg, moe_fn)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)
-    return jax.lax.pmean(jnp.mean(nll), AXIS)
+    ce, aux = jax.lax.pmean((jnp.mean(nll), aux), AXIS)
+    return ce + aux, {"ce": ce, "aux": aux}
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -227,7 +244,6 @@ class LayerTimer:
         tokens_per_rank: int,
         capacity: int | None,
         seed: int,
-        expert_compute: str | None = None,
     ):
         self.impl = impl
         r = mesh.size
@@ -239,12 +255,18 @@ class LayerTimer:
         w = rng.random(idx.shape).astype(np.float32)
         self.idx = _global_array(idx.astype(np.int32), shard)
         self.w = _global_array(w / w.sum(axis=1, keepdims=True), shard)
-        moe_fn = moe_fn_for(impl, cfg, capacity, expert_compute)
-        specs = moe_layer.moe_param_specs(AXIS)
-        self.layer = jax.jit(jax.shard_map(moe_fn, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P(AXIS)))
+        moe_fn = moe_fn_for(impl, cfg, capacity)
+        specs = layers.moe_param_specs(AXIS)
+        self.layer = jax.jit(
+            jax.shard_map(lambda p, x: moe_fn(p, x).y, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P(AXIS))
+        )
+        # The rows the layer's own dispatch may receive (moe_ffn_local's, from the capacity factor).
+        rows = None
+        if cfg.capacity_factor is not None:
+            rows = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.capacity_factor)
 
         def dispatch(x, idx, w):
-            res = ep.dispatch(x, idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=capacity)
+            res = ep.dispatch(x, idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=rows)
             return res.x, res.handle
 
         def combine(y, handle):
@@ -277,15 +299,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--ep-impl",
         choices=EP_IMPLS,
         default="uccl",
-        help="uccl: jax_uccl_ep dispatch/combine; all_to_all: jax.lax.all_to_all, fixed capacity; "
-        "ragged: jax.lax.ragged_all_to_all, dropless (GPU/TPU); dense: reference without dispatch",
-    )
-    p.add_argument(
-        "--expert-compute",
-        choices=["masked", "grouped"],
-        default=None,
-        help="local experts of the EP layers: masked (every expert on every received row) or grouped "
-        "(jax.lax.ragged_dot); default: the layer's own (ragged grouped, the others masked)",
+        help="uccl: jax_uccl_ep dispatch/combine (the package's layer); all_to_all: jax.lax.all_to_all, fixed "
+        "capacity; ragged: jax.lax.ragged_all_to_all, dropless (GPU/TPU); dense: the package's reference "
+        "without dispatch",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-per-device", type=int, default=8, help="sequences per device per step")
@@ -297,12 +313,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=Config().top_k)
     p.add_argument("--layers", type=int, default=Config().num_layers)
     p.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=Config().aux_loss_coef,
+        help="weight of each MoE layer's load-balancing loss (MoEConfig.aux_loss_coef; 0: none)",
+    )
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="MoEConfig.capacity_factor: uccl receives at most factor x tokens * top-k / devices rows per device "
+        "(more raise an error); all_to_all sends at most that many slots to each device and drops the rest "
+        "(default: never drop); ignored by ragged and dense",
+    )
+    p.add_argument(
         "--capacity",
         type=int,
         default=None,
-        help="uccl: rows each device may receive per dispatch (default: devices * tokens); all_to_all: "
-        "slots each device sends to each device (default: tokens * top-k); both never drop by "
-        "default; ignored by ragged and dense",
+        help="all_to_all only: slots each device sends to each device (default: from --capacity-factor, or "
+        "tokens * top-k: never drops); uccl takes --capacity-factor; ignored by ragged and dense",
     )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--time-every", type=int, default=10, help="time the MoE layer every N steps (0: never)")
@@ -324,7 +353,12 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         num_experts=args.experts,
         top_k=args.top_k,
         num_layers=args.layers,
+        aux_loss_coef=args.aux_loss_coef,
+        capacity_factor=args.capacity_factor,
     )
+    if args.capacity is not None and args.ep_impl == "uccl":
+        raise SystemExit("--capacity counts all_to_all's slots; bound uccl's received rows with --capacity-factor")
+    capacity = args.capacity if args.ep_impl == "all_to_all" else None
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mesh = Mesh(np.array(devices), (AXIS,))
     r = mesh.size
@@ -338,9 +372,11 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
 
     say(
         f"train_moe: {r} device(s) [{devices[0].platform}] in {jax.process_count()} process(es), "
-        f"ep-impl={args.ep_impl}" + (f" ({args.expert_compute})" if args.expert_compute else "") + ", "
-        f"{cfg.num_experts} experts ({cfg.num_experts // r}/device), top-{cfg.top_k}, "
-        f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, heads={cfg.num_heads}, layers={cfg.num_layers}, "
+        f"ep-impl={args.ep_impl}, {cfg.num_experts} SwiGLU experts ({cfg.num_experts // r}/device), "
+        f"top-{cfg.top_k}, aux loss x{cfg.aux_loss_coef:g}, "
+        + (f"capacity factor {cfg.capacity_factor:g}, " if cfg.capacity_factor is not None else "")
+        + (f"capacity {capacity} slots, " if capacity is not None else "")
+        + f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, heads={cfg.num_heads}, layers={cfg.num_layers}, "
         f"batch {args.batch_per_device}x{cfg.seq_len} tokens/device"
     )
 
@@ -360,40 +396,39 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     )
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
 
-    moe_fn = moe_fn_for(args.ep_impl, cfg, args.capacity, args.expert_compute)
+    moe_fn = moe_fn_for(args.ep_impl, cfg, capacity)
     loss_fn = jax.shard_map(
         partial(local_loss, cfg=cfg, moe_fn=moe_fn), mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P()
     )
 
     @partial(jax.jit, donate_argnums=(0, 1), out_shardings=(shardings, opt_shardings, replicated))
     def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        (_, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, parts
 
     data = MarkovData(cfg.vocab, args.seed)
     batch_sharding = NamedSharding(mesh, P(AXIS))
     tokens_per_device = args.batch_per_device * cfg.seq_len
     tokens_per_step = r * tokens_per_device
-    timer = (
-        LayerTimer(mesh, cfg, args.ep_impl, tokens_per_device, args.capacity, args.seed, args.expert_compute)
-        if args.time_every > 0
-        else None
-    )
+    timer = LayerTimer(mesh, cfg, args.ep_impl, tokens_per_device, capacity, args.seed) if args.time_every > 0 else None
 
     losses: list[float] = []
+    aux_losses: list[float] = []
     step_s: list[float] = []
     timings: list[dict[str, float]] = []
     for step in range(1, args.steps + 1):
         batch = _global_array(data.batch(step, r * args.batch_per_device, cfg.seq_len + 1), batch_sharding)
         start = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, batch)
-        loss = float(loss)  # waits for the step
+        params, opt_state, parts = train_step(params, opt_state, batch)
+        loss = float(parts["ce"])  # waits for the step
         elapsed = time.perf_counter() - start
+        aux = float(parts["aux"])
         losses.append(loss)
+        aux_losses.append(aux)
         step_s.append(elapsed)
         line = (
-            f"step {step:4d}/{args.steps}  loss {loss:.4f}  {tokens_per_step / elapsed:9.0f} tok/s  "
+            f"step {step:4d}/{args.steps}  loss {loss:.4f}  aux {aux:.4f}  {tokens_per_step / elapsed:9.0f} tok/s  "
             f"{elapsed * 1e3:8.1f} ms/step" + ("  (includes compilation)" if step == 1 else "")
         )
         if timer is not None and (step % args.time_every == 0 or step == args.steps):
@@ -408,13 +443,16 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     steady = step_s[1:] or step_s
     summary: dict[str, Any] = {
         "ep_impl": args.ep_impl,
-        "expert_compute": args.expert_compute,
+        "aux_loss_coef": cfg.aux_loss_coef,
+        "capacity_factor": cfg.capacity_factor,
+        "capacity": capacity,
         "devices": r,
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
         "processes": jax.process_count(),
         "steps": args.steps,
-        "losses": losses,
+        "losses": losses,  # cross-entropy
+        "aux_losses": aux_losses,  # load-balancing loss, summed over the layers
         "loss_floor": data.entropy_rate(),
         "tokens_per_step": tokens_per_step,
         "step_ms": [t * 1e3 for t in step_s],  # wall time of each step, the first one with compilation
@@ -433,7 +471,8 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         ]
         say(
             f"summary: loss {np.mean(losses[:k]):.4f} (first {k} steps) -> {np.mean(losses[-k:]):.4f} "
-            f"(last {k}); floor (chain entropy) {summary['loss_floor']:.4f}; "
+            f"(last {k}); floor (chain entropy) {summary['loss_floor']:.4f}; aux {np.mean(aux_losses[-k:]):.4f} "
+            f"(last {k}); "
             f"{summary['tokens_per_s']:.0f} tok/s (median step after the first)"
             + (f"; {', '.join(timed)} (standalone calls on the step's shapes, median)" if timed else "")
         )

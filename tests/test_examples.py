@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from functools import partial
 
 import numpy as np
 import pytest
@@ -75,12 +74,9 @@ def ep_runtime():
     return jax_uccl_ep
 
 
-@pytest.mark.parametrize("top_k", [2, 3])  # top-1 renormalized weights are constant: no router gradient
-def test_moe_layer_matches_dense_reference_with_gradients(ep_runtime, top_k):
-    _layer_vs_dense(_load("moe_layer").moe_ffn, top_k=top_k, seed=11 + top_k)
-
-
-# The other EP formulations (moe_ffn_all_to_all, moe_ffn_ragged, grouped experts) against the dense reference.
+# The example's baselines (moe_ffn_all_to_all, moe_ffn_ragged) and its dense glue against the package's dense
+# reference, jax_uccl_ep.layers.moe_ffn_reference, run on each rank's tokens. The package's own layer
+# (layers.moe_ffn_local, "uccl") goes through the same check as a control of the check itself.
 # XLA:CPU has no ragged-all-to-all, so the ragged layer's offsets and sizes are checked here through an emulation of
 # jax.lax.ragged_all_to_all's documented semantics (itself checked against the documentation's example); the layer
 # with the real collective has its own test, which skips on CPU and says why.
@@ -105,80 +101,76 @@ def emulated_ragged_all_to_all(
     return output.at[dest.reshape(-1)].set(received.reshape(r * n, *operand.shape[1:]), mode="drop")
 
 
-def _layer_vs_dense(layer, *, top_k: int, seed: int, tokens: int = 20) -> None:
-    """layer(params, x, num_experts, top_k, axis_name) in shard_map vs moe_ffn_dense: output and all gradients."""
+def _mesh():
+    import jax
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
+
+
+def _skewed_params(key, *, d_model: int, d_ff: int, num_experts: int) -> dict:
+    """The package's random parameters with a router biased towards some experts (uneven loads, dropped slots)."""
+    import jax
+
+    from jax_uccl_ep import layers
+
+    k_params, k_bias = jax.random.split(key)
+    params = layers.init_moe_params(k_params, d_model=d_model, d_ff=d_ff, num_experts=num_experts)
+    params["router"] = params["router"] + 2.0 * jax.random.normal(k_bias, (1, num_experts))
+    return params
+
+
+def _layer_vs_reference(layer, config, *, seed: int, tokens: int = 20) -> None:
+    """layer(params, x, config, axis_name="ep") in shard_map against layers.moe_ffn_reference on each rank's
+    tokens: output, aux loss (the ranks' mean) and the gradients of both with respect to every input."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    ml = _load("moe_layer")
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
+    from jax_uccl_ep import layers
+
+    mesh = _mesh()
     r = mesh.size
-    num_experts, d_model, d_ff = 2 * r, 24, 40
-    keys = jax.random.split(jax.random.key(seed), 4)
-    params = ml.init_moe_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
-    params["router"] = params["router"] + 2.0 * jax.random.normal(keys[1], (1, num_experts))  # skewed load
-    x = jax.random.normal(keys[2], (r * tokens, d_model))
-    cotangent = jax.random.normal(keys[3], (r * tokens, d_model))
-    specs = ml.moe_param_specs("ep")
+    d_model, d_ff = 24, 40
+    keys = jax.random.split(jax.random.key(seed), 3)
+    params = _skewed_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=config.num_experts)
+    x = jax.random.normal(keys[1], (r * tokens, d_model))
+    cotangent = jax.random.normal(keys[2], (r * tokens, d_model))
+
+    def body(p, x):
+        out = layer(p, x, config, axis_name="ep")
+        return out.y, jax.lax.pmean(out.aux_loss, "ep")
 
     def ep_loss(p, x):
-        y = jax.shard_map(
-            lambda p, x: layer(p, x, num_experts=num_experts, top_k=top_k, axis_name="ep"),
-            mesh=mesh,
-            in_specs=(specs, P("ep")),
-            out_specs=P("ep"),
+        y, aux = jax.shard_map(
+            body, mesh=mesh, in_specs=(layers.moe_param_specs("ep"), P("ep")), out_specs=(P("ep"), P())
         )(p, x)
-        return jnp.sum(y * cotangent), y
+        return jnp.sum(y * cotangent) + aux, (y, aux)
 
-    def dense_loss(p, x):
-        y = ml.moe_ffn_dense(p, x, num_experts=num_experts, top_k=top_k)
-        return jnp.sum(y * cotangent), y
+    def reference_loss(p, x):
+        outs = [layers.moe_ffn_reference(p, xr, config) for xr in jnp.split(x, r)]  # each rank's tokens
+        y = jnp.concatenate([o.y for o in outs])
+        aux = jnp.mean(jnp.stack([o.aux_loss for o in outs]))
+        return jnp.sum(y * cotangent) + aux, (y, aux)
 
-    (_, y), grads = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1), has_aux=True))(params, x)
-    (_, y_ref), grads_ref = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True))(params, x)
+    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1), has_aux=True))(params, x)
+    (_, (y_ref, aux_ref)), grads_ref = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1), has_aux=True))(
+        params, x
+    )
     assert float(jnp.std(y_ref)) > 1e-2
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-4, atol=1e-5)
+    if config.aux_loss_coef:
+        assert float(aux_ref) > 0.1 * config.aux_loss_coef  # Switch's loss is about 1 per rank when balanced
+    np.testing.assert_allclose(float(aux), float(aux_ref), rtol=1e-5)
     flat, _ = jax.tree.flatten_with_path(grads)
     flat_ref, _ = jax.tree.flatten_with_path(grads_ref)
+    assert len(flat) == len(flat_ref) == 5  # router, w_gate, w_up, w_down; x
     for (path, g), (_, g_ref) in zip(flat, flat_ref):
         g, g_ref = np.asarray(g), np.asarray(g_ref)
         assert np.abs(g_ref).max() > 1e-3, f"{jax.tree_util.keystr(path)}: reference gradient vanished"
         np.testing.assert_allclose(
             g, g_ref, rtol=1e-4, atol=1e-5 * np.abs(g_ref).max(), err_msg=f"gradient {jax.tree_util.keystr(path)}"
         )
-
-
-@pytest.mark.parametrize("use_fp8", [False, True])
-def test_low_latency_layer_matches_dense_reference(ep_runtime, use_fp8):
-    """moe_ffn_low_latency (forward, decode-sized batches with a larger static budget) against moe_ffn_dense."""
-    import jax
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    ml = _load("moe_layer")
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
-    r, num_experts, d_model, d_ff, tokens, top_k = mesh.size, 4 * mesh.size, 128, 64, 5, 2
-    keys = jax.random.split(jax.random.key(21), 3)
-    params = ml.init_moe_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
-    x = jax.random.normal(keys[1], (r * tokens, d_model))
-    layer = jax.jit(
-        jax.shard_map(
-            lambda p, x: ml.moe_ffn_low_latency(
-                p, x, num_experts=num_experts, top_k=top_k, axis_name="ep", max_tokens_per_rank=8, use_fp8=use_fp8
-            ),
-            mesh=mesh,
-            in_specs=(ml.moe_param_specs("ep"), P("ep")),
-            out_specs=P("ep"),
-        )
-    )
-    y = np.asarray(layer(params, x))
-    y_ref = np.asarray(ml.moe_ffn_dense(params, x, num_experts=num_experts, top_k=top_k))
-    assert float(np.std(y_ref)) > 1e-2
-    # FP8 rows carry e4m3's relative error (<= 2^-4 per element) into the experts.
-    tol = dict(rtol=0.1, atol=0.05 * np.abs(y_ref).max()) if use_fp8 else dict(rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(y, y_ref, **tol)
 
 
 def test_emulated_ragged_all_to_all_follows_the_documented_example():
@@ -212,54 +204,82 @@ def test_emulated_ragged_all_to_all_follows_the_documented_example():
 
 
 @pytest.mark.parametrize(
-    "impl,expert_compute,top_k",
+    "impl,top_k,score",
     [
-        ("all_to_all", "masked", 2),
-        ("all_to_all", "grouped", 3),
-        ("ragged", "grouped", 2),
-        ("ragged", "masked", 3),
-        ("uccl", "grouped", 2),
+        ("all_to_all", 2, "softmax"),
+        ("all_to_all", 3, "sigmoid"),
+        ("ragged", 2, "softmax"),
+        ("ragged", 3, "sigmoid"),
+        ("dense", 2, "softmax"),
+        ("uccl", 2, "softmax"),
     ],
-)
-def test_ep_layers_match_dense_reference_with_gradients(ep_runtime, monkeypatch, impl, expert_compute, top_k):
+)  # top-1 renormalized weights are constant: no router gradient
+def test_layers_match_the_package_reference_with_gradients(ep_runtime, monkeypatch, impl, top_k, score):
     import jax
 
+    from jax_uccl_ep import layers
+
     ml = _load("moe_layer")
-    fn = {"uccl": ml.moe_ffn, "all_to_all": ml.moe_ffn_all_to_all, "ragged": ml.moe_ffn_ragged}[impl]
+    assert ml.LAYERS["uccl"] is layers.moe_ffn_local  # the example trains the package's layer
     if impl == "ragged":
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    _layer_vs_dense(partial(fn, expert_compute=expert_compute), top_k=top_k, seed=21 + top_k)
+    config = layers.MoEConfig(num_experts=2 * jax.device_count(), top_k=top_k, score=score, aux_loss_coef=0.1)
+    _layer_vs_reference(ml.LAYERS[impl], config, seed=21 + top_k)
 
 
-def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime):
-    """With C slots per (sender, receiver), the first C slots (token order) for each rank count, the rest add 0."""
+def _np_route(router: np.ndarray, x: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax top-k routing, renormalized, in float64: (weights [T, K], experts [T, K])."""
+    logits = x.astype(np.float64) @ router
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    idx = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, idx, axis=1)
+    return weights / weights.sum(axis=1, keepdims=True), idx
+
+
+def _np_swiglu(params: dict, e: int, x: np.ndarray) -> np.ndarray:
+    """Expert e on rows x, in float64: (silu(x @ w_gate) * (x @ w_up)) @ w_down."""
+    gate, up = x @ params["w_gate"][e], x @ params["w_up"][e]
+    return (gate / (1 + np.exp(-gate)) * up) @ params["w_down"][e]
+
+
+@pytest.mark.parametrize("how", ["capacity", "capacity_factor"])
+def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime, how):
+    """With C slots per (sender, receiver), the first C slots (token order) for each rank count, the rest add 0.
+    C is given directly, or as the capacity factor f: ceil(f x tokens x top-k / ranks)."""
     import jax
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    ml = _load("moe_layer")
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("ep",))
-    r = mesh.size
-    num_experts, d_model, d_ff, tokens, top_k, capacity = 2 * r, 16, 24, 24, 2, 7
-    keys = jax.random.split(jax.random.key(5), 3)
-    params = ml.init_moe_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
-    params["router"] = params["router"] + 2.0 * jax.random.normal(keys[1], (1, num_experts))
-    x = jax.random.normal(keys[2], (r * tokens, d_model))
-    layer = jax.jit(
-        jax.shard_map(
-            lambda p, x: ml.moe_ffn_all_to_all(
-                p, x, num_experts=num_experts, top_k=top_k, axis_name="ep", capacity=capacity
-            ),
-            mesh=mesh,
-            in_specs=(ml.moe_param_specs("ep"), P("ep")),
-            out_specs=P("ep"),
-        )
-    )
-    y = np.asarray(layer(params, x))
+    from jax_uccl_ep import layers
 
-    weights, idx = (np.asarray(a) for a in ml.route(params["router"], x, top_k))
-    experts_out = np.asarray(ml.expert_mlp(params["w1"], params["w2"], x))  # [E, R*T, D]
-    expected = np.zeros_like(y)
+    ml = _load("moe_layer")
+    mesh = _mesh()
+    r = mesh.size
+    num_experts, d_model, d_ff, tokens, top_k = 2 * r, 16, 24, 24, 2
+    if how == "capacity":
+        config, capacity = layers.MoEConfig(num_experts=num_experts, top_k=top_k), 7
+        kwargs = {"capacity": capacity}
+    else:
+        config = layers.MoEConfig(num_experts=num_experts, top_k=top_k, capacity_factor=0.6)
+        capacity, kwargs = int(np.ceil(0.6 * tokens * top_k / r)), {}
+    keys = jax.random.split(jax.random.key(5), 2)
+    params = _skewed_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
+    x = jax.random.normal(keys[1], (r * tokens, d_model))
+
+    def body(p, x):
+        out = ml.moe_ffn_all_to_all(p, x, config, axis_name="ep", **kwargs)
+        return out.y, out.stats.rows_received
+
+    layer = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(layers.moe_param_specs("ep"), P("ep")), out_specs=(P("ep"), P("ep")))
+    )
+    y, received = (np.asarray(a) for a in layer(params, x))
+
+    host = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    xs = np.asarray(x, np.float64)
+    weights, idx = _np_route(host["router"], xs, top_k)
+    expected = np.zeros_like(xs)
+    kept = np.zeros(r, int)  # slots each rank received
     dropped = 0
     for sender in range(r):
         used = np.zeros(r, int)  # slots this sender has put in each destination's block
@@ -268,20 +288,25 @@ def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime):
                 dest = idx[t, k] // (num_experts // r)
                 used[dest] += 1
                 if used[dest] <= capacity:
-                    expected[t] += weights[t, k] * experts_out[idx[t, k], t]
+                    expected[t] += weights[t, k] * _np_swiglu(host, idx[t, k], xs[t])
+                    kept[dest] += 1
                 else:
                     dropped += 1
     assert dropped > 0  # the case exercises the capacity
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(received, kept)
 
 
 def test_ragged_layer_with_the_real_ragged_all_to_all(ep_runtime):
     """moe_ffn_ragged with jax.lax.ragged_all_to_all itself; XLA:CPU does not implement it (jax 0.10): skips."""
     import jax
 
+    from jax_uccl_ep import layers
+
     ml = _load("moe_layer")
+    config = layers.MoEConfig(num_experts=2 * jax.device_count(), top_k=2, aux_loss_coef=0.1)
     try:
-        _layer_vs_dense(ml.moe_ffn_ragged, top_k=2, seed=31)
+        _layer_vs_reference(ml.moe_ffn_ragged, config, seed=31)
     except Exception as e:  # noqa: BLE001  (JaxRuntimeError; its module moved between jax versions)
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         if jax.devices()[0].platform == "cpu" and "ragged-all-to-all" in message and "UNIMPLEMENTED" in message:
@@ -290,19 +315,23 @@ def test_ragged_layer_with_the_real_ragged_all_to_all(ep_runtime):
 
 
 def test_train_moe_ep_impls_match_dense_losses(ep_runtime, monkeypatch):
-    """A few training steps of every EP formulation in one process (4 CPU devices) give the dense losses."""
+    """A few training steps of every EP formulation in one process (4 CPU devices) give the dense losses, the
+    cross-entropy and the load-balancing loss."""
     import jax
 
     pytest.importorskip("optax")
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)  # XLA:CPU lacks the real one
     train = _load("train_moe").train
-    base = ["--steps", "3", "--time-every", "0", "--batch-per-device", "2", "--seed", "7"]
-    dense = train(base + ["--ep-impl", "dense"], verbose=False)["losses"]
-    for impl, extra in [("all_to_all", []), ("ragged", []), ("uccl", ["--expert-compute", "grouped"])]:
-        out = train(base + ["--ep-impl", impl, *extra], verbose=False)
+    base = ["--steps", "3", "--time-every", "0", "--batch-per-device", "2", "--seed", "7", "--aux-loss-coef", "0.05"]
+    dense = train(base + ["--ep-impl", "dense"], verbose=False)
+    for impl in ["all_to_all", "ragged", "uccl"]:
+        out = train(base + ["--ep-impl", impl], verbose=False)
         assert out["ep_impl"] == impl and len(out["step_ms"]) == 3
-        np.testing.assert_allclose(out["losses"], dense, rtol=1e-5, err_msg=impl)
-    assert dense[-1] < dense[0] - 0.1, dense  # it learns
+        np.testing.assert_allclose(out["losses"], dense["losses"], rtol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(out["aux_losses"], dense["aux_losses"], rtol=1e-4, err_msg=impl)
+    assert dense["losses"][-1] < dense["losses"][0] - 0.1, dense["losses"]  # it learns
+    # Two layers' Switch losses (each about 1 when balanced) times the coefficient.
+    assert all(a > 0.5 * 2 * 0.05 for a in dense["aux_losses"]), dense["aux_losses"]
 
 
 def test_train_moe_in_one_process_with_several_devices(ep_runtime):
@@ -314,6 +343,22 @@ def test_train_moe_in_one_process_with_several_devices(ep_runtime):
     assert losses[-1] < losses[0] - 0.1, losses
     assert out["devices"] == len(__import__("jax").devices()) and out["processes"] == 1
     assert out["dispatch_ms"] > 0 and out["combine_ms"] > 0 and out["moe_fwd_ms"] > 0
+
+
+def test_train_moe_capacity_options(ep_runtime):
+    """--capacity counts all_to_all's slots (uccl refuses it); a small --capacity-factor drops slots in all_to_all,
+    so its losses leave the never-dropping run's."""
+    pytest.importorskip("optax")
+    train = _load("train_moe").train
+    base = ["--steps", "2", "--time-every", "0", "--batch-per-device", "2", "--seed", "4", "--ep-impl"]
+    with pytest.raises(SystemExit, match="capacity-factor"):
+        train(base + ["uccl", "--capacity", "8"], verbose=False)
+    full = train(base + ["all_to_all"], verbose=False)
+    dropping = train(base + ["all_to_all", "--capacity-factor", "0.25"], verbose=False)
+    explicit = train(base + ["all_to_all", "--capacity", "8"], verbose=False)  # 0.25 x 64 tokens x 2 / 4 devices
+    assert dropping["capacity"] is None and explicit["capacity"] == 8
+    assert abs(dropping["losses"][0] - full["losses"][0]) > 1e-3, (dropping["losses"], full["losses"])
+    np.testing.assert_allclose(explicit["losses"], dropping["losses"], rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- (a) parity
@@ -347,6 +392,8 @@ def test_training_loss_curves_match_dense_reference(tmp_path):
     a, b = np.array(uccl["losses"]), np.array(dense[0]["losses"])
     assert a.shape == b.shape == (steps,)
     np.testing.assert_allclose(a, b, rtol=1e-4)
+    np.testing.assert_allclose(uccl["aux_losses"], dense[0]["aux_losses"], rtol=1e-3)
+    assert min(uccl["aux_losses"]) > 0  # the load-balancing loss is on by default and trains with the rest
     assert a[-3:].mean() < a[:3].mean() - 0.5, a  # it learns
 
 
