@@ -128,7 +128,8 @@ def moe_ffn_all_to_all(
     slot_out = back.at[row].get(mode="fill", fill_value=0).reshape(-1, top_k, d_model)
     out = jnp.einsum("tk,tkd->td", weights, slot_out.astype(jnp.float32)).astype(x.dtype)
     received = jnp.sum(recv_expert >= 0).astype(jnp.int32).reshape(1)
-    return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, per_expert))
+    dropped = jnp.sum(position >= c).astype(jnp.int32).reshape(1)  # slots, and counted where they were sent from
+    return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, dropped, per_expert))
 
 
 def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str) -> MoEOutput:
@@ -210,7 +211,7 @@ def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name
     slot_out = back[jnp.argsort(order)].reshape(-1, top_k, d_model)
     out = jnp.einsum("tk,tkd->td", weights, slot_out.astype(jnp.float32)).astype(x.dtype)
     received = jnp.sum(recv_sizes).astype(jnp.int32).reshape(1)
-    return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, per_expert))
+    return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, jnp.zeros((1,), jnp.int32), per_expert))
 
 
 def moe_ffn_dense(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str) -> MoEOutput:

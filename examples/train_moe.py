@@ -21,7 +21,7 @@ its tokens reach the experts; all compute the same function on the same paramete
 float rounding:
 
 * ``uccl`` (default): jax_uccl_ep dispatch/combine (``jax_uccl_ep.layers.moe_ffn_local``; ``--capacity-factor``
-  bounds the rows each device receives, and more raise an error; default: never drops);
+  bounds the rows each device receives and drops the rest, tokens in order of source device; default: never drops);
 * ``all_to_all``: ``jax.lax.all_to_all`` on a fixed-capacity ``[R, C, D]`` buffer, GShard/MaxText style
   (``examples/moe_layer.py``'s ``moe_ffn_all_to_all``; C from ``--capacity-factor`` or ``--capacity``, default
   tokens * top-k: never drops);
@@ -266,7 +266,7 @@ class LayerTimer:
             rows = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.capacity_factor)
 
         def dispatch(x, idx, w):
-            res = ep.dispatch(x, idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=rows)
+            res = ep.dispatch(x, idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=rows, overflow="drop")
             return res.x, res.handle
 
         def combine(y, handle):
@@ -323,7 +323,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="MoEConfig.capacity_factor: uccl receives at most factor x tokens * top-k / devices rows per device "
-        "(more raise an error); all_to_all sends at most that many slots to each device and drops the rest "
+        "(the rest are dropped); all_to_all sends at most that many slots to each device and drops the rest "
         "(default: never drop); ignored by ragged and dense",
     )
     p.add_argument(

@@ -346,8 +346,8 @@ def test_train_moe_in_one_process_with_several_devices(ep_runtime):
 
 
 def test_train_moe_capacity_options(ep_runtime):
-    """--capacity counts all_to_all's slots (uccl refuses it); a small --capacity-factor drops slots in all_to_all,
-    so its losses leave the never-dropping run's."""
+    """--capacity counts all_to_all's slots (uccl refuses it); a small --capacity-factor drops slots in all_to_all
+    and rows in uccl, so their losses leave the never-dropping runs'."""
     pytest.importorskip("optax")
     train = _load("train_moe").train
     base = ["--steps", "2", "--time-every", "0", "--batch-per-device", "2", "--seed", "4", "--ep-impl"]
@@ -359,6 +359,11 @@ def test_train_moe_capacity_options(ep_runtime):
     assert dropping["capacity"] is None and explicit["capacity"] == 8
     assert abs(dropping["losses"][0] - full["losses"][0]) > 1e-3, (dropping["losses"], full["losses"])
     np.testing.assert_allclose(explicit["losses"], dropping["losses"], rtol=1e-6)
+    # uccl drops rows past its capacity factor too (whole rows per device, not all_to_all's slots per pair).
+    uccl_full = train(base + ["uccl"], verbose=False)
+    uccl_dropping = train(base + ["uccl", "--capacity-factor", "0.25"], verbose=False)
+    np.testing.assert_allclose(uccl_full["losses"], full["losses"], rtol=1e-5)
+    assert abs(uccl_dropping["losses"][0] - uccl_full["losses"][0]) > 1e-3, uccl_dropping["losses"]
 
 
 # ------------------------------------------------------------------------------------------- (a) parity
