@@ -85,8 +85,8 @@ struct StageRing {
 // job that moves nothing (`bar` untouched), or kNoMoreJobs. store(j, stage) issues job j's bulk stores once its
 // loads landed; each job's stores are one bulk group. done(k) is called, in order and now and then, with a count k
 // of jobs whose stores have completed (their writes performed), and at the end with the number of jobs. A stage is
-// refilled kLag jobs after its stores were issued, once they have read it; jobs are loaded ahead as far as the
-// stages allow. Returns with every store complete.
+// refilled kLag jobs after its stores were issued, once they have read it (so the ring needs more than kLag stages);
+// jobs are loaded ahead as far as the stages allow. Returns with every store complete.
 constexpr int64_t kNoMoreJobs = -1;
 template <int kLag = 2, int kPending = 8, int kAnnounceEvery = 16, class Next, class Store, class Done>
 __device__ void run_bulk_jobs(StageRing& ring, Next&& next, Store&& store, Done&& done) {

@@ -467,20 +467,36 @@ __device__ void init_stage_barriers(uint64_t* full, int stages) {
   __syncthreads();
 }
 
+// Threads of a bulk-copy block that issue copies (lane 0 of the first warps), each through its own stages: one
+// thread spends ~0.36 us per copy, so one alone bounds a block well below what its SM can move.
+constexpr int kProducers = 4;
+
+// The largest `done` any producer of a block announced for chunk c: the word only grows (red.max), so producers
+// that finish out of order never move it back.
+__device__ __forceinline__ void max_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
-// kTransferThreads tokens the block lays them out into shared tables and one thread moves each token's row (in
-// segments of at most segment_bytes, scales with the last) from x through a stage to every member that needs it,
-// announcing the chunk's progress in tokens as the stores complete.
+// kTransferThreads tokens the block lays them out into shared tables and kProducers threads move the rows, token i
+// of the pass by producer i % kProducers: each token's row (in segments of at most segment_bytes, scales with the
+// last) from x through a stage to every member that needs it. A producer records how far its tokens have landed
+// (`frontier`: every token before it that is its own has), and the chunk's progress is the least frontier, announced
+// as the stores complete.
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel(DispatchSendArgs a, BulkShape b) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
+  __shared__ int frontier[kProducers];
   unsigned* bits = reinterpret_cast<unsigned*>(smem);
   int* rows = reinterpret_cast<int*>(smem + kTransferThreads * 4);
-  StageRing ring{smem + b.tables_bytes, b.stage_bytes, b.stages, full};
   init_stage_barriers(full, b.stages);
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
   send_routing(a);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const bool producer = lane == 0 && warp < kProducers;
+  const int per = b.stages / kProducers;
+  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per};
   const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
   const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
   const unsigned others = ~(1u << to.self);
@@ -489,27 +505,33 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
     int base[kMaxRanks];
     tokens_before(a, t0, base);
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
+      const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
       layout_pass(a, p0, t1, base, bits, rows);
+      if (threadIdx.x < kProducers) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
       __syncthreads();
-      if (threadIdx.x == 0) {
-        const int n = (min(t1, p0 + int(blockDim.x)) - p0) * segs;
-        // Job j: segment j % segs of token p0 + j / segs.
-        const auto part = [&](int j, int64_t& offset, uint32_t& x_bytes, bool& with_scales) {
+      if (producer) {
+        const int mine = (tokens - warp + kProducers - 1) / kProducers;  // tokens warp, warp + kProducers, ...
+        const int n = max(0, mine) * segs;
+        // Job j: segment j % segs of the producer's token j / segs.
+        const auto part = [&](int j, int& i, int64_t& offset, uint32_t& x_bytes, bool& with_scales) {
           const int g = j % segs;
+          i = warp + j / segs * kProducers;
           offset = int64_t(g) * b.segment_bytes;
           x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset));
           with_scales = srb && g == segs - 1;
         };
-        run_bulk_jobs(
+        int announced = 0;
+        // Announced every 4 jobs: four producers' tokens make the receivers' pieces of kPieceTokens.
+        run_bulk_jobs<2, 6, 4>(
             ring,
             [&](int j, char* stage, uint64_t* bar) -> int64_t {
               if (j >= n) return kNoMoreJobs;
-              const int i = j / segs;
-              if (!(bits[i] & others)) return 0;
+              int i;
               int64_t offset;
               uint32_t x_bytes;
               bool with_scales;
-              part(j, offset, x_bytes, with_scales);
+              part(j, i, offset, x_bytes, with_scales);
+              if (!(bits[i] & others)) return 0;
               const uint32_t bytes = x_bytes + (with_scales ? uint32_t(srb) : 0);
               barrier_arrive_expect(bar, bytes);
               bulk_load(stage, a.x + int64_t(p0 + i) * xrb + offset, x_bytes, bar);
@@ -517,11 +539,11 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
               return bytes;
             },
             [&](int j, char* stage) {
-              const int i = j / segs;
+              int i;
               int64_t offset;
               uint32_t x_bytes;
               bool with_scales;
-              part(j, offset, x_bytes, with_scales);
+              part(j, i, offset, x_bytes, with_scales);
               for (unsigned m = bits[i] & others; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
                 const int64_t row = rows[i * kMaxRanks + d];
@@ -529,7 +551,20 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
                 if (with_scales) bulk_store(to.region[d] + a.scales_offset + row * srb, stage + x_bytes, uint32_t(srb));
               }
             },
-            [&](int k) { publish_progress(to, c, [&](int) { return p0 - t0 + k / segs; }); });
+            [&](int k) {
+              // This producer's first k / segs tokens have landed: its frontier is its next token (or the pass's
+              // end). Its fence publishes them to the producer that announces; that one's fence, before reading
+              // the frontiers, orders its release after them.
+              __threadfence_block();
+              reinterpret_cast<volatile int*>(frontier)[warp] = min(tokens, warp + k / segs * kProducers);
+              __threadfence_block();
+              int least = tokens;
+              for (int q = 0; q < kProducers; ++q) least = min(least, reinterpret_cast<volatile int*>(frontier)[q]);
+              if (least <= announced) return;
+              announced = least;
+              for (int d = 0; d < to.num_ranks; ++d)
+                if (d != to.self) max_release_sys(to.chunks[d] + c, progress(to.message[d], p0 - t0 + least));
+            });
       }
       __syncthreads();  // the tables are the next pass's
     }
@@ -659,7 +694,6 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
 // and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers the item;
 // our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept row
 // and write the padding past the kept count.
-constexpr int kProducers = 4;
 __global__ void __launch_bounds__(kTransferThreads, 1)
     dispatch_receive_bulk_kernel(DispatchReceiveArgs a, BulkShape b) {
   extern __shared__ __align__(128) char smem[];
@@ -1239,9 +1273,11 @@ BulkShape row_stages(int64_t row_bytes, int64_t tail_bytes, uint32_t tables_byte
   BulkShape b{};
   b.tables_bytes = tables_bytes;
   const uint32_t room = kBulkSharedBytes - tables_bytes;
-  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(room / 4 - uint32_t(tail_bytes), 16)));
+  // At least 3 stages per producer: run_bulk_jobs refills a stage 2 jobs behind.
+  const uint32_t most = room / (kProducers * 3) - 128 - uint32_t(tail_bytes);
+  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(most, 16)));
   b.stage_bytes = (b.segment_bytes + uint32_t(tail_bytes) + 127) / 128 * 128;
-  b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes));
+  b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes)) / kProducers * kProducers;  // each its own
   return b;
 }
 BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
