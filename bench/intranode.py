@@ -204,11 +204,11 @@ def sms_used() -> str:
         import jax_uccl_ep as ep
 
         n = int(ep._uccl_ep.testing.nvl_num_sms())
+        send = int(ep._uccl_ep.testing.nvl_send_blocks())
         copies = "bulk" if ep._uccl_ep.testing.nvl_bulk_copies() else "stores"
     except Exception:
         return "?"
-    send = max(1, min(n // 2, 48))
-    return f"{send}+{max(1, n - send)} {copies}"
+    return f"{send}+{n - send} {copies}"
 
 
 def run_jax(

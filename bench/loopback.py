@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-HEADERS = ["op", "copies", "SMs/rank", "time/call", "GB/s remote", "GB/s DeepEP", "rows ok"]
+HEADERS = ["op", "copies", "send+recv SMs", "time/call", "GB/s remote", "GB/s DeepEP", "rows ok"]
 
 
 def main(argv=None) -> int:
@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--sms", default="8,12,16,24", help="comma-separated SM budgets")
     ap.add_argument("--copies", default="stores,bulk", help="stores, bulk or both")
+    ap.add_argument("--send-sms", default="0", help="comma-separated send blocks of each budget (0: the default)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
@@ -43,15 +44,18 @@ def main(argv=None) -> int:
     print(f"# {header['date']}  {header['command']}", flush=True)
     rows, record = [], {"header": header, "args": vars(args), "runs": []}
     for copies in args.copies.split(","):
-        for budget in (int(b) for b in args.sms.split(",")):
-            _runtime.configure_native(Config(num_sms=budget, nvl_bulk=copies == "bulk"))
+        for budget, send_sms in ((int(b), int(s)) for b in args.sms.split(",") for s in args.send_sms.split(",")):
+            if send_sms >= budget:
+                continue
+            _runtime.configure_native(Config(num_sms=budget, num_send_sms=send_sms, nvl_bulk=copies == "bulk"))
+            split = f"{_uccl_ep.testing.nvl_send_blocks()}+{budget - _uccl_ep.testing.nvl_send_blocks()}"
             for fp8 in (False, True):
                 r = dict(
                     _uccl_ep.testing.nvl_loopback_bench(
                         0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7
                     )
                 )
-                r.update(copies=copies, budget=budget, fp8=fp8)
+                r.update(copies=copies, budget=budget, split=split, fp8=fp8)
                 record["runs"].append(r)
                 remote = r["remote_rows"] / 2 * r["x_row_bytes"]  # per rank
                 received = r["received_rows"] / 2 * r["x_row_bytes"]
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
                         [
                             name,
                             copies,
-                            str(budget),
+                            split,
                             f"{us:.1f} us",
                             f"{remote / us / 1e3:.0f}",
                             f"{received / us / 1e3:.0f}",
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
                         ]
                     )
                 print(
-                    f"# {copies} {budget} SMs fp8={fp8}: "
+                    f"# {copies} {split} SMs fp8={fp8}: "
                     + ", ".join(f"{n} {us:.1f} us" for n, us in ops)
                     + f", rows ok: {ok}",
                     flush=True,
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print()
-    rows.sort(key=lambda row: (row[0], int(row[2]), row[1]))
+    rows.sort(key=lambda row: (row[0], sum(map(int, row[2].split("+"))), row[2], row[1]))
     common.print_table(
         HEADERS,
         rows,

@@ -147,6 +147,7 @@ NB_MODULE(_uccl_ep, m) {
       .def(nb::init<>())
       .def_rw("timeout_s", &Settings::timeout_s)
       .def_rw("num_sms", &Settings::num_sms)
+      .def_rw("num_send_sms", &Settings::num_send_sms)
       .def_rw("nvl_bulk", &Settings::nvl_bulk)
       .def_rw("nvl_deadline", &Settings::nvl_deadline)
       .def_rw("ll_num_sms", &Settings::ll_num_sms)

@@ -90,6 +90,7 @@ nb::dict ring_slots_land_in_pieces(uint32_t capacity, uint64_t positions, uint32
 void define_testing(nb::module_ m) {
 #ifdef UCCL_EP_WITH_CUDA
   m.def("nvl_num_sms", [] { return nvl::num_sms(); });
+  m.def("nvl_send_blocks", [] { return nvl::normal_send_blocks(); });
   m.def("nvl_kernel_times", [] {  // {local GPU index: [(op, microseconds)]} since the last call
     std::vector<std::vector<std::pair<std::string, float>>> out;
     for (auto* d : nvl::NvlRuntime::get().devices()) out.push_back(d->kernel_times());

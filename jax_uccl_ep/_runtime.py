@@ -149,6 +149,7 @@ def configure_native(config: Config) -> None:
     for name in (
         "timeout_s",
         "num_sms",
+        "num_send_sms",
         "nvl_bulk",
         "nvl_deadline",
         "ll_num_sms",

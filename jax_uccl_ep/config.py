@@ -87,6 +87,10 @@ class Config:
     num_sms: int = field(
         default=24, metadata=_env("UCCL_EP_NUM_SMS", "normal mode's SM budget (send and receive blocks together)")
     )
+    num_send_sms: int = field(
+        default=0,
+        metadata=_env("UCCL_EP_NUM_SEND_SMS", "send blocks of that budget (0: a third; the rest receive)"),
+    )
     nvl_bulk: bool = field(
         default=True, metadata=_env("UCCL_EP_NVL_BULK", "normal mode moves rows by bulk copies (TMA), else SM stores")
     )
@@ -122,7 +126,7 @@ class Config:
         ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} ({self.env_name(name)}) must be positive, got {getattr(self, name)}")
-        for name in ("max_inflight_bytes", "ll_buffer_bytes", "kernel_timing"):
+        for name in ("max_inflight_bytes", "ll_buffer_bytes", "kernel_timing", "num_send_sms"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} ({self.env_name(name)}) must not be negative, got {getattr(self, name)}")
         if self.timeout_s <= 0:

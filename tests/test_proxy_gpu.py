@@ -138,21 +138,35 @@ def gpu_loopback(cases: list) -> list:
     from jax_uccl_ep import Config, _runtime, _uccl_ep
 
     out = []
-    for budget, bulk, tokens, hidden, topk, experts, fp8 in cases:
-        _runtime.configure_native(Config(num_sms=budget, nvl_bulk=bulk == "1"))
+    for budget, send, bulk, tokens, hidden, topk, experts, fp8 in cases:
+        _runtime.configure_native(Config(num_sms=budget, num_send_sms=send, nvl_bulk=bulk == "1"))
         r = dict(_uccl_ep.testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out)))
-        out.append(dict(r, case=[budget, bulk, tokens, hidden, topk, experts, fp8]))
+        out.append(
+            dict(
+                r,
+                send_blocks=_uccl_ep.testing.nvl_send_blocks(),
+                case=[budget, send, bulk, tokens, hidden, topk, experts, fp8],
+            )
+        )
     return out
 
 
 def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     """Both ways of moving rows (bulk copies, SM stores) at several SM budgets and shapes: rows that fit a stage,
     rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
-    into chunks and pieces, a chunk per send block down to a budget of 2. Every row of the last dispatch is
+    into chunks and pieces, a chunk per send block down to a budget of 2, send/receive splits other than the
+    default third. Every row of the last dispatch is
     compared with the sender's input and every combined sum with x times the token's copies (host-side)."""
     cases = [
-        (budget, bulk, tokens, hidden, 8, 64, fp8)
-        for budget, tokens, hidden in [(2, 301, 256), (6, 1000, 7168), (24, 4096, 7168), (12, 777, 20480)]
+        (budget, send, bulk, tokens, hidden, 8, 64, fp8)
+        for budget, send, tokens, hidden in [
+            (2, 0, 301, 256),
+            (6, 0, 1000, 7168),
+            (24, 0, 4096, 7168),
+            (12, 0, 777, 20480),
+            (24, 16, 2000, 7168),
+            (24, 3, 2000, 7168),
+        ]
         for bulk in ("1", "0")
         for fp8 in (False, True)
     ]
@@ -168,7 +182,9 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     assert all(x.ok for x in results), describe(results)
     for r in results[0].result:
         print(r)
-        assert r["bulk"] == (r["case"][1] == "1") and r["num_sms"] == r["case"][0], r
+        budget, send, bulk = r["case"][:3]
+        assert r["bulk"] == (bulk == "1") and r["num_sms"] == budget, r
+        assert r["send_blocks"] == (send or max(1, budget // 3)), r
         assert r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0, r
         assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
-        assert r["dispatch_us"] > 0 and (r["case"][6] or r["combine_us"] > 0), r
+        assert r["dispatch_us"] > 0 and (r["case"][7] or r["combine_us"] > 0), r

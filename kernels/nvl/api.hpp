@@ -220,9 +220,11 @@ void preload_intranode_kernels();
 void preload_low_latency_kernels();
 
 // Views of the settings (kernels/settings.hpp) as the kernels use them.
-// Normal mode's SM budget: the blocks of its send and receive kernels together, half each (the send kernel at
-// most kChunks), one per SM.
+// Normal mode's SM budget: the blocks of its send and receive kernels together, one per SM; of those, the send
+// kernel's (at most kChunks; 0: the kernels choose, a third).
 int num_sms();
+int num_send_sms();
+int normal_send_blocks();  // what the kernels take of the budget to send (the rest receive)
 // Whether normal mode's NVLink kernels move rows with bulk copies (TMA) rather than SM stores; rows that are not
 // 16-byte multiples, and the proxy path's host-memory regions, always take SM stores.
 bool bulk_copies();

@@ -96,6 +96,7 @@ T* mapped_host(size_t count, T** device) {
 }  // namespace
 
 int num_sms() { return std::max(2, settings().num_sms); }
+int num_send_sms() { return std::max(0, settings().num_send_sms); }
 bool bulk_copies() { return settings().nvl_bulk; }
 int low_latency_blocks() { return std::max(1, settings().ll_num_sms); }
 bool waits_have_deadline() { return settings().nvl_deadline; }

@@ -1260,7 +1260,12 @@ void finish(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_
 // receivers count chunks; initialize() checks it). Receive kernels get as many.
 // The SM budget (num_sms(), every process the same: the receivers count chunks; initialize() checks it) is split
 // between the send kernel, a block per chunk of the message, and the receive kernel.
-int send_blocks() { return std::clamp(num_sms() / 2, 1, kChunks); }
+// Receive sides move more than send sides (dispatch: every received row, own ones too; combine: every copy of a
+// token, then its sum), so by default a third of the budget sends.
+int send_blocks() {
+  const int wanted = num_send_sms() > 0 ? num_send_sms() : num_sms() / 3;
+  return std::clamp(wanted, 1, std::min(kChunks, num_sms() - 1));
+}
 int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
 
 // Shared memory of the bulk-copy kernels (kernels/nvl/bulk.cuh). Stages of at most a row segment each for the row
@@ -1687,6 +1692,8 @@ void run_over_proxy(ProxyHalf& half, MessagePieces m, cudaStream_t stream, Send&
 }
 
 }  // namespace
+
+int normal_send_blocks() { return send_blocks(); }
 
 size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights) {
   return dispatch_layout(num_tokens, x_row_bytes, scale_row_bytes, topk, weights).total;
