@@ -279,7 +279,7 @@ __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_f
 __device__ int wait_progress(const ReceiveFrom& from, int s, int c, int done) {
   const uint64_t* word = from.chunks[s] + c;
   if (!wait_flag(word, progress(from.message[s], done), int64_t(from.message[s]), from.timeout_ns, from.err, from.rank,
-                 from.rank_of[s]))
+                 from.rank_of[s], /*backoff=*/true))
     return -1;
   return int(uint32_t(load_acquire_sys(word)));
 }
