@@ -260,19 +260,13 @@ __device__ void announce_meta(const SendTo& to) {
   for (int s = 0; s < to.num_ranks; ++s)
     if (s != to.self) add_release_sys(to.meta[s], 1);
 }
-// From the one thread whose completed bulk stores the words announce: a release store each is enough (a full
-// system fence per announcement cost several microseconds of the thread that keeps the copies going).
-template <class DoneFor>
-__device__ void publish_progress(const SendTo& to, int c, const DoneFor& done_for) {
-  for (int s = 0; s < to.num_ranks; ++s)
-    if (s != to.self) store_release_sys(to.chunks[s] + c, progress(to.message[s], done_for(s)));
-}
 template <class DoneFor>
 __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_for) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence_system();
-  publish_progress(to, c, done_for);
+  for (int s = 0; s < to.num_ranks; ++s)
+    if (s != to.self) store_release_sys(to.chunks[s] + c, progress(to.message[s], done_for(s)));
 }
 
 // Waits (one thread) until chunk c of member s's message has `done` landed; returns how much has, or -1 (timeout).
@@ -471,8 +465,9 @@ __device__ void init_stage_barriers(uint64_t* full, int stages) {
 // thread spends ~0.36 us per copy, so one alone bounds a block well below what its SM can move.
 constexpr int kProducers = 4;
 
-// The largest `done` any producer of a block announced for chunk c: the word only grows (red.max), so producers
-// that finish out of order never move it back.
+// The bulk senders' announcement of chunk c's progress, from whichever producer finds the least frontier moved: the
+// word only grows (red.max), so producers that announce out of order never move it back, and a release is enough
+// (a full system fence per announcement cost several microseconds of a thread that keeps copies going).
 __device__ __forceinline__ void max_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -873,19 +868,23 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(Combi
 }
 
 // Send side of combine with bulk copies: the rows of chunk c to each member are contiguous in y and in its region, so
-// one thread moves them in stage-sized pieces, members taken in turn, and announces each member's rows as their
-// stores complete. Rows past y's capacity (dropped by the dispatch) go back as zeros, written by the block before the
-// pieces move.
+// they move in stage-sized pieces, members taken in turn (job j: piece j / M of member j % M), dealt out over
+// kProducers threads (job j to producer j % kProducers), each with its own stages. Each records its frontier (the
+// next job of its own it has not completed) and each member's progress is what the least frontier covers. Rows past
+// y's capacity (dropped by the dispatch) go back as zeros, written by the block before the pieces move.
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(CombineSendArgs a, BulkShape b) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
-  StageRing ring{smem + b.tables_bytes, b.stage_bytes, b.stages, full};
+  __shared__ int frontier[kProducers];
   const SendTo& to = a.to;
   const int R = to.num_ranks;
   check_combine_capacity(a);
   init_stage_barriers(full, b.stages);
   if (!wait_acks(to)) return;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const bool producer = lane == 0 && warp < kProducers;
+  const int per = b.stages / kProducers;
+  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per};
   int offsets[kMaxRanks];
   for (int s = 0, o = 0; s < R; o += a.recv_counts[s], ++s) offsets[s] = o;
   const int64_t rb = a.row_bytes;
@@ -903,18 +902,22 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
       most = max(most, pieces[M]);
       members[M++] = s;
     }
-    __syncthreads();  // the zeros are written before thread 0's announcements (the barrier, then its releases)
-    if (threadIdx.x == 0 && M > 0) {
-      // Job j: piece j / M of member j % M.
+    const int jobs = most * M;
+    if (threadIdx.x < kProducers) frontier[threadIdx.x] = min(int(threadIdx.x), jobs);
+    __syncthreads();  // the zeros are written before the producers' announcements (the barrier, then releases)
+    if (producer && M > 0) {
+      // The producer's job i is job warp + i * kProducers.
       const auto piece = [&](int j, int m, int64_t& at, uint32_t& bytes) {
         const int64_t begin = int64_t(j0[m]) * rb, end = int64_t(kept[m]) * rb;
         at = begin + int64_t(j / M) * b.stage_bytes;
         bytes = uint32_t(min(int64_t(b.stage_bytes), end - at));
       };
+      int announced = 0;
       run_bulk_jobs(
           ring,
-          [&](int j, char* stage, uint64_t* bar) -> int64_t {
-            if (j >= most * M) return kNoMoreJobs;
+          [&](int i, char* stage, uint64_t* bar) -> int64_t {
+            const int j = warp + i * kProducers;
+            if (j >= jobs) return kNoMoreJobs;
             const int m = j % M;
             if (j / M >= pieces[m]) return 0;
             int64_t at;
@@ -924,7 +927,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
             bulk_load(stage, a.y + int64_t(offsets[members[m]]) * rb + at, bytes, bar);
             return bytes;
           },
-          [&](int j, char* stage) {
+          [&](int i, char* stage) {
+            const int j = warp + i * kProducers;
             const int m = j % M;
             int64_t at;
             uint32_t bytes;
@@ -932,13 +936,20 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
             bulk_store(to.region[members[m]] + at, stage, bytes);
           },
           [&](int k) {
-            int rows_done[kMaxRanks];  // by group position
+            // As in the dispatch sender: this producer's frontier, then the least of all, announced.
+            __threadfence_block();
+            reinterpret_cast<volatile int*>(frontier)[warp] = min(jobs, warp + k * kProducers);
+            __threadfence_block();
+            int least = jobs;
+            for (int q = 0; q < kProducers; ++q) least = min(least, reinterpret_cast<volatile int*>(frontier)[q]);
+            if (least <= announced) return;
+            announced = least;
             for (int m = 0; m < M; ++m) {
-              const int done_pieces = k > m ? (k - m + M - 1) / M : 0;
-              rows_done[members[m]] =
+              const int done_pieces = least > m ? (least - m + M - 1) / M : 0;
+              const int rows_done =
                   done_pieces >= pieces[m] ? j1[m] - j0[m] : int(int64_t(done_pieces) * b.stage_bytes / rb);
+              max_release_sys(to.chunks[members[m]] + c, progress(to.message[members[m]], rows_done));
             }
-            publish_progress(to, c, [&](int s) { return rows_done[s]; });
           });
     }
     announce_meta(to);  // keeps the meta count at `chunks` a message (combine has no routing to send)
@@ -1256,12 +1267,10 @@ void finish(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_
   check(cudaStreamWaitEvent(stream, dev.join_event(), 0), "cudaStreamWaitEvent");
 }
 
-// A send kernel's blocks: one per chunk of the message (every process must use the same UCCL_EP_NUM_SMS: the
-// receivers count chunks; initialize() checks it). Receive kernels get as many.
-// The SM budget (num_sms(), every process the same: the receivers count chunks; initialize() checks it) is split
-// between the send kernel, a block per chunk of the message, and the receive kernel.
-// Receive sides move more than send sides (dispatch: every received row, own ones too; combine: every copy of a
-// token, then its sum), so by default a third of the budget sends.
+// The SM budget is split between the send kernel, a block per chunk of the message (every process must use the same
+// split: the receivers count chunks; initialize() checks it), and the receive kernel. Receive sides move more than
+// send sides (dispatch: every received row, own ones too; combine: every copy of a token, then its sum), so by
+// default a third of the budget sends.
 int send_blocks() {
   const int wanted = num_send_sms() > 0 ? num_send_sms() : num_sms() / 3;
   return std::clamp(wanted, 1, std::min(kChunks, num_sms() - 1));
