@@ -912,7 +912,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
         at = begin + int64_t(j / M) * b.stage_bytes;
         bytes = uint32_t(min(int64_t(b.stage_bytes), end - at));
       };
-      int announced = 0;
+      int announced = -1;  // a chunk whose rows were all dropped (no jobs) is still announced, as zeros
       run_bulk_jobs(
           ring,
           [&](int i, char* stage, uint64_t* bar) -> int64_t {
