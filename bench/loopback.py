@@ -6,7 +6,8 @@ Sweeps the SM budget (UCCL_EP_NUM_SMS: send + receive blocks of each rank) for t
 bulk-copy (TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default. Per call: BF16 dispatch, FP8 dispatch
 (rows + scales) and BF16 combine, timed with CUDA events over --iters calls (the slower rank). GB/s: the rows one
 rank sends the other per call over the time ("remote", the bytes NVLink would carry), and all rows it receives
-including its own ("DeepEP"). Both ranks run at once, so the GPU's memory carries about 4x the remote bytes
+including its own ("DeepEP"), and for one more call of each op the bulk kernels' spans over both ranks (start
+after the op's first kernel / length, us). Both ranks run at once, so the GPU's memory carries about 4x the remote bytes
 (send: read + write, receive: read + write) of each rank. Each run checks the last call's rows and sums.
 
     python bench/loopback.py --out $OUT/loopback.json
@@ -85,6 +86,9 @@ def main(argv=None) -> int:
                     + f", rows ok: {ok}",
                     flush=True,
                 )
+                spans = r.get("spans_us", {})
+                if spans:  # bulk kernels only: where one more call's time went, (start, length) in us
+                    print("#   spans: " + ", ".join(f"{k} +{s:.0f}/{n:.0f}" for k, (s, n) in spans.items()), flush=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print()

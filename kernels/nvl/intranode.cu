@@ -12,6 +12,7 @@
 #include "bulk.cuh"
 #include "device_common.cuh"
 #include "proxy_path.cuh"
+#include "testing.hpp"
 
 namespace uccl_ep::nvl {
 namespace {
@@ -59,6 +60,23 @@ __device__ int block_exclusive_scan(int value, int* total) {
   return warp_prefix + inclusive - value;
 }
 
+// Kernel spans for the loopback bench (set_kernel_stamps, testing.hpp): per KernelKind the earliest start and the
+// latest end of any block of any rank, in ns of %globaltimer, while the bench points this at a device array; null
+// otherwise (one load and branch per block).
+__device__ uint64_t* g_kernel_stamps = nullptr;
+struct KernelStamp {
+  int kind;
+  __device__ explicit KernelStamp(KernelKind k) : kind(int(k)) {
+    uint64_t* stamps = g_kernel_stamps;
+    if (stamps && threadIdx.x == 0) atomicMin(reinterpret_cast<unsigned long long*>(stamps + 2 * kind), global_ns());
+  }
+  __device__ ~KernelStamp() {
+    uint64_t* stamps = g_kernel_stamps;
+    if (stamps && threadIdx.x == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(stamps + 2 * kind + 1), global_ns());
+  }
+};
+
 // The routing scan: which rows this rank receives, from which (source, token), and where they go. Rows are
 // ordered by source (group order), then token. Two passes over a grid of (token block, source) blocks:
 // count each block's rows, then place them after the counts of every earlier block, so the scan spreads over
@@ -90,6 +108,7 @@ __device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int 
 
 // Pass 1: a block per (kScanThreads tokens, source) counts its rows.
 __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a) {
+  const KernelStamp stamp(KernelKind::kScan);
   const int s = blockIdx.y, t = blockIdx.x * kScanThreads + threadIdx.x;
   const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
   const bool take = t < a.num_tokens && scan_takes(a, s, t, a.self * local_experts, local_experts);
@@ -102,6 +121,7 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a
 // Pass 2: each block places its rows after those of every earlier block and counts them per local expert
 // (shared-memory counters, then one global add per expert and block).
 __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a) {
+  const KernelStamp stamp(KernelKind::kScan);
   extern __shared__ int expert_rows[];  // [local_experts]
   const int blocks = gridDim.x, s = blockIdx.y, t = blockIdx.x * kScanThreads + threadIdx.x;
   const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
@@ -479,6 +499,7 @@ __device__ __forceinline__ void max_release_sys(uint64_t* p, uint64_t v) {
 // (`frontier`: every token before it that is its own has), and the chunk's progress is the least frontier, announced
 // as the stores complete.
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel(DispatchSendArgs a, BulkShape b) {
+  const KernelStamp stamp(KernelKind::kDispatchSend);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ int frontier[kProducers];
@@ -691,6 +712,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
 // and write the padding past the kept count.
 __global__ void __launch_bounds__(kTransferThreads, 1)
     dispatch_receive_bulk_kernel(DispatchReceiveArgs a, BulkShape b) {
+  const KernelStamp stamp(KernelKind::kDispatchReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ char* part_dst[kMaxStages][2];
@@ -873,6 +895,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(Combi
 // next job of its own it has not completed) and each member's progress is what the least frontier covers. Rows past
 // y's capacity (dropped by the dispatch) go back as zeros, written by the block before the pieces move.
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(CombineSendArgs a, BulkShape b) {
+  const KernelStamp stamp(KernelKind::kCombineSend);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ int frontier[kProducers];
@@ -1058,6 +1081,7 @@ struct CombineStage {
 };
 template <typename T>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kernel(CombineReceiveArgs a, BulkShape b) {
+  const KernelStamp stamp(KernelKind::kCombineReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
   __shared__ CombineStage job_of[kMaxStages];
@@ -1703,6 +1727,11 @@ void run_over_proxy(ProxyHalf& half, MessagePieces m, cudaStream_t stream, Send&
 }  // namespace
 
 int normal_send_blocks() { return send_blocks(); }
+
+void set_kernel_stamps(int cuda_device, uint64_t* stamps) {
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  check(cudaMemcpyToSymbol(g_kernel_stamps, &stamps, sizeof(stamps)), "cudaMemcpyToSymbol");
+}
 
 size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights) {
   return dispatch_layout(num_tokens, x_row_bytes, scale_row_bytes, topk, weights).total;

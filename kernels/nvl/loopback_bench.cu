@@ -229,6 +229,27 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
       }
     }
   }
+  // One more call of each op with the kernels' stamps on: where its time goes.
+  constexpr int kKinds = int(KernelKind::kCount);
+  uint64_t* stamps = device_alloc<uint64_t>(2 * kKinds);
+  for (int op = 0; op < (a.fp8 ? 1 : 2); ++op) {
+    std::vector<uint64_t> host(2 * kKinds, 0);
+    for (int k = 0; k < kKinds; ++k) host[2 * k] = UINT64_MAX;
+    check(cudaMemcpy(stamps, host.data(), host.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
+    set_kernel_stamps(a.cuda_device, stamps);
+    run(op == 1, 1);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    set_kernel_stamps(a.cuda_device, nullptr);
+    check(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    uint64_t first = UINT64_MAX;
+    for (int k = 0; k < kKinds; ++k) first = std::min(first, host[2 * k]);
+    for (int k = 0; k < kKinds; ++k) {
+      const bool ran = host[2 * k] != UINT64_MAX;
+      res.spans[op][k][0] = ran ? double(host[2 * k] - first) / 1e3 : 0.0;
+      res.spans[op][k][1] = ran ? (double(host[2 * k + 1]) - double(host[2 * k])) / 1e3 : -1.0;
+    }
+  }
+  check(cudaFree(stamps), "cudaFree");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   return res;
 }

@@ -24,6 +24,12 @@ struct RingBenchResult {
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds);
 
+// The normal-mode bulk kernels whose spans the loopback bench reads (intranode.cu stamps them).
+enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kCombineReceive, kCount };
+// Points the kernels' stamps at `stamps` (device memory, [KernelKind::kCount][start, end], start words set to
+// UINT64_MAX and end words to 0 beforehand), or turns them off with null.
+void set_kernel_stamps(int cuda_device, uint64_t* stamps);
+
 // Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): two ranks on `cuda_device`, each
 // sending into the other's buffer, random top-k routing; dispatch (BF16 rows, or FP8 rows with scales) and, for
 // BF16, combine, each timed over `iters` calls (the slower rank's events), under the current transfer settings.
@@ -38,6 +44,9 @@ struct LoopbackResult {
   uint64_t remote_rows, received_rows;                // of both ranks, per call
   uint64_t x_row_bytes;                               // bytes of a dispatched row (FP8: with its scales)
   uint64_t mismatched_rows, mismatched_combine_rows;  // the last call's rows that differ from the inputs (must be 0)
+  // One more call of each op, its bulk kernels' spans over both ranks: [KernelKind] {start, length} in us from the
+  // earliest start of the op's kernels (negative length: the kernel did not run).
+  double spans[2][int(KernelKind::kCount)][2];  // [dispatch, combine]
 };
 LoopbackResult loopback_bench(const LoopbackArgs& args);
 // GB/s one kernel of `blocks` blocks copies within the GPU: per block `producers` threads each running bulk copies
