@@ -1178,11 +1178,23 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
     const CombineStage job = job_of[st];
     if (job.rows < 0) break;
     int4* dst = reinterpret_cast<int4*>(a.out + int64_t(job.token) * a.row_bytes + job.offset);
-    for (uint32_t v = lane; v < job.bytes / 16; v += kWarp) {
-      float acc[Vec<T>::kN] = {};
-      for (int r = 0; r < job.rows; ++r)
-        Vec<T>::add(acc, reinterpret_cast<const int4*>(slot + size_t(r) * b.segment_bytes)[v]);
-      dst[v] = Vec<T>::pack(acc);
+    const uint32_t vectors = job.bytes / 16;
+    // kUnroll vectors per lane at a time, each copy's loads issued together: one warp reduces a whole stage.
+    for (uint32_t v0 = lane; v0 < vectors; v0 += kUnroll * kWarp) {
+      float acc[kUnroll][Vec<T>::kN] = {};
+      for (int r = 0; r < job.rows; ++r) {
+        const int4* copy = reinterpret_cast<const int4*>(slot + size_t(r) * b.segment_bytes);
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kWarp < vectors) v[u] = copy[v0 + u * kWarp];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kWarp < vectors) Vec<T>::add(acc[u], v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kWarp < vectors) dst[v0 + u * kWarp] = Vec<T>::pack(acc[u]);
     }
     // Our reads of the stage come before the next bulk load into it (another proxy).
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
