@@ -991,6 +991,26 @@ struct CombineReceiveArgs {
   char* out;            // [T, row_bytes]
 };
 
+// The lane's kUnroll vectors from i (i, i + kWarp, ...; those before `end`) of the float32 sum of `n` rows, written to
+// dst as T; each row's loads issued together. `load(row, index)` reads one 16-byte vector of a row.
+template <typename T, class Load>
+__device__ __forceinline__ void sum_vectors(int4* dst, const int4* const* rows, int n, int64_t i, int64_t end,
+                                            const Load& load) {
+  float acc[kUnroll][Vec<T>::kN] = {};
+  for (int j = 0; j < n; ++j) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * kWarp < end) v[u] = load(rows[j], i + u * kWarp);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * kWarp < end) Vec<T>::add(acc[u], v[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (i + u * kWarp < end) dst[i + u * kWarp] = Vec<T>::pack(acc[u]);
+}
+
 // Receive side of combine: work items of kPieceTokens tokens, in the order the members' send blocks make progress
 // (roughly: a member's rows for our token chunk c sit in its chunk c when routing is even). A block waits until the
 // chunks of each member that hold those tokens' rows have them (a thread per (member, chunk)), then sums every token's
@@ -1049,22 +1069,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(Co
       }
       int4* dst = reinterpret_cast<int4*>(a.out + int64_t(t) * a.row_bytes);
       const int64_t v0 = b0 / 16, v1 = b1 / 16;
-      for (int64_t i = v0 + lane; i < v1; i += kUnroll * kWarp) {
-        float acc[kUnroll][Vec<T>::kN] = {};
-        for (int j = 0; j < n; ++j) {
-          const int4* r = reinterpret_cast<const int4*>(rows[j]);
-          int4 v[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (i + u * kWarp < v1) v[u] = __ldcg(r + i + u * kWarp);  // landed while we ran
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (i + u * kWarp < v1) Vec<T>::add(acc[u], v[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + u * kWarp < v1) dst[i + u * kWarp] = Vec<T>::pack(acc[u]);
-      }
+      const int4* vector_rows[kMaxRanks];
+      for (int j = 0; j < n; ++j) vector_rows[j] = reinterpret_cast<const int4*>(rows[j]);
+      const auto coherent = [](const int4* row, int64_t k) { return __ldcg(row + k); };  // landed while we ran
+      for (int64_t i = v0 + lane; i < v1; i += kUnroll * kWarp) sum_vectors<T>(dst, vector_rows, n, i, v1, coherent);
     }
   }
 }
@@ -1178,24 +1186,13 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
     const CombineStage job = job_of[st];
     if (job.rows < 0) break;
     int4* dst = reinterpret_cast<int4*>(a.out + int64_t(job.token) * a.row_bytes + job.offset);
-    const uint32_t vectors = job.bytes / 16;
-    // kUnroll vectors per lane at a time, each copy's loads issued together: one warp reduces a whole stage.
-    for (uint32_t v0 = lane; v0 < vectors; v0 += kUnroll * kWarp) {
-      float acc[kUnroll][Vec<T>::kN] = {};
-      for (int r = 0; r < job.rows; ++r) {
-        const int4* copy = reinterpret_cast<const int4*>(slot + size_t(r) * b.segment_bytes);
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kWarp < vectors) v[u] = copy[v0 + u * kWarp];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kWarp < vectors) Vec<T>::add(acc[u], v[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * kWarp < vectors) dst[v0 + u * kWarp] = Vec<T>::pack(acc[u]);
-    }
+    const int64_t vectors = job.bytes / 16;
+    const int4* copies_in_stage[kMaxRanks];
+    for (int r = 0; r < job.rows; ++r)
+      copies_in_stage[r] = reinterpret_cast<const int4*>(slot + size_t(r) * b.segment_bytes);
+    const auto shared = [](const int4* row, int64_t k) { return row[k]; };
+    for (int64_t i = lane; i < vectors; i += kUnroll * kWarp)  // one warp reduces the whole stage
+      sum_vectors<T>(dst, copies_in_stage, job.rows, i, vectors, shared);
     // Our reads of the stage come before the next bulk load into it (another proxy).
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
