@@ -21,7 +21,8 @@ enum class Path : int64_t {
 // What a dispatch does with rows past its capacity (the receiver keeps its first `capacity` rows in row order,
 // by source member then token, either way):
 //   kError: the op fails. On the host paths every rank of the group raises it in the op (the runtime stays usable);
-//           GPU kernels record it for check_errors() on the rank that overflowed.
+//           GPU kernels cannot fail their call: every member counts every member's rows and records the overflow
+//           for check_errors(), and the rows past the capacity are dropped.
 //   kDrop:  the rest are dropped on purpose; their combine returns zeros to their sources.
 // Its cached dispatch and combine take the dispatch's policy: under kDrop a handle may record more rows than y has.
 enum class Overflow : int64_t { kError = 0, kDrop = 1 };

@@ -94,6 +94,10 @@ struct ScanArgs {
   DeviceErrors* err;
   int32_t* row_before;  // scratch [R, T + 1]: output row of source s's first row from token >= t
   bool drop_overflow;   // Overflow::kDrop: rows past the capacity are dropped on purpose, not an error
+  // Overflow::kError with a capacity some member could exceed: every member's rows are counted too (scratch
+  // [R receivers, R sources * blocks]), so that every member reports any member's overflow, naming it (rank_of).
+  int32_t* receiver_counts;
+  int rank_of[kMaxRanks];
 };
 
 __device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int first, int local_experts) {
@@ -114,6 +118,17 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a
   const bool take = t < a.num_tokens && scan_takes(a, s, t, a.self * local_experts, local_experts);
   const int rows = __syncthreads_count(take);
   if (threadIdx.x == 0) a.block_counts[s * gridDim.x + blockIdx.x] = rows;
+  if (a.receiver_counts) {  // topk mode: the members each token goes to
+    unsigned members = 0;
+    for (int k = 0; t < a.num_tokens && k < a.topk; ++k) {
+      const int e = a.src.topk_idx[s][t * a.topk + k];
+      if (e >= 0 && e < a.num_experts) members |= 1u << (e / local_experts);
+    }
+    for (int d = 0; d < a.num_ranks; ++d) {
+      const int to_d = __syncthreads_count(members >> d & 1);
+      if (threadIdx.x == 0) a.receiver_counts[(d * a.num_ranks + s) * gridDim.x + blockIdx.x] = to_d;
+    }
+  }
   if (blockIdx.x == 0 && s == 0)
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) a.num_tokens_per_expert[e] = 0;
 }
@@ -156,32 +171,45 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
   if (s != 0) return;
   int total = 0;
   for (int i = 0; i < a.num_ranks * blocks; ++i) total += a.block_counts[i];
-  if (total > a.capacity && !a.drop_overflow) report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
+  if (a.receiver_counts) {
+    for (int d = 0; d < a.num_ranks; ++d) {
+      int to_d = 0;
+      for (int i = 0; i < a.num_ranks * blocks; ++i) to_d += a.receiver_counts[d * a.num_ranks * blocks + i];
+      if (to_d > a.capacity) {
+        report(a.err, kOverCapacity, a.rank_of[d], to_d, a.capacity, 0);
+        break;
+      }
+    }
+  } else if (total > a.capacity && !a.drop_overflow) {
+    report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
+  }
   *a.recv_num_tokens = min(total, a.capacity);
 }
 
 int scan_blocks(int num_tokens) { return std::max(1, (num_tokens + kScanThreads - 1) / kScanThreads); }
 
 // The ops' device scratch: excl [T + 1, R] (rows' positions in messages) | row_map [capacity] | counts [kMaxRanks] and
-// rows kept (cached dispatch, which checks them against the handle's) | block_counts [R, blocks]. Grows the device's
-// scratch to fit.
+// rows kept (cached dispatch, which checks them against the handle's) | block_counts [R, blocks] | receiver_counts
+// [R, R, blocks] | row_before [R, T + 1]. Grows the device's scratch to fit.
 struct Scratch {
   int32_t* excl;
   int2* row_map;
   int32_t* counts;
   int32_t* num_rows;
   int32_t* block_counts;
-  int32_t* row_before;  // [R, T + 1] (the routing scan's)
+  int32_t* row_before;       // [R, T + 1] (the routing scan's)
+  int32_t* receiver_counts;  // [R, R, blocks] (the routing scan's, for a capacity some member could exceed)
 };
 struct ScratchOffsets {
-  size_t map, counts, blocks, before, total;
+  size_t map, counts, blocks, receivers, before, total;
 };
 ScratchOffsets scratch_offsets(int capacity, int num_tokens) {
   ScratchOffsets o;
   o.map = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
   o.counts = o.map + size_t(capacity) * sizeof(int2);
   o.blocks = o.counts + 256;
-  o.before = o.blocks + align16(size_t(kMaxRanks) * scan_blocks(num_tokens) * 4);
+  o.receivers = o.blocks + align16(size_t(kMaxRanks) * scan_blocks(num_tokens) * 4);
+  o.before = o.receivers + align16(size_t(kMaxRanks) * kMaxRanks * scan_blocks(num_tokens) * 4);
   o.total = o.before + size_t(kMaxRanks) * (num_tokens + 1) * 4;
   return o;
 }
@@ -195,7 +223,8 @@ Scratch scratch_at(void* scratch, int capacity, int num_tokens) {
           counts,
           counts + kMaxRanks,
           reinterpret_cast<int32_t*>(base + o.blocks),
-          reinterpret_cast<int32_t*>(base + o.before)};
+          reinterpret_cast<int32_t*>(base + o.before),
+          reinterpret_cast<int32_t*>(base + o.receivers)};
 }
 Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
   dev.ensure_scratch(scratch_bytes(capacity, num_tokens));
@@ -1457,7 +1486,15 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
                     scratch.block_counts,
                     from.err,
                     scratch.row_before,
-                    a.overflow == Overflow::kDrop};
+                    a.overflow == Overflow::kDrop,
+                    nullptr,
+                    {}};
+  // Under Overflow::kError a member that may receive more rows than the capacity (each member sends at most its T
+  // tokens) is checked by every member, so the overflow reaches every process's check_errors().
+  if (a.overflow == Overflow::kError && int64_t(g.size) * a.num_tokens > a.capacity) {
+    k.scan.receiver_counts = scratch.receiver_counts;
+    for (int s = 0; s < g.size; ++s) k.scan.rank_of[s] = from.rank_of[s];
+  }
   k.receive = DispatchReceiveArgs{from,
                                   src,
                                   true,
@@ -1523,7 +1560,9 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
                     scratch.block_counts,
                     from.err,
                     scratch.row_before,
-                    a.overflow == Overflow::kDrop};
+                    a.overflow == Overflow::kDrop,
+                    nullptr,
+                    {}};
   k.receive = DispatchReceiveArgs{from,
                                   src,
                                   false,
