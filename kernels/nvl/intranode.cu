@@ -566,8 +566,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
           with_scales = srb && g == segs - 1;
         };
         int announced = 0;
-        // Announced every 4 jobs: four producers' tokens make the receivers' pieces of kPieceTokens.
-        run_bulk_jobs<2, 6, 4>(
+        run_bulk_jobs(
             ring,
             [&](int j, char* stage, uint64_t* bar) -> int64_t {
               if (j >= n) return kNoMoreJobs;
