@@ -373,9 +373,9 @@ def dispatch(
         "error": the op fails with an error naming the rank, the count and the capacity. On CPU devices (and
         host-staged GPU ops) every rank raises it in the same op and the runtime stays usable; GPU kernels cannot
         fail their call, so there the rows are dropped and `check_errors()` raises it, naming the rank, in every
-        process of the group (under two-level routing: of the node whose rank overflowed). "drop": dropping is intended: `num_dropped` counts the rows, their tokens get no
-        contribution from this rank's experts (combine returns zeros for them, and no gradient flows through
-        them), and nothing is raised.
+        process of the group (under two-level routing: of the node whose rank overflowed). "drop": dropping is
+        intended: `num_dropped` counts the rows, their tokens get no contribution from this rank's experts
+        (combine returns zeros for them, and no gradient flows through them), and nothing is raised.
       use_fp8: x (float32, bfloat16 or float16, H a multiple of 128) travels as FP8 with a float32 scale per 128
         channels (half BF16's bytes) and arrives cast back to x's dtype. Differentiable: the backward pass is a
         combine in x's dtype (the casts taken as the identity, as FP8 training does). An FP8 pair passed as x
