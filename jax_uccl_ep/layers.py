@@ -34,11 +34,14 @@ __all__ = [
     "MoEStats",
     "capacity_for",
     "init_moe_params",
+    "load_balancing_loss",
     "moe_ffn",
     "moe_ffn_decode",
     "moe_ffn_local",
     "moe_ffn_reference",
     "moe_param_specs",
+    "route",
+    "swiglu_experts",
 ]
 
 Params = dict[str, jax.Array]
