@@ -95,7 +95,8 @@ def moe_ffn_all_to_all(
         a destination (in token order) are dropped: they add nothing to their token's output.
 
     Returns:
-      MoEOutput: y like x; this rank's aux loss; stats: [1] slots this rank received, [E] this rank's routing counts.
+      MoEOutput: y like x; this rank's aux loss; stats: [1] slots this rank received, [1] slots of this rank
+      dropped (counted where they were sent from, not where they would have arrived), [E] this rank's routing counts.
     """
     local_experts, num_ranks = _local_experts("moe_ffn_all_to_all", params, config, axis_name)
     lead, d_model = x.shape[:-1], x.shape[-1]
@@ -128,7 +129,7 @@ def moe_ffn_all_to_all(
     slot_out = back.at[row].get(mode="fill", fill_value=0).reshape(-1, top_k, d_model)
     out = jnp.einsum("tk,tkd->td", weights, slot_out.astype(jnp.float32)).astype(x.dtype)
     received = jnp.sum(recv_expert >= 0).astype(jnp.int32).reshape(1)
-    dropped = jnp.sum(position >= c).astype(jnp.int32).reshape(1)  # slots, and counted where they were sent from
+    dropped = jnp.sum(position >= c).astype(jnp.int32).reshape(1)
     return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, dropped, per_expert))
 
 
@@ -149,7 +150,8 @@ def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name
       params, x, config, axis_name: as ``layers.moe_ffn_local`` (call inside ``jax.shard_map``).
 
     Returns:
-      MoEOutput: y like x; this rank's aux loss; stats: [1] slots this rank received, [E] this rank's routing counts.
+      MoEOutput: y like x; this rank's aux loss; stats: [1] slots this rank received, [1] zero (dropless), [E] this
+      rank's routing counts.
     """
     local_experts, num_ranks = _local_experts("moe_ffn_ragged", params, config, axis_name)
     lead, d_model = x.shape[:-1], x.shape[-1]
