@@ -521,6 +521,19 @@ __device__ __forceinline__ void max_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// A bulk sender's producer `producer` records its frontier (its first job or token not yet landed; every one of its
+// own before it has) in the block's `frontier` [kProducers] and returns the least of all producers': everything
+// before it has landed. Its first fence publishes its landed copies to the producer that announces; the second
+// orders that producer's reads of the frontiers, and so its release, after them.
+__device__ int least_frontier(int* frontier, int producer, int mine) {
+  __threadfence_block();
+  reinterpret_cast<volatile int*>(frontier)[producer] = mine;
+  __threadfence_block();
+  int least = mine;
+  for (int q = 0; q < kProducers; ++q) least = min(least, reinterpret_cast<volatile int*>(frontier)[q]);
+  return least;
+}
+
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
 // kTransferThreads tokens the block lays them out into shared tables and kProducers threads move the rows, token i
 // of the pass by producer i % kProducers: each token's row (in segments of at most segment_bytes, scales with the
@@ -596,14 +609,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
               }
             },
             [&](int k) {
-              // This producer's first k / segs tokens have landed: its frontier is its next token (or the pass's
-              // end). Its fence publishes them to the producer that announces; that one's fence, before reading
-              // the frontiers, orders its release after them.
-              __threadfence_block();
-              reinterpret_cast<volatile int*>(frontier)[warp] = min(tokens, warp + k / segs * kProducers);
-              __threadfence_block();
-              int least = tokens;
-              for (int q = 0; q < kProducers; ++q) least = min(least, reinterpret_cast<volatile int*>(frontier)[q]);
+              // This producer's first k / segs tokens have landed: its frontier is its next token (or the pass's end).
+              const int least = least_frontier(frontier, warp, min(tokens, warp + k / segs * kProducers));
               if (least <= announced) return;
               announced = least;
               for (int d = 0; d < to.num_ranks; ++d)
@@ -987,12 +994,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
             bulk_store(to.region[members[m]] + at, stage, bytes);
           },
           [&](int k) {
-            // As in the dispatch sender: this producer's frontier, then the least of all, announced.
-            __threadfence_block();
-            reinterpret_cast<volatile int*>(frontier)[warp] = min(jobs, warp + k * kProducers);
-            __threadfence_block();
-            int least = jobs;
-            for (int q = 0; q < kProducers; ++q) least = min(least, reinterpret_cast<volatile int*>(frontier)[q]);
+            // This producer's first k jobs have landed: its frontier is its next job (or the chunk's end).
+            const int least = least_frontier(frontier, warp, min(jobs, warp + k * kProducers));
             if (least <= announced) return;
             announced = least;
             for (int m = 0; m < M; ++m) {
