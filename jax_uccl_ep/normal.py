@@ -268,7 +268,18 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
         # Sum within the node, then cross back once.
         return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
     t = handle.is_token_in_rank.shape[0]
-    return _along_handle("combine", (t, y.shape[1]), y, handle, after)
+    (out,) = ep_call(
+        "combine",
+        (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
+        y,
+        handle.is_token_in_rank,
+        handle.recv_counts,
+        axis_name=handle.axis_name,
+        after=after,
+        overflow=_OVERFLOW_CODES[handle.overflow],
+        **_level_args(handle.level),
+    )
+    return out
 
 
 def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: jax.Array | None = None) -> jax.Array:
@@ -276,16 +287,10 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: ja
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         across = _cached_dispatch_call(x, handle.across, forwarded, after=after)
         return _cached_dispatch_call(across, handle.within, capacity)
-    return _along_handle("cached_dispatch", (capacity, x.shape[1]), x, handle, after)
-
-
-def _along_handle(op: str, shape: tuple[int, int], rows: jax.Array, handle: DispatchHandle, after) -> jax.Array:
-    """combine or cached_dispatch (the ops that take a dispatch's handle, ffi/common.hpp's handle_op_signature) of
-    `rows` to an output of `shape` in their dtype."""
     (out,) = ep_call(
-        op,
-        (jax.ShapeDtypeStruct(shape, rows.dtype),),
-        rows,
+        "cached_dispatch",
+        (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
+        x,
         handle.is_token_in_rank,
         handle.recv_counts,
         axis_name=handle.axis_name,
