@@ -35,6 +35,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", default="8,12,16,24", help="comma-separated SM budgets")
     ap.add_argument("--copies", default="stores,bulk", help="stores, bulk or both")
     ap.add_argument("--send-sms", default="0", help="comma-separated send blocks of each budget (0: the default)")
+    ap.add_argument(
+        "--rings",
+        default="0:0",
+        help="comma-separated lag:stages of the bulk kernels' rings (jobs a stage is refilled behind its stores, "
+        "stages per issuing thread; 0: the default)",
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
@@ -44,51 +50,61 @@ def main(argv=None) -> int:
     header = common.run_header("GPU 0, two ranks on it")
     print(f"# {header['date']}  {header['command']}", flush=True)
     rows, record = [], {"header": header, "args": vars(args), "runs": []}
-    for copies in args.copies.split(","):
-        for budget, send_sms in ((int(b), int(s)) for b in args.sms.split(",") for s in args.send_sms.split(",")):
-            if send_sms >= budget:
-                continue
-            _runtime.configure_native(Config(num_sms=budget, num_send_sms=send_sms, nvl_bulk=copies == "bulk"))
-            split = f"{_uccl_ep.testing.nvl_send_blocks()}+{budget - _uccl_ep.testing.nvl_send_blocks()}"
-            for fp8 in (False, True):
-                r = dict(
-                    _uccl_ep.testing.nvl_loopback_bench(
-                        0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7
-                    )
+    sweep = [
+        (copies, ring, int(b), int(s))
+        for copies in args.copies.split(",")
+        for ring in (args.rings.split(",") if copies == "bulk" else ["0:0"])
+        for b in args.sms.split(",")
+        for s in args.send_sms.split(",")
+    ]
+    for copies, ring, budget, send_sms in sweep:
+        if send_sms >= budget:
+            continue
+        lag, stages = (int(v) for v in ring.split(":"))
+        _uccl_ep.testing.nvl_set_bulk_tuning(lag, stages)
+        label = copies if ring == "0:0" else f"{copies} {ring}"
+        _runtime.configure_native(Config(num_sms=budget, num_send_sms=send_sms, nvl_bulk=copies == "bulk"))
+        split = f"{_uccl_ep.testing.nvl_send_blocks()}+{budget - _uccl_ep.testing.nvl_send_blocks()}"
+        for fp8 in (False, True):
+            r = dict(
+                _uccl_ep.testing.nvl_loopback_bench(
+                    0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7
                 )
-                r.update(copies=copies, budget=budget, split=split, fp8=fp8)
-                record["runs"].append(r)
-                remote = r["remote_rows"] / 2 * r["x_row_bytes"]  # per rank
-                received = r["received_rows"] / 2 * r["x_row_bytes"]
-                ok = (
-                    "yes"
-                    if r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0
-                    else f"NO ({r['mismatched_rows']} rows, {r['mismatched_combine_rows']} sums)"
+            )
+            r.update(copies=label, budget=budget, split=split, fp8=fp8)
+            record["runs"].append(r)
+            remote = r["remote_rows"] / 2 * r["x_row_bytes"]  # per rank
+            received = r["received_rows"] / 2 * r["x_row_bytes"]
+            ok = (
+                "yes"
+                if r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0
+                else f"NO ({r['mismatched_rows']} rows, {r['mismatched_combine_rows']} sums)"
+            )
+            ops = [("dispatch fp8" if fp8 else "dispatch bf16", r["dispatch_us"])]
+            if not fp8:
+                ops.append(("combine bf16", r["combine_us"]))
+            for name, us in ops:
+                rows.append(
+                    [
+                        name,
+                        label,
+                        split,
+                        f"{us:.1f} us",
+                        f"{remote / us / 1e3:.0f}",
+                        f"{received / us / 1e3:.0f}",
+                        ok,
+                    ]
                 )
-                ops = [("dispatch fp8" if fp8 else "dispatch bf16", r["dispatch_us"])]
-                if not fp8:
-                    ops.append(("combine bf16", r["combine_us"]))
-                for name, us in ops:
-                    rows.append(
-                        [
-                            name,
-                            copies,
-                            split,
-                            f"{us:.1f} us",
-                            f"{remote / us / 1e3:.0f}",
-                            f"{received / us / 1e3:.0f}",
-                            ok,
-                        ]
-                    )
-                print(
-                    f"# {copies} {split} SMs fp8={fp8}: "
-                    + ", ".join(f"{n} {us:.1f} us" for n, us in ops)
-                    + f", rows ok: {ok}",
-                    flush=True,
-                )
-                spans = r.get("spans_us", {})
-                if spans:  # bulk kernels only: where one more call's time went, (start, length) in us
-                    print("#   spans: " + ", ".join(f"{k} +{s:.0f}/{n:.0f}" for k, (s, n) in spans.items()), flush=True)
+            print(
+                f"# {label} {split} SMs fp8={fp8}: "
+                + ", ".join(f"{n} {us:.1f} us" for n, us in ops)
+                + f", rows ok: {ok}",
+                flush=True,
+            )
+            spans = r.get("spans_us", {})
+            if spans:  # bulk kernels only: where one more call's time went, (start, length) in us
+                print("#   spans: " + ", ".join(f"{k} +{s:.0f}/{n:.0f}" for k, (s, n) in spans.items()), flush=True)
+    _uccl_ep.testing.nvl_set_bulk_tuning(0, 0)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print()

@@ -60,6 +60,15 @@ template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
+// The same with N (1 to 3) known only at run time.
+__device__ __forceinline__ void bulk_wait_read(int n) {
+  if (n <= 1)
+    bulk_wait_read<1>();
+  else if (n == 2)
+    bulk_wait_read<2>();
+  else
+    bulk_wait_read<3>();
+}
 // Until at most N of the thread's bulk groups are incomplete (the older groups' writes are performed).
 template <int N>
 __device__ __forceinline__ void bulk_wait() {
@@ -67,15 +76,17 @@ __device__ __forceinline__ void bulk_wait() {
 }
 // Shared memory a block of these kernels may take (H100/H200: 227 KiB), less what the kernels declare statically.
 constexpr uint32_t kBulkSharedBytes = 200 * 1024;
-constexpr int kMaxStages = 16;
+constexpr int kMaxStages = 32;
 
 // A stage ring driven by one thread: job j goes through stage j % stages; `full[s]` completes when a job's loads
-// have landed. The thread's parity bits track each stage's phase (bit s).
+// have landed. The thread's parity bits track each stage's phase (bit s). A stage is refilled `lag` jobs after its
+// stores were issued (1 to 3, fewer than `stages`): stages - lag loads stay in flight behind the stores.
 struct StageRing {
   char* base;
   uint32_t stage_bytes;
   int stages;
   uint64_t* full;  // [stages], shared
+  int lag = 2;
   uint32_t parity = 0;
   __device__ char* stage(int s) const { return base + size_t(s) * stage_bytes; }
 };
@@ -85,13 +96,12 @@ struct StageRing {
 // job that moves nothing (`bar` untouched), or kNoMoreJobs. store(j, stage) issues job j's bulk stores once its
 // loads landed; each job's stores are one bulk group. done(k) is called, in order and now and then, with a count k
 // of jobs whose stores have completed (their writes performed), and at the end with the number of jobs. A stage is
-// refilled kLag jobs after its stores were issued, once they have read it (so the ring needs more than kLag stages);
-// jobs are loaded ahead as far as the stages allow. Returns with every store complete.
+// refilled ring.lag jobs after its stores were issued, once they have read it; jobs are loaded ahead as far as the
+// stages allow. Returns with every store complete.
 constexpr int64_t kNoMoreJobs = -1;
-template <int kLag = 2, int kPending = 8, int kAnnounceEvery = 16, class Next, class Store, class Done>
+template <int kPending = 8, int kAnnounceEvery = 16, class Next, class Store, class Done>
 __device__ void run_bulk_jobs(StageRing& ring, Next&& next, Store&& store, Done&& done) {
-  static_assert(kLag >= 1 && kLag < 4, "a stage is refilled kLag jobs behind");
-  const int S = ring.stages;
+  const int S = ring.stages, lag = ring.lag;
   uint32_t loaded = 0;  // bit s: stage s's job moves bytes (else its barrier was not armed)
   int issued = 0;
   bool more = true;
@@ -116,9 +126,9 @@ __device__ void run_bulk_jobs(StageRing& ring, Next&& next, Store&& store, Done&
       store(j, ring.stage(s));
     }
     bulk_commit();  // an empty group for a job that moved nothing keeps group j = job j
-    // Refill the stage of job j - kLag: at most kLag groups still reading means its stores have read it.
-    if (j >= kLag && more) {
-      bulk_wait_read<kLag>();
+    // Refill the stage of job j - lag: at most lag groups still reading means its stores have read it.
+    if (j >= lag && more) {
+      bulk_wait_read(lag);
       issue();
     }
     if ((j + 1) % kAnnounceEvery == 0 && j + 1 > kPending) {

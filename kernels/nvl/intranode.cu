@@ -496,6 +496,7 @@ struct BulkShape {
   uint32_t stage_bytes;
   uint32_t tables_bytes;
   int stages;
+  int lag;  // StageRing::lag of each producer's ring
   __host__ __device__ uint32_t shared_bytes() const { return tables_bytes + uint32_t(stages) * stage_bytes; }
 };
 
@@ -554,7 +555,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const bool producer = lane == 0 && warp < kProducers;
   const int per = b.stages / kProducers;
-  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per};
+  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per,
+                 b.lag};
   const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
   const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
   const unsigned others = ~(1u << to.self);
@@ -761,7 +763,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   const int64_t xrb = a.x_row_bytes, srb = a.recv_scales ? a.scale_row_bytes : 0;
   if (warp < kProducers && lane == 0) {
     const int per = b.stages / kProducers, first_stage = warp * per;
-    StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per, full + first_stage};
+    StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per, full + first_stage,
+                   b.lag};
     int* item_tokens = producer_tokens[warp];
     int offset[kMaxRanks];
     for (int q = 0, o = 0; q < R; o += a.counts[q], ++q) offset[q] = o;
@@ -942,7 +945,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const bool producer = lane == 0 && warp < kProducers;
   const int per = b.stages / kProducers;
-  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per};
+  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per,
+                 b.lag};
   int offsets[kMaxRanks];
   for (int s = 0, o = 0; s < R; o += a.recv_counts[s], ++s) offsets[s] = o;
   const int64_t rb = a.row_bytes;
@@ -1344,29 +1348,36 @@ int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
 // Shared memory of the bulk-copy kernels (kernels/nvl/bulk.cuh). Stages of at most a row segment each for the row
 // copies, larger ones for contiguous pieces; the combine receiver's stage holds a segment of each member's copy.
 uint32_t align_down(uint64_t n, uint32_t to) { return uint32_t(n / to * to); }
-constexpr uint32_t kStageTarget = 12;  // stages (and the combine receiver's consumer warps)
+constexpr uint32_t kStageTarget = 12;  // the combine receiver's stages (and consumer warps)
 static_assert(kStageTarget % kProducers == 0 && kProducers + kStageTarget <= kTransferThreads / kWarp,
-              "receivers: a producer's stages, and a warp per producer and per stage");
+              "combine receiver: a producer's stages, and a warp per producer and per stage");
+BulkTuning g_tuning{};
+int ring_lag() { return g_tuning.lag > 0 ? g_tuning.lag : 2; }
+int stages_per_producer() { return std::max(g_tuning.stages_per_producer > 0 ? g_tuning.stages_per_producer : 3, ring_lag() + 1); }
 BulkShape row_stages(int64_t row_bytes, int64_t tail_bytes, uint32_t tables_bytes) {
   BulkShape b{};
   b.tables_bytes = tables_bytes;
+  b.lag = ring_lag();
   const uint32_t room = kBulkSharedBytes - tables_bytes;
-  // At least 3 stages per producer: run_bulk_jobs refills a stage 2 jobs behind.
-  const uint32_t most = room / (kProducers * 3) - 128 - uint32_t(tail_bytes);
+  const uint32_t most = room / uint32_t(kProducers * stages_per_producer()) - 128 - uint32_t(tail_bytes);
   b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(most, 16)));
   b.stage_bytes = (b.segment_bytes + uint32_t(tail_bytes) + 127) / 128 * 128;
   b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes)) / kProducers * kProducers;  // each its own
   return b;
 }
-BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
+BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes, int stages) {
   BulkShape b{};
-  b.stage_bytes = align_down(kBulkSharedBytes / kStageTarget, 128);
+  b.lag = ring_lag();
+  b.stage_bytes = align_down(kBulkSharedBytes / uint32_t(stages), 128);
   b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(b.stage_bytes - uint32_t(tail_bytes), 16)));
-  b.stages = int(kStageTarget);
+  b.stages = stages;
   return b;
 }
+BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
+  return piece_stages(row_bytes, tail_bytes, kProducers * stages_per_producer());
+}
 BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks) {
-  BulkShape b = piece_stages(row_bytes, 0);
+  BulkShape b = piece_stages(row_bytes, 0, int(kStageTarget));
   b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(b.stage_bytes / uint32_t(num_ranks), 16)));
   return b;
 }
@@ -1781,6 +1792,14 @@ int normal_send_blocks() { return send_blocks(); }
 void set_kernel_stamps(int cuda_device, uint64_t* stamps) {
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
   check(cudaMemcpyToSymbol(g_kernel_stamps, &stamps, sizeof(stamps)), "cudaMemcpyToSymbol");
+}
+
+void set_bulk_tuning(const BulkTuning& tuning) {
+  if (tuning.lag < 0 || tuning.lag > 3 || tuning.stages_per_producer < 0 ||
+      tuning.stages_per_producer * kProducers > kMaxStages)
+    throw std::invalid_argument("set_bulk_tuning: lag 0 to 3, stages_per_producer 0 to " +
+                                std::to_string(kMaxStages / kProducers));
+  g_tuning = tuning;
 }
 
 size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights) {

@@ -30,6 +30,14 @@ enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kC
 // UINT64_MAX and end words to 0 beforehand), or turns them off with null.
 void set_kernel_stamps(int cuda_device, uint64_t* stamps);
 
+// The bulk-copy rings of the normal-mode kernels (0: the default): how many jobs behind its stores a producer refills
+// a stage (1 to 3), and how many stages each producer gets (the send and dispatch-receive rings).
+struct BulkTuning {
+  int lag = 0;
+  int stages_per_producer = 0;
+};
+void set_bulk_tuning(const BulkTuning& tuning);
+
 // Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): two ranks on `cuda_device`, each
 // sending into the other's buffer, random top-k routing; dispatch (BF16 rows, or FP8 rows with scales) and, for
 // BF16, combine, each timed over `iters` calls (the slower rank's events), under the current transfer settings.
