@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rings",
         default="0:0",
-        help="comma-separated lag:stages of the bulk kernels' rings (jobs a stage is refilled behind its stores, "
-        "stages per issuing thread; 0: the default)",
+        help="comma-separated lag:stages[:combine_bulk_store] of the bulk kernels' rings (jobs a stage is refilled "
+        "behind its stores, stages per issuing thread; 0: the default)",
     )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")
@@ -60,8 +60,7 @@ def main(argv=None) -> int:
     for copies, ring, budget, send_sms in sweep:
         if send_sms >= budget:
             continue
-        lag, stages = (int(v) for v in ring.split(":"))
-        _uccl_ep.testing.nvl_set_bulk_tuning(lag, stages)
+        _uccl_ep.testing.nvl_set_bulk_tuning(*(int(v) for v in ring.split(":")))
         label = copies if ring == "0:0" else f"{copies} {ring}"
         _runtime.configure_native(Config(num_sms=budget, num_send_sms=send_sms, nvl_bulk=copies == "bulk"))
         split = f"{_uccl_ep.testing.nvl_send_blocks()}+{budget - _uccl_ep.testing.nvl_send_blocks()}"
