@@ -1226,21 +1226,6 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
     for (int r = 0; r < job.rows; ++r)
       copies_in_stage[r] = reinterpret_cast<const int4*>(slot + size_t(r) * b.segment_bytes);
     const auto shared = [](const int4* row, int64_t k) { return row[k]; };
-    if (b.lag > 0) {
-      // The sum goes into the stage's first slot, lane by lane over the vectors it read, then out by one bulk store.
-      int4* sum = reinterpret_cast<int4*>(const_cast<char*>(slot));
-      for (int64_t i = lane; i < vectors; i += kUnroll * kWarp)
-        sum_vectors<T>(sum, copies_in_stage, job.rows, i, vectors, shared);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncwarp();
-      if (lane == 0) {
-        bulk_store(dst, sum, job.bytes);
-        bulk_commit();
-        bulk_wait_read<0>();
-        barrier_arrive(empty + st);
-      }
-      continue;
-    }
     for (int64_t i = lane; i < vectors; i += kUnroll * kWarp)  // one warp reduces the whole stage
       sum_vectors<T>(dst, copies_in_stage, job.rows, i, vectors, shared);
     // Our reads of the stage come before the next bulk load into it (another proxy).
@@ -1393,7 +1378,6 @@ BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
 }
 BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks) {
   BulkShape b = piece_stages(row_bytes, 0, int(kStageTarget));
-  b.lag = g_tuning.combine_bulk_store;  // experiment: 1 = sums leave by bulk store
   b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(b.stage_bytes / uint32_t(num_ranks), 16)));
   return b;
 }

@@ -35,7 +35,6 @@ void set_kernel_stamps(int cuda_device, uint64_t* stamps);
 struct BulkTuning {
   int lag = 0;
   int stages_per_producer = 0;
-  int combine_bulk_store = 0;
 };
 void set_bulk_tuning(const BulkTuning& tuning);
 
