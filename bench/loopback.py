@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rings",
         default="0:0",
-        help="comma-separated lag:stages of the bulk kernels' rings (jobs a stage is refilled behind its stores, "
-        "stages per issuing thread; 0: the default)",
+        help="comma-separated lag:stages[:combine] of the bulk kernels' rings (jobs a stage is refilled behind its "
+        "stores, stages per issuing thread, stages per warp of the combine receiver; 0: the default)",
     )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")

@@ -624,9 +624,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
   }
 }
 
-// Work items per chunk of a receive kernel: the most tokens a chunk has, in pieces of kPieceTokens.
-__device__ __forceinline__ int pieces(int num_tokens, int chunks) {
-  return ((num_tokens + chunks - 1) / chunks + kPieceTokens - 1) / kPieceTokens;
+// Work items per chunk of a receive kernel: the most tokens a chunk has, in pieces of piece_tokens.
+__device__ __forceinline__ int pieces(int num_tokens, int chunks, int piece_tokens = kPieceTokens) {
+  return ((num_tokens + chunks - 1) / chunks + piece_tokens - 1) / piece_tokens;
 }
 
 // First row in [lo, hi) of row_map (sorted by token within a source) whose token is >= t.
@@ -1027,16 +1027,15 @@ struct CombineReceiveArgs {
 };
 
 // The lane's kUnroll vectors from i (i, i + kWarp, ...; those before `end`) of the float32 sum of `n` rows, written to
-// dst as T; each row's loads issued together. `load(row, index)` reads one 16-byte vector of a row.
+// dst as T; each row's loads issued together. `load(j, index)` reads one 16-byte vector of row j.
 template <typename T, class Load>
-__device__ __forceinline__ void sum_vectors(int4* dst, const int4* const* rows, int n, int64_t i, int64_t end,
-                                            const Load& load) {
+__device__ __forceinline__ void sum_vectors(int4* dst, int n, int64_t i, int64_t end, const Load& load) {
   float acc[kUnroll][Vec<T>::kN] = {};
   for (int j = 0; j < n; ++j) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kWarp < end) v[u] = load(rows[j], i + u * kWarp);
+      if (i + u * kWarp < end) v[u] = load(j, i + u * kWarp);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (i + u * kWarp < end) Vec<T>::add(acc[u], v[u]);
@@ -1106,58 +1105,61 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(Co
       const int64_t v0 = b0 / 16, v1 = b1 / 16;
       const int4* vector_rows[kMaxRanks];
       for (int j = 0; j < n; ++j) vector_rows[j] = reinterpret_cast<const int4*>(rows[j]);
-      const auto coherent = [](const int4* row, int64_t k) { return __ldcg(row + k); };  // landed while we ran
-      for (int64_t i = v0 + lane; i < v1; i += kUnroll * kWarp) sum_vectors<T>(dst, vector_rows, n, i, v1, coherent);
+      const auto coherent = [&](int j, int64_t k) { return __ldcg(vector_rows[j] + k); };  // landed while we ran
+      for (int64_t i = v0 + lane; i < v1; i += kUnroll * kWarp) sum_vectors<T>(dst, n, i, v1, coherent);
     }
   }
 }
 
-// Receive side of combine with bulk copies: the work items of combine_receive_kernel, dealt out over kProducers
-// producer warps. A producer waits for an item's rows and lists where each token's copies are; its lane 0 then
-// loads, per (token, segment of at most segment_bytes), every copy of the segment into one of its stages (R slots
-// of segment_bytes). The consumer warp of that stage reduces it in float32 from shared memory, writes the sum and
-// hands the stage back (`empty`), so loads of later stages stay in flight while it adds. Warps: the producers,
-// then one consumer per stage (b.stages, a multiple of kProducers).
-struct CombineStage {
-  int token, rows;  // rows < 0: no more jobs
+// Receive side of combine with bulk copies: every warp of the block works alone through its own `per` stages. It takes
+// the block's work items (pieces of kCombinePieceTokens tokens of a chunk, in the order of combine_receive_kernel) one
+// at a time from a shared counter, waits for the item's rows and lists where each token's copies are; then per
+// (token, segment of at most segment_bytes) its lanes load every copy of the segment into a stage (a slot per copy).
+// Once a stage's loads land the warp sums them in float32 from shared memory, writes the sum and refills the stage
+// with its next job, so the loads of its other stages stay in flight while it adds.
+constexpr int kCombinePieceTokens = 4;
+struct CombineJob {
+  int token, rows;
   uint32_t offset, bytes;
 };
 template <typename T>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kernel(CombineReceiveArgs a, BulkShape b) {
+  constexpr int kWarps = kTransferThreads / kWarp;
   const KernelStamp stamp(KernelKind::kCombineReceive);
   extern __shared__ __align__(128) char smem[];
-  __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
-  __shared__ CombineStage job_of[kMaxStages];
-  __shared__ const char* copies[kProducers][kPieceTokens][kMaxRanks];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ CombineJob job_of[kMaxStages];
+  // Per warp, its item's copies: [token][member] the row in the member's message (ours: in y), or -1.
+  __shared__ int listed[kWarps][kCombinePieceTokens][kMaxRanks];
+  __shared__ int next_item;
   const ReceiveFrom& from = a.from;
-  const int R = from.num_ranks, T_ = a.num_tokens, S = b.stages, per = S / kProducers;
+  const int R = from.num_ranks, T_ = a.num_tokens, per = b.stages / kWarps;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  char* stages = smem + b.tables_bytes;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      barrier_init(full + s, 1);
-      barrier_init(empty + s, 1);
-    }
+    for (int s = 0; s < b.stages; ++s) barrier_init(full + s, 1);
     fence_barrier_init();
+    next_item = 0;
   }
   __syncthreads();
-  if (warp < kProducers) {
-    int own_offset = 0;
-    for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
-    const int64_t rb = a.row_bytes;
-    const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
-    const char*(*listed)[kMaxRanks] = copies[warp];
-    int job = 0;  // lane 0's, among this producer's stages
-    const auto next_stage = [&](int& st) {
-      st = warp * per + job % per;
-      if (job >= per) barrier_wait(empty + st, uint32_t(job / per - 1) & 1u);
-      ++job;
-    };
-    for (int item = blockIdx.x + warp * gridDim.x; item < pieces(T_, a.chunks) * a.chunks;
-         item += kProducers * gridDim.x) {
+  int own_offset = 0;
+  for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
+  const int64_t rb = a.row_bytes;
+  const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
+  const int items = pieces(T_, a.chunks, kCombinePieceTokens) * a.chunks;
+  int(*table)[kMaxRanks] = listed[warp];
+  const char* source = lane < R ? (lane == from.self ? a.y : from.region[lane]) : nullptr;  // lane d's member
+  // The issuing side's place: tokens [t0, t1) of the current item, token t0 + i, segment g.
+  int t0 = 0, t1 = 0, i = 0, g = 0;
+  const auto next_job = [&](int st) -> bool {
+    while (i >= t1 - t0) {  // the next item this block has not taken
+      int k = 0;
+      if (lane == 0) k = atomicAdd(&next_item, 1);
+      const int item = int(blockIdx.x) + __shfl_sync(0xffffffffu, k, 0) * int(gridDim.x);
+      if (item >= items) return false;
       const int c = item % a.chunks;
-      const int t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kPieceTokens;
-      const int t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kPieceTokens);
+      t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kCombinePieceTokens;
+      t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kCombinePieceTokens);
+      i = g = 0;
       if (t0 >= t1) continue;
       bool ok = true;
       for (int p = lane; p < R * a.chunks; p += kWarp) {
@@ -1168,70 +1170,64 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
             wait_progress(from, d, cc, min(hi, c1) - c0) < 0)
           ok = false;
       }
-      if (!__all_sync(0xffffffffu, ok)) continue;
+      if (!__all_sync(0xffffffffu, ok)) {  // reported; the item's tokens stay unwritten
+        t1 = t0;
+        continue;
+      }
       for (int p = lane; p < (t1 - t0) * R; p += kWarp) {
-        const int i = p / R, d = p % R, t = t0 + i;
-        const char* row = nullptr;
+        const int q = p / R, d = p % R, t = t0 + q;
+        int row = -1;
         if (a.mask[t * R + d]) {
           const int j = a.excl[t * R + d];
           if (d != from.self)
-            row = from.region[d] + int64_t(j) * rb;
+            row = j;
           else if (own_offset + j < a.capacity)
-            row = a.y + int64_t(own_offset + j) * rb;  // else: dropped
+            row = own_offset + j;  // else: dropped by the dispatch
         }
-        listed[i][d] = row;
+        table[q][d] = row;
       }
       __syncwarp();
-      if (lane == 0) {
-        for (int i = 0; i < t1 - t0; ++i)
-          for (int g = 0; g < segs; ++g) {
-            int st;
-            next_stage(st);
-            const uint32_t offset = uint32_t(g) * b.segment_bytes;
-            const uint32_t bytes = uint32_t(min(int64_t(b.segment_bytes), rb - offset));
-            int n = 0;
-            for (int d = 0; d < R; ++d) n += listed[i][d] != nullptr;
-            job_of[st] = CombineStage{t0 + i, n, offset, bytes};
-            barrier_arrive_expect(full + st, uint32_t(n) * bytes);
-            char* slot = stages + size_t(st) * b.stage_bytes;
-            for (int d = 0; d < R; ++d)
-              if (listed[i][d]) {
-                bulk_load(slot, listed[i][d] + offset, bytes, full + st);
-                slot += b.segment_bytes;
-              }
-          }
-      }
-      __syncwarp();  // the list is the next item's
     }
-    if (lane == 0)
-      for (int k = 0; k < per; ++k) {  // one end marker per stage
-        int st;
-        next_stage(st);
-        job_of[st] = CombineStage{0, -1, 0, 0};
-        barrier_arrive(full + st);
-      }
-    return;
-  }
-  if (warp >= kProducers + S) return;
-  // Consumer of stage st: its k-th job in phase k.
-  const int st = warp - kProducers;
-  const char* slot = stages + size_t(st) * b.stage_bytes;
-  for (uint32_t k = 0;; ++k) {
-    barrier_wait(full + st, k & 1u);
-    const CombineStage job = job_of[st];
-    if (job.rows < 0) break;
-    int4* dst = reinterpret_cast<int4*>(a.out + int64_t(job.token) * a.row_bytes + job.offset);
+    const int row = lane < R ? table[i][lane] : -1;
+    const unsigned present = __ballot_sync(0xffffffffu, row >= 0);
+    const uint32_t offset = uint32_t(g) * b.segment_bytes;
+    const uint32_t bytes = uint32_t(min(int64_t(b.segment_bytes), rb - offset));
+    if (lane == 0) {
+      job_of[st] = CombineJob{t0 + i, __popc(present), offset, bytes};
+      barrier_arrive_expect(full + st, uint32_t(__popc(present)) * bytes);
+    }
+    __syncwarp();
+    if (row >= 0)
+      bulk_load(smem + b.tables_bytes + size_t(st) * b.stage_bytes +
+                    size_t(__popc(present & ((1u << lane) - 1))) * b.segment_bytes,
+                source + int64_t(row) * rb + offset, bytes, full + st);
+    if (++g == segs) {
+      g = 0;
+      ++i;
+    }
+    return true;
+  };
+  int issued = 0;
+  while (issued < per && next_job(warp * per + issued)) ++issued;
+  for (int k = 0; k < issued; ++k) {
+    const int st = warp * per + k % per;
+    barrier_wait(full + st, uint32_t(k / per) & 1u);
+    const CombineJob job = job_of[st];
+    int4* dst = reinterpret_cast<int4*>(a.out + int64_t(job.token) * rb + job.offset);
+    const uint32_t slots = shared_address(smem + b.tables_bytes + size_t(st) * b.stage_bytes);
+    const auto from_stage = [&](int j, int64_t v) {
+      int4 x;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                   : "r"(slots + uint32_t(j) * b.segment_bytes + uint32_t(v) * 16u));
+      return x;
+    };
     const int64_t vectors = job.bytes / 16;
-    const int4* copies_in_stage[kMaxRanks];
-    for (int r = 0; r < job.rows; ++r)
-      copies_in_stage[r] = reinterpret_cast<const int4*>(slot + size_t(r) * b.segment_bytes);
-    const auto shared = [](const int4* row, int64_t k) { return row[k]; };
-    for (int64_t i = lane; i < vectors; i += kUnroll * kWarp)  // one warp reduces the whole stage
-      sum_vectors<T>(dst, copies_in_stage, job.rows, i, vectors, shared);
+    for (int64_t v = lane; v < vectors; v += kUnroll * kWarp) sum_vectors<T>(dst, job.rows, v, vectors, from_stage);
     // Our reads of the stage come before the next bulk load into it (another proxy).
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
-    if (lane == 0) barrier_arrive(empty + st);
+    if (next_job(st)) ++issued;
   }
 }
 
@@ -1348,12 +1344,13 @@ int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
 // Shared memory of the bulk-copy kernels (kernels/nvl/bulk.cuh). Stages of at most a row segment each for the row
 // copies, larger ones for contiguous pieces; the combine receiver's stage holds a segment of each member's copy.
 uint32_t align_down(uint64_t n, uint32_t to) { return uint32_t(n / to * to); }
-constexpr uint32_t kStageTarget = 12;  // the combine receiver's stages (and consumer warps)
-static_assert(kStageTarget % kProducers == 0 && kProducers + kStageTarget <= kTransferThreads / kWarp,
-              "combine receiver: a producer's stages, and a warp per producer and per stage");
 BulkTuning g_tuning{};
-int ring_lag() { return g_tuning.lag > 0 ? g_tuning.lag : 2; }
-int stages_per_producer() { return std::max(g_tuning.stages_per_producer > 0 ? g_tuning.stages_per_producer : 3, ring_lag() + 1); }
+// A stage is refilled one job behind its stores, so each issuing thread keeps stages - 1 loads in flight (with 2
+// behind, one: the loopback's send kernels copied ~20% slower, bench/RESULTS.md).
+int ring_lag() { return g_tuning.lag > 0 ? g_tuning.lag : 1; }
+int stages_per_producer() {
+  return std::max(g_tuning.stages_per_producer > 0 ? g_tuning.stages_per_producer : 3, ring_lag() + 1);
+}
 BulkShape row_stages(int64_t row_bytes, int64_t tail_bytes, uint32_t tables_bytes) {
   BulkShape b{};
   b.tables_bytes = tables_bytes;
@@ -1376,9 +1373,14 @@ BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes, int stages) {
 BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
   return piece_stages(row_bytes, tail_bytes, kProducers * stages_per_producer());
 }
+// The combine receiver: `per` stages for each of its warps, each stage a slot per member's copy of a row segment
+// (segments of a row made even).
 BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks) {
-  BulkShape b = piece_stages(row_bytes, 0, int(kStageTarget));
-  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(b.stage_bytes / uint32_t(num_ranks), 16)));
+  const int per = g_tuning.combine_stages > 0 ? g_tuning.combine_stages : 2;
+  BulkShape b = piece_stages(row_bytes, 0, per * (kTransferThreads / kWarp));
+  const int64_t most = align_down(b.stage_bytes / uint32_t(num_ranks), 16);
+  const int64_t segs = (row_bytes + most - 1) / most;
+  b.segment_bytes = uint32_t(std::min<int64_t>(most, (row_bytes / segs + 15) / 16 * 16));
   return b;
 }
 
@@ -1795,10 +1797,13 @@ void set_kernel_stamps(int cuda_device, uint64_t* stamps) {
 }
 
 void set_bulk_tuning(const BulkTuning& tuning) {
+  constexpr int kWarps = kTransferThreads / kWarp;
   if (tuning.lag < 0 || tuning.lag > 3 || tuning.stages_per_producer < 0 ||
-      tuning.stages_per_producer * kProducers > kMaxStages)
+      tuning.stages_per_producer * kProducers > kMaxStages || tuning.combine_stages < 0 ||
+      tuning.combine_stages * kWarps > kMaxStages)
     throw std::invalid_argument("set_bulk_tuning: lag 0 to 3, stages_per_producer 0 to " +
-                                std::to_string(kMaxStages / kProducers));
+                                std::to_string(kMaxStages / kProducers) + ", combine_stages 0 to " +
+                                std::to_string(kMaxStages / kWarps));
   g_tuning = tuning;
 }
 
