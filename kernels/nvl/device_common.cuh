@@ -79,14 +79,15 @@ __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t
 // Polls `flag` until it reaches `value`; false once `timeout_ns` passed (reporting code 5: `peer` did not send
 // message `message`), or at once if an earlier wait timed out (the stream is out of step after that). The clock
 // and the error word (host memory) are read every 256 polls. With `backoff` it sleeps between polls after the first
-// ones: a normal-mode receive kernel has many waiting threads, and their loads of the words the senders write would
-// take the memory system from the copies they wait for.
+// ones, longer the longer it waits (100 ns doubling every 32 polls, at most 1.6 us): a normal-mode receive kernel has
+// hundreds of waiting warps, and their loads of the few words the senders write would take the memory system from
+// the copies they wait for.
 __device__ inline bool wait_flag(const uint64_t* flag, uint64_t value, int64_t message, uint64_t timeout_ns,
                                  DeviceErrors* err, int rank, int peer, bool backoff = false) {
   const uint64_t start = global_ns();
   uint32_t spins = 0;
   while (load_acquire_sys(flag) < value) {
-    if (++spins > 32 && backoff) __nanosleep(100);
+    if (++spins > 32 && backoff) __nanosleep(100u << min((spins - 33) / 32, 4u));
     if ((spins & 255) == 0 &&
         (global_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == kPeerLate)) {
       report(err, kPeerLate, rank, peer, message, int64_t(timeout_ns / 1000000000ull));
