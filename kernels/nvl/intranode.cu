@@ -536,9 +536,10 @@ __device__ int least_frontier(int* frontier, int producer, int mine) {
 }
 
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
-// kTransferThreads tokens the block lays them out into shared tables and kProducers threads move the rows, token i
-// of the pass by producer i % kProducers: each token's row (in segments of at most segment_bytes, scales with the
-// last) from x through a stage to every member that needs it. A producer records how far its tokens have landed
+// kTransferThreads tokens the block lays them out into shared tables, each token's thread stores its scales (FP8)
+// to its members, and kProducers threads move the rows, token i of the pass by producer i % kProducers: each
+// token's row (in segments of at most segment_bytes) from x through a stage to every member that needs it (a
+// scale row is too small to be worth a producer's bulk copy). A producer records how far its tokens have landed
 // (`frontier`: every token before it that is its own has), and the chunk's progress is the least frontier, announced
 // as the stores complete.
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel(DispatchSendArgs a, BulkShape b) {
@@ -567,18 +568,25 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
       layout_pass(a, p0, t1, base, bits, rows);
+      if (srb && int(threadIdx.x) < tokens) {  // each token's thread stores its scales to its members
+        const int4* from = reinterpret_cast<const int4*>(a.scales + int64_t(p0 + threadIdx.x) * srb);
+        for (unsigned m = bits[threadIdx.x] & others; m; m &= m - 1) {
+          const int d = __ffs(m) - 1;
+          int4* dst = reinterpret_cast<int4*>(to.region[d] + a.scales_offset + rows[threadIdx.x * kMaxRanks + d] * srb);
+          for (int k = 0; k < srb / 16; ++k) dst[k] = from[k];
+        }
+      }
       if (threadIdx.x < kProducers) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
-      __syncthreads();
+      __syncthreads();  // the tables and the scales are in before the producers copy and announce
       if (producer) {
         const int mine = (tokens - warp + kProducers - 1) / kProducers;  // tokens warp, warp + kProducers, ...
         const int n = max(0, mine) * segs;
         // Job j: segment j % segs of the producer's token j / segs.
-        const auto part = [&](int j, int& i, int64_t& offset, uint32_t& x_bytes, bool& with_scales) {
-          const int g = j % segs;
-          i = warp + j / segs * kProducers;
+        const auto part = [&](int j, int& i, int64_t& offset, uint32_t& x_bytes) {
+          const int g = segs == 1 ? 0 : j % segs;
+          i = warp + (segs == 1 ? j : j / segs) * kProducers;
           offset = int64_t(g) * b.segment_bytes;
           x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset));
-          with_scales = srb && g == segs - 1;
         };
         int announced = 0;
         run_bulk_jobs(
@@ -588,26 +596,20 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
               int i;
               int64_t offset;
               uint32_t x_bytes;
-              bool with_scales;
-              part(j, i, offset, x_bytes, with_scales);
+              part(j, i, offset, x_bytes);
               if (!(bits[i] & others)) return 0;
-              const uint32_t bytes = x_bytes + (with_scales ? uint32_t(srb) : 0);
-              barrier_arrive_expect(bar, bytes);
+              barrier_arrive_expect(bar, x_bytes);
               bulk_load(stage, a.x + int64_t(p0 + i) * xrb + offset, x_bytes, bar);
-              if (with_scales) bulk_load(stage + x_bytes, a.scales + int64_t(p0 + i) * srb, uint32_t(srb), bar);
-              return bytes;
+              return x_bytes;
             },
             [&](int j, char* stage) {
               int i;
               int64_t offset;
               uint32_t x_bytes;
-              bool with_scales;
-              part(j, i, offset, x_bytes, with_scales);
+              part(j, i, offset, x_bytes);
               for (unsigned m = bits[i] & others; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                const int64_t row = rows[i * kMaxRanks + d];
-                bulk_store(to.region[d] + a.x_offset + row * xrb + offset, stage, x_bytes);
-                if (with_scales) bulk_store(to.region[d] + a.scales_offset + row * srb, stage + x_bytes, uint32_t(srb));
+                bulk_store(to.region[d] + a.x_offset + int64_t(rows[i * kMaxRanks + d]) * xrb + offset, stage, x_bytes);
               }
             },
             [&](int k) {
@@ -1146,7 +1148,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
   const int64_t rb = a.row_bytes;
   const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
   const int items = pieces(T_, a.chunks, kCombinePieceTokens) * a.chunks;
-  int(*table)[kMaxRanks] = listed[warp];
+  int (*table)[kMaxRanks] = listed[warp];
   const char* source = lane < R ? (lane == from.self ? a.y : from.region[lane]) : nullptr;  // lane d's member
   // The issuing side's place: tokens [t0, t1) of the current item, token t0 + i, segment g.
   int t0 = 0, t1 = 0, i = 0, g = 0;
@@ -1612,8 +1614,7 @@ void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, bool
 }
 void launch_dispatch_send(const DispatchKernels& k, cudaStream_t side, bool bulk) {
   if (!bulk) return launch_send(dispatch_send_kernel, k.send, side);
-  const int64_t tail = k.send.scales ? k.send.scale_row_bytes : 0;
-  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, tail, kSendTablesBytes), send_blocks(),
+  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, 0, kSendTablesBytes), send_blocks(),
               side, "dispatch_send_bulk_kernel");
 }
 
