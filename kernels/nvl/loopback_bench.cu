@@ -27,6 +27,12 @@ T* device_alloc(size_t count) {
   return static_cast<T*>(p);
 }
 
+// Holds its stream for about `ns` nanoseconds (the spans' gate).
+__global__ void sleep_kernel(uint64_t ns) {
+  const uint64_t start = global_ns();
+  while (global_ns() - start < ns) __nanosleep(1000);
+}
+
 // One rank's inputs and outputs.
 struct Rank {
   std::vector<uint8_t> x_host;     // [T, x_row_bytes]
@@ -229,7 +235,11 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
       }
     }
   }
-  // One more call of each op with the kernels' stamps on: where its time goes.
+  // One more call of each op with the kernels' stamps on: where its time goes. Both ranks' kernels are queued
+  // behind one gate (a kernel that sleeps, then an event), so they start together as in the timed loop rather
+  // than as one host thread launches them.
+  cudaEvent_t gate;
+  check(cudaEventCreateWithFlags(&gate, cudaEventDisableTiming), "cudaEventCreate");
   constexpr int kKinds = int(KernelKind::kCount);
   uint64_t* stamps = device_alloc<uint64_t>(2 * kKinds);
   for (auto& op : res.spans)
@@ -239,6 +249,9 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     for (int k = 0; k < kKinds; ++k) host[2 * k] = UINT64_MAX;
     check(cudaMemcpy(stamps, host.data(), host.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
     set_kernel_stamps(a.cuda_device, stamps);
+    sleep_kernel<<<1, 1, 0, ranks[0].stream>>>(200000);
+    check(cudaEventRecord(gate, ranks[0].stream), "cudaEventRecord");
+    for (int r = 1; r < R; ++r) check(cudaStreamWaitEvent(ranks[r].stream, gate), "cudaStreamWaitEvent");
     run(op == 1, 1);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     set_kernel_stamps(a.cuda_device, nullptr);
@@ -252,6 +265,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     }
   }
   check(cudaFree(stamps), "cudaFree");
+  cudaEventDestroy(gate);
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   return res;
 }
