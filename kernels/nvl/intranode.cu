@@ -743,9 +743,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
   for (int o = kept + blockIdx.x * warps + warp; o < a.capacity; o += all_warps) pad_row(a, o, lane);
 }
 
-// Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, dealt out over
-// kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait for a member or for the
-// next item's bounds leaves the others' copies in flight. A member's rows of an item are contiguous in its message
+// Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order
+// from a block counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait
+// for a member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were
+// our own rows, there at once, goes on to members' rows instead of idling). A member's rows of an item are contiguous in its message
 // and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers the item;
 // our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept row
 // and write the padding past the kept count.
@@ -757,6 +758,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   __shared__ char* part_dst[kMaxStages][2];
   __shared__ uint32_t part_bytes[kMaxStages][2];
   __shared__ int producer_tokens[kProducers][kPieceTokens];
+  __shared__ int next_item;
+  if (threadIdx.x == 0) next_item = 0;
   init_stage_barriers(full, b.stages);
   const ReceiveFrom& from = a.from;
   const int R = from.num_ranks, T = a.num_tokens;
@@ -774,8 +777,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
     // The stream's position: item, its source s and rows [o0, o1); then a byte position in the member's x rows
     // (phase 1) and scale rows (2), or our own row and segment (3); 0: the next item.
-    const int step = kProducers * int(gridDim.x);
-    int item = int(blockIdx.x) + (warp - kProducers) * int(gridDim.x), s = 0, o0 = 0, o1 = 0, phase = 0, row = 0;
+    int item = 0, s = 0, o0 = 0, o1 = 0, phase = 0, row = 0;
     int seg = 0;
     int64_t at = 0;
     run_bulk_jobs(
@@ -783,8 +785,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         [&](int j, char* stage, uint64_t* bar) -> int64_t {
           const int st = first_stage + j % ring.stages;
           for (;;) {
-            if (phase == 0) {
-              item += step;
+            if (phase == 0) {  // the block's next item that no producer has taken
+              item = int(blockIdx.x) + atomicAdd(&next_item, 1) * int(gridDim.x);
               if (item >= items) return kNoMoreJobs;
               s = item % R;
               const int c = item / R % a.chunks;
