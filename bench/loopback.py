@@ -7,8 +7,9 @@ bulk-copy (TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default. Per c
 (rows + scales) and BF16 combine, timed with CUDA events over --iters calls (the slower rank). GB/s: the rows one
 rank sends the other per call over the time ("remote", the bytes NVLink would carry), and all rows it receives
 including its own ("DeepEP"), and for one more call of each op the bulk kernels' spans over both ranks (start
-after the op's first kernel / length, us; both ranks' kernels start together, behind one gate). Both ranks run at once, so the GPU's memory carries about 4x the remote bytes
-(send: read + write, receive: read + write) of each rank. Each run checks the last call's rows and sums.
+after the op's first kernel / length, us; both ranks' kernels start together, behind one gate). Both ranks run at
+once, so the GPU's memory carries about 4x the remote bytes (send: read + write, receive: read + write) of each
+rank. Each run checks the last call's rows and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
 
     python bench/loopback.py --out $OUT/loopback.json
 """
