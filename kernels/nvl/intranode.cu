@@ -746,10 +746,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
 // Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order
 // from a block counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait
 // for a member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were
-// our own rows, there at once, goes on to members' rows instead of idling). A member's rows of an item are contiguous in its message
-// and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers the item;
-// our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept row
-// and write the padding past the kept count.
+// our own rows, there at once, goes on to members' rows instead of idling). A member's rows of an item are contiguous
+// in its message and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers
+// the item; our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept
+// row and write the padding past the kept count.
 __global__ void __launch_bounds__(kTransferThreads, 1)
     dispatch_receive_bulk_kernel(DispatchReceiveArgs a, BulkShape b) {
   const KernelStamp stamp(KernelKind::kDispatchReceive);
