@@ -155,8 +155,8 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     """Both ways of moving rows (bulk copies, SM stores) at several SM budgets and shapes: rows that fit a stage,
     rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
     into chunks and pieces, a chunk per send block down to a budget of 2, send/receive splits other than the
-    default third. Every row of the last dispatch is
-    compared with the sender's input and every combined sum with x times the token's copies (host-side)."""
+    default third. Every row of the last dispatch (with its FP8 scales) is compared with the sender's input and
+    every combined sum with x times the token's copies (host-side)."""
     cases = [
         (budget, send, bulk, tokens, hidden, 8, 64, fp8)
         for budget, send, tokens, hidden in [

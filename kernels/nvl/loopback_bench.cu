@@ -36,6 +36,7 @@ __global__ void sleep_kernel(uint64_t ns) {
 // One rank's inputs and outputs.
 struct Rank {
   std::vector<uint8_t> x_host;     // [T, x_row_bytes]
+  std::vector<float> scales_host;  // [T, hidden / 128] (FP8)
   std::vector<int32_t> topk_host;  // [T, K]
   void *x = nullptr, *scales = nullptr, *recv_x = nullptr, *recv_scales = nullptr, *out = nullptr;
   int32_t *topk = nullptr, *recv_topk = nullptr, *recv_num = nullptr, *per_expert = nullptr, *counts = nullptr;
@@ -93,7 +94,9 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
         k.topk_host[size_t(t) * K + j] = experts[j];
       }
     }
-    std::vector<float> w(size_t(T) * K), s(size_t(T) * (H / 128));
+    std::vector<float> w(size_t(T) * K);
+    std::vector<float>& s = k.scales_host;
+    s.resize(size_t(T) * (H / 128));
     for (auto& v : w) v = float(rng() % 1000) / 1000.f;
     for (auto& v : s) v = 1.f + float(rng() % 1000) / 1000.f;
     k.x = device_alloc<uint8_t>(k.x_host.size());
@@ -193,8 +196,11 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   for (int r = 0; r < R; ++r) {
     int32_t got_rows = 0;
     check(cudaMemcpy(&got_rows, ranks[r].recv_num, 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
-    std::vector<uint8_t> got(size_t(got_rows) * x_row);
+    std::vector<uint8_t> got(size_t(got_rows) * x_row), got_scales(size_t(got_rows) * scale_row);
     check(cudaMemcpy(got.data(), ranks[r].recv_x, got.size(), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    if (a.fp8)
+      check(cudaMemcpy(got_scales.data(), ranks[r].recv_scales, got_scales.size(), cudaMemcpyDeviceToHost),
+            "cudaMemcpy");
     int64_t o = 0;
     for (int s = 0; s < R; ++s)
       for (int t = 0; t < T; ++t) {
@@ -204,7 +210,9 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
         if (s != r) ++res.remote_rows;
         ++res.received_rows;
         if (o >= got_rows ||
-            std::memcmp(got.data() + o * x_row, ranks[s].x_host.data() + int64_t(t) * x_row, size_t(x_row)) != 0)
+            std::memcmp(got.data() + o * x_row, ranks[s].x_host.data() + int64_t(t) * x_row, size_t(x_row)) != 0 ||
+            (a.fp8 && std::memcmp(got_scales.data() + o * scale_row,
+                                  ranks[s].scales_host.data() + int64_t(t) * (H / 128), size_t(scale_row)) != 0))
           ++res.mismatched_rows;
         ++o;
       }
