@@ -86,7 +86,7 @@ struct StageRing {
   uint32_t stage_bytes;
   int stages;
   uint64_t* full;  // [stages], shared
-  int lag = 2;
+  int lag;
   uint32_t parity = 0;
   __device__ char* stage(int s) const { return base + size_t(s) * stage_bytes; }
 };

@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   }
   __syncthreads();
   if (lane != 0 || warp >= producers) return;
-  StageRing ring{smem + size_t(warp) * stages * stage_bytes, stage_bytes, stages, full + warp * stages};
+  StageRing ring{smem + size_t(warp) * stages * stage_bytes, stage_bytes, stages, full + warp * stages, 1};
   const int64_t pieces = bytes_per_block / stage_bytes;
   run_bulk_jobs(
       ring,

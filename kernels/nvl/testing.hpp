@@ -61,8 +61,8 @@ struct LoopbackResult {
 };
 LoopbackResult loopback_bench(const LoopbackArgs& args);
 // GB/s one kernel of `blocks` blocks copies within the GPU: per block `producers` threads each running bulk copies
-// through `stages` stages of `stage_bytes`, or (warps) the block's warps with SM loads and stores of rows of
-// `stage_bytes`.
+// through `stages` stages of `stage_bytes` (refilled one job behind, as in the kernels), or (warps) the block's warps
+// with SM loads and stores of rows of `stage_bytes`.
 double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages, int producers,
                   bool warps);
 
