@@ -329,6 +329,7 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
   if (stages * producers > kMaxStages * 4 || uint64_t(stages) * producers * stage_bytes > kBulkSharedBytes)
     throw std::invalid_argument("copy_bench: too many stages");
+  if (!warps && stages < 2) throw std::invalid_argument("copy_bench: at least 2 stages (one refills behind the other)");
   char *src = device_alloc<char>(size_t(blocks) * bytes_per_block),
        *dst = device_alloc<char>(size_t(blocks) * bytes_per_block);
   allow_shared_bytes(kBulkSharedBytes, copy_bench_kernel);
