@@ -589,7 +589,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
           x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset));
         };
         int announced = 0;
-        run_bulk_jobs<4, 8>(
+        run_bulk_jobs(
             ring,
             [&](int j, char* stage, uint64_t* bar) -> int64_t {
               if (j >= n) return kNoMoreJobs;
