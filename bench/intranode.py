@@ -349,6 +349,11 @@ def main(argv=None) -> int:
         help="comma-separated SM budgets (send + receive blocks) to sweep jax_uccl_ep's ops over, e.g. "
         "8,12,16,24,32 (default: UCCL_EP_NUM_SMS, else 24)",
     )
+    ap.add_argument(
+        "--rings",
+        default=None,
+        help="lag:stages[:combine] of the bulk kernels' rings, through the testing hook (see bench/loopback.py)",
+    )
     ap.add_argument("--out", default="intranode.json", help="JSON of the results")
     args = ap.parse_args(argv)
 
@@ -391,6 +396,10 @@ def main(argv=None) -> int:
     record["nccl"] = nccl
 
     budgets = [int(b) for b in args.sms.split(",") if b] if args.sms else None
+    if args.rings and not args.cpu:
+        import jax_uccl_ep as ep
+
+        ep._uccl_ep.testing.nvl_set_bulk_tuning(*(int(v) for v in args.rings.split(":")))
     jax_results, info = run_jax(prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets)
     record["jax"] = info
     results += jax_results
