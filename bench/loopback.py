@@ -1,15 +1,15 @@
-"""Normal mode's NVLink kernels on one GPU, pointed at the GPU's own memory: two ranks on GPU 0, each sending its
-rows into the other's buffer as if it were a peer (nvl_loopback_bench). What a kernel moves here bounds what it can
-move over NVLink (NV18: 450 GB/s per direction), so at a budget it must move well over that here.
+"""Normal mode's NVLink kernels on one GPU, pointed at the GPU's own memory: two ranks (--ranks) on GPU 0, each
+sending its rows into the others' buffers as if they were peers (nvl_loopback_bench). What a kernel moves here
+bounds what it can move over NVLink (NV18: 450 GB/s per direction), so at a budget it must move well over that here.
 
 Sweeps the SM budget (UCCL_EP_NUM_SMS: send + receive blocks of each rank) for the SM-store kernels and the
 bulk-copy (TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default. Per call: BF16 dispatch, FP8 dispatch
-(rows + scales) and BF16 combine, timed with CUDA events over --iters calls (the slower rank). GB/s: the rows one
-rank sends the other per call over the time ("remote", the bytes NVLink would carry), and all rows it receives
-including its own ("DeepEP"), and for one more call of each op the bulk kernels' spans over both ranks (start
-after the op's first kernel / length, us; both ranks' kernels start together, behind one gate). Both ranks run at
-once, so the GPU's memory carries about 4x the remote bytes (send: read + write, receive: read + write) of each
-rank. Each run checks the last call's rows and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
+(rows + scales) and BF16 combine, timed with CUDA events over --iters calls (the slowest rank). GB/s: the rows a
+rank sends the others per call over the time ("remote", the bytes NVLink would carry), and all rows it receives
+including its own ("DeepEP"), and for one more call of each op the bulk kernels' spans over all ranks (start after
+the op's first kernel / length, us; all ranks' kernels start together, behind one gate). The ranks run at once, so
+the GPU's memory carries about 4x the remote bytes (send: read + write, receive: read + write) of each rank. Each
+run checks the last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
 
     python bench/loopback.py --out $OUT/loopback.json
 """
@@ -42,13 +42,14 @@ def main(argv=None) -> int:
         help="comma-separated lag:stages[:combine] of the bulk kernels' rings (jobs a stage is refilled behind its "
         "stores, stages per issuing thread, stages per warp of the combine receiver; 0: the default)",
     )
+    ap.add_argument("--ranks", type=int, default=2, help="ranks on the GPU (ranks x SMs must fit on it)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from jax_uccl_ep import Config, _runtime, _uccl_ep
 
-    header = common.run_header("GPU 0, two ranks on it")
+    header = common.run_header(f"GPU 0, {args.ranks} ranks on it")
     print(f"# {header['date']}  {header['command']}", flush=True)
     rows, record = [], {"header": header, "args": vars(args), "runs": []}
     sweep = [
@@ -68,13 +69,13 @@ def main(argv=None) -> int:
         for fp8 in (False, True):
             r = dict(
                 _uccl_ep.testing.nvl_loopback_bench(
-                    0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7
+                    0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7, args.ranks
                 )
             )
             r.update(copies=label, budget=budget, split=split, fp8=fp8)
             record["runs"].append(r)
-            remote = r["remote_rows"] / 2 * r["x_row_bytes"]  # per rank
-            received = r["received_rows"] / 2 * r["x_row_bytes"]
+            remote = r["remote_rows"] / args.ranks * r["x_row_bytes"]  # per rank
+            received = r["received_rows"] / args.ranks * r["x_row_bytes"]
             ok = (
                 "yes"
                 if r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     common.print_table(
         HEADERS,
         rows,
-        title=f"loopback on GPU 0: T={args.tokens}/rank, H={args.hidden}, "
+        title=f"loopback on GPU 0, {args.ranks} ranks: T={args.tokens}/rank, H={args.hidden}, "
         f"top-{args.topk} of {args.experts}, {args.iters} calls",
     )
     return 0

@@ -116,34 +116,37 @@ void define_testing(nb::module_ m) {
     return out;
   });
   m.def("nvl_bulk_copies", [] { return nvl::bulk_copies(); });
-  m.def("nvl_loopback_bench", [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters,
-                                 uint64_t seed) {
-    nvl::LoopbackResult r;
-    {
-      nb::gil_scoped_release release;
-      r = nvl::loopback_bench(nvl::LoopbackArgs{device, tokens, hidden, topk, experts, fp8, iters, seed});
-    }
-    nb::dict d;
-    d["dispatch_us"] = r.dispatch_us;
-    d["combine_us"] = r.combine_us;
-    d["remote_rows"] = r.remote_rows;
-    d["received_rows"] = r.received_rows;
-    d["x_row_bytes"] = r.x_row_bytes;
-    d["mismatched_rows"] = r.mismatched_rows;
-    d["mismatched_combine_rows"] = r.mismatched_combine_rows;
-    d["num_sms"] = nvl::num_sms();
-    d["bulk"] = nvl::bulk_copies();
-    static const char* kKinds[] = {"scan", "dispatch_send", "dispatch_receive", "combine_send", "combine_receive"};
-    static_assert(std::size(kKinds) == size_t(nvl::KernelKind::kCount), "a name per kernel kind");
-    nb::dict spans;
-    for (int op = 0; op < 2; ++op)
-      for (int k = 0; k < int(nvl::KernelKind::kCount); ++k)
-        if (r.spans[op][k][1] >= 0)
-          spans[(std::string(op ? "combine:" : "dispatch:") + kKinds[k]).c_str()] =
-              nb::make_tuple(r.spans[op][k][0], r.spans[op][k][1]);
-    d["spans_us"] = spans;  // one more call of each op: (start after the op's first kernel, length)
-    return d;
-  });
+  m.def(
+      "nvl_loopback_bench",
+      [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters, uint64_t seed, int ranks) {
+        nvl::LoopbackResult r;
+        {
+          nb::gil_scoped_release release;
+          r = nvl::loopback_bench(nvl::LoopbackArgs{device, tokens, hidden, topk, experts, fp8, iters, seed, ranks});
+        }
+        nb::dict d;
+        d["dispatch_us"] = r.dispatch_us;
+        d["combine_us"] = r.combine_us;
+        d["remote_rows"] = r.remote_rows;
+        d["received_rows"] = r.received_rows;
+        d["x_row_bytes"] = r.x_row_bytes;
+        d["mismatched_rows"] = r.mismatched_rows;
+        d["mismatched_combine_rows"] = r.mismatched_combine_rows;
+        d["num_sms"] = nvl::num_sms();
+        d["bulk"] = nvl::bulk_copies();
+        static const char* kKinds[] = {"scan", "dispatch_send", "dispatch_receive", "combine_send", "combine_receive"};
+        static_assert(std::size(kKinds) == size_t(nvl::KernelKind::kCount), "a name per kernel kind");
+        nb::dict spans;
+        for (int op = 0; op < 2; ++op)
+          for (int k = 0; k < int(nvl::KernelKind::kCount); ++k)
+            if (r.spans[op][k][1] >= 0)
+              spans[(std::string(op ? "combine:" : "dispatch:") + kKinds[k]).c_str()] =
+                  nb::make_tuple(r.spans[op][k][0], r.spans[op][k][1]);
+        d["spans_us"] = spans;  // one more call of each op: (start after the op's first kernel, length)
+        return d;
+      },
+      nb::arg("device"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("experts"), nb::arg("fp8"),
+      nb::arg("iters"), nb::arg("seed"), nb::arg("ranks") = 2);
   m.def("nvl_copy_bench", [](int device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
                              int producers, bool warps) {
     nb::gil_scoped_release release;

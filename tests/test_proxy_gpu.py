@@ -134,18 +134,18 @@ def test_moe_layer_on_one_shared_gpu(fp8):
 
 
 def gpu_loopback(cases: list) -> list:
-    """Child: normal mode's NVLink kernels between two ranks on GPU 0 (nvl_loopback_bench), per case."""
+    """Child: normal mode's NVLink kernels between ranks on GPU 0 (nvl_loopback_bench), per case."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep
 
     out = []
-    for budget, send, bulk, tokens, hidden, topk, experts, fp8 in cases:
+    for budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks in cases:
         _runtime.configure_native(Config(num_sms=budget, num_send_sms=send, nvl_bulk=bulk == "1"))
-        r = dict(_uccl_ep.testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out)))
+        r = dict(_uccl_ep.testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out), ranks))
         out.append(
             dict(
                 r,
                 send_blocks=_uccl_ep.testing.nvl_send_blocks(),
-                case=[budget, send, bulk, tokens, hidden, topk, experts, fp8],
+                case=[budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks],
             )
         )
     return out
@@ -155,17 +155,20 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     """Both ways of moving rows (bulk copies, SM stores) at several SM budgets and shapes: rows that fit a stage,
     rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
     into chunks and pieces, a chunk per send block down to a budget of 2, send/receive splits other than the
-    default third. Every row of the last dispatch (with its FP8 scales) is compared with the sender's input and
-    every combined sum with x times the token's copies (host-side)."""
+    default third, and 4 and 8 ranks sharing the GPU (every member's copy of a token in one combine stage). Every
+    row of the last dispatch (with its FP8 scales) is compared with the sender's input and every combined sum with x
+    times the token's copies (host-side)."""
     cases = [
-        (budget, send, bulk, tokens, hidden, 8, 64, fp8)
-        for budget, send, tokens, hidden in [
-            (2, 0, 301, 256),
-            (6, 0, 1000, 7168),
-            (24, 0, 4096, 7168),
-            (12, 0, 777, 20480),
-            (24, 16, 2000, 7168),
-            (24, 3, 2000, 7168),
+        (budget, send, bulk, tokens, hidden, 8, 64, fp8, ranks)
+        for budget, send, tokens, hidden, ranks in [
+            (2, 0, 301, 256, 2),
+            (6, 0, 1000, 7168, 2),
+            (24, 0, 4096, 7168, 2),
+            (12, 0, 777, 20480, 2),
+            (24, 16, 2000, 7168, 2),
+            (24, 3, 2000, 7168, 2),
+            (24, 0, 2000, 7168, 4),
+            (12, 0, 1000, 7168, 8),
         ]
         for bulk in ("1", "0")
         for fp8 in (False, True)

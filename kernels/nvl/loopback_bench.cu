@@ -55,12 +55,12 @@ struct Rank {
 }  // namespace
 
 LoopbackResult loopback_bench(const LoopbackArgs& a) {
-  constexpr int R = 2;
+  const int R = a.num_ranks;
   const int T = a.num_tokens, H = a.hidden, K = a.topk, E = a.num_experts, cap = R * T;
-  if (T < 1 || H < 128 || H % 128 || K < 1 || K > E || E % R || a.iters < 1)
+  if (R < 2 || R > kMaxRanks || T < 1 || H < 128 || H % 128 || K < 1 || K > E || E % R || a.iters < 1)
     throw std::invalid_argument(
-        "loopback_bench: tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts, "
-        "experts divisible by 2, iters >= 1");
+        "loopback_bench: 2 to 8 ranks, tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts, "
+        "experts divisible by the ranks, iters >= 1");
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
   const size_t message =
@@ -68,11 +68,12 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const size_t buffer = NvlDevice::buffer_bytes_for(R, message);
   std::vector<std::unique_ptr<NvlDevice>> devs;
   for (int r = 0; r < R; ++r) devs.push_back(std::make_unique<NvlDevice>(a.cuda_device, r, R, buffer, 0));
-  std::vector<NvlDevice*> same{devs[0].get(), devs[1].get()};
+  std::vector<NvlDevice*> same;
+  for (auto& d : devs) same.push_back(d.get());
   for (auto& d : devs) d->connect(std::vector<std::vector<uint8_t>>(R), same);
 
   std::mt19937_64 rng(a.seed);
-  Rank ranks[R];
+  std::vector<Rank> ranks(R);
   for (int r = 0; r < R; ++r) {
     Rank& k = ranks[r];
     check(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -119,7 +120,8 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     k.counts = device_alloc<int32_t>(R);
     k.in_rank = device_alloc<bool>(size_t(T) * R);
   }
-  const int32_t members[R] = {0, 1};
+  std::vector<int32_t> members(R);
+  for (int r = 0; r < R; ++r) members[r] = r;
   const auto dispatch_args = [&](Rank& k) {
     DispatchArgs a{};
     a.x = k.x;
@@ -158,7 +160,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const auto run = [&](bool combine, int iters) {
     for (int i = 0; i < iters; ++i)
       for (int r = 0; r < R; ++r) {
-        const Group g{members, R, r};
+        const Group g{members.data(), R, r};
         if (combine)
           nvl::combine(*devs[r], g, combine_args(ranks[r]), ranks[r].stream);
         else
@@ -168,7 +170,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const auto timed_us = [&](bool combine) {
     run(combine, 2);  // warm-up
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cudaEvent_t start[R], stop[R];
+    std::vector<cudaEvent_t> start(R), stop(R);
     for (int r = 0; r < R; ++r) {
       check(cudaEventCreate(&start[r]), "cudaEventCreate");
       check(cudaEventCreate(&stop[r]), "cudaEventCreate");
@@ -222,8 +224,8 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   if (!a.fp8) {
     res.combine_us = timed_us(true);
     for (auto& d : devs) d->check_errors("loopback combine");
-    // Each token comes back once from every rank that got it, unchanged: the sum is x times that count (exact in
-    // BF16 for counts 1 and 2).
+    // Each token comes back once from every rank that got it, unchanged: the sum is x times that count, summed in
+    // float32 (exact for counts up to 8 of a BF16 value) and rounded once to BF16.
     for (int r = 0; r < R; ++r) {
       std::vector<__nv_bfloat16> out(size_t(T) * H);
       check(cudaMemcpy(out.data(), ranks[r].out, out.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
@@ -236,14 +238,15 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
           copies += to_d;
         }
         for (int h = 0; h < H; ++h)
-          if (__bfloat162float(out[size_t(t) * H + h]) != copies * __bfloat162float(x[size_t(t) * H + h])) {
+          if (__bfloat162float(out[size_t(t) * H + h]) !=
+              __bfloat162float(__float2bfloat16(copies * __bfloat162float(x[size_t(t) * H + h])))) {
             ++res.mismatched_combine_rows;
             break;
           }
       }
     }
   }
-  // One more call of each op with the kernels' stamps on: where its time goes. Both ranks' kernels are queued
+  // One more call of each op with the kernels' stamps on: where its time goes. Every rank's kernels are queued
   // behind one gate (a kernel that sleeps, then an event), so they start together as in the timed loop rather
   // than as one host thread launches them.
   cudaEvent_t gate;

@@ -40,22 +40,24 @@ struct BulkTuning {
 };
 void set_bulk_tuning(const BulkTuning& tuning);
 
-// Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): two ranks on `cuda_device`, each
-// sending into the other's buffer, random top-k routing; dispatch (BF16 rows, or FP8 rows with scales) and, for
-// BF16, combine, each timed over `iters` calls (the slower rank's events), under the current transfer settings.
+// Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): `num_ranks` ranks on
+// `cuda_device`, each sending into the others' buffers, random top-k routing; dispatch (BF16 rows, or FP8 rows with
+// scales) and, for BF16, combine, each timed over `iters` calls (the slowest rank's events), under the current
+// transfer settings. Every rank's send and receive blocks must fit on the GPU at once (num_ranks x the SM budget).
 struct LoopbackArgs {
   int cuda_device, num_tokens, hidden, topk, num_experts;
   bool fp8;
   int iters;
   uint64_t seed;
+  int num_ranks;  // 2 to 8, all on cuda_device
 };
 struct LoopbackResult {
   double dispatch_us, combine_us;       // per call (combine: 0 with fp8)
-  uint64_t remote_rows, received_rows;  // of both ranks, per call
+  uint64_t remote_rows, received_rows;  // of all ranks, per call
   uint64_t x_row_bytes;                 // bytes of a dispatched row (FP8: with its scales)
   // The last call's rows (with their FP8 scales) and sums that differ from the inputs (must be 0).
   uint64_t mismatched_rows, mismatched_combine_rows;
-  // One more call of each op, its bulk kernels' spans over both ranks: [KernelKind] {start, length} in us from the
+  // One more call of each op, its bulk kernels' spans over all ranks: [KernelKind] {start, length} in us from the
   // earliest start of the op's kernels (negative length: the kernel did not run).
   double spans[2][int(KernelKind::kCount)][2];  // [dispatch, combine]
 };
