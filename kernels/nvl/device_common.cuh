@@ -16,6 +16,7 @@ namespace {
 
 constexpr int kWarp = 32;
 constexpr int kTransferThreads = 512;  // threads of normal mode's send and receive blocks
+constexpr int kTransferWarps = kTransferThreads / kWarp;
 
 inline void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep nvl: ") + what + ": " + cudaGetErrorString(e));

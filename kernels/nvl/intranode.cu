@@ -1128,16 +1128,15 @@ struct CombineJob {
 };
 template <typename T>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kernel(CombineReceiveArgs a, BulkShape b) {
-  constexpr int kWarps = kTransferThreads / kWarp;
   const KernelStamp stamp(KernelKind::kCombineReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ CombineJob job_of[kMaxStages];
   // Per warp, its item's copies: [token][member] the row in the member's message (ours: in y), or -1.
-  __shared__ int listed[kWarps][kCombinePieceTokens][kMaxRanks];
+  __shared__ int listed[kTransferWarps][kCombinePieceTokens][kMaxRanks];
   __shared__ int next_item;
   const ReceiveFrom& from = a.from;
-  const int R = from.num_ranks, T_ = a.num_tokens, per = b.stages / kWarps;
+  const int R = from.num_ranks, T_ = a.num_tokens, per = b.stages / kTransferWarps;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (threadIdx.x == 0) {
     for (int s = 0; s < b.stages; ++s) barrier_init(full + s, 1);
@@ -1355,14 +1354,14 @@ int ring_lag() { return g_tuning.lag > 0 ? g_tuning.lag : 1; }
 int stages_per_producer() {
   return std::max(g_tuning.stages_per_producer > 0 ? g_tuning.stages_per_producer : 3, ring_lag() + 1);
 }
-BulkShape row_stages(int64_t row_bytes, int64_t tail_bytes, uint32_t tables_bytes) {
+BulkShape row_stages(int64_t row_bytes, uint32_t tables_bytes) {
   BulkShape b{};
   b.tables_bytes = tables_bytes;
   b.lag = ring_lag();
   const uint32_t room = kBulkSharedBytes - tables_bytes;
-  const uint32_t most = room / uint32_t(kProducers * stages_per_producer()) - 128 - uint32_t(tail_bytes);
+  const uint32_t most = room / uint32_t(kProducers * stages_per_producer()) - 128;
   b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(most, 16)));
-  b.stage_bytes = (b.segment_bytes + uint32_t(tail_bytes) + 127) / 128 * 128;
+  b.stage_bytes = (b.segment_bytes + 127) / 128 * 128;
   b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes)) / kProducers * kProducers;  // each its own
   return b;
 }
@@ -1381,11 +1380,10 @@ BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
 // (segments of a row made even). Two stages let a warp sum one while the other loads, but halve the copies: in the
 // loopback two won at 2 members (~2.9 KiB copies), one at 4 and 8 (copies of 1.6 KiB rather than 800 B: -10% at 8).
 BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks) {
-  constexpr int kWarps = kTransferThreads / kWarp;
   constexpr uint32_t kLeastCopyBytes = 2048;
-  int per = kBulkSharedBytes / (2 * kWarps) / uint32_t(num_ranks) >= kLeastCopyBytes ? 2 : 1;
+  int per = kBulkSharedBytes / (2 * kTransferWarps) / uint32_t(num_ranks) >= kLeastCopyBytes ? 2 : 1;
   if (g_tuning.combine_stages > 0) per = g_tuning.combine_stages;
-  BulkShape b = piece_stages(row_bytes, 0, per * kWarps);
+  BulkShape b = piece_stages(row_bytes, 0, per * kTransferWarps);
   const int64_t most = align_down(b.stage_bytes / uint32_t(num_ranks), 16);
   const int64_t segs = (row_bytes + most - 1) / most;
   b.segment_bytes = uint32_t(std::min<int64_t>(most, (row_bytes / segs + 15) / 16 * 16));
@@ -1620,7 +1618,7 @@ void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, bool
 }
 void launch_dispatch_send(const DispatchKernels& k, cudaStream_t side, bool bulk) {
   if (!bulk) return launch_send(dispatch_send_kernel, k.send, side);
-  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, 0, kSendTablesBytes), send_blocks(),
+  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, kSendTablesBytes), send_blocks(),
               side, "dispatch_send_bulk_kernel");
 }
 
@@ -1804,13 +1802,12 @@ void set_kernel_stamps(int cuda_device, uint64_t* stamps) {
 }
 
 void set_bulk_tuning(const BulkTuning& tuning) {
-  constexpr int kWarps = kTransferThreads / kWarp;
   if (tuning.lag < 0 || tuning.lag > 3 || tuning.stages_per_producer < 0 ||
       tuning.stages_per_producer * kProducers > kMaxStages || tuning.combine_stages < 0 ||
-      tuning.combine_stages * kWarps > kMaxStages)
+      tuning.combine_stages * kTransferWarps > kMaxStages)
     throw std::invalid_argument("set_bulk_tuning: lag 0 to 3, stages_per_producer 0 to " +
                                 std::to_string(kMaxStages / kProducers) + ", combine_stages 0 to " +
-                                std::to_string(kMaxStages / kWarps));
+                                std::to_string(kMaxStages / kTransferWarps));
   g_tuning = tuning;
 }
 
