@@ -1618,8 +1618,8 @@ void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, bool
 }
 void launch_dispatch_send(const DispatchKernels& k, cudaStream_t side, bool bulk) {
   if (!bulk) return launch_send(dispatch_send_kernel, k.send, side);
-  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, kSendTablesBytes), send_blocks(),
-              side, "dispatch_send_bulk_kernel");
+  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, kSendTablesBytes), send_blocks(), side,
+              "dispatch_send_bulk_kernel");
 }
 
 struct CombineKernels {
