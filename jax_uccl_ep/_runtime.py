@@ -151,7 +151,6 @@ def configure_native(config: Config) -> None:
         "num_sms",
         "num_send_sms",
         "nvl_bulk",
-        "nvl_deadline",
         "ll_num_sms",
         "ll_fused",
         "kernel_timing",

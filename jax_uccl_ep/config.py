@@ -94,10 +94,6 @@ class Config:
     nvl_bulk: bool = field(
         default=True, metadata=_env("UCCL_EP_NVL_BULK", "normal mode moves rows by bulk copies (TMA), else SM stores")
     )
-    nvl_deadline: bool = field(
-        default=True,
-        metadata=_env("UCCL_EP_NVL_DEADLINE", "normal mode waits for peers' routing with a deadline (polling kernel)"),
-    )
     ll_num_sms: int = field(
         default=32, metadata=_env("UCCL_EP_LL_NUM_SMS", "blocks of the split low-latency receive kernels")
     )
@@ -175,7 +171,6 @@ class Config:
             "reorder",
             "poison",
             "kernel_timing",
-            "nvl_deadline",
             "ll_fused",
             "ll_num_sms",
             "max_inflight_writes",

@@ -10,7 +10,6 @@ struct Settings {
   int num_sms;        // normal mode's SM budget on GPUs: send and receive blocks together
   int num_send_sms;   // the send blocks of that budget (0: a third)
   bool nvl_bulk;      // normal mode's NVLink kernels move rows by bulk copies (TMA), else by SM stores
-  bool nvl_deadline;  // normal mode waits for the peers' routing with a polling kernel that has a deadline
   int ll_num_sms;     // blocks of the split low-latency receive kernels
   bool ll_fused;      // a non-split low-latency op's send and receive in one kernel
   int kernel_timing;  // 1: CUDA events around each GPU op; 2: also the low-latency kernels' phase stamps

@@ -219,7 +219,6 @@ def test_one_process_per_gpu(part):
 NORMAL_VARIANTS = {
     "6 SMs": {"UCCL_EP_NUM_SMS": "6"},
     "6 SMs, SM stores": {"UCCL_EP_NUM_SMS": "6", "UCCL_EP_NVL_BULK": "0"},
-    "stream waits": {"UCCL_EP_NVL_DEADLINE": "0"},
 }
 
 
@@ -227,7 +226,7 @@ NORMAL_VARIANTS = {
 def test_normal_mode_variants(variant):
     """Normal mode's references with an SM budget of 6: a message in 3 chunks (a send block each) and 3 receive
     blocks, each working through several (chunk, source) pieces, with bulk copies (the default) and with the SM-store
-    kernels; and with the routing awaited by stream memory waits instead of polling kernels."""
+    kernels."""
     env = dict(SUITE_ENV, **NORMAL_VARIANTS[variant])
     results = launch(HERE, "gpu_suite", 1, args=["normal"], platform="gpu", timeout_s=150, env=env)
     _check(results, NUM_GPUS)

@@ -10,9 +10,9 @@
 // Per GPU one buffer: [flags 4 KiB][in-region of each peer][low-latency area]. Peer p writes its messages into
 // our in-region(p). Flags, all written by p: meta[p] counts the chunks of p's messages whose routing landed
 // (a chunk per send block); chunk[p][c] = k << 32 | n once n tokens (rows, in combine) of chunk c of p's message
-// k landed; ack[p] = k once p has finished reading our message k (we may overwrite its in-region then). A send
-// kernel runs on a side stream of ours while XLA's stream waits for the routing, scans it and receives, so sends
-// and receives overlap.
+// k landed; ack[p] = k once p has finished reading our message k (we may overwrite its in-region then). An op is one
+// launch on XLA's stream whose send blocks and receive blocks run side by side (the receive blocks scan the routing
+// as it lands), then a stream write of each acknowledgement.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -94,10 +94,6 @@ class NvlDevice {
   uint64_t* peer_chunk_flags(int peer) const;
   uint64_t* peer_meta_flag(int peer) const;
   uint64_t* peer_ack_flag(int peer) const;
-  // Side stream for send kernels, and events to fork it from and join it to XLA's stream.
-  cudaStream_t send_stream() const { return send_stream_; }
-  cudaEvent_t fork_event() const { return fork_event_; }
-  cudaEvent_t join_event() const { return join_event_; }
 
   // Message sequencing (host side, under op_mutex): both ends of a pair enqueue ops in the same order.
   std::mutex& op_mutex() { return op_mutex_; }
@@ -134,6 +130,11 @@ class NvlDevice {
   void* scratch() const { return scratch_; }  // device scratch for routing tables
   size_t scratch_bytes() const { return scratch_bytes_; }
   void ensure_scratch(size_t bytes);
+  // At least `count` words through which the blocks of one launch hand work to each other, each stamped with a
+  // launch's number (next_launch(), from 1 up); zeroed when they grow, so a word never passes early.
+  uint64_t* handoff_words(size_t count);
+  static constexpr size_t kInitialHandoffWords = 1 << 14;  // a dispatch of up to 512K tokens per rank among 8
+  uint64_t next_launch() { return ++launches_; }
 
  private:
   int device_, rank_, num_ranks_;
@@ -157,8 +158,9 @@ class NvlDevice {
   DeviceErrors* errors_device_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  cudaStream_t send_stream_ = nullptr;
-  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
+  uint64_t* handoff_ = nullptr;
+  size_t handoff_count_ = 0;
+  uint64_t launches_ = 0;
 };
 
 // Process-global registry of this process's GPUs. Handlers hold lifetime_mutex() shared for an op.
@@ -188,9 +190,8 @@ class NvlRuntime {
 // (command rings a kernel can write, staging for providers without GPU memory support). Returns whether it did.
 bool install_pinned_host_allocator();
 
-// Stream memory operations from the driver, found at run time (no libcuda at link time).
+// A stream memory write from the driver, found at run time (no libcuda at link time).
 void stream_write_value(cudaStream_t stream, uint64_t* address, uint64_t value);
-void stream_wait_value(cudaStream_t stream, uint64_t* address, uint64_t value);
 
 using uccl_ep::CachedDispatchArgs;
 using uccl_ep::CombineArgs;
@@ -232,10 +233,6 @@ bool bulk_copies();
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing.
 uint64_t timeout_ns();
-// Whether normal mode waits for the peers' routing with a polling kernel that gives up after timeout_ns() instead
-// of stream memory waits, which cost no launch but never give up. The waits for rows inside the kernels always
-// have the deadline.
-bool waits_have_deadline();
 // Low-latency kernels: a non-split op's send and receive in one kernel.
 bool low_latency_fused();
 

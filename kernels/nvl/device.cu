@@ -23,7 +23,6 @@ void check(cudaError_t e, const std::string& what) {
 
 struct DriverMemOps {
   PFN_cuStreamWriteValue64_v11070 write = nullptr;
-  PFN_cuStreamWaitValue64_v11070 wait = nullptr;
 };
 
 const DriverMemOps& memops() {
@@ -34,10 +33,6 @@ const DriverMemOps& memops() {
                                            cudaEnableDefault, &found),
           "looking up cuStreamWriteValue64");
     if (found != cudaDriverEntryPointSuccess) throw std::runtime_error("uccl_ep nvl: no cuStreamWriteValue64");
-    check(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", reinterpret_cast<void**>(&o.wait), 11070,
-                                           cudaEnableDefault, &found),
-          "looking up cuStreamWaitValue64");
-    if (found != cudaDriverEntryPointSuccess) throw std::runtime_error("uccl_ep nvl: no cuStreamWaitValue64");
     return o;
   }();
   return ops;
@@ -51,12 +46,6 @@ void stream_write_value(cudaStream_t stream, uint64_t* address, uint64_t value) 
   CUresult r = memops().write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
                               CU_STREAM_WRITE_VALUE_DEFAULT);
   if (r != CUDA_SUCCESS) throw std::runtime_error("uccl_ep nvl: cuStreamWriteValue64 failed: " + std::to_string(r));
-}
-
-void stream_wait_value(cudaStream_t stream, uint64_t* address, uint64_t value) {
-  CUresult r = memops().wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
-                             CU_STREAM_WAIT_VALUE_GEQ);
-  if (r != CUDA_SUCCESS) throw std::runtime_error("uccl_ep nvl: cuStreamWaitValue64 failed: " + std::to_string(r));
 }
 
 namespace {
@@ -99,7 +88,6 @@ int num_sms() { return std::max(2, settings().num_sms); }
 int num_send_sms() { return std::max(0, settings().num_send_sms); }
 bool bulk_copies() { return settings().nvl_bulk; }
 int low_latency_blocks() { return std::max(1, settings().ll_num_sms); }
-bool waits_have_deadline() { return settings().nvl_deadline; }
 bool low_latency_fused() { return settings().ll_fused; }
 
 namespace {
@@ -135,11 +123,9 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
         "cudaMalloc of " + std::to_string(ll_offset_ + ll_bytes_) + " bytes");
   check(cudaMemset(buffer_, 0, kFlagBytes), "cudaMemset");
   errors_host_ = mapped_host<DeviceErrors>(1, &errors_device_);
-  check(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-  check(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), "cudaEventCreate");
-  check(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), "cudaEventCreate");
   timing_ = settings().kernel_timing > 0;
   if (settings().kernel_timing == 2) phases_host_ = mapped_host<uint64_t>(kPhaseWords, &phases_device_);
+  handoff_words(kInitialHandoffWords);
   preload_intranode_kernels();
   preload_low_latency_kernels();
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -154,10 +140,8 @@ NvlDevice::~NvlDevice() {
   for (int p = 0; p < num_ranks_; ++p)
     if (opened_ipc_[p]) cudaIpcCloseMemHandle(peer_buffers_[p]);
   if (scratch_) cudaFree(scratch_);
+  if (handoff_) cudaFree(handoff_);
   if (buffer_) cudaFree(buffer_);
-  if (send_stream_) cudaStreamDestroy(send_stream_);
-  if (fork_event_) cudaEventDestroy(fork_event_);
-  if (join_event_) cudaEventDestroy(join_event_);
   for (auto& t : timings_) spare_events_.insert(spare_events_.end(), {t.second.first, t.second.second});
   if (timing_start_) spare_events_.push_back(timing_start_);
   for (auto e : spare_events_) cudaEventDestroy(e);
@@ -247,6 +231,20 @@ void NvlDevice::ensure_scratch(size_t bytes) {
   }
   check(cudaMalloc(&scratch_, bytes), "cudaMalloc scratch");
   scratch_bytes_ = bytes;
+}
+
+uint64_t* NvlDevice::handoff_words(size_t count) {
+  if (count <= handoff_count_) return handoff_;
+  check(cudaSetDevice(device_), "cudaSetDevice");
+  if (handoff_) {  // queued kernels may still use them (see ensure_scratch)
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cudaFree(handoff_);
+  }
+  check(cudaMalloc(&handoff_, count * sizeof(uint64_t)), "cudaMalloc handoff words");
+  check(cudaMemset(handoff_, 0, count * sizeof(uint64_t)), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any stream's launch reads them
+  handoff_count_ = count;
+  return handoff_;
 }
 
 cudaEvent_t NvlDevice::timing_event() {

@@ -110,14 +110,13 @@ __device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int 
   return take;
 }
 
-// Pass 1: a block per (kScanThreads tokens, source) counts its rows.
-__global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a) {
-  const KernelStamp stamp(KernelKind::kScan);
-  const int s = blockIdx.y, t = blockIdx.x * kScanThreads + threadIdx.x;
+// Pass 1: unit x of source s (its blockDim.x tokens from x * blockDim.x; `units` per source) counts its rows.
+__device__ void count_unit(const ScanArgs& a, int x, int s, int units) {
+  const int t = x * int(blockDim.x) + int(threadIdx.x);
   const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
   const bool take = t < a.num_tokens && scan_takes(a, s, t, a.self * local_experts, local_experts);
   const int rows = __syncthreads_count(take);
-  if (threadIdx.x == 0) a.block_counts[s * gridDim.x + blockIdx.x] = rows;
+  if (threadIdx.x == 0) a.block_counts[s * units + x] = rows;
   if (a.receiver_counts) {  // topk mode: the members each token goes to
     unsigned members = 0;
     for (int k = 0; t < a.num_tokens && k < a.topk; ++k) {
@@ -126,24 +125,26 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a
     }
     for (int d = 0; d < a.num_ranks; ++d) {
       const int to_d = __syncthreads_count(members >> d & 1);
-      if (threadIdx.x == 0) a.receiver_counts[(d * a.num_ranks + s) * gridDim.x + blockIdx.x] = to_d;
+      if (threadIdx.x == 0) a.receiver_counts[(d * a.num_ranks + s) * units + x] = to_d;
     }
   }
-  if (blockIdx.x == 0 && s == 0)
+  if (x == 0 && s == 0)
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) a.num_tokens_per_expert[e] = 0;
 }
-
-// Pass 2: each block places its rows after those of every earlier block and counts them per local expert
-// (shared-memory counters, then one global add per expert and block).
-__global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a) {
+__global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a) {
   const KernelStamp stamp(KernelKind::kScan);
-  extern __shared__ int expert_rows[];  // [local_experts]
-  const int blocks = gridDim.x, s = blockIdx.y, t = blockIdx.x * kScanThreads + threadIdx.x;
+  count_unit(a, blockIdx.x, blockIdx.y, gridDim.x);
+}
+
+// Pass 2: each unit places its rows after those of every earlier unit and counts them per local expert
+// (`expert_rows`: shared-memory counters, then one global add per expert and unit).
+__device__ void place_unit(const ScanArgs& a, int x, int s, int units, int* expert_rows) {
+  const int blocks = units, t = x * int(blockDim.x) + int(threadIdx.x);
   const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
   const int first = a.self * local_experts;
   for (int e = threadIdx.x; e < local_experts; e += blockDim.x) expert_rows[e] = 0;
   int earlier = 0;
-  for (int i = threadIdx.x; i < s * blocks + int(blockIdx.x); i += blockDim.x) earlier += a.block_counts[i];
+  for (int i = threadIdx.x; i < s * blocks + x; i += blockDim.x) earlier += a.block_counts[i];
   int base;
   block_exclusive_scan(earlier, &base);  // (syncs the block: expert_rows is zeroed)
   const bool take = t < a.num_tokens && scan_takes(a, s, t, first, local_experts);
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
   __syncthreads();
   for (int e = threadIdx.x; e < local_experts; e += blockDim.x)
     if (expert_rows[e]) atomicAdd(&a.num_tokens_per_expert[e], expert_rows[e]);
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  if (threadIdx.x != 0 || x != 0) return;
   int from_source = 0;
   for (int b = 0; b < blocks; ++b) from_source += a.block_counts[s * blocks + b];
   a.recv_counts[s] = from_source;
@@ -186,11 +187,21 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
   *a.recv_num_tokens = min(total, a.capacity);
 }
 
-int scan_blocks(int num_tokens) { return std::max(1, (num_tokens + kScanThreads - 1) / kScanThreads); }
+__global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a) {
+  const KernelStamp stamp(KernelKind::kScan);
+  extern __shared__ int expert_rows[];  // [local_experts]
+  place_unit(a, blockIdx.x, blockIdx.y, gridDim.x, expert_rows);
+}
+
+// Scan units per source, of `tokens_per_unit` tokens each (the standalone scan's blocks take kScanThreads, a fused
+// launch's receive blocks kTransferThreads).
+int scan_units(int num_tokens, int tokens_per_unit) {
+  return std::max(1, (num_tokens + tokens_per_unit - 1) / tokens_per_unit);
+}
 
 // The ops' device scratch: excl [T + 1, R] (rows' positions in messages) | row_map [capacity] | counts [kMaxRanks] and
-// rows kept (cached dispatch, which checks them against the handle's) | block_counts [R, blocks] | receiver_counts
-// [R, R, blocks] | row_before [R, T + 1]. Grows the device's scratch to fit.
+// rows kept (cached dispatch, which checks them against the handle's) | block_counts [R, units] | receiver_counts
+// [R, R, units] | row_before [R, T + 1]. Grows the device's scratch to fit.
 struct Scratch {
   int32_t* excl;
   int2* row_map;
@@ -198,18 +209,19 @@ struct Scratch {
   int32_t* num_rows;
   int32_t* block_counts;
   int32_t* row_before;       // [R, T + 1] (the routing scan's)
-  int32_t* receiver_counts;  // [R, R, blocks] (the routing scan's, for a capacity some member could exceed)
+  int32_t* receiver_counts;  // [R, R, units] (the routing scan's, for a capacity some member could exceed)
 };
 struct ScratchOffsets {
   size_t map, counts, blocks, receivers, before, total;
 };
 ScratchOffsets scratch_offsets(int capacity, int num_tokens) {
+  const size_t units = size_t(scan_units(num_tokens, kTransferThreads));  // the most either scan uses
   ScratchOffsets o;
   o.map = align16(size_t(num_tokens + 1) * kMaxRanks * 4);
   o.counts = o.map + size_t(capacity) * sizeof(int2);
   o.blocks = o.counts + 256;
-  o.receivers = o.blocks + align16(size_t(kMaxRanks) * scan_blocks(num_tokens) * 4);
-  o.before = o.receivers + align16(size_t(kMaxRanks) * kMaxRanks * scan_blocks(num_tokens) * 4);
+  o.receivers = o.blocks + align16(size_t(kMaxRanks) * units * 4);
+  o.before = o.receivers + align16(size_t(kMaxRanks) * kMaxRanks * units * 4);
   o.total = o.before + size_t(kMaxRanks) * (num_tokens + 1) * 4;
   return o;
 }
@@ -232,7 +244,7 @@ Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
 }
 
 void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
-  const dim3 grid(scan_blocks(a.num_tokens), a.num_ranks);
+  const dim3 grid(scan_units(a.num_tokens, kScanThreads), a.num_ranks);
   dispatch_count_kernel<<<grid, kScanThreads, 0, stream>>>(a);
   check(cudaGetLastError(), "dispatch_count_kernel");
   dispatch_place_kernel<<<grid, kScanThreads, local_experts * sizeof(int), stream>>>(a);
@@ -243,8 +255,7 @@ void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
 // in [0, T] (row T: the totals), from the handle's token-in-rank mask. Token t's copy from d comes back as row
 // excl[t, d] of d's message (rows go packed in token order both ways). One block: a block scan per member over runs
 // of tokens per thread.
-__global__ void __launch_bounds__(kScanThreads)
-    positions_kernel(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {
+__device__ void block_positions(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {
   const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
   const int t0 = min(num_tokens, int(threadIdx.x) * per_thread), t1 = min(num_tokens, t0 + per_thread);
   for (int d = 0; d < num_ranks; ++d) {
@@ -258,6 +269,10 @@ __global__ void __launch_bounds__(kScanThreads)
     }
     if (threadIdx.x == 0) excl[num_tokens * num_ranks + d] = total;
   }
+}
+__global__ void __launch_bounds__(kScanThreads)
+    positions_kernel(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {
+  block_positions(mask, num_tokens, num_ranks, excl);
 }
 
 // The group as a kernel sees it, and how long it waits for a member.
@@ -443,9 +458,9 @@ __device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
 }
 
 // Every chunk's routing first, so the members start their scans while rows move.
-__device__ void send_routing(const DispatchSendArgs& a) {
+__device__ void send_routing(const DispatchSendArgs& a, int block, int blocks) {
   const SendTo& to = a.to;
-  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+  for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     for (const RoutingPiece& p : a.routing)
       for (int s = 0; p.src && s < to.num_ranks; ++s)
@@ -459,14 +474,14 @@ __device__ void send_routing(const DispatchSendArgs& a) {
 // Send side of (cached) dispatch: every chunk's routing first, so the members start their scans while rows
 // move; then the chunk's layout; then each token's row (and scales) to every member that needs it, at its packed
 // position there. A block per chunk of tokens; its progress in tokens.
-__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(DispatchSendArgs a) {
+__device__ void dispatch_send(const DispatchSendArgs& a, int block, int blocks) {
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
-  send_routing(a);
+  send_routing(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int R = to.num_ranks;
   const bool* mask = a.topk_idx ? a.mask_out : a.mask_in;
-  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+  for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     chunk_layout(a, t0, t1);
     // Rounds of a token per warp, announced as they land, so receivers copy behind us. The round's (token,
@@ -488,6 +503,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(Disp
       announce_progress(to, c, [&](int) { return r1 - t0; });
     }
   }
+}
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(DispatchSendArgs a) {
+  dispatch_send(a, blockIdx.x, gridDim.x);
 }
 
 // The bulk-copy kernels' shared memory (dynamic): their tables, then `stages` stages of `stage_bytes`.
@@ -542,7 +560,7 @@ __device__ int least_frontier(int* frontier, int producer, int mine) {
 // scale row is too small to be worth a producer's bulk copy). A producer records how far its tokens have landed
 // (`frontier`: every token before it that is its own has), and the chunk's progress is the least frontier, announced
 // as the stores complete.
-__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel(DispatchSendArgs a, BulkShape b) {
+__device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kDispatchSend);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -552,7 +570,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
   init_stage_barriers(full, b.stages);
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
-  send_routing(a);
+  send_routing(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const bool producer = lane == 0 && warp < kProducers;
   const int per = b.stages / kProducers;
@@ -561,7 +579,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_bulk_kernel
   const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
   const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
   const unsigned others = ~(1u << to.self);
-  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+  for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     int base[kMaxRanks];
     tokens_before(a, t0, base);
@@ -711,7 +729,7 @@ __device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, i
 // send blocks make progress (every chunk's first piece, then every second piece, ...); a block copies an item's
 // rows once the chunk's progress covers them (our own rows at once). Rows past the kept count are padding: zeros,
 // index -1.
-__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(DispatchReceiveArgs a) {
+__device__ void dispatch_receive(const DispatchReceiveArgs& a, int block, int blocks) {
   const ReceiveFrom& from = a.from;
   const int R = from.num_ranks;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
@@ -719,7 +737,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
   const int local_experts = a.topk_mode ? a.num_experts / R : 0;
   const int first = from.self * local_experts;
   __shared__ bool ok;
-  for (int item = blockIdx.x; item < pieces(a.num_tokens, a.chunks) * a.chunks * R; item += gridDim.x) {
+  for (int item = block; item < pieces(a.num_tokens, a.chunks) * a.chunks * R; item += blocks) {
     const int s = item % R, c = item / R % a.chunks;
     const int c0 = chunk_begin(a.num_tokens, a.chunks, c), c1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     const int t0 = c0 + item / (R * a.chunks) * kPieceTokens, t1 = min(c1, t0 + kPieceTokens);
@@ -739,8 +757,11 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
     }
     copy_rows(a, s, o0, o1, offset, warp, warps, lane, first, local_experts);
   }
-  const int all_warps = gridDim.x * warps;
-  for (int o = kept + blockIdx.x * warps + warp; o < a.capacity; o += all_warps) pad_row(a, o, lane);
+  const int all_warps = blocks * warps;
+  for (int o = kept + block * warps + warp; o < a.capacity; o += all_warps) pad_row(a, o, lane);
+}
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(DispatchReceiveArgs a) {
+  dispatch_receive(a, blockIdx.x, gridDim.x);
 }
 
 // Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order
@@ -750,8 +771,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
 // in its message and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers
 // the item; our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept
 // row and write the padding past the kept count.
-__global__ void __launch_bounds__(kTransferThreads, 1)
-    dispatch_receive_bulk_kernel(DispatchReceiveArgs a, BulkShape b) {
+__device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kDispatchReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -786,7 +806,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
           const int st = first_stage + j % ring.stages;
           for (;;) {
             if (phase == 0) {  // the block's next item that no producer has taken
-              item = int(blockIdx.x) + atomicAdd(&next_item, 1) * int(gridDim.x);
+              item = block + atomicAdd(&next_item, 1) * blocks;
               if (item >= items) return kNoMoreJobs;
               s = item % R;
               const int c = item / R % a.chunks;
@@ -862,11 +882,11 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   const int helper_warps = warps - kProducers;
   const int helpers = helper_warps * kWarp, helper = (warp - kProducers) * kWarp + lane;
   const int local_experts = a.topk_mode ? a.num_experts / R : 0, first = from.self * local_experts;
-  for (int o = blockIdx.x * helpers + helper; a.topk_mode && o < kept; o += gridDim.x * helpers) {
+  for (int o = block * helpers + helper; a.topk_mode && o < kept; o += blocks * helpers) {
     const int2 st = a.row_map[o];
     for (int k = 0; k < a.topk; ++k) localize_slot(a, o, st.x, st.y, k, first, local_experts);
   }
-  for (int o = kept + blockIdx.x * helper_warps + warp - kProducers; o < a.capacity; o += gridDim.x * helper_warps)
+  for (int o = kept + block * helper_warps + warp - kProducers; o < a.capacity; o += blocks * helper_warps)
     pad_row(a, o, lane);
 }
 
@@ -881,8 +901,8 @@ struct CombineSendArgs {
 };
 
 // The dispatch's rows must fit y unless it dropped rows on purpose: reported once, by block 0.
-__device__ void check_combine_capacity(const CombineSendArgs& a) {
-  if (blockIdx.x != 0 || threadIdx.x != 0 || a.drop_overflow) return;
+__device__ void check_combine_capacity(const CombineSendArgs& a, int block) {
+  if (block != 0 || threadIdx.x != 0 || a.drop_overflow) return;
   int total = 0;
   for (int s = 0; s < a.to.num_ranks; ++s) total += a.recv_counts[s];
   if (total > a.capacity) report(a.to.err, kHandleDisagreesWithY, a.to.rank, total, a.capacity, 0);
@@ -892,15 +912,15 @@ __device__ void check_combine_capacity(const CombineSendArgs& a) {
 // row j of its message). Rows the dispatch dropped past y's capacity go back as zeros, and y is never read past its
 // end. Chunk c of the rows to member s: chunk_begin(recv_counts[s], chunks, c);
 // its progress in rows.
-__global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(CombineSendArgs a) {
+__device__ void combine_send(const CombineSendArgs& a, int block, int blocks) {
   const SendTo& to = a.to;
   const int R = to.num_ranks;
-  check_combine_capacity(a);
+  check_combine_capacity(a, block);
   if (!wait_acks(to)) return;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   int offsets[kMaxRanks];
   for (int s = 0, o = 0; s < R; o += a.recv_counts[s], ++s) offsets[s] = o;
-  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+  for (int c = block; c < a.chunks; c += blocks) {
     // Rounds of a row per warp and member (dealt out over the warps), announced as they land.
     int most = 0;
     for (int s = 0; s < R; ++s)
@@ -930,20 +950,23 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(Combi
     announce_meta(to);  // keeps the meta count at `chunks` a message (combine has no routing to send)
   }
 }
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(CombineSendArgs a) {
+  combine_send(a, blockIdx.x, gridDim.x);
+}
 
 // Send side of combine with bulk copies: the rows of chunk c to each member are contiguous in y and in its region, so
 // they move in stage-sized pieces, members taken in turn (job j: piece j / M of member j % M), dealt out over
 // kProducers threads (job j to producer j % kProducers), each with its own stages. Each records its frontier (the
 // next job of its own it has not completed) and each member's progress is what the least frontier covers. Rows past
 // y's capacity (dropped by the dispatch) go back as zeros, written by the block before the pieces move.
-__global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(CombineSendArgs a, BulkShape b) {
+__device__ void combine_send_bulk(const CombineSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kCombineSend);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ int frontier[kProducers];
   const SendTo& to = a.to;
   const int R = to.num_ranks;
-  check_combine_capacity(a);
+  check_combine_capacity(a, block);
   init_stage_barriers(full, b.stages);
   if (!wait_acks(to)) return;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
@@ -954,7 +977,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_bulk_kernel(
   int offsets[kMaxRanks];
   for (int s = 0, o = 0; s < R; o += a.recv_counts[s], ++s) offsets[s] = o;
   const int64_t rb = a.row_bytes;
-  for (int c = blockIdx.x; c < a.chunks; c += gridDim.x) {
+  for (int c = block; c < a.chunks; c += blocks) {
     // Member s's rows [j0, j1) of this chunk; those at or past y's capacity from `kept` on.
     int j0[kMaxRanks], j1[kMaxRanks], kept[kMaxRanks], pieces[kMaxRanks], members[kMaxRanks];
     int M = 0, most = 0;
@@ -1056,7 +1079,7 @@ __device__ __forceinline__ void sum_vectors(int4* dst, int n, int64_t i, int64_t
 // loads issued together.
 constexpr int64_t kSegmentBytes = 2048;
 template <typename T>
-__global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(CombineReceiveArgs a) {
+__device__ void combine_receive(const CombineReceiveArgs& a, int block, int blocks) {
   const ReceiveFrom& from = a.from;
   const int R = from.num_ranks, T_ = a.num_tokens;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
@@ -1065,7 +1088,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(Co
   const bool vector = a.row_bytes % 16 == 0;
   const int64_t segments = max(int64_t(1), (a.row_bytes + kSegmentBytes - 1) / kSegmentBytes);
   __shared__ int failed;
-  for (int item = blockIdx.x; item < pieces(T_, a.chunks) * a.chunks; item += gridDim.x) {
+  for (int item = block; item < pieces(T_, a.chunks) * a.chunks; item += blocks) {
     const int c = item % a.chunks;
     const int t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kPieceTokens;
     const int t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kPieceTokens);
@@ -1114,6 +1137,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(Co
     }
   }
 }
+template <typename T>
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(CombineReceiveArgs a) {
+  combine_receive<T>(a, blockIdx.x, gridDim.x);
+}
 
 // Receive side of combine with bulk copies: every warp of the block works alone through its own `per` stages. It takes
 // the block's work items (pieces of kCombinePieceTokens tokens of a chunk, in the order of combine_receive_kernel) one
@@ -1127,7 +1154,7 @@ struct CombineJob {
   uint32_t offset, bytes;
 };
 template <typename T>
-__global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kernel(CombineReceiveArgs a, BulkShape b) {
+__device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kCombineReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -1157,7 +1184,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_bulk_kern
     while (i >= t1 - t0) {  // the next item this block has not taken
       int k = 0;
       if (lane == 0) k = atomicAdd(&next_item, 1);
-      const int item = int(blockIdx.x) + __shfl_sync(0xffffffffu, k, 0) * int(gridDim.x);
+      const int item = block + __shfl_sync(0xffffffffu, k, 0) * blocks;
       if (item >= items) return false;
       const int c = item % a.chunks;
       t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kCombinePieceTokens;
@@ -1243,28 +1270,153 @@ void check_fits(const NvlDevice& dev, size_t message, const char* op) {
         " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
 }
 
-// Waits for peers' flags on the GPU with a deadline (the default): a thread polls each, so a dead peer is reported
-// by check_errors() after UCCL_EP_TIMEOUT_S instead of holding the stream forever. UCCL_EP_NVL_DEADLINE=0 uses
-// stream memory waits, which cost no launch but never give up.
+// Flags to wait for on the GPU, each with the deadline: a thread polls each, so a dead peer is reported by
+// check_errors() after UCCL_EP_TIMEOUT_S instead of holding the stream forever.
 struct FlagWaits {
   const uint64_t* flag[kMaxRanks];
   uint64_t value[kMaxRanks];
   int peer[kMaxRanks];
   int n;
 };
-__global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors* err, int rank) {
+// Thread i waits for flag i; returns (to the whole block) whether every wait succeeded.
+__device__ bool wait_all(const FlagWaits& w, uint64_t timeout_ns, DeviceErrors* err, int rank) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
   const int i = threadIdx.x;
-  if (i < w.n) wait_flag(w.flag[i], w.value[i], int64_t(w.value[i]), timeout_ns, err, rank, w.peer[i]);
+  if (i < w.n && !wait_flag(w.flag[i], w.value[i], int64_t(w.value[i]), timeout_ns, err, rank, w.peer[i])) failed = 1;
+  __syncthreads();
+  const bool ok = !failed;
+  __syncthreads();  // `failed` is reused
+  return ok;
+}
+__global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors* err, int rank) {
+  wait_all(w, timeout_ns, err, rank);
 }
 
-void wait_flags(NvlDevice& dev, cudaStream_t stream, const FlagWaits& w) {
-  if (w.n == 0) return;
-  if (!waits_have_deadline()) {
-    for (int i = 0; i < w.n; ++i) stream_wait_value(stream, const_cast<uint64_t*>(w.flag[i]), w.value[i]);
+// An op on the NVLink buffers runs as one launch on XLA's stream: blocks [0, chunks) send, the rest receive. So
+// nothing hops between streams, and no launch waits for another's between the routing's arrival and the copies.
+// The receive blocks first build the tables their copies read (dispatch: the routing scan over every member's
+// routing; combine: our tokens' positions in the members' messages), in units handed over through words of the
+// device's (handoff_words): a unit's word gets the launch's number (`epoch`, from 1 up) once its writes are in, so the
+// words need no reset and one left by an earlier launch never passes. The receive blocks wait for each other, so
+// every block of the launch must be resident at once (launch_fused checks it).
+struct Handoff {
+  uint64_t* words;  // NvlDevice::handoff_words: a word per unit and pass
+  uint64_t epoch;
+};
+
+// After the block's units u = first, first + step, ... < count of a pass: their words, once every thread's writes
+// are in (the barrier, then a fence cumulative over them).
+__device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step, int count) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  for (int u = first; u < count; u += step) store_release_sys(words + u, h.epoch);
+}
+// Waits until every unit of a pass has been handed over; false (to the whole block) once a wait gave up, which
+// happens only after a peer was reported late (a block of ours that never ran would be reported as our own rank).
+__device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int u = threadIdx.x; u < count; u += blockDim.x)
+    if (!wait_flag(words + u, h.epoch, int64_t(h.epoch), m.timeout_ns, m.err, m.rank, m.rank)) failed = 1;
+  __threadfence();
+  __syncthreads();
+  const bool ok = !failed;
+  __syncthreads();  // `failed` is reused
+  return ok;
+}
+
+// Our reads and writes of shared memory come before bulk loads into it (another proxy).
+__device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+struct DispatchLaunch {
+  DispatchSendArgs send;
+  ScanArgs scan;
+  DispatchReceiveArgs receive;
+  BulkShape send_shape, receive_shape;  // with bulk copies
+  FlagWaits routing;                    // every member's routing has landed
+  Handoff handoff;                      // words: [2 passes][units * R]
+  int units;                            // scan units per source, of kTransferThreads tokens
+};
+
+// (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
+// counts the rows of its scan units, places them once every unit is counted (its shared memory holds the per-expert
+// counters until the copies start), and copies once every unit is placed.
+template <bool kBulk>
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
+  extern __shared__ __align__(128) char smem[];
+  const int send_blocks = f.send.chunks;
+  if (int(blockIdx.x) < send_blocks) {
+    if constexpr (kBulk)
+      dispatch_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
+    else
+      dispatch_send(f.send, blockIdx.x, send_blocks);
     return;
   }
-  wait_flags_kernel<<<1, kWarp, 0, stream>>>(w, timeout_ns(), dev.errors_device(), dev.rank());
-  check(cudaGetLastError(), "wait_flags_kernel");
+  const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
+  const Members& m = f.receive.from;
+  {
+    const KernelStamp stamp(KernelKind::kScan);
+    // A member whose routing never came is reported; the scan still runs (over what its region holds: every read
+    // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
+    wait_all(f.routing, m.timeout_ns, m.err, m.rank);
+    const int units = f.units * f.scan.num_ranks;
+    uint64_t* counted = f.handoff.words;
+    uint64_t* placed = counted + units;
+    for (int u = block; u < units; u += blocks) count_unit(f.scan, u % f.units, u / f.units, f.units);
+    hand_over(f.handoff, counted, block, blocks, units);
+    if (!wait_handed_over(f.handoff, counted, units, m)) return;
+    for (int u = block; u < units; u += blocks) {
+      place_unit(f.scan, u % f.units, u / f.units, f.units, reinterpret_cast<int*>(smem));
+      __syncthreads();  // the expert counters are the next unit's
+    }
+    hand_over(f.handoff, placed, block, blocks, units);
+    if (!wait_handed_over(f.handoff, placed, units, m)) return;
+    fence_shared_for_bulk();
+  }
+  if constexpr (kBulk)
+    dispatch_receive_bulk(f.receive, f.receive_shape, block, blocks);
+  else
+    dispatch_receive(f.receive, block, blocks);
+}
+
+struct CombineLaunch {
+  CombineSendArgs send;
+  CombineReceiveArgs receive;
+  BulkShape send_shape, receive_shape;  // with bulk copies
+  int32_t* excl;                        // receive.excl, which the first receive block writes
+  Handoff handoff;                      // words: [1]
+};
+
+// Combine: the send blocks as combine_send(_bulk); the first receive block lays out our tokens' positions in the
+// members' messages (block_positions) while the others wait for them, then every receive block reduces.
+template <typename T, bool kBulk>
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLaunch f) {
+  const int send_blocks = f.send.chunks;
+  if (int(blockIdx.x) < send_blocks) {
+    if constexpr (kBulk)
+      combine_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
+    else
+      combine_send(f.send, blockIdx.x, send_blocks);
+    return;
+  }
+  const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
+  const CombineReceiveArgs& a = f.receive;
+  {
+    const KernelStamp stamp(KernelKind::kScan);
+    if (block == 0) {
+      block_positions(a.mask, a.num_tokens, a.from.num_ranks, f.excl);
+      hand_over(f.handoff, f.handoff.words, 0, 1, 1);
+    }
+    if (!wait_handed_over(f.handoff, f.handoff.words, 1, a.from)) return;
+  }
+  if constexpr (kBulk)
+    combine_receive_bulk<T>(a, f.receive_shape, block, blocks);
+  else
+    combine_receive<T>(a, block, blocks);
 }
 
 Members members(const NvlDevice& dev, const Group& g) {
@@ -1306,32 +1458,10 @@ ReceiveFrom receive_from(NvlDevice& dev, const Group& g) {
   return from;
 }
 
-// The send kernel runs on the send stream, forked off XLA's stream after what `stream` has queued so far.
-template <class Launch>
-void fork_send(NvlDevice& dev, cudaStream_t stream, const Launch& launch) {
-  cudaStream_t side = dev.send_stream();
-  check(cudaEventRecord(dev.fork_event(), stream), "cudaEventRecord");
-  check(cudaStreamWaitEvent(side, dev.fork_event(), 0), "cudaStreamWaitEvent");
-  launch(side);
-  check(cudaGetLastError(), "send kernel");
-  check(cudaEventRecord(dev.join_event(), side), "cudaEventRecord");
-}
-
-// Host code that throws after the fork (a failed launch) still leaves XLA's stream waiting for the send kernel,
-// which reads the op's inputs. (The members are out of step then: their next op times out, naming us.)
-struct JoinOnUnwind {
-  NvlDevice& dev;
-  cudaStream_t stream;
-  ~JoinOnUnwind() {
-    if (std::uncaught_exceptions() > 0) cudaStreamWaitEvent(stream, dev.join_event(), 0);
-  }
-};
-
-// Tells every member we finished reading its message, then waits for our send (the inputs may be freed after).
-void finish(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
+// Tells every member we finished reading its message (after the op's launch).
+void acknowledge(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
   for (int s = 0; s < g.size; ++s)
     if (s != g.self) stream_write_value(stream, dev.peer_ack_flag(from.rank_of[s]), from.message[s]);
-  check(cudaStreamWaitEvent(stream, dev.join_event(), 0), "cudaStreamWaitEvent");
 }
 
 // The SM budget is split between the send kernel, a block per chunk of the message (every process must use the same
@@ -1400,19 +1530,32 @@ bool bulk_combine(const CombineSendArgs& s, const CombineReceiveArgs& r) {
   return bulk_copies() && s.row_bytes % 16 == 0 && aligned16(s.y) && aligned16(r.out);
 }
 
-template <class Kernel, class Args>
-void launch_bulk(Kernel kernel, const Args& a, const BulkShape& b, int blocks, cudaStream_t stream, const char* what) {
-  kernel<<<blocks, kTransferThreads, b.shared_bytes(), stream>>>(a, b);
+// The proxy path's send kernel (before its receive side, on the same stream).
+template <class Args>
+void launch_send(void (*kernel)(Args), const Args& a, cudaStream_t stream) {
+  kernel<<<send_blocks(), kTransferThreads, 0, stream>>>(a);
+  check(cudaGetLastError(), "send kernel");
+}
+
+// An NVLink op's launch (see DispatchLaunch): the budget's blocks, one per SM, all resident at once.
+void check_budget_fits(const NvlDevice& dev, const char* op) {
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.cuda_device()), "cudaDeviceGetAttribute");
+  if (num_sms() > sms)
+    throw std::invalid_argument(
+        std::string("uccl_ep ") + op + ": the SM budget (UCCL_EP_NUM_SMS=" + std::to_string(num_sms()) +
+        ") is more than this GPU's " + std::to_string(sms) +
+        " SMs; its send and receive blocks run at once, one per SM: set UCCL_EP_NUM_SMS <= " + std::to_string(sms));
+}
+template <class Launch>
+void launch_fused(void (*kernel)(Launch), const Launch& f, uint32_t shared_bytes, cudaStream_t stream,
+                  const char* what) {
+  kernel<<<num_sms(), kTransferThreads, shared_bytes, stream>>>(f);
   check(cudaGetLastError(), what);
 }
 
-template <class Args>
-void launch_send(void (*kernel)(Args), const Args& a, cudaStream_t side) {
-  kernel<<<send_blocks(), kTransferThreads, 0, side>>>(a);
-}
-
 // Every member's routing has landed: one announcement per chunk and message.
-void wait_routing(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
+FlagWaits routing_waits(NvlDevice& dev, const Group& g, const ReceiveFrom& from) {
   FlagWaits w{};
   for (int s = 0; s < g.size; ++s)
     if (s != g.self) {
@@ -1421,7 +1564,7 @@ void wait_routing(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaS
       w.value[w.n] = from.message[s] * uint64_t(send_blocks());
       w.peer[w.n++] = p;
     }
-  wait_flags(dev, stream, w);
+  return w;
 }
 
 struct DispatchLayoutBytes {
@@ -1604,22 +1747,31 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
                                   scratch.row_before};
   return k;
 }
-// The receive side once the routing is in: the scan, then the rows.
-void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, bool bulk = false) {
+// The proxy path's receive side once the routing is in: the scan, then the rows.
+void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream) {
   run_scan(k.scan, k.local_experts, stream);
-  if (bulk) {
-    const int64_t tail = k.receive.recv_scales ? k.receive.scale_row_bytes : 0;
-    launch_bulk(dispatch_receive_bulk_kernel, k.receive, piece_stages(k.receive.x_row_bytes, tail), receive_blocks(),
-                stream, "dispatch_receive_bulk_kernel");
-    return;
-  }
   dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
   check(cudaGetLastError(), "dispatch_receive_kernel");
 }
-void launch_dispatch_send(const DispatchKernels& k, cudaStream_t side, bool bulk) {
-  if (!bulk) return launch_send(dispatch_send_kernel, k.send, side);
-  launch_bulk(dispatch_send_bulk_kernel, k.send, row_stages(k.send.x_row_bytes, kSendTablesBytes), send_blocks(), side,
-              "dispatch_send_bulk_kernel");
+// The NVLink op: its one launch, then the acknowledgements.
+void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, cudaStream_t stream) {
+  DispatchLaunch f{};
+  f.send = k.send;
+  f.scan = k.scan;
+  f.receive = k.receive;
+  f.routing = routing_waits(dev, g, k.receive.from);
+  f.units = scan_units(k.scan.num_tokens, kTransferThreads);
+  f.handoff = Handoff{dev.handoff_words(size_t(2) * f.units * k.scan.num_ranks), dev.next_launch()};
+  uint32_t shared = uint32_t(k.local_experts) * 4;  // the scan's per-expert counters
+  if (bulk_dispatch(k.send, k.receive)) {
+    f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
+    f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
+    shared = std::max({shared, f.send_shape.shared_bytes(), f.receive_shape.shared_bytes()});
+    launch_fused(dispatch_kernel<true>, f, shared, stream, "dispatch_kernel");
+  } else {
+    launch_fused(dispatch_kernel<false>, f, shared, stream, "dispatch_kernel");
+  }
+  acknowledge(dev, g, k.receive.from, stream);
 }
 
 struct CombineKernels {
@@ -1638,24 +1790,32 @@ void launch_positions(const CombineArgs& a, int num_ranks, const Scratch& scratc
   positions_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, num_ranks, scratch.excl);
   check(cudaGetLastError(), "positions_kernel");
 }
-void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_t stream, bool bulk = false) {
-  if (bulk) {
-    const BulkShape b = combine_receive_stages(ra.row_bytes, ra.from.num_ranks);
-    if (bf16)
-      launch_bulk(combine_receive_bulk_kernel<__nv_bfloat16>, ra, b, receive_blocks(), stream, "combine_receive");
-    else
-      launch_bulk(combine_receive_bulk_kernel<float>, ra, b, receive_blocks(), stream, "combine_receive");
-    return;
-  }
+void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_t stream) {
   if (bf16)
     combine_receive_kernel<__nv_bfloat16><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
   else
     combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
   check(cudaGetLastError(), "combine_receive_kernel");
 }
-void launch_combine_send(const CombineSendArgs& sa, cudaStream_t side, bool bulk) {
-  if (!bulk) return launch_send(combine_send_kernel, sa, side);
-  launch_bulk(combine_send_bulk_kernel, sa, piece_stages(sa.row_bytes, 0), send_blocks(), side, "combine_send_bulk");
+void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, const Scratch& scratch, bool bf16,
+                    cudaStream_t stream) {
+  CombineLaunch f{};
+  f.send = k.send;
+  f.receive = k.receive;
+  f.excl = scratch.excl;
+  f.handoff = Handoff{dev.handoff_words(1), dev.next_launch()};
+  uint32_t shared = 0;
+  if (bulk_combine(k.send, k.receive)) {
+    f.send_shape = piece_stages(k.send.row_bytes, 0);
+    f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks);
+    shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
+    launch_fused(bf16 ? combine_kernel<__nv_bfloat16, true> : combine_kernel<float, true>, f, shared, stream,
+                 "combine_kernel");
+  } else {
+    launch_fused(bf16 ? combine_kernel<__nv_bfloat16, false> : combine_kernel<float, false>, f, shared, stream,
+                 "combine_kernel");
+  }
+  acknowledge(dev, g, k.receive.from, stream);
 }
 
 // ---- Across nodes: the proxy runtime's registered buffer in place of the NVLink peers (see api.hpp) ----
@@ -1823,50 +1983,36 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "dispatch");
   check_scan_experts(a, g);
+  check_budget_fits(dev, "dispatch");
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
   check_fits(dev, l.total, "dispatch");
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-  const DispatchKernels k = dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g));
-  const bool bulk = bulk_dispatch(k.send, k.receive);
-  const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_dispatch_send(k, side, bulk); });
-  wait_routing(dev, g, k.receive.from, stream);
-  launch_dispatch_receive(k, stream, bulk);
-  finish(dev, g, k.receive.from, stream);
+  launch_dispatch(dev, g, dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g)), stream);
   dev.timing_end(stream, "dispatch");
 }
 
 void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "cached_dispatch");
+  check_budget_fits(dev, "cached_dispatch");
   check_fits(dev, cached_message_bytes(a.num_tokens, a.row_bytes, g.size), "cached_dispatch");
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  const DispatchKernels k = cached_dispatch_kernels(a, g, scratch, send_to(dev, g), receive_from(dev, g));
-  const bool bulk = bulk_dispatch(k.send, k.receive);
-  const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_dispatch_send(k, side, bulk); });
-  wait_routing(dev, g, k.receive.from, stream);
-  launch_dispatch_receive(k, stream, bulk);
-  finish(dev, g, k.receive.from, stream);
+  launch_dispatch(dev, g, cached_dispatch_kernels(a, g, scratch, send_to(dev, g), receive_from(dev, g)), stream);
 }
 
 void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "combine");
+  check_budget_fits(dev, "combine");
   check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.dtype), "combine");
   const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-  const CombineKernels k = combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g));
-  const bool bulk = bulk_combine(k.send, k.receive);
-  const JoinOnUnwind join{dev, stream};
-  fork_send(dev, stream, [&](cudaStream_t side) { launch_combine_send(k.send, side, bulk); });
-  launch_positions(a, g.size, scratch, stream);
-  launch_combine_receive(k.receive, (a.dtype == FloatType::kBF16), stream, bulk);
-  finish(dev, g, k.receive.from, stream);
+  launch_combine(dev, g, combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g)), scratch,
+                 a.dtype == FloatType::kBF16, stream);
   dev.timing_end(stream, "combine");
 }
 
@@ -1927,11 +2073,10 @@ void preload_intranode_kernels() {
   load_kernels(positions_kernel, dispatch_count_kernel, dispatch_place_kernel, dispatch_send_kernel,
                dispatch_receive_kernel, combine_send_kernel, combine_receive_kernel<float>,
                combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel, push_messages_kernel, acknowledge_kernel,
-               dispatch_send_bulk_kernel, dispatch_receive_bulk_kernel, combine_send_bulk_kernel,
-               combine_receive_bulk_kernel<float>, combine_receive_bulk_kernel<__nv_bfloat16>);
-  allow_shared_bytes(kBulkSharedBytes, dispatch_send_bulk_kernel, dispatch_receive_bulk_kernel,
-                     combine_send_bulk_kernel, combine_receive_bulk_kernel<float>,
-                     combine_receive_bulk_kernel<__nv_bfloat16>);
+               dispatch_kernel<true>, dispatch_kernel<false>, combine_kernel<float, true>,
+               combine_kernel<__nv_bfloat16, true>, combine_kernel<float, false>, combine_kernel<__nv_bfloat16, false>);
+  allow_shared_bytes(kBulkSharedBytes, dispatch_kernel<true>, combine_kernel<float, true>,
+                     combine_kernel<__nv_bfloat16, true>);
 }
 
 }  // namespace uccl_ep::nvl
