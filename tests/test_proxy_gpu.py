@@ -191,3 +191,28 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
         assert r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0, r
         assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
         assert r["dispatch_us"] > 0 and (r["case"][7] or r["combine_us"] > 0), r
+
+
+def gpu_budget_past_the_gpu() -> dict:
+    """Child: a normal-mode op with an SM budget larger than the GPU, then one with a budget that fits."""
+    from jax_uccl_ep import Config, _runtime, _uccl_ep
+
+    _runtime.configure_native(Config(num_sms=4096))
+    try:
+        _uccl_ep.testing.nvl_loopback_bench(0, 300, 256, 4, 16, False, 1, 3)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    _runtime.configure_native(Config(num_sms=6))
+    r = dict(_uccl_ep.testing.nvl_loopback_bench(0, 300, 256, 4, 16, False, 1, 3))
+    return {"error": error, "mismatched_rows": r["mismatched_rows"], "received_rows": r["received_rows"]}
+
+
+def test_an_sm_budget_past_the_gpu_is_refused_with_what_to_set():
+    """An op's send and receive blocks run at once, one per SM: a budget past the GPU's SMs is refused before
+    anything is sent, naming the setting and the most it may be; a budget that fits then works."""
+    results = launch(HERE, "gpu_budget_past_the_gpu", 1, platform="gpu", timeout_s=120)
+    assert all(x.ok for x in results), describe(results)
+    r = results[0].result
+    assert "UCCL_EP_NUM_SMS=4096" in r["error"] and "set UCCL_EP_NUM_SMS <=" in r["error"], r
+    assert r["received_rows"] > 0 and r["mismatched_rows"] == 0, r

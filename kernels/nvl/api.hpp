@@ -69,7 +69,8 @@ class NvlDevice {
   NvlDevice& operator=(const NvlDevice&) = delete;
 
   int cuda_device() const { return device_; }
-  int rank() const { return rank_; }  // in this NVLink group (a node's GPUs under two-level routing)
+  int sm_count() const { return sm_count_; }  // the GPU's SMs
+  int rank() const { return rank_; }          // in this NVLink group (a node's GPUs under two-level routing)
   int num_ranks() const { return num_ranks_; }
   // Runtime-wide ranks of the group's members by their NVLink rank, when the group is one node of a job on the
   // proxy runtime (two-level routing); empty when NVLink ranks are the runtime's.
@@ -138,6 +139,7 @@ class NvlDevice {
 
  private:
   int device_, rank_, num_ranks_;
+  int sm_count_ = 0;
   std::vector<int32_t> global_of_local_;
   size_t buffer_bytes_, region_bytes_;
   size_t ll_offset_ = 0, ll_bytes_ = 0, ll_half_ = 0, ll_stride_ = 0;

@@ -119,6 +119,7 @@ NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_byt
   ll_stride_ = ll_half_ / size_t(num_ranks) / 256 * 256;
   ll_bytes_ = 2 * ll_half_;
   check(cudaSetDevice(device_), "cudaSetDevice");
+  check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute");
   check(cudaMalloc(&buffer_, ll_offset_ + ll_bytes_),
         "cudaMalloc of " + std::to_string(ll_offset_ + ll_bytes_) + " bytes");
   check(cudaMemset(buffer_, 0, kFlagBytes), "cudaMemset");

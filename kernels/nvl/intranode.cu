@@ -1539,8 +1539,7 @@ void launch_send(void (*kernel)(Args), const Args& a, cudaStream_t stream) {
 
 // An NVLink op's launch (see DispatchLaunch): the budget's blocks, one per SM, all resident at once.
 void check_budget_fits(const NvlDevice& dev, const char* op) {
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.cuda_device()), "cudaDeviceGetAttribute");
+  const int sms = dev.sm_count();
   if (num_sms() > sms)
     throw std::invalid_argument(
         std::string("uccl_ep ") + op + ": the SM budget (UCCL_EP_NUM_SMS=" + std::to_string(num_sms()) +
