@@ -661,6 +661,25 @@ __device__ int first_row_from(const int2* row_map, int lo, int hi, int t) {
   return lo;
 }
 
+// Hands out one launch's work items 0, 1, ... to whichever thread asks next, in any block of the launch: word 0 of
+// the device's handoff_words, holding the launch's number (high 40 bits) and the next item (low 24), so the word an
+// earlier launch left counts from 0 again without a reset.
+struct ItemCounter {
+  uint64_t* word;
+  uint64_t epoch;
+  __device__ int take() const {
+    using u64 = unsigned long long;
+    u64* w = reinterpret_cast<u64*>(word);
+    u64 old = *reinterpret_cast<volatile u64*>(w);
+    for (;;) {
+      const u64 base = (old >> 24) == epoch ? old : u64(epoch) << 24;
+      const u64 seen = atomicCAS(w, old, base + 1);
+      if (seen == old) return int(base & 0xffffffu);
+      old = seen;
+    }
+  }
+};
+
 struct DispatchReceiveArgs {
   ReceiveFrom from;
   Sources src;
@@ -765,21 +784,21 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
 }
 
 // Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order
-// from a block counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait
+// from the launch's counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait
 // for a member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were
 // our own rows, there at once, goes on to members' rows instead of idling). A member's rows of an item are contiguous
 // in its message and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers
-// the item; our own rows move a row (segment) per job from x. The other warps localize the expert indices of every kept
-// row and write the padding past the kept count.
-__device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, int block, int blocks) {
+// the item; our own rows move a row (segment) per job from x. The other warps of receive block `block` (of `blocks`)
+// localize the expert indices of its share of the kept rows and write its share of the padding past the kept
+// count; a send block that `joined` once its sends were done only copies.
+__device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
+                                      int block, int blocks, bool joined) {
   const KernelStamp stamp(KernelKind::kDispatchReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ char* part_dst[kMaxStages][2];
   __shared__ uint32_t part_bytes[kMaxStages][2];
   __shared__ int producer_tokens[kProducers][kPieceTokens];
-  __shared__ int next_item;
-  if (threadIdx.x == 0) next_item = 0;
   init_stage_barriers(full, b.stages);
   const ReceiveFrom& from = a.from;
   const int R = from.num_ranks, T = a.num_tokens;
@@ -793,7 +812,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
     int* item_tokens = producer_tokens[warp];
     int offset[kMaxRanks];
     for (int q = 0, o = 0; q < R; o += a.counts[q], ++q) offset[q] = o;
-    const int items = pieces(T, a.chunks) * a.chunks * R;
+    const int all_items = pieces(T, a.chunks) * a.chunks * R;
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
     // The stream's position: item, its source s and rows [o0, o1); then a byte position in the member's x rows
     // (phase 1) and scale rows (2), or our own row and segment (3); 0: the next item.
@@ -805,9 +824,9 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
         [&](int j, char* stage, uint64_t* bar) -> int64_t {
           const int st = first_stage + j % ring.stages;
           for (;;) {
-            if (phase == 0) {  // the block's next item that no producer has taken
-              item = block + atomicAdd(&next_item, 1) * blocks;
-              if (item >= items) return kNoMoreJobs;
+            if (phase == 0) {  // the launch's next item that no producer has taken
+              item = items.take();
+              if (item >= all_items) return kNoMoreJobs;
               s = item % R;
               const int c = item / R % a.chunks;
               const int c0 = chunk_begin(T, a.chunks, c), c1 = chunk_begin(T, a.chunks, c + 1);
@@ -877,7 +896,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
         [](int) {});
     return;
   }
-  if (warp < kProducers) return;
+  if (warp < kProducers || joined) return;
   // The other warps: the kept rows' expert indices (and weights), localized, a row per thread; then the padding.
   const int helper_warps = warps - kProducers;
   const int helpers = helper_warps * kWarp, helper = (warp - kProducers) * kWarp + lane;
@@ -1143,8 +1162,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(Co
 }
 
 // Receive side of combine with bulk copies: every warp of the block works alone through its own `per` stages. It takes
-// the block's work items (pieces of kCombinePieceTokens tokens of a chunk, in the order of combine_receive_kernel) one
-// at a time from a shared counter, waits for the item's rows and lists where each token's copies are; then per
+// the launch's work items (pieces of kCombinePieceTokens tokens of a chunk, in the order of combine_receive_kernel) one
+// at a time from its counter, waits for the item's rows and lists where each token's copies are; then per
 // (token, segment of at most segment_bytes) its lanes load every copy of the segment into a stage (a slot per copy).
 // Once a stage's loads land the warp sums them in float32 from shared memory, writes the sum and refills the stage
 // with its next job, so the loads of its other stages stay in flight while it adds.
@@ -1154,38 +1173,36 @@ struct CombineJob {
   uint32_t offset, bytes;
 };
 template <typename T>
-__device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShape& b, int block, int blocks) {
+__device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShape& b, const ItemCounter& items) {
   const KernelStamp stamp(KernelKind::kCombineReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ CombineJob job_of[kMaxStages];
   // Per warp, its item's copies: [token][member] the row in the member's message (ours: in y), or -1.
   __shared__ int listed[kTransferWarps][kCombinePieceTokens][kMaxRanks];
-  __shared__ int next_item;
   const ReceiveFrom& from = a.from;
   const int R = from.num_ranks, T_ = a.num_tokens, per = b.stages / kTransferWarps;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (threadIdx.x == 0) {
     for (int s = 0; s < b.stages; ++s) barrier_init(full + s, 1);
     fence_barrier_init();
-    next_item = 0;
   }
   __syncthreads();
   int own_offset = 0;
   for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
   const int64_t rb = a.row_bytes;
   const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
-  const int items = pieces(T_, a.chunks, kCombinePieceTokens) * a.chunks;
+  const int all_items = pieces(T_, a.chunks, kCombinePieceTokens) * a.chunks;
   int (*table)[kMaxRanks] = listed[warp];
   const char* source = lane < R ? (lane == from.self ? a.y : from.region[lane]) : nullptr;  // lane d's member
   // The issuing side's place: tokens [t0, t1) of the current item, token t0 + i, segment g.
   int t0 = 0, t1 = 0, i = 0, g = 0;
   const auto next_job = [&](int st) -> bool {
-    while (i >= t1 - t0) {  // the next item this block has not taken
+    while (i >= t1 - t0) {  // the launch's next item that no warp has taken
       int k = 0;
-      if (lane == 0) k = atomicAdd(&next_item, 1);
-      const int item = block + __shfl_sync(0xffffffffu, k, 0) * blocks;
-      if (item >= items) return false;
+      if (lane == 0) k = items.take();
+      const int item = __shfl_sync(0xffffffffu, k, 0);
+      if (item >= all_items) return false;
       const int c = item % a.chunks;
       t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kCombinePieceTokens;
       t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kCombinePieceTokens);
@@ -1297,12 +1314,13 @@ __global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors
 // An op on the NVLink buffers runs as one launch on XLA's stream: blocks [0, chunks) send, the rest receive. So
 // nothing hops between streams, and no launch waits for another's between the routing's arrival and the copies.
 // The receive blocks first build the tables their copies read (dispatch: the routing scan over every member's
-// routing; combine: our tokens' positions in the members' messages), in units handed over through words of the
-// device's (handoff_words): a unit's word gets the launch's number (`epoch`, from 1 up) once its writes are in, so the
-// words need no reset and one left by an earlier launch never passes. The receive blocks wait for each other, so
-// every block of the launch must be resident at once (launch_fused checks it).
+// routing; combine: our tokens' positions in the members' messages), in units handed over through the device's
+// handoff_words: a unit's word gets the launch's number (`epoch`, from 1 up) once its writes are in, so the words
+// need no reset and one left by an earlier launch never passes. The receive blocks wait for each other, so every
+// block of the launch must be resident at once (check_budget_fits).
 struct Handoff {
-  uint64_t* words;  // NvlDevice::handoff_words: a word per unit and pass
+  uint64_t* words;  // NvlDevice::handoff_words: word 0 an ItemCounter's, then a word per unit and pass (stamps only:
+                    // a counter word, which holds more than any launch's number, never sits where a stamp is read)
   uint64_t epoch;
 };
 
@@ -1338,34 +1356,42 @@ struct DispatchLaunch {
   DispatchReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
-  Handoff handoff;                      // words: [2 passes][units * R]
+  Handoff handoff;                      // words: the copies' item counter, then [2 passes][units * R]
   int units;                            // scan units per source, of kTransferThreads tokens
 };
 
 // (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
 // counts the rows of its scan units, places them once every unit is counted (its shared memory holds the per-expert
-// counters until the copies start), and copies once every unit is placed.
+// counters until the copies start), and copies once every unit is placed. With bulk copies a send block whose sends
+// are done joins the copies (the items come from one counter of the launch), so that neither side idles while the
+// other still works.
 template <bool kBulk>
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
   extern __shared__ __align__(128) char smem[];
   const int send_blocks = f.send.chunks;
+  const Members& m = f.receive.from;
+  const int units = f.units * f.scan.num_ranks;
+  const ItemCounter items{f.handoff.words, f.handoff.epoch};
+  uint64_t* counted = f.handoff.words + 1;
+  uint64_t* placed = counted + units;
   if (int(blockIdx.x) < send_blocks) {
-    if constexpr (kBulk)
+    if constexpr (kBulk) {
       dispatch_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
-    else
+      __syncthreads();  // every stage has been read (the rings end with their stores complete)
+      fence_shared_for_bulk();
+      if (wait_handed_over(f.handoff, placed, units, m))
+        dispatch_receive_bulk(f.receive, f.receive_shape, items, 0, 1, /*joined=*/true);
+    } else {
       dispatch_send(f.send, blockIdx.x, send_blocks);
+    }
     return;
   }
   const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
-  const Members& m = f.receive.from;
   {
     const KernelStamp stamp(KernelKind::kScan);
     // A member whose routing never came is reported; the scan still runs (over what its region holds: every read
     // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
     wait_all(f.routing, m.timeout_ns, m.err, m.rank);
-    const int units = f.units * f.scan.num_ranks;
-    uint64_t* counted = f.handoff.words;
-    uint64_t* placed = counted + units;
     for (int u = block; u < units; u += blocks) count_unit(f.scan, u % f.units, u / f.units, f.units);
     hand_over(f.handoff, counted, block, blocks, units);
     if (!wait_handed_over(f.handoff, counted, units, m)) return;
@@ -1378,7 +1404,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchL
     fence_shared_for_bulk();
   }
   if constexpr (kBulk)
-    dispatch_receive_bulk(f.receive, f.receive_shape, block, blocks);
+    dispatch_receive_bulk(f.receive, f.receive_shape, items, block, blocks, /*joined=*/false);
   else
     dispatch_receive(f.receive, block, blocks);
 }
@@ -1388,33 +1414,40 @@ struct CombineLaunch {
   CombineReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   int32_t* excl;                        // receive.excl, which the first receive block writes
-  Handoff handoff;                      // words: [1]
+  Handoff handoff;                      // words: the reductions' item counter, then the positions'
 };
 
 // Combine: the send blocks as combine_send(_bulk); the first receive block lays out our tokens' positions in the
-// members' messages (block_positions) while the others wait for them, then every receive block reduces.
+// members' messages (block_positions) while the others wait for them, then every receive block reduces, and with
+// bulk copies every send block too once its sends are done (the items come from one counter of the launch).
 template <typename T, bool kBulk>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLaunch f) {
   const int send_blocks = f.send.chunks;
+  const CombineReceiveArgs& a = f.receive;
+  const ItemCounter items{f.handoff.words, f.handoff.epoch};
+  uint64_t* positioned = f.handoff.words + 1;
   if (int(blockIdx.x) < send_blocks) {
-    if constexpr (kBulk)
+    if constexpr (kBulk) {
       combine_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
-    else
+      __syncthreads();  // every stage has been read (the rings end with their stores complete)
+      fence_shared_for_bulk();
+      if (wait_handed_over(f.handoff, positioned, 1, a.from)) combine_receive_bulk<T>(a, f.receive_shape, items);
+    } else {
       combine_send(f.send, blockIdx.x, send_blocks);
+    }
     return;
   }
   const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
-  const CombineReceiveArgs& a = f.receive;
   {
     const KernelStamp stamp(KernelKind::kScan);
     if (block == 0) {
       block_positions(a.mask, a.num_tokens, a.from.num_ranks, f.excl);
-      hand_over(f.handoff, f.handoff.words, 0, 1, 1);
+      hand_over(f.handoff, positioned, 0, 1, 1);
     }
-    if (!wait_handed_over(f.handoff, f.handoff.words, 1, a.from)) return;
+    if (!wait_handed_over(f.handoff, positioned, 1, a.from)) return;
   }
   if constexpr (kBulk)
-    combine_receive_bulk<T>(a, f.receive_shape, block, blocks);
+    combine_receive_bulk<T>(a, f.receive_shape, items);
   else
     combine_receive<T>(a, block, blocks);
 }
@@ -1760,7 +1793,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.receive = k.receive;
   f.routing = routing_waits(dev, g, k.receive.from);
   f.units = scan_units(k.scan.num_tokens, kTransferThreads);
-  f.handoff = Handoff{dev.handoff_words(size_t(2) * f.units * k.scan.num_ranks), dev.next_launch()};
+  f.handoff = Handoff{dev.handoff_words(size_t(2) * f.units * k.scan.num_ranks + 1), dev.next_launch()};
   uint32_t shared = uint32_t(k.local_experts) * 4;  // the scan's per-expert counters
   if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
@@ -1802,7 +1835,7 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, con
   f.send = k.send;
   f.receive = k.receive;
   f.excl = scratch.excl;
-  f.handoff = Handoff{dev.handoff_words(1), dev.next_launch()};
+  f.handoff = Handoff{dev.handoff_words(2), dev.next_launch()};
   uint32_t shared = 0;
   if (bulk_combine(k.send, k.receive)) {
     f.send_shape = piece_stages(k.send.row_bytes, 0);
