@@ -661,23 +661,13 @@ __device__ int first_row_from(const int2* row_map, int lo, int hi, int t) {
   return lo;
 }
 
-// Hands out one launch's work items 0, 1, ... to whichever thread asks next, in any block of the launch: word 0 of
-// the device's handoff_words, holding the launch's number (high 40 bits) and the next item (low 24), so the word an
-// earlier launch left counts from 0 again without a reset.
+// Hands out one launch's work items 0, 1, ... to whichever thread asks next, in any block of the launch (word 0 of
+// the device's handoff_words). The block that hands its tables over first resets it before it does, and every
+// block takes items only after that handover, so a count an earlier launch left (or broke off) never leaks in.
 struct ItemCounter {
   uint64_t* word;
-  uint64_t epoch;
-  __device__ int take() const {
-    using u64 = unsigned long long;
-    u64* w = reinterpret_cast<u64*>(word);
-    u64 old = *reinterpret_cast<volatile u64*>(w);
-    for (;;) {
-      const u64 base = (old >> 24) == epoch ? old : u64(epoch) << 24;
-      const u64 seen = atomicCAS(w, old, base + 1);
-      if (seen == old) return int(base & 0xffffffu);
-      old = seen;
-    }
-  }
+  __device__ void reset() const { *reinterpret_cast<volatile unsigned*>(word) = 0; }
+  __device__ int take() const { return int(atomicAdd(reinterpret_cast<unsigned*>(word), 1u)); }
 };
 
 struct DispatchReceiveArgs {
@@ -1319,8 +1309,7 @@ __global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors
 // need no reset and one left by an earlier launch never passes. The receive blocks wait for each other, so every
 // block of the launch must be resident at once (check_budget_fits).
 struct Handoff {
-  uint64_t* words;  // NvlDevice::handoff_words: word 0 an ItemCounter's, then a word per unit and pass (stamps only:
-                    // a counter word, which holds more than any launch's number, never sits where a stamp is read)
+  uint64_t* words;  // NvlDevice::handoff_words: word 0 an ItemCounter's, then a word per unit and pass
   uint64_t epoch;
 };
 
@@ -1371,7 +1360,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchL
   const int send_blocks = f.send.chunks;
   const Members& m = f.receive.from;
   const int units = f.units * f.scan.num_ranks;
-  const ItemCounter items{f.handoff.words, f.handoff.epoch};
+  const ItemCounter items{f.handoff.words};
   uint64_t* counted = f.handoff.words + 1;
   uint64_t* placed = counted + units;
   if (int(blockIdx.x) < send_blocks) {
@@ -1393,6 +1382,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchL
     // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
     wait_all(f.routing, m.timeout_ns, m.err, m.rank);
     for (int u = block; u < units; u += blocks) count_unit(f.scan, u % f.units, u / f.units, f.units);
+    if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
     hand_over(f.handoff, counted, block, blocks, units);
     if (!wait_handed_over(f.handoff, counted, units, m)) return;
     for (int u = block; u < units; u += blocks) {
@@ -1424,7 +1414,7 @@ template <typename T, bool kBulk>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLaunch f) {
   const int send_blocks = f.send.chunks;
   const CombineReceiveArgs& a = f.receive;
-  const ItemCounter items{f.handoff.words, f.handoff.epoch};
+  const ItemCounter items{f.handoff.words};
   uint64_t* positioned = f.handoff.words + 1;
   if (int(blockIdx.x) < send_blocks) {
     if constexpr (kBulk) {
@@ -1442,6 +1432,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLau
     const KernelStamp stamp(KernelKind::kScan);
     if (block == 0) {
       block_positions(a.mask, a.num_tokens, a.from.num_ranks, f.excl);
+      if (threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for `positioned`)
       hand_over(f.handoff, positioned, 0, 1, 1);
     }
     if (!wait_handed_over(f.handoff, positioned, 1, a.from)) return;
@@ -1497,12 +1488,13 @@ void acknowledge(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaSt
     if (s != g.self) stream_write_value(stream, dev.peer_ack_flag(from.rank_of[s]), from.message[s]);
 }
 
-// The SM budget is split between the send kernel, a block per chunk of the message (every process must use the same
-// split: the receivers count chunks; initialize() checks it), and the receive kernel. Receive sides move more than
-// send sides (dispatch: every received row, own ones too; combine: every copy of a token, then its sum), so by
-// default a third of the budget sends.
+// The SM budget is split between the send blocks, a block per chunk of the message (every process must use the same
+// split: the receivers count chunks; initialize() checks it), and the receive blocks. Receive sides move more than
+// send sides (dispatch: every received row, own ones too; combine: every copy of a token, then its sum), but with bulk
+// copies a send block joins the receive side once its rows have left, so by default half of the budget sends (in the
+// loopback a half beat a third by 4-15% at 24 SMs, bench/RESULTS.md).
 int send_blocks() {
-  const int wanted = num_send_sms() > 0 ? num_send_sms() : num_sms() / 3;
+  const int wanted = num_send_sms() > 0 ? num_send_sms() : num_sms() / 2;
   return std::clamp(wanted, 1, std::min(kChunks, num_sms() - 1));
 }
 int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
