@@ -89,7 +89,10 @@ class Config:
     )
     num_send_sms: int = field(
         default=0,
-        metadata=_env("UCCL_EP_NUM_SEND_SMS", "send blocks of that budget (0: a half; the rest receive)"),
+        metadata=_env(
+            "UCCL_EP_NUM_SEND_SMS",
+            "send blocks of that budget (0: a half with bulk copies, else a third; the rest receive)",
+        ),
     )
     nvl_bulk: bool = field(
         default=True, metadata=_env("UCCL_EP_NVL_BULK", "normal mode moves rows by bulk copies (TMA), else SM stores")

@@ -8,7 +8,7 @@ namespace uccl_ep {
 struct Settings {
   double timeout_s;   // deadline of every wait on a peer
   int num_sms;        // normal mode's SM budget on GPUs: send and receive blocks together
-  int num_send_sms;   // the send blocks of that budget (0: a half)
+  int num_send_sms;   // the send blocks of that budget (0: a half with bulk copies, else a third)
   bool nvl_bulk;      // normal mode's NVLink kernels move rows by bulk copies (TMA), else by SM stores
   int ll_num_sms;     // blocks of the split low-latency receive kernels
   bool ll_fused;      // a non-split low-latency op's send and receive in one kernel

@@ -224,7 +224,7 @@ void preload_low_latency_kernels();
 
 // Views of the settings (kernels/settings.hpp) as the kernels use them.
 // Normal mode's SM budget: the blocks of its send and receive kernels together, one per SM; of those, the send
-// kernel's (at most kChunks; 0: the kernels choose, a half).
+// kernel's (at most kChunks; 0: the kernels choose, a half with bulk copies, else a third).
 int num_sms();
 int num_send_sms();
 int normal_send_blocks();  // what the kernels take of the budget to send (the rest receive)

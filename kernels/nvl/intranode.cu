@@ -1490,11 +1490,12 @@ void acknowledge(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaSt
 
 // The SM budget is split between the send blocks, a block per chunk of the message (every process must use the same
 // split: the receivers count chunks; initialize() checks it), and the receive blocks. Receive sides move more than
-// send sides (dispatch: every received row, own ones too; combine: every copy of a token, then its sum), but with bulk
-// copies a send block joins the receive side once its rows have left, so by default half of the budget sends (in the
-// loopback a half beat a third by 4-15% at 24 SMs, bench/RESULTS.md).
+// send sides (dispatch: every received row, own ones too; combine: every copy of a token, then its sum), so the
+// SM-store kernels send with a third of the budget by default; with bulk copies a send block joins the receive side
+// once its rows have left, and half of the budget sends (in the loopback at 24 SMs a half beat a third by 2-15% with
+// bulk copies and lost by 8-51% with SM stores, bench/RESULTS.md). UCCL_EP_NVL_BULK is the same in every process.
 int send_blocks() {
-  const int wanted = num_send_sms() > 0 ? num_send_sms() : num_sms() / 2;
+  const int wanted = num_send_sms() > 0 ? num_send_sms() : num_sms() / (bulk_copies() ? 2 : 3);
   return std::clamp(wanted, 1, std::min(kChunks, num_sms() - 1));
 }
 int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
