@@ -29,7 +29,7 @@ def _on_one_gpu(file: str, function: str, n: int, *, args=(), timeout_s=240, kv_
         platform="gpu",
         per_rank_env=[shared] * n,
         timeout_s=timeout_s,
-        env=dict(SUITE_ENV, UCCL_EP_TIMEOUT_S="60", **env),
+        env={**SUITE_ENV, "UCCL_EP_TIMEOUT_S": "60", **env},
     )
 
 
@@ -122,6 +122,26 @@ def test_nvlink_path_between_two_processes_on_one_gpu(part):
     lowered to Path.NVLINK, the layout included, then the kernel-found errors from check_errors()."""
     results = _on_one_gpu("test_gpu.py", "gpu_suite", 2, args=[part, "1", "0"], UCCL_EP_NVL_BUFFER_BYTES=str(256 << 20))
     _check(results, 2)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_missing_peer_is_named_within_the_deadline_on_one_shared_gpu(mode):
+    """Two processes on one GPU as one node, the second never joining a dispatch: the first's kernel (normal mode:
+    its receive blocks' wait for the routing, its send blocks' joining, the handovers) gives up after
+    UCCL_EP_TIMEOUT_S and the error names rank 1, instead of a hang."""
+    results = _on_one_gpu(
+        "test_gpu.py",
+        "gpu_missing_peer",
+        2,
+        args=[mode],
+        timeout_s=200,
+        UCCL_EP_TIMEOUT_S="5",
+        UCCL_EP_NVL_BUFFER_BYTES=str(64 << 20),
+    )
+    assert all(x.ok for x in results), describe(results)
+    first = next(x.result for x in results if x.result["process"] == 0)
+    assert first["error"] and "did not arrive" in first["error"] and "from rank 1" in first["error"], first
+    assert first["seconds"] < 60, first
 
 
 @pytest.mark.parametrize("fp8", ["0", "1"])
