@@ -5,7 +5,7 @@
 // buffer over NVLink (mapped through CUDA IPC or peer access), packed in token order; the receiving member's
 // kernels copy the rows out as their chunks land. Rows move by bulk copies (bulk.cuh: one thread drives a ring of
 // shared-memory stages, global -> shared -> peer), or by SM stores where rows are not 16-byte multiples and on the
-// proxy path (host memory). An op's send and receive kernels share one SM budget (num_sms()).
+// proxy path (host memory). An op's send and receive blocks share one SM budget (num_sms()).
 //
 // Per GPU one buffer: [flags 4 KiB][in-region of each peer][low-latency area]. Peer p writes its messages into
 // our in-region(p). Flags, all written by p: meta[p] counts the chunks of p's messages whose routing landed
@@ -223,8 +223,8 @@ void preload_intranode_kernels();
 void preload_low_latency_kernels();
 
 // Views of the settings (kernels/settings.hpp) as the kernels use them.
-// Normal mode's SM budget: the blocks of its send and receive kernels together, one per SM; of those, the send
-// kernel's (at most kChunks; 0: the kernels choose, a half with bulk copies, else a third).
+// Normal mode's SM budget: its send and receive blocks together, one per SM; of those, the send blocks (at most
+// kChunks; 0: the kernels choose, a half with bulk copies, else a third).
 int num_sms();
 int num_send_sms();
 int normal_send_blocks();  // what the kernels take of the budget to send (the rest receive)

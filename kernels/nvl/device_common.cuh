@@ -80,7 +80,7 @@ __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t
 // Polls `flag` until it reaches `value`; false once `timeout_ns` passed (reporting code 5: `peer` did not send
 // message `message`), or at once if an earlier wait timed out (the stream is out of step after that). The clock
 // and the error word (host memory) are read every 256 polls. With `backoff` it sleeps between polls after the first
-// ones, longer the longer it waits (100 ns doubling every 32 polls, at most 1.6 us): a normal-mode receive kernel has
+// ones, longer the longer it waits (100 ns doubling every 32 polls, at most 1.6 us): a normal-mode receive side has
 // hundreds of waiting warps, and their loads of the few words the senders write would take the memory system from
 // the copies they wait for.
 __device__ inline bool wait_flag(const uint64_t* flag, uint64_t value, int64_t message, uint64_t timeout_ns,

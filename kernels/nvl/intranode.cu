@@ -1,8 +1,7 @@
-// Intranode normal mode: the send kernels that push rows to the members that need them over NVLink, the routing
-// scans and the receive kernels (copy out, or reduce), and the host code that orders them on XLA's stream and a
-// side stream (see api.hpp for the scheme).
+// Intranode normal mode: the send sides that push rows to the members that need them over NVLink, the routing scans
+// and the receive sides (copy out, or reduce), run as one launch per op on XLA's stream over NVLink or as separate
+// kernels on the proxy path, and the host code that launches them (see api.hpp for the scheme).
 #include <algorithm>
-#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -290,7 +289,7 @@ struct SendTo : Members {
   const uint64_t* ack[kMaxRanks];  // ours: the last of our messages the member finished reading
   uint64_t message[kMaxRanks];     // this message's number to the member (1, 2, ...)
 };
-// And a receive kernel, of each member's message to us.
+// And a receive side, of each member's message to us.
 struct ReceiveFrom : Members {
   const char* region[kMaxRanks];  // our in-region written by the member
   const uint64_t* chunks[kMaxRanks];
@@ -644,7 +643,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   }
 }
 
-// Work items per chunk of a receive kernel: the most tokens a chunk has, in pieces of piece_tokens.
+// Work items per chunk of a receive side: the most tokens a chunk has, in pieces of piece_tokens.
 __device__ __forceinline__ int pieces(int num_tokens, int chunks, int piece_tokens = kPieceTokens) {
   return ((num_tokens + chunks - 1) / chunks + piece_tokens - 1) / piece_tokens;
 }
