@@ -8,8 +8,10 @@ bulk-copy (TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default. Per c
 rank sends the others per call over the time ("remote", the bytes NVLink would carry), and all rows it receives
 including its own ("DeepEP"), and for one more call of each op the bulk kernels' spans over all ranks (start after
 the op's first kernel / length, us; all ranks' kernels start together, behind one gate). The ranks run at once, so
-the GPU's memory carries about 4x the remote bytes (send: read + write, receive: read + write) of each rank. Each
-run checks the last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
+the GPU's memory carries about 4x the remote bytes (send: read + write, receive: read + write) of each rank: with
+two ranks at 24 SMs that saturates one H200's memory (bench/RESULTS.md). --one-way sends from rank 0 only (the
+others route to their own experts), about halving that traffic: rank 0's send side and the others' receive sides.
+Each run checks the last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
 
     python bench/loopback.py --out $OUT/loopback.json
 """
@@ -43,13 +45,18 @@ def main(argv=None) -> int:
         "stores, stages per issuing thread, stages per warp of the combine receiver; 0: the default)",
     )
     ap.add_argument("--ranks", type=int, default=2, help="ranks on the GPU (ranks x SMs must fit on it)")
+    ap.add_argument(
+        "--one-way",
+        action="store_true",
+        help="only rank 0's tokens go to other ranks (the others' to their own experts): GB/s remote is rank 0's",
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from jax_uccl_ep import Config, _runtime, _uccl_ep
 
-    header = common.run_header(f"GPU 0, {args.ranks} ranks on it")
+    header = common.run_header(f"GPU 0, {args.ranks} ranks on it" + (", one way" if args.one_way else ""))
     print(f"# {header['date']}  {header['command']}", flush=True)
     rows, record = [], {"header": header, "args": vars(args), "runs": []}
     sweep = [
@@ -69,12 +76,12 @@ def main(argv=None) -> int:
         for fp8 in (False, True):
             r = dict(
                 _uccl_ep.testing.nvl_loopback_bench(
-                    0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7, args.ranks
+                    0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7, args.ranks, args.one_way
                 )
             )
             r.update(copies=label, budget=budget, split=split, fp8=fp8)
             record["runs"].append(r)
-            remote = r["remote_rows"] / args.ranks * r["x_row_bytes"]  # per rank
+            remote = r["remote_rows"] / (1 if args.one_way else args.ranks) * r["x_row_bytes"]  # per sending rank
             received = r["received_rows"] / args.ranks * r["x_row_bytes"]
             ok = (
                 "yes"

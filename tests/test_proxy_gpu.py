@@ -158,14 +158,16 @@ def gpu_loopback(cases: list) -> list:
     from jax_uccl_ep import Config, _runtime, _uccl_ep
 
     out = []
-    for budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks in cases:
+    for budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks, one_way in cases:
         _runtime.configure_native(Config(num_sms=budget, num_send_sms=send, nvl_bulk=bulk == "1"))
-        r = dict(_uccl_ep.testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out), ranks))
+        r = dict(
+            _uccl_ep.testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out), ranks, one_way)
+        )
         out.append(
             dict(
                 r,
                 send_blocks=_uccl_ep.testing.nvl_send_blocks(),
-                case=[budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks],
+                case=[budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks, one_way],
             )
         )
     return out
@@ -175,20 +177,22 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     """Both ways of moving rows (bulk copies, SM stores) at several SM budgets and shapes: rows that fit a stage,
     rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
     into chunks and pieces, a chunk per send block down to a budget of 2, send/receive splits other than the default
-    (a half with bulk copies, a third with SM stores), and 4 and 8 ranks sharing the GPU (every member's copy of a
-    token in one combine stage). Every row of the last dispatch (with its FP8 scales) is compared with the sender's
-    input and every combined sum with x times the token's copies (host-side)."""
+    (a half with bulk copies, a third with SM stores), 4 and 8 ranks sharing the GPU (every member's copy of a token
+    in one combine stage), and one way (members that send us no rows at all). Every row of the last dispatch (with
+    its FP8 scales) is compared with the sender's input and every combined sum with x times the token's copies
+    (host-side)."""
     cases = [
-        (budget, send, bulk, tokens, hidden, 8, 64, fp8, ranks)
-        for budget, send, tokens, hidden, ranks in [
-            (2, 0, 301, 256, 2),
-            (6, 0, 1000, 7168, 2),
-            (24, 0, 4096, 7168, 2),
-            (12, 0, 777, 20480, 2),
-            (24, 16, 2000, 7168, 2),
-            (24, 3, 2000, 7168, 2),
-            (24, 0, 2000, 7168, 4),
-            (12, 0, 1000, 7168, 8),
+        (budget, send, bulk, tokens, hidden, 8, 64, fp8, ranks, one_way)
+        for budget, send, tokens, hidden, ranks, one_way in [
+            (2, 0, 301, 256, 2, False),
+            (6, 0, 1000, 7168, 2, False),
+            (24, 0, 4096, 7168, 2, False),
+            (12, 0, 777, 20480, 2, False),
+            (24, 16, 2000, 7168, 2, False),
+            (24, 3, 2000, 7168, 2, False),
+            (24, 0, 2000, 7168, 4, False),
+            (12, 0, 1000, 7168, 8, False),
+            (24, 0, 2000, 7168, 4, True),
         ]
         for bulk in ("1", "0")
         for fp8 in (False, True)

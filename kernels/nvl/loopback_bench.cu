@@ -57,10 +57,11 @@ struct Rank {
 LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const int R = a.num_ranks;
   const int T = a.num_tokens, H = a.hidden, K = a.topk, E = a.num_experts, cap = R * T;
-  if (R < 2 || R > kMaxRanks || T < 1 || H < 128 || H % 128 || K < 1 || K > E || E % R || a.iters < 1)
+  if (R < 2 || R > kMaxRanks || T < 1 || H < 128 || H % 128 || K < 1 || K > (a.one_way ? E / R : E) || E % R ||
+      a.iters < 1)
     throw std::invalid_argument(
-        "loopback_bench: 2 to 8 ranks, tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts, "
-        "experts divisible by the ranks, iters >= 1");
+        "loopback_bench: 2 to 8 ranks, tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts (one way: the "
+        "experts of a rank), experts divisible by the ranks, iters >= 1");
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
   const size_t message =
@@ -87,11 +88,13 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
       for (size_t i = 0; i < size_t(T) * H; ++i) h[i] = __float2bfloat16(normal(rng));
     }
     k.topk_host.resize(size_t(T) * K);
-    std::vector<int> experts(E);
+    // One way: ranks past 0 pick among their own experts only.
+    const int first = a.one_way && r > 0 ? r * (E / R) : 0, choices = a.one_way && r > 0 ? E / R : E;
+    std::vector<int> experts(choices);
     for (int t = 0; t < T; ++t) {
-      for (int e = 0; e < E; ++e) experts[e] = e;
+      for (int e = 0; e < choices; ++e) experts[e] = first + e;
       for (int j = 0; j < K; ++j) {
-        std::swap(experts[j], experts[j + rng() % (E - j)]);
+        std::swap(experts[j], experts[j + rng() % (choices - j)]);
         k.topk_host[size_t(t) * K + j] = experts[j];
       }
     }

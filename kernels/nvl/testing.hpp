@@ -50,6 +50,9 @@ struct LoopbackArgs {
   int iters;
   uint64_t seed;
   int num_ranks;  // 2 to 8, all on cuda_device
+  // Only rank 0's tokens go to other ranks (every other rank's to its own experts): rank 0's send side and the
+  // others' receive sides, with the GPU's memory carrying about half of what every rank sending makes it carry.
+  bool one_way = false;
 };
 struct LoopbackResult {
   double dispatch_us, combine_us;       // per call (combine: 0 with fp8)
