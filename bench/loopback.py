@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rings",
         default="0:0",
-        help="comma-separated lag:stages[:combine] of the bulk kernels' rings (jobs a stage is refilled behind its "
-        "stores, stages per issuing thread, stages per warp of the combine receiver; 0: the default)",
+        help="comma-separated lag:stages[:combine[:producers]] of the bulk kernels' rings (jobs a stage is refilled "
+        "behind its stores, stages per issuing thread, stages per warp of the combine receiver, issuing threads of a "
+        "dispatch send block: 4 or 8; 0: the default)",
     )
     ap.add_argument("--ranks", type=int, default=2, help="ranks on the GPU (ranks x SMs must fit on it)")
     ap.add_argument(

@@ -94,10 +94,11 @@ void define_testing(nb::module_ m) {
   m.def("nvl_send_blocks", [] { return nvl::normal_send_blocks(); });
   m.def(
       "nvl_set_bulk_tuning",
-      [](int lag, int stages_per_producer, int combine_stages) {
-        nvl::set_bulk_tuning({lag, stages_per_producer, combine_stages});
+      [](int lag, int stages_per_producer, int combine_stages, int send_producers) {
+        nvl::set_bulk_tuning({lag, stages_per_producer, combine_stages, send_producers});
       },
-      nb::arg("lag") = 0, nb::arg("stages_per_producer") = 0, nb::arg("combine_stages") = 0);
+      nb::arg("lag") = 0, nb::arg("stages_per_producer") = 0, nb::arg("combine_stages") = 0,
+      nb::arg("send_producers") = 0);
   m.def("nvl_kernel_times", [] {  // {local GPU index: [(op, microseconds)]} since the last call
     std::vector<std::vector<std::pair<std::string, float>>> out;
     for (auto* d : nvl::NvlRuntime::get().devices()) out.push_back(d->kernel_times());

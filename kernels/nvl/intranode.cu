@@ -513,7 +513,8 @@ struct BulkShape {
   uint32_t stage_bytes;
   uint32_t tables_bytes;
   int stages;
-  int lag;  // StageRing::lag of each producer's ring
+  int lag;        // StageRing::lag of each producer's ring
+  int producers;  // issuing threads (the dispatch sender's; the other kernels have kProducers)
   __host__ __device__ uint32_t shared_bytes() const { return tables_bytes + uint32_t(stages) * stage_bytes; }
 };
 
@@ -529,8 +530,10 @@ __device__ void init_stage_barriers(uint64_t* full, int stages) {
 }
 
 // Threads of a bulk-copy block that issue copies (lane 0 of the first warps), each through its own stages: one
-// thread spends ~0.36 us per copy, so one alone bounds a block well below what its SM can move.
+// thread spends ~0.36 us per copy, so one alone bounds a block well below what its SM can move. The dispatch sender
+// takes up to kMaxProducers where rows are small enough (row_stages).
 constexpr int kProducers = 4;
+constexpr int kMaxProducers = 8;
 
 // The bulk senders' announcement of chunk c's progress, from whichever producer finds the least frontier moved: the
 // word only grows (red.max), so producers that announce out of order never move it back, and a release is enough
@@ -540,21 +543,21 @@ __device__ __forceinline__ void max_release_sys(uint64_t* p, uint64_t v) {
 }
 
 // A bulk sender's producer `producer` records its frontier (its first job or token not yet landed; every one of its
-// own before it has) in the block's `frontier` [kProducers] and returns the least of all producers': everything
+// own before it has) in the block's `frontier` [producers] and returns the least of all producers': everything
 // before it has landed. Its first fence publishes its landed copies to the producer that announces; the second
 // orders that producer's reads of the frontiers, and so its release, after them.
-__device__ int least_frontier(int* frontier, int producer, int mine) {
+__device__ int least_frontier(int* frontier, int producers, int producer, int mine) {
   __threadfence_block();
   reinterpret_cast<volatile int*>(frontier)[producer] = mine;
   __threadfence_block();
   int least = mine;
-  for (int q = 0; q < kProducers; ++q) least = min(least, reinterpret_cast<volatile int*>(frontier)[q]);
+  for (int q = 0; q < producers; ++q) least = min(least, reinterpret_cast<volatile int*>(frontier)[q]);
   return least;
 }
 
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
 // kTransferThreads tokens the block lays them out into shared tables, each token's thread stores its scales (FP8)
-// to its members, and kProducers threads move the rows, token i of the pass by producer i % kProducers: each
+// to its members, and b.producers threads move the rows, token i of the pass by producer i % b.producers: each
 // token's row (in segments of at most segment_bytes) from x through a stage to every member that needs it (a
 // scale row is too small to be worth a producer's bulk copy). A producer records how far its tokens have landed
 // (`frontier`: every token before it that is its own has), and the chunk's progress is the least frontier, announced
@@ -563,7 +566,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   const KernelStamp stamp(KernelKind::kDispatchSend);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
-  __shared__ int frontier[kProducers];
+  __shared__ int frontier[kMaxProducers];
   unsigned* bits = reinterpret_cast<unsigned*>(smem);
   int* rows = reinterpret_cast<int*>(smem + kTransferThreads * 4);
   init_stage_barriers(full, b.stages);
@@ -571,8 +574,9 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   if (!wait_acks(to)) return;
   send_routing(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const bool producer = lane == 0 && warp < kProducers;
-  const int per = b.stages / kProducers;
+  const int P = b.producers;
+  const bool producer = lane == 0 && warp < P;
+  const int per = b.stages / P;
   StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per,
                  b.lag};
   const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
@@ -593,15 +597,15 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
           for (int k = 0; k < srb / 16; ++k) dst[k] = from[k];
         }
       }
-      if (threadIdx.x < kProducers) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
+      if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
       __syncthreads();  // the tables and the scales are in before the producers copy and announce
       if (producer) {
-        const int mine = (tokens - warp + kProducers - 1) / kProducers;  // tokens warp, warp + kProducers, ...
+        const int mine = (tokens - warp + P - 1) / P;  // tokens warp, warp + P, ...
         const int n = max(0, mine) * segs;
         // Job j: segment j % segs of the producer's token j / segs.
         const auto part = [&](int j, int& i, int64_t& offset, uint32_t& x_bytes) {
           const int g = segs == 1 ? 0 : j % segs;
-          i = warp + (segs == 1 ? j : j / segs) * kProducers;
+          i = warp + (segs == 1 ? j : j / segs) * P;
           offset = int64_t(g) * b.segment_bytes;
           x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset));
         };
@@ -631,7 +635,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
             },
             [&](int k) {
               // This producer's first k / segs tokens have landed: its frontier is its next token (or the pass's end).
-              const int least = least_frontier(frontier, warp, min(tokens, warp + k / segs * kProducers));
+              const int least = least_frontier(frontier, P, warp, min(tokens, warp + k / segs * P));
               if (least <= announced) return;
               announced = least;
               for (int d = 0; d < to.num_ranks; ++d)
@@ -1034,7 +1038,7 @@ __device__ void combine_send_bulk(const CombineSendArgs& a, const BulkShape& b, 
           },
           [&](int k) {
             // This producer's first k jobs have landed: its frontier is its next job (or the chunk's end).
-            const int least = least_frontier(frontier, warp, min(jobs, warp + k * kProducers));
+            const int least = least_frontier(frontier, kProducers, warp, min(jobs, warp + k * kProducers));
             if (least <= announced) return;
             announced = least;
             for (int m = 0; m < M; ++m) {
@@ -1509,20 +1513,26 @@ int ring_lag() { return g_tuning.lag > 0 ? g_tuning.lag : 1; }
 int stages_per_producer() {
   return std::max(g_tuning.stages_per_producer > 0 ? g_tuning.stages_per_producer : 3, ring_lag() + 1);
 }
+// The dispatch sender's rings: kMaxProducers issuing threads where each still gets its stages of a whole row (FP8
+// rows of 7 KiB: a thread's own work per row bounds that sender, bench/RESULTS.md), else kProducers.
 BulkShape row_stages(int64_t row_bytes, uint32_t tables_bytes) {
   BulkShape b{};
   b.tables_bytes = tables_bytes;
   b.lag = ring_lag();
   const uint32_t room = kBulkSharedBytes - tables_bytes;
-  const uint32_t most = room / uint32_t(kProducers * stages_per_producer()) - 128;
-  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(most, 16)));
+  const auto most = [&](int producers) { return room / uint32_t(producers * stages_per_producer()) - 128; };
+  b.producers = g_tuning.send_producers > 0        ? g_tuning.send_producers
+                : most(kMaxProducers) >= row_bytes ? kMaxProducers
+                                                   : kProducers;
+  b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(most(b.producers), 16)));
   b.stage_bytes = (b.segment_bytes + 127) / 128 * 128;
-  b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes)) / kProducers * kProducers;  // each its own
+  b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes)) / b.producers * b.producers;  // each its own
   return b;
 }
 BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes, int stages) {
   BulkShape b{};
   b.lag = ring_lag();
+  b.producers = kProducers;
   b.stage_bytes = align_down(kBulkSharedBytes / uint32_t(stages), 128);
   b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(b.stage_bytes - uint32_t(tail_bytes), 16)));
   b.stages = stages;
@@ -1988,10 +1998,12 @@ void set_kernel_stamps(int cuda_device, uint64_t* stamps) {
 void set_bulk_tuning(const BulkTuning& tuning) {
   if (tuning.lag < 0 || tuning.lag > 3 || tuning.stages_per_producer < 0 ||
       tuning.stages_per_producer * kProducers > kMaxStages || tuning.combine_stages < 0 ||
-      tuning.combine_stages * kTransferWarps > kMaxStages)
+      tuning.combine_stages * kTransferWarps > kMaxStages ||
+      (tuning.send_producers != 0 && tuning.send_producers != kProducers && tuning.send_producers != kMaxProducers))
     throw std::invalid_argument("set_bulk_tuning: lag 0 to 3, stages_per_producer 0 to " +
                                 std::to_string(kMaxStages / kProducers) + ", combine_stages 0 to " +
-                                std::to_string(kMaxStages / kTransferWarps));
+                                std::to_string(kMaxStages / kTransferWarps) + ", send_producers 0, " +
+                                std::to_string(kProducers) + " or " + std::to_string(kMaxProducers));
   g_tuning = tuning;
 }
 
