@@ -776,14 +776,14 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
   dispatch_receive(a, blockIdx.x, gridDim.x);
 }
 
-// Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order
-// from the launch's counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait
-// for a member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were
-// our own rows, there at once, goes on to members' rows instead of idling). A member's rows of an item are contiguous
-// in its message and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers
-// the item; our own rows move a row (segment) per job from x. The other warps of receive block `block` (of `blocks`)
-// localize the expert indices of its share of the kept rows and write its share of the padding past the kept
-// count; a send block that `joined` once its sends were done only copies.
+// Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order from
+// the launch's counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait for a
+// member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were our own
+// rows, there at once, goes on to members' rows instead of idling). A member's rows of an item are contiguous in its
+// message and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers the
+// item; our own rows move from x as many whole rows a job as a stage holds (a segment a job of larger rows). The other
+// warps of receive block `block` (of `blocks`) localize the expert indices of its share of the kept rows and write its
+// share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
 __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
                                       int block, int blocks, bool joined) {
   const KernelStamp stamp(KernelKind::kDispatchReceive);
@@ -807,6 +807,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
     for (int q = 0, o = 0; q < R; o += a.counts[q], ++q) offset[q] = o;
     const int all_items = pieces(T, a.chunks) * a.chunks * R;
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
+    const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of our own
     // The stream's position: item, its source s and rows [o0, o1); then a byte position in the member's x rows
     // (phase 1) and scale rows (2), or our own row and segment (3); 0: the next item.
     int item = 0, s = 0, o0 = 0, o1 = 0, phase = 0, row = 0;
@@ -857,10 +858,28 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               at += bytes;
               return bytes;
             }
-            // Our own rows: segment `seg` of row o0 + row, the scales with the last segment.
+            // Our own rows, which land on consecutive output rows: rows that fit a stage whole go as many a job as
+            // the stage holds (a load per row into [x rows][scale rows], one store of each part); a larger row
+            // goes by segments, `seg` of row o0 + row, the scales with the last segment.
             if (row >= o1 - o0) {
               phase = 0;
               continue;
+            }
+            if (rows_per_job > 1) {
+              const int n = min(rows_per_job, o1 - o0 - row), o = o0 + row;
+              part_dst[st][0] = a.recv_x + int64_t(o) * xrb;
+              part_bytes[st][0] = uint32_t(n * xrb);
+              part_dst[st][1] = srb ? a.recv_scales + int64_t(o) * srb : nullptr;
+              part_bytes[st][1] = uint32_t(n * srb);
+              const uint32_t bytes = uint32_t(n * (xrb + srb));
+              barrier_arrive_expect(bar, bytes);
+              for (int r = 0; r < n; ++r) {
+                const int t = item_tokens[row + r];
+                bulk_load(stage + r * xrb, a.src.x[s] + int64_t(t) * xrb, uint32_t(xrb), bar);
+                if (srb) bulk_load(stage + n * xrb + r * srb, a.src.scales[s] + int64_t(t) * srb, uint32_t(srb), bar);
+              }
+              row += n;
+              return bytes;
             }
             const int t = item_tokens[row], o = o0 + row;
             const int64_t offset_in_row = int64_t(seg) * b.segment_bytes;
