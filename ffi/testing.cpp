@@ -92,6 +92,7 @@ void define_testing(nb::module_ m) {
 #ifdef UCCL_EP_WITH_CUDA
   m.def("nvl_num_sms", [] { return nvl::num_sms(); });
   m.def("nvl_send_blocks", [] { return nvl::normal_send_blocks(); });
+  m.def("nvl_allow_budget_past_the_gpu", [](bool allow) { nvl::allow_budget_past_the_gpu(allow); }, nb::arg("allow"));
   m.def(
       "nvl_set_bulk_tuning",
       [](int lag, int stages_per_producer, int combine_stages, int send_producers) {

@@ -144,6 +144,7 @@ enum DeviceErrorCode : int32_t {
   kUnknownRowSource = 7,      // (source rank, token row, slot)
   kNoSourceSlot = 9,          // (local expert, row, slot)
   kRingFull = 10,             // (peer or -1, -, seconds)
+  kBlocksNotResident = 11,    // (blocks of the launch, -, seconds): an NVLink op's blocks never all ran at once
 };
 
 }  // namespace uccl_ep

@@ -5,6 +5,7 @@ GPU, each its own node. Skipped without an NVIDIA GPU."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from mp import describe, launch
@@ -230,6 +231,36 @@ def gpu_budget_past_the_gpu() -> dict:
     _runtime.configure_native(Config(num_sms=6))
     r = dict(_uccl_ep.testing.nvl_loopback_bench(0, 300, 256, 4, 16, False, 1, 3))
     return {"error": error, "mismatched_rows": r["mismatched_rows"], "received_rows": r["received_rows"]}
+
+
+def gpu_blocks_never_all_resident() -> dict:
+    """Child: one rank on GPU 0 with the budget check lifted and a budget of 400 blocks: the scan's units of 48000
+    tokens (94 of them) reach blocks that cannot get an SM while the others wait for their handover."""
+    from jax_uccl_ep import Config, _runtime, _uccl_ep
+
+    _runtime.configure_native(Config(num_sms=400, timeout_s=2))
+    _uccl_ep.testing.nvl_allow_budget_past_the_gpu(True)
+    start = time.monotonic()
+    try:
+        _uccl_ep.testing.nvl_loopback_bench(0, 48000, 128, 2, 16, False, 1, 5, 1)
+        error = ""
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        _uccl_ep.testing.nvl_allow_budget_past_the_gpu(False)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def test_an_op_whose_blocks_cannot_all_run_at_once_names_the_budget():
+    """An NVLink op's receive blocks hand the routing scan to each other, so its blocks must all run at once. Where
+    they cannot (here a budget past the GPU's SMs, let through by a testing hook; in use, other work holding SMs or
+    a share of the GPU), the blocks that run give up after UCCL_EP_TIMEOUT_S and the error says why and what to
+    lower, instead of a hang."""
+    results = launch(HERE, "gpu_blocks_never_all_resident", 1, platform="gpu", timeout_s=180)
+    assert all(x.ok for x in results), describe(results)
+    r = results[0].result
+    assert r["error"].startswith("TimeoutError") and "never all ran at once" in r["error"], r
+    assert "UCCL_EP_NUM_SMS" in r["error"] and r["seconds"] < 120, r
 
 
 def test_an_sm_budget_past_the_gpu_is_refused_with_what_to_set():

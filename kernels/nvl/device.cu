@@ -371,6 +371,11 @@ void raise_device_error(const DeviceErrors& e, const std::string& where) {
     throw TimeoutError(where + "found its proxy's command ring full for " + std::to_string(e.c) + " s " +
                        (e.a >= 0 ? "while sending to rank " + std::to_string(e.a) : std::string("acknowledging")) +
                        " (the proxy thread is stuck or gone; UCCL_EP_TIMEOUT_S); results of that op are not valid");
+  if (e.code == kBlocksNotResident)
+    throw TimeoutError(
+        where + "waited " + std::to_string(e.c) + " s for its own blocks: the op's " + std::to_string(e.a) +
+        " blocks (UCCL_EP_NUM_SMS) never all ran at once on this GPU (other work holding its SMs, or "
+        "a share of the GPU: MPS, a partition); lower UCCL_EP_NUM_SMS. Results of that op are not valid");
   throw std::runtime_error(where + "failed with device error code " + std::to_string(e.code));
 }
 

@@ -57,10 +57,10 @@ struct Rank {
 LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const int R = a.num_ranks;
   const int T = a.num_tokens, H = a.hidden, K = a.topk, E = a.num_experts, cap = R * T;
-  if (R < 2 || R > kMaxRanks || T < 1 || H < 128 || H % 128 || K < 1 || K > (a.one_way ? E / R : E) || E % R ||
+  if (R < 1 || R > kMaxRanks || T < 1 || H < 128 || H % 128 || K < 1 || K > (a.one_way ? E / R : E) || E % R ||
       a.iters < 1)
     throw std::invalid_argument(
-        "loopback_bench: 2 to 8 ranks, tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts (one way: the "
+        "loopback_bench: 1 to 8 ranks, tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts (one way: the "
         "experts of a rank), experts divisible by the ranks, iters >= 1");
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;

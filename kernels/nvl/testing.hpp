@@ -40,6 +40,9 @@ struct BulkTuning {
   int send_producers = 0;
 };
 void set_bulk_tuning(const BulkTuning& tuning);
+// Lets normal-mode ops take an SM budget past the GPU's SMs (tests of what happens when an op's blocks cannot all
+// run at once); off by default.
+void allow_budget_past_the_gpu(bool allow);
 
 // Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): `num_ranks` ranks on
 // `cuda_device`, each sending into the others' buffers, random top-k routing; dispatch (BF16 rows, or FP8 rows with
@@ -50,7 +53,7 @@ struct LoopbackArgs {
   bool fp8;
   int iters;
   uint64_t seed;
-  int num_ranks;  // 2 to 8, all on cuda_device
+  int num_ranks;  // 1 to 8, all on cuda_device
   // Only rank 0's tokens go to other ranks (every other rank's to its own experts): rank 0's send side and the
   // others' receive sides, with the GPU's memory carrying about half of what every rank sending makes it carry.
   bool one_way = false;
