@@ -296,6 +296,52 @@ struct ReceiveFrom : Members {
   uint64_t message[kMaxRanks];
 };
 
+// Blocks of one launch hand work to each other through words of NvlDevice::handoff_words: a unit's word gets the
+// launch's number (`epoch`, from 1 up) once its writes are in, so the words need no reset and one left by an
+// earlier launch never passes. A block that waits for another needs every block of the launch resident at once
+// (check_budget_fits).
+struct Handoff {
+  uint64_t* words;  // in NvlDevice::handoff_words
+  uint64_t epoch;
+};
+
+// After the block's units u = first, first + step, ... < count of a pass: their words, once every thread's writes
+// are in (the barrier, then a fence cumulative over them).
+__device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step, int count) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  for (int u = first; u < count; u += step) store_release_sys(words + u, h.epoch);
+}
+// Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
+// (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).
+__device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int u = threadIdx.x; u < count; u += blockDim.x) {
+    const uint64_t start = global_ns();
+    for (uint32_t spins = 1; load_acquire_sys(words + u) < h.epoch; ++spins) {
+      if (spins > 32) __nanosleep(100);
+      if (spins % 256 != 0) continue;
+      if (*reinterpret_cast<volatile int*>(&m.err->code) == kPeerLate) {
+        failed = 1;
+        break;
+      }
+      if (global_ns() - start > m.timeout_ns) {
+        report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
+        failed = 1;
+        break;
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  const bool ok = !failed;
+  __syncthreads();  // `failed` is reused
+  return ok;
+}
+
 // Waits (thread 0) until every member has finished reading our previous message: its region for us is free.
 __device__ bool wait_acks(const SendTo& to) {
   __shared__ bool ok;
@@ -379,6 +425,10 @@ struct DispatchSendArgs {
   const char* scales;  // or null
   int64_t scale_row_bytes;
   size_t scales_offset;
+  // One launch: the send blocks share their chunks' counts, words [chunks] (handed over) then [chunks][kMaxRanks]
+  // (tokens of the chunk that go to each member). Null words (a send kernel of its own, whose blocks may not all
+  // run at once): each block counts the tokens before its chunk itself.
+  Handoff counts;
 };
 
 // Bit d: token t goes to member d. Topk mode: from its experts; with `own`, also written to mask_out and its expert
@@ -403,18 +453,15 @@ __device__ unsigned token_members(const DispatchSendArgs& a, int t, bool own) {
   return bits;
 }
 
-// The block's chunk [t0, t1): each token's members and its row in the message to each, excl[t, d] = tokens before t
-// that go to d (rows go packed in token order, the order in which d's scan places them). The block counts the
-// tokens before its chunk itself (reads of L2, a few us), so no layout pass runs before the sends: base[d] gets
-// the tokens before t0 that go to d.
-__device__ void tokens_before(const DispatchSendArgs& a, int t0, int* base) {
-  __shared__ int before[kMaxRanks];
+// The tokens of [t0, t1) that go to each member, into out[d] (for every thread of the block).
+__device__ void count_members(const DispatchSendArgs& a, int t0, int t1, int* out) {
+  __shared__ int counted[kMaxRanks];
   const int R = a.to.num_ranks;
-  if (threadIdx.x < kMaxRanks) before[threadIdx.x] = 0;
+  if (threadIdx.x < kMaxRanks) counted[threadIdx.x] = 0;
   __syncthreads();
   int mine[kMaxRanks] = {};
-  int t = threadIdx.x;
-  for (; t + 3 * int(blockDim.x) < t0; t += 4 * blockDim.x) {  // four tokens' loads in flight
+  int t = t0 + threadIdx.x;
+  for (; t + 3 * int(blockDim.x) < t1; t += 4 * blockDim.x) {  // four tokens' loads in flight
     unsigned bits[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) bits[u] = token_members(a, t + u * blockDim.x, false);
@@ -422,14 +469,47 @@ __device__ void tokens_before(const DispatchSendArgs& a, int t0, int* base) {
     for (int u = 0; u < 4; ++u)
       for (int d = 0; d < R; ++d) mine[d] += bits[u] >> d & 1;
   }
-  for (; t < t0; t += blockDim.x) {
+  for (; t < t1; t += blockDim.x) {
     const unsigned bits = token_members(a, t, false);
     for (int d = 0; d < R; ++d) mine[d] += bits >> d & 1;
   }
   for (int d = 0; d < R; ++d)
-    if (mine[d]) atomicAdd(&before[d], mine[d]);
+    if (mine[d]) atomicAdd(&counted[d], mine[d]);
   __syncthreads();
-  for (int d = 0; d < R; ++d) base[d] = before[d];
+  for (int d = 0; d < R; ++d) out[d] = counted[d];
+  __syncthreads();  // `counted` is reused
+}
+
+// One launch: the block's chunks' counts, for the blocks of later chunks (after the routing, which the members'
+// receive sides wait for: counting first delayed them ~5 us, bench/RESULTS.md).
+__device__ void share_chunk_counts(const DispatchSendArgs& a, int block, int blocks) {
+  if (!a.counts.words) return;
+  uint64_t* counts = a.counts.words + a.chunks;
+  for (int c = block; c < a.chunks; c += blocks) {
+    int n[kMaxRanks];
+    count_members(a, chunk_begin(a.num_tokens, a.chunks, c), chunk_begin(a.num_tokens, a.chunks, c + 1), n);
+    if (threadIdx.x == 0)
+      for (int d = 0; d < a.to.num_ranks; ++d) counts[c * kMaxRanks + d] = uint64_t(n[d]);
+    hand_over(a.counts, a.counts.words, c, 1, c + 1);
+  }
+}
+
+// Rows in each member's message before chunk c's (starting at token t0): base[d] = tokens before t0 that go to d
+// (rows go packed in token order, the order in which d's scan places them). In one launch a sum of the earlier
+// chunks' shared counts, else a count of every token before t0 (a block per chunk: the last of 12 spent ~20 us of
+// a ~150 us send on it, bench/RESULTS.md). False once the wait for the counts failed (reported).
+__device__ bool rows_before(const DispatchSendArgs& a, int c, int t0, int* base) {
+  if (!a.counts.words) {
+    count_members(a, 0, t0, base);
+    return true;
+  }
+  if (!wait_handed_over(a.counts, a.counts.words, c, a.to)) return false;
+  const uint64_t* counts = a.counts.words + a.chunks;
+  for (int d = 0; d < a.to.num_ranks; ++d) {
+    base[d] = 0;
+    for (int q = 0; q < c; ++q) base[d] += int(__ldcg(counts + q * kMaxRanks + d));
+  }
+  return true;
 }
 
 // One pass of blockDim.x tokens from p0 (< t1): excl and mask_out for them, and with `bits`/`rows` (shared, indexed
@@ -449,11 +529,13 @@ __device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base
   if (bits_out) bits_out[threadIdx.x] = bits;
 }
 
-__device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
+// The chunk's layout: excl and mask_out for its tokens [t0, t1); false as rows_before.
+__device__ bool chunk_layout(const DispatchSendArgs& a, int c, int t0, int t1) {
   int base[kMaxRanks];
-  tokens_before(a, t0, base);
+  if (!rows_before(a, c, t0, base)) return false;
   for (int p0 = t0; p0 < t1; p0 += blockDim.x) layout_pass(a, p0, t1, base, nullptr, nullptr);
   __syncthreads();  // excl and mask_out are read by other warps of the block
+  return true;
 }
 
 // Every chunk's routing first, so the members start their scans while rows move.
@@ -477,12 +559,13 @@ __device__ void dispatch_send(const DispatchSendArgs& a, int block, int blocks) 
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
   send_routing(a, block, blocks);
+  share_chunk_counts(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int R = to.num_ranks;
   const bool* mask = a.topk_idx ? a.mask_out : a.mask_in;
   for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
-    chunk_layout(a, t0, t1);
+    if (!chunk_layout(a, c, t0, t1)) return;
     // Rounds of a token per warp, announced as they land, so receivers copy behind us. The round's (token,
     // member) rows are dealt out over the warps: a token goes to 1 to R - 1 members.
     for (int r0 = t0; r0 < t1; r0 += warps) {
@@ -555,6 +638,28 @@ __device__ int least_frontier(int* frontier, int producers, int producer, int mi
   return least;
 }
 
+// One token's scale row (`bytes`, a multiple of 16) from `src` to each member of `members` at dst(d): its loads
+// go out together, a batch at a time (one after each store, ~1 us apiece while the memory is busy, took ~15 us
+// of a 341-token pass, bench/RESULTS.md).
+template <class Dst>
+__device__ __forceinline__ void store_scale_row(const char* src, int64_t bytes, unsigned members, const Dst& dst) {
+  constexpr int kBatch = 16;
+  const int4* from = reinterpret_cast<const int4*>(src);
+  const int n = int(bytes / 16);
+  for (int k0 = 0; k0 < n; k0 += kBatch) {
+    int4 v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      if (k0 + k < n) v[k] = __ldg(from + k0 + k);
+    for (unsigned m = members; m; m &= m - 1) {
+      int4* to = reinterpret_cast<int4*>(dst(__ffs(m) - 1)) + k0;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k)
+        if (k0 + k < n) to[k] = v[k];
+    }
+  }
+}
+
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
 // kTransferThreads tokens the block lays them out into shared tables, each token's thread stores its scales (FP8)
 // to its members, and b.producers threads move the rows, token i of the pass by producer i % b.producers: each
@@ -573,6 +678,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
   send_routing(a, block, blocks);
+  share_chunk_counts(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int P = b.producers;
   const bool producer = lane == 0 && warp < P;
@@ -585,18 +691,14 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     int base[kMaxRanks];
-    tokens_before(a, t0, base);
+    if (!rows_before(a, c, t0, base)) return;
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
       layout_pass(a, p0, t1, base, bits, rows);
-      if (srb && int(threadIdx.x) < tokens) {  // each token's thread stores its scales to its members
-        const int4* from = reinterpret_cast<const int4*>(a.scales + int64_t(p0 + threadIdx.x) * srb);
-        for (unsigned m = bits[threadIdx.x] & others; m; m &= m - 1) {
-          const int d = __ffs(m) - 1;
-          int4* dst = reinterpret_cast<int4*>(to.region[d] + a.scales_offset + rows[threadIdx.x * kMaxRanks + d] * srb);
-          for (int k = 0; k < srb / 16; ++k) dst[k] = from[k];
-        }
-      }
+      if (srb && int(threadIdx.x) < tokens)  // each token's thread stores its scales to its members
+        store_scale_row(a.scales + int64_t(p0 + threadIdx.x) * srb, srb, bits[threadIdx.x] & others, [&](int d) {
+          return to.region[d] + a.scales_offset + rows[threadIdx.x * kMaxRanks + d] * srb;
+        });
       if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
       __syncthreads();  // the tables and the scales are in before the producers copy and announce
       if (producer) {
@@ -1323,66 +1425,21 @@ __global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors
   wait_all(w, timeout_ns, err, rank);
 }
 
-// An op on the NVLink buffers runs as one launch on XLA's stream: blocks [0, chunks) send, the rest receive. So
-// nothing hops between streams, and no launch waits for another's between the routing's arrival and the copies.
-// The receive blocks first build the tables their copies read (dispatch: the routing scan over every member's
-// routing; combine: our tokens' positions in the members' messages), in units handed over through the device's
-// handoff_words: a unit's word gets the launch's number (`epoch`, from 1 up) once its writes are in, so the words
-// need no reset and one left by an earlier launch never passes. The receive blocks wait for each other, so every
-// block of the launch must be resident at once (check_budget_fits).
-struct Handoff {
-  uint64_t* words;  // NvlDevice::handoff_words: word 0 an ItemCounter's, then a word per unit and pass
-  uint64_t epoch;
-};
-
-// After the block's units u = first, first + step, ... < count of a pass: their words, once every thread's writes
-// are in (the barrier, then a fence cumulative over them).
-__device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step, int count) {
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  __threadfence();
-  for (int u = first; u < count; u += step) store_release_sys(words + u, h.epoch);
-}
-// Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
-// (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).
-__device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  for (int u = threadIdx.x; u < count; u += blockDim.x) {
-    const uint64_t start = global_ns();
-    for (uint32_t spins = 1; load_acquire_sys(words + u) < h.epoch; ++spins) {
-      if (spins > 32) __nanosleep(100);
-      if (spins % 256 != 0) continue;
-      if (*reinterpret_cast<volatile int*>(&m.err->code) == kPeerLate) {
-        failed = 1;
-        break;
-      }
-      if (global_ns() - start > m.timeout_ns) {
-        report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
-        failed = 1;
-        break;
-      }
-    }
-  }
-  __threadfence();
-  __syncthreads();
-  const bool ok = !failed;
-  __syncthreads();  // `failed` is reused
-  return ok;
-}
-
 // Our reads and writes of shared memory come before bulk loads into it (another proxy).
 __device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// An op on the NVLink buffers runs as one launch on XLA's stream: blocks [0, chunks) send, the rest receive. So
+// nothing hops between streams, and no launch waits for another's between the routing's arrival and the copies.
+// The receive blocks first build the tables their copies read (dispatch: the routing scan over every member's
+// routing; combine: our tokens' positions in the members' messages), in units they hand over to each other.
 struct DispatchLaunch {
   DispatchSendArgs send;
   ScanArgs scan;
   DispatchReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
-  Handoff handoff;                      // words: the copies' item counter, then [2 passes][units * R]
-  int units;                            // scan units per source, of kTransferThreads tokens
+  Handoff handoff;  // words: the copies' item counter, then [2 passes][units * R], then send.counts'
+  int units;        // scan units per source, of kTransferThreads tokens
 };
 
 // (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
@@ -1689,7 +1746,8 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
                             l.x,
                             static_cast<const char*>(a.scales),
                             a.scale_row_bytes,
-                            l.scales};
+                            l.scales,
+                            {}};
   k.send.routing[0] = {reinterpret_cast<const char*>(a.topk_idx), l.idx, int64_t(a.topk) * 4};
   k.send.routing[1] = {reinterpret_cast<const char*>(a.topk_weights), l.weights, int64_t(a.topk) * 4};
   Sources src{};
@@ -1766,7 +1824,8 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
                             0,
                             nullptr,
                             0,
-                            0};
+                            0,
+                            {}};
   k.send.routing[0] = {reinterpret_cast<const char*>(a.is_token_in_rank), mask_at, int64_t(g.size)};
   Sources src{};
   for (int s = 0; s < g.size; ++s) {
@@ -1829,7 +1888,9 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.receive = k.receive;
   f.routing = routing_waits(dev, g, k.receive.from);
   f.units = scan_units(k.scan.num_tokens, kTransferThreads);
-  f.handoff = Handoff{dev.handoff_words(size_t(2) * f.units * k.scan.num_ranks + 1), dev.next_launch()};
+  const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + 1;
+  f.handoff = Handoff{dev.handoff_words(scan_words + size_t(k.send.chunks) * (1 + kMaxRanks)), dev.next_launch()};
+  f.send.counts = Handoff{f.handoff.words + scan_words, f.handoff.epoch};
   uint32_t shared = uint32_t(k.local_experts) * 4;  // the scan's per-expert counters
   if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
