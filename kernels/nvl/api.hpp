@@ -161,7 +161,7 @@ class NvlDevice {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   uint64_t* handoff_ = nullptr;
-  size_t handoff_count_ = 0;
+  size_t handoff_bytes_ = 0;
   uint64_t launches_ = 0;
 };
 

@@ -222,29 +222,38 @@ uint64_t* NvlDevice::peer_ack_flag(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 2 * kMaxRanks + rank_;
 }
 
+namespace {
+
+// Replaces `*buffer` (of `*bytes`) with a zeroed allocation of `wanted` bytes on the current device. Kernels queued
+// on any stream may still use the old one, so it is freed only after they finish; the new one is zeroed before any
+// stream's launch reads it.
+void grow_device_buffer(void** buffer, size_t* bytes, size_t wanted, const char* what) {
+  if (*buffer) {
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cudaFree(*buffer);
+    *buffer = nullptr;
+    *bytes = 0;
+  }
+  check(cudaMalloc(buffer, wanted), what);
+  check(cudaMemset(*buffer, 0, wanted), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  *bytes = wanted;
+}
+
+}  // namespace
+
 void NvlDevice::ensure_scratch(size_t bytes) {
   if (bytes <= scratch_bytes_) return;
   check(cudaSetDevice(device_), "cudaSetDevice");
-  // The old scratch may still be in use by queued kernels: free it only after they finish.
-  if (scratch_) {
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cudaFree(scratch_);
-  }
-  check(cudaMalloc(&scratch_, bytes), "cudaMalloc scratch");
-  scratch_bytes_ = bytes;
+  grow_device_buffer(&scratch_, &scratch_bytes_, bytes, "cudaMalloc scratch");
 }
 
 uint64_t* NvlDevice::handoff_words(size_t count) {
-  if (count <= handoff_count_) return handoff_;
-  check(cudaSetDevice(device_), "cudaSetDevice");
-  if (handoff_) {  // queued kernels may still use them (see ensure_scratch)
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cudaFree(handoff_);
+  if (count * sizeof(uint64_t) > handoff_bytes_) {
+    check(cudaSetDevice(device_), "cudaSetDevice");
+    grow_device_buffer(reinterpret_cast<void**>(&handoff_), &handoff_bytes_, count * sizeof(uint64_t),
+                       "cudaMalloc handoff words");
   }
-  check(cudaMalloc(&handoff_, count * sizeof(uint64_t)), "cudaMalloc handoff words");
-  check(cudaMemset(handoff_, 0, count * sizeof(uint64_t)), "cudaMemset");
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any stream's launch reads them
-  handoff_count_ = count;
   return handoff_;
 }
 

@@ -77,25 +77,33 @@ __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t
   }
 }
 
-// Polls `flag` until it reaches `value`; false once `timeout_ns` passed (reporting code 5: `peer` did not send
-// message `message`), or at once if an earlier wait timed out (the stream is out of step after that). The clock
-// and the error word (host memory) are read every 256 polls. With `backoff` it sleeps between polls after the first
-// ones, longer the longer it waits (100 ns doubling every 32 polls, at most 1.6 us): a normal-mode receive side has
-// hundreds of waiting warps, and their loads of the few words the senders write would take the memory system from
-// the copies they wait for.
-__device__ inline bool wait_flag(const uint64_t* flag, uint64_t value, int64_t message, uint64_t timeout_ns,
-                                 DeviceErrors* err, int rank, int peer, bool backoff = false) {
+// How a waiting thread sleeps between polls after its first 32: not at all; a flat 100 ns; or 100 ns doubling every
+// 32 polls, at most 1.6 us (a normal-mode receive side has hundreds of waiting warps, and their loads of the few
+// words the senders write would take the memory system from the copies they wait for).
+enum class Sleep { kNone, kFlat, kBackoff };
+enum class Polled { kReached, kTimedOut, kGivenUp };
+// Polls `flag` until it reaches `value`; gives up after `timeout_ns`, or once a wait reported a late peer (the op is
+// given up). The clock and the error word (host memory) are read every 256 polls.
+__device__ inline Polled poll_flag(const uint64_t* flag, uint64_t value, uint64_t timeout_ns, const DeviceErrors* err,
+                                   Sleep sleep) {
   const uint64_t start = global_ns();
-  uint32_t spins = 0;
-  while (load_acquire_sys(flag) < value) {
-    if (++spins > 32 && backoff) __nanosleep(100u << min((spins - 33) / 32, 4u));
-    if ((spins & 255) == 0 &&
-        (global_ns() - start > timeout_ns || *reinterpret_cast<volatile int*>(&err->code) == kPeerLate)) {
-      report(err, kPeerLate, rank, peer, message, int64_t(timeout_ns / 1000000000ull));
-      return false;
-    }
+  for (uint32_t spins = 1; load_acquire_sys(flag) < value; ++spins) {
+    if (spins > 32 && sleep != Sleep::kNone)
+      __nanosleep(sleep == Sleep::kFlat ? 100u : 100u << min((spins - 33) / 32, 4u));
+    if (spins % 256 != 0) continue;
+    if (*reinterpret_cast<const volatile int*>(&err->code) == kPeerLate) return Polled::kGivenUp;
+    if (global_ns() - start > timeout_ns) return Polled::kTimedOut;
   }
-  return true;
+  return Polled::kReached;
+}
+
+// Waits until `flag` reaches `value`; false once `timeout_ns` passed (reporting code 5: `peer` did not send message
+// `message`), or as soon as an earlier wait timed out (the stream is out of step after that).
+__device__ inline bool wait_flag(const uint64_t* flag, uint64_t value, int64_t message, uint64_t timeout_ns,
+                                 DeviceErrors* err, int rank, int peer, Sleep sleep = Sleep::kNone) {
+  if (poll_flag(flag, value, timeout_ns, err, sleep) == Polled::kReached) return true;
+  report(err, kPeerLate, rank, peer, message, int64_t(timeout_ns / 1000000000ull));
+  return false;
 }
 
 // Loads for warp_copy: the read-only path for data that no one writes while the kernel runs, L2 only (the

@@ -319,21 +319,11 @@ __device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int co
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  for (int u = threadIdx.x; u < count; u += blockDim.x) {
-    const uint64_t start = global_ns();
-    for (uint32_t spins = 1; load_acquire_sys(words + u) < h.epoch; ++spins) {
-      if (spins > 32) __nanosleep(100);
-      if (spins % 256 != 0) continue;
-      if (*reinterpret_cast<volatile int*>(&m.err->code) == kPeerLate) {
-        failed = 1;
-        break;
-      }
-      if (global_ns() - start > m.timeout_ns) {
-        report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
-        failed = 1;
-        break;
-      }
-    }
+  for (int u = threadIdx.x; u < count && !failed; u += blockDim.x) {
+    const Polled p = poll_flag(words + u, h.epoch, m.timeout_ns, m.err, Sleep::kFlat);
+    if (p == Polled::kTimedOut)
+      report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
+    if (p != Polled::kReached) failed = 1;
   }
   __threadfence();
   __syncthreads();
@@ -382,7 +372,7 @@ __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_f
 __device__ int wait_progress(const ReceiveFrom& from, int s, int c, int done) {
   const uint64_t* word = from.chunks[s] + c;
   if (!wait_flag(word, progress(from.message[s], done), int64_t(from.message[s]), from.timeout_ns, from.err, from.rank,
-                 from.rank_of[s], /*backoff=*/true))
+                 from.rank_of[s], Sleep::kBackoff))
     return -1;
   return int(uint32_t(load_acquire_sys(word)));
 }
@@ -1181,9 +1171,9 @@ struct CombineReceiveArgs {
   int64_t row_bytes;
   int capacity, num_tokens;
   const int32_t* recv_counts;
-  const bool* mask;     // [T, R] this rank's
-  const int32_t* excl;  // [T + 1, R] from positions_kernel
-  char* out;            // [T, row_bytes]
+  const bool* mask;  // [T, R] this rank's
+  int32_t* excl;     // [T + 1, R] from positions_kernel, or in one launch its first receive block
+  char* out;         // [T, row_bytes]
 };
 
 // The lane's kUnroll vectors from i (i, i + kWarp, ...; those before `end`) of the float32 sum of `n` rows, written to
@@ -1496,7 +1486,6 @@ struct CombineLaunch {
   CombineSendArgs send;
   CombineReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
-  int32_t* excl;                        // receive.excl, which the first receive block writes
   Handoff handoff;                      // words: the reductions' item counter, then the positions'
 };
 
@@ -1524,7 +1513,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLau
   {
     const KernelStamp stamp(KernelKind::kScan);
     if (block == 0) {
-      block_positions(a.mask, a.num_tokens, a.from.num_ranks, f.excl);
+      block_positions(a.mask, a.num_tokens, a.from.num_ranks, a.excl);
       if (threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for `positioned`)
       hand_over(f.handoff, positioned, 0, 1, 1);
     }
@@ -1926,12 +1915,10 @@ void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_
     combine_receive_kernel<float><<<receive_blocks(), kTransferThreads, 0, stream>>>(ra);
   check(cudaGetLastError(), "combine_receive_kernel");
 }
-void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, const Scratch& scratch, bool bf16,
-                    cudaStream_t stream) {
+void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, bool bf16, cudaStream_t stream) {
   CombineLaunch f{};
   f.send = k.send;
   f.receive = k.receive;
-  f.excl = scratch.excl;
   f.handoff = Handoff{dev.handoff_words(2), dev.next_launch()};
   uint32_t shared = 0;
   if (bulk_combine(k.send, k.receive)) {
@@ -2144,7 +2131,7 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-  launch_combine(dev, g, combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g)), scratch,
+  launch_combine(dev, g, combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g)),
                  a.dtype == FloatType::kBF16, stream);
   dev.timing_end(stream, "combine");
 }
