@@ -224,10 +224,11 @@ uint64_t* NvlDevice::peer_ack_flag(int peer) const {
 
 namespace {
 
-// Replaces `*buffer` (of `*bytes`) with a zeroed allocation of `wanted` bytes on the current device. Kernels queued
-// on any stream may still use the old one, so it is freed only after they finish; the new one is zeroed before any
-// stream's launch reads it.
-void grow_device_buffer(void** buffer, size_t* bytes, size_t wanted, const char* what) {
+// Replaces `*buffer` (of `*bytes`) with an allocation of `wanted` bytes on the current device, `zeroed` before any
+// stream's launch reads it. Kernels queued on any stream may still use the old one, so it is freed only after they
+// finish. Nothing else synchronizes: in one process that drives several ranks on a GPU (the loopback bench), a
+// rank's queued kernel can wait for a launch of another rank that this call comes before.
+void grow_device_buffer(void** buffer, size_t* bytes, size_t wanted, bool zeroed, const char* what) {
   if (*buffer) {
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     cudaFree(*buffer);
@@ -235,8 +236,10 @@ void grow_device_buffer(void** buffer, size_t* bytes, size_t wanted, const char*
     *bytes = 0;
   }
   check(cudaMalloc(buffer, wanted), what);
-  check(cudaMemset(*buffer, 0, wanted), "cudaMemset");
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (zeroed) {
+    check(cudaMemset(*buffer, 0, wanted), "cudaMemset");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
   *bytes = wanted;
 }
 
@@ -245,13 +248,13 @@ void grow_device_buffer(void** buffer, size_t* bytes, size_t wanted, const char*
 void NvlDevice::ensure_scratch(size_t bytes) {
   if (bytes <= scratch_bytes_) return;
   check(cudaSetDevice(device_), "cudaSetDevice");
-  grow_device_buffer(&scratch_, &scratch_bytes_, bytes, "cudaMalloc scratch");
+  grow_device_buffer(&scratch_, &scratch_bytes_, bytes, false, "cudaMalloc scratch");
 }
 
 uint64_t* NvlDevice::handoff_words(size_t count) {
   if (count * sizeof(uint64_t) > handoff_bytes_) {
     check(cudaSetDevice(device_), "cudaSetDevice");
-    grow_device_buffer(reinterpret_cast<void**>(&handoff_), &handoff_bytes_, count * sizeof(uint64_t),
+    grow_device_buffer(reinterpret_cast<void**>(&handoff_), &handoff_bytes_, count * sizeof(uint64_t), true,
                        "cudaMalloc handoff words");
   }
   return handoff_;
