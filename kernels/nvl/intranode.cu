@@ -470,8 +470,8 @@ __device__ void count_members(const DispatchSendArgs& a, int t0, int t1, int* ou
   __syncthreads();  // `counted` is reused
 }
 
-// One launch: the block's chunks' counts, for the blocks of later chunks (after the routing, which the members'
-// receive sides wait for: counting first delayed them ~5 us, bench/RESULTS.md).
+// One launch: the block's chunks' counts, for the blocks of later chunks. After the routing, which the members'
+// receive sides wait for.
 __device__ void share_chunk_counts(const DispatchSendArgs& a, int block, int blocks) {
   if (!a.counts.words) return;
   uint64_t* counts = a.counts.words + a.chunks;
@@ -486,8 +486,8 @@ __device__ void share_chunk_counts(const DispatchSendArgs& a, int block, int blo
 
 // Rows in each member's message before chunk c's (starting at token t0): base[d] = tokens before t0 that go to d
 // (rows go packed in token order, the order in which d's scan places them). In one launch a sum of the earlier
-// chunks' shared counts, else a count of every token before t0 (a block per chunk: the last of 12 spent ~20 us of
-// a ~150 us send on it, bench/RESULTS.md). False once the wait for the counts failed (reported).
+// chunks' shared counts, else a count of every token before t0, whose time grows with c. False once the wait for
+// the counts failed (reported).
 __device__ bool rows_before(const DispatchSendArgs& a, int c, int t0, int* base) {
   if (!a.counts.words) {
     count_members(a, 0, t0, base);
@@ -629,8 +629,7 @@ __device__ int least_frontier(int* frontier, int producers, int producer, int mi
 }
 
 // One token's scale row (`bytes`, a multiple of 16) from `src` to each member of `members` at dst(d): its loads
-// go out together, a batch at a time (one after each store, ~1 us apiece while the memory is busy, took ~15 us
-// of a 341-token pass, bench/RESULTS.md).
+// go out together, a batch at a time, since a load after a store (which it may alias) waits for it.
 template <class Dst>
 __device__ __forceinline__ void store_scale_row(const char* src, int64_t bytes, unsigned members, const Dst& dst) {
   constexpr int kBatch = 16;
