@@ -313,23 +313,31 @@ __device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step
   __threadfence();
   for (int u = first; u < count; u += step) store_release_sys(words + u, h.epoch);
 }
-// Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
-// (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).
-__device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
+// Thread i runs wait(u) for u = i, i + blockDim.x, ... < count while no wait of the block has failed; returns (to the
+// whole block) whether every one succeeded. The fence and barrier pass what the awaited words published on to every
+// thread of the block.
+template <class Wait>
+__device__ bool block_waits(int count, const Wait& wait) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  for (int u = threadIdx.x; u < count && !failed; u += blockDim.x) {
-    const Polled p = poll_flag(words + u, h.epoch, m.timeout_ns, m.err, Sleep::kFlat);
-    if (p == Polled::kTimedOut)
-      report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
-    if (p != Polled::kReached) failed = 1;
-  }
+  for (int u = threadIdx.x; u < count && !failed; u += blockDim.x)
+    if (!wait(u)) failed = 1;
   __threadfence();
   __syncthreads();
   const bool ok = !failed;
   __syncthreads();  // `failed` is reused
   return ok;
+}
+// Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
+// (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).
+__device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
+  return block_waits(count, [&](int u) {
+    const Polled p = poll_flag(words + u, h.epoch, m.timeout_ns, m.err, Sleep::kFlat);
+    if (p == Polled::kTimedOut)
+      report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
+    return p == Polled::kReached;
+  });
 }
 
 // Waits (thread 0) until every member has finished reading our previous message: its region for us is free.
@@ -1400,15 +1408,9 @@ struct FlagWaits {
 };
 // Thread i waits for flag i; returns (to the whole block) whether every wait succeeded.
 __device__ bool wait_all(const FlagWaits& w, uint64_t timeout_ns, DeviceErrors* err, int rank) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  const int i = threadIdx.x;
-  if (i < w.n && !wait_flag(w.flag[i], w.value[i], int64_t(w.value[i]), timeout_ns, err, rank, w.peer[i])) failed = 1;
-  __syncthreads();
-  const bool ok = !failed;
-  __syncthreads();  // `failed` is reused
-  return ok;
+  return block_waits(w.n, [&](int i) {
+    return wait_flag(w.flag[i], w.value[i], int64_t(w.value[i]), timeout_ns, err, rank, w.peer[i]);
+  });
 }
 __global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors* err, int rank) {
   wait_all(w, timeout_ns, err, rank);
