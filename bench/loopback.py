@@ -86,8 +86,11 @@ def main(argv=None) -> int:
             received = r["received_rows"] / args.ranks * r["x_row_bytes"]
             ok = (
                 "yes"
-                if r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0
-                else f"NO ({r['mismatched_rows']} rows, {r['mismatched_combine_rows']} sums)"
+                if r["mismatched_rows"] == 0
+                and r["mismatched_expert_counts"] == 0
+                and r["mismatched_combine_rows"] == 0
+                else f"NO ({r['mismatched_rows']} rows, {r['mismatched_expert_counts']} expert counts, "
+                f"{r['mismatched_combine_rows']} sums)"
             )
             ops = [("dispatch fp8" if fp8 else "dispatch bf16", r["dispatch_us"])]
             if not fp8:

@@ -135,6 +135,7 @@ void define_testing(nb::module_ m) {
         d["received_rows"] = r.received_rows;
         d["x_row_bytes"] = r.x_row_bytes;
         d["mismatched_rows"] = r.mismatched_rows;
+        d["mismatched_expert_counts"] = r.mismatched_expert_counts;
         d["mismatched_combine_rows"] = r.mismatched_combine_rows;
         d["num_sms"] = nvl::num_sms();
         d["bulk"] = nvl::bulk_copies();

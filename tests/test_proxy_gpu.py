@@ -210,7 +210,7 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
         budget, send, bulk = r["case"][:3]
         assert r["bulk"] == (bulk == "1") and r["num_sms"] == budget, r
         assert r["send_blocks"] == (send or max(1, budget // (2 if bulk == "1" else 3))), r
-        assert r["mismatched_rows"] == 0 and r["mismatched_combine_rows"] == 0, r
+        assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0 and r["mismatched_combine_rows"] == 0, r
         assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
         assert r["dispatch_us"] > 0 and (r["case"][7] or r["combine_us"] > 0), r
 

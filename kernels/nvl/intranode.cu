@@ -17,8 +17,8 @@ namespace uccl_ep::nvl {
 namespace {
 
 constexpr int kScanThreads = 1024;
-constexpr int kMaxScanExperts = 12 * 1024 - 64;  // the scan's dynamic shared ints (see dispatch())
-constexpr int kPieceTokens = 16;                 // receive work items: this many tokens of a send block's chunk
+constexpr int kMaxScanRun = 8;    // a fused launch's scan: the most tokens per thread of a unit
+constexpr int kPieceTokens = 16;  // receive work items: this many tokens of a send block's chunk
 
 // Where each source's routing and rows live (group position s -> pointer valid on this GPU). Our own rows are
 // the op's inputs (row = token); a member's are packed in its in-region (row = position among its rows for us).
@@ -33,30 +33,47 @@ struct Sources {
 // Token (or row) range of chunk c out of `chunks` over n.
 __host__ __device__ inline int chunk_begin(int n, int chunks, int c) { return int(int64_t(n) * c / chunks); }
 
-// Exclusive scan of one value per thread over the block; returns the prefix and sets *total.
-__device__ int block_exclusive_scan(int value, int* total) {
-  __shared__ int warp_sums[kScanThreads / kWarp];
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  int inclusive = value;
-  for (int d = 1; d < kWarp; d <<= 1) {
-    int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  if (lane == kWarp - 1) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < blockDim.x / kWarp ? warp_sums[lane] : 0;
+// Exclusive scans of v[j], j < N (at most one per warp of the block), each over the block in thread order: v[j]
+// becomes the sum over earlier threads and total[j] the block's. The N scans share the barriers.
+template <int N>
+__device__ __forceinline__ void block_exclusive_scans(int (&v)[N], int (&total)[N]) {
+  __shared__ int warp_sums[N][kScanThreads / kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  int inclusive[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    inclusive[j] = v[j];
+#pragma unroll
     for (int d = 1; d < kWarp; d <<= 1) {
-      int v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
+      const int up = __shfl_up_sync(0xffffffffu, inclusive[j], d);
+      if (lane >= d) inclusive[j] += up;
     }
-    warp_sums[lane] = w;  // inclusive over warps
+    if (lane == kWarp - 1) warp_sums[j][warp] = inclusive[j];
   }
   __syncthreads();
-  int warp_prefix = warp == 0 ? 0 : warp_sums[warp - 1];
-  *total = warp_sums[blockDim.x / kWarp - 1];
+  if (warp < N) {  // warp j scans the warps' sums of value j
+    int w = lane < warps ? warp_sums[warp][lane] : 0;
+#pragma unroll
+    for (int d = 1; d < kWarp; d <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += up;
+    }
+    warp_sums[warp][lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    total[j] = warp_sums[j][warps - 1];
+    v[j] = (warp == 0 ? 0 : warp_sums[j][warp - 1]) + inclusive[j] - v[j];
+  }
   __syncthreads();  // warp_sums is reused by the next call
-  return warp_prefix + inclusive - value;
+}
+// One value's exclusive scan over the block; returns the prefix and sets *total.
+__device__ int block_exclusive_scan(int value, int* total) {
+  int v[1] = {value}, sum[1];
+  block_exclusive_scans(v, sum);
+  *total = sum[0];
+  return v[0];
 }
 
 // Kernel spans for the loopback bench (set_kernel_stamps, testing.hpp): per KernelKind the earliest start and the
@@ -99,69 +116,137 @@ struct ScanArgs {
   int rank_of[kMaxRanks];
 };
 
-__device__ __forceinline__ bool scan_takes(const ScanArgs& a, int s, int t, int first, int local_experts) {
-  if (!a.topk_mode) return a.src.mask[s][t * a.num_ranks + a.self];
-  bool take = false;
-  for (int k = 0; k < a.topk; ++k) {
-    const int e = a.src.topk_idx[s][t * a.topk + k];
-    take |= e >= first && e < first + local_experts;
-  }
-  return take;
+// The tokens of unit x of a source: thread i takes tokens first + i + j * blockDim.x, j < kRun, so that a warp's
+// loads stay on consecutive tokens.
+template <int kRun>
+__device__ __forceinline__ int unit_token(int x, int j) {
+  return (x * kRun + j) * int(blockDim.x) + int(threadIdx.x);
 }
 
-// Pass 1: unit x of source s (its blockDim.x tokens from x * blockDim.x; `units` per source) counts its rows.
-__device__ void count_unit(const ScanArgs& a, int x, int s, int units) {
-  const int t = x * int(blockDim.x) + int(threadIdx.x);
-  const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
-  const bool take = t < a.num_tokens && scan_takes(a, s, t, a.self * local_experts, local_experts);
-  const int rows = __syncthreads_count(take);
-  if (threadIdx.x == 0) a.block_counts[s * units + x] = rows;
-  if (a.receiver_counts) {  // topk mode: the members each token goes to
-    unsigned members = 0;
-    for (int k = 0; t < a.num_tokens && k < a.topk; ++k) {
-      const int e = a.src.topk_idx[s][t * a.topk + k];
-      if (e >= 0 && e < a.num_experts) members |= 1u << (e / local_experts);
+// f(j, e) for each expert index e of the thread's tokens j < kRun of unit x of source s (a token past the last: the
+// last token's indices, for the caller to ignore), kSlots indices of every token loaded at once: the scan is a chain
+// of trips to a memory that the copies keep busy, so the loads go out together.
+template <int kRun, class F>
+__device__ __forceinline__ void for_expert_indices(const ScanArgs& a, int x, int s, F f) {
+  constexpr int kSlots = kRun < 8 ? 4 : 2;  // 16 loads in flight at most
+  const int K = a.topk, last = a.num_tokens - 1;
+  const int32_t* idx = a.src.topk_idx[s];
+  for (int k0 = 0; k0 < K; k0 += kSlots) {
+    int e[kRun][kSlots];
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      const int t = min(unit_token<kRun>(x, j), last);
+#pragma unroll
+      for (int q = 0; q < kSlots; ++q) e[j][q] = k0 + q < K ? idx[t * K + k0 + q] : -1;
     }
-    for (int d = 0; d < a.num_ranks; ++d) {
-      const int to_d = __syncthreads_count(members >> d & 1);
-      if (threadIdx.x == 0) a.receiver_counts[(d * a.num_ranks + s) * units + x] = to_d;
+#pragma unroll
+    for (int j = 0; j < kRun; ++j)
+#pragma unroll
+      for (int q = 0; q < kSlots; ++q)
+        if (k0 + q < K) f(j, e[j][q]);
+  }
+}
+
+// Bit j: the thread's token j of unit x of source s comes to us (a row of ours). The loads of all kRun tokens go out
+// together.
+template <int kRun>
+__device__ __forceinline__ unsigned unit_takes(const ScanArgs& a, int x, int s) {
+  const int T = a.num_tokens;
+  unsigned takes = 0;
+  if (!a.topk_mode) {
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      const int t = unit_token<kRun>(x, j);
+      if (t < T && a.src.mask[s][t * a.num_ranks + a.self]) takes |= 1u << j;
+    }
+    return takes;
+  }
+  const int local_experts = a.num_experts / a.num_ranks, first = a.self * local_experts;
+  for_expert_indices<kRun>(a, x, s, [&](int j, int e) {
+    if (e >= first && e < first + local_experts) takes |= 1u << j;
+  });
+#pragma unroll
+  for (int j = 0; j < kRun; ++j)
+    if (unit_token<kRun>(x, j) >= T) takes &= ~(1u << j);
+  return takes;
+}
+
+// Bit d of members[j]: the thread's token j of unit x of source s goes to member d (topk mode).
+template <int kRun>
+__device__ __forceinline__ void unit_members(const ScanArgs& a, int x, int s, unsigned (&members)[kRun]) {
+  const int local_experts = a.num_experts / a.num_ranks;
+#pragma unroll
+  for (int j = 0; j < kRun; ++j) members[j] = 0;
+  for_expert_indices<kRun>(a, x, s, [&](int j, int e) {
+    if (e >= 0 && e < a.num_experts) members[j] |= 1u << (e / local_experts);
+  });
+#pragma unroll
+  for (int j = 0; j < kRun; ++j)
+    if (unit_token<kRun>(x, j) >= a.num_tokens) members[j] = 0;
+}
+
+// Pass 1: unit x of source s (its blockDim.x * kRun tokens; `units` per source) counts its rows, and with
+// receiver_counts every member's. Unit (0, 0) zeroes the per-expert counts, which the receive side adds to.
+template <int kRun>
+__device__ void count_unit(const ScanArgs& a, int x, int s, int units) {
+  if (!a.receiver_counts) {
+    const unsigned takes = unit_takes<kRun>(a, x, s);
+    int rows = 0;
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) rows += __syncthreads_count(takes >> j & 1);
+    if (threadIdx.x == 0) a.block_counts[s * units + x] = rows;
+  } else {
+    unsigned members[kRun];
+    unit_members<kRun>(a, x, s, members);
+    int n[kMaxRanks], total[kMaxRanks];  // member d's rows
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      n[d] = 0;
+#pragma unroll
+      for (int j = 0; j < kRun; ++j) n[d] += members[j] >> d & 1;
+    }
+    block_exclusive_scans(n, total);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        if (d == a.self) a.block_counts[s * units + x] = total[d];
+        if (d < a.num_ranks) a.receiver_counts[(d * a.num_ranks + s) * units + x] = total[d];
+      }
     }
   }
+  const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
   if (x == 0 && s == 0)
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) a.num_tokens_per_expert[e] = 0;
 }
 __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a) {
   const KernelStamp stamp(KernelKind::kScan);
-  count_unit(a, blockIdx.x, blockIdx.y, gridDim.x);
+  count_unit<1>(a, blockIdx.x, blockIdx.y, gridDim.x);
 }
 
-// Pass 2: each unit places its rows after those of every earlier unit and counts them per local expert
-// (`expert_rows`: shared-memory counters, then one global add per expert and unit).
-__device__ void place_unit(const ScanArgs& a, int x, int s, int units, int* expert_rows) {
-  const int blocks = units, t = x * int(blockDim.x) + int(threadIdx.x);
-  const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
-  const int first = a.self * local_experts;
-  for (int e = threadIdx.x; e < local_experts; e += blockDim.x) expert_rows[e] = 0;
+// Pass 2: each unit places its rows after those of every earlier unit.
+template <int kRun>
+__device__ void place_unit(const ScanArgs& a, int x, int s, int units) {
+  const int blocks = units, T = a.num_tokens;
+  const unsigned takes = unit_takes<kRun>(a, x, s);
   int earlier = 0;
   for (int i = threadIdx.x; i < s * blocks + x; i += blockDim.x) earlier += a.block_counts[i];
   int base;
-  block_exclusive_scan(earlier, &base);  // (syncs the block: expert_rows is zeroed)
-  const bool take = t < a.num_tokens && scan_takes(a, s, t, first, local_experts);
-  int rows;
-  const int o = base + block_exclusive_scan(take, &rows);
-  int32_t* before = a.row_before + int64_t(s) * (a.num_tokens + 1);
-  if (t < a.num_tokens) before[t] = o;
-  if (t == a.num_tokens - 1) before[a.num_tokens] = o + take;
-  if (take && o < a.capacity) {
-    a.row_map[o] = make_int2(s, t);
-    for (int k = 0; a.topk_mode && k < a.topk; ++k) {
-      const int e = a.src.topk_idx[s][t * a.topk + k];
-      if (e >= first && e < first + local_experts) atomicAdd(&expert_rows[e - first], 1);
-    }
+  block_exclusive_scan(earlier, &base);
+  int o[kRun], rows[kRun];
+#pragma unroll
+  for (int j = 0; j < kRun; ++j) o[j] = takes >> j & 1;
+  block_exclusive_scans(o, rows);
+  int32_t* before = a.row_before + int64_t(s) * (T + 1);
+#pragma unroll
+  for (int j = 0; j < kRun; ++j) {
+    const int t = unit_token<kRun>(x, j), row = base + o[j];
+    const bool take = takes >> j & 1;
+    base += rows[j];
+    if (t >= T) continue;
+    before[t] = row;
+    if (t == T - 1) before[T] = row + take;
+    if (take && row < a.capacity) a.row_map[row] = make_int2(s, t);
   }
-  __syncthreads();
-  for (int e = threadIdx.x; e < local_experts; e += blockDim.x)
-    if (expert_rows[e]) atomicAdd(&a.num_tokens_per_expert[e], expert_rows[e]);
   if (threadIdx.x != 0 || x != 0) return;
   int from_source = 0;
   for (int b = 0; b < blocks; ++b) from_source += a.block_counts[s * blocks + b];
@@ -188,12 +273,11 @@ __device__ void place_unit(const ScanArgs& a, int x, int s, int units, int* expe
 
 __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a) {
   const KernelStamp stamp(KernelKind::kScan);
-  extern __shared__ int expert_rows[];  // [local_experts]
-  place_unit(a, blockIdx.x, blockIdx.y, gridDim.x, expert_rows);
+  place_unit<1>(a, blockIdx.x, blockIdx.y, gridDim.x);
 }
 
 // Scan units per source, of `tokens_per_unit` tokens each (the standalone scan's blocks take kScanThreads, a fused
-// launch's receive blocks kTransferThreads).
+// launch's receive blocks kTransferThreads times its tokens per thread).
 int scan_units(int num_tokens, int tokens_per_unit) {
   return std::max(1, (num_tokens + tokens_per_unit - 1) / tokens_per_unit);
 }
@@ -242,11 +326,11 @@ Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
   return scratch_at(dev.scratch(), capacity, num_tokens);
 }
 
-void run_scan(ScanArgs a, int local_experts, cudaStream_t stream) {
+void run_scan(ScanArgs a, cudaStream_t stream) {
   const dim3 grid(scan_units(a.num_tokens, kScanThreads), a.num_ranks);
   dispatch_count_kernel<<<grid, kScanThreads, 0, stream>>>(a);
   check(cudaGetLastError(), "dispatch_count_kernel");
-  dispatch_place_kernel<<<grid, kScanThreads, local_experts * sizeof(int), stream>>>(a);
+  dispatch_place_kernel<<<grid, kScanThreads, 0, stream>>>(a);
   check(cudaGetLastError(), "dispatch_place_kernel");
 }
 
@@ -785,15 +869,17 @@ struct DispatchReceiveArgs {
   char* recv_scales;  // or null
   int32_t* recv_topk_idx;
   float* recv_topk_weights;
-  const int32_t* row_before;  // [R, T + 1] from the scan
+  const int32_t* row_before;       // [R, T + 1] from the scan
+  int32_t* num_tokens_per_expert;  // topk mode: [local experts], zeroed by the scan, counted as slots are localized
 };
 
 // Output row o's expert slot k (from source s's token t): the index among our local experts with its weight, or -1
-// and 0 for another GPU's expert.
+// and 0 for another GPU's expert; a local expert's row is counted (each kept row's slots are localized once).
 __device__ __forceinline__ void localize_slot(const DispatchReceiveArgs& a, int o, int s, int t, int k, int first,
                                               int local_experts) {
   const int e = a.src.topk_idx[s][t * a.topk + k];
   const bool mine = e >= first && e < first + local_experts;
+  if (mine) atomicAdd(a.num_tokens_per_expert + e - first, 1);
   a.recv_topk_idx[o * a.topk + k] = mine ? e - first : -1;
   if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[s][t * a.topk + k] : 0.f;
 }
@@ -1430,14 +1516,37 @@ struct DispatchLaunch {
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
   Handoff handoff;  // words: the copies' item counter, then [2 passes][units * R], then send.counts'
-  int units;        // scan units per source, of kTransferThreads tokens
+  int run;          // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
+  int units;        // scan units per source, of kTransferThreads * run tokens
 };
 
+// The receive blocks' scan passes over the units u = block, block + blocks, ... of every source, with kRun tokens
+// per thread.
+template <int kRun>
+__device__ void scan_pass_run(const DispatchLaunch& f, int block, int blocks, bool place) {
+  for (int u = block; u < f.units * f.scan.num_ranks; u += blocks)
+    if (place)
+      place_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
+    else
+      count_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
+}
+__device__ void scan_pass(const DispatchLaunch& f, int block, int blocks, bool place) {
+  switch (f.run) {
+    case 1:
+      return scan_pass_run<1>(f, block, blocks, place);
+    case 2:
+      return scan_pass_run<2>(f, block, blocks, place);
+    case 4:
+      return scan_pass_run<4>(f, block, blocks, place);
+    default:
+      return scan_pass_run<kMaxScanRun>(f, block, blocks, place);
+  }
+}
+
 // (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
-// counts the rows of its scan units, places them once every unit is counted (its shared memory holds the per-expert
-// counters until the copies start), and copies once every unit is placed. With bulk copies a send block whose sends
-// are done joins the copies (the items come from one counter of the launch), so that neither side idles while the
-// other still works.
+// counts the rows of its scan units, places them once every unit is counted, and copies once every unit is placed. With
+// bulk copies a send block whose sends are done joins the copies (the items come from one counter of the launch), so
+// that neither side idles while the other still works.
 template <bool kBulk>
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
   extern __shared__ __align__(128) char smem[];
@@ -1465,14 +1574,11 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchL
     // A member whose routing never came is reported; the scan still runs (over what its region holds: every read
     // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
     wait_all(f.routing, m.timeout_ns, m.err, m.rank);
-    for (int u = block; u < units; u += blocks) count_unit(f.scan, u % f.units, u / f.units, f.units);
+    scan_pass(f, block, blocks, /*place=*/false);
     if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
     hand_over(f.handoff, counted, block, blocks, units);
     if (!wait_handed_over(f.handoff, counted, units, m)) return;
-    for (int u = block; u < units; u += blocks) {
-      place_unit(f.scan, u % f.units, u / f.units, f.units, reinterpret_cast<int*>(smem));
-      __syncthreads();  // the expert counters are the next unit's
-    }
+    scan_pass(f, block, blocks, /*place=*/true);
     hand_over(f.handoff, placed, block, blocks, units);
     if (!wait_handed_over(f.handoff, placed, units, m)) return;
     fence_shared_for_bulk();
@@ -1582,6 +1688,13 @@ int send_blocks() {
   return std::clamp(wanted, 1, std::min(kChunks, num_sms() - 1));
 }
 int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
+// The fused scan's tokens per thread: the fewest (1, 2, 4 or kMaxScanRun) with which every source's units go to the
+// receive blocks in one round, since a round is a few trips to a memory that the copies keep busy.
+int scan_run(int num_tokens, int num_ranks) {
+  int run = 1;
+  while (run < kMaxScanRun && num_ranks * scan_units(num_tokens, kTransferThreads * run) > receive_blocks()) run *= 2;
+  return run;
+}
 
 // Shared memory of the bulk-copy kernels (kernels/nvl/bulk.cuh). Stages of at most a row segment each for the row
 // copies, larger ones for contiguous pieces; the combine receiver's stage holds a segment of each member's copy.
@@ -1701,26 +1814,16 @@ size_t cached_message_bytes(int num_tokens, int64_t row_bytes, int num_ranks) {
   return cached_mask_offset(num_tokens, row_bytes) + align16(size_t(num_tokens) * num_ranks);
 }
 
-// The routing scan counts rows per local expert in shared memory (the default 48 KiB, less the scan's own): refused
-// before anything is sent.
-void check_scan_experts(const DispatchArgs& a, const Group& g) {
-  if (a.num_experts / g.size > kMaxScanExperts)
-    throw std::invalid_argument("uccl_ep dispatch: at most " + std::to_string(kMaxScanExperts) +
-                                " experts per GPU, got " + std::to_string(a.num_experts / g.size));
-}
-
 // A (cached) dispatch's kernels, given where its messages go (`to`) and come from (`from`): the NVLink buffers of
 // the members, or regions of the proxy's buffer.
 struct DispatchKernels {
   DispatchSendArgs send;
   ScanArgs scan;
   DispatchReceiveArgs receive;
-  int local_experts;
 };
 DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const DispatchLayoutBytes& l,
                                  const Scratch& scratch, const SendTo& to, const ReceiveFrom& from) {
   DispatchKernels k{};
-  k.local_experts = a.num_experts / g.size;
   k.send = DispatchSendArgs{to,
                             send_blocks(),
                             a.num_tokens,
@@ -1792,7 +1895,8 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
                                   static_cast<char*>(a.recv_scales),
                                   a.recv_topk_idx,
                                   a.recv_topk_weights,
-                                  scratch.row_before};
+                                  scratch.row_before,
+                                  a.num_tokens_per_expert};
   return k;
 }
 DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group& g, const Scratch& scratch,
@@ -1861,12 +1965,13 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
                                   nullptr,
                                   nullptr,
                                   nullptr,
-                                  scratch.row_before};
+                                  scratch.row_before,
+                                  nullptr};
   return k;
 }
 // The proxy path's receive side once the routing is in: the scan, then the rows.
 void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream) {
-  run_scan(k.scan, k.local_experts, stream);
+  run_scan(k.scan, stream);
   dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
   check(cudaGetLastError(), "dispatch_receive_kernel");
 }
@@ -1877,11 +1982,12 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.scan = k.scan;
   f.receive = k.receive;
   f.routing = routing_waits(dev, g, k.receive.from);
-  f.units = scan_units(k.scan.num_tokens, kTransferThreads);
+  f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks);
+  f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
   const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + 1;
   f.handoff = Handoff{dev.handoff_words(scan_words + size_t(k.send.chunks) * (1 + kMaxRanks)), dev.next_launch()};
   f.send.counts = Handoff{f.handoff.words + scan_words, f.handoff.epoch};
-  uint32_t shared = uint32_t(k.local_experts) * 4;  // the scan's per-expert counters
+  uint32_t shared = 0;
   if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
     f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
@@ -2103,7 +2209,6 @@ size_t combine_message_bytes(int num_tokens, int hidden, FloatType dtype) {
 void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());
   check_group(dev, g, "dispatch");
-  check_scan_experts(a, g);
   check_budget_fits(dev, "dispatch");
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
   check_fits(dev, l.total, "dispatch");
@@ -2139,7 +2244,6 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
 
 void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
   ProxyHalf half(dev, g, "dispatch", stream);
-  check_scan_experts(a, g);
   const bool has_w = a.topk_weights != nullptr;
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
   check_proxy_message(dev, g, l.total, 4, "dispatch");

@@ -222,6 +222,14 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
         ++o;
       }
     if (o != got_rows) res.mismatched_rows += uint64_t(std::abs(got_rows - o));
+    // Rows per local expert: one for each of a received token's slots that names it.
+    std::vector<int32_t> want(E / R, 0), got_experts(E / R);
+    for (int s = 0; s < R; ++s)
+      for (size_t i = 0; i < ranks[s].topk_host.size(); ++i)
+        if (ranks[s].topk_host[i] / (E / R) == r) ++want[ranks[s].topk_host[i] - r * (E / R)];
+    check(cudaMemcpy(got_experts.data(), ranks[r].per_expert, got_experts.size() * 4, cudaMemcpyDeviceToHost),
+          "cudaMemcpy");
+    for (int e = 0; e < E / R; ++e) res.mismatched_expert_counts += got_experts[e] != want[e];
   }
   res.x_row_bytes = uint64_t(x_row + scale_row);
   if (!a.fp8) {

@@ -62,8 +62,9 @@ struct LoopbackResult {
   double dispatch_us, combine_us;       // per call (combine: 0 with fp8)
   uint64_t remote_rows, received_rows;  // of all ranks, per call
   uint64_t x_row_bytes;                 // bytes of a dispatched row (FP8: with its scales)
-  // The last call's rows (with their FP8 scales) and sums that differ from the inputs (must be 0).
-  uint64_t mismatched_rows, mismatched_combine_rows;
+  // The last call's rows (with their FP8 scales), local experts' row counts and sums that differ from the inputs
+  // (must be 0).
+  uint64_t mismatched_rows, mismatched_expert_counts, mismatched_combine_rows;
   // One more call of each op, its bulk kernels' spans over all ranks: [KernelKind] {start, length} in us from the
   // earliest start of the op's kernels (negative length: the kernel did not run).
   double spans[2][int(KernelKind::kCount)][2];  // [dispatch, combine]
