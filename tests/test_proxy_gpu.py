@@ -176,7 +176,8 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
     into chunks and pieces, a chunk per send block down to a budget of 2, send/receive splits other than the default
     (a half with bulk copies, a third with SM stores), 4 and 8 ranks sharing the GPU (every member's copy of a token
-    in one combine stage), and one way (members that send us no rows at all). Every row of the last dispatch (with
+    in one combine stage), routing scans of 1, 2, 4 and 8 tokens per thread, and one way (members that send us no
+    rows at all). Every row of the last dispatch (with
     its FP8 scales) is compared with the sender's input and every combined sum with x times the token's copies
     (host-side)."""
     cases = [
@@ -189,6 +190,7 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
             (24, 16, 2000, 7168, 2, False),
             (24, 3, 2000, 7168, 2, False),
             (24, 0, 2000, 7168, 4, False),
+            (16, 0, 4096, 7168, 4, False),  # 8 receive blocks, 4 sources: 4 tokens per thread
             (12, 0, 1000, 7168, 8, False),
             (24, 0, 2000, 7168, 4, True),
         ]
