@@ -1549,7 +1549,6 @@ __device__ void scan_pass(const DispatchLaunch& f, int block, int blocks, bool p
 // that neither side idles while the other still works.
 template <bool kBulk>
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
-  extern __shared__ __align__(128) char smem[];
   const int send_blocks = f.send.chunks;
   const Members& m = f.receive.from;
   const int units = f.units * f.scan.num_ranks;
@@ -1991,7 +1990,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
     f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
-    shared = std::max({shared, f.send_shape.shared_bytes(), f.receive_shape.shared_bytes()});
+    shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
     launch_fused(dispatch_kernel<true>, f, shared, stream, "dispatch_kernel");
   } else {
     launch_fused(dispatch_kernel<false>, f, shared, stream, "dispatch_kernel");
