@@ -7,11 +7,13 @@ bulk-copy (TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default. Per c
 (rows + scales) and BF16 combine, timed with CUDA events over --iters calls (the slowest rank). GB/s: the rows a
 rank sends the others per call over the time ("remote", the bytes NVLink would carry), and all rows it receives
 including its own ("DeepEP"), and for one more call of each op the bulk kernels' spans over all ranks (start after
-the op's first kernel / length, us; all ranks' kernels start together, behind one gate). The ranks run at once, so
-the GPU's memory carries about 4x the remote bytes (send: read + write, receive: read + write) of each rank: with
-two ranks at 24 SMs that saturates one H200's memory (bench/RESULTS.md). --one-way sends from rank 0 only (the
-others route to their own experts), about halving that traffic: rank 0's send side and the others' receive sides.
-Each run checks the last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
+the op's first kernel / length, us; all ranks' kernels start together, behind one gate), each side's GB/s over its
+span. The ranks run at once, so the GPU's memory carries about 4x the remote bytes (send: read + write, receive:
+read + write) of each rank: with two ranks at 24 SMs that saturates one H200's memory (bench/RESULTS.md). --one-way
+sends from rank 0 only (the others route to their own experts), about halving that traffic: rank 0's send side and
+the others' receive sides. --sides-apart holds dispatch's receive side back in the spans' call until every rank's
+rows have landed, so that its send and receive spans are each side with the memory to itself. Each run checks the
+last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
 
     python bench/loopback.py --out $OUT/loopback.json
 """
@@ -51,6 +53,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="only rank 0's tokens go to other ranks (the others' to their own experts): GB/s remote is rank 0's",
     )
+    ap.add_argument(
+        "--sides-apart",
+        action="store_true",
+        help="in the spans' call, dispatch's receive side starts only once every rank's rows have landed: each "
+        "side's span (and its GB/s) is what it moves with the GPU's memory to itself",
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
@@ -77,7 +85,17 @@ def main(argv=None) -> int:
         for fp8 in (False, True):
             r = dict(
                 _uccl_ep.testing.nvl_loopback_bench(
-                    0, args.tokens, args.hidden, args.topk, args.experts, fp8, args.iters, 7, args.ranks, args.one_way
+                    0,
+                    args.tokens,
+                    args.hidden,
+                    args.topk,
+                    args.experts,
+                    fp8,
+                    args.iters,
+                    7,
+                    args.ranks,
+                    args.one_way,
+                    args.sides_apart,
                 )
             )
             r.update(copies=label, budget=budget, split=split, fp8=fp8)
@@ -115,7 +133,20 @@ def main(argv=None) -> int:
             )
             spans = r.get("spans_us", {})
             if spans:  # bulk kernels only: where one more call's time went, (start, length) in us
-                print("#   spans: " + ", ".join(f"{k} +{s:.0f}/{n:.0f}" for k, (s, n) in spans.items()), flush=True)
+                # A side's GB/s over its span: the send sides' remote rows (a sending rank's), the receive sides'
+                # rows (a rank's, its own included), as in the table's two columns.
+                moved = {"send": remote, "receive": received}
+                print(
+                    "#   spans: "
+                    + ", ".join(
+                        f"{k} +{s:.0f}/{n:.0f}"
+                        + "".join(
+                            f" ({b / n / 1e3:.0f} GB/s)" for side, b in moved.items() if k.endswith(side) and n > 0
+                        )
+                        for k, (s, n) in spans.items()
+                    ),
+                    flush=True,
+                )
     _uccl_ep.testing.nvl_set_bulk_tuning(0, 0)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)

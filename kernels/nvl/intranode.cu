@@ -92,6 +92,10 @@ struct KernelStamp {
       atomicMax(reinterpret_cast<unsigned long long*>(stamps + 2 * kind + 1), global_ns());
   }
 };
+// With the stamps, dispatch's receive side may also be held back until every member's rows have landed (the sides
+// apart): each side's span is then what it moves with the GPU's memory to itself, where in the loopback both sides
+// of every rank otherwise share it.
+__device__ bool g_sides_apart = false;
 
 // The routing scan: which rows this rank receives, from which (source, token), and where they go. Rows are
 // ordered by source (group order), then token. Two passes over a grid of (token block, source) blocks:
@@ -720,34 +724,69 @@ __device__ int least_frontier(int* frontier, int producers, int producer, int mi
   return least;
 }
 
-// One token's scale row (`bytes`, a multiple of 16) from `src` to each member of `members` at dst(d): its loads
-// go out together, a batch at a time, since a load after a store (which it may alias) waits for it.
-template <class Dst>
-__device__ __forceinline__ void store_scale_row(const char* src, int64_t bytes, unsigned members, const Dst& dst) {
-  constexpr int kBatch = 16;
-  const int4* from = reinterpret_cast<const int4*>(src);
-  const int n = int(bytes / 16);
-  for (int k0 = 0; k0 < n; k0 += kBatch) {
+// The pass's scale rows (tokens p0 + i, i < tokens; 16-byte multiples) to their members, by the whole block: the rows
+// are contiguous in `scales`, so thread k takes 16-byte pieces k, k + blockDim.x, ... of them and a warp's loads and
+// stores stay on consecutive bytes (with a row per thread, each access of a warp would touch 32 rows). A round's
+// loads all go out before its stores. Reads the layout's shared tables.
+__device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, const unsigned* bits, const int* rows,
+                                 unsigned others) {
+  constexpr int kBatch = 10;  // pieces per thread a round: a pass of 512 rows of 224 bytes (56 scales) in two
+  const int per_row = int(a.scale_row_bytes / 16), n = tokens * per_row;
+  const int4* src = reinterpret_cast<const int4*>(a.scales + int64_t(p0) * a.scale_row_bytes);
+  for (int i0 = 0; i0 < n; i0 += kBatch * int(blockDim.x)) {
     int4 v[kBatch];
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k)
-      if (k0 + k < n) v[k] = __ldg(from + k0 + k);
-    for (unsigned m = members; m; m &= m - 1) {
-      int4* to = reinterpret_cast<int4*>(dst(__ffs(m) - 1)) + k0;
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = i0 + k * int(blockDim.x) + int(threadIdx.x);
+      if (i < n) v[k] = __ldg(src + i);
+    }
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k)
-        if (k0 + k < n) to[k] = v[k];
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = i0 + k * int(blockDim.x) + int(threadIdx.x);
+      if (i >= n) break;
+      const int token = i / per_row, piece = i - token * per_row;
+      for (unsigned m = bits[token] & others; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int64_t row = rows[token * kMaxRanks + d];
+        reinterpret_cast<int4*>(a.to.region[d] + a.scales_offset + row * a.scale_row_bytes)[piece] = v[k];
+      }
     }
   }
 }
 
+// The bulk sender's layout of chunk c = [t0, t1) when the chunk is one pass and the block's only chunk (one launch):
+// its members and rows within the chunk first, whose totals are the chunk's counts for the blocks of later chunks,
+// and only then the wait for the earlier chunks' counts, so that one read of the routing serves both (rather than a
+// count, then the layout after the wait). Writes what layout_pass writes; false as rows_before.
+__device__ bool layout_one_pass(const DispatchSendArgs& a, int c, int t0, int t1, unsigned* bits_out, int* rows_out) {
+  const int R = a.to.num_ranks, t = t0 + int(threadIdx.x);
+  const unsigned bits = t < t1 ? token_members(a, t, true) : 0;
+  int within[kMaxRanks], base[kMaxRanks];
+  uint64_t* counts = a.counts.words + a.chunks;
+  for (int d = 0; d < R; ++d) {
+    int total;
+    within[d] = block_exclusive_scan(bits >> d & 1, &total);
+    if (threadIdx.x == 0) counts[c * kMaxRanks + d] = uint64_t(total);
+  }
+  hand_over(a.counts, a.counts.words, c, 1, c + 1);
+  if (!rows_before(a, c, t0, base)) return false;
+  if (t < t1)
+    for (int d = 0; d < R; ++d) {
+      const int row = base[d] + within[d];
+      a.excl[t * R + d] = row;
+      rows_out[threadIdx.x * kMaxRanks + d] = row;
+    }
+  bits_out[threadIdx.x] = bits;
+  return true;
+}
+
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
-// kTransferThreads tokens the block lays them out into shared tables, each token's thread stores its scales (FP8)
-// to its members, and b.producers threads move the rows, token i of the pass by producer i % b.producers: each
-// token's row (in segments of at most segment_bytes) from x through a stage to every member that needs it (a
-// scale row is too small to be worth a producer's bulk copy). A producer records how far its tokens have landed
-// (`frontier`: every token before it that is its own has), and the chunk's progress is the least frontier, announced
-// as the stores complete.
+// kTransferThreads tokens the block lays them out into shared tables (layout_one_pass where it can), stores their
+// scales (FP8) to their members, and b.producers threads move the rows, token i of the pass by producer i %
+// b.producers: each token's row (in segments of at most segment_bytes) from x through a stage to every member that
+// needs it (a scale row is too small to be worth a producer's bulk copy). A producer records how far its tokens
+// have landed (`frontier`: every token before it that is its own has), and the chunk's progress is the least
+// frontier, announced as the stores complete.
 __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kDispatchSend);
   extern __shared__ __align__(128) char smem[];
@@ -759,7 +798,9 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
   send_routing(a, block, blocks);
-  share_chunk_counts(a, block, blocks);
+  const bool one_pass = a.counts.words && a.chunks == blocks &&
+                        (a.num_tokens + a.chunks - 1) / a.chunks <= int(blockDim.x);  // layout_one_pass
+  if (!one_pass) share_chunk_counts(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int P = b.producers;
   const bool producer = lane == 0 && warp < P;
@@ -772,14 +813,14 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     int base[kMaxRanks];
-    if (!rows_before(a, c, t0, base)) return;
+    if (one_pass ? !layout_one_pass(a, c, t0, t1, bits, rows) : !rows_before(a, c, t0, base)) return;
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
-      layout_pass(a, p0, t1, base, bits, rows);
-      if (srb && int(threadIdx.x) < tokens)  // each token's thread stores its scales to its members
-        store_scale_row(a.scales + int64_t(p0 + threadIdx.x) * srb, srb, bits[threadIdx.x] & others, [&](int d) {
-          return to.region[d] + a.scales_offset + rows[threadIdx.x * kMaxRanks + d] * srb;
-        });
+      if (!one_pass) layout_pass(a, p0, t1, base, bits, rows);
+      if (srb) {
+        __syncthreads();  // the tables are in
+        store_scale_rows(a, p0, tokens, bits, rows, others);
+      }
       if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
       __syncthreads();  // the tables and the scales are in before the producers copy and announce
       if (producer) {
@@ -961,6 +1002,18 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
   dispatch_receive(a, blockIdx.x, gridDim.x);
 }
 
+// Waits until every chunk of every member's message to us has landed whole (the sides apart, g_sides_apart); false
+// (to the whole block) once a member is late (reported).
+__device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
+  const ReceiveFrom& from = a.from;
+  return block_waits(from.num_ranks * a.chunks, [&](int u) {
+    const int s = u % from.num_ranks, c = u / from.num_ranks;
+    return s == from.self ||
+           wait_progress(from, s, c,
+                         chunk_begin(a.num_tokens, a.chunks, c + 1) - chunk_begin(a.num_tokens, a.chunks, c)) >= 0;
+  });
+}
+
 // Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order from
 // the launch's counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait for a
 // member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were our own
@@ -971,6 +1024,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_receive_kernel(D
 // share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
 __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
                                       int block, int blocks, bool joined) {
+  if (g_sides_apart && !wait_every_chunk(a)) return;
   const KernelStamp stamp(KernelKind::kDispatchReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -2178,9 +2232,11 @@ void run_over_proxy(ProxyHalf& half, MessagePieces m, cudaStream_t stream, Send&
 
 int normal_send_blocks() { return send_blocks(); }
 
-void set_kernel_stamps(int cuda_device, uint64_t* stamps) {
+void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart) {
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
   check(cudaMemcpyToSymbol(g_kernel_stamps, &stamps, sizeof(stamps)), "cudaMemcpyToSymbol");
+  sides_apart = sides_apart && stamps;
+  check(cudaMemcpyToSymbol(g_sides_apart, &sides_apart, sizeof(sides_apart)), "cudaMemcpyToSymbol");
 }
 
 void allow_budget_past_the_gpu(bool allow) { g_allow_budget_past_the_gpu = allow; }

@@ -270,7 +270,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     std::vector<uint64_t> host(2 * kKinds, 0);
     for (int k = 0; k < kKinds; ++k) host[2 * k] = UINT64_MAX;
     check(cudaMemcpy(stamps, host.data(), host.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
-    set_kernel_stamps(a.cuda_device, stamps);
+    set_kernel_stamps(a.cuda_device, stamps, a.sides_apart);
     sleep_kernel<<<1, 1, 0, ranks[0].stream>>>(200000);
     check(cudaEventRecord(gate, ranks[0].stream), "cudaEventRecord");
     for (int r = 1; r < R; ++r) check(cudaStreamWaitEvent(ranks[r].stream, gate), "cudaStreamWaitEvent");

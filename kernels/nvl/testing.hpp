@@ -27,8 +27,9 @@ RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per
 // The normal-mode bulk kernels whose spans the loopback bench reads (intranode.cu stamps them).
 enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kCombineReceive, kCount };
 // Points the kernels' stamps at `stamps` (device memory, [KernelKind::kCount][start, end], start words set to
-// UINT64_MAX and end words to 0 beforehand), or turns them off with null.
-void set_kernel_stamps(int cuda_device, uint64_t* stamps);
+// UINT64_MAX and end words to 0 beforehand), or turns them off with null. With `sides_apart`, dispatch's receive
+// side starts copying only once every member's rows have landed, so each side's span is what it moves alone.
+void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart = false);
 
 // The bulk-copy rings of the normal-mode kernels (0: the default): how many jobs behind its stores a producer refills
 // a stage (1 to 3), how many stages each producer gets (the send and dispatch-receive rings), how many stages each
@@ -57,6 +58,9 @@ struct LoopbackArgs {
   // Only rank 0's tokens go to other ranks (every other rank's to its own experts): rank 0's send side and the
   // others' receive sides, with the GPU's memory carrying about half of what every rank sending makes it carry.
   bool one_way = false;
+  // The spans' call of dispatch holds its receive side back until every rank's rows have landed
+  // (set_kernel_stamps), so that its send and receive spans are each side alone.
+  bool sides_apart = false;
 };
 struct LoopbackResult {
   double dispatch_us, combine_us;       // per call (combine: 0 with fp8)
