@@ -511,10 +511,10 @@ struct DispatchSendArgs {
   const char* scales;  // or null
   int64_t scale_row_bytes;
   size_t scales_offset;
-  // One launch: the send blocks share their chunks' counts, words [chunks] (handed over) then [chunks][kMaxRanks]
-  // (tokens of the chunk that go to each member). Null words (a send kernel of its own, whose blocks may not all
-  // run at once): each block counts the tokens before its chunk itself.
-  Handoff counts;
+  // The one launch (NVLink): chunk c's rows in a member's message start at row chunk_begin(c), packed within the
+  // chunk, so that no send block needs the counts of earlier chunks. Else (the proxy path, which pushes each message
+  // as one packed prefix) rows go packed in token order, and a block counts the tokens before its chunk.
+  bool chunk_slots;
 };
 
 // Bit d: token t goes to member d. Topk mode: from its experts; with `own`, also written to mask_out and its expert
@@ -566,36 +566,12 @@ __device__ void count_members(const DispatchSendArgs& a, int t0, int t1, int* ou
   __syncthreads();  // `counted` is reused
 }
 
-// One launch: the block's chunks' counts, for the blocks of later chunks. After the routing, which the members'
-// receive sides wait for.
-__device__ void share_chunk_counts(const DispatchSendArgs& a, int block, int blocks) {
-  if (!a.counts.words) return;
-  uint64_t* counts = a.counts.words + a.chunks;
-  for (int c = block; c < a.chunks; c += blocks) {
-    int n[kMaxRanks];
-    count_members(a, chunk_begin(a.num_tokens, a.chunks, c), chunk_begin(a.num_tokens, a.chunks, c + 1), n);
-    if (threadIdx.x == 0)
-      for (int d = 0; d < a.to.num_ranks; ++d) counts[c * kMaxRanks + d] = uint64_t(n[d]);
-    hand_over(a.counts, a.counts.words, c, 1, c + 1);
-  }
-}
-
-// Rows in each member's message before chunk c's (starting at token t0): base[d] = tokens before t0 that go to d
-// (rows go packed in token order, the order in which d's scan places them). In one launch a sum of the earlier
-// chunks' shared counts, else a count of every token before t0, whose time grows with c. False once the wait for
-// the counts failed (reported).
-__device__ bool rows_before(const DispatchSendArgs& a, int c, int t0, int* base) {
-  if (!a.counts.words) {
-    count_members(a, 0, t0, base);
-    return true;
-  }
-  if (!wait_handed_over(a.counts, a.counts.words, c, a.to)) return false;
-  const uint64_t* counts = a.counts.words + a.chunks;
-  for (int d = 0; d < a.to.num_ranks; ++d) {
-    base[d] = 0;
-    for (int q = 0; q < c; ++q) base[d] += int(__ldcg(counts + q * kMaxRanks + d));
-  }
-  return true;
+// Rows in each member's message before chunk c's (starting at token t0), for every thread of the block: base[d] = t0
+// with chunk slots, else the tokens before t0 that go to d (rows packed in token order, the order in which d's scan
+// places them), counted by the block.
+__device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
+  if (!a.chunk_slots) return count_members(a, 0, t0, base);
+  for (int d = 0; d < a.to.num_ranks; ++d) base[d] = t0;
 }
 
 // One pass of blockDim.x tokens from p0 (< t1): excl and mask_out for them, and with `bits`/`rows` (shared, indexed
@@ -615,13 +591,12 @@ __device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base
   if (bits_out) bits_out[threadIdx.x] = bits;
 }
 
-// The chunk's layout: excl and mask_out for its tokens [t0, t1); false as rows_before.
-__device__ bool chunk_layout(const DispatchSendArgs& a, int c, int t0, int t1) {
+// The chunk's layout: excl and mask_out for its tokens [t0, t1).
+__device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
   int base[kMaxRanks];
-  if (!rows_before(a, c, t0, base)) return false;
+  rows_before(a, t0, base);
   for (int p0 = t0; p0 < t1; p0 += blockDim.x) layout_pass(a, p0, t1, base, nullptr, nullptr);
   __syncthreads();  // excl and mask_out are read by other warps of the block
-  return true;
 }
 
 // Every chunk's routing first, so the members start their scans while rows move.
@@ -645,13 +620,12 @@ __device__ void dispatch_send(const DispatchSendArgs& a, int block, int blocks) 
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
   send_routing(a, block, blocks);
-  share_chunk_counts(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int R = to.num_ranks;
   const bool* mask = a.topk_idx ? a.mask_out : a.mask_in;
   for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
-    if (!chunk_layout(a, c, t0, t1)) return;
+    chunk_layout(a, t0, t1);
     // Rounds of a token per warp, announced as they land, so receivers copy behind us. The round's (token,
     // member) rows are dealt out over the warps: a token goes to 1 to R - 1 members.
     for (int r0 = t0; r0 < t1; r0 += warps) {
@@ -754,34 +728,8 @@ __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, 
   }
 }
 
-// The bulk sender's layout of chunk c = [t0, t1) when the chunk is one pass and the block's only chunk (one launch):
-// its members and rows within the chunk first, whose totals are the chunk's counts for the blocks of later chunks,
-// and only then the wait for the earlier chunks' counts, so that one read of the routing serves both (rather than a
-// count, then the layout after the wait). Writes what layout_pass writes; false as rows_before.
-__device__ bool layout_one_pass(const DispatchSendArgs& a, int c, int t0, int t1, unsigned* bits_out, int* rows_out) {
-  const int R = a.to.num_ranks, t = t0 + int(threadIdx.x);
-  const unsigned bits = t < t1 ? token_members(a, t, true) : 0;
-  int within[kMaxRanks], base[kMaxRanks];
-  uint64_t* counts = a.counts.words + a.chunks;
-  for (int d = 0; d < R; ++d) {
-    int total;
-    within[d] = block_exclusive_scan(bits >> d & 1, &total);
-    if (threadIdx.x == 0) counts[c * kMaxRanks + d] = uint64_t(total);
-  }
-  hand_over(a.counts, a.counts.words, c, 1, c + 1);
-  if (!rows_before(a, c, t0, base)) return false;
-  if (t < t1)
-    for (int d = 0; d < R; ++d) {
-      const int row = base[d] + within[d];
-      a.excl[t * R + d] = row;
-      rows_out[threadIdx.x * kMaxRanks + d] = row;
-    }
-  bits_out[threadIdx.x] = bits;
-  return true;
-}
-
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
-// kTransferThreads tokens the block lays them out into shared tables (layout_one_pass where it can), stores their
+// kTransferThreads tokens the block lays them out into shared tables, stores their
 // scales (FP8) to their members, and b.producers threads move the rows, token i of the pass by producer i %
 // b.producers: each token's row (in segments of at most segment_bytes) from x through a stage to every member that
 // needs it (a scale row is too small to be worth a producer's bulk copy). A producer records how far its tokens
@@ -798,9 +746,6 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
   send_routing(a, block, blocks);
-  const bool one_pass = a.counts.words && a.chunks == blocks &&
-                        (a.num_tokens + a.chunks - 1) / a.chunks <= int(blockDim.x);  // layout_one_pass
-  if (!one_pass) share_chunk_counts(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int P = b.producers;
   const bool producer = lane == 0 && warp < P;
@@ -813,10 +758,10 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     int base[kMaxRanks];
-    if (one_pass ? !layout_one_pass(a, c, t0, t1, bits, rows) : !rows_before(a, c, t0, base)) return;
+    rows_before(a, t0, base);
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
-      if (!one_pass) layout_pass(a, p0, t1, base, bits, rows);
+      layout_pass(a, p0, t1, base, bits, rows);
       if (srb) {
         __syncthreads();  // the tables are in
         store_scale_rows(a, p0, tokens, bits, rows, others);
@@ -912,6 +857,7 @@ struct DispatchReceiveArgs {
   float* recv_topk_weights;
   const int32_t* row_before;       // [R, T + 1] from the scan
   int32_t* num_tokens_per_expert;  // topk mode: [local experts], zeroed by the scan, counted as slots are localized
+  bool chunk_slots;                // the members' messages as DispatchSendArgs::chunk_slots says
 };
 
 // Output row o's expert slot k (from source s's token t): the index among our local experts with its weight, or -1
@@ -936,14 +882,14 @@ __device__ void pad_row(const DispatchReceiveArgs& a, int o, int lane) {
     }
 }
 
-// Rows [o0, o1) of source s (its block of rows starts at `offset`) into the output, a row per warp, with their
-// expert indices localized.
-__device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, int offset, int warp, int warps,
-                          int lane, int first, int local_experts) {
+// Rows [o0, o1) of source s (output row o is row o + shift of a member's message) into the output, a row per warp,
+// with their expert indices localized.
+__device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, int shift, int warp, int warps, int lane,
+                          int first, int local_experts) {
   const bool own = s == a.from.self;
   for (int o = o0 + warp; o < o1; o += warps) {
     const int t = a.row_map[o].y;
-    const int64_t row = own ? t : o - offset;
+    const int64_t row = own ? t : o + shift;
     char* out_x = a.recv_x + int64_t(o) * a.x_row_bytes;
     const char* in_x = a.src.x[s] + row * a.x_row_bytes;
     if (own)
@@ -993,7 +939,9 @@ __device__ void dispatch_receive(const DispatchReceiveArgs& a, int block, int bl
       __syncthreads();  // ok is reused
       if (!arrived) continue;
     }
-    copy_rows(a, s, o0, o1, offset, warp, warps, lane, first, local_experts);
+    // A member's message holds its rows for us packed from row 0, or with chunk slots chunk c's from row c0.
+    const int shift = a.chunk_slots ? c0 - first_row_from(a.row_map, lo, hi, c0) : -offset;
+    copy_rows(a, s, o0, o1, shift, warp, warps, lane, first, local_experts);
   }
   const int all_warps = blocks * warps;
   for (int o = kept + block * warps + warp; o < a.capacity; o += all_warps) pad_row(a, o, lane);
@@ -1047,9 +995,10 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
     const int all_items = pieces(T, a.chunks) * a.chunks * R;
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
     const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of our own
-    // The stream's position: item, its source s and rows [o0, o1); then a byte position in the member's x rows
-    // (phase 1) and scale rows (2), or our own row and segment (3); 0: the next item.
-    int item = 0, s = 0, o0 = 0, o1 = 0, phase = 0, row = 0;
+    // The stream's position: item, its source s and rows [o0, o1) (a member's: the output row of its message's row
+    // 0 is first_row); then a byte position in the member's x rows (phase 1) and scale rows (2), or our own row and
+    // segment (3); 0: the next item.
+    int item = 0, s = 0, o0 = 0, o1 = 0, first_row = 0, phase = 0, row = 0;
     int seg = 0;
     int64_t at = 0;
     run_bulk_jobs(
@@ -1071,6 +1020,8 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               if (o0 >= o1) continue;
               if (s != from.self) {
                 if (wait_progress(from, s, c, t1 - c0) < 0) continue;
+                // Packed from row 0, or with chunk slots chunk c's rows from row c0.
+                first_row = a.chunk_slots ? before[c0] - c0 : offset[s];
                 phase = 1;
                 at = 0;
               } else {
@@ -1087,7 +1038,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
                 continue;
               }
               const uint32_t bytes = uint32_t(min(int64_t(b.stage_bytes), total - at));
-              const int64_t from_row = int64_t(o0 - offset[s]) * rb, to_row = int64_t(o0) * rb;
+              const int64_t from_row = int64_t(o0 - first_row) * rb, to_row = int64_t(o0) * rb;
               const char* src = (phase == 1 ? a.src.x[s] : a.src.scales[s]) + from_row + at;
               part_dst[st][0] = (phase == 1 ? a.recv_x : a.recv_scales) + to_row + at;
               part_bytes[st][0] = bytes;
@@ -1949,7 +1900,8 @@ DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, const Di
                                   a.recv_topk_idx,
                                   a.recv_topk_weights,
                                   scratch.row_before,
-                                  a.num_tokens_per_expert};
+                                  a.num_tokens_per_expert,
+                                  false};
   return k;
 }
 DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group& g, const Scratch& scratch,
@@ -2019,7 +1971,8 @@ DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group
                                   nullptr,
                                   nullptr,
                                   scratch.row_before,
-                                  nullptr};
+                                  nullptr,
+                                  false};
   return k;
 }
 // The proxy path's receive side once the routing is in: the scan, then the rows.
@@ -2038,8 +1991,8 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks);
   f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
   const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + 1;
-  f.handoff = Handoff{dev.handoff_words(scan_words + size_t(k.send.chunks) * (1 + kMaxRanks)), dev.next_launch()};
-  f.send.counts = Handoff{f.handoff.words + scan_words, f.handoff.epoch};
+  f.handoff = Handoff{dev.handoff_words(scan_words), dev.next_launch()};
+  f.send.chunk_slots = f.receive.chunk_slots = true;
   uint32_t shared = 0;
   if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
