@@ -698,25 +698,25 @@ __device__ int least_frontier(int* frontier, int producers, int producer, int mi
   return least;
 }
 
-// The pass's scale rows (tokens p0 + i, i < tokens; 16-byte multiples) to their members, by the whole block: the rows
-// are contiguous in `scales`, so thread k takes 16-byte pieces k, k + blockDim.x, ... of them and a warp's loads and
-// stores stay on consecutive bytes (with a row per thread, each access of a warp would touch 32 rows). A round's
-// loads all go out before its stores. Reads the layout's shared tables.
+// The pass's scale rows (tokens p0 + i, i < tokens; 16-byte multiples) to their members, by `threads` threads (this
+// is thread `thread`): the rows are contiguous in `scales`, so thread k takes 16-byte pieces k, k + threads, ... of
+// them and a warp's loads and stores stay on consecutive bytes (with a row per thread, each access of a warp would
+// touch 32 rows). A round's loads all go out before its stores. Reads the layout's shared tables.
 __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, const unsigned* bits, const int* rows,
-                                 unsigned others) {
-  constexpr int kBatch = 10;  // pieces per thread a round: a pass of 512 rows of 224 bytes (56 scales) in two
+                                 unsigned others, int thread, int threads) {
+  constexpr int kBatch = 10;  // pieces per thread a round: 342 rows of 224 bytes (56 scales) in two with 256 threads
   const int per_row = int(a.scale_row_bytes / 16), n = tokens * per_row;
   const int4* src = reinterpret_cast<const int4*>(a.scales + int64_t(p0) * a.scale_row_bytes);
-  for (int i0 = 0; i0 < n; i0 += kBatch * int(blockDim.x)) {
+  for (int i0 = 0; i0 < n; i0 += kBatch * threads) {
     int4 v[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const int i = i0 + k * int(blockDim.x) + int(threadIdx.x);
+      const int i = i0 + k * threads + thread;
       if (i < n) v[k] = __ldg(src + i);
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const int i = i0 + k * int(blockDim.x) + int(threadIdx.x);
+      const int i = i0 + k * threads + thread;
       if (i >= n) break;
       const int token = i / per_row, piece = i - token * per_row;
       for (unsigned m = bits[token] & others; m; m &= m - 1) {
@@ -729,17 +729,18 @@ __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, 
 }
 
 // Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
-// kTransferThreads tokens the block lays them out into shared tables, stores their
-// scales (FP8) to their members, and b.producers threads move the rows, token i of the pass by producer i %
-// b.producers: each token's row (in segments of at most segment_bytes) from x through a stage to every member that
-// needs it (a scale row is too small to be worth a producer's bulk copy). A producer records how far its tokens
-// have landed (`frontier`: every token before it that is its own has), and the chunk's progress is the least
-// frontier, announced as the stores complete.
+// kTransferThreads tokens the block lays them out into shared tables, and b.producers threads move the rows, token i
+// of the pass by producer i % b.producers: each token's row (in segments of at most segment_bytes) from x through a
+// stage to every member that needs it, while the warps past the producers store the FP8 scale rows (a scale row is
+// too small to be worth a producer's bulk copy). A producer records how far its tokens have landed (`frontier`: every
+// token before it that is its own has), and the chunk's progress is the least frontier, announced as the stores
+// complete once the pass's scale rows are in.
 __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kDispatchSend);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ int frontier[kMaxProducers];
+  __shared__ int scales_in;  // the pass's scale rows are stored: its progress may be announced
   unsigned* bits = reinterpret_cast<unsigned*>(smem);
   int* rows = reinterpret_cast<int*>(smem + kTransferThreads * 4);
   init_stage_barriers(full, b.stages);
@@ -762,12 +763,20 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
       layout_pass(a, p0, t1, base, bits, rows);
-      if (srb) {
-        __syncthreads();  // the tables are in
-        store_scale_rows(a, p0, tokens, bits, rows, others);
-      }
       if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
-      __syncthreads();  // the tables and the scales are in before the producers copy and announce
+      if (threadIdx.x == 0) scales_in = srb ? 0 : 1;
+      __syncthreads();  // the tables are in before the producers copy and the warps past them store the scales
+      if (srb && warp >= P) {
+        // The scale rows while the producers copy; a system fence (cumulative over the warps' stores, which the
+        // named barrier orders before it), then the word the producers read before they announce progress.
+        const int first = P * kWarp, threads = int(blockDim.x) - first;
+        store_scale_rows(a, p0, tokens, bits, rows, others, int(threadIdx.x) - first, threads);
+        asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+        if (int(threadIdx.x) == first) {
+          __threadfence_system();
+          reinterpret_cast<volatile int&>(scales_in) = 1;
+        }
+      }
       if (producer) {
         const int mine = (tokens - warp + P - 1) / P;  // tokens warp, warp + P, ...
         const int n = max(0, mine) * segs;
@@ -806,6 +815,13 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
               // This producer's first k / segs tokens have landed: its frontier is its next token (or the pass's end).
               const int least = least_frontier(frontier, P, warp, min(tokens, warp + k / segs * P));
               if (least <= announced) return;
+              // No progress before the pass's scale rows are in: until then only the last announcement waits.
+              if (!reinterpret_cast<volatile int&>(scales_in)) {
+                if (k < n) return;
+                while (!reinterpret_cast<volatile int&>(scales_in)) {
+                }
+              }
+              __threadfence_block();  // the release below after what the scales' word published
               announced = least;
               for (int d = 0; d < to.num_ranks; ++d)
                 if (d != to.self) max_release_sys(to.chunks[d] + c, progress(to.message[d], p0 - t0 + least));
