@@ -216,6 +216,40 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
         assert r["dispatch_us"] > 0 and (r["case"][7] or r["combine_us"] > 0), r
 
 
+def gpu_sides_apart() -> list:
+    """Child: two ranks on GPU 0 at 24 SMs with bulk copies, BF16 and FP8, the spans' call with and without the
+    sides apart."""
+    from jax_uccl_ep import Config, _runtime, _uccl_ep
+
+    _runtime.configure_native(Config(num_sms=24, nvl_bulk=True))
+    return [
+        dict(
+            _uccl_ep.testing.nvl_loopback_bench(0, 2048, 7168, 8, 64, fp8, 2, 21, 2, False, apart), fp8=fp8, apart=apart
+        )
+        for fp8 in (False, True)
+        for apart in (False, True)
+    ]
+
+
+def test_the_loopback_holds_the_receive_side_until_every_row_has_landed():
+    """--sides-apart: dispatch's receive side starts copying only once the send side is done (its span starts at
+    the send span's end, less the last announcement's few microseconds), where without it the two overlap; the rows
+    still all arrive."""
+    results = launch(
+        HERE, "gpu_sides_apart", 1, platform="gpu", timeout_s=300, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    )
+    assert all(x.ok for x in results), describe(results)
+    for r in results[0].result:
+        send_start, send_len = r["spans_us"]["dispatch:dispatch_send"]
+        receive_start, _ = r["spans_us"]["dispatch:dispatch_receive"]
+        print(r["fp8"], r["apart"], send_start, send_len, receive_start)
+        assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0, r
+        if r["apart"]:
+            assert receive_start >= send_start + send_len - 5.0, r
+        else:
+            assert receive_start < send_start + send_len / 2, r
+
+
 def gpu_budget_past_the_gpu() -> dict:
     """Child: a normal-mode op with an SM budget larger than the GPU, then one with a budget that fits."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep
