@@ -21,7 +21,7 @@ constexpr int kMaxScanRun = 8;    // a fused launch's scan: the most tokens per 
 constexpr int kPieceTokens = 16;  // receive work items: this many tokens of a send block's chunk
 
 // Where each source's routing and rows live (group position s -> pointer valid on this GPU). Our own rows are
-// the op's inputs (row = token); a member's are packed in its in-region (row = position among its rows for us).
+// the op's inputs (row = token); a member's are in its in-region, in token order (DispatchSendArgs::chunk_slots).
 struct Sources {
   const int32_t* topk_idx[kMaxRanks];  // topk mode
   const bool* mask[kMaxRanks];         // mask mode: [T, R] of the source
@@ -539,15 +539,21 @@ __device__ unsigned token_members(const DispatchSendArgs& a, int t, bool own) {
   return bits;
 }
 
-// The tokens of [t0, t1) that go to each member, into out[d] (for every thread of the block).
-__device__ void count_members(const DispatchSendArgs& a, int t0, int t1, int* out) {
-  __shared__ int counted[kMaxRanks];
+// Rows in each member's message before chunk c's (starting at token t0), for every thread of the block: base[d] = t0
+// with chunk slots, else the tokens before t0 that go to d (rows packed in token order, the order in which d's scan
+// places them), counted by the block.
+__device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
   const int R = a.to.num_ranks;
+  if (a.chunk_slots) {
+    for (int d = 0; d < R; ++d) base[d] = t0;
+    return;
+  }
+  __shared__ int counted[kMaxRanks];
   if (threadIdx.x < kMaxRanks) counted[threadIdx.x] = 0;
   __syncthreads();
   int mine[kMaxRanks] = {};
-  int t = t0 + threadIdx.x;
-  for (; t + 3 * int(blockDim.x) < t1; t += 4 * blockDim.x) {  // four tokens' loads in flight
+  int t = threadIdx.x;
+  for (; t + 3 * int(blockDim.x) < t0; t += 4 * blockDim.x) {  // four tokens' loads in flight
     unsigned bits[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) bits[u] = token_members(a, t + u * blockDim.x, false);
@@ -555,23 +561,15 @@ __device__ void count_members(const DispatchSendArgs& a, int t0, int t1, int* ou
     for (int u = 0; u < 4; ++u)
       for (int d = 0; d < R; ++d) mine[d] += bits[u] >> d & 1;
   }
-  for (; t < t1; t += blockDim.x) {
+  for (; t < t0; t += blockDim.x) {
     const unsigned bits = token_members(a, t, false);
     for (int d = 0; d < R; ++d) mine[d] += bits >> d & 1;
   }
   for (int d = 0; d < R; ++d)
     if (mine[d]) atomicAdd(&counted[d], mine[d]);
   __syncthreads();
-  for (int d = 0; d < R; ++d) out[d] = counted[d];
-  __syncthreads();  // `counted` is reused
-}
-
-// Rows in each member's message before chunk c's (starting at token t0), for every thread of the block: base[d] = t0
-// with chunk slots, else the tokens before t0 that go to d (rows packed in token order, the order in which d's scan
-// places them), counted by the block.
-__device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
-  if (!a.chunk_slots) return count_members(a, 0, t0, base);
-  for (int d = 0; d < a.to.num_ranks; ++d) base[d] = t0;
+  for (int d = 0; d < R; ++d) base[d] = counted[d];
+  __syncthreads();  // `counted` is reused by the next chunk's call
 }
 
 // One pass of blockDim.x tokens from p0 (< t1): excl and mask_out for them, and with `bits`/`rows` (shared, indexed
@@ -614,8 +612,8 @@ __device__ void send_routing(const DispatchSendArgs& a, int block, int blocks) {
 }
 
 // Send side of (cached) dispatch: every chunk's routing first, so the members start their scans while rows
-// move; then the chunk's layout; then each token's row (and scales) to every member that needs it, at its packed
-// position there. A block per chunk of tokens; its progress in tokens.
+// move; then the chunk's layout; then each token's row (and scales) to every member that needs it, at its row
+// there (excl). A block per chunk of tokens; its progress in tokens.
 __device__ void dispatch_send(const DispatchSendArgs& a, int block, int blocks) {
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
@@ -1536,9 +1534,9 @@ struct DispatchLaunch {
   DispatchReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
-  Handoff handoff;  // words: the copies' item counter, then [2 passes][units * R], then send.counts'
-  int run;          // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
-  int units;        // scan units per source, of kTransferThreads * run tokens
+  Handoff handoff;                      // words: the copies' item counter, then [2 passes][units * R]
+  int run;                              // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
+  int units;                            // scan units per source, of kTransferThreads * run tokens
 };
 
 // The receive blocks' scan passes over the units u = block, block + blocks, ... of every source, with kRun tokens
