@@ -174,15 +174,17 @@ def gpu_loopback(cases: list) -> list:
 def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     """Both ways of moving rows (bulk copies, SM stores) at several SM budgets and shapes: rows that fit a stage,
     rows cut into segments (hidden 20480 in BF16 is 40 KiB), FP8 rows with scales, token counts that split unevenly
-    into chunks and pieces, a chunk per send block down to a budget of 2, send/receive splits other than the default
-    (a half with bulk copies, a third with SM stores), 4 and 8 ranks sharing the GPU (every member's copy of a token
-    in one combine stage), routing scans of 1, 2, 4 and 8 tokens per thread, and one way (members that send us no
-    rows at all). Every row of the last dispatch (with its FP8 scales) is compared with the sender's input, every
-    local expert's row count with the routing, and every combined sum with x times the token's copies (host-side)."""
+    into chunks and pieces (and fewer tokens than chunks), a chunk per send block down to a budget of 2,
+    send/receive splits other than the default (a half with bulk copies, a third with SM stores), 4 and 8 ranks
+    sharing the GPU (every member's copy of a token in one combine stage; items with gaps), routing scans of 1, 2, 4
+    and 8 tokens per thread, and one way (members that send us no rows at all). Every row of the last dispatch (with
+    its FP8 scales) is compared with the sender's input, every local expert's row count with the routing, and every
+    combined sum with x times the token's copies (host-side)."""
     cases = [
         (budget, send, bulk, tokens, hidden, 8, 64, fp8, ranks, one_way)
         for budget, send, tokens, hidden, ranks, one_way in [
             (2, 0, 301, 256, 2, False),
+            (24, 0, 7, 256, 2, False),  # 12 chunks of 7 tokens: empty chunks still announce their routing
             (6, 0, 1000, 7168, 2, False),
             (24, 0, 4096, 7168, 2, False),
             (12, 0, 777, 20480, 2, False),
@@ -233,8 +235,8 @@ def gpu_sides_apart() -> list:
 
 def test_the_loopback_holds_the_receive_side_until_every_row_has_landed():
     """--sides-apart: dispatch's receive side starts copying only once the send side is done (its span starts at
-    the send span's end, less the last announcement's few microseconds), where without it the two overlap; the rows
-    still all arrive."""
+    the send span's end, less the last announcement's few microseconds), where without it it starts well before
+    the send side ends; the rows still all arrive."""
     results = launch(
         HERE, "gpu_sides_apart", 1, platform="gpu", timeout_s=300, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     )
@@ -247,7 +249,7 @@ def test_the_loopback_holds_the_receive_side_until_every_row_has_landed():
         if r["apart"]:
             assert receive_start >= send_start + send_len - 5.0, r
         else:
-            assert receive_start < send_start + send_len / 2, r
+            assert receive_start < send_start + send_len - 10.0, r
 
 
 def gpu_budget_past_the_gpu() -> dict:

@@ -2,9 +2,9 @@
 // in; every launch is asynchronous on that stream, with no host synchronization.
 //
 // How data moves: send kernels push each token's row only to the members that need it, straight into the member's
-// buffer over NVLink (mapped through CUDA IPC or peer access), packed in token order within each send block's chunk
-// (a chunk's rows start at its first token's row; the proxy path packs the whole message); the receiving member's
-// kernels copy the rows out as their chunks land. Rows move by bulk copies (bulk.cuh: one thread drives a ring of
+// buffer over NVLink (mapped through CUDA IPC or peer access), each at its token's row there, so no sender lays out
+// or counts rows (the proxy path packs the message in token order); the receiving member's kernels copy the rows out
+// as their chunks land. Rows move by bulk copies (bulk.cuh: one thread drives a ring of
 // shared-memory stages, global -> shared -> peer), or by SM stores where rows are not 16-byte multiples and on the
 // proxy path (host memory). An op's send and receive blocks share one SM budget (num_sms()).
 //

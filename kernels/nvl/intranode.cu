@@ -21,7 +21,7 @@ constexpr int kMaxScanRun = 8;    // a fused launch's scan: the most tokens per 
 constexpr int kPieceTokens = 16;  // receive work items: this many tokens of a send block's chunk
 
 // Where each source's routing and rows live (group position s -> pointer valid on this GPU). Our own rows are
-// the op's inputs (row = token); a member's are in its in-region, in token order (DispatchSendArgs::chunk_slots).
+// the op's inputs (row = token); a member's are in its in-region (DispatchSendArgs::token_slots says where).
 struct Sources {
   const int32_t* topk_idx[kMaxRanks];  // topk mode
   const bool* mask[kMaxRanks];         // mask mode: [T, R] of the source
@@ -446,14 +446,21 @@ __device__ bool wait_acks(const SendTo& to) {
 // combine) has landed in the low half, so it only grows from message to message.
 __device__ __forceinline__ uint64_t progress(uint64_t message, int done) { return message << 32 | uint32_t(done); }
 
-// After the block's writes: a system fence (cumulative over the block's writes, which the barrier orders before
-// it), then the words that announce them: one more chunk's routing (meta), or chunk c's progress done_for(s).
-__device__ void announce_meta(const SendTo& to) {
-  __syncthreads();
-  if (threadIdx.x != 0) return;
+// A barrier among the block's threads [first, first + threads) (whole warps): named barrier 1, or 0 for the whole
+// block.
+__device__ __forceinline__ void group_barrier(int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(threads == int(blockDim.x) ? 0 : 1), "r"(threads) : "memory");
+}
+
+// After the writes of `threads` threads of the block (this one is `thread`): a system fence by the first of them
+// (cumulative over their writes, which the barrier orders before it), then the words that announce them: `chunks`
+// more chunks' routing (meta), or chunk c's progress done_for(s).
+__device__ void announce_meta(const SendTo& to, int chunks = 1, int thread = threadIdx.x, int threads = blockDim.x) {
+  group_barrier(threads);
+  if (thread != 0) return;
   __threadfence_system();
   for (int s = 0; s < to.num_ranks; ++s)
-    if (s != to.self) add_release_sys(to.meta[s], 1);
+    if (s != to.self) add_release_sys(to.meta[s], chunks);
 }
 template <class DoneFor>
 __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_for) {
@@ -473,20 +480,21 @@ __device__ int wait_progress(const ReceiveFrom& from, int s, int c, int done) {
   return int(uint32_t(load_acquire_sys(word)));
 }
 
-// Copies `bytes` with the whole block (the routing pieces of a chunk: contiguous, small).
-__device__ void block_copy(char* dst, const char* src, int64_t bytes) {
+// Copies `bytes` with `threads` threads of the block (this one is `thread`): the routing pieces of a chunk,
+// contiguous and small.
+__device__ void group_copy(char* dst, const char* src, int64_t bytes, int thread, int threads) {
   if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
-    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+    for (int64_t i = thread; i < bytes / 16; i += threads)
       reinterpret_cast<int4*>(dst)[i] = __ldg(reinterpret_cast<const int4*>(src) + i);
     return;
   }
   // Rows of topk int32s (an odd topk at an odd token offset) stay 4-byte aligned; the token mask need not.
   if (bytes % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0) {
-    for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x)
+    for (int64_t i = thread; i < bytes / 4; i += threads)
       reinterpret_cast<int32_t*>(dst)[i] = __ldg(reinterpret_cast<const int32_t*>(src) + i);
     return;
   }
-  for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+  for (int64_t i = thread; i < bytes; i += threads) dst[i] = src[i];
 }
 
 // A contiguous per-token array of the routing (topk_idx, weights, the token-in-rank mask) and where it lands.
@@ -511,10 +519,10 @@ struct DispatchSendArgs {
   const char* scales;  // or null
   int64_t scale_row_bytes;
   size_t scales_offset;
-  // The one launch (NVLink): chunk c's rows in a member's message start at row chunk_begin(c), packed within the
-  // chunk, so that no send block needs the counts of earlier chunks. Else (the proxy path, which pushes each message
-  // as one packed prefix) rows go packed in token order, and a block counts the tokens before its chunk.
-  bool chunk_slots;
+  // The one launch (NVLink): token t's row in a member's message is row t (the message has a slot per token), so a
+  // send block lays nothing out and needs no count. Else (the proxy path, which pushes each message as one packed
+  // prefix) rows go packed in token order: a block scans its chunk and counts the tokens before it (excl).
+  bool token_slots;
 };
 
 // Bit d: token t goes to member d. Topk mode: from its experts; with `own`, also written to mask_out and its expert
@@ -539,15 +547,10 @@ __device__ unsigned token_members(const DispatchSendArgs& a, int t, bool own) {
   return bits;
 }
 
-// Rows in each member's message before chunk c's (starting at token t0), for every thread of the block: base[d] = t0
-// with chunk slots, else the tokens before t0 that go to d (rows packed in token order, the order in which d's scan
-// places them), counted by the block.
+// Packed rows: rows in each member's message before the chunk starting at token t0, for every thread of the block:
+// the tokens before t0 that go to d (the order in which d's scan places them), counted by the block.
 __device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
   const int R = a.to.num_ranks;
-  if (a.chunk_slots) {
-    for (int d = 0; d < R; ++d) base[d] = t0;
-    return;
-  }
   __shared__ int counted[kMaxRanks];
   if (threadIdx.x < kMaxRanks) counted[threadIdx.x] = 0;
   __syncthreads();
@@ -572,11 +575,14 @@ __device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
   __syncthreads();  // `counted` is reused by the next chunk's call
 }
 
-// One pass of blockDim.x tokens from p0 (< t1): excl and mask_out for them, and with `bits`/`rows` (shared, indexed
-// by t - p0) each token's members and rows for the bulk sender. Advances base[].
+// One pass of blockDim.x tokens from p0 (< t1): mask_out for them, and with `bits_out` (shared, indexed by t - p0)
+// each token's members for the bulk sender; packed rows also their rows, in excl and `rows_out`, from base[], which
+// advances. No barrier with token slots.
 __device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base, unsigned* bits_out, int* rows_out) {
   const int R = a.to.num_ranks, t = p0 + threadIdx.x;
   const unsigned bits = t < t1 ? token_members(a, t, true) : 0;
+  if (bits_out) bits_out[threadIdx.x] = bits;
+  if (a.token_slots) return;
   for (int d = 0; d < R; ++d) {
     int total;
     const int row = base[d] + block_exclusive_scan(bits >> d & 1, &total);
@@ -586,34 +592,36 @@ __device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base
     }
     base[d] += total;
   }
-  if (bits_out) bits_out[threadIdx.x] = bits;
 }
 
-// The chunk's layout: excl and mask_out for its tokens [t0, t1).
+// The chunk's layout: mask_out for its tokens [t0, t1), and excl for packed rows.
 __device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
   int base[kMaxRanks];
-  rows_before(a, t0, base);
+  if (!a.token_slots) rows_before(a, t0, base);
   for (int p0 = t0; p0 < t1; p0 += blockDim.x) layout_pass(a, p0, t1, base, nullptr, nullptr);
   __syncthreads();  // excl and mask_out are read by other warps of the block
 }
 
-// Every chunk's routing first, so the members start their scans while rows move.
-__device__ void send_routing(const DispatchSendArgs& a, int block, int blocks) {
+// The routing of every chunk of send block `block` to every member, by `threads` threads of the block (this one is
+// `thread`), then announced, so the members start their scans while rows move.
+__device__ void send_routing(const DispatchSendArgs& a, int block, int blocks, int thread = threadIdx.x,
+                             int threads = blockDim.x) {
   const SendTo& to = a.to;
-  for (int c = block; c < a.chunks; c += blocks) {
+  int chunks = 0;
+  for (int c = block; c < a.chunks; c += blocks, ++chunks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     for (const RoutingPiece& p : a.routing)
       for (int s = 0; p.src && s < to.num_ranks; ++s)
         if (s != to.self)
-          block_copy(to.region[s] + p.offset + t0 * p.bytes_per_token, p.src + t0 * p.bytes_per_token,
-                     (t1 - t0) * p.bytes_per_token);
-    announce_meta(to);
+          group_copy(to.region[s] + p.offset + t0 * p.bytes_per_token, p.src + t0 * p.bytes_per_token,
+                     (t1 - t0) * p.bytes_per_token, thread, threads);
   }
+  announce_meta(to, chunks, thread, threads);
 }
 
 // Send side of (cached) dispatch: every chunk's routing first, so the members start their scans while rows
 // move; then the chunk's layout; then each token's row (and scales) to every member that needs it, at its row
-// there (excl). A block per chunk of tokens; its progress in tokens.
+// there (token_slots: row t; else excl). A block per chunk of tokens; its progress in tokens.
 __device__ void dispatch_send(const DispatchSendArgs& a, int block, int blocks) {
   const SendTo& to = a.to;
   if (!wait_acks(to)) return;
@@ -632,7 +640,7 @@ __device__ void dispatch_send(const DispatchSendArgs& a, int block, int blocks) 
       for (int t = r0; t < r1; ++t)
         for (int s = 0; s < R; ++s) {
           if (s == to.self || !mask[t * R + s] || pair++ % warps != warp) continue;
-          const int64_t row = a.excl[t * R + s];
+          const int64_t row = a.token_slots ? t : a.excl[t * R + s];
           char* x_dst = to.region[s] + a.x_offset + row * a.x_row_bytes;
           warp_copy(x_dst, a.x + int64_t(t) * a.x_row_bytes, a.x_row_bytes, lane);
           if (a.scales) {
@@ -699,7 +707,8 @@ __device__ int least_frontier(int* frontier, int producers, int producer, int mi
 // The pass's scale rows (tokens p0 + i, i < tokens; 16-byte multiples) to their members, by `threads` threads (this
 // is thread `thread`): the rows are contiguous in `scales`, so thread k takes 16-byte pieces k, k + threads, ... of
 // them and a warp's loads and stores stay on consecutive bytes (with a row per thread, each access of a warp would
-// touch 32 rows). A round's loads all go out before its stores. Reads the layout's shared tables.
+// touch 32 rows). A round's loads all go out before its stores. Reads the layout's shared tables (`rows` null:
+// token slots).
 __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, const unsigned* bits, const int* rows,
                                  unsigned others, int thread, int threads) {
   constexpr int kBatch = 10;  // pieces per thread a round: 342 rows of 224 bytes (56 scales) in two with 256 threads
@@ -719,20 +728,21 @@ __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, 
       const int token = i / per_row, piece = i - token * per_row;
       for (unsigned m = bits[token] & others; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int64_t row = rows[token * kMaxRanks + d];
+        const int64_t row = rows ? rows[token * kMaxRanks + d] : p0 + token;
         reinterpret_cast<int4*>(a.to.region[d] + a.scales_offset + row * a.scale_row_bytes)[piece] = v[k];
       }
     }
   }
 }
 
-// Send side of (cached) dispatch with bulk copies: the routing as in dispatch_send_kernel; then per pass of
-// kTransferThreads tokens the block lays them out into shared tables, and b.producers threads move the rows, token i
-// of the pass by producer i % b.producers: each token's row (in segments of at most segment_bytes) from x through a
-// stage to every member that needs it, while the warps past the producers store the FP8 scale rows (a scale row is
-// too small to be worth a producer's bulk copy). A producer records how far its tokens have landed (`frontier`: every
-// token before it that is its own has), and the chunk's progress is the least frontier, announced as the stores
-// complete once the pass's scale rows are in.
+// Send side of (cached) dispatch with bulk copies. Per pass of kTransferThreads tokens the block lays them out into
+// shared tables (the first pass before it waits for the members' acknowledgements), and b.producers threads move the
+// rows, token i of the pass by producer i % b.producers: each token's row (in segments of at most segment_bytes) from
+// x through a stage to every member that needs it. Meanwhile the warps past the producers send the routing (in the
+// first pass) and store the FP8 scale rows (a scale row is too small to be worth a producer's bulk copy), so the
+// copies wait for neither. A producer records how far its tokens have landed (`frontier`: every token before it that
+// is its own has), and the chunk's progress is the least frontier, announced as the stores complete once the pass's
+// scale rows are in.
 __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kDispatchSend);
   extern __shared__ __align__(128) char smem[];
@@ -740,45 +750,56 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   __shared__ int frontier[kMaxProducers];
   __shared__ int scales_in;  // the pass's scale rows are stored: its progress may be announced
   unsigned* bits = reinterpret_cast<unsigned*>(smem);
-  int* rows = reinterpret_cast<int*>(smem + kTransferThreads * 4);
+  int* rows = a.token_slots ? nullptr : reinterpret_cast<int*>(smem + kTransferThreads * 4);
   init_stage_barriers(full, b.stages);
   const SendTo& to = a.to;
-  if (!wait_acks(to)) return;
-  send_routing(a, block, blocks);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int P = b.producers;
   const bool producer = lane == 0 && warp < P;
+  const int first_helper = P * kWarp;  // the warps past the producers
   const int per = b.stages / P;
   StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per,
                  b.lag};
   const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
   const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
   const unsigned others = ~(1u << to.self);
+  bool first_pass = true;
   for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
     int base[kMaxRanks];
-    rows_before(a, t0, base);
+    if (!a.token_slots) rows_before(a, t0, base);
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
       layout_pass(a, p0, t1, base, bits, rows);
       if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
       if (threadIdx.x == 0) scales_in = srb ? 0 : 1;
-      __syncthreads();  // the tables are in before the producers copy and the warps past them store the scales
-      if (srb && warp >= P) {
-        // The scale rows while the producers copy; a system fence (cumulative over the warps' stores, which the
-        // named barrier orders before it), then the word the producers read before they announce progress.
-        const int first = P * kWarp, threads = int(blockDim.x) - first;
-        store_scale_rows(a, p0, tokens, bits, rows, others, int(threadIdx.x) - first, threads);
-        asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
-        if (int(threadIdx.x) == first) {
-          __threadfence_system();
-          reinterpret_cast<volatile int&>(scales_in) = 1;
+      // The tables are in before the producers copy and the warps past them send; nothing lands in a member's
+      // region before it has acknowledged our last message.
+      if (first_pass) {
+        if (!wait_acks(to)) return;
+      } else {
+        __syncthreads();
+      }
+      if (warp >= P) {
+        const int threads = int(blockDim.x) - first_helper, thread = int(threadIdx.x) - first_helper;
+        if (first_pass) send_routing(a, block, blocks, thread, threads);
+        if (srb) {
+          // The scale rows while the producers copy; a system fence (cumulative over the warps' stores, which the
+          // named barrier orders before it), then the word the producers read before they announce progress.
+          store_scale_rows(a, p0, tokens, bits, rows, others, thread, threads);
+          group_barrier(threads);
+          if (thread == 0) {
+            __threadfence_system();
+            reinterpret_cast<volatile int&>(scales_in) = 1;
+          }
         }
       }
+      first_pass = false;
       if (producer) {
         const int mine = (tokens - warp + P - 1) / P;  // tokens warp, warp + P, ...
         const int n = max(0, mine) * segs;
-        // Job j: segment j % segs of the producer's token j / segs.
+        // Job j: segment j % segs of the producer's token j / segs, to row p0 + i of each member's message with
+        // token slots, else to the row the layout gave it.
         const auto part = [&](int j, int& i, int64_t& offset, uint32_t& x_bytes) {
           const int g = segs == 1 ? 0 : j % segs;
           i = warp + (segs == 1 ? j : j / segs) * P;
@@ -806,7 +827,8 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
               part(j, i, offset, x_bytes);
               for (unsigned m = bits[i] & others; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                bulk_store(to.region[d] + a.x_offset + int64_t(rows[i * kMaxRanks + d]) * xrb + offset, stage, x_bytes);
+                const int64_t row = rows ? rows[i * kMaxRanks + d] : p0 + i;
+                bulk_store(to.region[d] + a.x_offset + row * xrb + offset, stage, x_bytes);
               }
             },
             [&](int k) {
@@ -828,6 +850,8 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
       __syncthreads();  // the tables are the next pass's
     }
   }
+  // A block whose chunk has no tokens still announces its routing (empty), which every member's scan waits for.
+  if (first_pass && wait_acks(to)) send_routing(a, block, blocks);
 }
 
 // Work items per chunk of a receive side: the most tokens a chunk has, in pieces of piece_tokens.
@@ -871,8 +895,14 @@ struct DispatchReceiveArgs {
   float* recv_topk_weights;
   const int32_t* row_before;       // [R, T + 1] from the scan
   int32_t* num_tokens_per_expert;  // topk mode: [local experts], zeroed by the scan, counted as slots are localized
-  bool chunk_slots;                // the members' messages as DispatchSendArgs::chunk_slots says
+  bool token_slots;                // the members' messages as DispatchSendArgs::token_slots says
 };
+
+// Where source s's rows are in its message: ours (the op's inputs) and, with token slots, a member's at their
+// token's row; else a member's packed in token order.
+__device__ __forceinline__ bool rows_at_tokens(const DispatchReceiveArgs& a, int s) {
+  return s == a.from.self || a.token_slots;
+}
 
 // Output row o's expert slot k (from source s's token t): the index among our local experts with its weight, or -1
 // and 0 for another GPU's expert; a local expert's row is counted (each kept row's slots are localized once).
@@ -896,14 +926,14 @@ __device__ void pad_row(const DispatchReceiveArgs& a, int o, int lane) {
     }
 }
 
-// Rows [o0, o1) of source s (output row o is row o + shift of a member's message) into the output, a row per warp,
-// with their expert indices localized.
-__device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, int shift, int warp, int warps, int lane,
-                          int first, int local_experts) {
-  const bool own = s == a.from.self;
+// Rows [o0, o1) of source s (packed rows: output row o is row o - offset of its message) into the output, a row per
+// warp, with their expert indices localized.
+__device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, int offset, int warp, int warps,
+                          int lane, int first, int local_experts) {
+  const bool own = s == a.from.self, at_tokens = rows_at_tokens(a, s);
   for (int o = o0 + warp; o < o1; o += warps) {
     const int t = a.row_map[o].y;
-    const int64_t row = own ? t : o + shift;
+    const int64_t row = at_tokens ? t : o - offset;
     char* out_x = a.recv_x + int64_t(o) * a.x_row_bytes;
     const char* in_x = a.src.x[s] + row * a.x_row_bytes;
     if (own)
@@ -953,9 +983,7 @@ __device__ void dispatch_receive(const DispatchReceiveArgs& a, int block, int bl
       __syncthreads();  // ok is reused
       if (!arrived) continue;
     }
-    // A member's message holds its rows for us packed from row 0, or with chunk slots chunk c's from row c0.
-    const int shift = a.chunk_slots ? c0 - first_row_from(a.row_map, lo, hi, c0) : -offset;
-    copy_rows(a, s, o0, o1, shift, warp, warps, lane, first, local_experts);
+    copy_rows(a, s, o0, o1, offset, warp, warps, lane, first, local_experts);
   }
   const int all_warps = blocks * warps;
   for (int o = kept + block * warps + warp; o < a.capacity; o += all_warps) pad_row(a, o, lane);
@@ -979,9 +1007,10 @@ __device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
 // Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order from
 // the launch's counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait for a
 // member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were our own
-// rows, there at once, goes on to members' rows instead of idling). A member's rows of an item are contiguous in its
-// message and in the output: they move (x, then scales) in stage-sized pieces once the chunk's progress covers the
-// item; our own rows move from x as many whole rows a job as a stage holds (a segment a job of larger rows). The other
+// rows, there at once, goes on to members' rows instead of idling). A member's rows move once the chunk's progress
+// covers the item. An item's rows land on consecutive output rows; where they are contiguous in the source too (every
+// token of the item comes to us, or packed rows) they move (x, then scales) in stage-sized pieces, else as many whole
+// rows a job as a stage holds, a load per run of consecutive tokens (a segment a job of larger rows). The other
 // warps of receive block `block` (of `blocks`) localize the expert indices of its share of the kept rows and write its
 // share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
 __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
@@ -1008,10 +1037,10 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
     for (int q = 0, o = 0; q < R; o += a.counts[q], ++q) offset[q] = o;
     const int all_items = pieces(T, a.chunks) * a.chunks * R;
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
-    const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of our own
-    // The stream's position: item, its source s and rows [o0, o1) (a member's: the output row of its message's row
-    // 0 is first_row); then a byte position in the member's x rows (phase 1) and scale rows (2), or our own row and
-    // segment (3); 0: the next item.
+    const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of an item's rows a row at a time
+    // The stream's position: item, its source s and rows [o0, o1); then, where they are contiguous in the source's
+    // message (the output row of its row 0 is first_row), a byte position in its x rows (phase 1) and scale rows
+    // (2), else a row and segment of the item (3); 0: the next item.
     int item = 0, s = 0, o0 = 0, o1 = 0, first_row = 0, phase = 0, row = 0;
     int seg = 0;
     int64_t at = 0;
@@ -1032,10 +1061,12 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               o0 = min(before[t0], kept);
               o1 = min(before[t1], kept);
               if (o0 >= o1) continue;
-              if (s != from.self) {
-                if (wait_progress(from, s, c, t1 - c0) < 0) continue;
-                // Packed from row 0, or with chunk slots chunk c's rows from row c0.
-                first_row = a.chunk_slots ? before[c0] - c0 : offset[s];
+              if (s != from.self && wait_progress(from, s, c, t1 - c0) < 0) continue;
+              // Rows at their tokens' rows are contiguous where every token of the item comes to us (and is kept);
+              // packed rows always are.
+              const bool at_tokens = rows_at_tokens(a, s);
+              if (!at_tokens || o1 - o0 == t1 - t0) {
+                first_row = at_tokens ? o0 - t0 : offset[s];
                 phase = 1;
                 at = 0;
               } else {
@@ -1062,9 +1093,10 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               at += bytes;
               return bytes;
             }
-            // Our own rows, which land on consecutive output rows: rows that fit a stage whole go as many a job as
-            // the stage holds (a load per row into [x rows][scale rows], one store of each part); a larger row
-            // goes by segments, `seg` of row o0 + row, the scales with the last segment.
+            // Rows at their tokens' rows, with gaps, which land on consecutive output rows: rows that fit a stage
+            // whole go as many a job as the stage holds (a load per run of consecutive tokens into [x rows][scale
+            // rows], one store of each part); a larger row goes by segments, `seg` of row o0 + row, the scales with
+            // the last segment.
             if (row >= o1 - o0) {
               phase = 0;
               continue;
@@ -1077,10 +1109,12 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               part_bytes[st][1] = uint32_t(n * srb);
               const uint32_t bytes = uint32_t(n * (xrb + srb));
               barrier_arrive_expect(bar, bytes);
-              for (int r = 0; r < n; ++r) {
+              for (int r = 0, run = 1; r < n; r += run) {
                 const int t = item_tokens[row + r];
-                bulk_load(stage + r * xrb, a.src.x[s] + int64_t(t) * xrb, uint32_t(xrb), bar);
-                if (srb) bulk_load(stage + n * xrb + r * srb, a.src.scales[s] + int64_t(t) * srb, uint32_t(srb), bar);
+                for (run = 1; r + run < n && item_tokens[row + r + run] == t + run;) ++run;
+                bulk_load(stage + r * xrb, a.src.x[s] + int64_t(t) * xrb, uint32_t(run * xrb), bar);
+                if (srb)
+                  bulk_load(stage + n * xrb + r * srb, a.src.scales[s] + int64_t(t) * srb, uint32_t(run * srb), bar);
               }
               row += n;
               return bytes;
@@ -2006,7 +2040,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
   const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + 1;
   f.handoff = Handoff{dev.handoff_words(scan_words), dev.next_launch()};
-  f.send.chunk_slots = f.receive.chunk_slots = true;
+  f.send.token_slots = f.receive.token_slots = true;
   uint32_t shared = 0;
   if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
