@@ -340,8 +340,8 @@ void run_scan(ScanArgs a, cudaStream_t stream) {
 
 // Combine's view of this rank's tokens: excl[t * R + d] = how many tokens before t went to d in the dispatch, for t
 // in [0, T] (row T: the totals), from the handle's token-in-rank mask. Token t's copy from d comes back as row
-// excl[t, d] of d's message (rows go packed in token order both ways). One block: a block scan per member over runs
-// of tokens per thread.
+// excl[t, d] of d's message (d received our rows in token order, and sends them back packed in that order). One
+// block: a block scan per member over runs of tokens per thread.
 __device__ void block_positions(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {
   const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
   const int t0 = min(num_tokens, int(threadIdx.x) * per_thread), t1 = min(num_tokens, t0 + per_thread);
