@@ -16,6 +16,7 @@ amortizes launch overhead). GB/s per rank, mean over ranks: "DeepEP" = all recei
 own (DeepEP's test formula: x only, FP8 = (1 + 4/128)/2 of BF16), "remote" = bytes from other ranks (NVLink).
 
     python bench/intranode.py --out $OUT/intranode.json               # on the GPU host
+    python bench/intranode.py --sms 8,12,16,24,32 --send-sms 0,13,14  # budgets, and splits beside the default
     python bench/intranode.py --cpu --tokens 64 --hidden 256          # smoke test on CPU devices
 """
 
@@ -217,9 +218,10 @@ def run_jax(
     iters: int,
     repeats: int,
     cupti: bool = False,
-    budgets: list[int] | None = None,
+    budgets: list[tuple[int, int]] | None = None,
 ) -> tuple[list[common.OpResult], dict]:
-    """The XLA ops once, and jax_uccl_ep's at each SM budget in `budgets` (default: the environment's)."""
+    """The XLA ops once, and jax_uccl_ep's at each (SM budget, send blocks of it; 0: the default split) in
+    `budgets` (default: the environment's)."""
     import jax
 
     devices = jax.devices()[: prob.ranks]
@@ -250,7 +252,7 @@ def run_jax(
     uccl_ops = [o for o in ops if o in UCCL_OPS]
     for budget in (budgets or [None]) if uccl_ops else []:
         if budget is not None:
-            os.environ["UCCL_EP_NUM_SMS"] = str(budget)
+            os.environ["UCCL_EP_NUM_SMS"], os.environ["UCCL_EP_NUM_SEND_SMS"] = str(budget[0]), str(budget[1])
         uccl_error = None
         try:
             common.set_uccl_env_defaults(prob)
@@ -350,6 +352,12 @@ def main(argv=None) -> int:
         "8,12,16,24,32 (default: UCCL_EP_NUM_SMS, else 24)",
     )
     ap.add_argument(
+        "--send-sms",
+        default="0",
+        help="comma-separated send blocks of each budget, e.g. 12,13,14 to compare splits of 24 (0: the default "
+        "split; a value not below a budget is skipped for it)",
+    )
+    ap.add_argument(
         "--rings",
         default=None,
         help="lag:stages[:combine[:producers]] of the bulk kernels' rings, by the testing hook (bench/loopback.py)",
@@ -395,7 +403,12 @@ def main(argv=None) -> int:
             print(f"# NCCL part failed: {e}", file=sys.stderr, flush=True)
     record["nccl"] = nccl
 
-    budgets = [int(b) for b in args.sms.split(",") if b] if args.sms else None
+    sends = [int(s) for s in args.send_sms.split(",") if s]
+    if args.sms or sends != [0]:
+        sms = [int(b) for b in args.sms.split(",") if b] if args.sms else [int(os.environ.get("UCCL_EP_NUM_SMS", 24))]
+        budgets = [(b, s) for b in sms for s in sends if s < b]
+    else:
+        budgets = None
     if args.rings and not args.cpu:
         import jax_uccl_ep as ep
 
