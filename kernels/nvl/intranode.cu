@@ -670,6 +670,12 @@ struct BulkShape {
 // Shared tables of the bulk dispatch sender, per pass of kTransferThreads tokens: members, and rows in their messages.
 constexpr uint32_t kSendTablesBytes = kTransferThreads * (1 + kMaxRanks) * 4;
 
+// The row of the pass's token i (token p0 + i) in member d's message: its token's with token slots (`rows` null),
+// else the one the layout put in the pass's table.
+__device__ __forceinline__ int64_t message_row(const int* rows, int p0, int i, int d) {
+  return rows ? rows[i * kMaxRanks + d] : p0 + i;
+}
+
 __device__ void init_stage_barriers(uint64_t* full, int stages) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) barrier_init(full + s, 1);
@@ -707,8 +713,7 @@ __device__ int least_frontier(int* frontier, int producers, int producer, int mi
 // The pass's scale rows (tokens p0 + i, i < tokens; 16-byte multiples) to their members, by `threads` threads (this
 // is thread `thread`): the rows are contiguous in `scales`, so thread k takes 16-byte pieces k, k + threads, ... of
 // them and a warp's loads and stores stay on consecutive bytes (with a row per thread, each access of a warp would
-// touch 32 rows). A round's loads all go out before its stores. Reads the layout's shared tables (`rows` null:
-// token slots).
+// touch 32 rows). A round's loads all go out before its stores. Reads the layout's shared tables.
 __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, const unsigned* bits, const int* rows,
                                  unsigned others, int thread, int threads) {
   constexpr int kBatch = 10;  // pieces per thread a round: 342 rows of 224 bytes (56 scales) in two with 256 threads
@@ -728,7 +733,7 @@ __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, 
       const int token = i / per_row, piece = i - token * per_row;
       for (unsigned m = bits[token] & others; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int64_t row = rows ? rows[token * kMaxRanks + d] : p0 + token;
+        const int64_t row = message_row(rows, p0, token, d);
         reinterpret_cast<int4*>(a.to.region[d] + a.scales_offset + row * a.scale_row_bytes)[piece] = v[k];
       }
     }
@@ -827,8 +832,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
               part(j, i, offset, x_bytes);
               for (unsigned m = bits[i] & others; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                const int64_t row = rows ? rows[i * kMaxRanks + d] : p0 + i;
-                bulk_store(to.region[d] + a.x_offset + row * xrb + offset, stage, x_bytes);
+                bulk_store(to.region[d] + a.x_offset + message_row(rows, p0, i, d) * xrb + offset, stage, x_bytes);
               }
             },
             [&](int k) {
