@@ -13,7 +13,8 @@ read + write) of each rank: with two ranks at 24 SMs that saturates one H200's m
 sends from rank 0 only (the others route to their own experts), about halving that traffic: rank 0's send side and
 the others' receive sides. --sides-apart holds dispatch's receive side back in the spans' call until every rank's
 rows have landed, so that its send and receive spans are each side with the memory to itself. Each run checks the
-last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook).
+last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook). --gpus N spreads the
+ranks over GPUs 0..N-1 of this process (rank r on GPU r % N): the same kernels, spans and sides apart over NVLink.
 
     python bench/loopback.py --out $OUT/loopback.json
 """
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
         "behind its stores, stages per issuing thread, stages per warp of the combine receiver, issuing threads of a "
         "dispatch send block: 4 or 8; 0: the default)",
     )
-    ap.add_argument("--ranks", type=int, default=2, help="ranks on the GPU (ranks x SMs must fit on it)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks (a GPU's ranks x SMs must fit on it)")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs the ranks are spread over (rank r on GPU r %% gpus)")
     ap.add_argument(
         "--one-way",
         action="store_true",
@@ -65,7 +67,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from jax_uccl_ep import Config, _runtime, _uccl_ep
 
-    header = common.run_header(f"GPU 0, {args.ranks} ranks on it" + (", one way" if args.one_way else ""))
+    where = f"GPU 0, {args.ranks} ranks on it" if args.gpus == 1 else f"{args.ranks} ranks on GPUs 0-{args.gpus - 1}"
+    header = common.run_header(where + (", one way" if args.one_way else ""))
     print(f"# {header['date']}  {header['command']}", flush=True)
     rows, record = [], {"header": header, "args": vars(args), "runs": []}
     sweep = [
@@ -96,6 +99,7 @@ def main(argv=None) -> int:
                     args.ranks,
                     args.one_way,
                     args.sides_apart,
+                    args.gpus,
                 )
             )
             r.update(copies=label, budget=budget, split=split, fp8=fp8)

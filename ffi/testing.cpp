@@ -121,12 +121,12 @@ void define_testing(nb::module_ m) {
   m.def(
       "nvl_loopback_bench",
       [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters, uint64_t seed, int ranks,
-         bool one_way, bool sides_apart) {
+         bool one_way, bool sides_apart, int gpus) {
         nvl::LoopbackResult r;
         {
           nb::gil_scoped_release release;
-          r = nvl::loopback_bench(
-              nvl::LoopbackArgs{device, tokens, hidden, topk, experts, fp8, iters, seed, ranks, one_way, sides_apart});
+          r = nvl::loopback_bench(nvl::LoopbackArgs{device, tokens, hidden, topk, experts, fp8, iters, seed, ranks,
+                                                    one_way, sides_apart, gpus});
         }
         nb::dict d;
         d["dispatch_us"] = r.dispatch_us;
@@ -152,7 +152,7 @@ void define_testing(nb::module_ m) {
       },
       nb::arg("device"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("experts"), nb::arg("fp8"),
       nb::arg("iters"), nb::arg("seed"), nb::arg("ranks") = 2, nb::arg("one_way") = false,
-      nb::arg("sides_apart") = false);
+      nb::arg("sides_apart") = false, nb::arg("gpus") = 1);
   m.def("nvl_copy_bench", [](int device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
                              int producers, bool warps) {
     nb::gil_scoped_release release;

@@ -1,7 +1,8 @@
 // Normal mode's NVLink kernels pointed at this GPU's own memory: two ranks on one GPU (two NvlDevices), each
 // sending its rows into the other's buffer as if it were a peer. What the kernels move here bounds what they can
-// move over NVLink. Times dispatch and combine with CUDA events over the current settings (SM budget, bulk copies
-// or SM stores) and checks the last call's rows against the inputs.
+// move over NVLink. With the ranks spread over several GPUs of this process, the same kernels and spans over the
+// link. Times dispatch and combine with CUDA events over the current settings (SM budget, bulk copies or SM
+// stores) and checks the last call's rows against the inputs.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -58,17 +59,29 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const int R = a.num_ranks;
   const int T = a.num_tokens, H = a.hidden, K = a.topk, E = a.num_experts, cap = R * T;
   if (R < 1 || R > kMaxRanks || T < 1 || H < 128 || H % 128 || K < 1 || K > (a.one_way ? E / R : E) || E % R ||
-      a.iters < 1)
+      a.iters < 1 || a.num_gpus < 1 || a.num_gpus > R)
     throw std::invalid_argument(
         "loopback_bench: 1 to 8 ranks, tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts (one way: the "
-        "experts of a rank), experts divisible by the ranks, iters >= 1");
-  check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
+        "experts of a rank), experts divisible by the ranks, iters >= 1, 1 to num_ranks GPUs");
+  int gpus_here = 0;
+  check(cudaGetDeviceCount(&gpus_here), "cudaGetDeviceCount");
+  if (a.cuda_device + a.num_gpus > gpus_here)
+    throw std::invalid_argument("loopback_bench: GPUs " + std::to_string(a.cuda_device) + " to " +
+                                std::to_string(a.cuda_device + a.num_gpus - 1) + " asked for, " +
+                                std::to_string(gpus_here) + " present");
+  const auto gpu_of = [&](int r) { return a.cuda_device + r % a.num_gpus; };
+  const auto synchronize_all = [&] {
+    for (int g = 0; g < a.num_gpus; ++g) {
+      check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
+      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    }
+  };
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
   const size_t message =
       std::max(dispatch_message_bytes(T, x_row, scale_row, K, true), combine_message_bytes(T, H, FloatType::kBF16));
   const size_t buffer = NvlDevice::buffer_bytes_for(R, message);
   std::vector<std::unique_ptr<NvlDevice>> devs;
-  for (int r = 0; r < R; ++r) devs.push_back(std::make_unique<NvlDevice>(a.cuda_device, r, R, buffer, 0));
+  for (int r = 0; r < R; ++r) devs.push_back(std::make_unique<NvlDevice>(gpu_of(r), r, R, buffer, 0));
   std::vector<NvlDevice*> same;
   for (auto& d : devs) same.push_back(d.get());
   for (auto& d : devs) d->connect(std::vector<std::vector<uint8_t>>(R), same);
@@ -77,6 +90,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   std::vector<Rank> ranks(R);
   for (int r = 0; r < R; ++r) {
     Rank& k = ranks[r];
+    check(cudaSetDevice(gpu_of(r)), "cudaSetDevice");  // the rank's memory and stream on its GPU
     check(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking), "cudaStreamCreate");
     // Random rows (BF16 from normal values, or random FP8 bytes), K distinct random experts per token.
     k.x_host.resize(size_t(T) * x_row);
@@ -172,9 +186,10 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   };
   const auto timed_us = [&](bool combine) {
     run(combine, 2);  // warm-up
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    synchronize_all();
     std::vector<cudaEvent_t> start(R), stop(R);
     for (int r = 0; r < R; ++r) {
+      check(cudaSetDevice(gpu_of(r)), "cudaSetDevice");  // an event records on its own GPU's streams
       check(cudaEventCreate(&start[r]), "cudaEventCreate");
       check(cudaEventCreate(&stop[r]), "cudaEventCreate");
       check(cudaEventRecord(start[r], ranks[r].stream), "cudaEventRecord");
@@ -259,7 +274,9 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   }
   // One more call of each op with the kernels' stamps on: where its time goes. Every rank's kernels are queued
   // behind one gate (a kernel that sleeps, then an event), so they start together as in the timed loop rather
-  // than as one host thread launches them.
+  // than as one host thread launches them. With several GPUs, every GPU's kernels stamp the one array on the first
+  // GPU (atomics over NVLink) by their own %globaltimer.
+  check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   cudaEvent_t gate;
   check(cudaEventCreateWithFlags(&gate, cudaEventDisableTiming), "cudaEventCreate");
   constexpr int kKinds = int(KernelKind::kCount);
@@ -270,13 +287,14 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     std::vector<uint64_t> host(2 * kKinds, 0);
     for (int k = 0; k < kKinds; ++k) host[2 * k] = UINT64_MAX;
     check(cudaMemcpy(stamps, host.data(), host.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
-    set_kernel_stamps(a.cuda_device, stamps, a.sides_apart);
+    for (int g = 0; g < a.num_gpus; ++g) set_kernel_stamps(a.cuda_device + g, stamps, a.sides_apart);
+    check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
     sleep_kernel<<<1, 1, 0, ranks[0].stream>>>(200000);
     check(cudaEventRecord(gate, ranks[0].stream), "cudaEventRecord");
     for (int r = 1; r < R; ++r) check(cudaStreamWaitEvent(ranks[r].stream, gate), "cudaStreamWaitEvent");
     run(op == 1, 1);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    set_kernel_stamps(a.cuda_device, nullptr);
+    synchronize_all();
+    for (int g = 0; g < a.num_gpus; ++g) set_kernel_stamps(a.cuda_device + g, nullptr);
     check(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
     uint64_t first = UINT64_MAX;
     for (int k = 0; k < kKinds; ++k) first = std::min(first, host[2 * k]);
@@ -288,7 +306,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   }
   check(cudaFree(stamps), "cudaFree");
   cudaEventDestroy(gate);
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  synchronize_all();
   return res;
 }
 

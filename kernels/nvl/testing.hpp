@@ -46,21 +46,25 @@ void set_bulk_tuning(const BulkTuning& tuning);
 void allow_budget_past_the_gpu(bool allow);
 
 // Normal mode's NVLink kernels pointed at the GPU's own memory (loopback_bench.cu): `num_ranks` ranks on
-// `cuda_device`, each sending into the others' buffers, random top-k routing; dispatch (BF16 rows, or FP8 rows with
-// scales) and, for BF16, combine, each timed over `iters` calls (the slowest rank's events), under the current
-// transfer settings. Every rank's send and receive blocks must fit on the GPU at once (num_ranks x the SM budget).
+// `cuda_device` (or spread over `num_gpus` GPUs), each sending into the others' buffers, random top-k routing;
+// dispatch (BF16 rows, or FP8 rows with scales) and, for BF16, combine, each timed over `iters` calls (the slowest
+// rank's events), under the current transfer settings. The send and receive blocks of the ranks on a GPU must fit on
+// it at once (its ranks x the SM budget).
 struct LoopbackArgs {
   int cuda_device, num_tokens, hidden, topk, num_experts;
   bool fp8;
   int iters;
   uint64_t seed;
-  int num_ranks;  // 1 to 8, all on cuda_device
+  int num_ranks;  // 1 to 8
   // Only rank 0's tokens go to other ranks (every other rank's to its own experts): rank 0's send side and the
   // others' receive sides, with the GPU's memory carrying about half of what every rank sending makes it carry.
   bool one_way = false;
   // The spans' call of dispatch holds its receive side back until every rank's rows have landed
   // (set_kernel_stamps), so that its send and receive spans are each side alone.
   bool sides_apart = false;
+  // Rank r runs on GPU cuda_device + r % num_gpus: with more than one, the ranks' rows cross NVLink (peer access
+  // within this process) and the times are the kernels' over the link rather than through one GPU's memory.
+  int num_gpus = 1;
 };
 struct LoopbackResult {
   double dispatch_us, combine_us;       // per call (combine: 0 with fp8)
