@@ -60,14 +60,28 @@ template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
-// The same with N (1 to 3) known only at run time.
+// The same with N (1 to kMaxLag) known only at run time.
+constexpr int kMaxLag = 6;
 __device__ __forceinline__ void bulk_wait_read(int n) {
-  if (n <= 1)
-    bulk_wait_read<1>();
-  else if (n == 2)
-    bulk_wait_read<2>();
-  else
-    bulk_wait_read<3>();
+  switch (n) {
+    case 2:
+      bulk_wait_read<2>();
+      break;
+    case 3:
+      bulk_wait_read<3>();
+      break;
+    case 4:
+      bulk_wait_read<4>();
+      break;
+    case 5:
+      bulk_wait_read<5>();
+      break;
+    case 6:
+      bulk_wait_read<6>();
+      break;
+    default:
+      bulk_wait_read<1>();
+  }
 }
 // Until at most N of the thread's bulk groups are incomplete (the older groups' writes are performed).
 template <int N>
@@ -80,7 +94,7 @@ constexpr int kMaxStages = 48;
 
 // A stage ring driven by one thread: job j goes through stage j % stages; `full[s]` completes when a job's loads
 // have landed. The thread's parity bits track each stage's phase (bit s). A stage is refilled `lag` jobs after its
-// stores were issued (1 to 3, fewer than `stages`): stages - lag loads stay in flight behind the stores.
+// stores were issued (1 to kMaxLag, fewer than `stages`): stages - lag loads stay in flight behind the stores.
 struct StageRing {
   char* base;
   uint32_t stage_bytes;

@@ -2247,11 +2247,11 @@ void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart) {
 void allow_budget_past_the_gpu(bool allow) { g_allow_budget_past_the_gpu = allow; }
 
 void set_bulk_tuning(const BulkTuning& tuning) {
-  if (tuning.lag < 0 || tuning.lag > 3 || tuning.stages_per_producer < 0 ||
+  if (tuning.lag < 0 || tuning.lag > kMaxLag || tuning.stages_per_producer < 0 ||
       tuning.stages_per_producer * kProducers > kMaxStages || tuning.combine_stages < 0 ||
       tuning.combine_stages * kTransferWarps > kMaxStages ||
       (tuning.send_producers != 0 && tuning.send_producers != kProducers && tuning.send_producers != kMaxProducers))
-    throw std::invalid_argument("set_bulk_tuning: lag 0 to 3, stages_per_producer 0 to " +
+    throw std::invalid_argument("set_bulk_tuning: lag 0 to " + std::to_string(kMaxLag) + ", stages_per_producer 0 to " +
                                 std::to_string(kMaxStages / kProducers) + ", combine_stages 0 to " +
                                 std::to_string(kMaxStages / kTransferWarps) + ", send_producers 0, " +
                                 std::to_string(kProducers) + " or " + std::to_string(kMaxProducers));

@@ -32,7 +32,7 @@ enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kC
 void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart = false);
 
 // The bulk-copy rings of the normal-mode kernels (0: the default): how many jobs behind its stores a producer refills
-// a stage (1 to 3), how many stages each producer gets (the send and dispatch-receive rings), how many stages each
+// a stage (1 to 6), how many stages each producer gets (the send and dispatch-receive rings), how many stages each
 // warp of the combine receiver gets, and how many threads of a dispatch send block issue copies (4 or 8).
 struct BulkTuning {
   int lag = 0;
