@@ -567,3 +567,43 @@ def test_low_latency_variants(variant):
         HERE, "gpu_suite", 1, args=["low_latency"], platform="gpu", timeout_s=150, env=dict(SUITE_ENV, **{name: value})
     )
     _check(results, NUM_GPUS)
+
+
+def gpu_loopback_over_nvlink() -> list:
+    """Child: the loopback bench's ranks spread over two GPUs (rank r on GPU r % 2), at 24 SMs with bulk copies: BF16
+    and FP8, two ranks and four, the stamped call with the sides apart and without."""
+    from jax_uccl_ep import Config, _runtime, _uccl_ep
+
+    _runtime.configure_native(Config(num_sms=24, nvl_bulk=True))
+    out = []
+    for ranks, fp8, apart in [(2, False, False), (2, True, True), (4, False, True), (4, True, False)]:
+        r = dict(
+            _uccl_ep.testing.nvl_loopback_bench(0, 1500, 7168, 8, 64, fp8, 2, 31 + len(out), ranks, False, apart, 2)
+        )
+        out.append(dict(r, ranks=ranks, fp8=fp8, apart=apart))
+    return out
+
+
+def test_the_loopback_runs_its_ranks_over_nvlink():
+    """bench/loopback.py --gpus 2: every row, scale row, expert count and (BF16) sum arrives with the ranks on two
+    GPUs; with the sides apart the receive side starts once the send side is done, and the spans are stamped by
+    both GPUs' kernels."""
+    results = launch(
+        HERE,
+        "gpu_loopback_over_nvlink",
+        1,
+        platform="gpu",
+        timeout_s=300,
+        env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    )
+    assert all(x.ok for x in results), describe(results)
+    for r in results[0].result:
+        print(r["ranks"], r["fp8"], r["apart"], r["dispatch_us"], r["spans_us"])
+        assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0, r
+        assert r["mismatched_combine_rows"] == 0, r
+        assert 0 < r["remote_rows"] < r["received_rows"], r
+        send_start, send_len = r["spans_us"]["dispatch:dispatch_send"]
+        receive_start, receive_len = r["spans_us"]["dispatch:dispatch_receive"]
+        assert send_len > 0 and receive_len > 0, r
+        if r["apart"]:
+            assert receive_start >= send_start + send_len - 5.0, r
