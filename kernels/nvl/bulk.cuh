@@ -62,26 +62,12 @@ __device__ __forceinline__ void bulk_wait_read() {
 }
 // The same with N (1 to kMaxLag) known only at run time.
 constexpr int kMaxLag = 6;
+template <int N = kMaxLag>
 __device__ __forceinline__ void bulk_wait_read(int n) {
-  switch (n) {
-    case 2:
-      bulk_wait_read<2>();
-      break;
-    case 3:
-      bulk_wait_read<3>();
-      break;
-    case 4:
-      bulk_wait_read<4>();
-      break;
-    case 5:
-      bulk_wait_read<5>();
-      break;
-    case 6:
-      bulk_wait_read<6>();
-      break;
-    default:
-      bulk_wait_read<1>();
+  if constexpr (N > 1) {
+    if (n < N) return bulk_wait_read<N - 1>(n);
   }
+  bulk_wait_read<N>();
 }
 // Until at most N of the thread's bulk groups are incomplete (the older groups' writes are performed).
 template <int N>
