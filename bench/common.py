@@ -113,6 +113,11 @@ def proxy_bytes_posted() -> tuple[int, int] | None:
         return None
 
 
+def bulk_tuning(spec: str) -> list[int]:
+    """The NVLink bulk kernels' testing hook's arguments from "lag:stages[:combine[:producers]]" (0: the default)."""
+    return [int(v) for v in spec.split(":")]
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

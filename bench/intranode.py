@@ -412,7 +412,7 @@ def main(argv=None) -> int:
     if args.rings and not args.cpu:
         import jax_uccl_ep as ep
 
-        ep._uccl_ep.testing.nvl_set_bulk_tuning(*(int(v) for v in args.rings.split(":")))
+        ep._uccl_ep.testing.nvl_set_bulk_tuning(*common.bulk_tuning(args.rings))
     jax_results, info = run_jax(prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets)
     record["jax"] = info
     results += jax_results

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     for copies, ring, budget, send_sms in sweep:
         if send_sms >= budget:
             continue
-        _uccl_ep.testing.nvl_set_bulk_tuning(*(int(v) for v in ring.split(":")))
+        _uccl_ep.testing.nvl_set_bulk_tuning(*common.bulk_tuning(ring))
         label = copies if ring == "0:0" else f"{copies} {ring}"
         _runtime.configure_native(Config(num_sms=budget, num_send_sms=send_sms, nvl_bulk=copies == "bulk"))
         split = f"{_uccl_ep.testing.nvl_send_blocks()}+{budget - _uccl_ep.testing.nvl_send_blocks()}"
