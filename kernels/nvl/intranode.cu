@@ -575,21 +575,16 @@ __device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
   __syncthreads();  // `counted` is reused by the next chunk's call
 }
 
-// One pass of blockDim.x tokens from p0 (< t1): mask_out for them, and with `bits_out` (shared, indexed by t - p0)
-// each token's members for the bulk sender; packed rows also their rows, in excl and `rows_out`, from base[], which
-// advances. No barrier with token slots.
-__device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base, unsigned* bits_out, int* rows_out) {
+// One pass of blockDim.x tokens from p0 (< t1): mask_out for them, and for packed rows their rows in excl, from
+// base[], which advances.
+__device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base) {
   const int R = a.to.num_ranks, t = p0 + threadIdx.x;
   const unsigned bits = t < t1 ? token_members(a, t, true) : 0;
-  if (bits_out) bits_out[threadIdx.x] = bits;
   if (a.token_slots) return;
   for (int d = 0; d < R; ++d) {
     int total;
     const int row = base[d] + block_exclusive_scan(bits >> d & 1, &total);
-    if (t < t1) {
-      a.excl[t * R + d] = row;
-      if (rows_out) rows_out[threadIdx.x * kMaxRanks + d] = row;
-    }
+    if (t < t1) a.excl[t * R + d] = row;
     base[d] += total;
   }
 }
@@ -598,7 +593,7 @@ __device__ void layout_pass(const DispatchSendArgs& a, int p0, int t1, int* base
 __device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
   int base[kMaxRanks];
   if (!a.token_slots) rows_before(a, t0, base);
-  for (int p0 = t0; p0 < t1; p0 += blockDim.x) layout_pass(a, p0, t1, base, nullptr, nullptr);
+  for (int p0 = t0; p0 < t1; p0 += blockDim.x) layout_pass(a, p0, t1, base);
   __syncthreads();  // excl and mask_out are read by other warps of the block
 }
 
@@ -667,14 +662,8 @@ struct BulkShape {
   __host__ __device__ uint32_t shared_bytes() const { return tables_bytes + uint32_t(stages) * stage_bytes; }
 };
 
-// Shared tables of the bulk dispatch sender, per pass of kTransferThreads tokens: members, and rows in their messages.
-constexpr uint32_t kSendTablesBytes = kTransferThreads * (1 + kMaxRanks) * 4;
-
-// The row of the pass's token i (token p0 + i) in member d's message: its token's with token slots (`rows` null),
-// else the one the layout put in the pass's table.
-__device__ __forceinline__ int64_t message_row(const int* rows, int p0, int i, int d) {
-  return rows ? rows[i * kMaxRanks + d] : p0 + i;
-}
+// The bulk dispatch sender's shared table, per pass of kTransferThreads tokens: each token's members.
+constexpr uint32_t kSendTablesBytes = kTransferThreads * 4;
 
 __device__ void init_stage_barriers(uint64_t* full, int stages) {
   if (threadIdx.x == 0) {
@@ -713,9 +702,9 @@ __device__ int least_frontier(int* frontier, int producers, int producer, int mi
 // The pass's scale rows (tokens p0 + i, i < tokens; 16-byte multiples) to their members, by `threads` threads (this
 // is thread `thread`): the rows are contiguous in `scales`, so thread k takes 16-byte pieces k, k + threads, ... of
 // them and a warp's loads and stores stay on consecutive bytes (with a row per thread, each access of a warp would
-// touch 32 rows). A round's loads all go out before its stores. Reads the layout's shared tables.
-__device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, const unsigned* bits, const int* rows,
-                                 unsigned others, int thread, int threads) {
+// touch 32 rows). A round's loads all go out before its stores. Reads the layout's members table.
+__device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, const unsigned* bits, unsigned others,
+                                 int thread, int threads) {
   constexpr int kBatch = 10;  // pieces per thread a round: 342 rows of 224 bytes (56 scales) in two with 256 threads
   const int per_row = int(a.scale_row_bytes / 16), n = tokens * per_row;
   const int4* src = reinterpret_cast<const int4*>(a.scales + int64_t(p0) * a.scale_row_bytes);
@@ -733,17 +722,18 @@ __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, 
       const int token = i / per_row, piece = i - token * per_row;
       for (unsigned m = bits[token] & others; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int64_t row = message_row(rows, p0, token, d);
-        reinterpret_cast<int4*>(a.to.region[d] + a.scales_offset + row * a.scale_row_bytes)[piece] = v[k];
+        reinterpret_cast<int4*>(a.to.region[d] + a.scales_offset + int64_t(p0 + token) * a.scale_row_bytes)[piece] =
+            v[k];
       }
     }
   }
 }
 
-// Send side of (cached) dispatch with bulk copies. Per pass of kTransferThreads tokens the block lays them out into
-// shared tables (the first pass before it waits for the members' acknowledgements), and b.producers threads move the
-// rows, token i of the pass by producer i % b.producers: each token's row (in segments of at most segment_bytes) from
-// x through a stage to every member that needs it. Meanwhile the warps past the producers send the routing (in the
+// Send side of (cached) dispatch with bulk copies, in the one launch only (token slots: token t's row is row t of
+// every message). Per pass of kTransferThreads tokens the block finds each token's members (a shared table; the first
+// pass before it waits for the members' acknowledgements), and b.producers threads move the rows, token i of the
+// pass by producer i % b.producers: each token's row (in segments of at most segment_bytes) from x through a stage
+// to every member that needs it. Meanwhile the warps past the producers send the routing (in the
 // first pass) and store the FP8 scale rows (a scale row is too small to be worth a producer's bulk copy), so the
 // copies wait for neither. A producer records how far its tokens have landed (`frontier`: every token before it that
 // is its own has), and the chunk's progress is the least frontier, announced as the stores complete once the pass's
@@ -755,7 +745,6 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   __shared__ int frontier[kMaxProducers];
   __shared__ int scales_in;  // the pass's scale rows are stored: its progress may be announced
   unsigned* bits = reinterpret_cast<unsigned*>(smem);
-  int* rows = a.token_slots ? nullptr : reinterpret_cast<int*>(smem + kTransferThreads * 4);
   init_stage_barriers(full, b.stages);
   const SendTo& to = a.to;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -771,14 +760,12 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   bool first_pass = true;
   for (int c = block; c < a.chunks; c += blocks) {
     const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
-    int base[kMaxRanks];
-    if (!a.token_slots) rows_before(a, t0, base);
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
-      layout_pass(a, p0, t1, base, bits, rows);
+      if (int(threadIdx.x) < tokens) bits[threadIdx.x] = token_members(a, p0 + threadIdx.x, true);
       if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
       if (threadIdx.x == 0) scales_in = srb ? 0 : 1;
-      // The tables are in before the producers copy and the warps past them send; nothing lands in a member's
+      // The table is in before the producers copy and the warps past them send; nothing lands in a member's
       // region before it has acknowledged our last message.
       if (first_pass) {
         if (!wait_acks(to)) return;
@@ -791,7 +778,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
         if (srb) {
           // The scale rows while the producers copy; a system fence (cumulative over the warps' stores, which the
           // named barrier orders before it), then the word the producers read before they announce progress.
-          store_scale_rows(a, p0, tokens, bits, rows, others, thread, threads);
+          store_scale_rows(a, p0, tokens, bits, others, thread, threads);
           group_barrier(threads);
           if (thread == 0) {
             __threadfence_system();
@@ -803,8 +790,8 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
       if (producer) {
         const int mine = (tokens - warp + P - 1) / P;  // tokens warp, warp + P, ...
         const int n = max(0, mine) * segs;
-        // Job j: segment j % segs of the producer's token j / segs, to row p0 + i of each member's message with
-        // token slots, else to the row the layout gave it.
+        // Job j: segment j % segs of the producer's token j / segs (token p0 + i), to row p0 + i of each member's
+        // message.
         const auto part = [&](int j, int& i, int64_t& offset, uint32_t& x_bytes) {
           const int g = segs == 1 ? 0 : j % segs;
           i = warp + (segs == 1 ? j : j / segs) * P;
@@ -832,7 +819,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
               part(j, i, offset, x_bytes);
               for (unsigned m = bits[i] & others; m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                bulk_store(to.region[d] + a.x_offset + message_row(rows, p0, i, d) * xrb + offset, stage, x_bytes);
+                bulk_store(to.region[d] + a.x_offset + int64_t(p0 + i) * xrb + offset, stage, x_bytes);
               }
             },
             [&](int k) {
@@ -851,7 +838,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
                 if (d != to.self) max_release_sys(to.chunks[d] + c, progress(to.message[d], p0 - t0 + least));
             });
       }
-      __syncthreads();  // the tables are the next pass's
+      __syncthreads();  // the table is the next pass's
     }
   }
   // A block whose chunk has no tokens still announces its routing (empty), which every member's scan waits for.
@@ -1013,7 +1000,7 @@ __device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
 // member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were our own
 // rows, there at once, goes on to members' rows instead of idling). A member's rows move once the chunk's progress
 // covers the item. An item's rows land on consecutive output rows; where they are contiguous in the source too (every
-// token of the item comes to us, or packed rows) they move (x, then scales) in stage-sized pieces, else as many whole
+// token of the item comes to us: the messages have token slots) they move (x, then scales) in stage-sized pieces, else as many whole
 // rows a job as a stage holds, a load per run of consecutive tokens (a segment a job of larger rows). The other
 // warps of receive block `block` (of `blocks`) localize the expert indices of its share of the kept rows and write its
 // share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
@@ -1037,15 +1024,13 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
     StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per, full + first_stage,
                    b.lag};
     int* item_tokens = producer_tokens[warp];
-    int offset[kMaxRanks];
-    for (int q = 0, o = 0; q < R; o += a.counts[q], ++q) offset[q] = o;
     const int all_items = pieces(T, a.chunks) * a.chunks * R;
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
     const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of an item's rows a row at a time
     // The stream's position: item, its source s and rows [o0, o1); then, where they are contiguous in the source's
-    // message (the output row of its row 0 is first_row), a byte position in its x rows (phase 1) and scale rows
-    // (2), else a row and segment of the item (3); 0: the next item.
-    int item = 0, s = 0, o0 = 0, o1 = 0, first_row = 0, phase = 0, row = 0;
+    // message (from token t0's row on), a byte position in its x rows (phase 1) and scale rows (2), else a row and
+    // segment of the item (3); 0: the next item.
+    int item = 0, s = 0, o0 = 0, o1 = 0, t0 = 0, phase = 0, row = 0;
     int seg = 0;
     int64_t at = 0;
     run_bulk_jobs(
@@ -1059,18 +1044,17 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               s = item % R;
               const int c = item / R % a.chunks;
               const int c0 = chunk_begin(T, a.chunks, c), c1 = chunk_begin(T, a.chunks, c + 1);
-              const int t0 = c0 + item / (R * a.chunks) * kPieceTokens, t1 = min(c1, t0 + kPieceTokens);
+              t0 = c0 + item / (R * a.chunks) * kPieceTokens;
+              const int t1 = min(c1, t0 + kPieceTokens);
               if (t0 >= t1) continue;
               const int32_t* before = a.row_before + int64_t(s) * (T + 1);
               o0 = min(before[t0], kept);
               o1 = min(before[t1], kept);
               if (o0 >= o1) continue;
               if (s != from.self && wait_progress(from, s, c, t1 - c0) < 0) continue;
-              // Rows at their tokens' rows are contiguous where every token of the item comes to us (and is kept);
-              // packed rows always are.
-              const bool at_tokens = rows_at_tokens(a, s);
-              if (!at_tokens || o1 - o0 == t1 - t0) {
-                first_row = at_tokens ? o0 - t0 : offset[s];
+              // Rows at their tokens' rows (token slots) are contiguous where every token of the item comes to us
+              // (and is kept).
+              if (o1 - o0 == t1 - t0) {
                 phase = 1;
                 at = 0;
               } else {
@@ -1087,7 +1071,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
                 continue;
               }
               const uint32_t bytes = uint32_t(min(int64_t(b.stage_bytes), total - at));
-              const int64_t from_row = int64_t(o0 - first_row) * rb, to_row = int64_t(o0) * rb;
+              const int64_t from_row = int64_t(t0) * rb, to_row = int64_t(o0) * rb;
               const char* src = (phase == 1 ? a.src.x[s] : a.src.scales[s]) + from_row + at;
               part_dst[st][0] = (phase == 1 ? a.recv_x : a.recv_scales) + to_row + at;
               part_bytes[st][0] = bytes;
