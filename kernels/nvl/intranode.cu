@@ -1000,10 +1000,10 @@ __device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
 // member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were our own
 // rows, there at once, goes on to members' rows instead of idling). A member's rows move once the chunk's progress
 // covers the item. An item's rows land on consecutive output rows; where they are contiguous in the source too (every
-// token of the item comes to us: the messages have token slots) they move (x, then scales) in stage-sized pieces, else as many whole
-// rows a job as a stage holds, a load per run of consecutive tokens (a segment a job of larger rows). The other
-// warps of receive block `block` (of `blocks`) localize the expert indices of its share of the kept rows and write its
-// share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
+// token of the item comes to us: the messages have token slots) they move (x, then scales) in stage-sized pieces, else
+// as many whole rows a job as a stage holds, a load per run of consecutive tokens (a segment a job of larger rows). The
+// other warps of receive block `block` (of `blocks`) localize the expert indices of its share of the kept rows and
+// write its share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
 __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
                                       int block, int blocks, bool joined) {
   if (g_sides_apart && !wait_every_chunk(a)) return;
