@@ -360,7 +360,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rings",
         default=None,
-        help="lag:stages[:combine[:producers]] of the bulk kernels' rings, by the testing hook (bench/loopback.py)",
+        help="lag:stages[:combine[:producers[:rows]]] of the bulk kernels' rings, by the testing hook "
+        "(bench/loopback.py)",
     )
     ap.add_argument("--out", default="intranode.json", help="JSON of the results")
     args = ap.parse_args(argv)

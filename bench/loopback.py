@@ -44,9 +44,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rings",
         default="0:0",
-        help="comma-separated lag:stages[:combine[:producers]] of the bulk kernels' rings (jobs a stage is refilled "
-        "behind its stores, stages per issuing thread, stages per warp of the combine receiver, issuing threads of a "
-        "dispatch send block: 4 or 8; 0: the default)",
+        help="comma-separated lag:stages[:combine[:producers[:rows]]] of the bulk kernels' rings (jobs a stage is "
+        "refilled behind its stores, stages per issuing thread, stages per warp of the combine receiver, issuing "
+        "threads of a dispatch send block: 4 or 8, consecutive tokens' rows a dispatch send job moves: 1 to 4; 0: the "
+        "default)",
     )
     ap.add_argument("--ranks", type=int, default=2, help="ranks (a GPU's ranks x SMs must fit on it)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs the ranks are spread over (rank r on GPU r %% gpus)")

@@ -657,8 +657,9 @@ struct BulkShape {
   uint32_t stage_bytes;
   uint32_t tables_bytes;
   int stages;
-  int lag;        // StageRing::lag of each producer's ring
-  int producers;  // issuing threads (the dispatch sender's; the other kernels have kProducers)
+  int lag;               // StageRing::lag of each producer's ring
+  int producers;         // issuing threads (the dispatch sender's; the other kernels have kProducers)
+  int rows_per_job = 1;  // the dispatch sender's: consecutive tokens' whole rows a job moves
   __host__ __device__ uint32_t shared_bytes() const { return tables_bytes + uint32_t(stages) * stage_bytes; }
 };
 
@@ -678,6 +679,7 @@ __device__ void init_stage_barriers(uint64_t* full, int stages) {
 // takes up to kMaxProducers where rows are small enough (row_stages).
 constexpr int kProducers = 4;
 constexpr int kMaxProducers = 8;
+constexpr int kMaxRowsPerJob = 4;  // a dispatch send job's consecutive tokens (rows of at most a quarter stage)
 
 // The bulk senders' announcement of chunk c's progress, from whichever producer finds the least frontier moved: the
 // word only grows (red.max), so producers that announce out of order never move it back, and a release is enough
@@ -756,6 +758,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
                  b.lag};
   const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
   const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
+  const int g = segs == 1 ? b.rows_per_job : 1;  // tokens a job's group holds
   const unsigned others = ~(1u << to.self);
   bool first_pass = true;
   for (int c = block; c < a.chunks; c += blocks) {
@@ -763,7 +766,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
     for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
       const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
       if (int(threadIdx.x) < tokens) bits[threadIdx.x] = token_members(a, p0 + threadIdx.x, true);
-      if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x), tokens);
+      if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x) * g, tokens);
       if (threadIdx.x == 0) scales_in = srb ? 0 : 1;
       // The table is in before the producers copy and the warps past them send; nothing lands in a member's
       // region before it has acknowledged our last message.
@@ -788,43 +791,67 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
       }
       first_pass = false;
       if (producer) {
-        const int mine = (tokens - warp + P - 1) / P;  // tokens warp, warp + P, ...
+        // The pass's tokens in groups of g (group q: tokens q * g, ...); this producer's are groups warp, warp + P, ...
+        const int mine = ((tokens + g - 1) / g - warp + P - 1) / P;
         const int n = max(0, mine) * segs;
-        // Job j: segment j % segs of the producer's token j / segs (token p0 + i), to row p0 + i of each member's
-        // message.
-        const auto part = [&](int j, int& i, int64_t& offset, uint32_t& x_bytes) {
-          const int g = segs == 1 ? 0 : j % segs;
-          i = warp + (segs == 1 ? j : j / segs) * P;
-          offset = int64_t(g) * b.segment_bytes;
+        // Job j: segment j % segs of the producer's group j / segs (its `rows` tokens from p0 + i; a segment of a
+        // row, or g whole rows), to the same rows of each member's message.
+        const auto part = [&](int j, int& i, int& rows, int64_t& offset, uint32_t& x_bytes) {
+          const int seg = segs == 1 ? 0 : j % segs;
+          i = (warp + (segs == 1 ? j : j / segs) * P) * g;
+          rows = min(g, tokens - i);
+          offset = int64_t(seg) * b.segment_bytes;
           x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset));
+        };
+        // The members any of the group's tokens go to. One token a job is the common case, and an issuing thread's
+        // own work per job bounds small rows: it takes no loop.
+        const auto group_members = [&](int i, int rows) {
+          unsigned m = bits[i];
+          for (int r = 1; r < rows; ++r) m |= bits[i + r];
+          return m & others;
         };
         int announced = 0;
         run_bulk_jobs(
             ring,
             [&](int j, char* stage, uint64_t* bar) -> int64_t {
               if (j >= n) return kNoMoreJobs;
-              int i;
+              int i, rows;
               int64_t offset;
               uint32_t x_bytes;
-              part(j, i, offset, x_bytes);
-              if (!(bits[i] & others)) return 0;
-              barrier_arrive_expect(bar, x_bytes);
-              bulk_load(stage, a.x + int64_t(p0 + i) * xrb + offset, x_bytes, bar);
-              return x_bytes;
+              part(j, i, rows, offset, x_bytes);
+              if (!group_members(i, rows)) return 0;
+              const uint32_t bytes = x_bytes * uint32_t(rows);  // rows > 1: whole rows
+              barrier_arrive_expect(bar, bytes);
+              bulk_load(stage, a.x + int64_t(p0 + i) * xrb + offset, bytes, bar);
+              return bytes;
             },
             [&](int j, char* stage) {
-              int i;
+              int i, rows;
               int64_t offset;
               uint32_t x_bytes;
-              part(j, i, offset, x_bytes);
-              for (unsigned m = bits[i] & others; m; m &= m - 1) {
+              part(j, i, rows, offset, x_bytes);
+              // To each member, a store per run of the group's consecutive tokens that go to it.
+              for (unsigned m = group_members(i, rows); m; m &= m - 1) {
                 const int d = __ffs(m) - 1;
-                bulk_store(to.region[d] + a.x_offset + int64_t(p0 + i) * xrb + offset, stage, x_bytes);
+                if (rows == 1) {
+                  bulk_store(to.region[d] + a.x_offset + int64_t(p0 + i) * xrb + offset, stage, x_bytes);
+                  continue;
+                }
+                for (int r = 0, run = 0; r < rows; r += run) {
+                  if (!(bits[i + r] >> d & 1)) {
+                    run = 1;
+                    continue;
+                  }
+                  for (run = 1; r + run < rows && bits[i + r + run] >> d & 1;) ++run;
+                  bulk_store(to.region[d] + a.x_offset + int64_t(p0 + i + r) * xrb + offset, stage + size_t(r) * xrb,
+                             x_bytes * uint32_t(run));
+                }
               }
             },
             [&](int k) {
-              // This producer's first k / segs tokens have landed: its frontier is its next token (or the pass's end).
-              const int least = least_frontier(frontier, P, warp, min(tokens, warp + k / segs * P));
+              // This producer's first k / segs groups have landed: its frontier is its next group's first token (or
+              // the pass's end).
+              const int least = least_frontier(frontier, P, warp, min(tokens, (warp + k / segs * P) * g));
               if (least <= announced) return;
               // No progress before the pass's scale rows are in: until then only the last announcement waits.
               if (!reinterpret_cast<volatile int&>(scales_in)) {
@@ -1758,7 +1785,12 @@ BulkShape row_stages(int64_t row_bytes, uint32_t tables_bytes) {
                 : most(kMaxProducers) >= row_bytes ? kMaxProducers
                                                    : kProducers;
   b.segment_bytes = uint32_t(std::min<int64_t>(row_bytes, align_down(most(b.producers), 16)));
-  b.stage_bytes = (b.segment_bytes + 127) / 128 * 128;
+  // Small rows go several a job: each bulk copy costs the SM's copy unit about the same whatever its size (rows of 2
+  // and 4 KiB took as long a job, bench/RESULTS.md), and with token slots consecutive tokens' rows are consecutive in
+  // x and in every message.
+  const int fit = int(std::min<int64_t>(kMaxRowsPerJob, most(b.producers) / row_bytes));
+  b.rows_per_job = std::max(1, g_tuning.send_rows > 0 ? std::min(g_tuning.send_rows, fit) : fit);
+  b.stage_bytes = (b.segment_bytes * uint32_t(b.rows_per_job) + 127) / 128 * 128;
   b.stages = int(std::min<uint32_t>(kMaxStages, room / b.stage_bytes)) / b.producers * b.producers;  // each its own
   return b;
 }
@@ -2234,11 +2266,13 @@ void set_bulk_tuning(const BulkTuning& tuning) {
   if (tuning.lag < 0 || tuning.lag > kMaxLag || tuning.stages_per_producer < 0 ||
       tuning.stages_per_producer * kProducers > kMaxStages || tuning.combine_stages < 0 ||
       tuning.combine_stages * kTransferWarps > kMaxStages ||
-      (tuning.send_producers != 0 && tuning.send_producers != kProducers && tuning.send_producers != kMaxProducers))
+      (tuning.send_producers != 0 && tuning.send_producers != kProducers && tuning.send_producers != kMaxProducers) ||
+      tuning.send_rows < 0 || tuning.send_rows > kMaxRowsPerJob)
     throw std::invalid_argument("set_bulk_tuning: lag 0 to " + std::to_string(kMaxLag) + ", stages_per_producer 0 to " +
                                 std::to_string(kMaxStages / kProducers) + ", combine_stages 0 to " +
                                 std::to_string(kMaxStages / kTransferWarps) + ", send_producers 0, " +
-                                std::to_string(kProducers) + " or " + std::to_string(kMaxProducers));
+                                std::to_string(kProducers) + " or " + std::to_string(kMaxProducers) +
+                                ", send_rows 0 to " + std::to_string(kMaxRowsPerJob));
   g_tuning = tuning;
 }
 
