@@ -733,13 +733,13 @@ __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, 
 
 // Send side of (cached) dispatch with bulk copies, in the one launch only (token slots: token t's row is row t of
 // every message). Per pass of kTransferThreads tokens the block finds each token's members (a shared table; the first
-// pass before it waits for the members' acknowledgements), and b.producers threads move the rows, token i of the
-// pass by producer i % b.producers: each token's row (in segments of at most segment_bytes) from x through a stage
-// to every member that needs it. Meanwhile the warps past the producers send the routing (in the
-// first pass) and store the FP8 scale rows (a scale row is too small to be worth a producer's bulk copy), so the
-// copies wait for neither. A producer records how far its tokens have landed (`frontier`: every token before it that
-// is its own has), and the chunk's progress is the least frontier, announced as the stores complete once the pass's
-// scale rows are in.
+// pass before it waits for the members' acknowledgements), and b.producers threads move the rows in groups of
+// b.rows_per_job consecutive tokens, group q of the pass by producer q % b.producers: the group's rows (one row in
+// segments of at most segment_bytes, or several whole rows) from x through a stage to every member that needs any of
+// them. Meanwhile the warps past the producers send the routing (in the first pass) and store the FP8 scale rows (a
+// scale row is too small to be worth a producer's bulk copy), so the copies wait for neither. A producer records how
+// far its tokens have landed (`frontier`: every token before it that is its own has), and the chunk's progress is the
+// least frontier, announced as the stores complete once the pass's scale rows are in.
 __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kDispatchSend);
   extern __shared__ __align__(128) char smem[];
