@@ -177,7 +177,8 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     into chunks and pieces (and fewer tokens than chunks), a chunk per send block down to a budget of 2,
     send/receive splits other than the default (a half with bulk copies, a third with SM stores), 4 and 8 ranks
     sharing the GPU (every member's copy of a token in one combine stage; items with gaps), routing scans of 1, 2, 4
-    and 8 tokens per thread, and one way (members that send us no rows at all). Every row of the last dispatch (with
+    and 8 tokens per thread, one way (members that send us no rows at all), and small rows that share a send job
+    (hidden 2048 and 4096, several ranks). Every row of the last dispatch (with
     its FP8 scales) is compared with the sender's input, every local expert's row count with the routing, and every
     combined sum with x times the token's copies (host-side)."""
     cases = [
@@ -194,6 +195,10 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
             (16, 0, 4096, 7168, 4, False),  # 8 receive blocks, 4 sources: 4 tokens per thread
             (12, 0, 1000, 7168, 8, False),
             (24, 0, 2000, 7168, 4, True),
+            # Small rows, several consecutive tokens a send job (2 to 4 where they fit a stage), token counts that
+            # leave a partial last group: 2 KiB FP8 / 4 KiB BF16 rows over 8 members, 4 KiB FP8 / 8 KiB BF16 over 4.
+            (12, 0, 1001, 2048, 8, False),
+            (24, 0, 2003, 4096, 4, False),
         ]
         for bulk in ("1", "0")
         for fp8 in (False, True)
