@@ -153,11 +153,22 @@ void define_testing(nb::module_ m) {
       nb::arg("device"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("experts"), nb::arg("fp8"),
       nb::arg("iters"), nb::arg("seed"), nb::arg("ranks") = 2, nb::arg("one_way") = false,
       nb::arg("sides_apart") = false, nb::arg("gpus") = 1);
-  m.def("nvl_copy_bench", [](int device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages,
-                             int producers, bool warps) {
-    nb::gil_scoped_release release;
-    return nvl::copy_bench(device, blocks, bytes_per_block, stage_bytes, stages, producers, warps);
-  });
+  m.def(
+      "nvl_copy_bench",
+      [](int device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages, int producers, bool warps,
+         const std::string& direction, int gpus) {
+        nvl::CopyDirection d = nvl::CopyDirection::kLocal;
+        if (direction == "push")
+          d = nvl::CopyDirection::kPush;
+        else if (direction == "pull")
+          d = nvl::CopyDirection::kPull;
+        else if (direction != "local")
+          throw std::invalid_argument("nvl_copy_bench: direction local, push or pull, not " + direction);
+        nb::gil_scoped_release release;
+        return nvl::copy_bench(device, blocks, bytes_per_block, stage_bytes, stages, producers, warps, d, gpus);
+      },
+      nb::arg("device"), nb::arg("blocks"), nb::arg("bytes_per_block"), nb::arg("stage_bytes"), nb::arg("stages"),
+      nb::arg("producers"), nb::arg("warps"), nb::arg("direction") = "local", nb::arg("gpus") = 1);
   m.def("nvl_ring_bench",
         [](int device, int num_rings, uint64_t commands_per_ring, uint32_t capacity, uint64_t ping_rounds) {
           nvl::RingBenchResult r;

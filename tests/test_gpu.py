@@ -607,3 +607,15 @@ def test_the_loopback_runs_its_ranks_over_nvlink():
         assert send_len > 0 and receive_len > 0, r
         if r["apart"]:
             assert receive_start >= send_start + send_len - 5.0, r
+
+
+def test_the_copy_bench_pushes_and_pulls_between_two_gpus():
+    """bench/copies.py --gpus 2: GPU 0 and GPU 1 each push into the other's memory, or pull out of it, at once; the
+    bench checks every block's span against the source GPU's pattern (a copy read from or written to the wrong GPU
+    raises), and NVLink carries more than 50 GB/s each way with 12 SMs."""
+    from test_proxy_gpu import HERE as PROXY_GPU
+
+    results = launch(PROXY_GPU, "gpu_copies", 1, args=[2], platform="gpu", timeout_s=180)
+    assert all(x.ok for x in results), describe(results)
+    r = results[0].result
+    assert all(v > 50 for v in r["figures"].values()), r

@@ -354,39 +354,115 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
       [](int) {});
 }
 
+__host__ __device__ inline char copy_pattern(size_t i, int gpu) {
+  return char((uint32_t(i) * 0x9E3779B1u) >> 24 ^ uint32_t(gpu * 37 + 11));
+}
+
+__global__ void fill_pattern_kernel(char* p, size_t bytes, int gpu) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < bytes; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = copy_pattern(i, gpu);
+}
+
 }  // namespace
 
 double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages, int producers,
-                  bool warps) {
-  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+                  bool warps, CopyDirection direction, int gpus) {
   if (stages * producers > kMaxStages * 4 || uint64_t(stages) * producers * stage_bytes > kBulkSharedBytes)
     throw std::invalid_argument("copy_bench: too many stages");
   if (!warps && stages < 2) throw std::invalid_argument("copy_bench: at least 2 stages (one refills behind the other)");
-  char *src = device_alloc<char>(size_t(blocks) * bytes_per_block),
-       *dst = device_alloc<char>(size_t(blocks) * bytes_per_block);
-  allow_shared_bytes(kBulkSharedBytes, copy_bench_kernel);
+  int gpus_here = 0;
+  check(cudaGetDeviceCount(&gpus_here), "cudaGetDeviceCount");
+  if (gpus < 1 || cuda_device + gpus > gpus_here)
+    throw std::invalid_argument("copy_bench: GPUs " + std::to_string(cuda_device) + " to " +
+                                std::to_string(cuda_device + gpus - 1) + " asked for, " + std::to_string(gpus_here) +
+                                " present");
+  const size_t bytes = size_t(blocks) * bytes_per_block;
+  // GPU g's kernel copies from src[g] to dst[g]; a push writes the next GPU's memory, a pull reads it.
+  std::vector<char*> mine(gpus), other(gpus);
+  std::vector<cudaStream_t> streams(gpus);
+  std::vector<cudaEvent_t> starts(gpus), stops(gpus);
+  for (int g = 0; g < gpus; ++g) {
+    check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
+    const int next = cuda_device + (g + 1) % gpus;
+    if (next != cuda_device + g) {
+      const cudaError_t e = cudaDeviceEnablePeerAccess(next, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled)
+        cudaGetLastError();
+      else
+        check(e, "cudaDeviceEnablePeerAccess");
+    }
+    mine[g] = device_alloc<char>(bytes);
+    other[g] = device_alloc<char>(bytes);
+    fill_pattern_kernel<<<1024, 256>>>(mine[g], bytes, g);
+    check(cudaGetLastError(), "fill_pattern_kernel");
+    check(cudaMemset(other[g], 0, bytes), "cudaMemset");
+    check(cudaStreamCreateWithFlags(&streams[g], cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreate(&starts[g]), "cudaEventCreate");
+    check(cudaEventCreate(&stops[g]), "cudaEventCreate");
+    allow_shared_bytes(kBulkSharedBytes, copy_bench_kernel);
+  }
+  const auto src = [&](int g) { return direction == CopyDirection::kPull ? mine[(g + 1) % gpus] : mine[g]; };
+  const auto dst = [&](int g) { return direction == CopyDirection::kPush ? other[(g + 1) % gpus] : other[g]; };
   const uint32_t shared = warps ? 0 : uint32_t(stages) * producers * stage_bytes;
+  const auto launch = [&](int g) {
+    copy_bench_kernel<<<blocks, kTransferThreads, shared, streams[g]>>>(src(g), dst(g), bytes_per_block, stage_bytes,
+                                                                        stages, producers, warps);
+  };
+  const auto synchronize_all = [&] {
+    for (int g = 0; g < gpus; ++g) {
+      check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
+      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    }
+  };
+  synchronize_all();  // the patterns are in before any stream copies them
   for (int i = 0; i < 2; ++i)
-    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers,
-                                                            warps);
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
+    for (int g = 0; g < gpus; ++g) {
+      check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
+      launch(g);
+    }
+  synchronize_all();
   constexpr int kIters = 10;
-  check(cudaEventRecord(start), "cudaEventRecord");
-  for (int i = 0; i < kIters; ++i)
-    copy_bench_kernel<<<blocks, kTransferThreads, shared>>>(src, dst, bytes_per_block, stage_bytes, stages, producers,
-                                                            warps);
-  check(cudaEventRecord(stop), "cudaEventRecord");
-  check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  for (int g = 0; g < gpus; ++g) {  // every GPU copies at once, as both directions of an op do
+    check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
+    check(cudaEventRecord(starts[g], streams[g]), "cudaEventRecord");
+    for (int i = 0; i < kIters; ++i) launch(g);
+    check(cudaEventRecord(stops[g], streams[g]), "cudaEventRecord");
+  }
+  synchronize_all();
   check(cudaGetLastError(), "copy_bench_kernel");
-  float ms = 0;
-  check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaFree(src);
-  cudaFree(dst);
-  return double(blocks) * bytes_per_block * kIters / (ms * 1e-3) / 1e9;  // GB/s copied
+  // What arrived: the head and tail of every block's span in GPU g's destination hold the source GPU's pattern.
+  double slowest_ms = 0;
+  const size_t probe_bytes = std::min<size_t>(bytes_per_block / stage_bytes * stage_bytes / 2, 64 << 10);
+  std::vector<char> probe(probe_bytes);
+  std::string mismatch;
+  for (int g = 0; g < gpus; ++g) {
+    check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, starts[g], stops[g]), "cudaEventElapsedTime");
+    slowest_ms = std::max(slowest_ms, double(ms));
+    const int from = direction == CopyDirection::kPull ? (g + 1) % gpus : g;
+    const int to = direction == CopyDirection::kPush ? (g + 1) % gpus : g;
+    const size_t copied = bytes_per_block / stage_bytes * stage_bytes;  // of each block's span
+    for (int b = 0; b < blocks; ++b)
+      for (size_t at : {size_t(b) * bytes_per_block, size_t(b) * bytes_per_block + copied - probe_bytes}) {
+        check(cudaMemcpy(probe.data(), other[to] + at, probe_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+        for (size_t i = 0; i < probe_bytes && mismatch.empty(); ++i)
+          if (probe[i] != copy_pattern(at + i, from))
+            mismatch = "copy_bench: byte " + std::to_string(at + i) + " of GPU " + std::to_string(to) +
+                       "'s copy of GPU " + std::to_string(from) + "'s bytes differs";
+      }
+  }
+  for (int g = 0; g < gpus; ++g) {
+    check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
+    cudaEventDestroy(starts[g]);
+    cudaEventDestroy(stops[g]);
+    cudaStreamDestroy(streams[g]);
+    cudaFree(mine[g]);
+    cudaFree(other[g]);
+  }
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  if (!mismatch.empty()) throw std::runtime_error(mismatch);
+  return double(bytes) * kIters / (slowest_ms * 1e-3) / 1e9;  // GB/s copied by each GPU
 }
 
 }  // namespace uccl_ep::nvl

@@ -80,11 +80,15 @@ struct LoopbackResult {
   double spans[2][int(KernelKind::kCount)][2];  // [dispatch, combine]
 };
 LoopbackResult loopback_bench(const LoopbackArgs& args);
-// GB/s one kernel of `blocks` blocks copies within the GPU: per block `producers` threads each running bulk copies
-// through `stages` stages of `stage_bytes` (refilled one job behind, as in the kernels), or (warps) the block's warps
-// with SM loads and stores of rows of `stage_bytes`.
+// GB/s one kernel of `blocks` blocks copies: per block `producers` threads each running bulk copies through
+// `stages` stages of `stage_bytes` (refilled one job behind, as in the kernels), or (warps) the block's warps with SM
+// loads and stores of rows of `stage_bytes`. With `gpus` GPUs from `cuda_device` on, each runs the kernel at once
+// and GPU g's kernel copies within itself (kLocal), into GPU g + 1's memory (kPush: what our senders do over NVLink)
+// or out of it into its own (kPull: what a combine that reads its peers' rows does); the figure is per GPU, timed
+// on the slowest. With one GPU the "next GPU" is itself.
+enum class CopyDirection { kLocal, kPush, kPull };
 double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t stage_bytes, int stages, int producers,
-                  bool warps);
+                  bool warps, CopyDirection direction = CopyDirection::kLocal, int gpus = 1);
 
 // Messages from a GPU through its proxy, end to end (the proxy path's device side): a warp writes the payload into
 // mapped host memory of the proxy's registered buffer, pushes `messages` messages of it to `peer` into a channel's
