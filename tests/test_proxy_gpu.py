@@ -314,28 +314,35 @@ def test_an_sm_budget_past_the_gpu_is_refused_with_what_to_set():
 
 def gpu_copies(gpus: int) -> dict:
     """Child: the copy bench (bench/copies.py) in each direction, bulk copies and SM loads/stores, 16 MiB per GPU,
-    with a stage size that leaves each block's span a partial stage short; then a direction it does not know."""
+    with a stage size that leaves each block's span a partial stage short; then what it refuses before launching
+    anything: a direction it does not know, and spans that bulk copies cannot address (not multiples of 16 bytes)."""
     from jax_uccl_ep import _uccl_ep
 
+    per_block = 16 * 2**20 // 12 // 16 * 16  # 336 bytes past the last whole stage of 7168
     figures = {
-        (direction, warps): _uccl_ep.testing.nvl_copy_bench(0, 12, 16 * 2**20 // 12, 7168, 3, 4, warps, direction, gpus)
+        (direction, warps): _uccl_ep.testing.nvl_copy_bench(0, 12, per_block, 7168, 3, 4, warps, direction, gpus)
         for direction in ("local", "push", "pull")
         for warps in (False, True)
     }
-    try:
-        _uccl_ep.testing.nvl_copy_bench(0, 4, 2**20, 7168, 3, 4, False, "sideways", 1)
-        error = ""
-    except ValueError as e:
-        error = str(e)
-    return {"figures": {f"{d}:{w}": v for (d, w), v in figures.items()}, "error": error}
+    errors = []
+    for bad in [(2**20, "sideways"), (2**20 + 8, "local")]:
+        try:
+            _uccl_ep.testing.nvl_copy_bench(0, 4, bad[0], 7168, 3, 4, False, bad[1], 1)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return {"figures": {f"{d}:{w}": v for (d, w), v in figures.items()}, "errors": errors}
 
 
 def test_the_copy_bench_moves_the_bytes_it_times():
     """bench/copies.py's kernel on one GPU: each direction and way of copying moves its source's bytes (the bench
     checks the head and tail of every block's span against the source's pattern and raises otherwise) at a rate
-    an H100/H200 gives (more than 50 GB/s with 12 SMs); a direction it does not know is refused by name."""
+    an H100/H200 gives (more than 50 GB/s with 12 SMs); a direction it does not know, or a span bulk copies cannot
+    address, is refused by name before anything runs (a misaligned bulk copy would break the process's CUDA
+    context)."""
     results = launch(HERE, "gpu_copies", 1, args=[1], platform="gpu", timeout_s=180)
     assert all(x.ok for x in results), describe(results)
     r = results[0].result
     assert all(v > 50 for v in r["figures"].values()), r
-    assert "local, push or pull, not sideways" in r["error"], r
+    assert "local, push or pull, not sideways" in r["errors"][0], r
+    assert "bytes_per_block (1048584)" in r["errors"][1] and "multiples of 16" in r["errors"][1], r

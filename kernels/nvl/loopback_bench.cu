@@ -370,6 +370,10 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
   if (stages * producers > kMaxStages * 4 || uint64_t(stages) * producers * stage_bytes > kBulkSharedBytes)
     throw std::invalid_argument("copy_bench: too many stages");
   if (!warps && stages < 2) throw std::invalid_argument("copy_bench: at least 2 stages (one refills behind the other)");
+  if (bytes_per_block % 16 || stage_bytes % 16 || stage_bytes == 0)
+    throw std::invalid_argument("copy_bench: bytes_per_block (" + std::to_string(bytes_per_block) +
+                                ") and stage_bytes (" + std::to_string(stage_bytes) +
+                                ") must be multiples of 16 bytes (bulk copies need it)");
   int gpus_here = 0;
   check(cudaGetDeviceCount(&gpus_here), "cudaGetDeviceCount");
   if (gpus < 1 || cuda_device + gpus > gpus_here)
