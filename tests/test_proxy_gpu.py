@@ -178,9 +178,9 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
     send/receive splits other than the default (a half with bulk copies, a third with SM stores), 4 and 8 ranks
     sharing the GPU (every member's copy of a token in one combine stage; items with gaps), routing scans of 1, 2, 4
     and 8 tokens per thread, one way (members that send us no rows at all), and small rows that share a send job
-    (hidden 2048 and 4096, several ranks). Every row of the last dispatch (with
-    its FP8 scales) is compared with the sender's input, every local expert's row count with the routing, and every
-    combined sum with x times the token's copies (host-side)."""
+    (hidden 2048 and 4096, several ranks). Every row of the last dispatch (with its FP8 scales) is compared with the
+    sender's input, every local expert's row count with the routing, and every combined sum with x times the token's
+    copies (host-side)."""
     cases = [
         (budget, send, bulk, tokens, hidden, 8, 64, fp8, ranks, one_way)
         for budget, send, tokens, hidden, ranks, one_way in [
