@@ -28,6 +28,24 @@ T* device_alloc(size_t count) {
   return static_cast<T*>(p);
 }
 
+// Throws unless GPUs first to first + count - 1 are present; `who` names the bench.
+void require_gpus(const char* who, int first, int count) {
+  int present = 0;
+  check(cudaGetDeviceCount(&present), "cudaGetDeviceCount");
+  if (count < 1 || first + count > present)
+    throw std::invalid_argument(std::string(who) + ": GPUs " + std::to_string(first) + " to " +
+                                std::to_string(first + count - 1) + " asked for, " + std::to_string(present) +
+                                " present");
+}
+
+// Waits until GPUs first to first + count - 1 are idle.
+void synchronize_gpus(int first, int count) {
+  for (int g = first; g < first + count; ++g) {
+    check(cudaSetDevice(g), "cudaSetDevice");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+}
+
 // Holds its stream for about `ns` nanoseconds (the spans' gate).
 __global__ void sleep_kernel(uint64_t ns) {
   const uint64_t start = global_ns();
@@ -63,19 +81,9 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     throw std::invalid_argument(
         "loopback_bench: 1 to 8 ranks, tokens >= 1, hidden a multiple of 128, 1 <= topk <= experts (one way: the "
         "experts of a rank), experts divisible by the ranks, iters >= 1, 1 to num_ranks GPUs");
-  int gpus_here = 0;
-  check(cudaGetDeviceCount(&gpus_here), "cudaGetDeviceCount");
-  if (a.cuda_device + a.num_gpus > gpus_here)
-    throw std::invalid_argument("loopback_bench: GPUs " + std::to_string(a.cuda_device) + " to " +
-                                std::to_string(a.cuda_device + a.num_gpus - 1) + " asked for, " +
-                                std::to_string(gpus_here) + " present");
+  require_gpus("loopback_bench", a.cuda_device, a.num_gpus);
   const auto gpu_of = [&](int r) { return a.cuda_device + r % a.num_gpus; };
-  const auto synchronize_all = [&] {
-    for (int g = 0; g < a.num_gpus; ++g) {
-      check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
-      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    }
-  };
+  const auto synchronize_all = [&] { synchronize_gpus(a.cuda_device, a.num_gpus); };
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
   const size_t message =
       std::max(dispatch_message_bytes(T, x_row, scale_row, K, true), combine_message_bytes(T, H, FloatType::kBF16));
@@ -374,12 +382,7 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
     throw std::invalid_argument("copy_bench: bytes_per_block (" + std::to_string(bytes_per_block) +
                                 ") and stage_bytes (" + std::to_string(stage_bytes) +
                                 ") must be multiples of 16 bytes (bulk copies need it)");
-  int gpus_here = 0;
-  check(cudaGetDeviceCount(&gpus_here), "cudaGetDeviceCount");
-  if (gpus < 1 || cuda_device + gpus > gpus_here)
-    throw std::invalid_argument("copy_bench: GPUs " + std::to_string(cuda_device) + " to " +
-                                std::to_string(cuda_device + gpus - 1) + " asked for, " + std::to_string(gpus_here) +
-                                " present");
+  require_gpus("copy_bench", cuda_device, gpus);
   const size_t bytes = size_t(blocks) * bytes_per_block;
   // GPU g's kernel copies from src[g] to dst[g]; a push writes the next GPU's memory, a pull reads it.
   std::vector<char*> mine(gpus), other(gpus);
@@ -412,12 +415,7 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
     copy_bench_kernel<<<blocks, kTransferThreads, shared, streams[g]>>>(src(g), dst(g), bytes_per_block, stage_bytes,
                                                                         stages, producers, warps);
   };
-  const auto synchronize_all = [&] {
-    for (int g = 0; g < gpus; ++g) {
-      check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
-      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    }
-  };
+  const auto synchronize_all = [&] { synchronize_gpus(cuda_device, gpus); };
   synchronize_all();  // the patterns are in before any stream copies them
   for (int i = 0; i < 2; ++i)
     for (int g = 0; g < gpus; ++g) {
@@ -436,7 +434,8 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
   check(cudaGetLastError(), "copy_bench_kernel");
   // What arrived: the head and tail of every block's span in GPU g's destination hold the source GPU's pattern.
   double slowest_ms = 0;
-  const size_t probe_bytes = std::min<size_t>(bytes_per_block / stage_bytes * stage_bytes / 2, 64 << 10);
+  const size_t copied = bytes_per_block / stage_bytes * stage_bytes;  // of each block's span
+  const size_t probe_bytes = std::min<size_t>(copied / 2, 64 << 10);
   std::vector<char> probe(probe_bytes);
   std::string mismatch;
   for (int g = 0; g < gpus; ++g) {
@@ -446,7 +445,6 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
     slowest_ms = std::max(slowest_ms, double(ms));
     const int from = direction == CopyDirection::kPull ? (g + 1) % gpus : g;
     const int to = direction == CopyDirection::kPush ? (g + 1) % gpus : g;
-    const size_t copied = bytes_per_block / stage_bytes * stage_bytes;  // of each block's span
     for (int b = 0; b < blocks; ++b)
       for (size_t at : {size_t(b) * bytes_per_block, size_t(b) * bytes_per_block + copied - probe_bytes}) {
         check(cudaMemcpy(probe.data(), other[to] + at, probe_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
