@@ -13,13 +13,10 @@
 #include "../../proxy/host_memory.hpp"
 #include "../settings.hpp"
 #include "api.hpp"
+#include "device_common.cuh"
 
 namespace uccl_ep::nvl {
 namespace {
-
-void check(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) throw std::runtime_error("uccl_ep nvl: " + what + ": " + cudaGetErrorString(e));
-}
 
 struct DriverMemOps {
   PFN_cuStreamWriteValue64_v11070 write = nullptr;
@@ -164,14 +161,8 @@ void NvlDevice::connect(const std::vector<std::vector<uint8_t>>& ipc_handles,
   for (int p = 0; p < num_ranks_; ++p) {
     if (p == rank_) continue;
     if (same_process[p]) {
-      // Same process: map the peer's allocation directly (a peer on this very GPU needs no access enabled).
-      cudaError_t e = same_process[p]->cuda_device() == device_
-                          ? cudaSuccess
-                          : cudaDeviceEnablePeerAccess(same_process[p]->cuda_device(), 0);
-      if (e == cudaErrorPeerAccessAlreadyEnabled)
-        cudaGetLastError();
-      else
-        check(e, "cudaDeviceEnablePeerAccess to GPU " + std::to_string(same_process[p]->cuda_device()));
+      // Same process: map the peer's allocation directly.
+      enable_peer_access(device_, same_process[p]->cuda_device());
       peer_buffers_[p] = same_process[p]->buffer_;
     } else {
       if (ipc_handles[p].size() != sizeof(cudaIpcMemHandle_t))

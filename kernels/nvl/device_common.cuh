@@ -18,8 +18,20 @@ constexpr int kWarp = 32;
 constexpr int kTransferThreads = 512;  // threads of normal mode's send and receive blocks
 constexpr int kTransferWarps = kTransferThreads / kWarp;
 
-inline void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep nvl: ") + what + ": " + cudaGetErrorString(e));
+inline void check(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw std::runtime_error("uccl_ep nvl: " + what + ": " + cudaGetErrorString(e));
+}
+
+// Lets the current GPU, `device`, reach GPU `peer`'s memory. A GPU reaches its own without it, and access enabled
+// earlier (by another buffer or bench of this process) stays as it is.
+inline void enable_peer_access(int device, int peer) {
+  if (peer == device) return;
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();  // clears the error it left behind
+    return;
+  }
+  check(e, "cudaDeviceEnablePeerAccess to GPU " + std::to_string(peer));
 }
 
 inline size_t align16(size_t n) { return (n + 15) / 16 * 16; }

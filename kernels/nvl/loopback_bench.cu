@@ -390,14 +390,7 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
   std::vector<cudaEvent_t> starts(gpus), stops(gpus);
   for (int g = 0; g < gpus; ++g) {
     check(cudaSetDevice(cuda_device + g), "cudaSetDevice");
-    const int next = cuda_device + (g + 1) % gpus;
-    if (next != cuda_device + g) {
-      const cudaError_t e = cudaDeviceEnablePeerAccess(next, 0);
-      if (e == cudaErrorPeerAccessAlreadyEnabled)
-        cudaGetLastError();
-      else
-        check(e, "cudaDeviceEnablePeerAccess");
-    }
+    enable_peer_access(cuda_device + g, cuda_device + (g + 1) % gpus);
     mine[g] = device_alloc<char>(bytes);
     other[g] = device_alloc<char>(bytes);
     fill_pattern_kernel<<<1024, 256>>>(mine[g], bytes, g);
