@@ -267,7 +267,19 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
     if isinstance(handle, TwoLevelHandle):
         # Sum within the node, then cross back once.
         return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
-    return _call_along(handle, "combine", y, handle.is_token_in_rank.shape[0], after)
+    t = handle.is_token_in_rank.shape[0]
+    (out,) = ep_call(
+        "combine",
+        (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
+        y,
+        handle.is_token_in_rank,
+        handle.recv_counts,
+        axis_name=handle.axis_name,
+        after=after,
+        overflow=_OVERFLOW_CODES[handle.overflow],
+        **_level_args(handle.level),
+    )
+    return out
 
 
 def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: jax.Array | None = None) -> jax.Array:
@@ -275,15 +287,10 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: ja
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         across = _cached_dispatch_call(x, handle.across, forwarded, after=after)
         return _cached_dispatch_call(across, handle.within, capacity)
-    return _call_along(handle, "cached_dispatch", x, capacity, after)
-
-
-def _call_along(handle: Handle, op: str, data: jax.Array, rows: int, after: jax.Array | None) -> jax.Array:
-    """One level's `op` ("combine" or "cached_dispatch") of `data` along the routing `handle` holds: `rows` rows out."""
     (out,) = ep_call(
-        op,
-        (jax.ShapeDtypeStruct((rows, data.shape[1]), data.dtype),),
-        data,
+        "cached_dispatch",
+        (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
+        x,
         handle.is_token_in_rank,
         handle.recv_counts,
         axis_name=handle.axis_name,
