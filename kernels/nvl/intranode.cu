@@ -697,7 +697,7 @@ __device__ __forceinline__ void publish_frontier(int* frontier, int producer, in
 // A bulk sender's announcer, one thread past the producers: until every producer's frontier reaches `end`, each time
 // the least of them passes `announced` it announces it (announce(least): everything before it has landed; the fence
 // puts the release after the producers' copies). The producers only publish, so none of them stalls on a
-// system-scope release while its loaded stages wait (that cost the senders 2-3% of their span).
+// system-scope release while its loaded stages wait.
 template <class Announce>
 __device__ void announce_frontiers(const int* frontier, int producers, int end, int announced, Announce&& announce) {
   while (announced < end) {
@@ -1242,8 +1242,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_send_kernel(Combi
 // they move in stage-sized pieces, members taken in turn (job j: piece j / M of member j % M), dealt out over
 // kProducers threads (job j to producer j % kProducers), each with its own stages. Each publishes its frontier (the
 // next job of its own it has not completed), and the first thread past them announces to each member what the least
-// frontier covers. Rows past
-// y's capacity (dropped by the dispatch) go back as zeros, written by the block before the pieces move.
+// frontier covers. Rows past y's capacity (dropped by the dispatch) go back as zeros, written by the block before the
+// pieces move.
 __device__ void combine_send_bulk(const CombineSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kCombineSend);
   extern __shared__ __align__(128) char smem[];
