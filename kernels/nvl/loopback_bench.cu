@@ -384,7 +384,6 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
                                 ") must be multiples of 16 bytes (bulk copies need it)");
   require_gpus("copy_bench", cuda_device, gpus);
   const size_t bytes = size_t(blocks) * bytes_per_block;
-  // GPU g's kernel copies from src[g] to dst[g]; a push writes the next GPU's memory, a pull reads it.
   std::vector<char*> mine(gpus), other(gpus);
   std::vector<cudaStream_t> streams(gpus);
   std::vector<cudaEvent_t> starts(gpus), stops(gpus);
@@ -401,12 +400,13 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
     check(cudaEventCreate(&stops[g]), "cudaEventCreate");
     allow_shared_bytes(kBulkSharedBytes, copy_bench_kernel);
   }
-  const auto src = [&](int g) { return direction == CopyDirection::kPull ? mine[(g + 1) % gpus] : mine[g]; };
-  const auto dst = [&](int g) { return direction == CopyDirection::kPush ? other[(g + 1) % gpus] : other[g]; };
+  // GPU g's kernel reads GPU from(g)'s `mine` and writes GPU to(g)'s `other`.
+  const auto from = [&](int g) { return direction == CopyDirection::kPull ? (g + 1) % gpus : g; };
+  const auto to = [&](int g) { return direction == CopyDirection::kPush ? (g + 1) % gpus : g; };
   const uint32_t shared = warps ? 0 : uint32_t(stages) * producers * stage_bytes;
   const auto launch = [&](int g) {
-    copy_bench_kernel<<<blocks, kTransferThreads, shared, streams[g]>>>(src(g), dst(g), bytes_per_block, stage_bytes,
-                                                                        stages, producers, warps);
+    copy_bench_kernel<<<blocks, kTransferThreads, shared, streams[g]>>>(mine[from(g)], other[to(g)], bytes_per_block,
+                                                                        stage_bytes, stages, producers, warps);
   };
   const auto synchronize_all = [&] { synchronize_gpus(cuda_device, gpus); };
   synchronize_all();  // the patterns are in before any stream copies them
@@ -436,15 +436,13 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
     float ms = 0;
     check(cudaEventElapsedTime(&ms, starts[g], stops[g]), "cudaEventElapsedTime");
     slowest_ms = std::max(slowest_ms, double(ms));
-    const int from = direction == CopyDirection::kPull ? (g + 1) % gpus : g;
-    const int to = direction == CopyDirection::kPush ? (g + 1) % gpus : g;
     for (int b = 0; b < blocks; ++b)
       for (size_t at : {size_t(b) * bytes_per_block, size_t(b) * bytes_per_block + copied - probe_bytes}) {
-        check(cudaMemcpy(probe.data(), other[to] + at, probe_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+        check(cudaMemcpy(probe.data(), other[to(g)] + at, probe_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
         for (size_t i = 0; i < probe_bytes && mismatch.empty(); ++i)
-          if (probe[i] != copy_pattern(at + i, from))
-            mismatch = "copy_bench: byte " + std::to_string(at + i) + " of GPU " + std::to_string(to) +
-                       "'s copy of GPU " + std::to_string(from) + "'s bytes differs";
+          if (probe[i] != copy_pattern(at + i, from(g)))
+            mismatch = "copy_bench: byte " + std::to_string(at + i) + " of GPU " + std::to_string(to(g)) +
+                       "'s copy of GPU " + std::to_string(from(g)) + "'s bytes differs";
       }
   }
   for (int g = 0; g < gpus; ++g) {
