@@ -1,12 +1,13 @@
 """Training step time of the same MoE transformer with each expert-parallel implementation, in one run.
 
 Trains examples/train_moe.py's model (token + position embeddings, causal attention, the package's MoE
-feed-forward: softmax top-k router, SwiGLU experts, load-balancing loss; AdamW; float32) once per implementation,
-with the same sizes, seed and data:
+feed-forward: softmax top-k router, SwiGLU experts, load-balancing loss; AdamW; float32 parameters, the experts'
+matmuls in --compute-dtype) once per implementation, with the same sizes, seed and data:
 
-  uccl        jax_uccl_ep dispatch/combine                             (jax_uccl_ep.layers.moe_ffn_local)
-  all_to_all  jax.lax.all_to_all on a fixed-capacity [R, C, D] buffer   (moe_layer.moe_ffn_all_to_all; GShard/MaxText)
-  ragged      jax.lax.ragged_all_to_all, dropless                      (moe_layer.moe_ffn_ragged; MaxText)
+  uccl        jax_uccl_ep dispatch/combine, dropless, grouped matmuls  (jax_uccl_ep.layers.moe_ffn_local)
+  all_to_all  MaxText's GPU path: all_to_all of an [E, C, D] buffer at capacity factor --a2a-capacity-factor,
+              experts as batched einsums                               (moe_layer.moe_ffn_all_to_all)
+  ragged      jax.lax.ragged_all_to_all, dropless, grouped matmuls     (moe_layer.moe_ffn_ragged; MaxText's)
   dense       every expert on every token, expert weights all-gathered (jax_uccl_ep.layers.moe_ffn_reference; no EP)
 
 Each implementation runs in its own child process (`python examples/train_moe.py --json ...`) that drives every
@@ -17,12 +18,14 @@ tokens/s = tokens per step (all devices) / that median. "vs uccl" is step time /
 The losses of all implementations should agree to float rounding (same model, data and initialization): the
 "|loss - dense|" column is the largest difference over the steps.
 
-The three EP implementations run their local experts the same way, the package's grouped SwiGLU experts
-(jax.lax.ragged_dot over the chosen (row, expert) pairs), on receive buffers of static size: uccl R * tokens rows
-holding R * tokens * top-k pairs, all_to_all and ragged R * tokens * top-k rows of one pair each. dense runs every
-expert on every token. all_to_all's buffer holds C = tokens * top-k slots per destination by default (never drops;
---a2a-capacity to shrink it); uccl's dispatch sends a token once to each rank that owns one of its experts, the
-others once per (token, expert) pair.
+The default sizes are a fine-grained MoE of the kind DeepSeek made standard (--preset fine: 64 experts top-8,
+d_model 2048, d_ff 1024, 4 layers, 4 x 1024 tokens per GPU); --preset v3 takes DeepSeek-V3's routing (256 experts
+top-8) at d_ff 256; --preset mixtral the older 8 experts top-2 at d_ff 4096. uccl and ragged run their experts
+through the package's grouped matmul (jax_uccl_ep.grouped: tokamax's kernels on Hopper in bf16, else
+jax.lax.ragged_dot) on receive buffers of static size (uccl R * tokens rows holding R * tokens * top-k pairs,
+ragged R * tokens * top-k rows); all_to_all drops the slots past its capacity. Besides the step, each child times
+the layer's parts as standalone jitted calls on the step's shapes (forward only: router, dispatch, experts,
+combine; and the whole layer forward+backward).
 
     python bench/train_step.py --out $OUT/train_step.json        # GPUs: defaults sized for 2x H200
     python bench/train_step.py --cpu --small                     # smoke run on 2 CPU devices (ragged: n/a)
@@ -48,19 +51,25 @@ TRAIN = os.path.join(common.REPO_ROOT, "examples", "train_moe.py")
 JSON_MARK = "TRAIN_MOE_JSON "
 IMPLS = ["uccl", "all_to_all", "ragged", "dense"]
 
-# Model sizes: a small Mixtral-like MoE (8 experts, top-2) for 2 GPUs, and a smoke-test size for CPUs.
+# Model sizes: a fine-grained MoE (64 experts, top-8: the issue's user), DeepSeek-V3's routing, the older
+# Mixtral-like MoE (8 experts, top-2), and a smoke-test size for CPUs.
 GPU_SIZES = dict(
     d_model=2048,
-    d_ff=4096,
+    d_ff=1024,
     heads=16,
-    experts=8,
-    top_k=2,
+    experts=64,
+    top_k=8,
     layers=4,
     seq_len=1024,
     batch_per_device=4,
-    steps=30,
+    steps=20,
     warmup=5,
 )
+PRESETS = {
+    "fine": GPU_SIZES,
+    "v3": dict(GPU_SIZES, experts=256, d_ff=256),
+    "mixtral": dict(GPU_SIZES, experts=8, top_k=2, d_ff=4096),
+}
 SMALL_SIZES = dict(
     d_model=64, d_ff=128, heads=4, experts=4, top_k=2, layers=2, seq_len=32, batch_per_device=4, steps=6, warmup=2
 )
@@ -73,6 +82,8 @@ HEADERS = [
     "vs uccl",
     "final loss",
     "|loss - dense|",
+    "layer fwd / fwd+bwd ms",
+    "router / dispatch / experts / combine ms",
     "1st step s",
     "error",
 ]
@@ -81,6 +92,7 @@ HEADERS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}, in run order")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="fine", help="model sizes (see above)")
     ap.add_argument("--small", action="store_true", help=f"smoke-test sizes {SMALL_SIZES}")
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=--devices)")
     ap.add_argument("--devices", type=int, default=2, help="CPU devices with --cpu")
@@ -89,16 +101,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--" + name.replace("_", "-"),
             type=int,
             default=None,
-            help=f"default {value} ({SMALL_SIZES[name]} with --small)",
+            help=f"default {value} with --preset fine ({SMALL_SIZES[name]} with --small)",
         )
     ap.add_argument(
-        "--a2a-capacity",
-        type=int,
-        default=None,
-        help="all_to_all: slots per (sender, receiver); default tokens * top-k (never drops)",
+        "--a2a-capacity-factor",
+        type=float,
+        default=1.25,
+        help="all_to_all: slots per (sender, expert) = factor x tokens x top-k / experts (MaxText's; 0: never drops)",
+    )
+    ap.add_argument(
+        "--compute-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="the experts' matmuls for every implementation (auto: bfloat16 on GPUs)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: train_moe's)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW's peak learning rate")
+    ap.add_argument("--lr-warmup-steps", type=int, default=10, help="linear warmup; with --clip-norm, no loss spikes")
+    ap.add_argument("--clip-norm", type=float, default=1.0, help="gradient clipping by global norm (0: none)")
     ap.add_argument(
         "--timeout",
         type=float,
@@ -108,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="echo each child's per-step lines")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    sizes = SMALL_SIZES if args.small else GPU_SIZES
+    sizes = SMALL_SIZES if args.small else PRESETS[args.preset]
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -124,12 +144,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
     """examples/train_moe.py's arguments for one implementation (the same model for all)."""
-    argv = (["--lr", str(args.lr)] if args.lr is not None else []) + [
+    argv = [
+        "--lr",
+        str(args.lr),
+        "--lr-warmup-steps",
+        str(args.lr_warmup_steps),
+        "--clip-norm",
+        str(args.clip_norm),
+        "--compute-dtype",
+        args.compute_dtype,
         "--ep-impl",
         impl,
         "--json",
         "--time-every",
-        "0",
+        str(args.steps),
         "--seed",
         str(args.seed),
         "--steps",
@@ -151,8 +179,8 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
         "--layers",
         str(args.layers),
     ]
-    if impl == "all_to_all" and args.a2a_capacity is not None:
-        argv += ["--capacity", str(args.a2a_capacity)]
+    if impl == "all_to_all" and args.a2a_capacity_factor > 0:
+        argv += ["--capacity-factor", str(args.a2a_capacity_factor)]
     return argv
 
 
@@ -221,7 +249,7 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["impl"], "", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", r["error"]])
+            rows.append([r["impl"], "", *["n/a"] * (len(HEADERS) - 3), r["error"]])
             continue
         ms = r["step_ms_median"]
         ratio = f"{ms / uccl_ms:.2f}x" if uccl_ms else "n/a"
@@ -230,7 +258,9 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             if dense_losses and len(dense_losses) == len(r["losses"])
             else "n/a"
         )
-        experts = "all" if r["impl"] == "dense" else "grouped"
+        experts = {"dense": "all", "all_to_all": "batched"}.get(r["impl"], "grouped")
+        layer = "/".join(f"{r[k]:.2f}" for k in ("moe_fwd_ms", "moe_fwd_bwd_ms") if k in r)
+        parts = "/".join(f"{r[k]:.2f}" for k in ("router_ms", "dispatch_ms", "experts_ms", "combine_ms") if k in r)
         rows.append(
             [
                 r["impl"],
@@ -241,6 +271,8 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 ratio,
                 f"{r['final_loss']:.4f}",
                 diff,
+                layer or "-",
+                parts or "-",
                 f"{r['first_step_s']:.1f}",
                 "",
             ]
@@ -255,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     header = common.run_header("see the table's title")
     tokens = args.batch_per_device * args.seq_len
     config = {k: getattr(args, k) for k in GPU_SIZES} | {
-        "a2a_capacity": args.a2a_capacity,
+        "a2a_capacity_factor": args.a2a_capacity_factor,
+        "compute_dtype": args.compute_dtype,
+        "preset": None if args.small else args.preset,
         "seed": args.seed,
         "tokens_per_device": tokens,
         "cpu": args.cpu,
@@ -282,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (
         f"training step on {desc}, one process: d_model {args.d_model}, d_ff {args.d_ff}, heads {args.heads}, "
         f"{args.experts} experts top-{args.top_k}, {args.layers} layers, {args.batch_per_device}x{args.seq_len} "
-        f"tokens/device, float32 AdamW, median of steps {args.warmup + 1}-{args.steps}"
+        f"tokens/device, float32 AdamW, experts in {args.compute_dtype} (auto: bf16 on GPUs), all_to_all at capacity "
+        f"factor {args.a2a_capacity_factor:g}, median of steps {args.warmup + 1}-{args.steps}"
     )
     common.print_table(HEADERS, table_rows(results), title=title)
     return 0 if ok else 1

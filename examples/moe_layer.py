@@ -5,8 +5,8 @@
 (``moe_ffn_local`` inside a ``shard_map``), the dense reference (``moe_ffn_reference``) and the low-latency decode
 layer (``moe_ffn_decode``). This module holds only what the package does not provide, for comparison:
 
-* ``moe_ffn_all_to_all``: expert parallelism with ``jax.lax.all_to_all`` on a fixed-capacity ``[R, C, D]`` buffer
-  (GShard / MaxText's dropping path): every (token, expert) slot gets a row in a static buffer.
+* ``moe_ffn_all_to_all``: expert parallelism as MaxText runs it on GPUs: ``jax.lax.all_to_all`` of a
+  fixed-capacity expert-major ``[E, C, D]`` buffer, the experts as batched matmuls (drops past the capacity).
 * ``moe_ffn_ragged``: expert parallelism with ``jax.lax.ragged_all_to_all`` (MaxText's dropless path): slots sorted
   by expert, exact ragged chunks. XLA:CPU has no ragged-all-to-all (jax 0.10): this one needs GPUs or TPUs.
 
@@ -65,34 +65,42 @@ def _exclusive_cumsum(a: jax.Array, axis: int = 0) -> jax.Array:
 
 
 def all_to_all_capacity(tokens: int, config: MoEConfig, num_ranks: int) -> int:
-    """``moe_ffn_all_to_all``'s slots per (sender, receiver) for ``config.capacity_factor``: the factor times the
-    slots a rank sends each rank on average (``tokens * top_k / R``), at least 1 and at most ``tokens * top_k``
-    (all of a rank's slots; never drops). None as the factor gives that maximum."""
-    slots = tokens * config.top_k
+    """``moe_ffn_all_to_all``'s slots per (sender, expert) for ``config.capacity_factor`` (MaxText's): the factor
+    times the slots a rank sends each expert on average (``tokens * top_k / E``), at least 1 and at most ``tokens``
+    (a token picks an expert once, so that never drops). None as the factor gives that maximum."""
     if config.capacity_factor is None:
-        return slots
+        return tokens
     if config.capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be positive, got {config.capacity_factor}")
-    return max(1, min(slots, math.ceil(config.capacity_factor * slots / num_ranks)))
+    return max(1, min(tokens, math.ceil(config.capacity_factor * tokens * config.top_k / config.num_experts)))
+
+
+def _batched_swiglu(params: Params, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The local experts on their own slots, as batched matmuls: ``x [E/R, C', D]`` -> ``[E/R, C', D]`` in
+    `dtype`; zero rows (empty slots) give zeros."""
+    gate = jnp.einsum("ecd,edf->ecf", x, params["w_gate"].astype(dtype))
+    up = jnp.einsum("ecd,edf->ecf", x, params["w_up"].astype(dtype))
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    return jnp.einsum("ecf,efd->ecd", h, params["w_down"].astype(dtype))
 
 
 def moe_ffn_all_to_all(
     params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str, capacity: int | None = None
 ) -> MoEOutput:
-    """The package's layer with ``jax.lax.all_to_all`` on a fixed-capacity buffer (GShard / MaxText style).
+    """The package's layer as MaxText runs it on GPUs: a fixed-capacity expert-major buffer, ``jax.lax.all_to_all``,
+    and the local experts as one batched matmul each (no grouped matmul).
 
-    Each rank puts every (token, expert) slot of its tokens in a static send buffer ``[R, C, D]``: block ``j``
-    holds, in token order, the slots whose expert lives on rank ``j``. One ``all_to_all`` delivers block ``j`` to
-    rank ``j`` (with each row's local expert index beside it), the local experts run on the ``R * C`` received rows,
-    a second ``all_to_all`` sends the outputs back to the same rows of the sender's buffer, and each token sums its
-    slots' outputs weighted by the router. A token whose two slots go to the same rank travels twice
-    (``dispatch`` sends it once).
+    Each rank puts every (token, expert) slot of its tokens in a static send buffer ``[E, C, D]``: expert ``e``'s
+    ``C`` slots hold, in token order, the first ``C`` tokens routed to it (the rest are dropped). One
+    ``all_to_all`` delivers experts ``[j*E/R, (j+1)*E/R)``'s slots to rank ``j``, which runs each local expert on its
+    ``R * C`` slots (``[E/R, R*C, D]``, batched einsums in ``config.experts_dtype``), a second ``all_to_all``
+    sends the outputs back to the same slots, and each token sums its slots' outputs weighted by the router, in
+    float32.
 
     Args:
       params, x, config, axis_name: as ``layers.moe_ffn_local`` (call inside ``jax.shard_map``).
-      capacity: ``C``, slots a rank may send to each rank; None takes it from ``config.capacity_factor``
-        (``all_to_all_capacity``; no factor: ``T * top_k``, which never drops). The slots past the first ``C`` for
-        a destination (in token order) are dropped: they add nothing to their token's output.
+      capacity: ``C``, slots a rank may send each expert; None takes it from ``config.capacity_factor``
+        (``all_to_all_capacity``; no factor: ``T``, which never drops).
 
     Returns:
       MoEOutput: y like x; this rank's aux loss; stats: [1] slots this rank received, [1] slots of this rank
@@ -101,36 +109,37 @@ def moe_ffn_all_to_all(
     local_experts, num_ranks = _local_experts("moe_ffn_all_to_all", params, config, axis_name)
     lead, d_model = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d_model)
-    top_k = config.top_k
+    top_k, num_experts = config.top_k, config.num_experts
     slots = tokens.shape[0] * top_k
     c = all_to_all_capacity(tokens.shape[0], config, num_ranks) if capacity is None else capacity
+    dtype = config.experts_dtype(params["w_gate"].dtype)
     weights, idx, aux, per_expert = _routing(params, tokens, config)
 
-    # 1. A row of the send buffer for each slot: block = destination rank, position = how many earlier slots
-    #    (in token order) go to the same rank. Slots at position >= C get the row R * C, which scatters drop.
+    # 1. A slot of the send buffer for each (token, expert): expert e's slots in token order; past C, the row E * C
+    #    (out of range: the scatter drops it, the gather reads zeros).
     expert = idx.reshape(slots)
-    dest = expert // local_experts
-    to_dest = jax.nn.one_hot(dest, num_ranks, dtype=jnp.int32)  # [S, R]
-    position = jnp.sum(_exclusive_cumsum(to_dest, axis=0) * to_dest, axis=1)  # [S]
-    row = jnp.where(position < c, dest * c + position, num_ranks * c)  # [S]
+    position = jnp.take_along_axis(
+        _exclusive_cumsum(jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)), expert[:, None], axis=1
+    )[:, 0]
+    row = jnp.where(position < c, expert * c + position, num_experts * c)  # [S]
     token = jnp.arange(slots) // top_k
-    send_x = jnp.zeros((num_ranks * c, d_model), x.dtype).at[row].set(tokens[token], mode="drop")
-    send_expert = jnp.full((num_ranks * c,), -1, jnp.int32).at[row].set(expert % local_experts, mode="drop")
+    send = jnp.zeros((num_experts * c, d_model), dtype).at[row].set(tokens[token].astype(dtype), mode="drop")
 
-    # 2. Block j to rank j: rank j receives [R * C, D], C rows from each source rank, and their local experts.
-    recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0, tiled=True)
-    recv_expert = jax.lax.all_to_all(send_expert, axis_name, 0, 0, tiled=True)
+    # 2. Rank j gets its experts' slots from every rank: [R, E/R, C, D] -> each local expert's R * C slots.
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+    recv = recv.reshape(num_ranks, local_experts, c, d_model).transpose(1, 0, 2, 3)
+    out = _batched_swiglu(params, recv.reshape(local_experts, num_ranks * c, d_model), dtype)
 
-    # 3. Local experts, unweighted (the router weights stay home); empty rows (expert -1) give zeros.
-    y = layers.swiglu_experts(params, recv_x, recv_expert[:, None])[:, 0]  # [R * C, D] float32
-
-    # 4. Back to the sender's rows; each slot reads its row (dropped slots read zeros) and tokens sum their slots.
-    back = jax.lax.all_to_all(y.astype(x.dtype), axis_name, 0, 0, tiled=True)  # [R * C, D]
+    # 3. Back to the sender's slots; each (token, expert) reads its slot (dropped ones read zeros).
+    out = out.reshape(local_experts, num_ranks, c, d_model).transpose(1, 0, 2, 3).reshape(num_experts * c, d_model)
+    back = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True)
     slot_out = back.at[row].get(mode="fill", fill_value=0).reshape(-1, top_k, d_model)
-    out = jnp.einsum("tk,tkd->td", weights, slot_out.astype(jnp.float32)).astype(x.dtype)
-    received = jnp.sum(recv_expert >= 0).astype(jnp.int32).reshape(1)
-    dropped = jnp.sum(position >= c).astype(jnp.int32).reshape(1)
-    return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, dropped, per_expert))
+    y = jnp.einsum("tk,tkd->td", weights, slot_out, preferred_element_type=jnp.float32).astype(x.dtype)
+    kept = (position < c).astype(jnp.int32)
+    received = jax.lax.psum(jnp.zeros((num_ranks,), jnp.int32).at[expert // local_experts].add(kept), axis_name)
+    received = jax.lax.dynamic_slice_in_dim(received, jax.lax.axis_index(axis_name), 1)
+    dropped = jnp.sum(1 - kept).astype(jnp.int32).reshape(1)
+    return MoEOutput(y.reshape(*lead, d_model), aux, MoEStats(received, dropped, per_expert))
 
 
 def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str) -> MoEOutput:
@@ -196,7 +205,10 @@ def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name
         segment_end, jnp.arange(recv_rows, dtype=jnp.int32), side="right", method="compare_all"
     )  # R * E/R segments: a few compares per row
     local_expert = jnp.where(segment < segment_end.shape[0], segment % local_experts, -1).astype(jnp.int32)
-    y = layers.swiglu_experts(params, recv_x, local_expert[:, None])[:, 0]  # [R * S, D] float32, padding zeros
+    dtype = config.experts_dtype(params["w_gate"].dtype)
+    y = layers.swiglu_experts(
+        params, recv_x, local_expert[:, None], compute_dtype=dtype, backend=config.grouped_matmul
+    )  # [R * S, D] float32, padding zeros
 
     # 5. The reverse exchange: source i's rows go back to where they started in its send_x.
     back = jax.lax.ragged_all_to_all(

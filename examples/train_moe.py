@@ -22,9 +22,9 @@ float rounding:
 
 * ``uccl`` (default): jax_uccl_ep dispatch/combine (``jax_uccl_ep.layers.moe_ffn_local``; ``--capacity-factor``
   bounds the rows each device receives and drops the rest, tokens in order of source device; default: never drops);
-* ``all_to_all``: ``jax.lax.all_to_all`` on a fixed-capacity ``[R, C, D]`` buffer, GShard/MaxText style
-  (``examples/moe_layer.py``'s ``moe_ffn_all_to_all``; C from ``--capacity-factor`` or ``--capacity``, default
-  tokens * top-k: never drops);
+* ``all_to_all``: MaxText's GPU path: ``jax.lax.all_to_all`` of a fixed-capacity expert-major ``[E, C, D]``
+  buffer, the experts as batched matmuls (``examples/moe_layer.py``'s ``moe_ffn_all_to_all``; C slots per expert
+  from ``--capacity-factor`` or ``--capacity``, default tokens: never drops);
 * ``ragged``: ``jax.lax.ragged_all_to_all``, MaxText's dropless path (``moe_ffn_ragged``; not on XLA:CPU);
 * ``dense``: the package's reference (``jax_uccl_ep.layers.moe_ffn_reference``: every expert on every token, expert
   weights all-gathered).
@@ -65,6 +65,8 @@ from jax_uccl_ep import layers
 
 AXIS = "ep"
 JSON_MARK = "TRAIN_MOE_JSON "
+# LayerTimer's standalone timings (ms), in the order they print.
+PART_KEYS = ("moe_fwd_ms", "moe_fwd_bwd_ms", "router_ms", "dispatch_ms", "experts_ms", "combine_ms")
 
 
 class Config(NamedTuple):
@@ -80,6 +82,7 @@ class Config(NamedTuple):
     num_layers: int = 2
     aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per MoE layer
     capacity_factor: float | None = None  # rows a device may receive per its tokens' slots (None: never drops)
+    compute_dtype: str | None = None  # the experts' matmuls (None: bfloat16 on GPUs, the parameters' elsewhere)
 
     def moe(self) -> layers.MoEConfig:
         """The MoE layers' configuration."""
@@ -88,6 +91,7 @@ class Config(NamedTuple):
             top_k=self.top_k,
             aux_loss_coef=self.aux_loss_coef,
             capacity_factor=self.capacity_factor,
+            compute_dtype=self.compute_dtype,
         )
 
 
@@ -185,11 +189,11 @@ EP_IMPLS = tuple(moe_layer.LAYERS)  # uccl, all_to_all, ragged, dense
 def moe_fn_for(impl: str, cfg: Config, capacity: int | None = None) -> MoeFn:
     """The MoE feed-forward of one rank: (params, x [..., D]) -> MoEOutput (inside shard_map).
 
-    capacity: all_to_all's slots per (sender, receiver), overriding cfg.capacity_factor; None for the others.
+    capacity: all_to_all's slots per (sender, expert), overriding cfg.capacity_factor; None for the others.
     """
     if capacity is not None:
         if impl != "all_to_all":
-            raise ValueError(f"capacity (slots per sender and receiver) is all_to_all's; {impl} takes capacity_factor")
+            raise ValueError(f"capacity (slots per sender and expert) is all_to_all's; {impl} takes capacity_factor")
         return partial(moe_layer.moe_ffn_all_to_all, config=cfg.moe(), axis_name=AXIS, capacity=capacity)
     return moe_layer.local_layer(impl, cfg.moe(), axis_name=AXIS)
 
@@ -257,30 +261,50 @@ class LayerTimer:
         self.w = _global_array(w / w.sum(axis=1, keepdims=True), shard)
         moe_fn = moe_fn_for(impl, cfg, capacity)
         specs = layers.moe_param_specs(AXIS)
-        self.layer = jax.jit(
-            jax.shard_map(lambda p, x: moe_fn(p, x).y, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P(AXIS))
-        )
+        moe = cfg.moe()
+        dtype = moe.experts_dtype(jnp.float32)
+
+        def shard(fn, in_specs, out_specs=P(AXIS)):
+            return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+        def layer_grads(p, x):
+            return jax.grad(lambda p, x: jnp.sum(moe_fn(p, x).y), argnums=(0, 1))(p, x)
+
+        self.layer = shard(lambda p, x: moe_fn(p, x).y, (specs, P(AXIS)))
+        self.layer_grads = shard(layer_grads, (specs, P(AXIS)), (specs, P(AXIS)))
         # The rows the layer's own dispatch may receive (moe_ffn_local's, from the capacity factor).
         rows = None
         if cfg.capacity_factor is not None:
             rows = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.capacity_factor)
 
         def dispatch(x, idx, w):
-            res = ep.dispatch(x, idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=rows, overflow="drop")
-            return res.x, res.handle
+            res = ep.dispatch(
+                x.astype(dtype), idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=rows, overflow="drop"
+            )
+            return res.x, res.topk_idx, res.topk_weights, res.handle
 
-        def combine(y, handle):
-            return ep.combine(y, handle)
+        def experts(p, rows, idx, w):
+            return layers.swiglu_experts(p, rows, idx, w, compute_dtype=dtype, backend=moe.grouped_matmul)
 
-        self.dispatch = jax.jit(jax.shard_map(dispatch, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-        self.combine = jax.jit(jax.shard_map(combine, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        self.router = shard(lambda p, x: layers.route(p["router"], x, moe)[:2], (specs, P(AXIS)))
+        self.dispatch = shard(dispatch, P(AXIS))
+        self.experts = shard(experts, (specs, P(AXIS), P(AXIS), P(AXIS)))
+        self.combine = shard(lambda y, handle: ep.combine(y.astype(dtype), handle), P(AXIS))
 
     def measure(self, moe_params: dict) -> dict[str, float]:
-        out = {"moe_fwd_ms": _median_ms(lambda: self.layer(moe_params, self.x))}
+        """Median ms of standalone calls: the layer forward and forward+backward; for uccl also its parts
+        (router, dispatch, experts, combine; forward)."""
+        out = {
+            "moe_fwd_ms": _median_ms(lambda: self.layer(moe_params, self.x)),
+            "moe_fwd_bwd_ms": _median_ms(lambda: self.layer_grads(moe_params, self.x)),
+        }
         if self.impl == "uccl":
-            recv_x, handle = self.dispatch(self.x, self.idx, self.w)
+            rows, idx, w, handle = self.dispatch(self.x, self.idx, self.w)
+            y = self.experts(moe_params, rows, idx, w)
+            out["router_ms"] = _median_ms(lambda: self.router(moe_params, self.x))
             out["dispatch_ms"] = _median_ms(lambda: self.dispatch(self.x, self.idx, self.w))
-            out["combine_ms"] = _median_ms(lambda: self.combine(recv_x, handle))
+            out["experts_ms"] = _median_ms(lambda: self.experts(moe_params, rows, idx, w))
+            out["combine_ms"] = _median_ms(lambda: self.combine(y, handle))
         return out
 
 
@@ -330,10 +354,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--capacity",
         type=int,
         default=None,
-        help="all_to_all only: slots each device sends to each device (default: from --capacity-factor, or "
-        "tokens * top-k: never drops); uccl takes --capacity-factor; ignored by ragged and dense",
+        help="all_to_all only: slots each device sends to each expert (default: from --capacity-factor, or "
+        "tokens: never drops); uccl takes --capacity-factor; ignored by ragged and dense",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="the experts' matmuls (parameters stay float32; outputs summed in float32): auto = bfloat16 on GPUs, "
+        "float32 elsewhere",
     )
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warmup from 0 (0: none)")
+    p.add_argument("--clip-norm", type=float, default=0.0, help="clip gradients to this global norm (0: no clipping)")
     p.add_argument("--time-every", type=int, default=10, help="time the MoE layer every N steps (0: never)")
     p.add_argument("--json", action="store_true", help=f"print a final '{JSON_MARK}{{...}}' line on process 0")
     return p.parse_args(argv)
@@ -355,6 +388,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         num_layers=args.layers,
         aux_loss_coef=args.aux_loss_coef,
         capacity_factor=args.capacity_factor,
+        compute_dtype=None if args.compute_dtype == "auto" else args.compute_dtype,
     )
     if args.capacity is not None and args.ep_impl == "uccl":
         raise SystemExit("--capacity counts all_to_all's slots; bound uccl's received rows with --capacity-factor")
@@ -374,6 +408,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         f"train_moe: {r} device(s) [{devices[0].platform}] in {jax.process_count()} process(es), "
         f"ep-impl={args.ep_impl}, {cfg.num_experts} SwiGLU experts ({cfg.num_experts // r}/device), "
         f"top-{cfg.top_k}, aux loss x{cfg.aux_loss_coef:g}, "
+        f"experts in {cfg.moe().experts_dtype(jnp.float32).name}, "
         + (f"capacity factor {cfg.capacity_factor:g}, " if cfg.capacity_factor is not None else "")
         + (f"capacity {capacity} slots, " if capacity is not None else "")
         + f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, heads={cfg.num_heads}, layers={cfg.num_layers}, "
@@ -383,7 +418,12 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     specs = param_specs(cfg)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     params = jax.jit(lambda: init_params(jax.random.key(args.seed), cfg), out_shardings=shardings)()
-    optimizer = optax.adamw(args.lr, weight_decay=0.01)
+    # Linear warmup and clipping keep AdamW's first steps (sign-sized updates of every parameter) from spiking
+    # the loss of a large model; both are off by default.
+    learning_rate = optax.linear_schedule(0.0, args.lr, args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
+    optimizer = optax.adamw(learning_rate, weight_decay=0.01)
+    if args.clip_norm:
+        optimizer = optax.chain(optax.clip_by_global_norm(args.clip_norm), optimizer)
     # The optimizer's moments are sharded like the parameters (its step count is replicated). Say so explicitly:
     # zeros that depend on no input would otherwise land on one device.
     replicated = NamedSharding(mesh, P())
@@ -434,9 +474,9 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         if timer is not None and (step % args.time_every == 0 or step == args.steps):
             t = timer.measure(params["layers"][0]["moe"])
             timings.append(t)
-            line += f"  | moe fwd {t['moe_fwd_ms']:.2f} ms"
+            line += f"  | moe fwd {t['moe_fwd_ms']:.2f} ms, fwd+bwd {t['moe_fwd_bwd_ms']:.2f} ms"
             if "dispatch_ms" in t:
-                line += f", dispatch {t['dispatch_ms']:.2f} ms, combine {t['combine_ms']:.2f} ms"
+                line += ", " + ", ".join(f"{k[:-3]} {t[k]:.2f}" for k in PART_KEYS[2:]) + " ms"
         say(line)
 
     ep.check_errors()  # GPU kernels report bad routing or exceeded capacity here (CPU ops raise themselves)
@@ -446,6 +486,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         "aux_loss_coef": cfg.aux_loss_coef,
         "capacity_factor": cfg.capacity_factor,
         "capacity": capacity,
+        "compute_dtype": cfg.moe().experts_dtype(jnp.float32).name,
         "devices": r,
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
@@ -458,17 +499,13 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         "step_ms": [t * 1e3 for t in step_s],  # wall time of each step, the first one with compilation
         "tokens_per_s": tokens_per_step / float(np.median(steady)) if steady else 0.0,
     }
-    for key in ("moe_fwd_ms", "dispatch_ms", "combine_ms"):
+    for key in PART_KEYS:
         values = [t[key] for t in timings if key in t]
         if values:
             summary[key] = float(np.median(values))
     if losses:
         k = min(5, len(losses))
-        timed = [
-            f"{key[:-3].replace('_', ' ')} {summary[key]:.2f} ms"
-            for key in ("moe_fwd_ms", "dispatch_ms", "combine_ms")
-            if key in summary
-        ]
+        timed = [f"{key[:-3].replace('_', ' ')} {summary[key]:.2f} ms" for key in PART_KEYS if key in summary]
         say(
             f"summary: loss {np.mean(losses[:k]):.4f} (first {k} steps) -> {np.mean(losses[-k:]):.4f} "
             f"(last {k}); floor (chain entropy) {summary['loss_floor']:.4f}; aux {np.mean(aux_losses[-k:]):.4f} "

@@ -284,6 +284,17 @@ def _varying(outputs, axes):
     return jax.tree.map(cast, outputs)
 
 
+def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """`cotangent` with exactly `primal`'s varying manual axes, as JAX checks a custom VJP's outputs: summed over
+    the axes only it varies over (the transpose of broadcasting an invariant value), marked varying over those only
+    the primal varies over (a kernel's outputs carry none)."""
+    have, want = _varying_axes(cotangent), _varying_axes(primal)
+    extra = tuple(sorted(have - want))
+    if extra:
+        cotangent = jax.lax.psum(cotangent, extra)
+    return _varying(cotangent, tuple(sorted(want)))
+
+
 def ep_call(op, results, *operands, axis_name=None, varying_over=(), ordered=True, after=None, **attrs):
     """call(), with outputs that vary over the EP axis and every axis its operands vary over."""
     outs = call(op, results, *operands, axis_name=axis_name, ordered=ordered, after=after, **attrs)

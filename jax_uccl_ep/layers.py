@@ -8,14 +8,17 @@ parity checks. ``moe_ffn_decode`` is the low-latency variant for decoding (forwa
 
 Each token goes to its top-k experts: ``y = sum_k w_k * expert_{i_k}(x)`` with SwiGLU experts
 ``expert_e(x) = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Rank r of the EP axis (size R) owns experts
-``[r*E/R, (r+1)*E/R)``; on each rank the received (row, expert) pairs run as grouped matmuls
-(``jax.lax.ragged_dot``) over its experts. Parameters (global shapes; ``moe_param_specs`` shards the experts)::
+``[r*E/R, (r+1)*E/R)``; on each rank the received (row, expert) pairs run as grouped matmuls over its experts
+(``grouped.grouped_matmul``: Pallas Mosaic kernels on Hopper GPUs in bf16, ``jax.lax.ragged_dot`` elsewhere), in
+``MoEConfig.compute_dtype`` (bf16 on GPUs by default) while the parameters stay in theirs and each token's expert
+outputs are summed in float32. Parameters (global shapes; ``moe_param_specs`` shards the experts)::
 
     {"router": [D, E], "w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -25,6 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ._ffi import _varying, _varying_axes, like_primal
+from .grouped import GroupedBackend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
 
@@ -59,6 +64,15 @@ class MoEConfig:
     capacity_factor: float | None = None  # rows a rank may receive, per its tokens' top-k slots (None: never drops)
     overflow: Literal["drop", "error"] = "drop"  # rows past that capacity: dropped (MaxText's), or an error
     fp8_dispatch: bool = False  # rows travel as FP8 (dispatch's use_fp8; the backward stays in x's dtype)
+    compute_dtype: Any = None  # the experts' matmuls (and dispatched rows): None = bfloat16 on GPUs, else params'
+    grouped_matmul: GroupedBackend = "auto"  # the experts' grouped matmuls: Mosaic kernels where they run, else XLA's
+
+    def experts_dtype(self, param_dtype: Any) -> jnp.dtype:
+        """The dtype the experts compute in for parameters of `param_dtype`: compute_dtype, else bfloat16 on
+        GPUs (as models train) and the parameters' own elsewhere."""
+        if self.compute_dtype is not None:
+            return jnp.dtype(self.compute_dtype)
+        return jnp.dtype(jnp.bfloat16) if jax.default_backend() == "gpu" else jnp.dtype(param_dtype)
 
 
 class MoEStats(NamedTuple):
@@ -134,23 +148,93 @@ def _routing_stats(scores: jax.Array, idx: jax.Array, config: MoEConfig) -> tupl
     return aux, per_expert
 
 
-def swiglu_experts(params: Params, rows: jax.Array, expert: jax.Array) -> jax.Array:
-    """Each row of ``rows [N, D]`` through its chosen local experts only: ``[N, K, D]`` float32, zeros for slots
-    with expert -1. The (row, slot) pairs are sorted by expert so that each expert's rows are contiguous, the
-    three matmuls run as ``jax.lax.ragged_dot`` over those groups, and outputs go back to (row, slot) order."""
+def _pair_order(expert: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(row, slot) pairs of ``expert [N, K]`` (local expert, or -1 for none) sorted by expert, stably: (order [N*K]:
+    sorted position -> pair, inverse [N*K]: pair -> sorted position, pairs per expert [groups] int32). Pairs
+    without an expert sort after every group."""
+    flat = expert.reshape(-1)
+    key = jnp.where((flat < 0) | (flat >= groups), groups, flat)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    sizes = jnp.bincount(key, length=groups).astype(jnp.int32)  # key == groups counts in no group
+    return order, inverse, sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rows_of_pairs(rows: jax.Array, order: jax.Array, inverse: jax.Array, slots: int) -> jax.Array:
+    """``rows [N, D]`` -> ``[N*K, D]``: sorted pair m gets row ``order[m] // K``. Its transpose sums each row's K
+    pairs by gathering them (``inverse``), not by a scatter-add."""
+    return jnp.take(rows, order // slots, axis=0)
+
+
+def _rows_of_pairs_fwd(rows, order, inverse, slots):
+    # rows[:0] keeps only the primal's type: its cotangent must vary over the same mesh axes.
+    return _rows_of_pairs(rows, order, inverse, slots), (order, inverse, rows[:0])
+
+
+def _rows_of_pairs_bwd(slots, residuals, d_pairs):
+    order, inverse, rows_type = residuals
+    per_row = jnp.take(d_pairs, inverse, axis=0).reshape(-1, slots, d_pairs.shape[-1])
+    d_rows = jnp.sum(per_row, axis=1, dtype=jnp.float32).astype(rows_type.dtype)
+    return like_primal(d_rows, rows_type), None, None
+
+
+_rows_of_pairs.defvjp(_rows_of_pairs_fwd, _rows_of_pairs_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _weighted_sum_of_pairs(
+    pairs: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array, slots: int
+) -> jax.Array:
+    """Sorted pair outputs ``[N*K, D]`` -> ``[N, D]`` float32: each row's sum of its K pairs times ``weights
+    [N, K]``. Its transpose gathers too (``order``)."""
+    per_row = jnp.take(pairs, inverse, axis=0).reshape(weights.shape + pairs.shape[-1:])
+    return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), per_row, preferred_element_type=jnp.float32)
+
+
+def _weighted_sum_fwd(pairs, weights, order, inverse, slots):
+    return _weighted_sum_of_pairs(pairs, weights, order, inverse, slots), (pairs, weights, order, inverse)
+
+
+def _weighted_sum_bwd(slots, residuals, d_out):
+    pairs, weights, order, inverse = residuals
+    pair_weight = jnp.take(weights.reshape(-1).astype(jnp.float32), order)
+    d_pairs = (jnp.take(d_out, order // slots, axis=0) * pair_weight[:, None]).astype(pairs.dtype)
+    per_row = jnp.take(pairs, inverse, axis=0).reshape(weights.shape + pairs.shape[-1:])
+    d_weights = jnp.einsum("nd,nkd->nk", d_out, per_row, preferred_element_type=jnp.float32)
+    return like_primal(d_pairs, pairs), like_primal(d_weights.astype(weights.dtype), weights), None, None
+
+
+_weighted_sum_of_pairs.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
+
+
+def swiglu_experts(
+    params: Params,
+    rows: jax.Array,
+    expert: jax.Array,
+    weights: jax.Array | None = None,
+    *,
+    compute_dtype: Any = None,
+    backend: GroupedBackend = "auto",
+) -> jax.Array:
+    """Each row of ``rows [N, D]`` through its chosen local experts only, weighted and summed: ``[N, D]`` float32,
+    ``sum_k weights[n, k] * expert_{expert[n, k]}(rows[n])`` (``weights [N, K]``; None: all 1), slots with expert -1
+    adding nothing. The (row, slot) pairs are sorted by expert, gathered into one buffer, and the experts run as
+    two grouped matmuls (gate and up together, then down) in `compute_dtype` (default: the parameters'); the pairs
+    are summed back into rows in float32. Gathers both ways, forward and backward: no scatter of the pair buffer."""
     n, k = expert.shape
     groups = params["w_gate"].shape[0]
-    flat = expert.reshape(n * k)
-    key = jnp.where(flat < 0, groups, flat)  # unused pairs after every group
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=groups).astype(jnp.int32)  # pairs with key == groups are in no group
-    x = rows[order // k]
-    gate = jax.lax.ragged_dot(x, params["w_gate"], sizes, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(x, params["w_up"], sizes, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(rows.dtype)
-    y = jax.lax.ragged_dot(h, params["w_down"], sizes, preferred_element_type=jnp.float32)
-    y = jnp.where((key[order] < groups)[:, None], y, 0.0)
-    return y[jnp.argsort(order)].reshape(n, k, -1)
+    dtype = jnp.dtype(compute_dtype or params["w_gate"].dtype)
+    if weights is None:
+        weights = _varying(jnp.ones((n, k), jnp.float32), tuple(sorted(_varying_axes(rows))))
+    order, inverse, sizes = _pair_order(expert, groups)
+    x = _rows_of_pairs(rows.astype(dtype), order, inverse, k)  # [N*K, D], each expert's pairs together
+    w_gate_up = jnp.concatenate([params["w_gate"], params["w_up"]], axis=-1).astype(dtype)  # [G, D, 2F]
+    gate_up = grouped_matmul(x, w_gate_up, sizes, out_dtype=dtype, backend=backend)
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    y = grouped_matmul(h, params["w_down"].astype(dtype), sizes, out_dtype=dtype, backend=backend)
+    return _weighted_sum_of_pairs(y, weights, order, inverse, k)
 
 
 def _check_params(params: Params, num_experts: int, axis_name: Any, where: str) -> None:
@@ -177,8 +261,9 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     if config.capacity_factor is not None:
         ranks = jax.lax.axis_size(axis_name)
         capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor)
+    dtype = config.experts_dtype(params["w_gate"].dtype)
     res = dispatch(
-        tokens,
+        tokens.astype(dtype),
         idx,
         weights,
         num_experts=config.num_experts,
@@ -187,9 +272,10 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         overflow=config.overflow,
         use_fp8=config.fp8_dispatch,
     )
-    out = swiglu_experts(params, res.x, res.topk_idx)
-    y = jnp.einsum("nk,nkd->nd", res.topk_weights, out).astype(x.dtype)
-    y = combine(y, res.handle).reshape(*lead, d)
+    y = swiglu_experts(
+        params, res.x, res.topk_idx, res.topk_weights, compute_dtype=dtype, backend=config.grouped_matmul
+    )
+    y = combine(y.astype(dtype), res.handle).astype(x.dtype).reshape(*lead, d)
     aux, per_expert = _routing_stats(scores, idx, config)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
 

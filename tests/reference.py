@@ -82,3 +82,57 @@ def random_routing(rng, num_ranks, num_tokens, topk, num_experts, *, mask_prob=0
             idx[s, t, rng.random(topk) < mask_prob] = -1
             rng.shuffle(idx[s, t])
     return idx
+
+
+# ------------------------------------------------------------------------------------------------ the MoE layer
+# The layer's router, load-balancing loss and experts from the spec (jax_uccl_ep.layers' docstrings and Switch
+# Transformer's paper), in float64, sharing nothing with the package.
+
+
+def moe_route(router, x, top_k, score="softmax", renormalize=True):
+    """Tokens x [T, D] -> (weights [T, K], experts [T, K] in descending score, scores [T, E]). softmax: over the
+    experts; sigmoid: each expert's own; renormalize: a token's K weights sum to one."""
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    if score == "softmax":
+        scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores /= scores.sum(axis=1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    idx = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(scores, idx, axis=1)
+    if renormalize:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return weights, idx, scores
+
+
+def switch_aux_loss(scores, idx):
+    """Switch Transformer's load-balancing loss of one rank's tokens: E * sum_e f_e * P_e, with f_e the fraction of
+    the T*K (token, slot) pairs that chose expert e and P_e the mean router score of e over the T tokens; 1 when the
+    pairs and the scores are spread evenly. Returns (loss, pairs per expert [E])."""
+    num_experts = scores.shape[1]
+    counts = np.bincount(np.asarray(idx).ravel(), minlength=num_experts)
+    fraction = counts / idx.size
+    return num_experts * float(np.sum(fraction * scores.mean(axis=0))), counts
+
+
+def swiglu(params, e, x):
+    """Expert e on rows x [N, D] in float64: (silu(x @ w_gate) * (x @ w_up)) @ w_down."""
+    p = {k: np.asarray(params[k], np.float64) for k in ("w_gate", "w_up", "w_down")}
+    x = np.asarray(x, np.float64)
+    gate, up = x @ p["w_gate"][e], x @ p["w_up"][e]
+    return (gate / (1.0 + np.exp(-gate)) * up) @ p["w_down"][e]
+
+
+def moe_layer(params, x, top_k, *, score="softmax", renormalize=True, keep=None):
+    """The layer on one rank's tokens x [T, D]: (y [T, D], Switch loss (unweighted), pairs per expert [E],
+    experts [T, K]). `keep` [T, K] bool: pairs that count (dropped ones add nothing to y)."""
+    weights, idx, scores = moe_route(params["router"], x, top_k, score, renormalize)
+    aux, counts = switch_aux_loss(scores, idx)
+    x = np.asarray(x, np.float64)
+    y = np.zeros_like(x)
+    for e in np.unique(idx):
+        for k in range(top_k):
+            rows = np.nonzero((idx[:, k] == e) & (True if keep is None else keep[:, k]))[0]
+            if rows.size:
+                y[rows] += weights[rows, k, None] * swiglu(params, e, x[rows])
+    return y, aux, counts, idx

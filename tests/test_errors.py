@@ -96,12 +96,34 @@ def test_capacity_exceeded_names_rank_count_and_capacity():
 
 
 def test_capacity_large_enough_is_exact():
-    x, idx, _ = _inputs()
-    idx[:] = -1
-    idx[:, :, 0] = 0
-    out, n, _ = _call(x, jnp.asarray(idx), capacity=R * T)
+    """Every token to rank 0's experts (a random one or two of them each) with capacity R*T, exactly what arrives:
+    rows in (source rank, token) order with their local experts and weights, and a combine of rows scaled per
+    expert gives each token its own weighted sum."""
+    x, _, w = _inputs()
+    rng = np.random.default_rng(5)
+    idx = np.full((R, T, K), -1, np.int32)
+    for s in range(R):
+        for t in range(T):
+            idx[s, t, : 1 + t % 2] = rng.choice(E // R, size=1 + t % 2, replace=False)
+    factor = 1.0 + np.arange(E // R, dtype=np.float32)  # local expert l scales by 1 + l
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+    def body(x, idx, w):
+        res = ep.dispatch(x[0], idx[0], w[0], num_experts=E, axis_name="ep", capacity=R * T)
+        mine = res.topk_idx >= 0
+        coef = jnp.sum(jnp.where(mine, res.topk_weights * jnp.asarray(factor)[jnp.maximum(res.topk_idx, 0)], 0), -1)
+        out = ep.combine(res.x * coef[:, None], res.handle)
+        return jax.tree.map(lambda a: a[None], (out, res.x, res.topk_idx, res.num_tokens))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    out, rows, got_idx, n = jax.tree.map(np.asarray, f(x, jnp.asarray(idx), w))
+    want = ref.dispatch(np.asarray(x), idx, np.asarray(w), E)
     assert n[0] == R * T and n[1:].sum() == 0
-    np.testing.assert_allclose(out, np.asarray(x))
+    np.testing.assert_array_equal(rows[0], want[0]["x"])  # the order too: source rank, then token
+    np.testing.assert_array_equal(got_idx[0], want[0]["topk_idx"])
+    wn = np.asarray(w, np.float64)
+    coef = np.where(idx >= 0, wn * factor[np.maximum(idx, 0)], 0).sum(-1)
+    np.testing.assert_allclose(out, np.asarray(x) * coef[..., None], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

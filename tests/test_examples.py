@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import reference
 from mp import launch_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,9 +160,18 @@ def _layer_vs_reference(layer, config, *, seed: int, tokens: int = 20) -> None:
     )
     assert float(jnp.std(y_ref)) > 1e-2
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-4, atol=1e-5)
-    if config.aux_loss_coef:
-        assert float(aux_ref) > 0.1 * config.aux_loss_coef  # Switch's loss is about 1 per rank when balanced
     np.testing.assert_allclose(float(aux), float(aux_ref), rtol=1e-5)
+    # And against NumPy from the spec (tests/reference.py, nothing shared with the package): output and the
+    # ranks' mean Switch loss, two-sided.
+    host = {k: np.asarray(v) for k, v in params.items()}
+    refs = [
+        reference.moe_layer(host, xr, config.top_k, score=config.score, renormalize=config.renormalize)
+        for xr in np.split(np.asarray(x), r)
+    ]
+    np.testing.assert_allclose(np.asarray(y), np.concatenate([ref[0] for ref in refs]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        float(aux), config.aux_loss_coef * np.mean([ref[1] for ref in refs]), rtol=1e-5, atol=1e-9
+    )
     flat, _ = jax.tree.flatten_with_path(grads)
     flat_ref, _ = jax.tree.flatten_with_path(grads_ref)
     assert len(flat) == len(flat_ref) == 5  # router, w_gate, w_up, w_down; x
@@ -227,26 +237,10 @@ def test_layers_match_the_package_reference_with_gradients(ep_runtime, monkeypat
     _layer_vs_reference(ml.LAYERS[impl], config, seed=21 + top_k)
 
 
-def _np_route(router: np.ndarray, x: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax top-k routing, renormalized, in float64: (weights [T, K], experts [T, K])."""
-    logits = x.astype(np.float64) @ router
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    idx = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
-    weights = np.take_along_axis(probs, idx, axis=1)
-    return weights / weights.sum(axis=1, keepdims=True), idx
-
-
-def _np_swiglu(params: dict, e: int, x: np.ndarray) -> np.ndarray:
-    """Expert e on rows x, in float64: (silu(x @ w_gate) * (x @ w_up)) @ w_down."""
-    gate, up = x @ params["w_gate"][e], x @ params["w_up"][e]
-    return (gate / (1 + np.exp(-gate)) * up) @ params["w_down"][e]
-
-
 @pytest.mark.parametrize("how", ["capacity", "capacity_factor"])
 def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime, how):
-    """With C slots per (sender, receiver), the first C slots (token order) for each rank count, the rest add 0.
-    C is given directly, or as the capacity factor f: ceil(f x tokens x top-k / ranks)."""
+    """With C slots per (sender, expert), the first C slots (token order) for each expert count, the rest add 0.
+    C is given directly, or as the capacity factor f: ceil(f x tokens x top-k / experts) (MaxText's)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -257,11 +251,11 @@ def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime, how):
     r = mesh.size
     num_experts, d_model, d_ff, tokens, top_k = 2 * r, 16, 24, 24, 2
     if how == "capacity":
-        config, capacity = layers.MoEConfig(num_experts=num_experts, top_k=top_k), 7
+        config, capacity = layers.MoEConfig(num_experts=num_experts, top_k=top_k), 4
         kwargs = {"capacity": capacity}
     else:
         config = layers.MoEConfig(num_experts=num_experts, top_k=top_k, capacity_factor=0.6)
-        capacity, kwargs = int(np.ceil(0.6 * tokens * top_k / r)), {}
+        capacity, kwargs = int(np.ceil(0.6 * tokens * top_k / num_experts)), {}
     keys = jax.random.split(jax.random.key(5), 2)
     params = _skewed_params(keys[0], d_model=d_model, d_ff=d_ff, num_experts=num_experts)
     x = jax.random.normal(keys[1], (r * tokens, d_model))
@@ -277,18 +271,18 @@ def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime, how):
 
     host = {k: np.asarray(v, np.float64) for k, v in params.items()}
     xs = np.asarray(x, np.float64)
-    weights, idx = _np_route(host["router"], xs, top_k)
+    weights, idx, _ = reference.moe_route(host["router"], xs, top_k)
     expected = np.zeros_like(xs)
     kept = np.zeros(r, int)  # slots each rank received
     dropped = 0
     for sender in range(r):
-        used = np.zeros(r, int)  # slots this sender has put in each destination's block
+        used = np.zeros(num_experts, int)  # slots this sender has given each expert
         for t in range(sender * tokens, (sender + 1) * tokens):
             for k in range(top_k):
                 dest = idx[t, k] // (num_experts // r)
-                used[dest] += 1
-                if used[dest] <= capacity:
-                    expected[t] += weights[t, k] * _np_swiglu(host, idx[t, k], xs[t])
+                used[idx[t, k]] += 1
+                if used[idx[t, k]] <= capacity:
+                    expected[t] += weights[t, k] * reference.swiglu(host, idx[t, k], xs[t])
                     kept[dest] += 1
                 else:
                     dropped += 1
@@ -346,8 +340,8 @@ def test_train_moe_in_one_process_with_several_devices(ep_runtime):
 
 
 def test_train_moe_capacity_options(ep_runtime):
-    """--capacity counts all_to_all's slots (uccl refuses it); a small --capacity-factor drops slots in all_to_all
-    and rows in uccl, so their losses leave the never-dropping runs'."""
+    """--capacity counts all_to_all's slots per expert (uccl refuses it); a small --capacity-factor drops slots in
+    all_to_all and rows in uccl, so their losses leave the never-dropping runs'."""
     pytest.importorskip("optax")
     train = _load("train_moe").train
     base = ["--steps", "2", "--time-every", "0", "--batch-per-device", "2", "--seed", "4", "--ep-impl"]
@@ -355,8 +349,9 @@ def test_train_moe_capacity_options(ep_runtime):
         train(base + ["uccl", "--capacity", "8"], verbose=False)
     full = train(base + ["all_to_all"], verbose=False)
     dropping = train(base + ["all_to_all", "--capacity-factor", "0.25"], verbose=False)
-    explicit = train(base + ["all_to_all", "--capacity", "8"], verbose=False)  # 0.25 x 64 tokens x 2 / 4 devices
-    assert dropping["capacity"] is None and explicit["capacity"] == 8
+    # Slots per (sender, expert): 0.25 x 64 tokens x top-2 / 8 experts.
+    explicit = train(base + ["all_to_all", "--capacity", "4"], verbose=False)
+    assert dropping["capacity"] is None and explicit["capacity"] == 4
     assert abs(dropping["losses"][0] - full["losses"][0]) > 1e-3, (dropping["losses"], full["losses"])
     np.testing.assert_allclose(explicit["losses"], dropping["losses"], rtol=1e-6)
     # uccl drops rows past its capacity factor too (whole rows per device, not all_to_all's slots per pair).

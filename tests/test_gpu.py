@@ -492,7 +492,8 @@ def test_missing_peer_is_named_within_the_deadline(mode):
 
 def gpu_soak(steps: int) -> dict:
     """Child: `steps` rounds of normal and low-latency round trips in one jitted loop, fresh random routing each
-    round (some slots masked), checked on the GPUs against what identity experts must give back."""
+    round (some slots masked), checked on the GPUs against experts that scale by a factor of their own and random
+    router weights."""
     import cases
     import jax
     import jax.numpy as jnp
@@ -513,18 +514,25 @@ def gpu_soak(steps: int) -> dict:
             idx = jnp.where(jax.random.uniform(jax.random.fold_in(key, 1), (t, k)) < 0.1, -1, idx)
             xi = x[0] * (1.0 + (i % 7).astype(jnp.float32))
             valid = idx >= 0
-            owner = jnp.where(valid, idx // (e // r), -1)
-            ranks_hit = jnp.any(owner[:, :, None] == jnp.arange(r), axis=1).sum(-1).astype(jnp.float32)
-            # Normal mode, identity experts: each token comes back once per rank that received it.
-            res = ep.dispatch(xi, idx, num_experts=e, axis_name="ep")
-            out = ep.combine(res.x, res.handle)
-            err_normal = jnp.max(jnp.abs(out - xi * ranks_hit[:, None]))
-            # Low-latency mode, identity experts and unit weights: once per valid slot.
+            w = jax.random.uniform(jax.random.fold_in(key, 2), (t, k), minval=0.5, maxval=1.5)
+            # Experts that tell each other apart: expert g multiplies by its own factor, so a row that reached the
+            # wrong expert, or a weight that went with the wrong slot, changes the sum.
+            factor = 1.0 + (jnp.arange(e) % 5).astype(jnp.float32) * 0.25
+            want = xi * jnp.sum(jnp.where(valid, w * factor[jnp.maximum(idx, 0)], 0.0), -1, keepdims=True)
+            # Normal mode: each received row times the weighted factors of its local slots, summed back.
+            res = ep.dispatch(xi, idx, w, num_experts=e, axis_name="ep")
+            mine = res.topk_idx >= 0
+            expert = jnp.where(mine, res.topk_idx + rank * (e // r), 0)
+            coef = jnp.sum(jnp.where(mine, res.topk_weights * factor[expert], 0.0), -1)
+            out = ep.combine(res.x * coef[:, None], res.handle)
+            err_normal = jnp.max(jnp.abs(out - want))
+            # Low-latency mode: each local expert's rows times its factor, combined with the router weights.
             recv, count, handle = ep.low_latency_dispatch(
                 xi, idx, num_experts=e, max_tokens_per_rank=t, axis_name="ep", use_fp8=False
             )
-            out_ll = ep.low_latency_combine(recv, idx, jnp.ones((t, k), jnp.float32), handle)
-            err_ll = jnp.max(jnp.abs(out_ll - xi * valid.sum(-1, keepdims=True)))
+            local = jax.lax.dynamic_slice_in_dim(factor, rank * (e // r), e // r)
+            out_ll = ep.low_latency_combine(recv * local[:, None, None], idx, w, handle)
+            err_ll = jnp.max(jnp.abs(out_ll - want))
             # Nothing lost or duplicated: rows received everywhere = valid slots sent everywhere.
             lost = jnp.abs(jax.lax.psum(count.sum(), "ep") - jax.lax.psum(valid.sum(), "ep")).astype(jnp.float32)
             return jnp.maximum(worst, jnp.stack([err_normal, err_ll, lost]))
@@ -555,8 +563,8 @@ def test_soak_round_trips_stay_exact(link):
     assert all(x.ok for x in results), describe(results)
     res = results[0].result
     print(res)
-    # x * (1..7) summed at most 8 times in float32: a few ulps of |x| <= ~5 * 7 * 8.
-    assert res["normal"] < 1e-3 and res["low_latency"] < 1e-3 and res["lost"] == 0, res
+    # x * (1..7) times at most 4 slots of weight <= 1.5 and factor <= 2, in float32: a few ulps of ~5 * 7 * 12.
+    assert res["normal"] < 2e-3 and res["low_latency"] < 2e-3 and res["lost"] == 0, res
 
 
 @pytest.mark.parametrize("variant", ["UCCL_EP_LL_FUSED=0"])
@@ -605,8 +613,14 @@ def test_the_loopback_runs_its_ranks_over_nvlink():
         send_start, send_len = r["spans_us"]["dispatch:dispatch_send"]
         receive_start, receive_len = r["spans_us"]["dispatch:dispatch_receive"]
         assert send_len > 0 and receive_len > 0, r
-        if r["apart"]:
+        # Each GPU stamps its own %globaltimer, and two GPUs' timers need not agree: on a 4-GPU H200 host they
+        # stood ~3.3 ms apart, which stretched an 80 us send side to 3349 us. A side far longer than the whole
+        # call measured on the host says the stamps do not share a clock; the order cannot be read from them.
+        one_clock = send_len < 20 * r["dispatch_us"]
+        if r["apart"] and one_clock:
             assert receive_start >= send_start + send_len - 5.0, r
+        elif r["apart"]:
+            print(f"ranks {r['ranks']}: the GPUs' timers disagree (send span {send_len:.0f} us); order not checked")
 
 
 def test_the_copy_bench_pushes_and_pulls_between_two_gpus():

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mp import describe, launch
@@ -88,8 +89,9 @@ def test_overflow_policy_is_checked():
 def _masked_reference(params, x, config, keep):
     """The dense layer with the router's weights of dropped (token, slot) pairs set to 0 (`keep` [T, K] bool)."""
     tokens = x.reshape(-1, x.shape[-1])
-    weights, idx, _ = layers.route(params["router"], tokens, config)
-    weights = jnp.where(keep, weights, 0.0)
+    # Softmax top-k, renormalized, from the spec (not layers.route: the layer is what this checks).
+    weights, idx = jax.lax.top_k(jax.nn.softmax(tokens @ params["router"], axis=-1), config.top_k)
+    weights = jnp.where(keep, weights / jnp.sum(weights, axis=-1, keepdims=True), 0.0)
     gate = jnp.einsum("td,edf->etf", tokens, params["w_gate"])
     up = jnp.einsum("td,edf->etf", tokens, params["w_up"])
     out = jnp.einsum("etf,efd->etd", jax.nn.silu(gate) * up, params["w_down"])
@@ -118,8 +120,8 @@ def test_layer_with_a_capacity_factor_drops_rows_and_matches_the_masked_referenc
     # rank, then token) that have an expert on it.
     tokens_per_rank = b * s // R
     capacity = layers.capacity_for(tokens_per_rank, k, R, 0.5)
-    _, idx, _ = layers.route(host["router"], x.reshape(-1, d), config)
-    owner = np.asarray(idx).reshape(R, tokens_per_rank, k) // (e // R)
+    _, idx, _ = reference.moe_route(np.asarray(host["router"]), np.asarray(x).reshape(-1, d), k)
+    owner = idx.reshape(R, tokens_per_rank, k) // (e // R)
     keep = np.zeros_like(owner, bool)
     arrived = np.zeros(R, int)
     for src in range(R):

@@ -1,0 +1,209 @@
+"""Grouped matmuls for the MoE layer's experts, at a cost that follows the rows really there.
+
+``grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G])`` multiplies the first ``group_sizes[0]`` rows of
+``lhs`` by ``rhs[0]``, the next ``group_sizes[1]`` by ``rhs[1]``, and so on (``jax.lax.ragged_dot``'s contract);
+rows past ``sum(group_sizes)`` come out as zeros. Two backends, chosen once by ``grouped_backend``:
+
+* ``"mosaic"``: Pallas Mosaic GPU kernels for Hopper (compute capability 9.x), bf16/f16: tokamax's ragged dot for
+  the forward pass and the rows' gradient, JAX's own ``transposed_ragged_dot_mgpu`` for the weights' gradient. Both
+  skip the tiles past the groups, so a layer's worst-case buffer costs what its real rows cost. They run under a VJP
+  of ours: inside ``jax.shard_map`` their outputs carry no varying manual axes, which JAX refuses for a cotangent,
+  and the rows past the groups are left unwritten, which would turn into NaNs upstream.
+* ``"xla"``: ``jax.lax.ragged_dot``: CPU devices, float32, other GPUs, or no tokamax. On GPUs XLA lowers it to one
+  dense matmul per group over a masked copy of ``lhs`` (G times the work).
+
+tokamax is an optional dependency (``pip install 'jax_uccl_ep[gpu]'``), imported only where it can run.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from ._ffi import _varying, _varying_axes, like_primal
+
+__all__ = ["GroupedBackend", "grouped_backend", "grouped_matmul"]
+
+GroupedBackend = Literal["auto", "mosaic", "xla"]
+
+_FAST_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@functools.cache
+def _tokamax() -> Any:
+    """The tokamax module, or None where it is not installed or cannot import (its own dependencies)."""
+    try:
+        import tokamax
+    except Exception:  # noqa: BLE001 - any failure to import means the XLA path
+        return None
+    return tokamax
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def _hopper() -> bool:
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    try:
+        return device.platform == "gpu" and 9.0 <= float(capability) < 10.0
+    except (TypeError, ValueError):
+        return False
+
+
+def grouped_backend(requested: GroupedBackend, dtype: Any) -> Literal["mosaic", "xla"]:
+    """The backend ``grouped_matmul`` uses for operands of `dtype`. ``"auto"`` takes the Mosaic kernels on Hopper
+    GPUs with bf16/f16 operands when tokamax is installed, and says once why not when a GPU run falls back to XLA;
+    ``"mosaic"`` refuses to fall back."""
+    if requested not in ("auto", "mosaic", "xla"):
+        raise ValueError(f"jax_uccl_ep: grouped_matmul backend must be 'auto', 'mosaic' or 'xla', got {requested!r}")
+    if requested == "xla":
+        return "xla"
+    on_gpu = jax.default_backend() == "gpu"
+    reason = None
+    if not on_gpu:
+        reason = f"the default backend is {jax.default_backend()!r}, not a GPU"
+    elif not _hopper():
+        reason = "the GPU is not a Hopper (compute capability 9.x), which the kernels are written for"
+    elif jnp.dtype(dtype) not in _FAST_DTYPES:
+        reason = (
+            f"the experts compute in {jnp.dtype(dtype).name} (the kernels take bfloat16 or float16); "
+            "MoEConfig(compute_dtype=jnp.bfloat16) uses them"
+        )
+    elif _tokamax() is None:
+        reason = "tokamax is not installed: pip install 'jax_uccl_ep[gpu]'"
+    if reason is None:
+        return "mosaic"
+    if requested == "mosaic":
+        raise ValueError(f"jax_uccl_ep: grouped_matmul backend 'mosaic' cannot run here: {reason}")
+    if on_gpu:
+        _warn_once(
+            "jax_uccl_ep: the experts' grouped matmuls run through jax.lax.ragged_dot, which XLA lowers on GPUs to "
+            f"one dense matmul per local expert (that many times the useful work), because {reason}"
+        )
+    return "xla"
+
+
+def _rows_in_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`out` with the rows past the groups set to zero (the kernels leave them unwritten)."""
+    rows = jnp.arange(out.shape[0], dtype=jnp.int32)
+    return jnp.where((rows < jnp.sum(group_sizes))[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _axes_of(*values: jax.Array) -> tuple[str, ...]:
+    return tuple(sorted(frozenset().union(*map(_varying_axes, values))))
+
+
+@functools.cache
+def _row_kernel() -> Any:
+    """tokamax's Hopper kernel with 128 x 128 tiles, 4 stages, persistent: 0.25 ms against its default's 0.47 on
+    H200 for the layer's [131072 slots, 2048] x [16, 2048, 1024] (86% of a dense matmul of the same useful work).
+    Its configuration lives in tokamax's private modules: where they moved, its default configuration."""
+    try:
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as kernel
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
+
+        config = common.Config(
+            block_m=128,
+            block_n=128,
+            block_k=64,
+            num_stages=4,
+            split_k=1,
+            persistent=True,
+            grid_minor_dim=common.MatmulDimension.M,
+            grid_tile_width=1,
+        )
+        return (kernel.PallasMosaicGpuRaggedDot(config=config),)
+    except Exception:  # noqa: BLE001 - tokamax's internals changed: its own choice
+        return "mosaic"
+
+
+def _tokamax_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    """lhs [M, K] x rhs [G, K, N] by groups of rows, forward only."""
+    out = _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype, implementation=_row_kernel())
+    return _rows_in_groups(out, group_sizes)
+
+
+def _tile(size: int) -> int | None:
+    """The weight-gradient kernel's tile along a dimension of `size` (it needs a multiple), or None."""
+    return next((t for t in (128, 64) if size % t == 0), None)
+
+
+def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    """[G, K, N]: group g's rows of lhs [M, K] transposed times its rows of dout [M, N]; zeros for empty groups.
+    JAX's own Mosaic GPU kernel (`transposed_ragged_dot_mgpu`: it walks only each group's row blocks, so the rows
+    past the groups cost nothing); XLA's ragged_dot_general where K or N is not a multiple of 64. tokamax's
+    ragged-contracting kernel is not used: on H200 with jax 0.11.2 it came out 10% off, differently run to run."""
+    block_m, block_n = _tile(lhs.shape[1]), _tile(dout.shape[1])
+    if block_m is None or block_n is None:
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+        )
+        out = jax.lax.ragged_dot_general(lhs, dout, group_sizes, dims, preferred_element_type=jnp.float32)
+    else:
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+        out = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+            lhs,
+            dout,
+            group_sizes=group_sizes,
+            block_m=block_m,
+            block_n=block_n,
+            block_k=64,
+            max_concurrent_steps=4,
+            grid_block_n=4,
+        )
+    return jnp.where((group_sizes > 0)[:, None, None], out, jnp.zeros((), out.dtype)).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mosaic_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    # Inside shard_map a Pallas kernel's output varies over no manual axis: mark it like its operands.
+    return _varying(_tokamax_dot(lhs, rhs, group_sizes, out_dtype), _axes_of(lhs, rhs))
+
+
+def _mosaic_matmul_fwd(lhs, rhs, group_sizes, out_dtype):
+    return _mosaic_matmul(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
+
+
+def _mosaic_matmul_bwd(out_dtype, residuals, dout):
+    lhs, rhs, group_sizes = residuals
+    dout = dout.astype(lhs.dtype)
+    dlhs = like_primal(_tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype), lhs)
+    drhs = like_primal(_weight_grad(lhs, dout, group_sizes, rhs.dtype), rhs)
+    return dlhs, drhs, None
+
+
+_mosaic_matmul.defvjp(_mosaic_matmul_fwd, _mosaic_matmul_bwd)
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: Any = None,
+    backend: GroupedBackend = "auto",
+) -> jax.Array:
+    """Rows of ``lhs [M, K]`` in consecutive groups (``group_sizes [G]`` int32 rows each, in order) times
+    ``rhs [G, K, N]``: ``[M, N]`` in `out_dtype` (default: the operands'), accumulated in float32; rows past
+    ``sum(group_sizes)`` are zeros. Differentiable in `lhs` and `rhs`. `backend`: see ``grouped_backend``."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],) or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(
+            f"jax_uccl_ep.grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
+            f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}"
+        )
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"jax_uccl_ep.grouped_matmul: lhs is {lhs.dtype}, rhs {rhs.dtype}; cast them to one dtype")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if grouped_backend(backend, lhs.dtype) == "mosaic":
+        return _mosaic_matmul(lhs, rhs, group_sizes, out_dtype)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return _rows_in_groups(out, group_sizes).astype(out_dtype)

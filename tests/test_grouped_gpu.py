@@ -1,0 +1,176 @@
+"""The experts' grouped matmul on one GPU: the Mosaic kernels under the package's VJP against a NumPy float64
+reference and against jax.lax.ragged_dot, forward and both gradients, alone and inside shard_map; then the layer
+with its bf16 experts against the float32 dense reference. Skipped without an NVIDIA GPU (or, for the kernel
+cases, without tokamax, which the Mosaic backend needs). References run at
+`jax.default_matmul_precision("highest")`: TF32 would move them by more than the bf16 tolerance on its own."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from mp import count_gpus, describe, launch
+
+HERE = os.path.abspath(__file__)
+pytestmark = pytest.mark.skipif(count_gpus() < 1, reason="needs an NVIDIA GPU")
+
+# Groups of uneven size, one empty, one smaller than a tile, rows left over past the last group.
+GROUP_SIZES = [700, 0, 1300, 64, 5, 900]
+ROWS, K, N = 4096, 256, 384
+
+
+def _relative_error(got, want) -> float:
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def grouped_child() -> dict:
+    """Child: forward, d lhs and d rhs of grouped_matmul's Mosaic kernels against NumPy and jax.lax.ragged_dot; the
+    weights' gradient three times (a racy kernel gave a different error each run)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jax_uccl_ep import grouped
+
+    if grouped.grouped_backend("auto", jnp.bfloat16) != "mosaic":
+        return {"skip": "tokamax is not installed or cannot run on this GPU"}
+    rng = np.random.default_rng(11)
+    sizes = np.array(GROUP_SIZES, np.int32)
+    lhs = rng.standard_normal((ROWS, K)).astype(np.float32)
+    rhs = (rng.standard_normal((len(sizes), K, N)) / np.sqrt(K)).astype(np.float32)
+    dout = rng.standard_normal((ROWS, N)).astype(np.float32)
+    # bf16 operands: round once on the host, so every path (and NumPy) multiplies the same numbers.
+    lhs16, rhs16, dout16 = (jnp.asarray(a, jnp.bfloat16) for a in (lhs, rhs, dout))
+    l64, r64, d64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (lhs16, rhs16, dout16))
+
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    want_y = np.zeros((ROWS, N))
+    want_dl = np.zeros((ROWS, K))
+    want_dr = np.zeros((len(sizes), K, N))
+    for g in range(len(sizes)):
+        rows = slice(starts[g], starts[g + 1])
+        want_y[rows] = l64[rows] @ r64[g]
+        want_dl[rows] = d64[rows] @ r64[g].T
+        want_dr[g] = l64[rows].T @ d64[rows]
+
+    def value_and_grads(matmul):
+        def loss(lhs, rhs):
+            y = matmul(lhs, rhs)
+            return jnp.sum(y.astype(jnp.float32) * dout16.astype(jnp.float32)), y
+
+        (_, y), (dl, dr) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(lhs16, rhs16)
+        return y, dl, dr
+
+    def fast(lhs, rhs):
+        return grouped.grouped_matmul(lhs, rhs, jnp.asarray(sizes), out_dtype=jnp.float32, backend="mosaic")
+
+    def xla(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, jnp.asarray(sizes), preferred_element_type=jnp.float32)
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+
+    def in_shard_map(lhs, rhs):
+        return jax.shard_map(fast, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))(lhs, rhs)
+
+    with jax.default_matmul_precision("highest"):
+        fast_grads = jax.jit(functools.partial(value_and_grads, fast))
+        got = {"fast": fast_grads(), "xla": jax.jit(functools.partial(value_and_grads, xla))()}
+        got["shard_map"] = jax.jit(functools.partial(value_and_grads, in_shard_map))()
+        again = [fast_grads()[2] for _ in range(2)]
+    total = int(sizes.sum())
+    out = {"total_rows": total}
+    for name, (y, dl, dr) in got.items():
+        y, dl, dr = (np.asarray(a, np.float64) for a in (y, dl, dr))
+        out[name] = {
+            "y": _relative_error(y[:total], want_y[:total]),
+            "dlhs": _relative_error(dl[:total], want_dl[:total]),
+            "drhs": _relative_error(dr, want_dr),
+            "rows_past_groups_max": float(max(np.abs(y[total:]).max(), np.abs(dl[total:]).max())),
+            "empty_group_grad_max": float(np.abs(dr[1]).max()),
+        }
+    out["fast"]["drhs"] = max([out["fast"]["drhs"]] + [_relative_error(dr, want_dr) for dr in again])
+    fast_y, xla_y = np.asarray(got["fast"][0], np.float64), np.asarray(got["xla"][0], np.float64)
+    out["fast_vs_xla_y"] = _relative_error(fast_y[:total], xla_y[:total])
+    return out
+
+
+def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot():
+    results = launch(HERE, "grouped_child", 1, platform="gpu", timeout_s=300)
+    assert all(x.ok for x in results), describe(results)
+    res = results[0].result
+    print(res)
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    for name in ("fast", "xla", "shard_map"):
+        errors = res[name]
+        # bf16 operands, float32 accumulation; d lhs is produced in bf16 (the operands' dtype): ~3 significant digits.
+        assert errors["y"] < 2e-3, (name, errors)
+        assert errors["dlhs"] < 1e-2, (name, errors)
+        assert errors["drhs"] < 1e-2, (name, errors)
+        assert errors["rows_past_groups_max"] == 0.0, (name, errors)
+        assert errors["empty_group_grad_max"] == 0.0, (name, errors)
+    assert res["fast_vs_xla_y"] < 2e-3, res
+
+
+def layer_child() -> dict:
+    """Child: the layer on one GPU (R = 1: dispatch and combine over its own rank), bf16 experts through the Mosaic
+    kernels and through XLA, against the dense reference in float32, output and gradients."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import layers
+    from jax_uccl_ep.grouped import grouped_backend
+
+    ep.initialize()
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    d_model, d_ff, experts, tokens = 256, 384, 16, 512
+    params = layers.init_moe_params(jax.random.key(1), d_model=d_model, d_ff=d_ff, num_experts=experts)
+    x = jax.random.normal(jax.random.key(2), (2, tokens // 2, d_model))
+    cotangent = jax.random.normal(jax.random.key(3), x.shape)
+
+    def grads(layer):
+        def loss(p, x):
+            return jnp.sum(layer(p, x).astype(jnp.float32) * cotangent)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        ref_config = layers.MoEConfig(num_experts=experts, top_k=4, compute_dtype=jnp.float32)
+        ref = grads(lambda p, x: layers.moe_ffn_reference(p, x, ref_config).y)
+        for backend in ("mosaic", "xla"):
+            config = layers.MoEConfig(num_experts=experts, top_k=4, grouped_matmul=backend)
+            if backend == "mosaic" and grouped_backend("auto", config.experts_dtype(jnp.float32)) != backend:
+                out[backend] = "skip"
+                continue
+            got = grads(lambda p, x, c=config: layers.moe_ffn(p, x, mesh=mesh, config=c).y)
+            (_, (gp, gx)), (_, (rp, rx)) = got, ref
+            out[backend] = {
+                "loss": _relative_error(got[0], ref[0]),
+                "dx": _relative_error(gx, rx),
+                **{f"d{k}": _relative_error(gp[k], rp[k]) for k in ("router", "w_gate", "w_up", "w_down")},
+            }
+    ep.shutdown()
+    return out
+
+
+def test_the_layer_with_bf16_experts_follows_the_float32_reference():
+    results = launch(HERE, "layer_child", 1, platform="gpu", timeout_s=300)
+    assert all(x.ok for x in results), describe(results)
+    res = results[0].result
+    print(res)
+    for backend, errors in res.items():
+        if errors == "skip":
+            continue
+        # bf16 rows and weights against float32 everywhere: relative errors of a few 1e-3.
+        for name, err in errors.items():
+            assert err < 3e-2, (backend, name, errors)
