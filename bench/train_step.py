@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds per implementation (its child process is killed after that: n/a)",
     )
     ap.add_argument("--verbose", action="store_true", help="echo each child's per-step lines")
+    ap.add_argument(
+        "--no-parts", action="store_true", help="skip the layer's standalone timings (each compiles its own programs)"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     sizes = SMALL_SIZES if args.small else PRESETS[args.preset]
@@ -157,7 +160,7 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
         impl,
         "--json",
         "--time-every",
-        str(args.steps),
+        "0" if args.no_parts else str(args.steps),
         "--seed",
         str(args.seed),
         "--steps",

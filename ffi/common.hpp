@@ -1,12 +1,15 @@
 // What the CPU and CUDA handlers share: each op's argument list (one line per argument, as in XLA's FFI
 // examples; the platform puts its context in front) and the lookup of this device's EP group.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <exception>
+#include <mutex>
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "../kernels/contract.hpp"
 #include "../proxy/errors.hpp"
@@ -31,21 +34,49 @@ namespace uccl_ep::ffi_common {
 
 namespace ffi = xla::ffi;
 
+// The errors this process's ops returned to XLA since the last take: an op's error reaches the user only where its
+// result is read, so the Python side reports at shutdown what nobody collected (jax_uccl_ep/_runtime.py).
+// The log also counts the ops running now, so a shutdown can wait for one whose result nobody holds.
+struct OpErrorLog {
+  std::mutex mutex;
+  std::vector<std::string> messages;
+  std::atomic<int> running{0};
+};
+inline OpErrorLog& op_error_log() {
+  static OpErrorLog log;
+  return log;
+}
+inline ffi::Error op_error(ffi::ErrorCode code, const char* what) {
+  auto& log = op_error_log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  log.messages.emplace_back(what);
+  return ffi::Error(code, what);
+}
+inline std::vector<std::string> take_op_errors() {
+  auto& log = op_error_log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  return std::exchange(log.messages, {});
+}
+
 // Runs `body` while holding the runtime alive (`lifetime` shared), mapping exceptions to XLA error codes.
 template <class Body>
 ffi::Error guarded(std::shared_mutex& lifetime, Body&& body) {
+  struct Running {
+    Running() { op_error_log().running.fetch_add(1); }
+    ~Running() { op_error_log().running.fetch_sub(1); }
+  } running;
   try {
     std::shared_lock<std::shared_mutex> lock(lifetime);
     body();
     return ffi::Error::Success();
   } catch (const TimeoutError& e) {
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, e.what());
+    return op_error(ffi::ErrorCode::kDeadlineExceeded, e.what());
   } catch (const InvalidArgument& e) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
+    return op_error(ffi::ErrorCode::kInvalidArgument, e.what());
   } catch (const std::invalid_argument& e) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
+    return op_error(ffi::ErrorCode::kInvalidArgument, e.what());
   } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+    return op_error(ffi::ErrorCode::kInternal, e.what());
   }
 }
 

@@ -16,6 +16,7 @@
 #include "../kernels/settings.hpp"
 #include "../proxy/host_memory.hpp"
 #include "../proxy/runtime.hpp"
+#include "common.hpp"
 #include "cpu_handlers.hpp"
 #ifdef UCCL_EP_WITH_CUDA
 #include "../kernels/nvl/api.hpp"
@@ -182,6 +183,8 @@ NB_MODULE(_uccl_ep, m) {
     nb::gil_scoped_release release;
     Runtime::get().connect(v);
   });
+  m.def("take_op_errors", [] { return uccl_ep::ffi_common::take_op_errors(); });
+  m.def("ops_running", [] { return uccl_ep::ffi_common::op_error_log().running.load(); });
   m.def("quiesce", [](double seconds) {
     nb::gil_scoped_release release;
     Runtime::get().quiesce(seconds);

@@ -6,8 +6,11 @@ import atexit
 import dataclasses
 import json
 import logging
+import os
 import socket
+import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -102,10 +105,16 @@ def _maybe_initialize_distributed(kwargs: dict) -> None:
         jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError) as e:
         where = launcher or "the coordinator in the environment (JAX_COORDINATOR_ADDRESS)"
+        if "before any JAX" in str(e) or "already" in str(e):
+            raise RuntimeError(
+                f"jax_uccl_ep.initialize: this process ran JAX (a computation, jax.devices(), jax.device_put, ...) "
+                f"before initialize(), so it can no longer join the job started by {where}: move "
+                "jax_uccl_ep.initialize() above the first JAX call of the script"
+            ) from e
         raise RuntimeError(
-            f"jax_uccl_ep.initialize: could not join the job started by {where}: {e}. Call "
-            "jax_uccl_ep.initialize() before the first JAX computation, or call jax.distributed.initialize(...) "
-            "yourself first (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID), then "
+            f"jax_uccl_ep.initialize: could not join the job started by {where}: {str(e).rstrip('.')}. Check the "
+            "coordinator's address and that every process of the job started (JAX_COORDINATOR_ADDRESS, "
+            "JAX_NUM_PROCESSES, JAX_PROCESS_ID), or call jax.distributed.initialize(...) yourself before "
             "jax_uccl_ep.initialize()"
         ) from e
 
@@ -263,7 +272,7 @@ def initialize(
             _log.info("%s", describe_plan(plan, config))
         _config = config
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
 
 
@@ -402,31 +411,97 @@ def _start_proxies(
         raise
 
 
+@jax.jit
+def _fence(x: jax.Array) -> jax.Array:
+    return x + 1
+
+
+def _finish_pending() -> None:
+    """Waits until this process's computations whose results are alive have run: their EP ops may owe a peer
+    rows. (What one of them raised reaches the op log, read by the caller.)"""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - a failed computation: the teardown goes on
+        pass
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001
+            pass
+    # Results nobody holds: a device runs the computations dispatched to it in order, so one more, awaited, runs
+    # after all of them.
+    for device in jax.local_devices():
+        try:
+            _fence(jax.device_put(0, device)).block_until_ready()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def shutdown() -> None:
-    """Stops the proxy threads, closes the endpoints and frees every buffer. initialize() may follow."""
+    """Stops the runtime: waits for this process's computations to finish (their EP ops may owe a peer rows),
+    agrees with the peers that theirs have finished too (within ``Config.timeout_s``), then stops the proxy
+    threads, closes the endpoints and frees every buffer. initialize() may follow.
+
+    Problems it meets are printed on this rank, not raised (a shutdown often follows an error): a peer that does
+    not arrive within the deadline. At interpreter exit, where it runs by itself, it also prints every op error
+    of this run that no ``check_errors()`` collected (an op's error otherwise shows only where its result is
+    read), and with ``UCCL_EP_EXIT_ON_UNREAD_ERRORS=1`` (the launcher sets it) the process then exits with
+    status 1.
+    """
+    _shutdown(at_exit=False)
+
+
+def _shutdown_at_exit() -> None:
+    problems = _shutdown(at_exit=True)
+    if problems and _config is not None and _config.exit_on_unread_errors:
+        # Not jax.distributed.shutdown() first: its barrier would wait minutes for a peer that is gone.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _shutdown(at_exit: bool) -> list[str]:
+    """The teardown; returns the problems found (already printed)."""
     with _lock:
         if not _is_initialized():
-            return
+            return []
+        rank = f"process {jax.process_index()}" + (f" of {jax.process_count()}" if jax.process_count() > 1 else "")
+        _finish_pending()  # their errors are in the op log below (or are not ours)
+        timeout_s = config().timeout_s
+        deadline = time.monotonic() + timeout_s
+        while _uccl_ep.ops_running() and time.monotonic() < deadline:  # one whose result nobody holds
+            time.sleep(0.01)
+        problems = []
         if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
             try:
-                jax.effects_barrier()  # queued kernels and copies still use the buffers
                 _uccl_ep.nvl_check_errors()
-            except Exception as e:  # an error nobody collected with check_errors(): say it, then shut down
-                warnings.warn(f"jax_uccl_ep.shutdown: {e}", RuntimeWarning, stacklevel=2)
-        # Bounded by the same deadline as every other wait, and by 10 s: a dead peer must not hold up exit.
-        wait_s = min(config().timeout_s, 10.0)
-        _uccl_ep.quiesce(min(wait_s, 5.0))  # our last writes land before peers may close their endpoints
+            except Exception as e:  # noqa: BLE001 - an error nobody collected with check_errors()
+                problems.append(f"a GPU kernel found an error that no check_errors() collected: {e}")
+        unread = _uccl_ep.take_op_errors()
+        if at_exit and unread:
+            more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+            problems.append(
+                f"an EP op failed and no check_errors() ran after it{more} (a result that was read raised this "
+                f"already; one never read said nothing): {unread[0]}"
+            )
+        _uccl_ep.quiesce(min(timeout_s, 5.0))  # our last writes land before peers may close their endpoints
         client = _distributed_client()
         if client is not None and jax.process_count() > 1:
-            # Wait for peers so nobody still writes into buffers we free.
+            # Every peer has finished its ops too before anyone frees what a peer may still write into.
             try:
-                client.wait_at_barrier(f"jax_uccl_ep/{_generation}/shutdown", int(wait_s * 1000))
-            except Exception:
-                pass
+                client.wait_at_barrier(f"jax_uccl_ep/{_generation}/shutdown", int(timeout_s * 1000))
+            except Exception as e:  # noqa: BLE001
+                problems.append(
+                    f"the other processes did not all reach shutdown within {timeout_s:g} s (UCCL_EP_TIMEOUT_S); "
+                    f"one may have died or still be running ops: {str(e).strip()}"
+                )
+        for p in problems:
+            print(f"jax_uccl_ep ({rank}): {p}", file=sys.stderr, flush=True)
         _uccl_ep.shutdown()
         if hasattr(_uccl_ep, "nvl_shutdown"):
             _uccl_ep.nvl_shutdown()
         _plan.set_current(None)
+        return problems
 
 
 def is_initialized() -> bool:
@@ -440,8 +515,10 @@ def check_errors() -> None:
     Kernels cannot fail the call that launched them, and an op must not fail on one rank only (its peers would
     wait for it), so GPU ops never raise these themselves: call this (it waits for the GPUs first) where a
     step's results are checked. This holds for GPU-initiated ops across nodes too. CPU devices (and host-staged
-    ops) raise such errors from the op itself.
+    ops) raise such errors from the op itself, where its result is read; calling this also marks those seen, so
+    the shutdown at interpreter exit does not report them again as unread.
     """
+    _uccl_ep.take_op_errors()
     # Under two-level routing both runtimes run: errors of either level are raised.
     if getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
         _uccl_ep.nvl_check_errors()

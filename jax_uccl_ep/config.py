@@ -107,6 +107,13 @@ class Config:
         default=0,
         metadata=_env("UCCL_EP_KERNEL_TIMING", "1: CUDA events around each GPU op; 2: also low-latency phases"),
     )
+    exit_on_unread_errors: bool = field(
+        default=False,
+        metadata=_env(
+            "UCCL_EP_EXIT_ON_UNREAD_ERRORS",
+            "at interpreter exit, a failed computation whose result nobody read makes the process exit with status 1",
+        ),
+    )
     stuck_proxy_for_tests: bool = field(
         default=False,
         metadata=_env("UCCL_EP_TEST_STUCK_PROXY", "test mode: a proxy thread ignores the stop request"),
@@ -179,6 +186,7 @@ class Config:
             "max_inflight_writes",
             "max_inflight_bytes",
             "max_write_bytes",
+            "exit_on_unread_errors",
             "stuck_proxy_for_tests",
         )
         return {f.metadata["env"]: str(getattr(self, f.name)) for f in _FIELDS.values() if f.name not in local_only}

@@ -301,11 +301,22 @@ def _decode(chunks: list[bytes]) -> str:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
-    """Copies `stream` to `out` line by line, each line prefixed."""
+# Lines the libraries print on every successful run, which a user reads as trouble: Gloo's (XLA's CPU
+# collectives) report of each connection it made, which two of its threads may print into one another. --verbose
+# shows them.
+_INFORMATIONAL = re.compile(
+    r"\[Gloo\] Rank \d+|\d+ is connected to \d+ peer ranks|Expected number of connected peer ranks is : \d+"
+)
+
+
+def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock, verbose: bool = True) -> None:
+    """Copies `stream` to `out` line by line, each line prefixed; without `verbose`, the informational lines
+    above are left out."""
     with stream:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if not verbose and _INFORMATIONAL.search(line):
+                continue
             with lock:
                 out.write(f"{prefix}{line}\n")
                 out.flush()
@@ -316,6 +327,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jax_uccl_ep.launch",
         description="Run a JAX script in N local processes wired together with jax.distributed.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""\
+every child gets:
+  JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=<rank>
+  PYTHONUNBUFFERED=1, FI_TCP_IFACE=lo (unless set), UCCL_EP_EXIT_ON_UNREAD_ERRORS=1 (unless set)
+  CPU runs: JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=<--devices-per-process>
+  GPU runs: CUDA_VISIBLE_DEVICES=<its GPU> (--gpus-per-process 1)
+jax_uccl_ep.initialize() (and jax.distributed.initialize()) read them. Output lines are prefixed [rank i]; the
+exit status is the first failing rank's (128 + N for signal N), 0 if every rank succeeded.
+
+examples:
+  python -m jax_uccl_ep.launch -n 4 examples/train_moe.py --steps 50
+  python -m jax_uccl_ep.launch -n 2 --devices-per-process 2 my_script.py    # 2 processes x 2 CPU devices
+  python -m jax_uccl_ep.launch -n 1 --gpus-per-process all my_script.py     # one process, every GPU
+""",
     )
     parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
     parser.add_argument(
@@ -329,24 +355,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--gpus-per-process",
         choices=["1", "all"],
         default="1",
-        help="one GPU per process (CUDA_VISIBLE_DEVICES), or every GPU in one process (-n 1)",
+        help="one GPU per process (CUDA_VISIBLE_DEVICES), or every GPU in one process (-n 1); default 1",
     )
     parser.add_argument(
         "--platform",
         choices=["auto", "cpu", "gpu"],
         default="auto",
-        help="auto: GPUs when present, otherwise CPU processes",
+        help="auto (the default): GPUs when present, otherwise CPU processes",
     )
     parser.add_argument(
         "--grace-period",
         type=float,
         default=5.0,
         metavar="S",
-        help="seconds the other processes get after one fails, before they are killed",
+        help="seconds the other processes get to finish after one fails (and after Ctrl-C), before SIGTERM and "
+        "then SIGKILL (default 5)",
     )
-    parser.add_argument("script", help="Python script to run in every process")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.add_argument(
+        "--verbose", action="store_true", help="also print the libraries' informational lines (Gloo's connections)"
+    )
+    parser.add_argument("script", nargs="?", help="Python script to run in every process")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (optional)")
     args = parser.parse_args(argv)
+    if args.script is None:
+        parser.error("no script to run: python -m jax_uccl_ep.launch -n N script.py [script arguments]")
     if args.num_processes < 1:
         parser.error("-n must be at least 1")
     if args.devices_per_process is not None and args.devices_per_process < 1:
@@ -379,11 +411,14 @@ def _platform_env(
     args: argparse.Namespace, use_gpu: bool, gpus: list[str]
 ) -> tuple[dict[str, str], list[dict[str, str]] | None]:
     """(environment of every child, environment per rank) for the platform chosen."""
+    # A failed EP op whose result a script never read still fails the job (jax_uccl_ep's shutdown at exit).
+    common = {"UCCL_EP_EXIT_ON_UNREAD_ERRORS": os.environ.get("UCCL_EP_EXIT_ON_UNREAD_ERRORS", "1")}
     if not use_gpu:
-        return {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(args.devices_per_process or 1)}, None
+        common.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(args.devices_per_process or 1))
+        return common, None
     if args.gpus_per_process == "1":
-        return {}, [{"CUDA_VISIBLE_DEVICES": gpus[rank]} for rank in range(args.num_processes)]
-    return {}, None
+        return common, [{"CUDA_VISIBLE_DEVICES": gpus[rank]} for rank in range(args.num_processes)]
+    return common, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -418,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for child in children:
             prefix = f"[rank {child.rank}] "
             for stream, out in ((child.proc.stdout, sys.stdout), (child.proc.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
+                t = threading.Thread(target=_pump, args=(stream, out, prefix, lock, args.verbose), daemon=True)
                 t.start()
                 pumps.append(t)
         return _supervise(children, args.grace_period, received)
@@ -469,11 +504,25 @@ def _supervise(children: list[Child], grace_period: float, received: list[int]) 
                 child.signal_group(signal.SIGKILL)
             kill_at = float("inf")
         time.sleep(_POLL_S)
+    failed = [c for c in children if c.returncode != 0]
+    if failed:  # every rank's ending, so a job whose ranks all failed at once still says what happened
+        endings = ", ".join(f"rank {c.rank} {_ending(c.returncode)}" for c in children)
+        print(
+            f"jax_uccl_ep.launch: {len(failed)} of {len(children)} rank(s) failed: {endings}",
+            file=sys.stderr,
+            flush=True,
+        )
     if received:  # interrupted: report the signal, as a shell does
         return 128 + received[0]
     if first_failure is not None:
         return _exit_code(first_failure.returncode) or 1
     return 0
+
+
+def _ending(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit {returncode}"
 
 
 if __name__ == "__main__":

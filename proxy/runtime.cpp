@@ -338,7 +338,8 @@ int Device::drain_completions(int channel, std::vector<WriteContext>& contexts, 
     bool ours = ctx >= contexts.data() && ctx < contexts.data() + contexts.size();
     fail(ours ? ctx->peer : num_ranks_, ours ? error
                                              : "transport error on channel " + std::to_string(channel) +
-                                                   " (the failed operation names no peer): " + error);
+                                                   " (the failed operation names no peer): " + error +
+                                                   exited_peers_note());
     if (ours) {
       free_list.push_back(ctx->index);
       inflight_bytes_[channel] -= ctx->length;

@@ -100,11 +100,16 @@ def grouped_child() -> dict:
     return out
 
 
-def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot():
-    results = launch(HERE, "grouped_child", 1, platform="gpu", timeout_s=300)
+def _child_result(function: str) -> dict:
+    """Runs `function` of this file in one GPU process; its result, printed for the log."""
+    results = launch(HERE, function, 1, platform="gpu", timeout_s=300)
     assert all(x.ok for x in results), describe(results)
-    res = results[0].result
-    print(res)
+    print(results[0].result)
+    return results[0].result
+
+
+def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot():
+    res = _child_result("grouped_child")
     if "skip" in res:
         pytest.skip(res["skip"])
     for name in ("fast", "xla", "shard_map"):
@@ -164,10 +169,7 @@ def layer_child() -> dict:
 
 
 def test_the_layer_with_bf16_experts_follows_the_float32_reference():
-    results = launch(HERE, "layer_child", 1, platform="gpu", timeout_s=300)
-    assert all(x.ok for x in results), describe(results)
-    res = results[0].result
-    print(res)
+    res = _child_result("layer_child")
     for backend, errors in res.items():
         if errors == "skip":
             continue

@@ -1,5 +1,5 @@
-"""The README's Python snippets run as written (in fresh processes with 4 CPU devices), each printing what its
-last line's comment says."""
+"""The README's Python snippets run as written, each printing what its last line's comment says: in one process
+with 4 CPU devices, and under the launcher as 2 processes of 2 CPU devices (each rank prints it, nothing else)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,25 @@ def test_the_readme_has_snippets():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_snippet_runs(index):
+@pytest.mark.parametrize("how", ["one process", "launcher"])
+def test_snippet_runs(index, how):
     block = BLOCKS[index]
     expected = re.search(r"#\s*(.+)\s*$", block.strip().splitlines()[-1])
     assert expected, "a snippet's last line says in a comment what it prints"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
     env.pop("JAX_COORDINATOR_ADDRESS", None)
-    done = subprocess.run(
-        [sys.executable, "-c", block], cwd=tempfile.mkdtemp(), env=env, capture_output=True, text=True, timeout=180
-    )
+    cwd = tempfile.mkdtemp()
+    if how == "one process":
+        command = [sys.executable, "-c", block]
+    else:
+        with open(os.path.join(cwd, "snippet.py"), "w") as f:
+            f.write(block)
+        command = [sys.executable, "-m", "jax_uccl_ep.launch", "-n", "2", "--devices-per-process", "2", "snippet.py"]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith(expected.group(1).strip()), done.stdout
+    want = expected.group(1).strip()
+    if how == "one process":
+        assert done.stdout.strip().endswith(want), done.stdout
+    else:
+        lines = sorted(line for line in (done.stdout + done.stderr).splitlines() if line.strip())
+        assert lines == [f"[rank 0] {want}", f"[rank 1] {want}"], lines

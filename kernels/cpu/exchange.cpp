@@ -190,8 +190,8 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
     if (uint32_t(group.ranks[d]) != dev.rank()) dev.awaiting_ack(uint32_t(group.ranks[d])) = true;
 
   // Bad input is announced to every peer, so all ranks fail here together and stay in step.
-  if (bad_input) throw CollectiveError(std::string("uccl_ep ") + op + ": " + sent.local_error);
   std::string where = std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + ": ";
+  if (bad_input) throw CollectiveError(where + sent.local_error);
   if (peer_input_error) throw CollectiveError(where + peer_error);
   if (!peer_error.empty()) throw Error(where + peer_error);
   return received;

@@ -84,7 +84,8 @@ inline std::string check_topk(const int32_t* topk_idx, int num_tokens, int topk,
       int32_t e = topk_idx[size_t(t) * topk + k];
       if (e < -1 || e >= num_experts)
         return "topk_idx[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(e) +
-               " is outside [-1, num_experts=" + std::to_string(num_experts) + ")";
+               " is outside [-1, num_experts=" + std::to_string(num_experts) + ") (row " + std::to_string(t) +
+               " of that rank's own tokens)";
     }
   return "";
 }

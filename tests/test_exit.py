@@ -1,0 +1,164 @@
+"""How a job ends under the launcher (CPU processes): no stall at exit while EP ops are still in flight, an op error
+nobody read still printed on its rank with a failing exit status, a peer that never reaches shutdown named within
+the deadline, every rank's ending summarised when all fail, and no library chatter on a clean run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+# A script as the README writes them: EP ops whose results are never awaited, then the interpreter exits.
+UNAWAITED = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_uccl_ep as ep
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    ep.initialize()
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    R, T, H, K, E = mesh.size, 64, 256, 2, 4 * mesh.size
+    BAD = int(__import__("os").environ.get("BAD_INDEX", "0"))
+
+    def moe(x, idx, w):
+        r = ep.dispatch(x, idx, w, num_experts=E, axis_name="ep")
+        return ep.combine(r.x * 2, r.handle)
+
+    f = jax.jit(jax.shard_map(moe, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    key = jax.random.key(0)
+    idx = jax.random.randint(key, (R * T, K), 0, E, dtype=jnp.int32)
+    if BAD:
+        idx = idx.at[3, 1].set(E + 7)
+    for _ in range(3):
+        print(f(jax.random.normal(key, (R * T, H)), idx, jax.random.uniform(key, (R * T, K))).shape)
+    """
+)
+
+
+def _script(text: str) -> str:
+    path = os.path.join(tempfile.mkdtemp(), "job.py")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _launch(args: list[str], env: dict | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """`python -m jax_uccl_ep.launch args...` from outside the repository (the installed package)."""
+    return subprocess.run(
+        [sys.executable, "-m", "jax_uccl_ep.launch", *args],
+        cwd=tempfile.mkdtemp(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "UCCL_EP_TIMEOUT_S": "20", **(env or {})},
+    )
+
+
+def test_exit_while_ops_are_in_flight_never_stalls():
+    """Each rank leaves with its ops' results unread; shutdown waits for them and for the peers, so no rank
+    is left waiting for rows (a stall there lasted UCCL_EP_TIMEOUT_S, 20 s here). Many runs: the race was 1 in
+    10."""
+    script = _script(UNAWAITED)
+    for run in range(6):
+        start = time.monotonic()
+        done = _launch(["-n", "2", "--devices-per-process", "2", script])
+        seconds = time.monotonic() - start
+        assert done.returncode == 0, (run, done.stderr[-2000:])
+        assert done.stdout.count("(256, 256)") == 6, (run, done.stdout)
+        assert seconds < 15.0, f"run {run} took {seconds:.1f} s: a rank waited at exit"
+        assert "jax_uccl_ep (" not in done.stderr, done.stderr  # nothing to report
+
+
+def test_an_unread_op_error_is_printed_on_its_rank_and_fails_the_job():
+    done = _launch(["-n", "2", _script(UNAWAITED)], env={"BAD_INDEX": "1"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    # The rank that found it, with the index local to it, and the peer that heard of it.
+    assert re.search(
+        r"\[rank 0\] jax_uccl_ep \(process 0 of 2\): an EP op failed .*rank 0: topk_idx\[3, 1\] = 15 is outside "
+        r"\[-1, num_experts=8\) \(row 3 of that rank's own tokens\)",
+        done.stderr,
+    ), done.stderr[-3000:]
+    assert re.search(r"\[rank 1\] jax_uccl_ep \(process 1 of 2\): an EP op failed .*rank 0 reported", done.stderr)
+    assert "2 of 2 rank(s) failed: rank 0 exit 1, rank 1 exit 1" in done.stderr, done.stderr[-2000:]
+
+
+def test_without_the_launcher_the_error_is_printed_and_the_status_kept():
+    """In one process (4 CPU devices) the unread error is printed at exit; UCCL_EP_EXIT_ON_UNREAD_ERRORS is off
+    outside the launcher, so the status stays the script's."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4", BAD_INDEX="1")
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, _script(UNAWAITED)], capture_output=True, text=True, timeout=120, env=env, cwd="/"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "an EP op failed and no check_errors() ran after it" in done.stderr, done.stderr[-2000:]
+    assert "topk_idx[3, 1] = 23 is outside [-1, num_experts=16)" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_peer_that_never_reaches_shutdown_is_named_in_time():
+    """Rank 1 hangs after its ops instead of exiting; rank 0's shutdown gives up within the deadline, says so,
+    and fails (the launcher then stops rank 1)."""
+    script = _script(
+        UNAWAITED
+        + textwrap.dedent(
+            """
+            import os, time
+            jax.effects_barrier()
+            if jax.process_index() == 1:
+                time.sleep(120)
+            """
+        )
+    )
+    start = time.monotonic()
+    done = _launch(["-n", "2", "--grace-period", "1", script], env={"UCCL_EP_TIMEOUT_S": "5"})
+    seconds = time.monotonic() - start
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert "did not all reach shutdown within 5 s" in done.stderr, done.stderr[-3000:]
+    assert seconds < 40.0, seconds
+
+
+def test_every_rank_failing_at_once_gets_a_summary():
+    done = _launch(["-n", "3", _script("import sys\nsys.exit(3)\n")])
+    assert done.returncode == 3
+    assert "3 of 3 rank(s) failed: rank 0 exit 3, rank 1 exit 3, rank 2 exit 3" in done.stderr, done.stderr
+
+
+def test_the_launcher_explains_a_missing_script_and_its_help():
+    done = _launch(["-n", "2"])
+    assert done.returncode == 2 and "no script to run" in done.stderr, done.stderr
+    assert "required: script" not in done.stderr
+    help_text = _launch(["--help"]).stdout
+    for needed in ("(default 5)", "JAX_COORDINATOR_ADDRESS", "UCCL_EP_EXIT_ON_UNREAD_ERRORS", "examples:"):
+        assert needed in help_text, needed
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_clean_run_prints_only_the_script(verbose):
+    """Gloo's connection lines (XLA's CPU collectives: the psum below) stay out unless --verbose."""
+    script = _script(
+        textwrap.dedent(
+            """
+            import jax, numpy as np
+            import jax_uccl_ep as ep
+            from jax.sharding import Mesh, PartitionSpec as P
+
+            ep.initialize()
+            mesh = Mesh(np.array(jax.devices()), ("ep",))
+            f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "ep"), mesh=mesh, in_specs=P("ep"), out_specs=P()))
+            print(int(f(np.ones(mesh.size))[0]))
+            """
+        )
+    )
+    done = _launch(["-n", "2", "--devices-per-process", "2"] + (["--verbose"] if verbose else []) + [script])
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    if verbose:
+        assert any("Gloo" in line for line in lines), lines
+    else:
+        assert sorted(lines) == ["[rank 0] 4", "[rank 1] 4"], lines
