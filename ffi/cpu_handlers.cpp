@@ -40,7 +40,7 @@ void aborting_the_job_on_failure(Device& dev, int64_t two_level, Op&& op) {
     throw;  // every rank of the job raises it in this op: all stay in step
   } catch (const std::exception& e) {
     // A rank that failed on a peer's abort does not pass it on: the author told everyone.
-    if (two_level != 0 && !dev.aborted_by_peer()) {
+    if (two_level != int64_t(Level::kFlat) && !dev.aborted_by_peer()) {
       std::vector<uint32_t> everyone(dev.num_ranks());
       for (uint32_t r = 0; r < dev.num_ranks(); ++r) everyone[r] = r;
       std::lock_guard<std::mutex> lock(dev.op_mutex());

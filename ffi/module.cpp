@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../kernels/contract.hpp"
+#include "../kernels/fp8.hpp"
 #include "../kernels/settings.hpp"
 #include "../proxy/host_memory.hpp"
 #include "../proxy/runtime.hpp"
@@ -184,6 +186,30 @@ NB_MODULE(_uccl_ep, m) {
     Runtime::get().connect(v);
   });
   m.def("take_op_errors", [] { return uccl_ep::ffi_common::take_op_errors(); });
+  // The codes Python passes as attributes, from the enums the kernels use: tests/test_config.py checks that the
+  // Python side's names map to these values.
+  m.def("enum_codes", [] {
+    nb::dict out;
+    nb::dict path, overflow, level, cast;
+    path["CPU"] = int64_t(Path::kCpu);
+    path["NVLINK"] = int64_t(Path::kNvlink);
+    path["NODE_NVLINK"] = int64_t(Path::kNodeNvlink);
+    path["PROXY_GPU"] = int64_t(Path::kProxyGpu);
+    path["STAGED"] = int64_t(Path::kStaged);
+    overflow["error"] = int64_t(Overflow::kError);
+    overflow["drop"] = int64_t(Overflow::kDrop);
+    level["flat"] = int64_t(Level::kFlat);
+    level["node"] = int64_t(Level::kNode);
+    level["across"] = int64_t(Level::kAcross);
+    cast["none"] = int(Fp8Cast::kNone);
+    cast["cast"] = int(Fp8Cast::kCast);
+    cast["power_of_two_scales"] = int(Fp8Cast::kCastPowerOfTwoScales);
+    out["Path"] = path;
+    out["Overflow"] = overflow;
+    out["Level"] = level;
+    out["Fp8Cast"] = cast;
+    return out;
+  });
   m.def("ops_running", [] { return uccl_ep::ffi_common::op_error_log().running.load(); });
   m.def("quiesce", [](double seconds) {
     nb::gil_scoped_release release;

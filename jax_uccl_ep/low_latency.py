@@ -29,6 +29,9 @@ from ._checks import (
 from ._ffi import ep_call
 from .fp8 import FP8_BLOCK, pack_ue8m0
 
+# uccl_ep::Fp8Cast (kernels/fp8.hpp): rows sent as given, cast to FP8, cast with power-of-two scales.
+FP8_CAST_CODES = {"none": 0, "cast": 1, "power_of_two_scales": 2}
+
 AxisName = Union[str, Sequence[str]]
 
 
@@ -117,9 +120,10 @@ def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, 
         check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
     if use_fp8:  # the dispatch casts on the way, by per_token_cast_to_fp8's rule (one pass over x, no FP8 copy)
         check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
-        fp8_cast, wire_dtype, scale_width = (2 if round_scale else 1), jnp.float8_e4m3fn, h // FP8_BLOCK
+        cast = "power_of_two_scales" if round_scale else "cast"
+        fp8_cast, wire_dtype, scale_width = FP8_CAST_CODES[cast], jnp.float8_e4m3fn, h // FP8_BLOCK
     else:
-        fp8_cast, wire_dtype, scale_width = 0, x.dtype, 0
+        fp8_cast, wire_dtype, scale_width = FP8_CAST_CODES["none"], x.dtype, 0
     static = (
         "dispatch",
         axis_name,

@@ -180,7 +180,7 @@ def _two_level_plan(axis_name: AxisName):
     return plan if plan is not None and axis_size(axis_name) == plan.num_ranks else None
 
 
-_LEVEL_CODES = {None: 0, "node": 1, "across": 2}
+_LEVEL_CODES = {None: 0, "node": 1, "across": 2}  # uccl_ep::Level (kernels/contract.hpp): flat, node, across
 
 
 def _level_args(level: str | None) -> dict:
@@ -454,7 +454,7 @@ def _combine_bwd(residuals, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-def combine(y: jax.Array, handle: DispatchHandle) -> jax.Array:
+def combine(y: jax.Array, handle: Handle) -> jax.Array:
     """Returns dispatched rows to their source ranks and sums the copies of each token (call inside shard_map).
 
     Args:

@@ -27,6 +27,9 @@ enum class Path : int64_t {
 // Its cached dispatch and combine take the dispatch's policy: under kDrop a handle may record more rows than y has.
 enum class Overflow : int64_t { kError = 0, kDrop = 1 };
 
+// Which level of two-level routing an op is (jax_uccl_ep/normal.py's two_level attribute).
+enum class Level : int64_t { kFlat = 0, kNode = 1, kAcross = 2 };
+
 enum class FloatType { kF32, kBF16 };
 inline int64_t float_bytes(FloatType t) { return t == FloatType::kF32 ? 4 : 2; }
 

@@ -108,3 +108,16 @@ def test_the_plan_summary_names_runtime_buffers_and_nodes():
     assert "NVLink runtime, 1024 MiB normal + 256 MiB low-latency buffer per GPU, 24 SMs" in _runtime.describe_plan(
         one_node, Config()
     )
+
+
+def test_the_codes_python_passes_are_the_kernels_enums():
+    """Path, Overflow, the two-level Level and the FP8 cast modes travel as integer attributes: the Python names
+    must map to the values of the C++ enums (exported by the extension from kernels/contract.hpp and fp8.hpp)."""
+    from jax_uccl_ep import _plan, _uccl_ep, low_latency, normal
+
+    codes = _uccl_ep.enum_codes()
+    assert {p.name: int(p) for p in _plan.Path} == dict(codes["Path"])
+    assert normal._OVERFLOW_CODES == dict(codes["Overflow"])
+    level = dict(codes["Level"])
+    assert {("flat" if k is None else k): v for k, v in normal._LEVEL_CODES.items()} == level
+    assert low_latency.FP8_CAST_CODES == dict(codes["Fp8Cast"])
