@@ -349,8 +349,9 @@ def moe_ffn_decode(
     use_fp8: bool = True,
 ) -> jax.Array:
     """The layer for decoding, inside a ``jax.shard_map``: low-latency dispatch (FP8 rows by default) into static
-    per-expert buffers, the local experts batched per expert, low-latency combine weighted by the router. ``x [...,
-    D]`` with at most `max_tokens_per_rank` tokens. Forward only."""
+    per-expert buffers, the local experts as batched matmuls over them (already expert-major: no grouping needed)
+    in ``config.compute_dtype``, low-latency combine weighted by the router. ``x [..., D]`` with at most
+    `max_tokens_per_rank` tokens. Forward only."""
     _check_params(params, config.num_experts, axis_name, "moe_ffn_decode")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
@@ -372,10 +373,12 @@ def moe_ffn_decode(
         rows = rows.reshape(local, slots, d).astype(x.dtype)
     else:
         rows = recv
+    dtype = config.experts_dtype(params["w_gate"].dtype)
     valid = jnp.arange(rows.shape[1])[None, :] < count[:, None]  # padding rows may hold anything on GPUs
-    rows = jnp.where(valid[..., None], rows, 0).astype(x.dtype)
-    gate = jnp.einsum("lnd,ldf->lnf", rows, params["w_gate"], preferred_element_type=jnp.float32)
-    up = jnp.einsum("lnd,ldf->lnf", rows, params["w_up"], preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    y = jnp.einsum("lnf,lfd->lnd", h, params["w_down"], preferred_element_type=jnp.float32).astype(x.dtype)
+    rows = jnp.where(valid[..., None], rows, 0).astype(dtype)
+    w = {k: params[k].astype(dtype) for k in ("w_gate", "w_up", "w_down")}
+    gate = jnp.einsum("lnd,ldf->lnf", rows, w["w_gate"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("lnd,ldf->lnf", rows, w["w_up"], preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    y = jnp.einsum("lnf,lfd->lnd", h, w["w_down"], preferred_element_type=jnp.float32).astype(x.dtype)
     return low_latency_combine(y, idx, weights, handle).reshape(*lead, d)
