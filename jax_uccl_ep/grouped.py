@@ -162,14 +162,18 @@ def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dt
     return jnp.where((group_sizes > 0)[:, None, None], out, jnp.zeros((), out.dtype)).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mosaic_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+def _mosaic_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     # Inside shard_map a Pallas kernel's output varies over no manual axis: mark it like its operands.
     return _varying(_tokamax_dot(lhs, rhs, group_sizes, out_dtype), _axes_of(lhs, rhs))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mosaic_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    return _mosaic_forward(lhs, rhs, group_sizes, out_dtype)
+
+
 def _mosaic_matmul_fwd(lhs, rhs, group_sizes, out_dtype):
-    return _mosaic_matmul(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
+    return _mosaic_forward(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
 
 
 def _mosaic_matmul_bwd(out_dtype, residuals, dout):
