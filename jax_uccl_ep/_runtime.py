@@ -105,7 +105,7 @@ def _maybe_initialize_distributed(kwargs: dict) -> None:
         jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError) as e:
         where = launcher or "the coordinator in the environment (JAX_COORDINATOR_ADDRESS)"
-        if "before any JAX" in str(e) or "already" in str(e):
+        if "before any JAX" in str(e):
             raise RuntimeError(
                 f"jax_uccl_ep.initialize: this process ran JAX (a computation, jax.devices(), jax.device_put, ...) "
                 f"before initialize(), so it can no longer join the job started by {where}: move "
@@ -489,7 +489,9 @@ def _shutdown(at_exit: bool) -> list[str]:
         if client is not None and jax.process_count() > 1:
             # Every peer has finished its ops too before anyone frees what a peer may still write into.
             try:
-                client.wait_at_barrier(f"jax_uccl_ep/{_generation}/shutdown", int(timeout_s * 1000))
+                # One deadline for the whole shutdown: what the waits above took comes off the barrier's.
+                left_ms = max(1000, int((deadline - time.monotonic()) * 1000))
+                client.wait_at_barrier(f"jax_uccl_ep/{_generation}/shutdown", left_ms)
             except Exception as e:  # noqa: BLE001
                 problems.append(
                     f"the other processes did not all reach shutdown within {timeout_s:g} s (UCCL_EP_TIMEOUT_S); "

@@ -164,7 +164,7 @@ def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dt
 
 def _mosaic_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     # Inside shard_map a Pallas kernel's output varies over no manual axis: mark it like its operands.
-    return _varying(_tokamax_dot(lhs, rhs, group_sizes, out_dtype), _axes_of(lhs, rhs))
+    return _varying(_tokamax_dot(lhs, rhs, group_sizes, out_dtype), _axes_of(lhs, rhs, group_sizes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -179,8 +179,12 @@ def _mosaic_matmul_fwd(lhs, rhs, group_sizes, out_dtype):
 def _mosaic_matmul_bwd(out_dtype, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = dout.astype(lhs.dtype)
-    dlhs = like_primal(_tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype), lhs)
-    drhs = like_primal(_weight_grad(lhs, dout, group_sizes, rhs.dtype), rhs)
+    # A kernel's output varies over no manual axis: first mark it as its operands vary, then sum over the axes its
+    # primal does not vary over (rhs sharded over a tensor-parallel axis that lhs is not, say).
+    dlhs = _tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype)
+    dlhs = like_primal(_varying(dlhs, _axes_of(dout, rhs, group_sizes)), lhs)
+    drhs = _weight_grad(lhs, dout, group_sizes, rhs.dtype)
+    drhs = like_primal(_varying(drhs, _axes_of(lhs, dout, group_sizes)), rhs)
     return dlhs, drhs, None
 
 
@@ -205,7 +209,7 @@ def grouped_matmul(
         )
     if lhs.dtype != rhs.dtype:
         raise ValueError(f"jax_uccl_ep.grouped_matmul: lhs is {lhs.dtype}, rhs {rhs.dtype}; cast them to one dtype")
-    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     if grouped_backend(backend, lhs.dtype) == "mosaic":
         return _mosaic_matmul(lhs, rhs, group_sizes, out_dtype)

@@ -521,7 +521,10 @@ def _supervise(children: list[Child], grace_period: float, received: list[int]) 
 
 def _ending(returncode: int | None) -> str:
     if returncode is not None and returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:  # a signal Python has no name for (real-time signals)
+            return f"killed by signal {-returncode}"
     return f"exit {returncode}"
 
 

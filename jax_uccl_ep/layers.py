@@ -224,7 +224,7 @@ def swiglu_experts(
     are summed back into rows in float32. Gathers both ways, forward and backward: no scatter of the pair buffer."""
     n, k = expert.shape
     groups = params["w_gate"].shape[0]
-    dtype = jnp.dtype(compute_dtype or params["w_gate"].dtype)
+    dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
     if weights is None:
         weights = _varying(jnp.ones((n, k), jnp.float32), tuple(sorted(_varying_axes(rows))))
     order, inverse, sizes = _pair_order(expert, groups)

@@ -51,7 +51,7 @@ def _script(text: str) -> str:
 def _launch(args: list[str], env: dict | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """`python -m jax_uccl_ep.launch args...` from outside the repository (the installed package)."""
     return subprocess.run(
-        [sys.executable, "-m", "jax_uccl_ep.launch", *args],
+        [sys.executable, "-m", "jax_uccl_ep.launch", "--platform", "cpu", *args],
         cwd=tempfile.mkdtemp(),
         capture_output=True,
         text=True,
@@ -62,16 +62,16 @@ def _launch(args: list[str], env: dict | None = None, timeout: float = 120.0) ->
 
 def test_exit_while_ops_are_in_flight_never_stalls():
     """Each rank leaves with its ops' results unread; shutdown waits for them and for the peers, so no rank
-    is left waiting for rows (a stall there lasted UCCL_EP_TIMEOUT_S, 20 s here). Many runs: the race was 1 in
-    10."""
+    is left waiting for rows: such a stall lasts UCCL_EP_TIMEOUT_S (60 s here), a run takes ~5 s. Many runs: the
+    race was 1 in 5."""
     script = _script(UNAWAITED)
     for run in range(6):
         start = time.monotonic()
-        done = _launch(["-n", "2", "--devices-per-process", "2", script])
+        done = _launch(["-n", "2", "--devices-per-process", "2", script], env={"UCCL_EP_TIMEOUT_S": "60"})
         seconds = time.monotonic() - start
         assert done.returncode == 0, (run, done.stderr[-2000:])
         assert done.stdout.count("(256, 256)") == 6, (run, done.stdout)
-        assert seconds < 15.0, f"run {run} took {seconds:.1f} s: a rank waited at exit"
+        assert seconds < 45.0, f"run {run} took {seconds:.1f} s: a rank waited at exit"
         assert "jax_uccl_ep (" not in done.stderr, done.stderr  # nothing to report
 
 
@@ -158,7 +158,7 @@ def test_a_clean_run_prints_only_the_script(verbose):
     done = _launch(["-n", "2", "--devices-per-process", "2"] + (["--verbose"] if verbose else []) + [script])
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    if verbose:
-        assert any("Gloo" in line for line in lines), lines
-    else:
-        assert sorted(lines) == ["[rank 0] 4", "[rank 1] 4"], lines
+    assert "[rank 0] 4" in lines and "[rank 1] 4" in lines, lines
+    assert any("Gloo" in line for line in lines) == verbose, lines
+    if not verbose:
+        assert all(line.startswith("[rank ") for line in lines), lines  # nothing from the launcher either

@@ -34,12 +34,14 @@ def test_snippet_runs(index, how):
     else:
         with open(os.path.join(cwd, "snippet.py"), "w") as f:
             f.write(block)
-        command = [sys.executable, "-m", "jax_uccl_ep.launch", "-n", "2", "--devices-per-process", "2", "snippet.py"]
+        command = [sys.executable, "-m", "jax_uccl_ep.launch", "--platform", "cpu", "-n", "2"]
+        command += ["--devices-per-process", "2", "snippet.py"]
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     want = expected.group(1).strip()
     if how == "one process":
         assert done.stdout.strip().endswith(want), done.stdout
     else:
-        lines = sorted(line for line in (done.stdout + done.stderr).splitlines() if line.strip())
-        assert lines == [f"[rank 0] {want}", f"[rank 1] {want}"], lines
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        assert f"[rank 0] {want}" in lines and f"[rank 1] {want}" in lines, lines
+        assert not any("Gloo" in line or "jax_uccl_ep (" in line for line in lines), lines
