@@ -10,8 +10,9 @@ Each token goes to its top-k experts: ``y = sum_k w_k * expert_{i_k}(x)`` with S
 ``expert_e(x) = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Rank r of the EP axis (size R) owns experts
 ``[r*E/R, (r+1)*E/R)``; on each rank the received (row, expert) pairs run as grouped matmuls over its experts
 (``grouped.grouped_matmul``: Pallas Mosaic kernels on Hopper GPUs in bf16, ``jax.lax.ragged_dot`` elsewhere), in
-``MoEConfig.compute_dtype`` (bf16 on GPUs by default) while the parameters stay in theirs and each token's expert
-outputs are summed in float32. Parameters (global shapes; ``moe_param_specs`` shards the experts)::
+``MoEConfig.compute_dtype`` (bf16 on GPUs by default) while the parameters stay in theirs: a rank sums its
+experts' outputs for a token in float32, the sums travel back in the compute dtype, and combine adds them in
+float32. Parameters (global shapes; ``moe_param_specs`` shards the experts)::
 
     {"router": [D, E], "w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
 """
