@@ -284,6 +284,13 @@ def _varying(outputs, axes):
     return jax.tree.map(cast, outputs)
 
 
+def varying_like(value, *like: jax.Array):
+    """`value` (an array or a tree of them) marked varying over every manual mesh axis any of `like` varies over:
+    what an op computed from them holds its own values on each device, whether or not JAX could see it (an FFI
+    call's or a Pallas kernel's outputs carry no varying axes)."""
+    return _varying(value, tuple(sorted(frozenset().union(*map(_varying_axes, like)))))
+
+
 def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
     """`cotangent` with exactly `primal`'s varying manual axes, as JAX checks a custom VJP's outputs: summed over
     the axes only it varies over (the transpose of broadcasting an invariant value), marked varying over those only

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ._ffi import _varying, _varying_axes, like_primal
+from ._ffi import like_primal, varying_like
 from .grouped import GroupedBackend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
@@ -227,7 +227,7 @@ def swiglu_experts(
     groups = params["w_gate"].shape[0]
     dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
     if weights is None:
-        weights = _varying(jnp.ones((n, k), jnp.float32), tuple(sorted(_varying_axes(rows))))
+        weights = varying_like(jnp.ones((n, k), jnp.float32), rows)
     order, inverse, sizes = _pair_order(expert, groups)
     x = _rows_of_pairs(rows.astype(dtype), order, inverse, k)  # [N*K, D], each expert's pairs together
     w_gate_up = jnp.concatenate([params["w_gate"], params["w_up"]], axis=-1).astype(dtype)  # [G, D, 2F]
