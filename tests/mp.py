@@ -8,13 +8,24 @@ processes behind.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 from jax_uccl_ep._spawn import RESULT_MARK, RankResult, describe
 from jax_uccl_ep._spawn import call_in_processes as launch
 from jax_uccl_ep.launch import detect_gpus, free_port
 
-__all__ = ["RESULT_MARK", "RankResult", "count_gpus", "describe", "free_port", "launch", "launch_ok"]
+__all__ = [
+    "RESULT_MARK",
+    "RankResult",
+    "count_gpus",
+    "describe",
+    "free_port",
+    "launch",
+    "launch_ok",
+    "run_launcher",
+]
 
 
 def count_gpus() -> int:
@@ -27,3 +38,16 @@ def launch_ok(path: str, function: str, num_processes: int, **kwargs: Any) -> li
     results = launch(path, function, num_processes, **kwargs)
     assert all(r.ok for r in results), describe(results)
     return [r.result for r in results]
+
+
+def run_launcher(args: list[str], cwd: str, timeout: float = 120.0, **kwargs: Any) -> subprocess.CompletedProcess:
+    """Runs `python -m jax_uccl_ep.launch args...` from `cwd` (outside the repository: the installed package), its
+    output captured as text; `kwargs` go to subprocess.run (env=...)."""
+    return subprocess.run(
+        [sys.executable, "-m", "jax_uccl_ep.launch", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )

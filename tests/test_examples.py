@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import reference
-from mp import launch_ok
+from mp import launch_ok, run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -31,18 +31,6 @@ def _load(name: str):
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-def _launcher(args: list[str], cwd: str, timeout: float = 120.0, **kwargs) -> subprocess.CompletedProcess:
-    """Runs `python -m jax_uccl_ep.launch args...` from `cwd` (outside the repository: the installed package)."""
-    return subprocess.run(
-        [sys.executable, "-m", "jax_uccl_ep.launch", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kwargs,
-    )
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -368,7 +356,7 @@ def test_training_loss_curves_match_dense_reference(tmp_path):
     pytest.importorskip("optax")
     steps = 20
     # uccl: the command a user types, through the launcher.
-    proc = _launcher(
+    proc = run_launcher(
         ["-n", "2", TRAIN, "--steps", str(steps), "--ep-impl", "uccl", "--time-every", "0", "--json", "--seed", "3"],
         cwd=str(tmp_path),
         timeout=150,
@@ -423,7 +411,7 @@ def test_launcher_kills_the_rest_when_a_rank_fails(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_FAILING_CHILD)
     start = time.monotonic()
-    proc = _launcher(["-n", "3", "--grace-period", "0.5", str(script), str(tmp_path)], cwd=str(tmp_path), timeout=60)
+    proc = run_launcher(["-n", "3", "--grace-period", "0.5", str(script), str(tmp_path)], cwd=str(tmp_path), timeout=60)
     elapsed = time.monotonic() - start
     assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
     assert elapsed < 30
@@ -450,7 +438,7 @@ def test_launcher_sets_the_environment(tmp_path):
     """)
     )
     env = {k: v for k, v in os.environ.items() if k != "FI_TCP_IFACE"}
-    proc = _launcher(
+    proc = run_launcher(
         ["-n", "2", "--platform", "cpu", "--devices-per-process", "3", str(script)],
         cwd=str(tmp_path),
         timeout=60,

@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from mp import run_launcher
 
 # A script as the README writes them: EP ops whose results are never awaited, then the interpreter exits.
 UNAWAITED = textwrap.dedent(
@@ -49,15 +50,9 @@ def _script(text: str) -> str:
 
 
 def _launch(args: list[str], env: dict | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """`python -m jax_uccl_ep.launch args...` from outside the repository (the installed package)."""
-    return subprocess.run(
-        [sys.executable, "-m", "jax_uccl_ep.launch", "--platform", "cpu", *args],
-        cwd=tempfile.mkdtemp(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "UCCL_EP_TIMEOUT_S": "20", **(env or {})},
-    )
+    """The launcher on CPU processes, from outside the repository, with a 20 s peer deadline unless `env` says."""
+    env = {**os.environ, "UCCL_EP_TIMEOUT_S": "20", **(env or {})}
+    return run_launcher(["--platform", "cpu", *args], cwd=tempfile.mkdtemp(), timeout=timeout, env=env)
 
 
 def test_exit_while_ops_are_in_flight_never_stalls():

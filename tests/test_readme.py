@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 import pytest
+from mp import run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "README.md")) as _f:
@@ -30,13 +31,14 @@ def test_snippet_runs(index, how):
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     cwd = tempfile.mkdtemp()
     if how == "one process":
-        command = [sys.executable, "-c", block]
+        done = subprocess.run(
+            [sys.executable, "-c", block], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+        )
     else:
         with open(os.path.join(cwd, "snippet.py"), "w") as f:
             f.write(block)
-        command = [sys.executable, "-m", "jax_uccl_ep.launch", "--platform", "cpu", "-n", "2"]
-        command += ["--devices-per-process", "2", "snippet.py"]
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+        args = ["--platform", "cpu", "-n", "2", "--devices-per-process", "2", "snippet.py"]
+        done = run_launcher(args, cwd=cwd, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     want = expected.group(1).strip()
     if how == "one process":
