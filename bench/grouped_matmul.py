@@ -62,22 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     gs = jnp.asarray(sizes)
     backend = grouped_backend("auto", bf16)
 
-    cases = {
-        f"grouped ({backend}), slots": lambda a, b: grouped_matmul(a, b, gs),
-        f"grouped ({backend}), rows": lambda a, b: grouped_matmul(a, b, gs),
-        "xla ragged_dot, rows": lambda a, b: jax.lax.ragged_dot(a, b, gs, preferred_element_type=jnp.float32).astype(
-            bf16
-        ),
-        "einsum floor [G, C, K]": lambda a, b: jnp.einsum("eck,ekn->ecn", a, b),
-        "dense [rows, K] x [K, N]": lambda a, b: a @ b,
-    }
-    operands = {
-        f"grouped ({backend}), slots": (lhs_slots, rhs),
-        f"grouped ({backend}), rows": (lhs_rows, rhs),
-        "xla ragged_dot, rows": (lhs_rows, rhs),
-        "einsum floor [G, C, K]": (lhs_ecd, rhs),
-        "dense [rows, K] x [K, N]": (lhs_rows, dense_rhs),
-    }
+    def grouped(a, b):
+        return grouped_matmul(a, b, gs)
+
+    def xla(a, b):
+        return jax.lax.ragged_dot(a, b, gs, preferred_element_type=jnp.float32).astype(bf16)
+
+    # (name, the product, its operands)
+    cases = [
+        (f"grouped ({backend}), slots", grouped, (lhs_slots, rhs)),
+        (f"grouped ({backend}), rows", grouped, (lhs_rows, rhs)),
+        ("xla ragged_dot, rows", xla, (lhs_rows, rhs)),
+        ("einsum floor [G, C, K]", lambda a, b: jnp.einsum("eck,ekn->ecn", a, b), (lhs_ecd, rhs)),
+        ("dense [rows, K] x [K, N]", lambda a, b: a @ b, (lhs_rows, dense_rhs)),
+    ]
 
     def timed(fn, a, b) -> float:
         def loop(a, b):
@@ -109,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     flops = 2.0 * rows * k * n
     results, table = [], []
-    for name, fn in cases.items():
-        a, b = operands[name]
+    for name, fn, (a, b) in cases:
         row = {"case": name}
         for what, f, work in (("fwd", fn, flops), ("fwd+bwd", forward_backward(fn), 3 * flops)):
             try:
