@@ -272,19 +272,27 @@ class LayerTimer:
 
         self.layer = shard(lambda p, x: moe_fn(p, x).y, (specs, P(AXIS)))
         self.layer_grads = shard(layer_grads, (specs, P(AXIS)), (specs, P(AXIS)))
-        # The rows the layer's own dispatch may receive (moe_ffn_local's, from the capacity factor).
-        rows = None
+        # The pairs the layer's own dispatch may take (moe_ffn_local's, from the capacity factor).
+        pairs = None
         if cfg.capacity_factor is not None:
-            rows = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.capacity_factor)
+            pairs = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.capacity_factor, cfg.num_experts)
 
         def dispatch(x, idx, w):
             res = ep.dispatch(
-                x.astype(dtype), idx, w, num_experts=cfg.num_experts, axis_name=AXIS, capacity=rows, overflow="drop"
+                x.astype(dtype),
+                idx,
+                w,
+                num_experts=cfg.num_experts,
+                axis_name=AXIS,
+                capacity=pairs,
+                overflow="drop",
+                layout="expert",
             )
-            return res.x, res.topk_idx, res.topk_weights, res.handle
+            return res.x, res.num_tokens_per_expert, res.weights, res.handle
 
-        def experts(p, rows, idx, w):
-            return layers.swiglu_experts(p, rows, idx, w, compute_dtype=dtype, backend=moe.grouped_matmul)
+        def experts(p, pairs, sizes, w):
+            y = layers.swiglu_pairs(p, pairs, sizes, compute_dtype=dtype, backend=moe.grouped_matmul)
+            return y.astype(jnp.float32) * w[:, None]
 
         self.router = shard(lambda p, x: layers.route(p["router"], x, moe)[:2], (specs, P(AXIS)))
         self.dispatch = shard(dispatch, P(AXIS))
@@ -299,11 +307,11 @@ class LayerTimer:
             "moe_fwd_bwd_ms": _median_ms(lambda: self.layer_grads(moe_params, self.x)),
         }
         if self.impl == "uccl":
-            rows, idx, w, handle = self.dispatch(self.x, self.idx, self.w)
-            y = self.experts(moe_params, rows, idx, w)
+            pairs, sizes, w, handle = self.dispatch(self.x, self.idx, self.w)
+            y = self.experts(moe_params, pairs, sizes, w)
             out["router_ms"] = _median_ms(lambda: self.router(moe_params, self.x))
             out["dispatch_ms"] = _median_ms(lambda: self.dispatch(self.x, self.idx, self.w))
-            out["experts_ms"] = _median_ms(lambda: self.experts(moe_params, rows, idx, w))
+            out["experts_ms"] = _median_ms(lambda: self.experts(moe_params, pairs, sizes, w))
             out["combine_ms"] = _median_ms(lambda: self.combine(y, handle))
         return out
 

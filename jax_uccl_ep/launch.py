@@ -309,14 +309,31 @@ _INFORMATIONAL = re.compile(
 )
 
 
+# On GPUs, each process's jax.distributed client logs its coordination watch being cancelled when the job shuts
+# down as it should: a warning line, then a block of gRPC detail (these lines, at most, and a blank one).
+_WATCH_CANCELLED = re.compile(r"WatchTasksAsync failed for task \d+: CANCELLED")
+_WATCH_CANCELLED_DETAIL = re.compile(
+    r"^\s*$|CoordinationService/WatchTasks|^:CANCELLED:CANCELLED|=== Source Location Trace: ===|rpc/grpc_util\.h:\d+"
+)
+
+
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock, verbose: bool = True) -> None:
     """Copies `stream` to `out` line by line, each line prefixed; without `verbose`, the informational lines
-    above are left out."""
+    above and the cancelled watch's block are left out."""
+    detail_lines = 0  # lines of a cancelled watch's block still to leave out
     with stream:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            if not verbose and _INFORMATIONAL.search(line):
-                continue
+            if not verbose:
+                if _INFORMATIONAL.search(line):
+                    continue
+                if _WATCH_CANCELLED.search(line):
+                    detail_lines = 6
+                    continue
+                if detail_lines and _WATCH_CANCELLED_DETAIL.search(line):
+                    detail_lines -= 1
+                    continue
+                detail_lines = 0
             with lock:
                 out.write(f"{prefix}{line}\n")
                 out.flush()

@@ -8,11 +8,12 @@ parity checks. ``moe_ffn_decode`` is the low-latency variant for decoding (forwa
 
 Each token goes to its top-k experts: ``y = sum_k w_k * expert_{i_k}(x)`` with SwiGLU experts
 ``expert_e(x) = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Rank r of the EP axis (size R) owns experts
-``[r*E/R, (r+1)*E/R)``; on each rank the received (row, expert) pairs run as grouped matmuls over its experts
-(``grouped.grouped_matmul``: Pallas Mosaic kernels on Hopper GPUs in bf16, ``jax.lax.ragged_dot`` elsewhere), in
-``MoEConfig.compute_dtype`` (bf16 on GPUs by default) while the parameters stay in theirs: a rank sums its
-experts' outputs for a token in float32, the sums travel back in the compute dtype, and combine adds them in
-float32. Parameters (global shapes; ``moe_param_specs`` shards the experts)::
+``[r*E/R, (r+1)*E/R)``; dispatch hands each rank its (token, local expert) pairs grouped by expert
+(``layout="expert"``), and they run as grouped matmuls over its experts (``grouped.grouped_matmul``: Pallas Mosaic
+kernels on Hopper GPUs in bf16, ``jax.lax.ragged_dot`` elsewhere), in ``MoEConfig.compute_dtype`` (bf16 on GPUs by
+default) while the parameters stay in theirs: each pair's output is weighted in float32 and rounded to the compute
+dtype, a rank sums a token's pairs in float32, the sum travels back in the compute dtype, and combine adds the
+ranks' sums in float32. Parameters (global shapes; ``moe_param_specs`` shards the experts)::
 
     {"router": [D, E], "w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
 """
@@ -48,6 +49,7 @@ __all__ = [
     "moe_param_specs",
     "route",
     "swiglu_experts",
+    "swiglu_pairs",
 ]
 
 Params = dict[str, jax.Array]
@@ -62,7 +64,8 @@ class MoEConfig:
     score: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts, or independent sigmoids
     renormalize: bool = True  # the top-k weights of a token sum to one
     aux_loss_coef: float = 0.0  # load-balancing loss (Switch Transformer's) times this; 0 leaves it out
-    capacity_factor: float | None = None  # rows a rank may receive, per its tokens' top-k slots (None: never drops)
+    capacity_factor: float | None = None  # (token, expert) pairs a rank may take, per its tokens' top-k slots
+    # (None: never drops)
     overflow: Literal["drop", "error"] = "drop"  # rows past that capacity: dropped (MaxText's), or an error
     fp8_dispatch: bool = False  # rows travel as FP8 (dispatch's use_fp8; the backward stays in x's dtype)
     compute_dtype: Any = None  # the experts' matmuls (and dispatched rows): None = bfloat16 on GPUs, else params'
@@ -79,8 +82,8 @@ class MoEConfig:
 class MoEStats(NamedTuple):
     """Per-call counts, one entry per EP rank."""
 
-    rows_received: jax.Array  # [R] int32: token rows each rank received and kept (its experts' work)
-    rows_dropped: jax.Array  # [R] int32: rows that arrived past a rank's capacity and were dropped
+    rows_received: jax.Array  # [R] int32: token rows each rank received and kept
+    pairs_dropped: jax.Array  # [R] int32: (token, expert) pairs past a rank's capacity, dropped
     tokens_per_expert: jax.Array  # [E] int32: (token, expert) pairs routed to each expert, over the whole axis
 
 
@@ -107,13 +110,18 @@ def moe_param_specs(axis_name: str | tuple[str, ...]) -> dict[str, P]:
     return {"router": P(), "w_gate": P(axis_name), "w_up": P(axis_name), "w_down": P(axis_name)}
 
 
-def capacity_for(num_tokens: int, top_k: int, num_ranks: int, capacity_factor: float) -> int:
-    """Rows a rank receives at most for `capacity_factor` (MaxText's): factor x the rows a rank gets on average,
-    ``num_tokens * top_k / num_ranks``, at least 1 and at most the never-dropping ``num_ranks * num_tokens``."""
+def capacity_for(
+    num_tokens: int, top_k: int, num_ranks: int, capacity_factor: float, num_experts: int | None = None
+) -> int:
+    """(token, expert) pairs a rank takes at most for `capacity_factor` (MaxText's, per expert, times the rank's
+    experts): factor x the pairs a rank gets on average, ``num_tokens * top_k / num_ranks``, at least 1 and at most
+    the never-dropping ``num_ranks * num_tokens * min(top_k, num_experts / num_ranks)`` (top_k without
+    num_experts)."""
     if capacity_factor <= 0:
         raise ValueError(f"jax_uccl_ep: capacity_factor must be positive, got {capacity_factor}")
-    rows = math.ceil(capacity_factor * num_tokens * top_k / num_ranks)
-    return max(1, min(num_ranks * num_tokens, rows))
+    pairs = math.ceil(capacity_factor * num_tokens * top_k / num_ranks)
+    per_token = top_k if num_experts is None else min(top_k, num_experts // num_ranks)
+    return max(1, min(num_ranks * num_tokens * per_token, pairs))
 
 
 def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -238,6 +246,25 @@ def swiglu_experts(
     return _weighted_sum_of_pairs(y, weights, order, inverse, k)
 
 
+def swiglu_pairs(
+    params: Params,
+    pairs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    compute_dtype: Any = None,
+    backend: GroupedBackend = "auto",
+) -> jax.Array:
+    """The local experts on expert-major pair rows ``pairs [M, D]`` (dispatch(layout="expert")'s ``x``: expert e's
+    rows follow expert e-1's, ``group_sizes [G]`` of them; rows past the groups give zeros): ``[M, D]`` in
+    `compute_dtype` (default: the parameters'), as two grouped matmuls (gate and up together, then down)."""
+    dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
+    w_gate_up = jnp.concatenate([params["w_gate"], params["w_up"]], axis=-1).astype(dtype)  # [G, D, 2F]
+    gate_up = grouped_matmul(pairs.astype(dtype), w_gate_up, group_sizes, out_dtype=dtype, backend=backend)
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    return grouped_matmul(h, params["w_down"].astype(dtype), group_sizes, out_dtype=dtype, backend=backend)
+
+
 def _check_params(params: Params, num_experts: int, axis_name: Any, where: str) -> None:
     missing = {"router", "w_gate", "w_up", "w_down"} - set(params)
     if missing:
@@ -261,7 +288,7 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     capacity = None
     if config.capacity_factor is not None:
         ranks = jax.lax.axis_size(axis_name)
-        capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor)
+        capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor, config.num_experts)
     dtype = config.experts_dtype(params["w_gate"].dtype)
     res = dispatch(
         tokens.astype(dtype),
@@ -272,11 +299,12 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         capacity=capacity,
         overflow=config.overflow,
         use_fp8=config.fp8_dispatch,
+        layout="expert",
     )
-    y = swiglu_experts(
-        params, res.x, res.topk_idx, res.topk_weights, compute_dtype=dtype, backend=config.grouped_matmul
-    )
-    y = combine(y.astype(dtype), res.handle).astype(x.dtype).reshape(*lead, d)
+    y = swiglu_pairs(params, res.x, res.num_tokens_per_expert, compute_dtype=dtype, backend=config.grouped_matmul)
+    # Each pair weighted by its router weight in float32 and rounded once to travel; combine sums them in float32.
+    y = (y.astype(jnp.float32) * res.weights[:, None]).astype(dtype)
+    y = combine(y, res.handle).astype(x.dtype).reshape(*lead, d)
     aux, per_expert = _routing_stats(scores, idx, config)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
 
@@ -302,7 +330,7 @@ def moe_ffn(
       axis_name: the EP mesh axis (its size must divide num_experts).
 
     Returns:
-      MoEOutput: y like x; aux_loss averaged over the EP ranks; stats.rows_received [R], stats.rows_dropped [R]
+      MoEOutput: y like x; aux_loss averaged over the EP ranks; stats.rows_received [R], stats.pairs_dropped [R]
       and stats.tokens_per_expert [E] summed over the ranks.
     """
     spec = token_spec if token_spec is not None else P(axis_name)
@@ -311,7 +339,7 @@ def moe_ffn(
         out = moe_ffn_local(p, x, config, axis_name=axis_name)
         aux = jax.lax.pmean(out.aux_loss, axis_name)
         per_expert = jax.lax.psum(out.stats.tokens_per_expert, axis_name)
-        return out.y, aux, out.stats.rows_received, out.stats.rows_dropped, per_expert
+        return out.y, aux, out.stats.rows_received, out.stats.pairs_dropped, per_expert
 
     f = jax.shard_map(
         body,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, _plan
+from . import _ffi, _pairs, _plan
 from ._checks import (
     FLOAT_DTYPES,
     ROW_DTYPES,
@@ -38,6 +38,7 @@ from .fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 AxisName = Union[str, Sequence[str]]
 Fp8Pair = tuple  # (x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)
 Overflow = Literal["error", "drop"]
+Layout = Literal["token", "expert"]
 _OVERFLOW_CODES = {"error": 0, "drop": 1}  # uccl_ep::Overflow (kernels/contract.hpp)
 
 
@@ -110,7 +111,35 @@ class TwoLevelHandle:
         return f"TwoLevelHandle(across={self.across!r}, within={self.within!r})"
 
 
-Handle = Union[DispatchHandle, TwoLevelHandle]
+@jax.tree_util.register_pytree_node_class
+class ExpertHandle:
+    """A dispatch handle of the expert-major layout: the rows' handle and where each row's pairs sit."""
+
+    def __init__(self, rows: DispatchHandle | TwoLevelHandle, pair_row: jax.Array, pair_of: jax.Array):
+        self.rows = rows  # the handle of the rows as they arrived (one per token and rank)
+        self.pair_row = pair_row  # [M] int32: the received row of each pair slot (C outside the groups)
+        self.pair_of = pair_of  # [C, K] int32: the pair slot of each received row's top-k slot (M for none)
+
+    @property
+    def axis_name(self) -> AxisName:
+        return self.rows.axis_name
+
+    @property
+    def token_shape(self) -> tuple[int, ...] | None:
+        return self.rows.token_shape
+
+    def tree_flatten(self):
+        return (self.rows, self.pair_row, self.pair_of), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def __repr__(self) -> str:
+        return f"ExpertHandle(rows={self.rows!r}, pair_row={self.pair_row!r}, pair_of={self.pair_of!r})"
+
+
+Handle = Union[DispatchHandle, TwoLevelHandle, ExpertHandle]
 
 
 class DispatchResult(NamedTuple):
@@ -124,6 +153,22 @@ class DispatchResult(NamedTuple):
     num_tokens_per_expert: jax.Array  # [num_experts / R] int32, of the rows kept
     handle: Handle
     num_dropped: jax.Array  # int32 scalar: rows that arrived past the capacity and were dropped (overflow="drop")
+
+
+class ExpertDispatchResult(NamedTuple):
+    """Output of dispatch(layout="expert"): one row per (received token, local expert) pair, grouped by expert.
+
+    Local expert e's rows are ``x[expert_offsets[e] : expert_offsets[e] + num_tokens_per_expert[e]]``, in the
+    received order (source rank, then source token; two-level: the two-level order). Rows outside the groups
+    (alignment padding and the tail) are zeros with weight 0."""
+
+    x: jax.Array | Fp8Pair  # [M, H] (or the FP8 pair [M, H], [M, H // 128])
+    weights: jax.Array | None  # [M] float32: each pair row's router weight, 0 outside the groups (None without)
+    expert_offsets: jax.Array  # [E / R] int32: first row of each local expert, a multiple of expert_alignment
+    num_tokens_per_expert: jax.Array  # [E / R] int32: pair rows of each local expert
+    num_tokens: jax.Array  # int32 scalar: tokens received whose pairs were kept
+    num_dropped: jax.Array  # int32 scalar: pairs that did not fit in M (overflow="drop")
+    handle: ExpertHandle
 
 
 def get_dispatch_layout(topk_idx: jax.Array, *, num_experts: int, axis_name: AxisName) -> DispatchLayout:
@@ -356,7 +401,9 @@ def dispatch(
     capacity: int | None = None,
     overflow: Overflow = "error",
     use_fp8: bool = False,
-) -> DispatchResult:
+    layout: Layout = "token",
+    expert_alignment: int = 1,
+) -> DispatchResult | ExpertDispatchResult:
     """Sends each token to every rank of `axis_name` that owns one of its experts (call inside shard_map).
 
     Args:
@@ -380,6 +427,15 @@ def dispatch(
         channels (half BF16's bytes) and arrives cast back to x's dtype. Differentiable: the backward pass is a
         combine in x's dtype (the casts taken as the identity, as FP8 training does). An FP8 pair passed as x
         instead arrives as a pair and has no gradient.
+      layout: "token" (rows): one row per received token, as below. "expert" (pairs, the grouped matmul's
+        layout): an ExpertDispatchResult of one row per (received token, local expert) pair, each local expert's
+        rows together from an offset that is a multiple of `expert_alignment`, in the received order within the
+        expert. `capacity` then counts pair rows M (default R * T * min(K, E / R) + (alignment - 1) * E / R,
+        which never drops when a token names each expert once); under overflow="drop" the rows past the first
+        ones whose pairs fit lose all their pairs (num_dropped counts pairs), under "error" every rank raises,
+        naming the rank that overflowed. combine() takes the pair rows back and sums each token's pairs.
+      expert_alignment: with layout="expert", the multiple every expert's first row sits at (e.g. a grouped
+        matmul's tile rows; padding rows are zeros with weight 0).
 
     Returns:
       A DispatchResult of 2-D rows [capacity, ...], ordered by source rank, then source token index (the leading
@@ -407,6 +463,20 @@ def dispatch(
         weights = as_router_weights(topk_weights, topk_idx).reshape(t, -1)
     num_ranks = axis_size(axis_name)
     check_experts(num_experts, num_ranks)
+    check(layout in ("token", "expert"), f"layout must be 'token' or 'expert', got {layout!r}")
+    check(
+        isinstance(expert_alignment, (int, np.integer)) and expert_alignment >= 1,
+        f"expert_alignment must be a positive int (rows), got {expert_alignment!r}",
+    )
+    pair_capacity = None
+    if layout == "expert":
+        check(
+            capacity is None or (isinstance(capacity, (int, np.integer)) and capacity >= 1),
+            f"capacity must be a positive int (pair rows), got {capacity!r}",
+        )
+        groups = num_experts // num_ranks
+        pair_capacity = capacity or _pairs.never_dropping_pairs(num_ranks * t, idx.shape[1], groups, expert_alignment)
+        capacity = None  # the rows themselves never drop: the pair buffer decides
     if capacity is None:
         capacity = num_ranks * t
     check(
@@ -418,10 +488,64 @@ def dispatch(
         check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
         check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
     call = _dispatch_call if is_fp8 else _dispatch_fp8_wire if use_fp8 else _dispatch
-    out = call(x, idx, weights, num_experts, axis_name, int(capacity), overflow)
+    row_overflow = "error" if layout == "expert" else overflow  # R * T rows: never reached
+    out = call(x, idx, weights, num_experts, axis_name, int(capacity), row_overflow)
+    out = out._replace(handle=_with_token_shape(out.handle, lead))
+    if pair_capacity is not None:
+        return _by_expert(out, num_experts // num_ranks, expert_alignment, int(pair_capacity), overflow, axis_name)
     if topk_weights is not None and topk_weights.dtype != jnp.float32:
         out = out._replace(topk_weights=out.topk_weights.astype(topk_weights.dtype))
-    return out._replace(handle=_with_token_shape(out.handle, lead))
+    return out
+
+
+def _by_expert(
+    out: DispatchResult, groups: int, alignment: int, capacity: int, overflow: Overflow, axis_name: AxisName
+) -> ExpertDispatchResult:
+    """The received rows laid out as pair rows (see _pairs)."""
+    layout = _pairs.pair_layout(out.topk_idx, out.num_tokens, groups, alignment, capacity)
+    num_dropped = layout.pairs_dropped
+    if overflow == "error":
+        num_dropped = num_dropped + _raise_if_any_rank_overflows(layout.pairs_needed, capacity, axis_name)
+
+    def expand(rows):
+        return _pairs.expand(rows, layout.pair_row, layout.pair_of)
+
+    x = tuple(map(expand, out.x)) if isinstance(out.x, tuple) else expand(out.x)
+    weights = None
+    if out.topk_weights is not None:
+        weights = _pairs.pair_weights(out.topk_weights, layout.pair_index, layout.pair_of)
+    return ExpertDispatchResult(
+        x=x,
+        weights=weights,
+        expert_offsets=layout.expert_offsets,
+        num_tokens_per_expert=layout.num_tokens_per_expert,
+        num_tokens=layout.rows_kept,
+        num_dropped=num_dropped,
+        handle=ExpertHandle(out.handle, layout.pair_row, layout.pair_of),
+    )
+
+
+def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_name: AxisName) -> jax.Array:
+    """Under overflow="error" with the expert layout: every rank of the axis raises in the same step when one
+    rank's pairs need more than `capacity` rows, naming the rank that needs the most (the ranks agree through a
+    pmax, so none waits on another; a host callback, since a kernel's error could not fail every rank at once).
+    Returns 0 (int32), to be used so the check stays in the program."""
+    from jax.experimental import io_callback
+
+    axes = _ffi.axes_of(axis_name)
+    worst = jax.lax.pmax(pairs_needed, axes)
+    who = jax.lax.pmax(jnp.where(pairs_needed == worst, jax.lax.axis_index(axes), -1), axes)  # the neediest
+
+    def raise_on_overflow(worst, who):
+        if int(worst) > capacity:
+            raise ValueError(
+                f"jax_uccl_ep dispatch(layout='expert'): rank {int(who)} of axis {axis_name!r} received pairs that "
+                f"need {int(worst)} rows (each expert's rounded up to expert_alignment) but capacity is {capacity}; "
+                "pass a larger capacity (the default never drops) or overflow='drop'"
+            )
+        return np.zeros((), np.int32)
+
+    return io_callback(raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), worst, who, ordered=False)
 
 
 def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
@@ -459,20 +583,27 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
 
     Args:
       y: [capacity, H] float32, bfloat16 or float16, rows in the order dispatch produced them (padding rows
-        ignored).
-      handle: the DispatchResult.handle of that dispatch.
+        ignored); after dispatch(layout="expert"), [M, H] pair rows in its layout (rows outside the groups
+        ignored), unweighted: multiply by its `weights` first if the router's weights should apply.
+      handle: the handle of that dispatch's result.
 
     Returns:
       [..., H] in y's dtype with the leading dimensions of dispatch's x, accumulated in float32 (float16 rows
       travel as float32); tokens that went nowhere get zeros. Under two-level routing each node's partial sum is
       rounded to y's dtype once before it crosses nodes (as DeepEP's internode combine does: bfloat16 on the
-      network).
+      network). Pair rows: a rank sums a token's pairs in float32 and sends the sum back rounded once to y's dtype.
     """
     check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
     check(y.dtype in ROW_DTYPES, f"y must be float32, bfloat16 or float16, got {y.dtype}")
     check(
-        isinstance(handle, (DispatchHandle, TwoLevelHandle)), "handle must be the DispatchResult.handle of a dispatch"
+        isinstance(handle, (DispatchHandle, TwoLevelHandle, ExpertHandle)),
+        "handle must be the handle of a dispatch's result",
     )
+    if isinstance(handle, ExpertHandle):
+        pairs = handle.pair_row.shape[0]
+        check(y.shape[0] == pairs, f"y must have the dispatch's {pairs} pair rows, got {y.shape[0]}")
+        rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(y.dtype)
+        y, handle = rows, handle.rows
     out = _combine(y, handle)
     token_shape = handle.token_shape
     return out if token_shape is None else out.reshape((*token_shape, out.shape[-1]))

@@ -499,3 +499,153 @@ def overflow_error(mesh, seed, num_tokens, hidden, num_experts, capacity) -> str
         return ""
     except Exception as e:  # noqa: BLE001
         return str(e)
+
+
+def _expert_factor(offsets, counts, num_rows: int, groups: int):
+    """Inside shard_map: [M] float32, (global expert + 1) on each pair row of the expert-major layout (from its
+    offsets and counts), 0 outside the groups: each expert transforms its rows differently, so a row placed in
+    another expert's group changes the result."""
+    m = jnp.arange(num_rows)[:, None]
+    in_group = (m >= offsets[None, :]) & (m < (offsets + counts)[None, :])
+    first = jax.lax.axis_index("ep") * groups
+    return jnp.sum(jnp.where(in_group, first + jnp.arange(groups)[None, :] + 1, 0), axis=1).astype(jnp.float32)
+
+
+def check_expert_layout(
+    mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, alignment=1, capacity=None, fp8_pair=False
+) -> list[str]:
+    """dispatch(layout="expert") and its combine against reference.dispatch_by_expert: pair rows, their order,
+    offsets, counts, weights, drops, and the combined sums of a per-expert transform weighted by the pairs'
+    weights. With `fp8_pair` the rows travel as an FP8 pair (rows and scales checked exactly)."""
+    num_ranks = mesh.devices.size
+    groups = num_experts // num_ranks
+    x_dev, x_ref, idx, w = random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype)
+    scales = None
+    if fp8_pair:
+        rng = np.random.default_rng(seed + 1)
+        x_dev = np.asarray(jnp.asarray(x_ref * 3, jnp.float8_e4m3fn))
+        x_ref = np.asarray(x_dev.astype(np.float32))
+        scales = (rng.random((num_ranks, num_tokens, hidden // 128)) + 0.5).astype(np.float32)
+    pairs = capacity or num_ranks * num_tokens * min(topk, groups) + (alignment - 1) * groups
+    out_dtype = jnp.float32 if fp8_pair else dtype
+
+    def body(x, s, idx, w):
+        xs = (x[0], s[0]) if fp8_pair else x[0]
+        r = ep.dispatch(
+            xs,
+            idx[0],
+            w[0],
+            num_experts=num_experts,
+            axis_name="ep",
+            layout="expert",
+            expert_alignment=alignment,
+            capacity=capacity,
+            overflow="drop",
+        )
+        rows, row_scales = r.x if fp8_pair else (r.x, jnp.zeros((pairs, 0), jnp.float32))
+        factor = _expert_factor(r.expert_offsets, r.num_tokens_per_expert, pairs, groups)
+        y = (rows.astype(jnp.float32) * (factor * r.weights)[:, None]).astype(out_dtype)
+        combined = ep.combine(y, r.handle)
+        counts = jnp.stack([r.num_tokens, r.num_dropped])
+        return (
+            rows[None],
+            row_scales[None],
+            r.weights[None],
+            r.expert_offsets[None],
+            r.num_tokens_per_expert[None],
+            counts[None],
+            combined[None],
+        )
+
+    s_host = scales if fp8_pair else np.zeros((num_ranks, num_tokens, 0), np.float32)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    outs = f(*(shard(mesh, a) for a in (x_dev, s_host, idx, w)))
+    rows, row_scales, weights, offsets, counts, nums, combined = (gather(o) for o in outs)
+
+    per_node = two_level_per_node(num_ranks)
+    expected = ref.dispatch_by_expert(x_ref, idx, w, num_experts, alignment, pairs, per_node)
+    exp_scales = ref.dispatch_by_expert(scales, idx, w, num_experts, alignment, pairs, per_node) if fp8_pair else None
+    problems = []
+    for r, e in enumerate(expected):
+        for name, got, want in [
+            ("expert_offsets", offsets[r], e["expert_offsets"]),
+            ("num_tokens_per_expert", counts[r], e["num_tokens_per_expert"]),
+            ("num_tokens", nums[r, 0], e["num_tokens"]),
+            ("num_dropped", nums[r, 1], e["num_dropped"]),
+        ]:
+            if not np.array_equal(got, want):
+                problems.append(f"rank {r}: {name} {got} != {want}")
+        if not np.array_equal(np.asarray(rows[r], np.float32), e["x"].astype(np.float32)):
+            bad = np.flatnonzero((np.asarray(rows[r], np.float32) != e["x"]).any(-1))
+            problems.append(f"rank {r}: pair rows differ at {bad[:8]} of {len(bad)}")
+        if not np.array_equal(weights[r], e["weights"].astype(np.float32)):
+            problems.append(f"rank {r}: weights differ")
+        if fp8_pair and not np.array_equal(row_scales[r], exp_scales[r]["x"].astype(np.float32)):
+            problems.append(f"rank {r}: pair scales differ")
+    ys = []
+    for r, e in enumerate(expected):
+        factor = np.zeros(pairs)
+        for g in range(groups):
+            lo = e["expert_offsets"][g]
+            factor[lo : lo + e["num_tokens_per_expert"][g]] = r * groups + g + 1
+        y = e["x"] * (factor * e["weights"].astype(np.float32))[:, None]
+        ys.append(np.asarray(jnp.asarray(y, out_dtype).astype(jnp.float32)))
+    want = ref.combine_pairs(ys, expected, num_tokens)
+    tol = dict(rtol=1e-5, atol=1e-5) if out_dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
+    if not np.allclose(np.asarray(combined, np.float32), want, **tol):
+        err = np.abs(np.asarray(combined, np.float32) - want).max()
+        problems.append(f"combine of the pair rows differs (max abs error {err})")
+    return problems
+
+
+def check_expert_gradients(mesh, seed, num_tokens, hidden, topk, num_experts, *, use_fp8=False) -> list[str]:
+    """jax.grad through dispatch(layout="expert") (x and weights) and its combine against a dense formulation:
+    each token's output is sum_k w_k * tanh(x) * (expert_k + 1)."""
+    num_ranks = mesh.devices.size
+    groups = num_experts // num_ranks
+    rng = np.random.default_rng(seed)
+    idx_h = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
+    x_h = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    w_h = (rng.random((num_ranks, num_tokens, topk)) + 0.1).astype(np.float32)
+    c_h = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    idx, x, w, c = (shard(mesh, a) for a in (idx_h, x_h, w_h, c_h))
+
+    def ep_loss(x, w, idx, c):
+        def body(x, idx, w, c):
+            r = ep.dispatch(
+                x[0], idx[0], w[0], num_experts=num_experts, axis_name="ep", layout="expert", use_fp8=use_fp8
+            )
+            factor = _expert_factor(r.expert_offsets, r.num_tokens_per_expert, r.x.shape[0], groups)
+            y = jnp.tanh(r.x) * (factor * r.weights)[:, None]
+            out = ep.combine(y, r.handle)
+            return jax.lax.psum(jnp.sum(out * c[0]), "ep")[None]
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        return f(x, idx, w, c)[0]
+
+    def dense_loss(x, w):
+        factor = jnp.sum(jnp.where(idx_h >= 0, w * (idx_h + 1), 0.0), -1, keepdims=True)
+        return jnp.sum(jnp.tanh(x) * factor * c_h)
+
+    value, (gx, gw) = jax.jit(jax.value_and_grad(ep_loss, argnums=(0, 1)))(x, w, idx, c)
+    want_value, (want_gx, want_gw) = jax.value_and_grad(dense_loss, argnums=(0, 1))(x_h, w_h)
+    problems = []
+    if use_fp8:
+        # The FP8 wire rounds each value by up to 2^-4 of its block's scale (the backward takes the casts as the
+        # identity): relative errors of the whole gradient, well under what a misplaced row or weight makes (~1).
+        for name, got, want in [
+            ("loss", value, want_value),
+            ("grad x", gather(gx), want_gx),
+            ("grad w", gather(gw), want_gw),
+        ]:
+            err = np.linalg.norm(np.asarray(got) - np.asarray(want)) / np.linalg.norm(np.asarray(want))
+            if not err < 0.05:
+                problems.append(f"{name} differs by {err:.3f} (relative)")
+        return problems
+    if not np.allclose(float(value), float(want_value), rtol=1e-4):
+        problems.append(f"loss {float(value)} != {float(want_value)}")
+    if not np.allclose(gather(gx), np.asarray(want_gx), rtol=1e-4, atol=1e-5):
+        problems.append(f"grad x differs (max abs error {np.abs(gather(gx) - np.asarray(want_gx)).max()})")
+    if not np.allclose(gather(gw), np.asarray(want_gw), rtol=1e-4, atol=1e-5):
+        problems.append(f"grad weights differs (max abs error {np.abs(gather(gw) - np.asarray(want_gw)).max()})")
+    return problems

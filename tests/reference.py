@@ -65,6 +65,64 @@ def combine(ys, dispatched, num_tokens):
     return out
 
 
+def dispatch_by_expert(x, topk_idx, topk_weights, num_experts, alignment, capacity, per_node=None):
+    """dispatch(layout="expert") from its spec: per destination rank, one row per (received token, local expert
+    slot) in a buffer of `capacity` rows, each expert's rows from a multiple of `alignment`, in the received order
+    (as dispatch() above orders rows); rows are kept in that order while every expert's count, rounded up to the
+    alignment, still fits in the buffer, later rows lose all their pairs."""
+    out = []
+    for e in dispatch(x, topk_idx, topk_weights, num_experts, per_node):
+        groups = len(e["num_tokens_per_expert"])
+        counts = np.zeros(groups, np.int64)
+        kept = 0
+        for row in e["topk_idx"]:
+            more = counts.copy()
+            for expert in row:
+                if expert >= 0:
+                    more[expert] += 1
+            if int(np.sum(-(-more // alignment) * alignment)) > capacity:
+                break
+            counts, kept = more, kept + 1
+        sizes = -(-counts // alignment) * alignment
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        rows = np.zeros((capacity,) + x.shape[2:], np.float64)
+        weights = np.zeros(capacity, np.float64)
+        sources = [None] * capacity  # (source rank, token) of each pair row
+        fill = offsets.copy()
+        for i in range(kept):
+            for k, expert in enumerate(e["topk_idx"][i]):
+                if expert < 0:
+                    continue
+                slot = fill[expert]
+                fill[expert] += 1
+                rows[slot] = e["x"][i]
+                weights[slot] = 0.0 if topk_weights is None else e["topk_weights"][i, k]
+                sources[slot] = e["sources"][i]
+        valid_pairs = int(np.sum(e["topk_idx"] >= 0))
+        out.append(
+            {
+                "x": rows,
+                "weights": weights,
+                "expert_offsets": offsets,
+                "num_tokens_per_expert": counts,
+                "num_tokens": kept,
+                "num_dropped": valid_pairs - int(counts.sum()),
+                "sources": sources,
+            }
+        )
+    return out
+
+
+def combine_pairs(ys, dispatched, num_tokens):
+    """ys: per rank [M, H] pair rows in dispatch_by_expert's layout -> [R, T, H] float64 sums per source token."""
+    out = np.zeros((len(ys), num_tokens, ys[0].shape[1]), np.float64)
+    for dst, e in enumerate(dispatched):
+        for slot, source in enumerate(e["sources"]):
+            if source is not None:
+                out[source] += np.asarray(ys[dst][slot], np.float64)
+    return out
+
+
 def random_routing(rng, num_ranks, num_tokens, topk, num_experts, *, mask_prob=0.2, skew=True, empty_rank=None):
     """Distinct experts per token, some slots masked (-1); skewed popularity; optionally one rank gets nothing."""
     per_rank = num_experts // num_ranks

@@ -157,3 +157,29 @@ def test_a_clean_run_prints_only_the_script(verbose):
     assert any("Gloo" in line for line in lines) == verbose, lines
     if not verbose:
         assert all(line.startswith("[rank ") for line in lines), lines  # nothing from the launcher either
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_cancelled_coordination_watch_stays_out_unless_verbose(verbose):
+    """The block every process's jax.distributed client logs on GPUs when a job ends as it should (as it came from
+    4 H100s), between lines that must stay; a block after it that is not the watch's stays whole."""
+    import io
+    import threading
+
+    from jax_uccl_ep.launch import _pump
+
+    watch = [
+        "W1126 16:16:13.407758   25852 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: CANCELLED: CANCELLED",
+        "Additional GRPC error information from remote target coordination_service while calling "
+        "/xla.coordination.CoordinationService/WatchTasks:",
+        ":CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']",
+        "=== Source Location Trace: === ",
+        "external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89",
+        "",
+    ]
+    kept = ["step 20/20 loss 2.36", "E1126 a real error", "=== Source Location Trace: === ", "summary: done"]
+    text = "\n".join([kept[0]] + watch + kept[1:]) + "\n"
+    out = io.StringIO()
+    _pump(io.BytesIO(text.encode()), out, "[rank 0] ", threading.Lock(), verbose=verbose)
+    lines = [line[len("[rank 0] ") :] for line in out.getvalue().splitlines()]
+    assert lines == ([kept[0]] + watch + kept[1:] if verbose else kept), lines

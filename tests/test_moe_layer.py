@@ -145,11 +145,12 @@ def test_decode_layer_matches_the_reference(use_fp8):
 
 
 def test_capacity_for_follows_the_factor():
-    assert layers.capacity_for(1024, 8, 8, 1.0) == 1024
-    assert layers.capacity_for(1024, 8, 8, 1.25) == 1280
-    assert layers.capacity_for(10, 2, 4, 100.0) == 40  # never more than R * T
+    assert layers.capacity_for(1024, 8, 8, 1.0, 64) == 1024
+    assert layers.capacity_for(1024, 8, 8, 1.25, 64) == 1280
+    assert layers.capacity_for(10, 2, 4, 100.0, 16) == 80  # never more than R * T * min(K, E / R)
+    assert layers.capacity_for(10, 4, 4, 100.0, 8) == 80  # min(K, E / R) = 2 pairs a token at most
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
-        layers.capacity_for(10, 2, 4, 0)
+        layers.capacity_for(10, 2, 4, 0, 16)
 
 
 def test_flax_nnx_module_trains_like_the_functional_layer():

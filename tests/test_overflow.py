@@ -116,23 +116,31 @@ def test_layer_with_a_capacity_factor_drops_rows_and_matches_the_masked_referenc
 
     (value, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, xs)
 
-    # Which (token, slot) pairs survive, from the routing alone: rank r keeps the first `capacity` tokens (by source
-    # rank, then token) that have an expert on it.
+    # Which (token, slot) pairs survive, from the routing alone: rank r takes the tokens that have an expert on it
+    # in order (by source rank, then token) while their pairs on it fit in `capacity` pairs; from the first that
+    # does not fit on, none.
     tokens_per_rank = b * s // R
-    capacity = layers.capacity_for(tokens_per_rank, k, R, 0.5)
+    capacity = layers.capacity_for(tokens_per_rank, k, R, 0.5, e)
+    assert capacity == int(np.ceil(0.5 * tokens_per_rank * k / R))  # MaxText's factor times the average pairs
     _, idx, _ = reference.moe_route(np.asarray(host["router"]), np.asarray(x).reshape(-1, d), k)
     owner = idx.reshape(R, tokens_per_rank, k) // (e // R)
     keep = np.zeros_like(owner, bool)
-    arrived = np.zeros(R, int)
+    taken, full = np.zeros(R, int), np.zeros(R, bool)
+    rows_kept, pairs_all = np.zeros(R, int), np.zeros(R, int)
     for src in range(R):
         for t in range(tokens_per_rank):
             for r in sorted(set(owner[src, t].tolist())):
-                keep[src, t] |= (owner[src, t] == r) & (arrived[r] < capacity)
-                arrived[r] += 1
-    want_dropped = np.maximum(arrived - capacity, 0)
+                mine = owner[src, t] == r
+                pairs_all[r] += mine.sum()
+                full[r] |= taken[r] + mine.sum() > capacity
+                if not full[r]:
+                    keep[src, t] |= mine
+                    taken[r] += mine.sum()
+                    rows_kept[r] += 1
+    want_dropped = pairs_all - taken
     assert want_dropped.sum() > 0  # the case overflows
-    np.testing.assert_array_equal(np.asarray(out.stats.rows_dropped), want_dropped)
-    np.testing.assert_array_equal(np.asarray(out.stats.rows_received), np.minimum(arrived, capacity))
+    np.testing.assert_array_equal(np.asarray(out.stats.pairs_dropped), want_dropped)
+    np.testing.assert_array_equal(np.asarray(out.stats.rows_received), rows_kept)
 
     keep = jnp.asarray(keep.reshape(-1, k))
     want_value, want_grads = jax.value_and_grad(lambda p: jnp.sum(_masked_reference(p, x, config, keep) ** 2))(host)

@@ -1,0 +1,150 @@
+"""dispatch(layout="expert") on CPU devices against the NumPy reference: pair rows, order, offsets, weights,
+capacity, FP8 pairs, combine and gradients, in one process and across processes."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import cases
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from mp import launch_ok
+
+import jax_uccl_ep as ep
+
+HERE = os.path.abspath(__file__)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    ep.initialize()
+    yield
+
+
+def _mesh(num_ranks: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
+
+
+CASES = [
+    # ranks, tokens, hidden, topk, experts, dtype, alignment, capacity (pairs; None: never drops)
+    (1, 9, 128, 2, 4, jnp.float32, 1, None),
+    (2, 37, 128, 3, 4, jnp.float32, 4, None),  # more slots than local experts
+    (4, 23, 256, 4, 16, jnp.float32, 1, None),
+    (4, 16, 384, 8, 32, jnp.bfloat16, 8, None),
+    (4, 20, 128, 4, 16, jnp.float32, 4, 40),  # drops: rows past the ones whose aligned pairs fit
+    (2, 30, 128, 2, 8, jnp.bfloat16, 1, 7),
+]
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens,hidden,topk,num_experts,dtype,alignment,capacity", CASES)
+def test_pairs_match_reference(num_ranks, num_tokens, hidden, topk, num_experts, dtype, alignment, capacity):
+    seed = zlib.crc32(repr((num_ranks, num_tokens, hidden, topk, alignment, capacity)).encode())
+    problems = cases.check_expert_layout(
+        _mesh(num_ranks), seed, num_tokens, hidden, topk, num_experts, dtype, alignment=alignment, capacity=capacity
+    )
+    assert problems == []
+
+
+def test_a_small_capacity_drops_what_the_reference_drops():
+    """The capacity case above must really drop, or it proves nothing about the drop rule."""
+    rng = np.random.default_rng(zlib.crc32(b"drops"))
+    idx = ref.random_routing(rng, 4, 20, 4, 16)
+    x = rng.standard_normal((4, 20, 8))
+    expected = ref.dispatch_by_expert(x, idx, None, 16, 4, 40)
+    assert any(e["num_dropped"] > 0 for e in expected)
+    assert all(e["num_tokens"] > 0 for e in expected)
+
+
+def test_fp8_pairs_travel_with_their_scales():
+    assert cases.check_expert_layout(_mesh(4), 5, 19, 256, 3, 8, jnp.float32, alignment=2, fp8_pair=True) == []
+
+
+def test_gradients_match_dense_reference():
+    assert cases.check_expert_gradients(_mesh(4), 7, 12, 128, 3, 8) == []
+
+
+def test_gradients_through_the_fp8_wire():
+    assert cases.check_expert_gradients(_mesh(4), 8, 12, 128, 3, 8, use_fp8=True) == []
+
+
+def test_offsets_are_aligned_and_groups_do_not_overlap():
+    r, t, k, e, a = 4, 31, 4, 16, 16
+    rng = np.random.default_rng(3)
+    idx = ref.random_routing(rng, r, t, k, e)
+    x = rng.standard_normal((r, t, 128)).astype(np.float32)
+
+    def body(x, idx):
+        res = ep.dispatch(x[0], idx[0], num_experts=e, axis_name="ep", layout="expert", expert_alignment=a)
+        return res.expert_offsets[None], res.num_tokens_per_expert[None], jnp.asarray(res.x.shape[0])[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(r), in_specs=P("ep"), out_specs=P("ep")))
+    offsets, counts, rows = (np.asarray(o) for o in f(cases.shard(_mesh(r), x), cases.shard(_mesh(r), idx)))
+    assert np.all(rows == r * t * min(k, e // r) + (a - 1) * (e // r))  # the never-dropping default M
+    assert np.all(offsets % a == 0)
+    assert np.all(np.diff(offsets, axis=1) >= counts[:, :-1])
+    assert np.all(offsets[:, -1] + counts[:, -1] <= rows[:, None])
+
+
+def test_overflow_error_is_raised_naming_the_rank():
+    r, t, k, e = 4, 24, 4, 16
+    rng = np.random.default_rng(4)
+    idx = ref.random_routing(rng, r, t, k, e)
+    idx[:, :, 0] = 2  # every token to expert 2 as well: rank 0 gets far more pairs than the others
+    x = rng.standard_normal((r, t, 128)).astype(np.float32)
+    need = [int(ex["num_tokens_per_expert"].sum()) for ex in ref.dispatch_by_expert(x, idx, None, e, 1, 10**6)]
+    assert need[0] > 50 and need[0] == max(need)
+
+    def body(x, idx):
+        res = ep.dispatch(x[0], idx[0], num_experts=e, axis_name="ep", layout="expert", capacity=50)
+        return ep.combine(res.x, res.handle)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(r), in_specs=P("ep"), out_specs=P("ep")))
+    with pytest.raises(
+        Exception, match=rf"rank 0 of axis 'ep' received pairs that need {need[0]} rows .* capacity is 50"
+    ):
+        jax.block_until_ready(f(cases.shard(_mesh(r), x), cases.shard(_mesh(r), idx)))
+    # The runtime stays usable: a fitting capacity runs.
+    assert cases.check_expert_layout(_mesh(4), 9, 10, 128, 2, 8, jnp.float32) == []
+
+
+def test_combine_refuses_rows_of_another_shape():
+    def body(x, idx):
+        res = ep.dispatch(x[0], idx[0], num_experts=8, axis_name="ep", layout="expert")
+        return ep.combine(res.x[:-1], res.handle)[None]
+
+    f = jax.shard_map(body, mesh=_mesh(2), in_specs=P("ep"), out_specs=P("ep"))
+    x = jnp.ones((2, 4, 128), jnp.float32)
+    idx = jnp.zeros((2, 4, 2), jnp.int32).at[..., 1].set(5)
+    with pytest.raises(ValueError, match="pair rows"):
+        jax.eval_shape(f, x, idx)
+
+
+def multi_process_pairs(seed: int) -> dict:
+    """Child: R = all devices of all processes; the expert layout and its gradients against the reference."""
+    import cases
+    import jax
+    import jax.numpy as jnp
+
+    import jax_uccl_ep as ep
+
+    ep.initialize()
+    mesh = cases.mesh_of(jax.devices())
+    num_ranks = mesh.devices.size
+    problems = cases.check_expert_layout(mesh, seed, 21, 256, 4, 4 * num_ranks, jnp.bfloat16, alignment=4)
+    problems += cases.check_expert_layout(mesh, seed + 1, 17, 128, 3, 2 * num_ranks, jnp.float32, capacity=30)
+    problems += cases.check_expert_gradients(mesh, seed + 2, 9, 128, 3, 2 * num_ranks)
+    ep.shutdown()
+    return {"errors": problems, "ranks": num_ranks}
+
+
+def test_across_processes():
+    results = launch_ok(HERE, "multi_process_pairs", 2, args=[23], devices_per_process=2)
+    for r in results:
+        assert r["ranks"] == 4
+        assert r["errors"] == []
