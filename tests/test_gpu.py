@@ -61,6 +61,12 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         print(f"gradients: {problems['gradients']}", flush=True)
     problems["drop"] = cases.check_drop(mesh, 12, 40, 256, 3, 4 * r, capacity=20)
     print(f"drop: {problems['drop']}", flush=True)
+    problems["expert_layout"] = cases.check_expert_layout(mesh, 13, 40, 256, 4, 4 * r, jnp.bfloat16, alignment=8)
+    problems["expert_layout_drop"] = cases.check_expert_layout(mesh, 14, 30, 128, 3, 4 * r, jnp.float32, capacity=25)
+    problems["expert_layout_fp8"] = cases.check_expert_layout(mesh, 15, 19, 256, 3, 4 * r, jnp.float32, fp8_pair=True)
+    if gradients == "1":
+        problems["expert_gradients"] = cases.check_expert_gradients(mesh, 16, 12, 128, 3, 4 * r)
+    print(f"expert layout: {[problems[k] for k in problems if k.startswith('expert')]}", flush=True)
     ep.check_errors()  # nothing pending so far (dropping on purpose is no error)
     if error_checks == "0":
         ep.shutdown()
