@@ -1,12 +1,14 @@
-// Intranode (NVLink) normal mode on CUDA GPUs: a framework-free host API. Plain device pointers and a stream
-// in; every launch is asynchronous on that stream, with no host synchronization.
+// The ops on CUDA GPUs, a framework-free host API: normal and low-latency mode over NVLink (normal_nvlink.cu,
+// low_latency.cu), and GPU-initiated across nodes through the proxy runtime (normal_proxy.cu, low_latency.cu). Plain
+// device pointers and a stream in; an NVLink op's launches are asynchronous on that stream, with no host
+// synchronization (a GPU-initiated op waits for its kernels, below).
 //
-// How data moves: send kernels push each token's row only to the members that need it, straight into the member's
-// buffer over NVLink (mapped through CUDA IPC or peer access), each at its token's row there, so no sender lays out
-// or counts rows (the proxy path packs the message in token order); the receiving member's kernels copy the rows out
-// as their chunks land. Rows move by bulk copies (bulk.cuh: one thread drives a ring of
-// shared-memory stages, global -> shared -> peer), or by SM stores where rows are not 16-byte multiples and on the
-// proxy path (host memory). An op's send and receive blocks share one SM budget (num_sms()).
+// How normal mode's data moves: send kernels push each token's row only to the members that need it, straight into the
+// member's buffer over NVLink (mapped through CUDA IPC or peer access), each at its token's row there, so no sender
+// lays out or counts rows (the proxy path packs the message in token order); the receiving member's kernels copy the
+// rows out as their chunks land. Rows move by bulk copies (bulk.cuh: one thread drives a ring of shared-memory stages,
+// global -> shared -> peer), or by SM stores (normal.cuh, which both paths share) where rows are not 16-byte multiples
+// and on the proxy path (host memory). An op's send and receive blocks share one SM budget (num_sms()).
 //
 // Per GPU one buffer: [flags 4 KiB][in-region of each peer][low-latency area]. Peer p writes its messages into
 // our in-region(p). Flags, all written by p: meta[p] counts the chunks of p's messages whose routing landed

@@ -1,6 +1,6 @@
 // The proxy path's shared parts (GPUs on several nodes, GPU-initiated ops): how a kernel pushes a whole message
 // per member into channel 0's command ring, how a receive is acknowledged, and the host side of an op's halves
-// (ProxyHalf). Used by the low-latency ops (low_latency.cu) and normal mode (intranode.cu).
+// (ProxyHalf). Used by the low-latency ops (low_latency.cu) and normal mode (normal_proxy.cu).
 #pragma once
 #include <any>
 #include <cstring>
@@ -28,7 +28,7 @@ struct ProxyGpu {
   // receive kernel reads `landed` ([kChunks], device: every chunk of message 1 complete).
   uint64_t* sink = nullptr;
   const uint64_t* landed = nullptr;
-  void* scratch = nullptr;  // normal mode's (intranode.cu), grown as needed
+  void* scratch = nullptr;  // normal mode's (normal_proxy.cu), grown as needed
   size_t scratch_bytes = 0;
 };
 // The GPU's state above, made on first use (low_latency.cu).

@@ -24,7 +24,7 @@ struct RingBenchResult {
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds);
 
-// The normal-mode bulk kernels whose spans the loopback bench reads (intranode.cu stamps them).
+// The normal-mode bulk kernels whose spans the loopback bench reads (stamps.cuh).
 enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kCombineReceive, kCount };
 // Points the kernels' stamps at `stamps` (device memory, [KernelKind::kCount][start, end], start words set to
 // UINT64_MAX and end words to 0 beforehand), or turns them off with null. With `sides_apart`, dispatch's receive

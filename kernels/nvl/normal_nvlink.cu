@@ -1,0 +1,979 @@
+// Normal mode over NVLink (api.hpp): an op is one launch on XLA's stream whose first blocks send and the rest
+// receive, moving rows by bulk copies (bulk.cuh, bulk_shapes.cuh) where they allow, else by the SM-store sides of
+// normal.cuh; then a stream write of each acknowledgement. Also the host API of the NVLink ops, and the loading of
+// every normal-mode kernel.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_bf16.h>
+
+#include "api.hpp"
+#include "bulk.cuh"
+#include "bulk_shapes.cuh"
+#include "device_common.cuh"
+#include "normal.cuh"
+#include "normal_scan.cuh"
+#include "stamps.cuh"
+#include "testing.hpp"
+
+namespace uccl_ep::nvl {
+namespace {
+
+// Blocks of one launch hand work to each other through words of NvlDevice::handoff_words: a unit's word gets the
+// launch's number (`epoch`, from 1 up) once its writes are in, so the words need no reset and one left by an
+// earlier launch never passes. A block that waits for another needs every block of the launch resident at once
+// (check_budget_fits).
+struct Handoff {
+  uint64_t* words;  // in NvlDevice::handoff_words
+  uint64_t epoch;
+};
+
+// After the block's units u = first, first + step, ... < count of a pass: their words, once every thread's writes
+// are in (the barrier, then a fence cumulative over them).
+__device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step, int count) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  for (int u = first; u < count; u += step) store_release_sys(words + u, h.epoch);
+}
+// Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
+// (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).
+__device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
+  return block_waits(count, [&](int u) {
+    const Polled p = poll_flag(words + u, h.epoch, m.timeout_ns, m.err, Sleep::kFlat);
+    if (p == Polled::kTimedOut)
+      report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
+    return p == Polled::kReached;
+  });
+}
+
+__device__ void init_stage_barriers(uint64_t* full, int stages) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) barrier_init(full + s, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// The bulk senders' announcement of chunk c's progress: the word only grows (red.max), and a release is enough.
+__device__ __forceinline__ void max_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// A bulk sender's producer `producer` publishes its frontier (its first job or token not yet landed; every one of
+// its own before it has) in the block's `frontier` [producers]. The fence orders its landed copies before the word,
+// for the announcer.
+__device__ __forceinline__ void publish_frontier(int* frontier, int producer, int mine) {
+  __threadfence_block();
+  reinterpret_cast<volatile int*>(frontier)[producer] = mine;
+}
+
+// A bulk sender's announcer, one thread past the producers: until every producer's frontier reaches `end`, each time
+// the least of them passes `announced` it announces it (announce(least): everything before it has landed; the fence
+// puts the release after the producers' copies). The producers only publish, so none of them stalls on a
+// system-scope release while its loaded stages wait.
+template <class Announce>
+__device__ void announce_frontiers(const int* frontier, int producers, int end, int announced, Announce&& announce) {
+  while (announced < end) {
+    int least = end;
+    for (int q = 0; q < producers; ++q) least = min(least, reinterpret_cast<const volatile int*>(frontier)[q]);
+    if (least <= announced) {
+      __nanosleep(100);
+      continue;
+    }
+    __threadfence_block();
+    announce(least);
+    announced = least;
+  }
+}
+
+// The pass's scale rows (tokens p0 + i, i < tokens; 16-byte multiples) to their members, by `threads` threads (this
+// is thread `thread`): the rows are contiguous in `scales`, so thread k takes 16-byte pieces k, k + threads, ... of
+// them and a warp's loads and stores stay on consecutive bytes (with a row per thread, each access of a warp would
+// touch 32 rows). A round's loads all go out before its stores. Reads the layout's members table.
+__device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, const unsigned* bits, unsigned others,
+                                 int thread, int threads) {
+  constexpr int kBatch = 10;  // pieces per thread a round: 342 rows of 224 bytes (56 scales) in two with 256 threads
+  const int per_row = int(a.scale_row_bytes / 16), n = tokens * per_row;
+  const int4* src = reinterpret_cast<const int4*>(a.scales + int64_t(p0) * a.scale_row_bytes);
+  for (int i0 = 0; i0 < n; i0 += kBatch * threads) {
+    int4 v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = i0 + k * threads + thread;
+      if (i < n) v[k] = __ldg(src + i);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = i0 + k * threads + thread;
+      if (i >= n) break;
+      const int token = i / per_row, piece = i - token * per_row;
+      for (unsigned m = bits[token] & others; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        reinterpret_cast<int4*>(a.to.region[d] + a.scales_offset + int64_t(p0 + token) * a.scale_row_bytes)[piece] =
+            v[k];
+      }
+    }
+  }
+}
+
+// Send side of (cached) dispatch with bulk copies, in the one launch only (token slots: token t's row is row t of
+// every message). Per pass of kTransferThreads tokens the block finds each token's members (a shared table; the first
+// pass before it waits for the members' acknowledgements), and b.producers threads move the rows in groups of
+// b.rows_per_job consecutive tokens, group q of the pass by producer q % b.producers: the group's rows (one row in
+// segments of at most segment_bytes, or several whole rows) from x through a stage to every member that needs any of
+// them. Meanwhile the warps past the producers send the routing (in the first pass) and store the FP8 scale rows (a
+// scale row is too small to be worth a producer's bulk copy), so the copies wait for neither. A producer publishes how
+// far its tokens have landed (`frontier`: every token before it that is its own has), and the first thread past the
+// producers, once the pass's scale rows are in, announces the least frontier as the chunk's progress.
+__device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b, int block, int blocks) {
+  const KernelStamp stamp(KernelKind::kDispatchSend);
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ int frontier[kMaxProducers];
+  unsigned* bits = reinterpret_cast<unsigned*>(smem);
+  init_stage_barriers(full, b.stages);
+  const SendTo& to = a.to;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int P = b.producers;
+  const bool producer = lane == 0 && warp < P;
+  const int first_helper = P * kWarp;  // the warps past the producers
+  const int per = b.stages / P;
+  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per,
+                 b.lag};
+  const int64_t xrb = a.x_row_bytes, srb = a.scales ? a.scale_row_bytes : 0;
+  const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
+  const int g = segs == 1 ? b.rows_per_job : 1;  // tokens a job's group holds
+  const unsigned others = ~(1u << to.self);
+  bool first_pass = true;
+  for (int c = block; c < a.chunks; c += blocks) {
+    const int t0 = chunk_begin(a.num_tokens, a.chunks, c), t1 = chunk_begin(a.num_tokens, a.chunks, c + 1);
+    for (int p0 = t0; p0 < t1; p0 += blockDim.x) {
+      const int tokens = min(t1, p0 + int(blockDim.x)) - p0;
+      if (int(threadIdx.x) < tokens) bits[threadIdx.x] = token_members(a, p0 + threadIdx.x, true);
+      if (int(threadIdx.x) < P) frontier[threadIdx.x] = min(int(threadIdx.x) * g, tokens);
+      // The table is in before the producers copy and the warps past them send; nothing lands in a member's
+      // region before it has acknowledged our last message.
+      if (first_pass) {
+        if (!wait_acks(to)) return;
+      } else {
+        __syncthreads();
+      }
+      if (warp >= P) {
+        const int threads = int(blockDim.x) - first_helper, thread = int(threadIdx.x) - first_helper;
+        if (first_pass) send_routing(a, block, blocks, thread, threads);
+        if (srb) {
+          // The scale rows while the producers copy; a system fence (cumulative over the warps' stores, which the
+          // named barrier orders before it) by the announcer before its first announcement.
+          store_scale_rows(a, p0, tokens, bits, others, thread, threads);
+          group_barrier(threads);
+          if (thread == 0) __threadfence_system();
+        }
+        if (thread == 0)
+          announce_frontiers(frontier, P, tokens, 0, [&](int least) {
+            for (int d = 0; d < to.num_ranks; ++d)
+              if (d != to.self) max_release_sys(to.chunks[d] + c, progress(to.message[d], p0 - t0 + least));
+          });
+      }
+      first_pass = false;
+      if (producer) {
+        // The pass's tokens in groups of g (group q: tokens q * g, ...); this producer's are groups warp, warp + P, ...
+        const int mine = ((tokens + g - 1) / g - warp + P - 1) / P;
+        const int n = max(0, mine) * segs;
+        // Job j: segment j % segs of the producer's group j / segs (its `rows` tokens from p0 + i; a segment of a
+        // row, or g whole rows), to the same rows of each member's message.
+        const auto part = [&](int j, int& i, int& rows, int64_t& offset, uint32_t& x_bytes) {
+          const int seg = segs == 1 ? 0 : j % segs;
+          i = (warp + (segs == 1 ? j : j / segs) * P) * g;
+          rows = min(g, tokens - i);
+          offset = int64_t(seg) * b.segment_bytes;
+          x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset));
+        };
+        // The members any of the group's tokens go to. One token a job is the common case, and an issuing thread's
+        // own work per job bounds small rows: it takes no loop.
+        const auto group_members = [&](int i, int rows) {
+          unsigned m = bits[i];
+          for (int r = 1; r < rows; ++r) m |= bits[i + r];
+          return m & others;
+        };
+        run_bulk_jobs(
+            ring,
+            [&](int j, char* stage, uint64_t* bar) -> int64_t {
+              if (j >= n) return kNoMoreJobs;
+              int i, rows;
+              int64_t offset;
+              uint32_t x_bytes;
+              part(j, i, rows, offset, x_bytes);
+              if (!group_members(i, rows)) return 0;
+              const uint32_t bytes = x_bytes * uint32_t(rows);  // rows > 1: whole rows
+              barrier_arrive_expect(bar, bytes);
+              bulk_load(stage, a.x + int64_t(p0 + i) * xrb + offset, bytes, bar);
+              return bytes;
+            },
+            [&](int j, char* stage) {
+              int i, rows;
+              int64_t offset;
+              uint32_t x_bytes;
+              part(j, i, rows, offset, x_bytes);
+              // To each member, a store per run of the group's consecutive tokens that go to it.
+              for (unsigned m = group_members(i, rows); m; m &= m - 1) {
+                const int d = __ffs(m) - 1;
+                if (rows == 1) {
+                  bulk_store(to.region[d] + a.x_offset + int64_t(p0 + i) * xrb + offset, stage, x_bytes);
+                  continue;
+                }
+                for (int r = 0, run = 0; r < rows; r += run) {
+                  if (!(bits[i + r] >> d & 1)) {
+                    run = 1;
+                    continue;
+                  }
+                  for (run = 1; r + run < rows && bits[i + r + run] >> d & 1;) ++run;
+                  bulk_store(to.region[d] + a.x_offset + int64_t(p0 + i + r) * xrb + offset, stage + size_t(r) * xrb,
+                             x_bytes * uint32_t(run));
+                }
+              }
+            },
+            [&](int k) {
+              // This producer's first k / segs groups have landed: its frontier is its next group's first token (or
+              // the pass's end).
+              publish_frontier(frontier, warp, min(tokens, (warp + k / segs * P) * g));
+            });
+      }
+      __syncthreads();  // the table is the next pass's
+    }
+  }
+  // A block whose chunk has no tokens still announces its routing (empty), which every member's scan waits for.
+  if (first_pass && wait_acks(to)) send_routing(a, block, blocks);
+}
+
+// Hands out one launch's work items 0, 1, ... to whichever thread asks next, in any block of the launch (word 0 of
+// the device's handoff_words). The block that hands its tables over first resets it before it does, and every
+// block takes items only after that handover, so a count an earlier launch left (or broke off) never leaks in.
+struct ItemCounter {
+  uint64_t* word;
+  __device__ void reset() const { *reinterpret_cast<volatile unsigned*>(word) = 0; }
+  __device__ int take() const { return int(atomicAdd(reinterpret_cast<unsigned*>(word), 1u)); }
+};
+
+// With the stamps, dispatch's receive side may also be held back until every member's rows have landed (the sides
+// apart): each side's span is then what it moves with the GPU's memory to itself, where in the loopback both sides
+// of every rank otherwise share it.
+__device__ bool g_sides_apart = false;
+
+// Waits until every chunk of every member's message to us has landed whole (the sides apart, g_sides_apart); false
+// (to the whole block) once a member is late (reported).
+__device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
+  const ReceiveFrom& from = a.from;
+  return block_waits(from.num_ranks * a.chunks, [&](int u) {
+    const int s = u % from.num_ranks, c = u / from.num_ranks;
+    return s == from.self ||
+           wait_progress(from, s, c,
+                         chunk_begin(a.num_tokens, a.chunks, c + 1) - chunk_begin(a.num_tokens, a.chunks, c)) >= 0;
+  });
+}
+
+// Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order from
+// the launch's counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait for a
+// member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were our own
+// rows, there at once, goes on to members' rows instead of idling). A member's rows move once the chunk's progress
+// covers the item. An item's rows land on consecutive output rows; where they are contiguous in the source too (every
+// token of the item comes to us: the messages have token slots) they move (x, then scales) in stage-sized pieces, else
+// as many whole rows a job as a stage holds, a load per run of consecutive tokens (a segment a job of larger rows). The
+// other warps of receive block `block` (of `blocks`) localize the expert indices of its share of the kept rows and
+// write its share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
+__device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
+                                      int block, int blocks, bool joined) {
+  if (g_sides_apart && !wait_every_chunk(a)) return;
+  const KernelStamp stamp(KernelKind::kDispatchReceive);
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ char* part_dst[kMaxStages][2];
+  __shared__ uint32_t part_bytes[kMaxStages][2];
+  __shared__ int producer_tokens[kProducers][kPieceTokens];
+  init_stage_barriers(full, b.stages);
+  const ReceiveFrom& from = a.from;
+  const int R = from.num_ranks, T = a.num_tokens;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int kept = *a.num_kept;
+  const int64_t xrb = a.x_row_bytes, srb = a.recv_scales ? a.scale_row_bytes : 0;
+  if (warp < kProducers && lane == 0) {
+    const int per = b.stages / kProducers, first_stage = warp * per;
+    StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per, full + first_stage,
+                   b.lag};
+    int* item_tokens = producer_tokens[warp];
+    const int all_items = pieces(T, a.chunks) * a.chunks * R;
+    const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
+    const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of an item's rows a row at a time
+    // The stream's position: item, its source s and rows [o0, o1); then, where they are contiguous in the source's
+    // message (from token t0's row on), a byte position in its x rows (phase 1) and scale rows (2), else a row and
+    // segment of the item (3); 0: the next item.
+    int item = 0, s = 0, o0 = 0, o1 = 0, t0 = 0, phase = 0, row = 0;
+    int seg = 0;
+    int64_t at = 0;
+    run_bulk_jobs(
+        ring,
+        [&](int j, char* stage, uint64_t* bar) -> int64_t {
+          const int st = first_stage + j % ring.stages;
+          for (;;) {
+            if (phase == 0) {  // the launch's next item that no producer has taken
+              item = items.take();
+              if (item >= all_items) return kNoMoreJobs;
+              s = item % R;
+              const int c = item / R % a.chunks;
+              const int c0 = chunk_begin(T, a.chunks, c), c1 = chunk_begin(T, a.chunks, c + 1);
+              t0 = c0 + item / (R * a.chunks) * kPieceTokens;
+              const int t1 = min(c1, t0 + kPieceTokens);
+              if (t0 >= t1) continue;
+              const int32_t* before = a.row_before + int64_t(s) * (T + 1);
+              o0 = min(before[t0], kept);
+              o1 = min(before[t1], kept);
+              if (o0 >= o1) continue;
+              if (s != from.self && wait_progress(from, s, c, t1 - c0) < 0) continue;
+              // Rows at their tokens' rows (token slots) are contiguous where every token of the item comes to us
+              // (and is kept).
+              if (o1 - o0 == t1 - t0) {
+                phase = 1;
+                at = 0;
+              } else {
+                for (int i = 0; i < o1 - o0; ++i) item_tokens[i] = a.row_map[o0 + i].y;
+                phase = 3;
+                row = seg = 0;
+              }
+            }
+            if (phase == 1 || phase == 2) {
+              const int64_t rb = phase == 1 ? xrb : srb, total = int64_t(o1 - o0) * rb;
+              if (at >= total) {
+                phase = phase == 1 && srb ? 2 : 0;
+                at = 0;
+                continue;
+              }
+              const uint32_t bytes = uint32_t(min(int64_t(b.stage_bytes), total - at));
+              const int64_t from_row = int64_t(t0) * rb, to_row = int64_t(o0) * rb;
+              const char* src = (phase == 1 ? a.src.x[s] : a.src.scales[s]) + from_row + at;
+              part_dst[st][0] = (phase == 1 ? a.recv_x : a.recv_scales) + to_row + at;
+              part_bytes[st][0] = bytes;
+              part_bytes[st][1] = 0;
+              barrier_arrive_expect(bar, bytes);
+              bulk_load(stage, src, bytes, bar);
+              at += bytes;
+              return bytes;
+            }
+            // Rows at their tokens' rows, with gaps, which land on consecutive output rows: rows that fit a stage
+            // whole go as many a job as the stage holds (a load per run of consecutive tokens into [x rows][scale
+            // rows], one store of each part); a larger row goes by segments, `seg` of row o0 + row, the scales with
+            // the last segment.
+            if (row >= o1 - o0) {
+              phase = 0;
+              continue;
+            }
+            if (rows_per_job > 1) {
+              const int n = min(rows_per_job, o1 - o0 - row), o = o0 + row;
+              part_dst[st][0] = a.recv_x + int64_t(o) * xrb;
+              part_bytes[st][0] = uint32_t(n * xrb);
+              part_dst[st][1] = srb ? a.recv_scales + int64_t(o) * srb : nullptr;
+              part_bytes[st][1] = uint32_t(n * srb);
+              const uint32_t bytes = uint32_t(n * (xrb + srb));
+              barrier_arrive_expect(bar, bytes);
+              for (int r = 0, run = 1; r < n; r += run) {
+                const int t = item_tokens[row + r];
+                for (run = 1; r + run < n && item_tokens[row + r + run] == t + run;) ++run;
+                bulk_load(stage + r * xrb, a.src.x[s] + int64_t(t) * xrb, uint32_t(run * xrb), bar);
+                if (srb)
+                  bulk_load(stage + n * xrb + r * srb, a.src.scales[s] + int64_t(t) * srb, uint32_t(run * srb), bar);
+              }
+              row += n;
+              return bytes;
+            }
+            const int t = item_tokens[row], o = o0 + row;
+            const int64_t offset_in_row = int64_t(seg) * b.segment_bytes;
+            const uint32_t x_bytes = uint32_t(min(int64_t(b.segment_bytes), xrb - offset_in_row));
+            const bool with_scales = srb && seg == segs - 1;
+            part_dst[st][0] = a.recv_x + int64_t(o) * xrb + offset_in_row;
+            part_bytes[st][0] = x_bytes;
+            part_dst[st][1] = with_scales ? a.recv_scales + int64_t(o) * srb : nullptr;
+            part_bytes[st][1] = with_scales ? uint32_t(srb) : 0;
+            const uint32_t bytes = x_bytes + part_bytes[st][1];
+            barrier_arrive_expect(bar, bytes);
+            bulk_load(stage, a.src.x[s] + int64_t(t) * xrb + offset_in_row, x_bytes, bar);
+            if (with_scales) bulk_load(stage + x_bytes, a.src.scales[s] + int64_t(t) * srb, uint32_t(srb), bar);
+            if (++seg == segs) {
+              seg = 0;
+              ++row;
+            }
+            return bytes;
+          }
+        },
+        [&](int j, char* stage) {
+          const int st = first_stage + j % ring.stages;
+          bulk_store(part_dst[st][0], stage, part_bytes[st][0]);
+          if (part_bytes[st][1]) bulk_store(part_dst[st][1], stage + part_bytes[st][0], part_bytes[st][1]);
+        },
+        [](int) {});
+    return;
+  }
+  if (warp < kProducers || joined) return;
+  // The other warps: the kept rows' expert indices (and weights), localized, a row per thread; then the padding.
+  const int helper_warps = warps - kProducers;
+  const int helpers = helper_warps * kWarp, helper = (warp - kProducers) * kWarp + lane;
+  const int local_experts = a.topk_mode ? a.num_experts / R : 0, first = from.self * local_experts;
+  for (int o = block * helpers + helper; a.topk_mode && o < kept; o += blocks * helpers) {
+    const int2 st = a.row_map[o];
+    for (int k = 0; k < a.topk; ++k) localize_slot(a, o, st.x, st.y, k, first, local_experts);
+  }
+  for (int o = kept + block * helper_warps + warp - kProducers; o < a.capacity; o += blocks * helper_warps)
+    pad_row(a, o, lane);
+}
+
+// Send side of combine with bulk copies: the rows of chunk c to each member are contiguous in y and in its region, so
+// they move in stage-sized pieces, members taken in turn (job j: piece j / M of member j % M), dealt out over
+// kProducers threads (job j to producer j % kProducers), each with its own stages. Each publishes its frontier (the
+// next job of its own it has not completed), and the first thread past them announces to each member what the least
+// frontier covers. Rows past y's capacity (dropped by the dispatch) go back as zeros, written by the block before the
+// pieces move.
+__device__ void combine_send_bulk(const CombineSendArgs& a, const BulkShape& b, int block, int blocks) {
+  const KernelStamp stamp(KernelKind::kCombineSend);
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ int frontier[kProducers];
+  const SendTo& to = a.to;
+  const int R = to.num_ranks;
+  check_combine_capacity(a, block);
+  init_stage_barriers(full, b.stages);
+  if (!wait_acks(to)) return;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const bool producer = lane == 0 && warp < kProducers;
+  const int per = b.stages / kProducers;
+  StageRing ring{smem + b.tables_bytes + size_t(warp * per) * b.stage_bytes, b.stage_bytes, per, full + warp * per,
+                 b.lag};
+  int offsets[kMaxRanks];
+  for (int s = 0, o = 0; s < R; o += a.recv_counts[s], ++s) offsets[s] = o;
+  const int64_t rb = a.row_bytes;
+  for (int c = block; c < a.chunks; c += blocks) {
+    // Member s's rows [j0, j1) of this chunk; those at or past y's capacity from `kept` on.
+    int j0[kMaxRanks], j1[kMaxRanks], kept[kMaxRanks], pieces[kMaxRanks], members[kMaxRanks];
+    int M = 0, most = 0;
+    for (int s = 0; s < R; ++s) {
+      if (s == to.self) continue;
+      j0[M] = chunk_begin(a.recv_counts[s], a.chunks, c);
+      j1[M] = chunk_begin(a.recv_counts[s], a.chunks, c + 1);
+      kept[M] = max(j0[M], min(j1[M], a.capacity - offsets[s]));
+      for (int j = kept[M] + warp; j < j1[M]; j += warps) warp_zero(to.region[s] + int64_t(j) * rb, rb, lane);
+      pieces[M] = int((int64_t(kept[M] - j0[M]) * rb + b.stage_bytes - 1) / b.stage_bytes);
+      most = max(most, pieces[M]);
+      members[M++] = s;
+    }
+    const int jobs = most * M;
+    if (threadIdx.x < kProducers) frontier[threadIdx.x] = min(int(threadIdx.x), jobs);
+    __syncthreads();  // the zeros are written before the producers' announcements (the barrier, then releases)
+    if (producer && M > 0) {
+      // The producer's job i is job warp + i * kProducers.
+      const auto piece = [&](int j, int m, int64_t& at, uint32_t& bytes) {
+        const int64_t begin = int64_t(j0[m]) * rb, end = int64_t(kept[m]) * rb;
+        at = begin + int64_t(j / M) * b.stage_bytes;
+        bytes = uint32_t(min(int64_t(b.stage_bytes), end - at));
+      };
+      run_bulk_jobs(
+          ring,
+          [&](int i, char* stage, uint64_t* bar) -> int64_t {
+            const int j = warp + i * kProducers;
+            if (j >= jobs) return kNoMoreJobs;
+            const int m = j % M;
+            if (j / M >= pieces[m]) return 0;
+            int64_t at;
+            uint32_t bytes;
+            piece(j, m, at, bytes);
+            barrier_arrive_expect(bar, bytes);
+            bulk_load(stage, a.y + int64_t(offsets[members[m]]) * rb + at, bytes, bar);
+            return bytes;
+          },
+          [&](int i, char* stage) {
+            const int j = warp + i * kProducers;
+            const int m = j % M;
+            int64_t at;
+            uint32_t bytes;
+            piece(j, m, at, bytes);
+            bulk_store(to.region[members[m]] + at, stage, bytes);
+          },
+          [&](int k) {
+            // This producer's first k jobs have landed: its frontier is its next job (or the chunk's end).
+            publish_frontier(frontier, warp, min(jobs, warp + k * kProducers));
+          });
+    } else if (threadIdx.x == kProducers * kWarp && M > 0) {
+      // From -1: a chunk whose rows were all dropped (no jobs) is still announced, as zeros.
+      announce_frontiers(frontier, kProducers, jobs, -1, [&](int least) {
+        for (int m = 0; m < M; ++m) {
+          const int done_pieces = least > m ? (least - m + M - 1) / M : 0;
+          const int rows_done =
+              done_pieces >= pieces[m] ? j1[m] - j0[m] : int(int64_t(done_pieces) * b.stage_bytes / rb);
+          max_release_sys(to.chunks[members[m]] + c, progress(to.message[members[m]], rows_done));
+        }
+      });
+    }
+    announce_meta(to);  // keeps the meta count at `chunks` a message (combine has no routing to send)
+  }
+}
+
+// Receive side of combine with bulk copies: every warp of the block works alone through its own `per` stages. It takes
+// the launch's work items (pieces of kCombinePieceTokens tokens of a chunk, in the order of combine_receive_kernel) one
+// at a time from its counter, waits for the item's rows and lists where each token's copies are; then per
+// (token, segment of at most segment_bytes) its lanes load every copy of the segment into a stage (a slot per copy).
+// Once a stage's loads land the warp sums them in float32 from shared memory, writes the sum and refills the stage
+// with its next job, so the loads of its other stages stay in flight while it adds.
+constexpr int kCombinePieceTokens = 4;
+struct CombineJob {
+  int token, rows;
+  uint32_t offset, bytes;
+};
+template <typename T>
+__device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShape& b, const ItemCounter& items) {
+  const KernelStamp stamp(KernelKind::kCombineReceive);
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ CombineJob job_of[kMaxStages];
+  // Per warp, its item's copies: [token][member] the row in the member's message (ours: in y), or -1.
+  __shared__ int listed[kTransferWarps][kCombinePieceTokens][kMaxRanks];
+  const ReceiveFrom& from = a.from;
+  const int R = from.num_ranks, T_ = a.num_tokens, per = b.stages / kTransferWarps;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < b.stages; ++s) barrier_init(full + s, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  int own_offset = 0;
+  for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
+  const int64_t rb = a.row_bytes;
+  const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
+  const int all_items = pieces(T_, a.chunks, kCombinePieceTokens) * a.chunks;
+  int (*table)[kMaxRanks] = listed[warp];
+  const char* source = lane < R ? (lane == from.self ? a.y : from.region[lane]) : nullptr;  // lane d's member
+  // The issuing side's place: tokens [t0, t1) of the current item, token t0 + i, segment g.
+  int t0 = 0, t1 = 0, i = 0, g = 0;
+  const auto next_job = [&](int st) -> bool {
+    while (i >= t1 - t0) {  // the launch's next item that no warp has taken
+      int k = 0;
+      if (lane == 0) k = items.take();
+      const int item = __shfl_sync(0xffffffffu, k, 0);
+      if (item >= all_items) return false;
+      const int c = item % a.chunks;
+      t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kCombinePieceTokens;
+      t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kCombinePieceTokens);
+      i = g = 0;
+      if (t0 >= t1) continue;
+      bool ok = true;
+      for (int p = lane; p < R * a.chunks; p += kWarp) {
+        const int d = p / a.chunks, cc = p % a.chunks;
+        const int lo = a.excl[t0 * R + d], hi = a.excl[t1 * R + d], n = a.excl[T_ * R + d];
+        const int c0 = chunk_begin(n, a.chunks, cc), c1 = chunk_begin(n, a.chunks, cc + 1);
+        if (d != from.self && lo < hi && c0 < c1 && c0 < hi && c1 > lo &&
+            wait_progress(from, d, cc, min(hi, c1) - c0) < 0)
+          ok = false;
+      }
+      if (!__all_sync(0xffffffffu, ok)) {  // reported; the item's tokens stay unwritten
+        t1 = t0;
+        continue;
+      }
+      for (int p = lane; p < (t1 - t0) * R; p += kWarp) {
+        const int q = p / R, d = p % R, t = t0 + q;
+        int row = -1;
+        if (a.mask[t * R + d]) {
+          const int j = a.excl[t * R + d];
+          if (d != from.self)
+            row = j;
+          else if (own_offset + j < a.capacity)
+            row = own_offset + j;  // else: dropped by the dispatch
+        }
+        table[q][d] = row;
+      }
+      __syncwarp();
+    }
+    const int row = lane < R ? table[i][lane] : -1;
+    const unsigned present = __ballot_sync(0xffffffffu, row >= 0);
+    const uint32_t offset = uint32_t(g) * b.segment_bytes;
+    const uint32_t bytes = uint32_t(min(int64_t(b.segment_bytes), rb - offset));
+    if (lane == 0) {
+      job_of[st] = CombineJob{t0 + i, __popc(present), offset, bytes};
+      barrier_arrive_expect(full + st, uint32_t(__popc(present)) * bytes);
+    }
+    __syncwarp();
+    if (row >= 0)
+      bulk_load(smem + b.tables_bytes + size_t(st) * b.stage_bytes +
+                    size_t(__popc(present & ((1u << lane) - 1))) * b.segment_bytes,
+                source + int64_t(row) * rb + offset, bytes, full + st);
+    if (++g == segs) {
+      g = 0;
+      ++i;
+    }
+    return true;
+  };
+  int issued = 0;
+  while (issued < per && next_job(warp * per + issued)) ++issued;
+  for (int k = 0; k < issued; ++k) {
+    const int st = warp * per + k % per;
+    barrier_wait(full + st, uint32_t(k / per) & 1u);
+    const CombineJob job = job_of[st];
+    int4* dst = reinterpret_cast<int4*>(a.out + int64_t(job.token) * rb + job.offset);
+    const uint32_t slots = shared_address(smem + b.tables_bytes + size_t(st) * b.stage_bytes);
+    const auto from_stage = [&](int j, int64_t v) {
+      int4 x;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                   : "r"(slots + uint32_t(j) * b.segment_bytes + uint32_t(v) * 16u));
+      return x;
+    };
+    const int64_t vectors = job.bytes / 16;
+    for (int64_t v = lane; v < vectors; v += kUnroll * kWarp) sum_vectors<T>(dst, job.rows, v, vectors, from_stage);
+    // Our reads of the stage come before the next bulk load into it (another proxy).
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (next_job(st)) ++issued;
+  }
+}
+
+void check_fits(const NvlDevice& dev, size_t message, const char* op) {
+  if (message > dev.region_bytes())
+    throw std::invalid_argument(
+        std::string("uccl_ep ") + op + ": a message of this shape needs " + std::to_string(message) +
+        " bytes per peer but the NVLink buffer holds " + std::to_string(dev.region_bytes()) +
+        "; initialize with buffer_bytes >= " + std::to_string(NvlDevice::buffer_bytes_for(dev.num_ranks(), message)) +
+        " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
+}
+
+// Our reads and writes of shared memory come before bulk loads into it (another proxy).
+__device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// An op on the NVLink buffers runs as one launch on XLA's stream: blocks [0, chunks) send, the rest receive. So
+// nothing hops between streams, and no launch waits for another's between the routing's arrival and the copies.
+// The receive blocks first build the tables their copies read (dispatch: the routing scan over every member's
+// routing; combine: our tokens' positions in the members' messages), in units they hand over to each other.
+struct DispatchLaunch {
+  DispatchSendArgs send;
+  ScanArgs scan;
+  DispatchReceiveArgs receive;
+  BulkShape send_shape, receive_shape;  // with bulk copies
+  FlagWaits routing;                    // every member's routing has landed
+  Handoff handoff;                      // words: the copies' item counter, then [2 passes][units * R]
+  int run;                              // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
+  int units;                            // scan units per source, of kTransferThreads * run tokens
+};
+
+// The receive blocks' scan passes over the units u = block, block + blocks, ... of every source, with kRun tokens
+// per thread.
+template <int kRun>
+__device__ void scan_pass_run(const DispatchLaunch& f, int block, int blocks, bool place) {
+  for (int u = block; u < f.units * f.scan.num_ranks; u += blocks)
+    if (place)
+      place_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
+    else
+      count_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
+}
+__device__ void scan_pass(const DispatchLaunch& f, int block, int blocks, bool place) {
+  switch (f.run) {
+    case 1:
+      return scan_pass_run<1>(f, block, blocks, place);
+    case 2:
+      return scan_pass_run<2>(f, block, blocks, place);
+    case 4:
+      return scan_pass_run<4>(f, block, blocks, place);
+    default:
+      return scan_pass_run<kMaxScanRun>(f, block, blocks, place);
+  }
+}
+
+// (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
+// counts the rows of its scan units, places them once every unit is counted, and copies once every unit is placed. With
+// bulk copies a send block whose sends are done joins the copies (the items come from one counter of the launch), so
+// that neither side idles while the other still works.
+template <bool kBulk>
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
+  const int send_blocks = f.send.chunks;
+  const Members& m = f.receive.from;
+  const int units = f.units * f.scan.num_ranks;
+  const ItemCounter items{f.handoff.words};
+  uint64_t* counted = f.handoff.words + 1;
+  uint64_t* placed = counted + units;
+  if (int(blockIdx.x) < send_blocks) {
+    if constexpr (kBulk) {
+      dispatch_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
+      __syncthreads();  // every stage has been read (the rings end with their stores complete)
+      fence_shared_for_bulk();
+      if (wait_handed_over(f.handoff, placed, units, m))
+        dispatch_receive_bulk(f.receive, f.receive_shape, items, 0, 1, /*joined=*/true);
+    } else {
+      dispatch_send(f.send, blockIdx.x, send_blocks);
+    }
+    return;
+  }
+  const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
+  {
+    const KernelStamp stamp(KernelKind::kScan);
+    // A member whose routing never came is reported; the scan still runs (over what its region holds: every read
+    // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
+    wait_all(f.routing, m.timeout_ns, m.err, m.rank);
+    scan_pass(f, block, blocks, /*place=*/false);
+    if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
+    hand_over(f.handoff, counted, block, blocks, units);
+    if (!wait_handed_over(f.handoff, counted, units, m)) return;
+    scan_pass(f, block, blocks, /*place=*/true);
+    hand_over(f.handoff, placed, block, blocks, units);
+    if (!wait_handed_over(f.handoff, placed, units, m)) return;
+    fence_shared_for_bulk();
+  }
+  if constexpr (kBulk)
+    dispatch_receive_bulk(f.receive, f.receive_shape, items, block, blocks, /*joined=*/false);
+  else
+    dispatch_receive(f.receive, block, blocks);
+}
+
+struct CombineLaunch {
+  CombineSendArgs send;
+  CombineReceiveArgs receive;
+  BulkShape send_shape, receive_shape;  // with bulk copies
+  Handoff handoff;                      // words: the reductions' item counter, then the positions'
+};
+
+// Combine: the send blocks as combine_send(_bulk); the first receive block lays out our tokens' positions in the
+// members' messages (block_positions) while the others wait for them, then every receive block reduces, and with
+// bulk copies every send block too once its sends are done (the items come from one counter of the launch).
+template <typename T, bool kBulk>
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLaunch f) {
+  const int send_blocks = f.send.chunks;
+  const CombineReceiveArgs& a = f.receive;
+  const ItemCounter items{f.handoff.words};
+  uint64_t* positioned = f.handoff.words + 1;
+  if (int(blockIdx.x) < send_blocks) {
+    if constexpr (kBulk) {
+      combine_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
+      __syncthreads();  // every stage has been read (the rings end with their stores complete)
+      fence_shared_for_bulk();
+      if (wait_handed_over(f.handoff, positioned, 1, a.from)) combine_receive_bulk<T>(a, f.receive_shape, items);
+    } else {
+      combine_send(f.send, blockIdx.x, send_blocks);
+    }
+    return;
+  }
+  const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
+  {
+    const KernelStamp stamp(KernelKind::kScan);
+    if (block == 0) {
+      block_positions(a.mask, a.num_tokens, a.from.num_ranks, a.excl);
+      if (threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for `positioned`)
+      hand_over(f.handoff, positioned, 0, 1, 1);
+    }
+    if (!wait_handed_over(f.handoff, positioned, 1, a.from)) return;
+  }
+  if constexpr (kBulk)
+    combine_receive_bulk<T>(a, f.receive_shape, items);
+  else
+    combine_receive<T>(a, block, blocks);
+}
+
+Members members(const NvlDevice& dev, const Group& g) {
+  Members m{};
+  m.num_ranks = g.size;
+  m.self = g.self;
+  m.rank = dev.rank();
+  m.timeout_ns = timeout_ns();
+  m.err = dev.errors_device();
+  for (int s = 0; s < g.size; ++s) m.rank_of[s] = s == g.self ? dev.rank() : peer_of(dev, g, s);
+  return m;
+}
+
+// One message to every other member (its number, and where it goes) and one from each.
+SendTo send_to(NvlDevice& dev, const Group& g) {
+  SendTo to{};
+  static_cast<Members&>(to) = members(dev, g);
+  for (int s = 0; s < g.size; ++s) {
+    if (s == g.self) continue;
+    const int p = to.rank_of[s];
+    to.region[s] = dev.peer_in_region(p);
+    to.meta[s] = dev.peer_meta_flag(p);
+    to.chunks[s] = dev.peer_chunk_flags(p);
+    to.ack[s] = dev.ack_flag(p);
+    to.message[s] = ++dev.sent(p);
+  }
+  return to;
+}
+ReceiveFrom receive_from(NvlDevice& dev, const Group& g) {
+  ReceiveFrom from{};
+  static_cast<Members&>(from) = members(dev, g);
+  for (int s = 0; s < g.size; ++s) {
+    if (s == g.self) continue;
+    const int p = from.rank_of[s];
+    from.region[s] = dev.in_region(p);
+    from.chunks[s] = dev.chunk_flags(p);
+    from.message[s] = ++dev.received(p);
+  }
+  return from;
+}
+
+// Tells every member we finished reading its message (after the op's launch).
+void acknowledge(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self) stream_write_value(stream, dev.peer_ack_flag(from.rank_of[s]), from.message[s]);
+}
+
+// The fused scan's tokens per thread: the fewest (1, 2, 4 or kMaxScanRun) with which every source's units go to the
+// receive blocks in one round, since a round is a few trips to a memory that the copies keep busy.
+int scan_run(int num_tokens, int num_ranks) {
+  int run = 1;
+  while (run < kMaxScanRun && num_ranks * scan_units(num_tokens, kTransferThreads * run) > receive_blocks()) run *= 2;
+  return run;
+}
+
+// Bulk copies move 16-byte aligned runs of 16-byte multiples: rows that are not take the SM-store kernels.
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool bulk_dispatch(const DispatchSendArgs& s, const DispatchReceiveArgs& r) {
+  return bulk_copies() && s.x_row_bytes % 16 == 0 && aligned16(s.x) && aligned16(r.recv_x) &&
+         (!s.scales || (s.scale_row_bytes % 16 == 0 && aligned16(s.scales) && aligned16(r.recv_scales)));
+}
+bool bulk_combine(const CombineSendArgs& s, const CombineReceiveArgs& r) {
+  return bulk_copies() && s.row_bytes % 16 == 0 && aligned16(s.y) && aligned16(r.out);
+}
+
+// An NVLink op's launch (see DispatchLaunch): the budget's blocks, one per SM, all resident at once.
+bool g_allow_budget_past_the_gpu = false;  // testing.hpp
+void check_budget_fits(const NvlDevice& dev, const char* op) {
+  const int sms = dev.sm_count();
+  if (num_sms() > sms && !g_allow_budget_past_the_gpu)
+    throw std::invalid_argument(
+        std::string("uccl_ep ") + op + ": the SM budget (UCCL_EP_NUM_SMS=" + std::to_string(num_sms()) +
+        ") is more than this GPU's " + std::to_string(sms) +
+        " SMs; its send and receive blocks run at once, one per SM: set UCCL_EP_NUM_SMS <= " + std::to_string(sms));
+}
+template <class Launch>
+void launch_fused(void (*kernel)(Launch), const Launch& f, uint32_t shared_bytes, cudaStream_t stream,
+                  const char* what) {
+  kernel<<<num_sms(), kTransferThreads, shared_bytes, stream>>>(f);
+  check(cudaGetLastError(), what);
+}
+
+// Every member's routing has landed: one announcement per chunk and message.
+FlagWaits routing_waits(NvlDevice& dev, const Group& g, const ReceiveFrom& from) {
+  FlagWaits w{};
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self) {
+      const int p = from.rank_of[s];
+      w.flag[w.n] = dev.meta_flag(p);
+      w.value[w.n] = from.message[s] * uint64_t(send_blocks());
+      w.peer[w.n++] = p;
+    }
+  return w;
+}
+
+// Grows the device's scratch to fit the op's (Scratch).
+Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
+  dev.ensure_scratch(scratch_bytes(capacity, num_tokens));
+  return scratch_at(dev.scratch(), capacity, num_tokens);
+}
+// The NVLink op: its one launch, then the acknowledgements.
+void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, cudaStream_t stream) {
+  DispatchLaunch f{};
+  f.send = k.send;
+  f.scan = k.scan;
+  f.receive = k.receive;
+  f.routing = routing_waits(dev, g, k.receive.from);
+  f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks);
+  f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
+  const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + 1;
+  f.handoff = Handoff{dev.handoff_words(scan_words), dev.next_launch()};
+  f.send.token_slots = f.receive.token_slots = true;
+  uint32_t shared = 0;
+  if (bulk_dispatch(k.send, k.receive)) {
+    f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
+    f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
+    shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
+    launch_fused(dispatch_kernel<true>, f, shared, stream, "dispatch_kernel");
+  } else {
+    launch_fused(dispatch_kernel<false>, f, shared, stream, "dispatch_kernel");
+  }
+  acknowledge(dev, g, k.receive.from, stream);
+}
+void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, bool bf16, cudaStream_t stream) {
+  CombineLaunch f{};
+  f.send = k.send;
+  f.receive = k.receive;
+  f.handoff = Handoff{dev.handoff_words(2), dev.next_launch()};
+  uint32_t shared = 0;
+  if (bulk_combine(k.send, k.receive)) {
+    f.send_shape = piece_stages(k.send.row_bytes, 0);
+    f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks);
+    shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
+    launch_fused(bf16 ? combine_kernel<__nv_bfloat16, true> : combine_kernel<float, true>, f, shared, stream,
+                 "combine_kernel");
+  } else {
+    launch_fused(bf16 ? combine_kernel<__nv_bfloat16, false> : combine_kernel<float, false>, f, shared, stream,
+                 "combine_kernel");
+  }
+  acknowledge(dev, g, k.receive.from, stream);
+}
+
+}  // namespace
+
+int normal_send_blocks() { return send_blocks(); }
+
+// Every unit's g_kernel_stamps (stamps.cuh): this one's and normal_proxy.cu's.
+void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart) {
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  check(cudaMemcpyToSymbol(g_kernel_stamps, &stamps, sizeof(stamps)), "cudaMemcpyToSymbol");
+  set_proxy_kernel_stamps(stamps);
+  sides_apart = sides_apart && stamps;
+  check(cudaMemcpyToSymbol(g_sides_apart, &sides_apart, sizeof(sides_apart)), "cudaMemcpyToSymbol");
+}
+
+void allow_budget_past_the_gpu(bool allow) { g_allow_budget_past_the_gpu = allow; }
+
+size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights) {
+  return dispatch_layout(num_tokens, x_row_bytes, scale_row_bytes, topk, weights).total;
+}
+
+size_t combine_message_bytes(int num_tokens, int hidden, FloatType dtype) {
+  return align16(size_t(num_tokens) * hidden * size_t(float_bytes(dtype)));
+}
+
+void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  check_group(dev, g, "dispatch");
+  check_budget_fits(dev, "dispatch");
+  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
+  check_fits(dev, l.total, "dispatch");
+  const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  dev.timing_begin(stream);
+  launch_dispatch(dev, g, dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g)), stream);
+  dev.timing_end(stream, "dispatch");
+}
+
+void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  check_group(dev, g, "cached_dispatch");
+  check_budget_fits(dev, "cached_dispatch");
+  check_fits(dev, cached_message_bytes(a.num_tokens, a.row_bytes, g.size), "cached_dispatch");
+  const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  launch_dispatch(dev, g, cached_dispatch_kernels(a, g, scratch, send_to(dev, g), receive_from(dev, g)), stream);
+}
+
+void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  check_group(dev, g, "combine");
+  check_budget_fits(dev, "combine");
+  check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.dtype), "combine");
+  const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  dev.timing_begin(stream);
+  launch_combine(dev, g, combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g)),
+                 a.dtype == FloatType::kBF16, stream);
+  dev.timing_end(stream, "combine");
+}
+
+void preload_intranode_kernels() {
+  preload_proxy_normal_kernels();
+  load_kernels(dispatch_kernel<true>, dispatch_kernel<false>, combine_kernel<float, true>,
+               combine_kernel<__nv_bfloat16, true>, combine_kernel<float, false>, combine_kernel<__nv_bfloat16, false>);
+  allow_shared_bytes(kBulkSharedBytes, dispatch_kernel<true>, combine_kernel<float, true>,
+                     combine_kernel<__nv_bfloat16, true>);
+}
+
+}  // namespace uccl_ep::nvl
