@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -274,6 +275,17 @@ def initialize(
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+    for hook in _after_initialize:
+        hook()
+
+
+# Run at the end of every initialize(), before the user's first computation (the layer's modules register here).
+_after_initialize: list[Callable[[], None]] = []
+
+
+def after_initialize(hook: Callable[[], None]) -> None:
+    """Runs `hook` at the end of every initialize() from now on."""
+    _after_initialize.append(hook)
 
 
 def describe_plan(plan: _plan.RuntimePlan, config: Config) -> str:
