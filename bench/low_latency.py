@@ -217,10 +217,10 @@ def kernel_spans(gpu: bool) -> dict:
         return {}
     import statistics
 
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
     spans: dict = {}
-    for label, us in _uccl_ep.testing.nvl_kernel_times()[0]:
+    for label, us in _uccl_ep_testing.nvl_kernel_times()[0]:
         spans.setdefault(label, []).append(us)
     return {k: statistics.median(v) for k, v in spans.items()}
 
@@ -237,9 +237,9 @@ def kernel_phases(gpu: bool) -> dict:
     """With UCCL_EP_KERNEL_TIMING=2: each low-latency kernel's phase lengths (us) in its last launch on GPU 0."""
     if not gpu:
         return {}
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
-    stamps = _uccl_ep.testing.nvl_kernel_phases()[0]
+    stamps = _uccl_ep_testing.nvl_kernel_phases()[0]
     if not stamps:  # UCCL_EP_KERNEL_TIMING is not 2
         return {}
     out = {}
@@ -274,9 +274,9 @@ def cupti_kernel_us(call, labels) -> dict:
 
 
 def _uccl_ep_blocks() -> int:
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
-    return int(_uccl_ep.testing.nvl_low_latency_blocks())
+    return int(_uccl_ep_testing.nvl_low_latency_blocks())
 
 
 if __name__ == "__main__":

@@ -163,7 +163,6 @@ def configure_native(config: Config) -> None:
         "ll_num_sms",
         "ll_fused",
         "kernel_timing",
-        "poison",
     ):
         setattr(settings, name, getattr(config, name))
     _uccl_ep.configure(settings)
@@ -391,11 +390,9 @@ def _start_proxies(
     proxy.num_channels = config.num_proxy_threads
     proxy.buffer_bytes = config.buffer_bytes
     proxy.timeout_s = config.timeout_s
-    proxy.reorder = config.reorder
     proxy.max_inflight_writes = config.max_inflight_writes
     proxy.max_write_bytes = config.max_write_bytes
     proxy.max_inflight_bytes = config.max_inflight_bytes
-    proxy.stuck_proxy_for_tests = config.stuck_proxy_for_tests
     _uccl_ep.start(proxy, len(devices), local)
     try:
         infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))
