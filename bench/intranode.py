@@ -265,7 +265,7 @@ def run_jax(
                 )
                 info["nvl_buffer_bytes"] = nbytes
                 print(f"# NVLink buffer per GPU: {nbytes / 2**20:.1f} MiB", flush=True)
-                ep.initialize(buffer_bytes=nbytes)
+                ep.initialize(nvl_buffer_bytes=nbytes)
             else:
                 ep.initialize()
             info["jax_uccl_ep"] = getattr(ep, "__version__", "?")

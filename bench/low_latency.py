@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     # Sized for the largest rows timed here (BF16 dispatch); FP8 dispatch + BF16 combine alone need the first.
     ll_need = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k) if gpu else None
     ll_bytes = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k, fp8=False) if gpu else None
-    ep.initialize(buffer_bytes=16 << 20, low_latency_buffer_bytes=ll_bytes)
+    ep.initialize(nvl_buffer_bytes=16 << 20, low_latency_buffer_bytes=ll_bytes)
     local = e // r
     unroll = not args.fori
     y_rows = jax.make_array_from_callback(

@@ -121,3 +121,14 @@ def test_the_codes_python_passes_are_the_kernels_enums():
     level = dict(codes["Level"])
     assert {("flat" if k is None else k): v for k, v in normal._LEVEL_CODES.items()} == level
     assert low_latency.FP8_CAST_CODES == dict(codes["Fp8Cast"])
+
+
+def test_initialize_takes_the_old_name_of_the_nvlink_buffer_with_a_warning(monkeypatch):
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import _runtime
+
+    monkeypatch.setattr(_runtime, "_is_initialized", lambda: True)  # return before anything starts
+    with pytest.warns(DeprecationWarning, match="nvl_buffer_bytes"):
+        ep.initialize(buffer_bytes=1 << 20)
+    with pytest.raises(TypeError, match="nvl_buffer_bytes only"):
+        ep.initialize(buffer_bytes=1 << 20, nvl_buffer_bytes=1 << 20)
