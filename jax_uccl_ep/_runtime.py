@@ -101,7 +101,9 @@ def _maybe_initialize_distributed(kwargs: dict) -> None:
     launcher = None if kwargs else cluster_launcher()
     if not kwargs and launcher is None:
         return
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+    # JAX adds its flags to jax.config as attributes at run time, where the type checker cannot see them.
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    if platforms in (None, "", "cpu") or "cpu" in str(platforms):
         # XLA's CPU collectives across processes (psum, all_gather in user code and tests) need gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
@@ -612,7 +614,7 @@ def buffer_bytes_held() -> dict[int, tuple[int, int]]:
     """GPUs: {cuda ordinal index: (normal-mode bytes, low-latency bytes)} this process holds per local GPU."""
     if not getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
         return {}
-    return dict(enumerate(tuple(x) for x in _uccl_ep.nvl_buffer_bytes_held()))
+    return {i: (int(normal), int(low)) for i, (normal, low) in enumerate(_uccl_ep.nvl_buffer_bytes_held())}
 
 
 def local_ranks() -> list[int]:

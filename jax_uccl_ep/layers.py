@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -273,9 +273,8 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         overflow=config.overflow,
         use_fp8=config.fp8_dispatch,
     )
-    y = swiglu_experts(
-        params, res.x, res.topk_idx, res.topk_weights, compute_dtype=dtype, backend=config.grouped_matmul
-    )
+    rows = cast(jax.Array, res.x)  # x went in as one array (use_fp8 casts on the way), so its rows come back as one
+    y = swiglu_experts(params, rows, res.topk_idx, res.topk_weights, compute_dtype=dtype, backend=config.grouped_matmul)
     y = combine(y.astype(dtype), res.handle).astype(x.dtype).reshape(*lead, d)
     aux, per_expert = _routing_stats(scores, idx, config)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
@@ -365,7 +364,7 @@ def moe_ffn_decode(
         axis_name=axis_name,
         use_fp8=use_fp8,
     )
-    if use_fp8:
+    if isinstance(recv, tuple):  # use_fp8: FP8 rows and their scales
         from .fp8 import per_token_cast_back
 
         rows, scales = recv

@@ -189,6 +189,8 @@ def _level_args(level: str | None) -> dict:
     if level is None:
         return dict(level=None, two_level=0)
     plan = _plan.two_level()
+    if plan is None:  # a level op is traced only under a two-level plan
+        raise RuntimeError(f"jax_uccl_ep: an op of level {level!r} but the runtime routes in one level")
     return dict(level=(level, plan.num_nodes, plan.per_node), two_level=_LEVEL_CODES[level])
 
 
@@ -302,9 +304,8 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: ja
 
 
 def _no_cotangent(handle: Handle) -> Handle:
-    if isinstance(handle, TwoLevelHandle):
-        return TwoLevelHandle(_no_cotangent(handle.across), _no_cotangent(handle.within), handle.token_shape)
-    return DispatchHandle(None, None, handle.axis_name, handle.level, handle.token_shape, handle.overflow)
+    """The handle's cotangent: its structure with None (no cotangent) for each of its arrays."""
+    return jax.tree.map(lambda _: None, handle)
 
 
 def _dispatch_bwd(num_experts, axis_name, capacity, overflow, residuals, g):

@@ -95,6 +95,20 @@ def test_every_op_has_a_handler_on_every_built_platform():
         assert targets <= set(_uccl_ep.cuda_registrations()), targets - set(_uccl_ep.cuda_registrations())
 
 
+def test_the_extension_stub_names_what_the_extension_has():
+    """jax_uccl_ep/_uccl_ep.pyi (the type checker's view of the extension) names every function and class the built
+    extension has, and, in a CUDA build, nothing else (CPU builds lack the CUDA ones)."""
+    from jax_uccl_ep import _uccl_ep
+
+    with open(os.path.join(PACKAGE, "_uccl_ep.pyi")) as f:
+        tree = ast.parse(f.read())
+    stub = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    built = {name for name in dir(_uccl_ep) if not name.startswith("_")}
+    assert built <= stub, sorted(built - stub)
+    if hasattr(_uccl_ep, "cuda_registrations"):
+        assert stub <= built, sorted(stub - built)
+
+
 def test_the_package_never_loads_the_test_hooks():
     """The hooks, microbenchmarks and test modes live in the tests' extension (jax_uccl_ep._uccl_ep_testing): no
     module of the package names it, and importing the package leaves it unloaded."""
