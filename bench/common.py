@@ -32,6 +32,7 @@ from typing import Any
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
+TESTS_DIR = os.path.join(REPO_ROOT, "tests")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,14 +99,14 @@ def proxy_bytes_posted() -> tuple[int, int] | None:
     crosses the network), or None where no proxy runtime runs."""
     try:
         import jax_uccl_ep as ep
-        from jax_uccl_ep import _runtime, _uccl_ep
+        from jax_uccl_ep import _runtime, _uccl_ep, _uccl_ep_testing
 
         if not _uccl_ep.is_initialized():
             return None
         node = ep.topology().node_of_rank
         total = across = 0
         for r in _runtime.local_ranks():
-            to = _uccl_ep.testing.stats(r)["bytes_posted_to"]
+            to = _uccl_ep_testing.stats(r)["bytes_posted_to"]
             total += sum(to)
             across += sum(b for p, b in enumerate(to) if node[p] != node[r])
         return total, across
@@ -243,8 +244,12 @@ def spawn(
     those up. With distributed=False (one process only) the child runs without jax.distributed, JAX's usual
     one-process-per-host mode. Raises with every rank's stderr if a rank fails.
     """
-    # Imported here: importing jax_uccl_ep imports jax, and proxy.py's parent uses only the table helpers.
-    from jax_uccl_ep import _spawn
+    # Imported here: importing jax_uccl_ep imports jax, and proxy.py's parent uses only the table helpers. The
+    # harness is the tests' (tests/spawn.py).
+    if TESTS_DIR not in sys.path:
+        sys.path.insert(0, TESTS_DIR)
+    import spawn
+
     from jax_uccl_ep.launch import detect_gpus
 
     child_env = dict(env or {})
@@ -262,7 +267,7 @@ def spawn(
         per_rank = [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} for i in range(num_processes)]
         if num_processes > len(ids):  # JAX must not take each GPU's memory up front then
             child_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    results = _spawn.call_in_processes(
+    results = spawn.call_in_processes(
         path,
         function,
         num_processes,
@@ -274,7 +279,7 @@ def spawn(
         platform="gpu" if gpus else "cpu",
     )
     if not all(r.ok for r in results):
-        raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{_spawn.describe(results)}")
+        raise RuntimeError(f"{function} failed in {num_processes} process(es):\n{spawn.describe(results)}")
     return [r.result for r in results]
 
 

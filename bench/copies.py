@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="copies.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
     header = common.run_header(f"GPUs 0-{args.gpus - 1}" if args.gpus > 1 else "GPU 0")
     print(f"# {header['date']}  {header['command']}", flush=True)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             for sms in (int(s) for s in args.sms.split(",")):
                 # Each block copies a whole number of stages.
                 per_block = args.mib_per_gpu * 2**20 // sms // args.stage_bytes * args.stage_bytes
-                gbps = _uccl_ep.testing.nvl_copy_bench(
+                gbps = _uccl_ep_testing.nvl_copy_bench(
                     0,
                     sms,
                     per_block,

@@ -202,11 +202,11 @@ def sms_used() -> str:
     """SMs the jax_uccl_ep kernels occupy at once (the SM budget, UCCL_EP_NUM_SMS): "send+receive" blocks of
     one block per SM, and how rows move (bulk copies or SM stores)."""
     try:
-        import jax_uccl_ep as ep
+        from jax_uccl_ep import _uccl_ep_testing
 
-        n = int(ep._uccl_ep.testing.nvl_num_sms())
-        send = int(ep._uccl_ep.testing.nvl_send_blocks())
-        copies = "bulk" if ep._uccl_ep.testing.nvl_bulk_copies() else "stores"
+        n = int(_uccl_ep_testing.nvl_num_sms())
+        send = int(_uccl_ep_testing.nvl_send_blocks())
+        copies = "bulk" if _uccl_ep_testing.nvl_bulk_copies() else "stores"
     except Exception:
         return "?"
     return f"{send}+{n - send} {copies}"
@@ -265,7 +265,7 @@ def run_jax(
                 )
                 info["nvl_buffer_bytes"] = nbytes
                 print(f"# NVLink buffer per GPU: {nbytes / 2**20:.1f} MiB", flush=True)
-                ep.initialize(buffer_bytes=nbytes)
+                ep.initialize(nvl_buffer_bytes=nbytes)
             else:
                 ep.initialize()
             info["jax_uccl_ep"] = getattr(ep, "__version__", "?")
@@ -411,9 +411,9 @@ def main(argv=None) -> int:
     else:
         budgets = None
     if args.rings and not args.cpu:
-        import jax_uccl_ep as ep
+        from jax_uccl_ep import _uccl_ep_testing
 
-        ep._uccl_ep.testing.nvl_set_bulk_tuning(*common.bulk_tuning(args.rings))
+        _uccl_ep_testing.nvl_set_bulk_tuning(*common.bulk_tuning(args.rings))
     jax_results, info = run_jax(prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets)
     record["jax"] = info
     results += jax_results

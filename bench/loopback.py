@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from jax_uccl_ep import Config, _runtime, _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     where = f"GPU 0, {args.ranks} ranks on it" if args.gpus == 1 else f"{args.ranks} ranks on GPUs 0-{args.gpus - 1}"
     header = common.run_header(where + (", one way" if args.one_way else ""))
@@ -82,13 +82,13 @@ def main(argv=None) -> int:
     for copies, ring, budget, send_sms in sweep:
         if send_sms >= budget:
             continue
-        _uccl_ep.testing.nvl_set_bulk_tuning(*common.bulk_tuning(ring))
+        _uccl_ep_testing.nvl_set_bulk_tuning(*common.bulk_tuning(ring))
         label = copies if ring == "0:0" else f"{copies} {ring}"
         _runtime.configure_native(Config(num_sms=budget, num_send_sms=send_sms, nvl_bulk=copies == "bulk"))
-        split = f"{_uccl_ep.testing.nvl_send_blocks()}+{budget - _uccl_ep.testing.nvl_send_blocks()}"
+        split = f"{_uccl_ep_testing.nvl_send_blocks()}+{budget - _uccl_ep_testing.nvl_send_blocks()}"
         for fp8 in (False, True):
             r = dict(
-                _uccl_ep.testing.nvl_loopback_bench(
+                _uccl_ep_testing.nvl_loopback_bench(
                     0,
                     args.tokens,
                     args.hidden,
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
                     ),
                     flush=True,
                 )
-    _uccl_ep.testing.nvl_set_bulk_tuning(0, 0)
+    _uccl_ep_testing.nvl_set_bulk_tuning(0, 0)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print()

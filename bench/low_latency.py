@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     # Sized for the largest rows timed here (BF16 dispatch); FP8 dispatch + BF16 combine alone need the first.
     ll_need = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k) if gpu else None
     ll_bytes = ep.low_latency_buffer_bytes(t, h, num_ranks=r, num_experts=e, topk=k, fp8=False) if gpu else None
-    ep.initialize(buffer_bytes=16 << 20, low_latency_buffer_bytes=ll_bytes)
+    ep.initialize(nvl_buffer_bytes=16 << 20, low_latency_buffer_bytes=ll_bytes)
     local = e // r
     unroll = not args.fori
     y_rows = jax.make_array_from_callback(
@@ -217,10 +217,10 @@ def kernel_spans(gpu: bool) -> dict:
         return {}
     import statistics
 
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
     spans: dict = {}
-    for label, us in _uccl_ep.testing.nvl_kernel_times()[0]:
+    for label, us in _uccl_ep_testing.nvl_kernel_times()[0]:
         spans.setdefault(label, []).append(us)
     return {k: statistics.median(v) for k, v in spans.items()}
 
@@ -237,9 +237,9 @@ def kernel_phases(gpu: bool) -> dict:
     """With UCCL_EP_KERNEL_TIMING=2: each low-latency kernel's phase lengths (us) in its last launch on GPU 0."""
     if not gpu:
         return {}
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
-    stamps = _uccl_ep.testing.nvl_kernel_phases()[0]
+    stamps = _uccl_ep_testing.nvl_kernel_phases()[0]
     if not stamps:  # UCCL_EP_KERNEL_TIMING is not 2
         return {}
     out = {}
@@ -274,9 +274,9 @@ def cupti_kernel_us(call, labels) -> dict:
 
 
 def _uccl_ep_blocks() -> int:
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
-    return int(_uccl_ep.testing.nvl_low_latency_blocks())
+    return int(_uccl_ep_testing.nvl_low_latency_blocks())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The proxy runtime alone: commands/s through a ring, commands/s through a device's rings with the transport,
 and write bandwidth per libfabric provider and message size between 2 processes.
 
-1. ring: `_uccl_ep.testing.ring_commands_per_second` (one producer, one consumer thread, 32-byte commands, no
+1. ring: `_uccl_ep_testing.ring_commands_per_second` (one producer, one consumer thread, 32-byte commands, no
    transport).
 2. transport commands: 2 processes, UCCL_EP_NUM_PROXY_THREADS=--channels rings per device, tiny writes
    (UCCL_EP_MAX_WRITE_BYTES=--cmd-write-bytes), so each message of --cmd-message-bytes is many commands. Both
@@ -51,7 +51,7 @@ def size_name(n: int) -> str:
 
 def _start(env: dict) -> tuple:
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
     for k, v in env.items():
         if v is None:
@@ -60,22 +60,20 @@ def _start(env: dict) -> tuple:
             os.environ[k] = str(v)
     ep.initialize()
     me = ep._runtime.local_ranks()[0]
-    return ep, core, me
+    return ep, testing, me
 
 
-def _exchange(core, me: int, peer: int, nbytes: int, channel: int = 0) -> None:
+def _exchange(testing, me: int, peer: int, nbytes: int, channel: int = 0) -> None:
     """One message each way, then a 0-byte ack each way."""
-    core.testing.post_message(
-        me, channel, peer, core.testing.send_offset(me, peer), core.testing.recv_offset(me, me), nbytes
-    )
-    core.testing.wait_message(me, channel, peer)
-    core.testing.post_message(me, channel, peer, 0, 0, 0)
-    core.testing.wait_message(me, channel, peer)
+    testing.post_message(me, channel, peer, testing.send_offset(me, peer), testing.recv_offset(me, me), nbytes)
+    testing.wait_message(me, channel, peer)
+    testing.post_message(me, channel, peer, 0, 0, 0)
+    testing.wait_message(me, channel, peer)
 
 
 def commands_child(cfg: dict) -> dict:
     """Many small writes through every ring of the device; returns commands/s of this device's proxies."""
-    ep, core, me = _start(
+    ep, testing, me = _start(
         {
             "UCCL_EP_FI_PROVIDER": cfg["provider"],
             "UCCL_EP_NUM_PROXY_THREADS": cfg["channels"],
@@ -85,22 +83,22 @@ def commands_child(cfg: dict) -> dict:
         }
     )
     peer = 1 - me
-    channels = core.testing.num_channels(me)
+    channels = testing.num_channels(me)
     size, window = cfg["message_bytes"], cfg["window"]
-    send, recv = core.testing.send_offset(me, peer), core.testing.recv_offset(me, me)
-    _exchange(core, me, peer, size)  # warm up and line the ranks up
-    core.testing.quiet(me)
-    c0, t0 = core.testing.stats(me)["commands"], time.perf_counter()
+    send, recv = testing.send_offset(me, peer), testing.recv_offset(me, me)
+    _exchange(testing, me, peer, size)  # warm up and line the ranks up
+    testing.quiet(me)
+    c0, t0 = testing.stats(me)["commands"], time.perf_counter()
     rounds = 0
     # Both ranks run the same number of rounds (decided by rank 0's clock would need a message; a fixed count
     # measured from a first timed round keeps them equal without one).
     while True:
         for _ in range(window):
             for c in range(channels):
-                core.testing.post_message(me, c, peer, send, recv, size)
+                testing.post_message(me, c, peer, send, recv, size)
         for _ in range(window):
             for c in range(channels):
-                core.testing.wait_message(me, c, peer)
+                testing.wait_message(me, c, peer)
         rounds += 1
         if rounds == 1:
             per_round = time.perf_counter() - t0
@@ -111,10 +109,10 @@ def commands_child(cfg: dict) -> dict:
             total_rounds = _agree_max(f"proxy_bench/rounds/{cfg['tag']}", me, total_rounds)
         if rounds >= total_rounds:
             break
-    core.testing.quiet(me)
+    testing.quiet(me)
     seconds = time.perf_counter() - t0
-    commands = core.testing.stats(me)["commands"] - c0
-    stats = core.testing.stats(me)
+    commands = testing.stats(me)["commands"] - c0
+    stats = testing.stats(me)
     ep.shutdown()
     return {
         "commands": commands,
@@ -145,20 +143,20 @@ def bandwidth_child(cfg: dict) -> dict:
         "UCCL_EP_REORDER": "0",
         "UCCL_EP_MAX_WRITE_BYTES": cfg["write_bytes"],
     }
-    ep, core, me = _start(env)
+    ep, testing, me = _start(env)
     peer = 1 - me
-    provider = core.testing.provider(me)
+    provider = testing.provider(me)
     out = []
     for size in sizes:
         iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["bytes_per_repeat"] // size)))
         iters = _agree_max(f"proxy_bench/iters/{cfg['tag']}/{size}", me, iters)
         for _ in range(max(2, iters // 10)):
-            _exchange(core, me, peer, size)
+            _exchange(testing, me, peer, size)
         times = []
         for _ in range(cfg["repeats"]):
             t0 = time.perf_counter()
             for _ in range(iters):
-                _exchange(core, me, peer, size)
+                _exchange(testing, me, peer, size)
             times.append((time.perf_counter() - t0) / iters)
         out.append(
             {
@@ -197,13 +195,13 @@ def child(cfg: dict) -> dict:
 
 
 def ring_rows(capacities: list[int], count: int, repeats: int) -> tuple[list[list[str]], list[dict]]:
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
     rows, record = [], []
     for cap in capacities:
         rates = []
         for _ in range(repeats):
-            r = core.testing.ring_commands_per_second(cap, count)
+            r = testing.ring_commands_per_second(cap, count)
             if r["out_of_order"] or r["received"] != count:
                 raise RuntimeError(f"ring_commands_per_second({cap}, {count}) lost or reordered commands: {r}")
             rates.append(r["commands_per_second"])

@@ -38,21 +38,21 @@ def transport_child(cases: list) -> dict:
     import jax
 
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _ffi, _uccl_ep
+    from jax_uccl_ep import _ffi, _uccl_ep_testing
 
     ep.initialize()
     rank = _ffi.global_ranks()[jax.local_devices()[0].id]
-    _uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, 4096, 0)  # connection warm-up
+    _uccl_ep_testing.proxy_gpu_put(rank, rank ^ 1, 4096, 0)  # connection warm-up
     results = [
         dict(
-            _uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=m, writes=w),
+            _uccl_ep_testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=m, writes=w),
             messages=m,
             writes=w,
             bytes=nbytes,
         )
         for m, w, nbytes in cases
     ]
-    provider = _uccl_ep.testing.provider(rank)
+    provider = _uccl_ep_testing.provider(rank)
     ep.shutdown()
     return {"rank": rank, "provider": provider, "results": results}
 
@@ -114,15 +114,15 @@ def main(argv=None) -> int:
 
     import common
 
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
     if args.transport:
-        if not hasattr(_uccl_ep.testing, "nvl_ring_bench"):
+        if not hasattr(_uccl_ep_testing, "nvl_ring_bench"):
             print("jax_uccl_ep was built without CUDA: nothing to measure")
             return 1
         return transport(args, common)
 
-    if not hasattr(_uccl_ep.testing, "nvl_ring_bench"):
+    if not hasattr(_uccl_ep_testing, "nvl_ring_bench"):
         print("jax_uccl_ep was built without CUDA: nothing to measure")
         return 1
     header = common.run_header(f"GPU {args.device}")
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         per_ring = max(1, args.commands // rings)
         try:
             res = dict(
-                _uccl_ep.testing.nvl_ring_bench(
+                _uccl_ep_testing.nvl_ring_bench(
                     args.device, rings, per_ring, args.capacity, args.ping if i == 0 else 0
                 ),
                 rings=rings,

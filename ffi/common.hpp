@@ -36,16 +36,14 @@ namespace ffi = xla::ffi;
 
 // The errors this process's ops returned to XLA since the last take: an op's error reaches the user only where its
 // result is read, so the Python side reports at shutdown what nobody collected (jax_uccl_ep/_runtime.py).
-// The log also counts the ops running now, so a shutdown can wait for one whose result nobody holds.
+// The log also counts the ops running now, so a shutdown can wait for one whose result nobody holds. One log per
+// process, in the core library (common.cpp): the handlers write it, the extension reads it.
 struct OpErrorLog {
   std::mutex mutex;
   std::vector<std::string> messages;
   std::atomic<int> running{0};
 };
-inline OpErrorLog& op_error_log() {
-  static OpErrorLog log;
-  return log;
-}
+OpErrorLog& op_error_log();
 inline ffi::Error op_error(ffi::ErrorCode code, const char* what) {
   auto& log = op_error_log();
   std::lock_guard<std::mutex> lock(log.mutex);

@@ -50,11 +50,11 @@ void aborting_the_job_on_failure(Device& dev, int64_t two_level, Op&& op) {
   }
 }
 
-// Test mode (settings().poison): outputs filled with 0xFF bytes before an op, so a row the op forgets to write
-// shows as NaN or -1 in tests instead of looking like valid data.
+// Test mode (handler_test_modes().poison): outputs filled with 0xFF bytes before an op, so a row the op forgets to
+// write shows as NaN or -1 in tests instead of looking like valid data.
 template <class... Buffers>
 void poison(Buffers&... buffers) {
-  if (settings().poison) (std::memset(buffers->untyped_data(), 0xFF, buffers->size_bytes()), ...);
+  if (handler_test_modes().poison) (std::memset(buffers->untyped_data(), 0xFF, buffers->size_bytes()), ...);
 }
 
 // The lowering passes every EP group of the mesh ([groups, size], runtime ranks); this device's is the row

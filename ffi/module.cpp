@@ -1,17 +1,13 @@
 // The Python extension `jax_uccl_ep._uccl_ep`: FFI handler capsules for registration, the settings, the runtimes'
-// lifecycle and errors. Hooks for tests and benchmarks are its `testing` submodule (testing.cpp).
+// lifecycle and errors. The handlers, kernels and runtimes it binds live in the core library (libuccl_ep_core);
+// the hooks for tests and benchmarks are another extension over that library (testing.cpp), which this one never
+// loads.
 #include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <random>
-#include <stdexcept>
-#include <thread>
 
 #include "../kernels/contract.hpp"
 #include "../kernels/fp8.hpp"
@@ -20,6 +16,7 @@
 #include "../proxy/runtime.hpp"
 #include "common.hpp"
 #include "cpu_handlers.hpp"
+#include "python_errors.hpp"
 #ifdef UCCL_EP_WITH_CUDA
 #include "../kernels/nvl/api.hpp"
 #include "cuda_handlers.hpp"
@@ -27,8 +24,6 @@
 
 namespace nb = nanobind;
 using namespace uccl_ep;
-
-void define_testing(nb::module_ m);  // testing.cpp
 
 namespace {
 
@@ -45,17 +40,7 @@ std::vector<uint8_t> to_vec(const nb::bytes& b) {
 }  // namespace
 
 NB_MODULE(_uccl_ep, m) {
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const TimeoutError& e) {
-      PyErr_SetString(PyExc_TimeoutError, e.what());
-    } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const std::invalid_argument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    }
-  });
+  register_error_translator();
 
   m.def("cpu_registrations", [] {
     nb::dict d;
@@ -104,31 +89,8 @@ NB_MODULE(_uccl_ep, m) {
   });
   m.def("nvl_is_initialized", [] { return nvl::NvlRuntime::get().initialized(); });
   m.def("proxy_check_errors", [] { nvl::check_proxy_errors("check_errors"); });
-  m.def("nvl_check_errors", [] {
-    // Every local GPU is checked (and cleared); one error names them all, with the first one's type.
-    std::exception_ptr first;
-    std::string messages;
-    for (auto* d : nvl::NvlRuntime::get().devices()) {
-      cudaSetDevice(d->cuda_device());
-      cudaDeviceSynchronize();
-      try {
-        d->check_errors("check_errors");
-      } catch (const std::exception& e) {
-        if (!first) first = std::current_exception();
-        messages += (messages.empty() ? "" : "; ") + std::string(e.what());
-      }
-    }
-    if (!first) return;
-    try {
-      std::rethrow_exception(first);
-    } catch (const TimeoutError&) {
-      throw TimeoutError(messages);
-    } catch (const std::invalid_argument&) {
-      throw std::invalid_argument(messages);
-    } catch (const std::exception&) {
-      throw std::runtime_error(messages);
-    }
-  });
+  // Every local GPU is checked (and cleared); one error names them all.
+  m.def("nvl_check_errors", [] { nvl::NvlRuntime::get().check_errors("check_errors"); });
   m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
                                bool weights, int combine_hidden, bool combine_bf16) {
     size_t msg = std::max(
@@ -154,8 +116,7 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("nvl_bulk", &Settings::nvl_bulk)
       .def_rw("ll_num_sms", &Settings::ll_num_sms)
       .def_rw("ll_fused", &Settings::ll_fused)
-      .def_rw("kernel_timing", &Settings::kernel_timing)
-      .def_rw("poison", &Settings::poison);
+      .def_rw("kernel_timing", &Settings::kernel_timing);
   m.def("configure", &configure);  // jax_uccl_ep/config.py's settings for the kernels and handlers
 
   nb::class_<Config>(m, "ProxyConfig")
@@ -164,12 +125,10 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("num_channels", &Config::num_channels)
       .def_rw("buffer_bytes", &Config::buffer_bytes)
       .def_rw("timeout_s", &Config::timeout_s)
-      .def_rw("reorder", &Config::reorder)
       .def_rw("max_inflight_writes", &Config::max_inflight_writes)
       .def_rw("max_write_bytes", &Config::max_write_bytes)
       .def_rw("max_inflight_bytes", &Config::max_inflight_bytes)
-      .def_rw("ring_capacity", &Config::ring_capacity)
-      .def_rw("stuck_proxy_for_tests", &Config::stuck_proxy_for_tests);
+      .def_rw("ring_capacity", &Config::ring_capacity);
 
   m.def("start", [](const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {
     Runtime::get().start(config, num_ranks, local);
@@ -220,8 +179,4 @@ NB_MODULE(_uccl_ep, m) {
     Runtime::get().shutdown();
   });
   m.def("is_initialized", [] { return Runtime::get().initialized(); });
-
-  define_testing(m.def_submodule("testing",
-                                 "Hooks for tests and benchmarks: the transport driven directly, "
-                                 "microbenchmarks, kernel timings. Not part of the API."));
 }

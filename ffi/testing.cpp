@@ -1,5 +1,7 @@
-// `jax_uccl_ep._uccl_ep.testing`: hooks for tests and benchmarks, kept out of the API. The proxy transport driven
-// directly (messages, quiets, the words proxies publish), ring and kernel microbenchmarks, kernel timings.
+// `jax_uccl_ep._uccl_ep_testing`: hooks for tests and benchmarks, an extension of its own that the package never
+// loads. The proxy transport driven directly (messages, quiets, the words proxies publish), ring and kernel
+// microbenchmarks, kernel timings, and the test modes. It links the same core library as `_uccl_ep`, so it sees
+// the runtimes that initialize() started.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
@@ -14,7 +16,9 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../kernels/settings.hpp"
 #include "../proxy/runtime.hpp"
+#include "python_errors.hpp"
 #ifdef UCCL_EP_WITH_CUDA
 #include <cuda_runtime.h>
 
@@ -88,7 +92,24 @@ nb::dict ring_slots_land_in_pieces(uint32_t capacity, uint64_t positions, uint32
 
 }  // namespace
 
-void define_testing(nb::module_ m) {
+NB_MODULE(_uccl_ep_testing, m) {
+  register_error_translator();
+  // Set before initialize() (a proxy device takes its modes when it is created); tests/spawn.py sets them from
+  // the environment in every process it starts.
+  m.def(
+      "set_test_modes",
+      [](bool reorder, bool poison, bool stuck_proxy) {
+        proxy_test_modes() = ProxyTestModes{reorder, stuck_proxy};
+        handler_test_modes() = HandlerTestModes{poison};
+      },
+      nb::arg("reorder") = false, nb::arg("poison") = false, nb::arg("stuck_proxy") = false);
+  m.def("test_modes", [] {
+    nb::dict d;
+    d["reorder"] = proxy_test_modes().reorder;
+    d["poison"] = handler_test_modes().poison;
+    d["stuck_proxy"] = proxy_test_modes().stuck_proxy;
+    return d;
+  });
 #ifdef UCCL_EP_WITH_CUDA
   m.def("nvl_num_sms", [] { return nvl::num_sms(); });
   m.def("nvl_send_blocks", [] { return nvl::normal_send_blocks(); });

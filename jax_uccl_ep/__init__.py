@@ -3,20 +3,25 @@
 Call ``initialize()`` once per process, then use the ops inside ``jax.shard_map`` over the EP mesh axis.
 """
 
-import glob as _glob
+import importlib.machinery as _machinery
 import os as _os
 import sys as _sys
+
+
+def _has_extension(folder: str) -> bool:
+    """Whether `folder` holds the compiled extension (not just its type stub, _uccl_ep.pyi)."""
+    return any(_os.path.exists(_os.path.join(folder, "_uccl_ep" + s)) for s in _machinery.EXTENSION_SUFFIXES)
 
 
 def _find_extension() -> None:
     """Imported from a source checkout (``python -m jax_uccl_ep.launch`` in the repository root, say), this
     package has no compiled extension: use the one ``pip install .`` put in site-packages."""
     here = _os.path.dirname(_os.path.abspath(__file__))
-    if _glob.glob(_os.path.join(here, "_uccl_ep*")):
+    if _has_extension(here):
         return
     for entry in _sys.path:
         candidate = _os.path.join(_os.path.abspath(entry or "."), "jax_uccl_ep")
-        if candidate != here and _glob.glob(_os.path.join(candidate, "_uccl_ep*")):
+        if candidate != here and _has_extension(candidate):
             __path__.append(candidate)
             return
     raise ImportError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -74,18 +75,30 @@ def level_table(table: np.ndarray, node_of_rank: Sequence[int], level: str) -> n
         raise ValueError(f"jax_uccl_ep: unknown routing level {level!r}")
     rows = []
     for row in np.asarray(table):
-        nodes = [int(node_of_rank[r]) for r in row]
-        per_node = nodes.count(nodes[0])
-        blocks = [nodes[i : i + per_node] for i in range(0, len(nodes), per_node)]
-        if len(nodes) % per_node or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        per_node = _plan.node_blocks(row, node_of_rank)
+        if per_node is None:
             raise ValueError(
                 "jax_uccl_ep: two-level routing needs the EP axis to list each node's ranks together, node after "
                 f"node (a mesh over jax.devices() in order does); this axis's ranks {list(map(int, row))} sit on "
-                f"nodes {nodes}. Reorder the mesh's devices, or set UCCL_EP_TWO_LEVEL=0 for flat routing"
+                f"nodes {[int(node_of_rank[r]) for r in row]}. Reorder the mesh's devices, or set "
+                "UCCL_EP_TWO_LEVEL=0 for flat routing"
             )
-        grid = np.asarray(row, np.int32).reshape(len(blocks), per_node)
+        grid = np.asarray(row, np.int32).reshape(len(row) // per_node, per_node)
         rows.append(grid if level == "node" else grid.T)
     return np.concatenate(rows).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class CallParams:
+    """The one parameter of the primitive, so that every rule of it (abstract evaluation, lowering, the refusals
+    of jvp and vmap) takes the same signature. Hashable, as JAX requires of a primitive's parameters."""
+
+    op: str  # the FFI target is "uccl_ep_" + op
+    results: tuple[tuple[tuple[int, ...], np.dtype], ...]  # (shape, dtype) of each result
+    axis_name: tuple[str, ...] | None  # the EP axes: the handler gets the group table
+    level: tuple[str, int, int] | None  # a level of two-level routing: (name, nodes, ranks per node) as traced
+    attrs: tuple[tuple[str, Any], ...]  # the op's own attributes, sorted by name
+    has_side_effect: bool  # an ordered op (never merged or dropped)
 
 
 ep_call_p = Primitive("uccl_ep_call")
@@ -98,11 +111,11 @@ except ImportError:
     from jax._src.core import ShapedArray
 
 
-def _abstract_eval(*operands, op, results, axis_name, level, attrs, has_side_effect):
-    return [ShapedArray(shape, dtype) for shape, dtype in results]
+def _abstract_eval(*operands: Any, params: CallParams) -> list[ShapedArray]:
+    return [ShapedArray(shape, dtype) for shape, dtype in params.results]
 
 
-def _concrete_mesh(ctx) -> Any:
+def _concrete_mesh(ctx: Any) -> Any:
     """The mesh (with devices) the op is lowered for."""
     module = ctx.module_context
     mesh = getattr(module.axis_context, "mesh", None)
@@ -122,7 +135,7 @@ class _OpCounter:
         self.next = 0
 
 
-def _next_op_index(ctx) -> int:
+def _next_op_index(ctx: Any) -> int:
     # Every process lowers the same program the same way, so an op has the same index on every rank; the
     # message headers carry it and a rank that runs the ops in another order fails instead of mixing data.
     keepalives = getattr(ctx.module_context, "keepalives", None)
@@ -152,9 +165,10 @@ def _warn_staged(op: str) -> None:
     )
 
 
-def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_effect):
-    extra = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in attrs}
-    if has_side_effect:
+def _lowering(ctx: Any, *operands: Any, params: CallParams) -> Sequence[Any]:
+    op, axis_name, level = params.op, params.axis_name, params.level
+    extra: dict[str, Any] = {k: np.int64(v) if isinstance(v, (int, np.integer)) else v for k, v in params.attrs}
+    if params.has_side_effect:
         extra["op_index"] = np.int64(_next_op_index(ctx))
     if axis_name is not None:
         plan = _plan.current()
@@ -191,14 +205,15 @@ def _lowering(ctx, *operands, op, results, axis_name, level, attrs, has_side_eff
         if op in _plan.NORMAL_OPS:
             on_host = path in (_plan.Path.CPU, _plan.Path.STAGED)
             extra["node_size"] = np.int64(_plan.node_size(plan, table) if on_host else 0)
-    rule = jax.ffi.ffi_lowering("uccl_ep_" + op, has_side_effect=has_side_effect)
+    rule = jax.ffi.ffi_lowering("uccl_ep_" + op, has_side_effect=params.has_side_effect)
     return rule(ctx, *operands, **extra)
 
 
 ep_call_p.def_abstract_eval(_abstract_eval)
 
 
-def _no_jvp(primals, tangents, *, op, **params):
+def _no_jvp(primals: Any, tangents: Any, *, params: CallParams) -> Any:
+    op = params.op
     if op.startswith("low_latency"):
         hint = "low-latency ops are for inference and decoding; train with dispatch and combine, which have VJPs"
     elif op == "dispatch":
@@ -211,9 +226,9 @@ def _no_jvp(primals, tangents, *, op, **params):
     raise NotImplementedError(f"jax_uccl_ep: {op} is not differentiable here ({hint})")
 
 
-def _no_batching(args, dims, *, op, **params):
+def _no_batching(args: Any, dims: Any, *, params: CallParams) -> Any:
     raise NotImplementedError(
-        f"jax_uccl_ep: {op} cannot run under jax.vmap (each call is one collective of the EP group); fold the "
+        f"jax_uccl_ep: {params.op} cannot run under jax.vmap (each call is one collective of the EP group); fold the "
         "vmapped dimension into the tokens instead: the ops take [..., hidden] and keep the leading dimensions"
     )
 
@@ -251,8 +266,7 @@ def call(
     if ordered:
         order = after.reshape(-1)[:1] if after is not None and after.size else jnp.zeros((1,), jnp.int8)
         operands = operands + (order,)
-    return ep_call_p.bind(
-        *operands,
+    params = CallParams(
         op=op,
         results=tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results),
         axis_name=None if axis_name is None else axes_of(axis_name),
@@ -260,6 +274,7 @@ def call(
         attrs=tuple(sorted(attrs.items())),
         has_side_effect=ordered,
     )
+    return ep_call_p.bind(*operands, params=params)
 
 
 def _varying_axes(x: jax.Array) -> frozenset:

@@ -121,23 +121,33 @@ def _within_one_node(plan: RuntimePlan, table: np.ndarray) -> bool:
     return all(len({nodes[int(r)] for r in row}) == 1 for row in np.asarray(table))
 
 
+def node_blocks(group: Sequence[int], node_of_rank: Sequence[int]) -> int | None:
+    """The members per node of EP group `group` (runtime ranks, in axis order) where its members fall into equal
+    blocks of consecutive members, each block one node and no node twice; else None. The one rule of both
+    hierarchical rounds (node_size) and two-level routing (_ffi.level_table): expert ownership by axis position
+    then matches node by node."""
+    nodes = [int(node_of_rank[int(r)]) for r in group]
+    per_node = nodes.count(nodes[0])
+    if len(nodes) % per_node:
+        return None
+    blocks = [nodes[i : i + per_node] for i in range(0, len(nodes), per_node)]
+    if any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        return None
+    return per_node
+
+
 def node_size(plan: RuntimePlan, table: np.ndarray) -> int:
     """Ranks per node of the hierarchical rounds kernels/cpu runs normal mode in for groups `table` [groups, R],
-    or 0 (flat: every rank sends to every rank). Rounds apply where every group's members fall into equal blocks
-    of consecutive members, each block one node and no node twice, and every group has the same block size (the
-    attribute is one value for the whole table; a table whose groups differ runs flat, which is slower across
-    nodes but gives the same results)."""
+    or 0 (flat: every rank sends to every rank). Rounds apply where every group splits into nodes (node_blocks)
+    of more than one and fewer than all of its members, and every group has the same block size (the attribute
+    is one value for the whole table; a table whose groups differ runs flat, which is slower across nodes but
+    gives the same results)."""
     if not plan.hierarchical:
         return 0
-    nodes = plan.topology.node_of_rank
     sizes = set()
     for row in np.asarray(table):
-        of = [nodes[int(r)] for r in row]
-        per_node = of.count(of[0])
-        if per_node <= 1 or per_node == len(of) or len(of) % per_node:
-            return 0
-        blocks = [of[i : i + per_node] for i in range(0, len(of), per_node)]
-        if any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        per_node = node_blocks(row, plan.topology.node_of_rank)
+        if per_node is None or per_node <= 1 or per_node == len(row):
             return 0
         sizes.add(per_node)
     return sizes.pop() if len(sizes) == 1 else 0

@@ -1,4 +1,7 @@
-"""The process-global proxy runtime: start, connect through jax.distributed's key-value store, shut down."""
+"""The process's runtimes: ``initialize()`` joins jax.distributed, compares the processes' settings, starts the
+NVLink runtime (GPUs of one node) or the proxy runtime (CPU devices, GPUs across nodes; with a node-level NVLink
+runtime beside it under two-level routing), connects them through jax.distributed's key-value store and records
+the plan; ``shutdown()`` and ``check_errors()``; the buffer sizes ops need."""
 
 from __future__ import annotations
 
@@ -99,7 +102,9 @@ def _maybe_initialize_distributed(kwargs: dict) -> None:
     launcher = None if kwargs else cluster_launcher()
     if not kwargs and launcher is None:
         return
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+    # JAX adds its flags to jax.config as attributes at run time, where the type checker cannot see them.
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    if platforms in (None, "", "cpu") or "cpu" in str(platforms):
         # XLA's CPU collectives across processes (psum, all_gather in user code and tests) need gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
@@ -164,7 +169,6 @@ def configure_native(config: Config) -> None:
         "ll_num_sms",
         "ll_fused",
         "kernel_timing",
-        "poison",
     ):
         setattr(settings, name, getattr(config, name))
     _uccl_ep.configure(settings)
@@ -173,8 +177,9 @@ def configure_native(config: Config) -> None:
 def initialize(
     *,
     config: Config | None = None,
-    buffer_bytes: int | None = None,
+    nvl_buffer_bytes: int | None = None,
     low_latency_buffer_bytes: int | None = None,
+    buffer_bytes: int | None = None,
     **kwargs: Any,
 ) -> None:
     """Starts the process-global runtime (idempotent, thread-safe).
@@ -189,28 +194,40 @@ def initialize(
       config: the settings (``jax_uccl_ep.Config``; default: its defaults); environment variables that are set
         override its fields. Every process must use the same values where peers depend on them (initialize()
         compares them and names any that differ).
-      buffer_bytes: GPUs only: bytes of the NVLink buffer per GPU (overrides ``config.nvl_buffer_bytes`` and
+      nvl_buffer_bytes: GPUs only: bytes of the NVLink buffer per GPU (overrides ``config.nvl_buffer_bytes`` and
         ``UCCL_EP_NVL_BUFFER_BYTES``; default 1 GiB). ``nvl_buffer_bytes(...)`` gives the exact need for a shape.
         CPU devices size their buffers from ``config.buffer_bytes`` (``UCCL_EP_BUFFER_BYTES``).
       low_latency_buffer_bytes: GPUs only: bytes per GPU for low-latency mode (overrides
         ``config.ll_buffer_bytes`` and ``UCCL_EP_LL_BUFFER_BYTES``; default 256 MiB; 0 turns the mode off).
         ``low_latency_buffer_bytes(...)`` gives the need for a shape.
+      buffer_bytes: deprecated spelling of ``nvl_buffer_bytes`` (a DeprecationWarning says so): it named the
+        NVLink buffer, while ``Config.buffer_bytes`` is the proxy runtime's.
 
     GPUs on several nodes (or with ``UCCL_EP_GPUS_PER_NODE``) run on the proxy runtime (a process may drive one
     GPU or all of its host's), GPU-initiated (the kernels push the proxies' commands); its buffers come from
     ``UCCL_EP_BUFFER_BYTES`` as on CPU devices. Normal mode then routes in two levels where nodes are equal (see
-    ``two_level()``), with an NVLink runtime per node whose buffers ``buffer_bytes`` sizes (for num_nodes x tokens
-    per rank rows); ``low_latency_buffer_bytes`` is ignored there.
+    ``two_level()``), with an NVLink runtime per node whose buffers ``nvl_buffer_bytes`` sizes (for num_nodes x
+    tokens per rank rows); ``low_latency_buffer_bytes`` is ignored there.
     """
+    if buffer_bytes is not None:
+        if nvl_buffer_bytes is not None:
+            raise TypeError("jax_uccl_ep.initialize: pass nvl_buffer_bytes only (buffer_bytes is its old name)")
+        warnings.warn(
+            "jax_uccl_ep.initialize(buffer_bytes=...) is deprecated: pass nvl_buffer_bytes=... (the NVLink buffer "
+            "per GPU; Config.buffer_bytes is the proxy runtime's)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        nvl_buffer_bytes = buffer_bytes
     global _generation, _atexit_registered, _previous_plan, _config
     with _lock:
         if _is_initialized():
             return
         _maybe_initialize_distributed(kwargs)
         config = Config.from_env(config)
-        explicit = {"buffer_bytes": buffer_bytes, "low_latency_buffer_bytes": low_latency_buffer_bytes}
-        if buffer_bytes is not None:
-            config = dataclasses.replace(config, nvl_buffer_bytes=int(buffer_bytes))
+        explicit = {"nvl_buffer_bytes": nvl_buffer_bytes, "low_latency_buffer_bytes": low_latency_buffer_bytes}
+        if nvl_buffer_bytes is not None:
+            config = dataclasses.replace(config, nvl_buffer_bytes=int(nvl_buffer_bytes))
         if low_latency_buffer_bytes is not None:
             config = dataclasses.replace(config, ll_buffer_bytes=int(low_latency_buffer_bytes))
         _generation += 1
@@ -333,14 +350,13 @@ def _require_cuda_build() -> None:
 
 
 def _warn_ignored_on_proxy(two: TwoLevel | None, explicit: dict[str, int | None]) -> None:
-    """GPUs on several nodes run on the proxy runtime (ops GPU-initiated where they can, else host-staged), with a
-    node-level NVLink runtime beside it under two-level routing. A process may drive several of them (a process per
-    host, as multi-host JAX jobs run): XLA launches each GPU's work from a thread of its own, so an op that waits
-    on the host for its peers holds up no other GPU of the process."""
+    """Warns about the buffer sizes given to initialize() that GPUs on several nodes do not use: they run on the
+    proxy runtime (whose buffers UCCL_EP_BUFFER_BYTES sizes), with a node-level NVLink runtime beside it only under
+    two-level routing (which nvl_buffer_bytes then sizes)."""
     ignored = [
         name
         for name, v in (
-            ("buffer_bytes", None if two else explicit["buffer_bytes"]),
+            ("nvl_buffer_bytes", None if two else explicit["nvl_buffer_bytes"]),
             ("low_latency_buffer_bytes", explicit["low_latency_buffer_bytes"]),
         )
         if v is not None
@@ -349,7 +365,7 @@ def _warn_ignored_on_proxy(two: TwoLevel | None, explicit: dict[str, int | None]
         warnings.warn(
             f"jax_uccl_ep.initialize: GPUs on several nodes use the proxy runtime, whose buffers "
             f"UCCL_EP_BUFFER_BYTES sizes; {' and '.join(ignored)} ignored"
-            + ("" if two else " (buffer_bytes sizes the NVLink buffers of two-level routing only)"),
+            + ("" if two else " (nvl_buffer_bytes sizes the NVLink buffers of two-level routing only)"),
             stacklevel=3,
         )
 
@@ -403,11 +419,9 @@ def _start_proxies(
     proxy.num_channels = config.num_proxy_threads
     proxy.buffer_bytes = config.buffer_bytes
     proxy.timeout_s = config.timeout_s
-    proxy.reorder = config.reorder
     proxy.max_inflight_writes = config.max_inflight_writes
     proxy.max_write_bytes = config.max_write_bytes
     proxy.max_inflight_bytes = config.max_inflight_bytes
-    proxy.stuck_proxy_for_tests = config.stuck_proxy_for_tests
     _uccl_ep.start(proxy, len(devices), local)
     try:
         infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))
@@ -612,7 +626,7 @@ def buffer_bytes_held() -> dict[int, tuple[int, int]]:
     """GPUs: {cuda ordinal index: (normal-mode bytes, low-latency bytes)} this process holds per local GPU."""
     if not getattr(_uccl_ep, "nvl_is_initialized", lambda: False)():
         return {}
-    return dict(enumerate(tuple(x) for x in _uccl_ep.nvl_buffer_bytes_held()))
+    return {i: (int(normal), int(low)) for i, (normal, low) in enumerate(_uccl_ep.nvl_buffer_bytes_held())}
 
 
 def local_ranks() -> list[int]:

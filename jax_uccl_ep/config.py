@@ -1,9 +1,13 @@
-"""Every setting of the library, in one place: a typed ``Config``, read from the environment here and nowhere else.
+"""Every setting of the library in one place: a typed ``Config``, whose fields environment variables override, and
+the variables launchers set for jax.distributed (``distributed_env``, ``cluster_launcher``). Apart from the
+launcher (launch.py, which builds its children's environment from its own), nothing else in the library reads
+the environment.
 
 ``initialize(config=Config(...))`` takes one; environment variables that are set override its fields (so a job
-script can change a setting without editing code). ``initialize()`` hands the result to the C++ runtimes, which
-read no environment themselves. Each field names its variable in its metadata; the README's table lists the same
-variables (a test checks that they agree).
+script can change a setting without editing code). ``initialize()`` hands the result to the C++ side, which reads
+no environment itself; importing the package hands it the environment's settings first. Each field names its
+variable in its metadata; the README's table lists the same variables (a test checks that they agree). Test modes
+(writes out of order, poisoned outputs, stuck proxies) are no settings: only the tests' extension sets them.
 """
 
 from __future__ import annotations
@@ -52,12 +56,6 @@ class Config:
     )
     max_write_bytes: int = field(
         default=1 << 20, metadata=_env("UCCL_EP_MAX_WRITE_BYTES", "largest single RDMA write, in bytes")
-    )
-    reorder: bool = field(
-        default=False, metadata=_env("UCCL_EP_REORDER", "test mode: proxies post writes out of order and late")
-    )
-    poison: bool = field(
-        default=False, metadata=_env("UCCL_EP_POISON", "test mode: CPU ops fill their outputs with 0xFF first")
     )
     gpus_per_node: int | None = field(
         default=None, metadata=_env("UCCL_EP_GPUS_PER_NODE", "ranks per node (default: from host names)")
@@ -113,10 +111,6 @@ class Config:
             "UCCL_EP_EXIT_ON_UNREAD_ERRORS",
             "at interpreter exit, a failed computation whose result nobody read makes the process exit with status 1",
         ),
-    )
-    stuck_proxy_for_tests: bool = field(
-        default=False,
-        metadata=_env("UCCL_EP_TEST_STUCK_PROXY", "test mode: a proxy thread ignores the stop request"),
     )
 
     def __post_init__(self) -> None:
@@ -178,8 +172,6 @@ class Config:
         local_only = (
             "timeout_s",
             "fi_provider",
-            "reorder",
-            "poison",
             "kernel_timing",
             "ll_fused",
             "ll_num_sms",
@@ -187,7 +179,6 @@ class Config:
             "max_inflight_bytes",
             "max_write_bytes",
             "exit_on_unread_errors",
-            "stuck_proxy_for_tests",
         )
         return {f.metadata["env"]: str(getattr(self, f.name)) for f in _FIELDS.values() if f.name not in local_only}
 

@@ -52,8 +52,10 @@ def _warn_once(message: str) -> None:
 def _hopper() -> bool:
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return False
     try:
-        return device.platform == "gpu" and 9.0 <= float(capability) < 10.0
+        return 9.0 <= float(capability) < 10.0
     except (TypeError, ValueError):
         return False
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import os
 import re
 import shutil
@@ -153,10 +154,10 @@ class Child:
             return self.returncode
         try:
             # Look without reaping, so the group id cannot be reused before its leftovers are killed.
-            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            info = True
-        if info is None:
+            running = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # reaped already: it has exited
+            running = False
+        if running:
             return None
         self.signal_group(signal.SIGKILL)
         self.returncode = self.proc.wait()
@@ -274,19 +275,20 @@ def run(
             child.kill()
         for t in readers:
             t.join(timeout=_JOIN_PIPES_S)
+    seconds = [e if e is not None else time.monotonic() - began for e in ended]
     return [
         ChildResult(
             rank=child.rank,
             returncode=None if child.rank in timed_out else child.returncode,
             stdout=_decode(captured[child.rank][0]),
             stderr=_decode(captured[child.rank][1]),
-            seconds=ended[child.rank] if ended[child.rank] is not None else time.monotonic() - began,
+            seconds=seconds[child.rank],
         )
         for child in children
     ]
 
 
-def _collect(stream: IO[bytes], chunks: list[bytes]) -> None:
+def _collect(stream: io.BufferedIOBase, chunks: list[bytes]) -> None:
     """Reads `stream` to its end into `chunks` (so a child never blocks on a full pipe)."""
     with stream:
         chunks.extend(iter(functools.partial(stream.read1, 1 << 16), b""))
@@ -486,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _supervise(children: list[Child], grace_period: float, received: list[int]) -> int:
     """Waits for the children; on the first failure (or a forwarded signal) ends the rest. Returns the exit code."""
     first_failure: Child | None = None
+    failure_code = 0  # its exit code
     stop_at: float | None = None  # when the survivors get SIGTERM
     kill_at: float | None = None  # when they get SIGKILL
     while True:
@@ -495,7 +498,7 @@ def _supervise(children: list[Child], grace_period: float, received: list[int]) 
             if code is None:
                 running.append(child)
             elif code != 0 and first_failure is None:
-                first_failure = child
+                first_failure, failure_code = child, code
         if not running:
             break
         now = time.monotonic()
@@ -506,7 +509,7 @@ def _supervise(children: list[Child], grace_period: float, received: list[int]) 
             with_survivors = ", ".join(str(c.rank) for c in running)
             print(
                 f"jax_uccl_ep.launch: rank {first_failure.rank} exited with status "
-                f"{_exit_code(first_failure.returncode)}; stopping rank(s) {with_survivors} "
+                f"{_exit_code(failure_code)}; stopping rank(s) {with_survivors} "
                 f"in {grace_period:g} s",
                 file=sys.stderr,
                 flush=True,
@@ -532,7 +535,7 @@ def _supervise(children: list[Child], grace_period: float, received: list[int]) 
     if received:  # interrupted: report the signal, as a shell does
         return 128 + received[0]
     if first_failure is not None:
-        return _exit_code(first_failure.returncode) or 1
+        return _exit_code(failure_code) or 1
     return 0
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -301,9 +301,10 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         use_fp8=config.fp8_dispatch,
         layout="expert",
     )
-    y = swiglu_pairs(params, res.x, res.num_tokens_per_expert, compute_dtype=dtype, backend=config.grouped_matmul)
+    pairs = cast(jax.Array, res.x)  # x went in as one array (use_fp8 casts on the way): its pairs come back as one
+    y = swiglu_pairs(params, pairs, res.num_tokens_per_expert, compute_dtype=dtype, backend=config.grouped_matmul)
     # Each pair weighted by its router weight in float32 and rounded once to travel; combine sums them in float32.
-    y = (y.astype(jnp.float32) * res.weights[:, None]).astype(dtype)
+    y = (y.astype(jnp.float32) * cast(jax.Array, res.weights)[:, None]).astype(dtype)
     y = combine(y, res.handle).astype(x.dtype).reshape(*lead, d)
     aux, per_expert = _routing_stats(scores, idx, config)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
@@ -393,7 +394,7 @@ def moe_ffn_decode(
         axis_name=axis_name,
         use_fp8=use_fp8,
     )
-    if use_fp8:
+    if isinstance(recv, tuple):  # use_fp8: FP8 rows and their scales
         from .fp8 import per_token_cast_back
 
         rows, scales = recv

@@ -4,13 +4,17 @@ Each token goes to every selected expert (one copy per expert slot) into static 
 their size from step to step: recv_x is [L, R * N, H] for L = num_experts / R local experts and N =
 max_tokens_per_rank. Combine weights each returned row by its router weight on the token's own rank.
 
-CPU devices go through the proxy runtime; GPUs of one host store rows straight into each other's buffers over
-NVLink (kernels/nvl/low_latency.cu), with an arrival counter per sender and a deadline on every wait.
+Each op also comes in halves (``*_send``, then ``*_recv`` with the ``LowLatencyPending`` it returned), so other
+work can overlap the transfer. CPU devices go through the proxy runtime; GPUs of one node store rows straight into
+each other's buffers over NVLink (kernels/nvl/low_latency.cu), with an arrival counter per sender and a deadline on
+every wait; GPUs across nodes run the same kernels against the proxy runtime's buffers, GPU-initiated (at most 32
+ranks), else staged through the host (_plan.op_path decides).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Union
 
 import jax
@@ -33,6 +37,8 @@ from .fp8 import FP8_BLOCK, pack_ue8m0
 FP8_CAST_CODES = {"none": 0, "cast": 1, "power_of_two_scales": 2}
 
 AxisName = Union[str, Sequence[str]]
+# recv_x of a low-latency dispatch: the rows, or with use_fp8 the pair (FP8 rows, scales)
+RecvX = Union[jax.Array, tuple[jax.Array, jax.Array]]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -84,12 +90,41 @@ def _check_platform() -> None:
         )
 
 
+@dataclass(frozen=True)
+class _DispatchStatic:
+    """What a low-latency dispatch's receive half needs from its send half besides the token: its shapes and
+    options (static: part of the pending op's tree structure)."""
+
+    axis_name: AxisName
+    num_experts: int
+    max_tokens_per_rank: int  # N
+    num_ranks: int  # R
+    hidden: int  # H
+    wire_dtype: str  # of the rows on the wire: x's, or float8_e4m3fn with use_fp8
+    scale_width: int  # FP8 scales per row (0 without use_fp8)
+    use_fp8: bool
+    use_ue8m0: bool
+    topk: int  # K of topk_idx
+
+
+@dataclass(frozen=True)
+class _CombineStatic:
+    """Likewise for a low-latency combine."""
+
+    axis_name: AxisName
+    num_experts: int
+    max_tokens_per_rank: int
+    hidden: int
+    dtype: str  # of y, and so of the output
+    topk: int
+
+
 @jax.tree_util.register_pytree_node_class
 class LowLatencyPending:
     """A low-latency op whose send half ran: pass it to the matching *_recv. Between the two, compute freely but
     run no other EP op on these devices."""
 
-    def __init__(self, token: jax.Array, static: tuple):
+    def __init__(self, token: jax.Array, static: _DispatchStatic | _CombineStatic):
         self.token = token  # [1] int32: makes the receive half run after the send half
         self.static = static
 
@@ -101,7 +136,16 @@ class LowLatencyPending:
         return cls(*children, static)
 
 
-def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0):
+def _prepare_dispatch(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    axis_name: AxisName,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], int, _DispatchStatic]:
     """Checks the arguments; returns the FFI calls' operands (x, scales, int32 topk_idx), fp8_cast and static."""
     _check_platform()
     topk_idx = as_expert_indices(topk_idx)
@@ -124,39 +168,39 @@ def _prepare_dispatch(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, 
         fp8_cast, wire_dtype, scale_width = FP8_CAST_CODES[cast], jnp.float8_e4m3fn, h // FP8_BLOCK
     else:
         fp8_cast, wire_dtype, scale_width = FP8_CAST_CODES["none"], x.dtype, 0
-    static = (
-        "dispatch",
-        axis_name,
-        num_experts,
-        int(max_tokens_per_rank),
-        num_ranks,
-        h,
-        np.dtype(wire_dtype).name,
-        scale_width,
-        use_fp8,
-        use_ue8m0,
-        topk_idx.shape[1],
+    static = _DispatchStatic(
+        axis_name=axis_name,
+        num_experts=num_experts,
+        max_tokens_per_rank=int(max_tokens_per_rank),
+        num_ranks=num_ranks,
+        hidden=h,
+        wire_dtype=np.dtype(wire_dtype).name,
+        scale_width=scale_width,
+        use_fp8=use_fp8,
+        use_ue8m0=use_ue8m0,
+        topk=topk_idx.shape[1],
     )
     return (x, jnp.zeros((t, 0), jnp.float32), topk_idx), fp8_cast, static
 
 
-def _dispatch_outputs(static) -> tuple:
-    _, _, num_experts, n, num_ranks, h, dtype, scale_width, _, _, _ = static
-    local, slab = num_experts // num_ranks, num_ranks * n
+def _dispatch_outputs(static: _DispatchStatic) -> tuple[jax.ShapeDtypeStruct, ...]:
+    local, slab = static.num_experts // static.num_ranks, static.num_ranks * static.max_tokens_per_rank
     return (
-        jax.ShapeDtypeStruct((local, slab, h), jnp.dtype(dtype)),
-        jax.ShapeDtypeStruct((local, slab, scale_width), jnp.float32),
+        jax.ShapeDtypeStruct((local, slab, static.hidden), jnp.dtype(static.wire_dtype)),
+        jax.ShapeDtypeStruct((local, slab, static.scale_width), jnp.float32),
         jax.ShapeDtypeStruct((local,), jnp.int32),
-        jax.ShapeDtypeStruct((local, num_ranks), jnp.int32),
+        jax.ShapeDtypeStruct((local, static.num_ranks), jnp.int32),
         jax.ShapeDtypeStruct((local, slab), jnp.int32),
     )
 
 
-def _dispatch_result(static, outs, cumulative_local_expert_recv_stats):
-    _, axis_name, num_experts, n, num_ranks, _, _, _, use_fp8, use_ue8m0, topk = static
-    recv_x, recv_scales, recv_count, layout, src_slot = outs
-    if use_fp8:
-        recv_x = (recv_x, pack_ue8m0(recv_scales) if use_ue8m0 else recv_scales)
+def _dispatch_result(
+    static: _DispatchStatic, outs: Sequence[jax.Array], cumulative_local_expert_recv_stats: jax.Array | None
+) -> tuple[RecvX, jax.Array, LowLatencyHandle]:
+    rows, recv_scales, recv_count, layout, src_slot = outs
+    recv_x: RecvX = rows
+    if static.use_fp8:
+        recv_x = (rows, pack_ue8m0(recv_scales) if static.use_ue8m0 else recv_scales)
     stats = None
     if cumulative_local_expert_recv_stats is not None:
         check(
@@ -165,7 +209,10 @@ def _dispatch_result(static, outs, cumulative_local_expert_recv_stats):
             f"got {cumulative_local_expert_recv_stats.shape}",
         )
         stats = cumulative_local_expert_recv_stats + recv_count.astype(cumulative_local_expert_recv_stats.dtype)
-    return recv_x, recv_count, LowLatencyHandle(layout, src_slot, axis_name, num_experts, n, topk, stats)
+    handle = LowLatencyHandle(
+        layout, src_slot, static.axis_name, static.num_experts, static.max_tokens_per_rank, static.topk, stats
+    )
+    return recv_x, recv_count, handle
 
 
 def low_latency_dispatch_send(
@@ -193,24 +240,27 @@ def low_latency_dispatch_send(
         *operands,
         axis_name=axis_name,
         num_experts=num_experts,
-        max_tokens_per_rank=static[3],
+        max_tokens_per_rank=static.max_tokens_per_rank,
         fp8_cast=fp8_cast,
     )
     return LowLatencyPending(token, static)
 
 
-def low_latency_dispatch_recv(pending: LowLatencyPending, cumulative_local_expert_recv_stats: jax.Array | None = None):
+def low_latency_dispatch_recv(
+    pending: LowLatencyPending, cumulative_local_expert_recv_stats: jax.Array | None = None
+) -> tuple[RecvX, jax.Array, LowLatencyHandle]:
     """The receive half of low_latency_dispatch: returns (recv_x, recv_count, handle) as it does."""
     static = pending.static
-    check(static[0] == "dispatch", "low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
+    if not isinstance(static, _DispatchStatic):
+        raise ValueError("jax_uccl_ep: low_latency_dispatch_recv takes what low_latency_dispatch_send returned")
     outs = ep_call(
         "low_latency_dispatch_recv",
         _dispatch_outputs(static),
         pending.token,
-        axis_name=static[1],
-        num_experts=static[2],
-        max_tokens_per_rank=static[3],
-        topk=static[10],
+        axis_name=static.axis_name,
+        num_experts=static.num_experts,
+        max_tokens_per_rank=static.max_tokens_per_rank,
+        topk=static.topk,
     )
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
 
@@ -226,7 +276,7 @@ def low_latency_dispatch(
     round_scale: bool = False,
     use_ue8m0: bool = False,
     cumulative_local_expert_recv_stats: jax.Array | None = None,
-):
+) -> tuple[RecvX, jax.Array, LowLatencyHandle]:
     """Sends each token to each of its experts (call inside shard_map).
 
     Args:
@@ -254,7 +304,7 @@ def low_latency_dispatch(
         *operands,
         axis_name=axis_name,
         num_experts=num_experts,
-        max_tokens_per_rank=static[3],
+        max_tokens_per_rank=static.max_tokens_per_rank,
         fp8_cast=fp8_cast,
     )
     return _dispatch_result(static, outs, cumulative_local_expert_recv_stats)
@@ -297,32 +347,32 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLaten
         max_tokens_per_rank=handle.max_tokens_per_rank,
         topk=handle.topk,
     )
-    static = (
-        "combine",
-        handle.axis_name,
-        handle.num_experts,
-        handle.max_tokens_per_rank,
-        y.shape[2],
-        np.dtype(y.dtype).name,
-        handle.topk,
+    static = _CombineStatic(
+        axis_name=handle.axis_name,
+        num_experts=handle.num_experts,
+        max_tokens_per_rank=handle.max_tokens_per_rank,
+        hidden=y.shape[2],
+        dtype=np.dtype(y.dtype).name,
+        topk=handle.topk,
     )
     return LowLatencyPending(token, static)
 
 
 def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, topk_weights: jax.Array) -> jax.Array:
     """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K], in y's dtype."""
-    kind, axis_name, num_experts, n, h, dtype, topk = pending.static
-    check(kind == "combine", "low_latency_combine_recv takes what low_latency_combine_send returned")
-    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, topk)
+    static = pending.static
+    if not isinstance(static, _CombineStatic):
+        raise ValueError("jax_uccl_ep: low_latency_combine_recv takes what low_latency_combine_send returned")
+    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, static.topk)
     (out,) = ep_call(
         "low_latency_combine_recv",
-        (jax.ShapeDtypeStruct((topk_idx.shape[0], h), jnp.dtype(dtype)),),
+        (jax.ShapeDtypeStruct((topk_idx.shape[0], static.hidden), jnp.dtype(static.dtype)),),
         pending.token,
         topk_idx,
         topk_weights,
-        axis_name=axis_name,
-        num_experts=num_experts,
-        max_tokens_per_rank=n,
+        axis_name=static.axis_name,
+        num_experts=static.num_experts,
+        max_tokens_per_rank=static.max_tokens_per_rank,
     )
     return out
 

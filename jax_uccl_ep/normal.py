@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Literal, NamedTuple, Union
+from typing import Literal, NamedTuple, Union, overload
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +234,8 @@ def _level_args(level: str | None) -> dict:
     if level is None:
         return dict(level=None, two_level=0)
     plan = _plan.two_level()
+    if plan is None:  # a level op is traced only under a two-level plan
+        raise RuntimeError(f"jax_uccl_ep: an op of level {level!r} but the runtime routes in one level")
     return dict(level=(level, plan.num_nodes, plan.per_node), two_level=_LEVEL_CODES[level])
 
 
@@ -347,9 +349,8 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: ja
 
 
 def _no_cotangent(handle: Handle) -> Handle:
-    if isinstance(handle, TwoLevelHandle):
-        return TwoLevelHandle(_no_cotangent(handle.across), _no_cotangent(handle.within), handle.token_shape)
-    return DispatchHandle(None, None, handle.axis_name, handle.level, handle.token_shape, handle.overflow)
+    """The handle's cotangent: its structure with None (no cotangent) for each of its arrays."""
+    return jax.tree.map(lambda _: None, handle)
 
 
 def _dispatch_bwd(num_experts, axis_name, capacity, overflow, residuals, g):
@@ -389,6 +390,38 @@ def _differentiable(forward):
 
 _dispatch = _differentiable(_dispatch_call)
 _dispatch_fp8_wire = _differentiable(_fp8_wire_call)
+
+
+@overload
+def dispatch(
+    x: jax.Array | Fp8Pair,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array | None = None,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    capacity: int | None = None,
+    overflow: Overflow = "error",
+    use_fp8: bool = False,
+    layout: Literal["token"] = "token",
+    expert_alignment: int = 1,
+) -> DispatchResult: ...
+
+
+@overload
+def dispatch(
+    x: jax.Array | Fp8Pair,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array | None = None,
+    *,
+    num_experts: int,
+    axis_name: AxisName,
+    capacity: int | None = None,
+    overflow: Overflow = "error",
+    use_fp8: bool = False,
+    layout: Literal["expert"],
+    expert_alignment: int = 1,
+) -> ExpertDispatchResult: ...
 
 
 def dispatch(

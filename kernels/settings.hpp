@@ -1,6 +1,7 @@
 // The settings the kernels and handlers read, handed over by the Python package (jax_uccl_ep/config.py reads
 // the environment and holds every default; nothing in C++ reads the environment). Set before a runtime starts
-// and between runs, never while an op runs.
+// and between runs, never while an op runs. Defined once, in the core library (settings.cpp), so the extension
+// that sets them and the code that reads them share one copy.
 #pragma once
 
 namespace uccl_ep {
@@ -13,14 +14,16 @@ struct Settings {
   int ll_num_sms;     // blocks of the split low-latency receive kernels
   bool ll_fused;      // a non-split low-latency op's send and receive in one kernel
   int kernel_timing;  // 1: CUDA events around each GPU op; 2: also the low-latency kernels' phase stamps
-  bool poison;        // CPU ops fill their outputs with 0xFF first (tests: unwritten rows show)
 };
 
-inline Settings& mutable_settings() {
-  static Settings s{};  // importing jax_uccl_ep configures it before any op or hook can run
-  return s;
-}
+Settings& mutable_settings();  // importing jax_uccl_ep configures it before any op or hook can run
 inline const Settings& settings() { return mutable_settings(); }
 inline void configure(const Settings& s) { mutable_settings() = s; }
+
+// Test modes of the handlers: set only through the tests' extension (ffi/testing.cpp), never by the package.
+struct HandlerTestModes {
+  bool poison = false;  // CPU ops fill their outputs with 0xFF first, so rows an op forgets to write show
+};
+HandlerTestModes& handler_test_modes();
 
 }  // namespace uccl_ep

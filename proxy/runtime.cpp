@@ -28,8 +28,13 @@ void Backoff::pause() {
   }
 }
 
+ProxyTestModes& proxy_test_modes() {
+  static ProxyTestModes modes;
+  return modes;
+}
+
 Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordinal)
-    : config_(config), rank_(rank), num_ranks_(num_ranks), ordinal_(ordinal) {
+    : config_(config), test_modes_(proxy_test_modes()), rank_(rank), num_ranks_(num_ranks), ordinal_(ordinal) {
   if (num_ranks == 0 || num_ranks > kMaxRanks)
     throw InvalidArgument("uccl_ep: number of ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " +
                           std::to_string(num_ranks));
@@ -413,7 +418,7 @@ void Device::proxy_loop(int channel) {
           cmd.imm = Immediate::abort(rank_).encode();
         else
           cmd.imm = cmd.op == Op::kFence ? seq.fence_imm(rank_) : seq.data_imm(rank_);
-        if (config_.reorder)
+        if (test_modes_.reorder)
           held.push_back(Pending{cmd, 0});
         else
           post(channel, cmd, contexts, free_list);
@@ -442,7 +447,7 @@ void Device::proxy_loop(int channel) {
   }
   // Test mode: behave like a thread stuck in libfabric after a peer died, still touching the device now and then,
   // so that shutdown's abandon path runs (tests/test_reliability.py).
-  if (config_.stuck_proxy_for_tests)
+  if (test_modes_.stuck_proxy)
     for (;;) {
       volatile uint64_t seen = ring.slots()[0].words[0];  // the slots are freed with the ring
       (void)seen;

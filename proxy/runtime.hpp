@@ -35,13 +35,19 @@ struct Config {
   int num_channels = 0;              // proxy threads (and rings, endpoints) per device
   size_t buffer_bytes = 0;           // registered bytes per device
   double timeout_s = 0;              // deadline of every wait on a peer
-  bool reorder = false;              // test mode: post writes out of order and late
   uint32_t max_inflight_writes = 0;  // per channel
   uint32_t max_write_bytes = 0;
-  uint64_t max_inflight_bytes = 0;     // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
-  uint32_t ring_capacity = 4096;       // commands per ring
-  bool stuck_proxy_for_tests = false;  // test mode: a proxy thread ignores stop(), as one stuck in libfabric would
+  uint64_t max_inflight_bytes = 0;  // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
+  uint32_t ring_capacity = 4096;    // commands per ring
 };
+
+// Test modes of the proxy threads: set only through the tests' extension (ffi/testing.cpp), never by the package.
+// A device takes them when it is created.
+struct ProxyTestModes {
+  bool reorder = false;      // post writes out of order and late
+  bool stuck_proxy = false;  // a proxy thread ignores stop(), as one stuck in libfabric would
+};
+ProxyTestModes& proxy_test_modes();
 
 struct DeviceStats {
   uint64_t commands = 0;       // popped by the proxies
@@ -153,6 +159,7 @@ class Device {
   void check_failed(uint32_t peer, const char* op);
 
   Config config_;
+  const ProxyTestModes test_modes_;
   uint32_t rank_, num_ranks_;
   int ordinal_;
   char* buffer_ = nullptr;

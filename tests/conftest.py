@@ -6,6 +6,11 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 os.environ.setdefault("UCCL_EP_TIMEOUT_S", "60")
 os.environ.setdefault("UCCL_EP_POISON", "1")
 
+# The test modes for this process's runtimes (the children of spawn.py set theirs the same way).
+import spawn
+
+spawn.set_test_modes()
+
 
 def pytest_sessionfinish(session, exitstatus):
     """The tests provoke op errors on purpose and read them: mark them seen, so the runtime's shutdown at exit does

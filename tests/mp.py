@@ -1,9 +1,9 @@
 """Multi-process test cases: N processes with jax.distributed on a free 127.0.0.1 port, each calling one function of
 a test file and returning its JSON result.
 
-The names the tests import, on top of the package's launcher (jax_uccl_ep.launch, jax_uccl_ep._spawn): every
-child runs in its own process group, killed at the timeout, and dies with the test process, so no test leaves
-processes behind.
+The names the tests import, on top of the package's launcher (jax_uccl_ep.launch) and spawn.py: every child runs
+in its own process group, killed at the timeout, and dies with the test process, so no test leaves processes
+behind.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import subprocess
 import sys
 from typing import Any
 
-from jax_uccl_ep._spawn import RESULT_MARK, RankResult, describe
-from jax_uccl_ep._spawn import call_in_processes as launch
+from spawn import RESULT_MARK, RankResult, describe
+from spawn import call_in_processes as launch
+
 from jax_uccl_ep.launch import detect_gpus, free_port
 
 __all__ = [

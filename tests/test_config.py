@@ -41,9 +41,9 @@ def test_only_the_settings_module_reads_the_environment():
                     text = f.read()
                 if re.search(r"getenv\(|os\.environ(?!\.setdefault\(\"CUDA_MODULE_LOADING\")", text):
                     readers.append(os.path.relpath(path, ROOT))
-    # The launcher (launch.py, and _spawn.py's harness for tests and benches) builds its children's environment
-    # from its own; nothing else may read it.
-    assert sorted(readers) == ["jax_uccl_ep/_spawn.py", "jax_uccl_ep/config.py", "jax_uccl_ep/launch.py"], readers
+    # The launcher (launch.py) builds its children's environment from its own; nothing else may read it (the tests'
+    # harness, tests/spawn.py, reads the test modes' variables outside the package).
+    assert sorted(readers) == ["jax_uccl_ep/config.py", "jax_uccl_ep/launch.py"], readers
 
 
 def test_variables_override_fields_and_unset_ones_keep_them():
@@ -121,3 +121,14 @@ def test_the_codes_python_passes_are_the_kernels_enums():
     level = dict(codes["Level"])
     assert {("flat" if k is None else k): v for k, v in normal._LEVEL_CODES.items()} == level
     assert low_latency.FP8_CAST_CODES == dict(codes["Fp8Cast"])
+
+
+def test_initialize_takes_the_old_name_of_the_nvlink_buffer_with_a_warning(monkeypatch):
+    import jax_uccl_ep as ep
+    from jax_uccl_ep import _runtime
+
+    monkeypatch.setattr(_runtime, "_is_initialized", lambda: True)  # return before anything starts
+    with pytest.warns(DeprecationWarning, match="nvl_buffer_bytes"):
+        ep.initialize(buffer_bytes=1 << 20)
+    with pytest.raises(TypeError, match="nvl_buffer_bytes only"):
+        ep.initialize(buffer_bytes=1 << 20, nvl_buffer_bytes=1 << 20)

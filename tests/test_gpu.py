@@ -324,7 +324,7 @@ def gpu_ep_within_nodes() -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _runtime, _uccl_ep
+    from jax_uccl_ep import _runtime, _uccl_ep_testing
 
     ep.initialize()
     devices = sorted(jax.devices(), key=lambda d: d.id)
@@ -342,7 +342,7 @@ def gpu_ep_within_nodes() -> dict:
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     args = [jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i, a=a: a[i]) for a in (x, idx)]
     jax.block_until_ready(f(*args))
-    posted = lambda: sum(_uccl_ep.testing.stats(q)["bytes_posted"] for q in _runtime.local_ranks())  # noqa: E731
+    posted = lambda: sum(_uccl_ep_testing.stats(q)["bytes_posted"] for q in _runtime.local_ranks())  # noqa: E731
     before = posted()
     recv, n, combined = (cases.gather(a) for a in f(*args))
     problems = []
@@ -438,15 +438,15 @@ def gpu_proxy_put(nbytes: int) -> dict:
     import jax.numpy as jnp
 
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _ffi, _uccl_ep
+    from jax_uccl_ep import _ffi, _uccl_ep_testing
 
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
     rank = _ffi.global_ranks()[jax.local_devices()[0].id]
-    puts = [_uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0) for _ in range(2)]
+    puts = [_uccl_ep_testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0) for _ in range(2)]
     # A stream: 64 messages of 8 writes each, back to back in the ring (the last one's payload is checked).
-    puts.append(_uccl_ep.testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=64, writes=8))
-    words = _uccl_ep.testing.published_words(rank)
+    puts.append(_uccl_ep_testing.proxy_gpu_put(rank, rank ^ 1, nbytes, 0, messages=64, writes=8))
+    words = _uccl_ep_testing.published_words(rank)
     problems = {"after": cases.check_case(mesh, 7, 16, 256, 2, 4 * mesh.devices.size, jnp.float32)}
     ep.shutdown()
     return {"puts": puts, "words": words, "problems": problems, "ranks": mesh.devices.size}
@@ -586,13 +586,13 @@ def test_low_latency_variants(variant):
 def gpu_loopback_over_nvlink() -> list:
     """Child: the loopback bench's ranks spread over two GPUs (rank r on GPU r % 2), at 24 SMs with bulk copies: BF16
     and FP8, two ranks and four, the stamped call with the sides apart and without."""
-    from jax_uccl_ep import Config, _runtime, _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     _runtime.configure_native(Config(num_sms=24, nvl_bulk=True))
     out = []
     for ranks, fp8, apart in [(2, False, False), (2, True, True), (4, False, True), (4, True, False)]:
         r = dict(
-            _uccl_ep.testing.nvl_loopback_bench(0, 1500, 7168, 8, 64, fp8, 2, 31 + len(out), ranks, False, apart, 2)
+            _uccl_ep_testing.nvl_loopback_bench(0, 1500, 7168, 8, 64, fp8, 2, 31 + len(out), ranks, False, apart, 2)
         )
         out.append(dict(r, ranks=ranks, fp8=fp8, apart=apart))
     return out

@@ -36,9 +36,9 @@ def _on_one_gpu(file: str, function: str, n: int, *, args=(), timeout_s=240, kv_
 
 def gpu_ring(commands: int, rounds: int) -> dict:
     """Child: GPU warps push numbered commands into host rings; then the ping-pong and one-way rounds."""
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
-    return dict(_uccl_ep.testing.nvl_ring_bench(0, 4, commands, 1024, rounds))
+    return dict(_uccl_ep_testing.nvl_ring_bench(0, 4, commands, 1024, rounds))
 
 
 def test_gpu_pushes_every_command_through_the_rings_in_order():
@@ -153,18 +153,18 @@ def test_moe_layer_on_one_shared_gpu(fp8):
 
 def gpu_loopback(cases: list) -> list:
     """Child: normal mode's NVLink kernels between ranks on GPU 0 (nvl_loopback_bench), per case."""
-    from jax_uccl_ep import Config, _runtime, _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     out = []
     for budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks, one_way in cases:
         _runtime.configure_native(Config(num_sms=budget, num_send_sms=send, nvl_bulk=bulk == "1"))
         r = dict(
-            _uccl_ep.testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out), ranks, one_way)
+            _uccl_ep_testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out), ranks, one_way)
         )
         out.append(
             dict(
                 r,
-                send_blocks=_uccl_ep.testing.nvl_send_blocks(),
+                send_blocks=_uccl_ep_testing.nvl_send_blocks(),
                 case=[budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks, one_way],
             )
         )
@@ -226,12 +226,12 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
 def gpu_sides_apart() -> list:
     """Child: two ranks on GPU 0 at 24 SMs with bulk copies, BF16 and FP8, the spans' call with and without the
     sides apart. 4096 tokens: the send spans (FP8 ~60 us) outlast the receive side's scan by tens of microseconds."""
-    from jax_uccl_ep import Config, _runtime, _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     _runtime.configure_native(Config(num_sms=24, nvl_bulk=True))
     return [
         dict(
-            _uccl_ep.testing.nvl_loopback_bench(0, 4096, 7168, 8, 64, fp8, 2, 21, 2, False, apart), fp8=fp8, apart=apart
+            _uccl_ep_testing.nvl_loopback_bench(0, 4096, 7168, 8, 64, fp8, 2, 21, 2, False, apart), fp8=fp8, apart=apart
         )
         for fp8 in (False, True)
         for apart in (False, True)
@@ -259,34 +259,34 @@ def test_the_loopback_holds_the_receive_side_until_every_row_has_landed():
 
 def gpu_budget_past_the_gpu() -> dict:
     """Child: a normal-mode op with an SM budget larger than the GPU, then one with a budget that fits."""
-    from jax_uccl_ep import Config, _runtime, _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     _runtime.configure_native(Config(num_sms=4096))
     try:
-        _uccl_ep.testing.nvl_loopback_bench(0, 300, 256, 4, 16, False, 1, 3)
+        _uccl_ep_testing.nvl_loopback_bench(0, 300, 256, 4, 16, False, 1, 3)
         error = ""
     except ValueError as e:
         error = str(e)
     _runtime.configure_native(Config(num_sms=6))
-    r = dict(_uccl_ep.testing.nvl_loopback_bench(0, 300, 256, 4, 16, False, 1, 3))
+    r = dict(_uccl_ep_testing.nvl_loopback_bench(0, 300, 256, 4, 16, False, 1, 3))
     return {"error": error, "mismatched_rows": r["mismatched_rows"], "received_rows": r["received_rows"]}
 
 
 def gpu_blocks_never_all_resident() -> dict:
     """Child: one rank on GPU 0 with the budget check lifted and a budget of 400 blocks: the scan's units of 48000
     tokens (94 of them) reach blocks that cannot get an SM while the others wait for their handover."""
-    from jax_uccl_ep import Config, _runtime, _uccl_ep
+    from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     _runtime.configure_native(Config(num_sms=400, timeout_s=2))
-    _uccl_ep.testing.nvl_allow_budget_past_the_gpu(True)
+    _uccl_ep_testing.nvl_allow_budget_past_the_gpu(True)
     start = time.monotonic()
     try:
-        _uccl_ep.testing.nvl_loopback_bench(0, 48000, 128, 2, 16, False, 1, 5, 1)
+        _uccl_ep_testing.nvl_loopback_bench(0, 48000, 128, 2, 16, False, 1, 5, 1)
         error = ""
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     finally:
-        _uccl_ep.testing.nvl_allow_budget_past_the_gpu(False)
+        _uccl_ep_testing.nvl_allow_budget_past_the_gpu(False)
     return {"error": error, "seconds": time.monotonic() - start}
 
 
@@ -316,18 +316,18 @@ def gpu_copies(gpus: int) -> dict:
     """Child: the copy bench (bench/copies.py) in each direction, bulk copies and SM loads/stores, 16 MiB per GPU,
     with a stage size that leaves each block's span a partial stage short; then what it refuses before launching
     anything: a direction it does not know, and spans that bulk copies cannot address (not multiples of 16 bytes)."""
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
     per_block = 16 * 2**20 // 12 // 16 * 16  # 336 bytes past the last whole stage of 7168
     figures = {
-        (direction, warps): _uccl_ep.testing.nvl_copy_bench(0, 12, per_block, 7168, 3, 4, warps, direction, gpus)
+        (direction, warps): _uccl_ep_testing.nvl_copy_bench(0, 12, per_block, 7168, 3, 4, warps, direction, gpus)
         for direction in ("local", "push", "pull")
         for warps in (False, True)
     }
     errors = []
     for bad in [(2**20, "sideways"), (2**20 + 8, "local")]:
         try:
-            _uccl_ep.testing.nvl_copy_bench(0, 4, bad[0], 7168, 3, 4, False, bad[1], 1)
+            _uccl_ep_testing.nvl_copy_bench(0, 4, bad[0], 7168, 3, 4, False, bad[1], 1)
             errors.append("")
         except ValueError as e:
             errors.append(str(e))

@@ -169,14 +169,14 @@ def dead_peer_loop(seed: int, pid_dir: str, max_seconds: float) -> dict:
     import threading
 
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
     faulthandler.dump_traceback_later(max_seconds + 25)  # a hung survivor shows where, before it is killed
     me = int(os.environ["JAX_PROCESS_ID"])  # jax.process_index() would start the backend too early
     with open(os.path.join(pid_dir, f"{me}.pid"), "w") as f:
         f.write(str(os.getpid()))
     ep.initialize()
-    provider = core.testing.provider(ep._runtime.local_ranks()[0])
+    provider = testing.provider(ep._runtime.local_ranks()[0])
     my_segments = sorted(owned_by(shm_entries(), [os.getpid()]))
     num_ranks = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("ep",))
@@ -764,9 +764,9 @@ def peer_exits_after_initialize(pid_dir: str) -> dict:
         error = None
     except Exception as e:  # noqa: BLE001 - the error under test
         error = str(e)
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
-    provider = core.testing.provider(ep._runtime.local_ranks()[0])
+    provider = testing.provider(ep._runtime.local_ranks()[0])
     ep.shutdown()
     return {"error": error, "provider": provider}
 

@@ -35,13 +35,13 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
     import jax
 
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
     ep.initialize()
     me = ep._runtime.local_ranks()[0]
     n = jax.device_count()
-    buf = core.testing.buffer(me)
-    channels = core.testing.num_channels(me)
+    buf = testing.buffer(me)
+    channels = testing.num_channels(me)
     mismatches = []
     moved = 0
     for rnd in range(rounds):
@@ -49,18 +49,18 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
             if peer == me:
                 continue
             data = _payload(seed, rnd, me, peer, max_bytes)
-            off = core.testing.send_offset(me, peer)
+            off = testing.send_offset(me, peer)
             buf[off : off + data.size] = data
             for c in range(channels):
                 begin, length = _stripe(data.size, channels, c)
-                core.testing.post_message(me, c, peer, off + begin, core.testing.recv_offset(me, me) + begin, length)
+                testing.post_message(me, c, peer, off + begin, testing.recv_offset(me, me) + begin, length)
         for peer in range(n):
             if peer == me:
                 continue
             for c in range(channels):
-                core.testing.wait_message(me, c, peer)
+                testing.wait_message(me, c, peer)
             want = _payload(seed, rnd, peer, me, max_bytes)
-            off = core.testing.recv_offset(me, peer)
+            off = testing.recv_offset(me, peer)
             got = buf[off : off + want.size]
             if not np.array_equal(got, want):
                 mismatches.append([rnd, peer, int(np.count_nonzero(got != want))])
@@ -68,14 +68,14 @@ def exchange_rounds(rounds: int, seed: int, max_bytes: int) -> dict:
         # Acknowledge, so nobody overwrites a region before its reader is done.
         for peer in range(n):
             if peer != me:
-                core.testing.post_message(me, 0, peer, 0, 0, 0)
+                testing.post_message(me, 0, peer, 0, 0, 0)
         for peer in range(n):
             if peer != me:
-                core.testing.wait_message(me, 0, peer)
-    core.testing.quiet(me)
-    stats = core.testing.stats(me)
-    provider = core.testing.provider(me)
-    words = core.testing.published_words(me)
+                testing.wait_message(me, 0, peer)
+    testing.quiet(me)
+    stats = testing.stats(me)
+    provider = testing.provider(me)
+    words = testing.published_words(me)
     ep.shutdown()
     return {
         "mismatches": mismatches,
@@ -151,26 +151,26 @@ def test_hundred_thousand_commands_through_the_rings():
 def many_commands(messages: int, size: int) -> dict:
     """Child: `messages` messages of `size` bytes to the other rank, each checked on arrival."""
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
     ep.initialize()
     me = ep._runtime.local_ranks()[0]
     peer = 1 - me
-    buf = core.testing.buffer(me)
+    buf = testing.buffer(me)
     mismatches = 0
     for i in range(messages):
         data = np.random.default_rng([i, me]).integers(0, 256, size, dtype=np.uint8)
-        off = core.testing.send_offset(me, peer)
+        off = testing.send_offset(me, peer)
         buf[off : off + size] = data
-        core.testing.post_message(me, 0, peer, off, core.testing.recv_offset(me, me), size)
-        core.testing.wait_message(me, 0, peer)
+        testing.post_message(me, 0, peer, off, testing.recv_offset(me, me), size)
+        testing.wait_message(me, 0, peer)
         want = np.random.default_rng([i, peer]).integers(0, 256, size, dtype=np.uint8)
-        roff = core.testing.recv_offset(me, peer)
+        roff = testing.recv_offset(me, peer)
         mismatches += int(not np.array_equal(buf[roff : roff + size], want))
-        core.testing.post_message(me, 0, peer, 0, 0, 0)
-        core.testing.wait_message(me, 0, peer)
-    core.testing.quiet(me)
-    commands = core.testing.stats(me)["commands"]
+        testing.post_message(me, 0, peer, 0, 0, 0)
+        testing.wait_message(me, 0, peer)
+    testing.quiet(me)
+    commands = testing.stats(me)["commands"]
     ep.shutdown()
     return {"mismatches": mismatches, "commands": commands}
 
@@ -178,7 +178,7 @@ def many_commands(messages: int, size: int) -> dict:
 def wait_for_dead_peer(dead_rank: int) -> dict:
     """Child: rank `dead_rank` exits right after initialize; the others wait for a message from it."""
     import jax_uccl_ep as ep
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
     ep.initialize()
     me = ep._runtime.local_ranks()[0]
@@ -186,7 +186,7 @@ def wait_for_dead_peer(dead_rank: int) -> dict:
         os._exit(0)
     start = time.monotonic()
     try:
-        core.testing.wait_message(me, 0, dead_rank)
+        testing.wait_message(me, 0, dead_rank)
         result = {"error": None}
     except TimeoutError as e:
         result = {"error": str(e), "seconds": time.monotonic() - start}
@@ -208,9 +208,9 @@ def test_dead_peer_is_named_within_the_deadline(provider):
 
 
 def test_ring_keeps_every_command_in_order():
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
-    stats = core.testing.ring_commands_per_second(1024, 1_000_000)
+    stats = testing.ring_commands_per_second(1024, 1_000_000)
     assert stats["out_of_order"] == 0
     assert stats["received"] == 1_000_000
     assert stats["commands_per_second"] > 0
@@ -220,9 +220,9 @@ def test_ring_takes_no_slot_before_all_of_it_landed():
     """A slot is valid by its own lap tags (proxy/ring.hpp), not by the head: a GPU's stores of a slot may reach
     host memory in any order, and the proxy must take none of it early nor take it wrong. 2 slots x 70,000 laps
     wrap the 16-bit lap tags."""
-    from jax_uccl_ep import _uccl_ep as core
+    from jax_uccl_ep import _uccl_ep_testing as testing
 
-    stats = core.testing.ring_slots_land_in_pieces(2, 140_000, 7)
+    stats = testing.ring_slots_land_in_pieces(2, 140_000, 7)
     assert stats == {"popped_early": 0, "wrong": 0}, stats
 
 

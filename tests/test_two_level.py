@@ -162,7 +162,7 @@ def bytes_across_nodes() -> dict:
     import jax
     import reference as ref
 
-    from jax_uccl_ep import _uccl_ep
+    from jax_uccl_ep import _uccl_ep_testing
 
     r, t, h, k, e = 4, 64, 1024, 4, 16
     idx = ref.random_routing(np.random.default_rng(41), r, t, k, e, mask_prob=0.1)
@@ -173,7 +173,7 @@ def bytes_across_nodes() -> dict:
         return sum(
             b
             for q in _runtime.local_ranks()
-            for p, b in enumerate(_uccl_ep.testing.stats(q)["bytes_posted_to"])
+            for p, b in enumerate(_uccl_ep_testing.stats(q)["bytes_posted_to"])
             if node[p] != node[q]
         )
 

@@ -184,6 +184,9 @@ class NvlRuntime {
   std::shared_mutex& lifetime_mutex() { return lifetime_; }
   NvlDevice& device_by_ordinal(int ordinal);
   std::vector<NvlDevice*> devices();
+  // Waits for every local GPU and raises (clearing them) the errors its kernels found: one error names them all,
+  // with the first one's type.
+  void check_errors(const char* op);
 
  private:
   std::shared_mutex lifetime_;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -435,6 +436,31 @@ std::vector<NvlDevice*> NvlRuntime::devices() {
   std::vector<NvlDevice*> out;
   for (auto& d : devices_) out.push_back(d.get());
   return out;
+}
+
+void NvlRuntime::check_errors(const char* op) {
+  std::exception_ptr first;
+  std::string messages;
+  for (auto* d : devices()) {
+    cudaSetDevice(d->cuda_device());
+    cudaDeviceSynchronize();
+    try {
+      d->check_errors(op);
+    } catch (const std::exception& e) {
+      if (!first) first = std::current_exception();
+      messages += (messages.empty() ? "" : "; ") + std::string(e.what());
+    }
+  }
+  if (!first) return;
+  try {
+    std::rethrow_exception(first);
+  } catch (const TimeoutError&) {
+    throw TimeoutError(messages);
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument(messages);
+  } catch (const std::exception&) {
+    throw std::runtime_error(messages);
+  }
 }
 
 }  // namespace uccl_ep::nvl

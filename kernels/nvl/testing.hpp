@@ -1,5 +1,5 @@
-// Microbenchmarks and test drivers of the GPU kernels (ring_bench.cu, loopback_bench.cu), built into a library of
-// their own and reached only through the extension's `testing` submodule.
+// Microbenchmarks and test drivers of the GPU kernels (ring_bench.cu, loopback_bench.cu, built into the tests'
+// extension only: ffi/testing.cpp), and the kernels' hooks they and the benches set (defined in intranode.cu).
 #pragma once
 #include <cstdint>
 

@@ -1,11 +1,15 @@
-"""The layers of docs/ARCHITECTURE.md hold: the package's imports form no cycle, and each C++ folder includes only
-what its layer may (proxy/ no kernels, ffi, CUDA or XLA; kernels/ no ffi, XLA or Python; kernels/cpu no CUDA)."""
+"""The layers of docs/ARCHITECTURE.md hold: the package's imports form no cycle, each C++ folder includes only what
+its layer may (proxy/ no kernels, ffi, CUDA or XLA; kernels/ no ffi, XLA or Python; kernels/cpu no CUDA), every op
+has a handler on every built platform, and the package leaves the tests' extension alone."""
 
 from __future__ import annotations
 
 import ast
 import os
 import re
+import subprocess
+import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jax_uccl_ep")
@@ -89,3 +93,33 @@ def test_every_op_has_a_handler_on_every_built_platform():
     assert targets <= set(_uccl_ep.cpu_registrations()), targets - set(_uccl_ep.cpu_registrations())
     if hasattr(_uccl_ep, "cuda_registrations"):  # a CUDA build: every op on GPUs too
         assert targets <= set(_uccl_ep.cuda_registrations()), targets - set(_uccl_ep.cuda_registrations())
+
+
+def test_the_extension_stub_names_what_the_extension_has():
+    """jax_uccl_ep/_uccl_ep.pyi (the type checker's view of the extension) names every function and class the built
+    extension has, and, in a CUDA build, nothing else (CPU builds lack the CUDA ones)."""
+    from jax_uccl_ep import _uccl_ep
+
+    with open(os.path.join(PACKAGE, "_uccl_ep.pyi")) as f:
+        tree = ast.parse(f.read())
+    stub = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    built = {name for name in dir(_uccl_ep) if not name.startswith("_")}
+    assert built <= stub, sorted(built - stub)
+    if hasattr(_uccl_ep, "cuda_registrations"):
+        assert stub <= built, sorted(stub - built)
+
+
+def test_the_package_never_loads_the_test_hooks():
+    """The hooks, microbenchmarks and test modes live in the tests' extension (jax_uccl_ep._uccl_ep_testing): no
+    module of the package names it, and importing the package leaves it unloaded."""
+    naming = []
+    for name in os.listdir(PACKAGE):
+        if name.endswith(".py"):
+            with open(os.path.join(PACKAGE, name)) as f:
+                if "_uccl_ep_testing" in f.read():
+                    naming.append(name)
+    assert not naming, naming
+    probe = "import sys, jax_uccl_ep; print('jax_uccl_ep._uccl_ep_testing' in sys.modules)"
+    with tempfile.TemporaryDirectory() as cwd:  # the installed package, not the sources
+        out = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -6,8 +6,10 @@ the JSON of its return value on a marked line. Children run in an empty temporar
 installed jax_uccl_ep rather than a source checkout (the file's own directory is on their path, for its helpers).
 
 Variables the children read: ``UCCL_EP_TEST_STACKS_AFTER_S`` (set here, 15 s before the timeout: a hung child
-prints every thread's stack before it is killed) and ``UCCL_EP_TEST_HARD_EXIT=1`` (the caller's choice: end with
-``os._exit(0)`` after the result, since a dead peer would hold up jax.distributed's exit barrier).
+prints every thread's stack before it is killed), ``UCCL_EP_TEST_HARD_EXIT=1`` (the caller's choice: end with
+``os._exit(0)`` after the result, since a dead peer would hold up jax.distributed's exit barrier), and the test
+modes' variables (``TEST_MODES``), which every child and the test process itself (conftest.py) hand to the tests'
+extension before anything starts a runtime.
 """
 
 from __future__ import annotations
@@ -20,9 +22,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import launch as _launch
+from jax_uccl_ep import launch as _launch
 
 RESULT_MARK = "@@uccl_ep_result@@"
+
+# The test modes (jax_uccl_ep._uccl_ep_testing.set_test_modes) and the variables that turn them on: the package
+# never reads these, so a user's environment cannot turn a test mode on.
+TEST_MODES = {
+    "reorder": "UCCL_EP_REORDER",  # proxies post writes out of order and late; results must not change
+    "poison": "UCCL_EP_POISON",  # CPU ops fill their outputs with 0xFF first, so unwritten rows show
+    "stuck_proxy": "UCCL_EP_TEST_STUCK_PROXY",  # a proxy thread ignores shutdown, as one stuck in libfabric would
+}
+
+
+def set_test_modes(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """Hands the test modes that `environ` (default: os.environ) turns on ("1"; unset, empty or "0": off) to the
+    tests' extension, for the runtimes started after this; returns them."""
+    from jax_uccl_ep import _uccl_ep_testing
+
+    environ = os.environ if environ is None else environ
+    modes = {mode: environ.get(name, "").strip() not in ("", "0") for mode, name in TEST_MODES.items()}
+    _uccl_ep_testing.set_test_modes(**modes)
+    return modes
+
 
 _CHILD = r"""
 import importlib.util, json, os, sys
@@ -31,6 +53,10 @@ if os.environ.get("UCCL_EP_TEST_STACKS_AFTER_S"):  # a hung child shows where, b
     faulthandler.dump_traceback_later(float(os.environ["UCCL_EP_TEST_STACKS_AFTER_S"]))
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+sys.path.insert(0, HARNESS_DIR)
+import spawn
+spawn.set_test_modes()
+sys.path.remove(HARNESS_DIR)
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 spec = importlib.util.spec_from_file_location("uccl_ep_test_target", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
@@ -40,7 +66,7 @@ result = getattr(module, sys.argv[2])(*json.loads(sys.argv[3]))
 print(MARK + json.dumps(result), flush=True)
 if os.environ.get("UCCL_EP_TEST_HARD_EXIT") == "1":
     os._exit(0)  # a dead peer would hold up jax.distributed's exit barrier
-""".replace("MARK", repr(RESULT_MARK))
+""".replace("MARK", repr(RESULT_MARK)).replace("HARNESS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass
