@@ -111,11 +111,14 @@ class TwoLevelHandle:
         return f"TwoLevelHandle(across={self.across!r}, within={self.within!r})"
 
 
+RowHandle = Union[DispatchHandle, TwoLevelHandle]  # a dispatch of token rows (layout="token")
+
+
 @jax.tree_util.register_pytree_node_class
 class ExpertHandle:
     """A dispatch handle of the expert-major layout: the rows' handle and where each row's pairs sit."""
 
-    def __init__(self, rows: DispatchHandle | TwoLevelHandle, pair_row: jax.Array, pair_of: jax.Array):
+    def __init__(self, rows: RowHandle, pair_row: jax.Array, pair_of: jax.Array):
         self.rows = rows  # the handle of the rows as they arrived (one per token and rank)
         self.pair_row = pair_row  # [M] int32: the received row of each pair slot (C outside the groups)
         self.pair_of = pair_of  # [C, K] int32: the pair slot of each received row's top-k slot (M for none)
@@ -151,7 +154,7 @@ class DispatchResult(NamedTuple):
     topk_weights: jax.Array | None  # [capacity, K] float32, 0 where topk_idx is -1
     num_tokens: jax.Array  # int32 scalar: valid rows
     num_tokens_per_expert: jax.Array  # [num_experts / R] int32, of the rows kept
-    handle: Handle
+    handle: RowHandle
     num_dropped: jax.Array  # int32 scalar: rows that arrived past the capacity and were dropped (overflow="drop")
 
 
@@ -308,7 +311,7 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, 
     return within._replace(handle=TwoLevelHandle(across.handle, within.handle))
 
 
-def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) -> jax.Array:
+def _combine_call(y: jax.Array, handle: RowHandle, after: jax.Array | None = None) -> jax.Array:
     if y.dtype not in FLOAT_DTYPES:  # float16: the kernels sum float32 and bfloat16 rows
         return _combine_call(y.astype(jnp.float32), handle, after).astype(y.dtype)
     if isinstance(handle, TwoLevelHandle):
@@ -329,7 +332,7 @@ def _combine_call(y: jax.Array, handle: Handle, after: jax.Array | None = None) 
     return out
 
 
-def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: jax.Array | None = None) -> jax.Array:
+def _cached_dispatch_call(x: jax.Array, handle: RowHandle, capacity: int, after: jax.Array | None = None) -> jax.Array:
     if isinstance(handle, TwoLevelHandle):
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         across = _cached_dispatch_call(x, handle.across, forwarded, after=after)
@@ -348,7 +351,7 @@ def _cached_dispatch_call(x: jax.Array, handle: Handle, capacity: int, after: ja
     return out
 
 
-def _no_cotangent(handle: Handle) -> Handle:
+def _no_cotangent(handle: RowHandle) -> RowHandle:
     """The handle's cotangent: its structure with None (no cotangent) for each of its arrays."""
     return jax.tree.map(lambda _: None, handle)
 
@@ -581,7 +584,7 @@ def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_na
     return io_callback(raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), worst, who, ordered=False)
 
 
-def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
+def _with_token_shape(handle: RowHandle, token_shape: tuple[int, ...]) -> RowHandle:
     if isinstance(handle, TwoLevelHandle):
         return TwoLevelHandle(handle.across, handle.within, token_shape)
     return DispatchHandle(
