@@ -49,7 +49,7 @@ import common  # noqa: E402
 
 TRAIN = os.path.join(common.REPO_ROOT, "examples", "train_moe.py")
 JSON_MARK = "TRAIN_MOE_JSON "
-IMPLS = ["uccl", "all_to_all", "ragged", "dense", "uccl_rows"]  # uccl_rows: the layer on token rows (before pairs)
+IMPLS = ["uccl", "all_to_all", "ragged", "dense"]
 
 # Model sizes: a fine-grained MoE (64 experts, top-8: the issue's user), DeepSeek-V3's routing, the older
 # Mixtral-like MoE (8 experts, top-2), and a smoke-test size for CPUs.

@@ -28,7 +28,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-import jax_uccl_ep as ep
 from jax_uccl_ep import layers
 from jax_uccl_ep.layers import MoEConfig, MoEOutput, MoEStats
 
@@ -229,29 +228,6 @@ def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name
     return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, jnp.zeros((1,), jnp.int32), per_expert))
 
 
-def moe_ffn_token_rows(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str) -> MoEOutput:
-    """The package's layer on dispatch's token rows (``layout="token"``) instead of its pairs: each rank sorts the
-    received (row, slot) pairs by expert and gathers them itself (``layers.swiglu_experts``), then weights and sums
-    them back into rows before combine. What the layer did before the expert-major layout; kept to measure it."""
-    _local_experts("moe_ffn_token_rows", params, config, axis_name)
-    lead, d = x.shape[:-1], x.shape[-1]
-    tokens = x.reshape(-1, d)
-    weights, idx, scores = layers.route(params["router"], tokens, config)
-    dtype = config.experts_dtype(params["w_gate"].dtype)
-    res = ep.dispatch(
-        tokens.astype(dtype), idx, weights, num_experts=config.num_experts, axis_name=axis_name, overflow="drop"
-    )
-    y = layers.swiglu_experts(
-        params, res.x, res.topk_idx, res.topk_weights, compute_dtype=dtype, backend=config.grouped_matmul
-    )
-    y = ep.combine(y.astype(dtype), res.handle).astype(x.dtype).reshape(*lead, d)
-    per_expert = jnp.zeros((config.num_experts,), jnp.int32).at[idx.reshape(-1)].add(1)
-    aux = jnp.zeros((), jnp.float32)
-    if config.aux_loss_coef:
-        aux = config.aux_loss_coef * layers.load_balancing_loss(scores, per_expert)
-    return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
-
-
 def moe_ffn_dense(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str) -> MoEOutput:
     """``layers.moe_ffn_reference`` inside a ``jax.shard_map``: all-gathers the expert weights over ``axis_name``,
     then runs every expert on every one of this rank's tokens (no dispatch). Its aux loss is this rank's, as
@@ -267,7 +243,6 @@ def moe_ffn_dense(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
 # The implementations a script picks by name; each (params, x, config, *, axis_name) -> MoEOutput on this rank.
 LAYERS: dict[str, LocalLayer] = {
     "uccl": layers.moe_ffn_local,
-    "uccl_rows": moe_ffn_token_rows,
     "all_to_all": moe_ffn_all_to_all,
     "ragged": moe_ffn_ragged,
     "dense": moe_ffn_dense,

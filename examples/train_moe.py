@@ -183,7 +183,7 @@ def attention(layer: dict, x: jax.Array, num_heads: int) -> jax.Array:
 
 
 MoeFn = Callable[[dict, jax.Array], layers.MoEOutput]
-EP_IMPLS = tuple(moe_layer.LAYERS)  # uccl, uccl_rows, all_to_all, ragged, dense
+EP_IMPLS = tuple(moe_layer.LAYERS)  # uccl, all_to_all, ragged, dense
 
 
 def moe_fn_for(impl: str, cfg: Config, capacity: int | None = None) -> MoeFn:

@@ -43,7 +43,7 @@ def _align(n: jax.Array, alignment: int) -> jax.Array:
     return (n + alignment - 1) // alignment * alignment
 
 
-def pair_layout(expert: jax.Array, num_rows: jax.Array, groups: int, alignment: int, capacity: int) -> PairLayout:
+def pair_layout(expert: jax.Array, num_rows: jax.Array | int, groups: int, alignment: int, capacity: int) -> PairLayout:
     """The layout of ``expert [C, K]`` (local expert of each received row's slot, -1 for none; rows at or past
     `num_rows` are padding) in a buffer of `capacity` pair slots."""
     c, k = expert.shape

@@ -20,7 +20,6 @@ ranks' sums in float32. Parameters (global shapes; ``moe_param_specs`` shards th
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, cast
@@ -30,7 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ._ffi import like_primal, varying_like
+from . import _pairs
+from ._ffi import varying_like
 from .grouped import GroupedBackend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
@@ -157,66 +157,6 @@ def _routing_stats(scores: jax.Array, idx: jax.Array, config: MoEConfig) -> tupl
     return aux, per_expert
 
 
-def _pair_order(expert: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(row, slot) pairs of ``expert [N, K]`` (local expert, or -1 for none) sorted by expert, stably: (order [N*K]:
-    sorted position -> pair, inverse [N*K]: pair -> sorted position, pairs per expert [groups] int32). Pairs
-    without an expert sort after every group."""
-    flat = expert.reshape(-1)
-    key = jnp.where((flat < 0) | (flat >= groups), groups, flat)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    sizes = jnp.bincount(key, length=groups).astype(jnp.int32)  # key == groups counts in no group
-    return order, inverse, sizes
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _rows_of_pairs(rows: jax.Array, order: jax.Array, inverse: jax.Array, slots: int) -> jax.Array:
-    """``rows [N, D]`` -> ``[N*K, D]``: sorted pair m gets row ``order[m] // K``. Its transpose sums each row's K
-    pairs by gathering them (``inverse``), not by a scatter-add."""
-    return jnp.take(rows, order // slots, axis=0)
-
-
-def _rows_of_pairs_fwd(rows, order, inverse, slots):
-    # rows[:0] keeps only the primal's type: its cotangent must vary over the same mesh axes.
-    return _rows_of_pairs(rows, order, inverse, slots), (order, inverse, rows[:0])
-
-
-def _rows_of_pairs_bwd(slots, residuals, d_pairs):
-    order, inverse, rows_type = residuals
-    per_row = jnp.take(d_pairs, inverse, axis=0).reshape(-1, slots, d_pairs.shape[-1])
-    d_rows = jnp.sum(per_row, axis=1, dtype=jnp.float32).astype(rows_type.dtype)
-    return like_primal(d_rows, rows_type), None, None
-
-
-_rows_of_pairs.defvjp(_rows_of_pairs_fwd, _rows_of_pairs_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _weighted_sum_of_pairs(
-    pairs: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array, slots: int
-) -> jax.Array:
-    """Sorted pair outputs ``[N*K, D]`` -> ``[N, D]`` float32: each row's sum of its K pairs times ``weights
-    [N, K]``. Its transpose gathers too (``order``)."""
-    per_row = jnp.take(pairs, inverse, axis=0).reshape(weights.shape + pairs.shape[-1:])
-    return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), per_row, preferred_element_type=jnp.float32)
-
-
-def _weighted_sum_fwd(pairs, weights, order, inverse, slots):
-    return _weighted_sum_of_pairs(pairs, weights, order, inverse, slots), (pairs, weights, order, inverse)
-
-
-def _weighted_sum_bwd(slots, residuals, d_out):
-    pairs, weights, order, inverse = residuals
-    pair_weight = jnp.take(weights.reshape(-1).astype(jnp.float32), order)
-    d_pairs = (jnp.take(d_out, order // slots, axis=0) * pair_weight[:, None]).astype(pairs.dtype)
-    per_row = jnp.take(pairs, inverse, axis=0).reshape(weights.shape + pairs.shape[-1:])
-    d_weights = jnp.einsum("nd,nkd->nk", d_out, per_row, preferred_element_type=jnp.float32)
-    return like_primal(d_pairs, pairs), like_primal(d_weights.astype(weights.dtype), weights), None, None
-
-
-_weighted_sum_of_pairs.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
-
-
 def swiglu_experts(
     params: Params,
     rows: jax.Array,
@@ -228,22 +168,20 @@ def swiglu_experts(
 ) -> jax.Array:
     """Each row of ``rows [N, D]`` through its chosen local experts only, weighted and summed: ``[N, D]`` float32,
     ``sum_k weights[n, k] * expert_{expert[n, k]}(rows[n])`` (``weights [N, K]``; None: all 1), slots with expert -1
-    adding nothing. The (row, slot) pairs are sorted by expert, gathered into one buffer, and the experts run as
-    two grouped matmuls (gate and up together, then down) in `compute_dtype` (default: the parameters'); the pairs
-    are summed back into rows in float32. Gathers both ways, forward and backward: no scatter of the pair buffer."""
+    adding nothing. For rows in any order (the examples' baselines): the (row, slot) pairs are laid out by expert as
+    dispatch(layout="expert") lays them out (a counting sort, one gather), run through `swiglu_pairs` in
+    `compute_dtype` (default: the parameters'), weighted and summed back into rows in float32 (gathers both ways,
+    forward and backward: no scatter of the pair buffer)."""
     n, k = expert.shape
     groups = params["w_gate"].shape[0]
     dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
     if weights is None:
         weights = varying_like(jnp.ones((n, k), jnp.float32), rows)
-    order, inverse, sizes = _pair_order(expert, groups)
-    x = _rows_of_pairs(rows.astype(dtype), order, inverse, k)  # [N*K, D], each expert's pairs together
-    w_gate_up = jnp.concatenate([params["w_gate"], params["w_up"]], axis=-1).astype(dtype)  # [G, D, 2F]
-    gate_up = grouped_matmul(x, w_gate_up, sizes, out_dtype=dtype, backend=backend)
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    h = (jax.nn.silu(gate) * up).astype(dtype)
-    y = grouped_matmul(h, params["w_down"].astype(dtype), sizes, out_dtype=dtype, backend=backend)
-    return _weighted_sum_of_pairs(y, weights, order, inverse, k)
+    layout = _pairs.pair_layout(expert, n, groups, 1, n * k)  # n * k slots: never drops, repeated experts too
+    pairs = _pairs.expand(rows.astype(dtype), layout.pair_row, layout.pair_of)
+    y = swiglu_pairs(params, pairs, layout.num_tokens_per_expert, compute_dtype=dtype, backend=backend)
+    pair_weights = _pairs.pair_weights(weights, layout.pair_index, layout.pair_of)
+    return _pairs.reduce_pairs(y.astype(jnp.float32) * pair_weights[:, None], layout.pair_row, layout.pair_of)
 
 
 def swiglu_pairs(

@@ -210,7 +210,6 @@ def test_emulated_ragged_all_to_all_follows_the_documented_example():
         ("ragged", 3, "sigmoid"),
         ("dense", 2, "softmax"),
         ("uccl", 2, "softmax"),
-        ("uccl_rows", 3, "softmax"),
     ],
 )  # top-1 renormalized weights are constant: no router gradient
 def test_layers_match_the_package_reference_with_gradients(ep_runtime, monkeypatch, impl, top_k, score):
