@@ -24,11 +24,10 @@ HERE = os.path.abspath(__file__)
 @pytest.fixture(scope="module", autouse=True)
 def runtime():
     ep.initialize()
-    yield
 
 
 def _mesh(num_ranks: int) -> Mesh:
-    return Mesh(np.array(jax.devices()[:num_ranks]), ("ep",))
+    return cases.mesh_of(jax.devices()[:num_ranks])
 
 
 CASES = [
