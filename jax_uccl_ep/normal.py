@@ -539,9 +539,11 @@ def _by_expert(
 ) -> ExpertDispatchResult:
     """The received rows laid out as pair rows (see _pairs)."""
     layout = _pairs.pair_layout(out.topk_idx, out.num_tokens, groups, alignment, capacity)
-    num_dropped = layout.pairs_dropped
     if overflow == "error":
-        num_dropped = num_dropped + _raise_if_any_rank_overflows(layout.pairs_needed, capacity, axis_name)
+        # The pair rows depend on the check, so it runs whenever they are used.
+        zero = _raise_if_any_rank_overflows(layout.pairs_needed, capacity, axis_name)
+        layout = layout._replace(pair_row=layout.pair_row + zero)
+    num_dropped = layout.pairs_dropped
 
     def expand(rows):
         return _pairs.expand(rows, layout.pair_row, layout.pair_of)
@@ -564,10 +566,9 @@ def _by_expert(
 def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_name: AxisName) -> jax.Array:
     """Under overflow="error" with the expert layout: every rank of the axis raises in the same step when one
     rank's pairs need more than `capacity` rows, naming the rank that needs the most (the ranks agree through a
-    pmax, so none waits on another; a host callback, since a kernel's error could not fail every rank at once).
-    Returns 0 (int32), to be used so the check stays in the program."""
-    from jax.experimental import io_callback
-
+    pmax, so none waits on another; a host callback, since a kernel's error could not fail every rank at once: a
+    pure one, whose error fails only the call it belongs to, where an effect's would be raised again at exit).
+    Returns 0 (int32), to be added to what must wait for the check."""
     axes = _ffi.axes_of(axis_name)
     worst = jax.lax.pmax(pairs_needed, axes)
     who = jax.lax.pmax(jnp.where(pairs_needed == worst, jax.lax.axis_index(axes), -1), axes)  # the neediest
@@ -581,7 +582,7 @@ def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_na
             )
         return np.zeros((), np.int32)
 
-    return io_callback(raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), worst, who, ordered=False)
+    return jax.pure_callback(raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), worst, who)
 
 
 def _with_token_shape(handle: RowHandle, token_shape: tuple[int, ...]) -> RowHandle:
