@@ -1,5 +1,6 @@
-// What the CPU and CUDA handlers share: each op's argument list (one line per argument, as in XLA's FFI
-// examples; the platform puts its context in front) and the lookup of this device's EP group.
+// What the CPU and CUDA handlers share: each op's attributes (one struct per op, decoded by XLA), its argument list
+// (one line per argument, as in XLA's FFI examples; the platform puts its context in front) and the lookup of this
+// device's EP group.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -56,6 +57,14 @@ inline std::vector<std::string> take_op_errors() {
   return std::exchange(log.messages, {});
 }
 
+// A type per op (DispatchOp, ...), which names it to the templates both handler files use (the host-staged path).
+#define UCCL_EP_OP_TAG(stem, name, signature)  \
+  struct stem##Op {                            \
+    static constexpr const char* kName = name; \
+  };
+UCCL_EP_FFI_OPS(UCCL_EP_OP_TAG)
+#undef UCCL_EP_OP_TAG
+
 // Runs `body` while holding the runtime alive (`lifetime` shared), mapping exceptions to XLA error codes.
 template <class Body>
 ffi::Error guarded(std::shared_mutex& lifetime, Body&& body) {
@@ -78,22 +87,77 @@ ffi::Error guarded(std::shared_mutex& lifetime, Body&& body) {
   }
 }
 
+// Each op's attributes, decoded by XLA from the call's whole attribute dictionary (`.Attrs<T>()`, registered at the
+// end of this file): a struct lists exactly the attributes of the op's call, those the op passes and those the
+// lowering adds (jax_uccl_ep/_ffi.py: group_table, group_size, path, node_size, op_index); XLA fails a call that
+// carries more or fewer.
+struct LayoutAttrs {  // get_dispatch_layout: local, no group
+  int64_t num_experts;
+  int64_t num_ranks;
+};
+
+struct DispatchAttrs {
+  ffi::Span<const int32_t> group_table;  // every EP group of the mesh, [groups, group_size] runtime ranks
+  int64_t group_size;
+  int64_t op_index;  // position in the program, the same on every rank
+  int64_t num_experts;
+  Level two_level;    // the whole group, or a level of two-level routing
+  Path path;          // decided at lowering; the CUDA handlers switch on it
+  int64_t node_size;  // host paths: ranks per node of hierarchical rounds (0: flat)
+  Overflow overflow;  // rows past the capacity fail the op or are dropped (checked by checked_overflow)
+};
+
+struct HandleOpAttrs {  // cached_dispatch and combine, which follow a dispatch's handle
+  ffi::Span<const int32_t> group_table;
+  int64_t group_size;
+  int64_t op_index;
+  Level two_level;
+  Path path;
+  int64_t node_size;
+  Overflow overflow;  // the dispatch's
+};
+
+// Low-latency ops come in halves (*_send returns a token that its *_recv takes) and fused calls of both.
+struct LowLatencyAttrs {  // combine, combine_recv
+  ffi::Span<const int32_t> group_table;
+  int64_t group_size;
+  int64_t op_index;
+  int64_t num_experts;
+  int64_t max_tokens_per_rank;
+  Path path;
+};
+
+struct LowLatencyDispatchAttrs {  // dispatch, dispatch_send
+  ffi::Span<const int32_t> group_table;
+  int64_t group_size;
+  int64_t op_index;
+  int64_t num_experts;
+  int64_t max_tokens_per_rank;
+  Path path;
+  int64_t fp8_cast;  // Fp8Cast, an int the lowering passes as int64: checked by dispatch_rows
+};
+
+struct LowLatencyTopkAttrs {  // dispatch_recv, combine_send
+  ffi::Span<const int32_t> group_table;
+  int64_t group_size;
+  int64_t op_index;
+  int64_t num_experts;
+  int64_t max_tokens_per_rank;
+  Path path;
+  int64_t topk;  // K of the dispatch (the size of the send half's row map, the slots rows go back to)
+};
+
+// The signatures put the attributes first: XLA decodes them by name wherever they sit, and the CUDA handler finds
+// the path there (cuda_handlers.cpp).
 template <class Binding>
 auto dispatch_signature(Binding b) {
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()         // x
-      .template Arg<ffi::AnyBuffer>()         // scales (zero width unless FP8)
-      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
-      .template Arg<ffi::Buffer<ffi::F32>>()  // topk_weights (zero width if absent)
-      .template Arg<ffi::AnyBuffer>()         // order: ignored (see jax_uccl_ep/_ffi.py)
-      .template Attr<ffi::Span<const int32_t>>("group_table")
-      .template Attr<int64_t>("group_size")
-      .template Attr<int64_t>("op_index")  // position in the program, the same on every rank
-      .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("two_level")     // 0: the whole group; 1, 2: a level of two-level routing
-      .template Attr<int64_t>("path")          // Path (kernels/contract.hpp), decided at lowering
-      .template Attr<int64_t>("node_size")     // host paths: ranks per node of hierarchical rounds (0: flat)
-      .template Attr<int64_t>("overflow")      // Overflow: rows past the capacity fail the op or are dropped
+      .template Attrs<DispatchAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // scales (zero width unless FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()   // topk_weights (zero width if absent)
+      .template Arg<ffi::AnyBuffer>()          // order: ignored (see jax_uccl_ep/_ffi.py)
       .template Ret<ffi::AnyBuffer>()          // recv_x
       .template Ret<ffi::AnyBuffer>()          // recv_scales
       .template Ret<ffi::Buffer<ffi::S32>>()   // recv_topk_idx
@@ -104,13 +168,11 @@ auto dispatch_signature(Binding b) {
       .template Ret<ffi::Buffer<ffi::S32>>();  // recv_counts
 }
 
-// get_dispatch_layout: local, no group.
 template <class Binding>
 auto layout_signature(Binding b) {
   return std::move(b)
-      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
-      .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("num_ranks")
+      .template Attrs<LayoutAttrs>()
+      .template Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
       .template Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_rank
       .template Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
       .template Ret<ffi::Buffer<ffi::PRED>>();  // is_token_in_rank
@@ -120,18 +182,12 @@ auto layout_signature(Binding b) {
 template <class Binding>
 auto handle_op_signature(Binding b) {
   return std::move(b)
+      .template Attrs<HandleOpAttrs>()
       .template Arg<ffi::AnyBuffer>()          // x or y
       .template Arg<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank
       .template Arg<ffi::Buffer<ffi::S32>>()   // recv_counts
       .template Arg<ffi::AnyBuffer>()          // order: ignored
-      .template Attr<ffi::Span<const int32_t>>("group_table")
-      .template Attr<int64_t>("group_size")
-      .template Attr<int64_t>("op_index")   // position in the program, the same on every rank
-      .template Attr<int64_t>("two_level")  // 0: the whole group; 1, 2: a level of two-level routing
-      .template Attr<int64_t>("path")       // Path (kernels/contract.hpp), decided at lowering
-      .template Attr<int64_t>("node_size")  // host paths: ranks per node of hierarchical rounds (0: flat)
-      .template Attr<int64_t>("overflow")   // the dispatch's Overflow
-      .template Ret<ffi::AnyBuffer>();      // recv_x or combined
+      .template Ret<ffi::AnyBuffer>();         // recv_x or combined
 }
 
 // Bytes of one row of a [rows, ...] buffer, and of a [L, rows, width] one (0 without rows).
@@ -165,24 +221,14 @@ inline DispatchRows dispatch_rows(const ffi::AnyBuffer& x, const ffi::AnyBuffer&
   return {Fp8Cast(fp8_cast), bf16, h, h / kFp8Block * int64_t(sizeof(float))};
 }
 
-// Low-latency ops come in halves: *_send returns a token that its *_recv takes.
-#define UCCL_EP_LL_ATTRS                                 \
-  template Attr<ffi::Span<const int32_t>>("group_table") \
-      .template Attr<int64_t>("group_size")              \
-      .template Attr<int64_t>("op_index")                \
-      .template Attr<int64_t>("num_experts")             \
-      .template Attr<int64_t>("max_tokens_per_rank")     \
-      .template Attr<int64_t>("path")
-
 template <class Binding>
 auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()         // x [T, H] (FP8 rows when scales are given)
-      .template Arg<ffi::AnyBuffer>()         // scales [T, H / 128] (zero width without FP8)
-      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
-      .template Arg<ffi::AnyBuffer>()         // order: ignored
-      .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("fp8_cast")      // Fp8Cast: x as given, or cast to FP8 by the dispatch
+      .template Attrs<LowLatencyDispatchAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // x [T, H] (FP8 rows when scales are given)
+      .template Arg<ffi::AnyBuffer>()          // scales [T, H / 128] (zero width without FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::AnyBuffer>()          // recv_x [L, R * N, H]
       .template Ret<ffi::AnyBuffer>()          // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()   // recv_count [L]
@@ -193,34 +239,33 @@ auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
 template <class Binding>
 auto low_latency_combine_signature(Binding b) {  // both halves in one call
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()                    // y [L, R * N, H]
-      .template Arg<ffi::Buffer<ffi::S32>>()             // layout (handle)
-      .template Arg<ffi::Buffer<ffi::S32>>()             // src_slot (handle)
-      .template Arg<ffi::Buffer<ffi::S32>>()             // topk_idx
-      .template Arg<ffi::Buffer<ffi::F32>>()             // topk_weights
-      .template Arg<ffi::AnyBuffer>()                    // order: ignored
-      .UCCL_EP_LL_ATTRS.template Ret<ffi::AnyBuffer>();  // combined [T, H]
+      .template Attrs<LowLatencyAttrs>()
+      .template Arg<ffi::AnyBuffer>()         // y [L, R * N, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // layout (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // src_slot (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()  // topk_weights
+      .template Arg<ffi::AnyBuffer>()         // order: ignored
+      .template Ret<ffi::AnyBuffer>();        // combined [T, H]
 }
 
 template <class Binding>
 auto low_latency_dispatch_send_signature(Binding b) {
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()         // x [T, H] (FP8 rows when scales are given)
-      .template Arg<ffi::AnyBuffer>()         // scales [T, H / 128] (zero width without FP8)
-      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
-      .template Arg<ffi::AnyBuffer>()         // order: ignored
-      .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("fp8_cast")      // Fp8Cast: x as given, or cast to FP8 by the dispatch
+      .template Attrs<LowLatencyDispatchAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // x [T, H] (FP8 rows when scales are given)
+      .template Arg<ffi::AnyBuffer>()          // scales [T, H / 128] (zero width without FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::Buffer<ffi::S32>>();  // token for the receive half
 }
 
 template <class Binding>
 auto low_latency_dispatch_recv_signature(Binding b) {
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // token of the send half
-      .template Arg<ffi::AnyBuffer>()  // order: ignored
-      .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("topk")          // K of the send half (the size of its row map)
+      .template Attrs<LowLatencyTopkAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // token of the send half
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::AnyBuffer>()          // recv_x [L, R * N, H]
       .template Ret<ffi::AnyBuffer>()          // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()   // recv_count [L]
@@ -231,23 +276,23 @@ auto low_latency_dispatch_recv_signature(Binding b) {
 template <class Binding>
 auto low_latency_combine_send_signature(Binding b) {
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()         // y [L, R * N, H]
-      .template Arg<ffi::Buffer<ffi::S32>>()  // layout (handle)
-      .template Arg<ffi::Buffer<ffi::S32>>()  // src_slot (handle)
-      .template Arg<ffi::AnyBuffer>()         // order: ignored
-      .UCCL_EP_LL_ATTRS
-      .template Attr<int64_t>("topk")          // K of the dispatch (the slots rows go back to)
+      .template Attrs<LowLatencyTopkAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // y [L, R * N, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // layout (handle)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // src_slot (handle)
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::Buffer<ffi::S32>>();  // token for the receive half
 }
 
 template <class Binding>
 auto low_latency_combine_recv_signature(Binding b) {
   return std::move(b)
-      .template Arg<ffi::AnyBuffer>()                    // token of the send half
-      .template Arg<ffi::Buffer<ffi::S32>>()             // topk_idx
-      .template Arg<ffi::Buffer<ffi::F32>>()             // topk_weights
-      .template Arg<ffi::AnyBuffer>()                    // order: ignored
-      .UCCL_EP_LL_ATTRS.template Ret<ffi::AnyBuffer>();  // combined [T, H]
+      .template Attrs<LowLatencyAttrs>()
+      .template Arg<ffi::AnyBuffer>()         // token of the send half
+      .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()  // topk_weights
+      .template Arg<ffi::AnyBuffer>()         // order: ignored
+      .template Ret<ffi::AnyBuffer>();        // combined [T, H]
 }
 
 // The lowering passes every EP group of the mesh ([groups, size] runtime ranks). Returns the start of the row
@@ -259,13 +304,12 @@ inline std::pair<const int32_t*, int> find_group(ffi::Span<const int32_t> table,
   return {nullptr, -1};
 }
 
-// The two_level attribute's value for the level within a node (jax_uccl_ep/normal.py's _LEVEL_CODES).
-constexpr int64_t kNodeLevel = 1;
-
-inline Overflow overflow_of(int64_t code) {
-  if (code != int64_t(Overflow::kError) && code != int64_t(Overflow::kDrop))
-    throw std::invalid_argument("uccl_ep: overflow must be 0 (error) or 1 (drop), got " + std::to_string(code));
-  return Overflow(code);
+// An Overflow as decoded: XLA casts any integer to the enum, and only these two are policies.
+inline Overflow checked_overflow(Overflow overflow) {
+  if (overflow != Overflow::kError && overflow != Overflow::kDrop)
+    throw std::invalid_argument("uccl_ep: overflow must be 0 (error) or 1 (drop), got " +
+                                std::to_string(int64_t(overflow)));
+  return overflow;
 }
 
 // The contract's element types from XLA's.
@@ -276,27 +320,29 @@ inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
 }
 
 // Each op's FFI buffers and attributes decoded into its contract arguments, for every backend.
-inline LayoutArgs layout_args(const ffi::Buffer<ffi::S32>& topk_idx, int64_t num_experts, int64_t num_ranks,
+inline LayoutArgs layout_args(const LayoutAttrs& attrs, const ffi::Buffer<ffi::S32>& topk_idx,
                               ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_rank,
                               ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
                               ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank) {
   return LayoutArgs{topk_idx.typed_data(),
                     int(topk_idx.dimensions()[0]),
                     int(topk_idx.dimensions()[1]),
-                    int(num_experts),
-                    int(num_ranks),
+                    int(attrs.num_experts),
+                    int(attrs.num_ranks),
                     num_tokens_per_rank->typed_data(),
                     num_tokens_per_expert->typed_data(),
                     is_token_in_rank->typed_data()};
 }
 
-inline DispatchArgs dispatch_args(
-    const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx,
-    const ffi::Buffer<ffi::F32>& topk_weights, int64_t op_index, int64_t num_experts, int64_t node_size,
-    int64_t two_level, int64_t overflow, ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
-    ffi::Result<ffi::Buffer<ffi::S32>>& recv_topk_idx, ffi::Result<ffi::Buffer<ffi::F32>>& recv_topk_weights,
-    ffi::Result<ffi::Buffer<ffi::S32>>& recv_num_tokens, ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
-    ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
+inline DispatchArgs dispatch_args(const DispatchAttrs& attrs, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
+                                  const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
+                                  ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_topk_idx,
+                                  ffi::Result<ffi::Buffer<ffi::F32>>& recv_topk_weights,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_num_tokens,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
+                                  ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank,
+                                  ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
   const bool weights = topk_weights.element_count() != 0;
   DispatchArgs a{};
   a.x = x.untyped_data();
@@ -307,10 +353,10 @@ inline DispatchArgs dispatch_args(
   a.topk_weights = weights ? topk_weights.typed_data() : nullptr;
   a.num_tokens = int(topk_idx.dimensions()[0]);
   a.topk = int(topk_idx.dimensions()[1]);
-  a.num_experts = int(num_experts);
+  a.num_experts = int(attrs.num_experts);
   a.capacity = int(recv_x->dimensions()[0]);
-  a.overflow = overflow_of(overflow);
-  a.overflow_status_over_job = two_level == kNodeLevel;
+  a.overflow = checked_overflow(attrs.overflow);
+  a.overflow_status_over_job = attrs.two_level == Level::kNode;
   a.recv_x = recv_x->untyped_data();
   a.recv_scales = recv_scales->untyped_data();
   a.recv_topk_idx = recv_topk_idx->typed_data();
@@ -319,43 +365,48 @@ inline DispatchArgs dispatch_args(
   a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
   a.is_token_in_rank = is_token_in_rank->typed_data();
   a.recv_counts = recv_counts->typed_data();
-  a.op_index = uint32_t(op_index);
-  a.node_size = int(node_size);
+  a.op_index = uint32_t(attrs.op_index);
+  a.node_size = int(attrs.node_size);
   return a;
 }
 
-inline CachedDispatchArgs cached_dispatch_args(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::PRED>& is_token_in_rank,
-                                               const ffi::Buffer<ffi::S32>& recv_counts, int64_t op_index,
-                                               int64_t node_size, int64_t overflow,
+inline CachedDispatchArgs cached_dispatch_args(const HandleOpAttrs& attrs, const ffi::AnyBuffer& x,
+                                               const ffi::Buffer<ffi::PRED>& is_token_in_rank,
+                                               const ffi::Buffer<ffi::S32>& recv_counts,
                                                ffi::Result<ffi::AnyBuffer>& recv_x) {
-  return CachedDispatchArgs{x.untyped_data(),         row_bytes(x),
-                            int(x.dimensions()[0]),   int(recv_x->dimensions()[0]),
-                            overflow_of(overflow),    is_token_in_rank.typed_data(),
-                            recv_counts.typed_data(), recv_x->untyped_data(),
-                            uint32_t(op_index),       int(node_size)};
+  return CachedDispatchArgs{x.untyped_data(),
+                            row_bytes(x),
+                            int(x.dimensions()[0]),
+                            int(recv_x->dimensions()[0]),
+                            checked_overflow(attrs.overflow),
+                            is_token_in_rank.typed_data(),
+                            recv_counts.typed_data(),
+                            recv_x->untyped_data(),
+                            uint32_t(attrs.op_index),
+                            int(attrs.node_size)};
 }
 
-inline CombineArgs combine_args(const ffi::AnyBuffer& y, const ffi::Buffer<ffi::PRED>& is_token_in_rank,
-                                const ffi::Buffer<ffi::S32>& recv_counts, int64_t op_index, int64_t node_size,
-                                int64_t overflow, ffi::Result<ffi::AnyBuffer>& out) {
+inline CombineArgs combine_args(const HandleOpAttrs& attrs, const ffi::AnyBuffer& y,
+                                const ffi::Buffer<ffi::PRED>& is_token_in_rank,
+                                const ffi::Buffer<ffi::S32>& recv_counts, ffi::Result<ffi::AnyBuffer>& out) {
   return CombineArgs{y.untyped_data(),
                      float_type(y, "combine"),
                      int(y.dimensions()[1]),
                      int(y.dimensions()[0]),
                      int(is_token_in_rank.dimensions()[0]),
-                     overflow_of(overflow),
+                     checked_overflow(attrs.overflow),
                      is_token_in_rank.typed_data(),
                      recv_counts.typed_data(),
                      out->untyped_data(),
-                     uint32_t(op_index),
-                     int(node_size)};
+                     uint32_t(attrs.op_index),
+                     int(attrs.node_size)};
 }
 
 // Low-latency ops come in halves; each half fills its part of the arguments.
-inline void set_low_latency_dispatch_inputs(LowLatencyDispatchArgs& a, const ffi::AnyBuffer& x,
-                                            const ffi::AnyBuffer& scales, const ffi::Buffer<ffi::S32>& topk_idx,
-                                            int64_t op_index, int64_t fp8_cast) {
-  const DispatchRows rows = dispatch_rows(x, scales, fp8_cast);
+inline void set_low_latency_dispatch_inputs(LowLatencyDispatchArgs& a, const LowLatencyDispatchAttrs& attrs,
+                                            const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
+                                            const ffi::Buffer<ffi::S32>& topk_idx) {
+  const DispatchRows rows = dispatch_rows(x, scales, attrs.fp8_cast);
   a.x = x.untyped_data();
   a.x_row_bytes = rows.row_bytes;
   a.scales = rows.cast == Fp8Cast::kNone ? scales.untyped_data() : nullptr;
@@ -365,7 +416,7 @@ inline void set_low_latency_dispatch_inputs(LowLatencyDispatchArgs& a, const ffi
   a.topk_idx = topk_idx.typed_data();
   a.num_tokens = int(topk_idx.dimensions()[0]);
   a.topk = int(topk_idx.dimensions()[1]);
-  a.op_index = uint32_t(op_index);
+  a.op_index = uint32_t(attrs.op_index);
 }
 
 inline void set_low_latency_dispatch_outputs(LowLatencyDispatchArgs& a, ffi::Result<ffi::AnyBuffer>& recv_x,
@@ -406,3 +457,39 @@ inline void set_low_latency_combine_receive(LowLatencyCombineArgs& a, const ffi:
 }
 
 }  // namespace uccl_ep::ffi_common
+
+// XLA's decoding of the attributes above (in namespace xla::ffi, hence out here). The enums travel as int64 scalars.
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Path);
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Overflow);
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Level);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::LayoutAttrs, StructMember<int64_t>("num_experts"),
+                                      StructMember<int64_t>("num_ranks"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::DispatchAttrs,
+                                      StructMember<Span<const int32_t>>("group_table"),
+                                      StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),
+                                      StructMember<int64_t>("num_experts"), StructMember<uccl_ep::Level>("two_level"),
+                                      StructMember<uccl_ep::Path>("path"), StructMember<int64_t>("node_size"),
+                                      StructMember<uccl_ep::Overflow>("overflow"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::HandleOpAttrs,
+                                      StructMember<Span<const int32_t>>("group_table"),
+                                      StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),
+                                      StructMember<uccl_ep::Level>("two_level"), StructMember<uccl_ep::Path>("path"),
+                                      StructMember<int64_t>("node_size"), StructMember<uccl_ep::Overflow>("overflow"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::LowLatencyAttrs,
+                                      StructMember<Span<const int32_t>>("group_table"),
+                                      StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),
+                                      StructMember<int64_t>("num_experts"),
+                                      StructMember<int64_t>("max_tokens_per_rank"),
+                                      StructMember<uccl_ep::Path>("path"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::LowLatencyDispatchAttrs,
+                                      StructMember<Span<const int32_t>>("group_table"),
+                                      StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),
+                                      StructMember<int64_t>("num_experts"),
+                                      StructMember<int64_t>("max_tokens_per_rank"), StructMember<uccl_ep::Path>("path"),
+                                      StructMember<int64_t>("fp8_cast"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::LowLatencyTopkAttrs,
+                                      StructMember<Span<const int32_t>>("group_table"),
+                                      StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),
+                                      StructMember<int64_t>("num_experts"),
+                                      StructMember<int64_t>("max_tokens_per_rank"), StructMember<uccl_ep::Path>("path"),
+                                      StructMember<int64_t>("topk"));

@@ -33,14 +33,14 @@ ffi::Error guarded(Body&& body) {
 // group) aborts every rank of the job, and all fail at once with this rank's reason instead of at their deadline.
 // The runtime then needs shutdown() and initialize(), as after any abort.
 template <class Op>
-void aborting_the_job_on_failure(Device& dev, int64_t two_level, Op&& op) {
+void aborting_the_job_on_failure(Device& dev, Level two_level, Op&& op) {
   try {
     op();
   } catch (const cpu::RaisedOnEveryRank&) {
     throw;  // every rank of the job raises it in this op: all stay in step
   } catch (const std::exception& e) {
     // A rank that failed on a peer's abort does not pass it on: the author told everyone.
-    if (two_level != int64_t(Level::kFlat) && !dev.aborted_by_peer()) {
+    if (two_level != Level::kFlat && !dev.aborted_by_peer()) {
       std::vector<uint32_t> everyone(dev.num_ranks());
       for (uint32_t r = 0; r < dev.num_ranks(); ++r) everyone[r] = r;
       std::lock_guard<std::mutex> lock(dev.op_mutex());
@@ -67,124 +67,117 @@ Group group_of(Device& dev, ffi::Span<const int32_t> table, int64_t size, const 
   return cpu::make_group(dev, row, int(size), op);
 }
 
-ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts, int64_t num_ranks,
+using ffi_common::DispatchAttrs;
+using ffi_common::HandleOpAttrs;
+using ffi_common::LayoutAttrs;
+using ffi_common::LowLatencyAttrs;
+using ffi_common::LowLatencyDispatchAttrs;
+using ffi_common::LowLatencyTopkAttrs;
+
+ffi::Error LayoutImpl(const LayoutAttrs& attrs, ffi::Buffer<ffi::S32> topk_idx,
                       ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_rank,
                       ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
                       ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank) {
   return guarded([&] {
-    const LayoutArgs a = ffi_common::layout_args(topk_idx, num_experts, num_ranks, num_tokens_per_rank,
-                                                 num_tokens_per_expert, is_token_in_rank);
+    const LayoutArgs a =
+        ffi_common::layout_args(attrs, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank);
     cpu::get_dispatch_layout(a.topk_idx, a.num_tokens, a.topk, a.num_experts, a.num_ranks, a.num_tokens_per_rank,
                              a.num_tokens_per_expert, a.is_token_in_rank);
   });
 }
 
-ffi::Error DispatchImpl(
-    int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
-    ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
-    int64_t group_size, int64_t op_index, int64_t num_experts, int64_t two_level, int64_t /*path*/, int64_t node_size,
-    int64_t overflow, ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
-    ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx, ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
-    ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens, ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
-    ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+ffi::Error DispatchImpl(int32_t ordinal, const DispatchAttrs& attrs, ffi::AnyBuffer x, ffi::AnyBuffer scales,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+                        ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+                        ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
   return guarded([&] {
     poison(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert,
            is_token_in_rank, recv_counts);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    const Group g = group_of(dev, group_table, group_size, "dispatch");
-    const DispatchArgs a = ffi_common::dispatch_args(
-        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, two_level, overflow, recv_x, recv_scales,
-        recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
-    aborting_the_job_on_failure(dev, two_level, [&] { cpu::dispatch(dev, g, a); });
+    const Group g = group_of(dev, attrs.group_table, attrs.group_size, "dispatch");
+    const DispatchArgs a = ffi_common::dispatch_args(attrs, x, scales, topk_idx, topk_weights, recv_x, recv_scales,
+                                                     recv_topk_idx, recv_topk_weights, recv_num_tokens,
+                                                     num_tokens_per_expert, is_token_in_rank, recv_counts);
+    aborting_the_job_on_failure(dev, attrs.two_level, [&] { cpu::dispatch(dev, g, a); });
   });
 }
 
-ffi::Error CachedDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                              ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                              ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                              int64_t two_level, int64_t /*path*/, int64_t node_size, int64_t overflow,
-                              ffi::Result<ffi::AnyBuffer> recv_x) {
+ffi::Error CachedDispatchImpl(int32_t ordinal, const HandleOpAttrs& attrs, ffi::AnyBuffer x,
+                              ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
+                              ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> recv_x) {
   return guarded([&] {
     poison(recv_x);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    const Group g = group_of(dev, group_table, group_size, "cached_dispatch");
-    const CachedDispatchArgs a =
-        ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size, overflow, recv_x);
-    aborting_the_job_on_failure(dev, two_level, [&] { cpu::cached_dispatch(dev, g, a); });
+    const Group g = group_of(dev, attrs.group_table, attrs.group_size, "cached_dispatch");
+    const CachedDispatchArgs a = ffi_common::cached_dispatch_args(attrs, x, is_token_in_rank, recv_counts, recv_x);
+    aborting_the_job_on_failure(dev, attrs.two_level, [&] { cpu::cached_dispatch(dev, g, a); });
   });
 }
 
-ffi::Error CombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                       ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index, int64_t two_level,
-                       int64_t /*path*/, int64_t node_size, int64_t overflow, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error CombineImpl(int32_t ordinal, const HandleOpAttrs& attrs, ffi::AnyBuffer y,
+                       ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
+                       ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
   return guarded([&] {
     poison(out);
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    const Group g = group_of(dev, group_table, group_size, "combine");
-    const CombineArgs a =
-        ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, overflow, out);
-    aborting_the_job_on_failure(dev, two_level, [&] { cpu::combine(dev, g, a); });
+    const Group g = group_of(dev, attrs.group_table, attrs.group_size, "combine");
+    const CombineArgs a = ffi_common::combine_args(attrs, y, is_token_in_rank, recv_counts, out);
+    aborting_the_job_on_failure(dev, attrs.two_level, [&] { cpu::combine(dev, g, a); });
   });
 }
 
 // What every low-latency handler does first: find the device and its group, set the static sizes.
-template <class Args, class Body>
-ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table, int64_t group_size, const char* op,
-                          int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
+template <class Args, class Attrs, class Body>
+ffi::Error low_latency_op(int32_t ordinal, const Attrs& attrs, const char* op, Body&& body) {
   return guarded([&] {
     Device& dev = Runtime::get().device_by_ordinal(ordinal);
-    const Group g = group_of(dev, group_table, group_size, op);
+    const Group g = group_of(dev, attrs.group_table, attrs.group_size, op);
     Args a{};
-    a.num_experts = int(num_experts);
-    a.max_tokens_per_rank = int(max_tokens_per_rank);
+    a.num_experts = int(attrs.num_experts);
+    a.max_tokens_per_rank = int(attrs.max_tokens_per_rank);
     body(dev, g, a);
   });
 }
 
-ffi::Error LowLatencyDispatchImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
-                                  ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
-                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/, int64_t fp8_cast,
+ffi::Error LowLatencyDispatchImpl(int32_t ordinal, const LowLatencyDispatchAttrs& attrs, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<LowLatencyDispatchArgs>(
-      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
+      ordinal, attrs, "low_latency_dispatch", [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
         poison(recv_x, recv_scales, recv_count, layout, src_slot);
         ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-        ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+        ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
         cpu::low_latency_dispatch(dev, g, a);
       });
 }
 
-ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
-                                      ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
-                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                      int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> token) {
+ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, const LowLatencyDispatchAttrs& attrs, ffi::AnyBuffer x,
+                                      ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return low_latency_op<LowLatencyDispatchArgs>(
-      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
-        ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+      ordinal, attrs, "low_latency_dispatch", [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
+        ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
         cpu::low_latency_dispatch_send(dev, g, a);
-        *token->typed_data() = int32_t(op_index);
+        *token->typed_data() = int32_t(attrs.op_index);
       });
 }
 
-ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::AnyBuffer /*order*/,
-                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                      int64_t /*topk*/, ffi::Result<ffi::AnyBuffer> recv_x,
+ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, const LowLatencyTopkAttrs& attrs, ffi::AnyBuffer /*token*/,
+                                      ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> recv_x,
                                       ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<LowLatencyDispatchArgs>(
-      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
+      ordinal, attrs, "low_latency_dispatch", [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
         poison(recv_x, recv_scales, recv_count, layout, src_slot);
         ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
         cpu::low_latency_dispatch_receive(dev, g, a);
@@ -192,44 +185,35 @@ ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/,
 }
 
 // (src_slot is for the GPU kernels; the CPU exchange returns rows in the layout's order.)
-ffi::Error LowLatencyCombineImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                 ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx,
-                                 ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                                 ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                 int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                 ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error LowLatencyCombineImpl(int32_t ordinal, const LowLatencyAttrs& attrs, ffi::AnyBuffer y,
+                                 ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
+                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                 ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<LowLatencyCombineArgs>(
-      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
+      ordinal, attrs, "low_latency_combine", [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
         poison(out);
         ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
-        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
+        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
         cpu::low_latency_combine(dev, g, a);
       });
 }
 
-ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                     ffi::Buffer<ffi::S32> src_slot, ffi::AnyBuffer /*order*/,
-                                     ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                     int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                     int64_t /*topk*/, ffi::Result<ffi::Buffer<ffi::S32>> token) {
+ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, const LowLatencyTopkAttrs& attrs, ffi::AnyBuffer y,
+                                     ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
+                                     ffi::AnyBuffer /*order*/, ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return low_latency_op<LowLatencyCombineArgs>(
-      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
-        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
+      ordinal, attrs, "low_latency_combine", [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
+        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
         cpu::low_latency_combine_send(dev, g, a);
-        *token->typed_data() = int32_t(op_index);
+        *token->typed_data() = int32_t(attrs.op_index);
       });
 }
 
-ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, ffi::AnyBuffer /*token*/, ffi::Buffer<ffi::S32> topk_idx,
-                                     ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                                     ffi::Span<const int32_t> group_table, int64_t group_size, int64_t /*op_index*/,
-                                     int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                     ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, const LowLatencyAttrs& attrs, ffi::AnyBuffer /*token*/,
+                                     ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                     ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<LowLatencyCombineArgs>(
-      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
+      ordinal, attrs, "low_latency_combine", [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
         poison(out);
         ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
         cpu::low_latency_combine_receive(dev, g, a);
@@ -249,16 +233,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl, ffi_common::layout_si
 UCCL_EP_FFI_OPS(UCCL_EP_CPU_HANDLER)
 
 #ifdef UCCL_EP_WITH_CUDA
-// The host-staged handlers of the ops for platform CUDA: the implementations above, after XLA's stream.
+// The host-staged path of the ops on platform CUDA (cpu_handlers.hpp): the implementations above, on host copies.
 namespace uccl_ep::ffi_cpu {
-#define UCCL_EP_STAGED_HANDLER(stem, name, signature)                                                                \
-  XLA_FFI_Error* Staged##stem(XLA_FFI_CallFrame* frame) {                                                            \
-    XLA_FFI_DEFINE_HANDLER(                                                                                          \
-        handler, Staged<stem##Impl>::call,                                                                           \
-        ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())); \
-    return (*handler)(frame);                                                                                        \
-  }
-UCCL_EP_FFI_OPS(UCCL_EP_STAGED_HANDLER)
-#undef UCCL_EP_STAGED_HANDLER
+namespace {
+#define UCCL_EP_IMPL_OF(stem, name, signature) \
+  constexpr auto impl_of(ffi_common::stem##Op) { return &stem##Impl; }
+UCCL_EP_FFI_OPS(UCCL_EP_IMPL_OF)
+#undef UCCL_EP_IMPL_OF
+}  // namespace
+
+template <class Op, class... Args>
+ffi::Error StagedOp<Op, ffi::Error(int32_t, Args...)>::call(cudaStream_t stream, int32_t ordinal, Args... args) {
+  return Staged<impl_of(Op{})>::call(stream, ordinal, args...);
+}
+
+#define UCCL_EP_STAGED(stem, name, signature) template struct StagedOp<ffi_common::stem##Op, decltype(stem##Impl)>;
+UCCL_EP_FFI_OPS(UCCL_EP_STAGED)
+#undef UCCL_EP_STAGED
 }  // namespace uccl_ep::ffi_cpu
 #endif

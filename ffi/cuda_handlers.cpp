@@ -1,18 +1,17 @@
 // XLA FFI handlers for platform "CUDA": decode, find the GPU's state by device ordinal, call kernels/nvl on XLA's
-// stream. Built only with CUDA. Each op's handler runs the path its `path` attribute names (jax_uccl_ep/_plan.py):
-// the NVLink runtime (a node's GPUs), a node's NVLink runtime under two-level routing, the proxy runtime's
-// GPU-initiated kernels, or the host-staged CPU implementation (cpu_handlers.cpp).
+// stream. Built only with CUDA. Each op's handler runs the path its `path` attribute names (jax_uccl_ep/_plan.py;
+// OnPath below): the NVLink runtime (a node's GPUs), a node's NVLink runtime under two-level routing, the proxy
+// runtime's GPU-initiated kernels, or the host-staged CPU implementation (cpu_handlers.cpp).
 #include "cuda_handlers.hpp"
 
 #include <cuda_runtime.h>
 
 #include <array>
 #include <exception>
-#include <optional>
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
-#include <string_view>
+#include <utility>
 
 #include "../kernels/nvl/api.hpp"
 #include "../proxy/runtime.hpp"
@@ -93,69 +92,70 @@ LinkGroup group_of(const Dev& dev, ffi::Span<const int32_t> table, int64_t size,
   return g;
 }
 
+using uccl_ep::ffi_common::DispatchAttrs;
+using uccl_ep::ffi_common::HandleOpAttrs;
+using uccl_ep::ffi_common::LayoutAttrs;
+using uccl_ep::ffi_common::LowLatencyAttrs;
+using uccl_ep::ffi_common::LowLatencyDispatchAttrs;
+using uccl_ep::ffi_common::LowLatencyTopkAttrs;
+
 template <class Link>
-ffi::Error DispatchImpl(
-    cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
-    ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
-    int64_t group_size, int64_t op_index, int64_t num_experts, int64_t two_level, int64_t /*path*/, int64_t node_size,
-    int64_t overflow, ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
-    ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx, ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
-    ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens, ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
-    ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, const DispatchAttrs& attrs, ffi::AnyBuffer x,
+                        ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                        ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::Result<ffi::AnyBuffer> recv_scales, ffi::Result<ffi::Buffer<ffi::S32>> recv_topk_idx,
+                        ffi::Result<ffi::Buffer<ffi::F32>> recv_topk_weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_num_tokens,
+                        ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
+                        ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    const auto group = group_of<Link>(dev, group_table, group_size, "dispatch");
+    const auto group = group_of<Link>(dev, attrs.group_table, attrs.group_size, "dispatch");
     const auto& g = group.get();
-    const auto a = uccl_ep::ffi_common::dispatch_args(
-        x, scales, topk_idx, topk_weights, op_index, num_experts, node_size, two_level, overflow, recv_x, recv_scales,
-        recv_topk_idx, recv_topk_weights, recv_num_tokens, num_tokens_per_expert, is_token_in_rank, recv_counts);
+    const auto a = uccl_ep::ffi_common::dispatch_args(attrs, x, scales, topk_idx, topk_weights, recv_x, recv_scales,
+                                                      recv_topk_idx, recv_topk_weights, recv_num_tokens,
+                                                      num_tokens_per_expert, is_token_in_rank, recv_counts);
     uccl_ep::nvl::dispatch(dev, g, a, stream);
   });
 }
 
 template <class Link>
-ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t ordinal, const HandleOpAttrs& attrs, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
-                              ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                              int64_t op_index, int64_t /*two_level*/, int64_t /*path*/, int64_t node_size,
-                              int64_t overflow, ffi::Result<ffi::AnyBuffer> recv_x) {
+                              ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> recv_x) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    const auto group = group_of<Link>(dev, group_table, group_size, "cached_dispatch");
+    const auto group = group_of<Link>(dev, attrs.group_table, attrs.group_size, "cached_dispatch");
     const auto& g = group.get();
-    const auto a = uccl_ep::ffi_common::cached_dispatch_args(x, is_token_in_rank, recv_counts, op_index, node_size,
-                                                             overflow, recv_x);
+    const auto a = uccl_ep::ffi_common::cached_dispatch_args(attrs, x, is_token_in_rank, recv_counts, recv_x);
     uccl_ep::nvl::cached_dispatch(dev, g, a, stream);
   });
 }
 
 template <class Link>
-ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::PRED> is_token_in_rank,
-                       ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
-                       ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                       int64_t /*two_level*/, int64_t /*path*/, int64_t node_size, int64_t overflow,
-                       ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, const HandleOpAttrs& attrs, ffi::AnyBuffer y,
+                       ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
+                       ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    const auto group = group_of<Link>(dev, group_table, group_size, "combine");
+    const auto group = group_of<Link>(dev, attrs.group_table, attrs.group_size, "combine");
     const auto& g = group.get();
-    const auto a =
-        uccl_ep::ffi_common::combine_args(y, is_token_in_rank, recv_counts, op_index, node_size, overflow, out);
+    const auto a = uccl_ep::ffi_common::combine_args(attrs, y, is_token_in_rank, recv_counts, out);
     uccl_ep::nvl::combine(dev, g, a, stream);
   });
 }
 
 // Low-latency halves. The fused calls run both halves back to back on XLA's stream.
-template <class Link, class Args, class Body>
-ffi::Error low_latency_op(int32_t ordinal, ffi::Span<const int32_t> group_table, int64_t group_size, const char* op,
-                          int64_t num_experts, int64_t max_tokens_per_rank, Body&& body) {
+template <class Link, class Args, class Attrs, class Body>
+ffi::Error low_latency_op(int32_t ordinal, const Attrs& attrs, const char* op, Body&& body) {
   return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
     auto& dev = Link::device(ordinal);
-    const auto group = group_of<Link>(dev, group_table, group_size, op);
+    const auto group = group_of<Link>(dev, attrs.group_table, attrs.group_size, op);
     const auto& g = group.get();
     Args a{};
-    a.num_experts = int(num_experts);
-    a.max_tokens_per_rank = int(max_tokens_per_rank);
+    a.num_experts = int(attrs.num_experts);
+    a.max_tokens_per_rank = int(attrs.max_tokens_per_rank);
     body(dev, g, a);
   });
 }
@@ -164,112 +164,130 @@ using LLDispatch = uccl_ep::nvl::LowLatencyDispatchArgs;
 using LLCombine = uccl_ep::nvl::LowLatencyCombineArgs;
 
 template <class Link>
-ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
-                                  ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
-                                  ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                  int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/, int64_t fp8_cast,
-                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
+ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyDispatchAttrs& attrs,
+                                  ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
+                                  ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> recv_x,
+                                  ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                   ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<Link, LLDispatch>(
-      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+      ordinal, attrs, "low_latency_dispatch", [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
         uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
         uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
       });
 }
 
 template <class Link>
-ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer scales,
-                                      ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
-                                      ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                      int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                      int64_t fp8_cast, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyDispatchAttrs& attrs,
+                                      ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
+                                      ffi::AnyBuffer /*order*/, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<Link, LLDispatch>(
-      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, x, scales, topk_idx, op_index, fp8_cast);
+      ordinal, attrs, "low_latency_dispatch", [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
         uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
       });
 }
 
 template <class Link>
-ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
-                                      ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table,
-                                      int64_t group_size, int64_t /*op_index*/, int64_t num_experts,
-                                      int64_t max_tokens_per_rank, int64_t /*path*/, int64_t topk,
+ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyTopkAttrs& attrs,
+                                      ffi::AnyBuffer /*token*/, ffi::AnyBuffer /*order*/,
                                       ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
                                       ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
   return low_latency_op<Link, LLDispatch>(
-      ordinal, group_table, group_size, "low_latency_dispatch", num_experts, max_tokens_per_rank,
-      [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+      ordinal, attrs, "low_latency_dispatch", [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
         uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-        a.topk = int(topk);
+        a.topk = int(attrs.topk);
         uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
       });
 }
 
 template <class Link>
-ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout,
-                                 ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> topk_idx,
-                                 ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
-                                 ffi::Span<const int32_t> group_table, int64_t group_size, int64_t op_index,
-                                 int64_t num_experts, int64_t max_tokens_per_rank, int64_t /*path*/,
-                                 ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyAttrs& attrs, ffi::AnyBuffer y,
+                                 ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
+                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                 ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<Link, LLCombine>(
-      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
+      ordinal, attrs, "low_latency_combine", [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
         uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
         uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
       });
 }
 
 template <class Link>
-ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y,
-                                     ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
-                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                                     int64_t op_index, int64_t num_experts, int64_t max_tokens_per_rank,
-                                     int64_t /*path*/, int64_t topk, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyTopkAttrs& attrs,
+                                     ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
+                                     ffi::AnyBuffer /*order*/, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<Link, LLCombine>(
-      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, op_index);
-        a.topk = int(topk);
+      ordinal, attrs, "low_latency_combine", [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
+        a.topk = int(attrs.topk);
         uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
       });
 }
 
 template <class Link>
-ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer /*token*/,
-                                     ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                                     ffi::AnyBuffer /*order*/, ffi::Span<const int32_t> group_table, int64_t group_size,
-                                     int64_t /*op_index*/, int64_t num_experts, int64_t max_tokens_per_rank,
-                                     int64_t /*path*/, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyAttrs& attrs,
+                                     ffi::AnyBuffer /*token*/, ffi::Buffer<ffi::S32> topk_idx,
+                                     ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                     ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<Link, LLCombine>(
-      ordinal, group_table, group_size, "low_latency_combine", num_experts, max_tokens_per_rank,
-      [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
+      ordinal, attrs, "low_latency_combine", [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
         uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
         uccl_ep::nvl::low_latency_combine_recv(dev, g, a, stream);
       });
 }
 
+// Each op's implementation on a GPU path, by the op's tag.
+#define UCCL_EP_ON_LINK(stem, name, signature)                        \
+  template <class Link, class... Args>                                \
+  ffi::Error on_link(uccl_ep::ffi_common::stem##Op, Args&&... args) { \
+    return stem##Impl<Link>(std::forward<Args>(args)...);             \
+  }
+UCCL_EP_FFI_OPS(UCCL_EP_ON_LINK)
+#undef UCCL_EP_ON_LINK
+
+// One op's CUDA handler: the path the lowering chose (jax_uccl_ep/_plan.py) picks where the op runs, here only.
+template <class Op>
+struct OnPath {
+  template <class Attrs, class... Args>
+  ffi::Error operator()(cudaStream_t stream, int32_t ordinal, const Attrs& attrs, Args... args) const {
+    // The CPU implementation, which takes these arguments, on host copies (cpu_handlers.hpp).
+    using Staged = uccl_ep::ffi_cpu::StagedOp<Op, ffi::Error(int32_t, const Attrs&, Args...)>;
+    switch (attrs.path) {
+      case uccl_ep::Path::kNvlink:
+        return on_link<OverNvlink>(Op{}, stream, ordinal, attrs, args...);
+      case uccl_ep::Path::kNodeNvlink:
+        return on_link<OverNodeNvlink>(Op{}, stream, ordinal, attrs, args...);
+      case uccl_ep::Path::kProxyGpu:
+        return on_link<OverProxy>(Op{}, stream, ordinal, attrs, args...);
+      case uccl_ep::Path::kStaged:
+        return Staged::call(stream, ordinal, attrs, args...);
+      default:
+        break;
+    }
+    const std::string path = std::to_string(int64_t(attrs.path));
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("uccl_ep ") + Op::kName + ": no GPU path " + path +
+                                                            " (lowered by another version of jax_uccl_ep?)");
+  }
+};
+
 }  // namespace
 
 // get_dispatch_layout: no communication; a bad index goes to the error word of whichever runtime holds the GPU,
 // for check_errors() (the NVLink runtime's under two-level routing).
-ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> topk_idx, int64_t num_experts,
-                      int64_t num_ranks, ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_rank,
+ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, const LayoutAttrs& attrs, ffi::Buffer<ffi::S32> topk_idx,
+                      ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_rank,
                       ffi::Result<ffi::Buffer<ffi::S32>> num_tokens_per_expert,
                       ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank) {
   const bool nvlink = NvlRuntime::get().initialized();
   return uccl_ep::ffi_common::guarded(nvlink ? OverNvlink::lifetime() : OverProxy::lifetime(), [&] {
-    const auto a = uccl_ep::ffi_common::layout_args(topk_idx, num_experts, num_ranks, num_tokens_per_rank,
-                                                    num_tokens_per_expert, is_token_in_rank);
+    const auto a =
+        uccl_ep::ffi_common::layout_args(attrs, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank);
     if (nvlink) {
       NvlDevice& dev = OverNvlink::device(ordinal);
       uccl_ep::nvl::get_dispatch_layout(a, dev.errors_device(), dev.rank(),
@@ -284,76 +302,9 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
-namespace {
-// The `path` attribute of a call, decoded as XLA decodes attributes; on failure, what the call carries instead.
-std::optional<int64_t> path_attribute(XLA_FFI_CallFrame* frame, std::string* problem) {
-  const ffi::Dictionary attrs(&frame->attrs);
-  auto path = attrs.get<int64_t>("path");
-  if (!path.has_error()) return *path;
-  *problem = path.error().message() + " (attributes:";
-  for (int64_t i = 0; i < frame->attrs.size; ++i) {
-    const XLA_FFI_ByteSpan* n = frame->attrs.names[i];
-    *problem += " " + std::string(n->ptr, n->len) + ":" + std::to_string(int(frame->attrs.types[i]));
-    if (frame->attrs.types[i] == XLA_FFI_AttrType_SCALAR)
-      *problem += "/" + std::to_string(int(static_cast<const XLA_FFI_Scalar*>(frame->attrs.attrs[i])->dtype));
-  }
-  *problem += ")";
-  return std::nullopt;
-}
-
-XLA_FFI_Error* invalid_argument(const XLA_FFI_CallFrame* frame, const std::string& message) {
-  XLA_FFI_Error_Create_Args args{};
-  args.struct_size = XLA_FFI_Error_Create_Args_STRUCT_SIZE;
-  args.message = message.c_str();
-  args.errc = XLA_FFI_Error_Code_INVALID_ARGUMENT;
-  return frame->api->XLA_FFI_Error_Create(&args);
-}
-
-// The handlers of one op, one per GPU path.
-struct PathHandlers {
-  XLA_FFI_Handler* nvlink;
-  XLA_FFI_Handler* node_nvlink;
-  XLA_FFI_Handler* proxy_gpu;
-  XLA_FFI_Handler* staged;
-};
-
-XLA_FFI_Error* run_path(XLA_FFI_CallFrame* frame, const PathHandlers& h, const char* op) {
-  // XLA asks a handler for its metadata (API version, traits) with a frame that carries no attributes, and calls
-  // it at other stages than execution: every path's handler answers those alike.
-  const bool metadata = frame->extension_start != nullptr && frame->extension_start->type == XLA_FFI_Extension_Metadata;
-  if (metadata || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return h.nvlink(frame);
-  std::string problem;
-  const std::optional<int64_t> path = path_attribute(frame, &problem);
-  if (!path) return invalid_argument(frame, std::string("uccl_ep ") + op + ": no path attribute: " + problem);
-  switch (uccl_ep::Path(*path)) {
-    case uccl_ep::Path::kNvlink:
-      return h.nvlink(frame);
-    case uccl_ep::Path::kNodeNvlink:
-      return h.node_nvlink(frame);
-    case uccl_ep::Path::kProxyGpu:
-      return h.proxy_gpu(frame);
-    case uccl_ep::Path::kStaged:
-      return h.staged(frame);
-    default:
-      return invalid_argument(frame, std::string("uccl_ep ") + op + ": no GPU path " + std::to_string(*path) +
-                                         " (lowered by another version of jax_uccl_ep?)");
-  }
-}
-}  // namespace
-
-#define UCCL_EP_CUDA_HANDLER(stem, name, signature)                                                                   \
-  namespace {                                                                                                         \
-  XLA_FFI_DEFINE_HANDLER(k##stem##Nvlink, stem##Impl<OverNvlink>,                                                     \
-                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                        \
-  XLA_FFI_DEFINE_HANDLER(k##stem##NodeNvlink, stem##Impl<OverNodeNvlink>,                                             \
-                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                        \
-  XLA_FFI_DEFINE_HANDLER(k##stem##ProxyGpu, stem##Impl<OverProxy>,                                                    \
-                         uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));                                        \
-  }                                                                                                                   \
-  extern "C" XLA_FFI_Error* UcclEp##stem##Cuda(XLA_FFI_CallFrame* frame) {                                            \
-    return run_path(frame, {k##stem##Nvlink, k##stem##NodeNvlink, k##stem##ProxyGpu, uccl_ep::ffi_cpu::Staged##stem}, \
-                    name);                                                                                            \
-  }
+#define UCCL_EP_CUDA_HANDLER(stem, name, signature)                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cuda, OnPath<uccl_ep::ffi_common::stem##Op>{}, \
+                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
 UCCL_EP_FFI_OPS(UCCL_EP_CUDA_HANDLER)
 #undef UCCL_EP_CUDA_HANDLER
 

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -88,7 +89,7 @@ class HostStage {
   template <class T>
   T operator()(T value) {
     return value;
-  }  // attributes and spans stay as they are
+  }  // the attributes stay as they are
 
   // Waits for the copies to host memory (and the work before them).
   void fetch() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
@@ -157,7 +158,7 @@ struct Staged<kImpl> {
       std::lock_guard<std::mutex> lock(arena.mutex());
       HostStage stage(stream, arena);
       (stage.plan(args), ...);
-      auto host_args = std::tuple<Args...>(stage(args)...);
+      auto host_args = std::tuple<std::decay_t<Args>...>(stage(args)...);  // held: the attributes come by reference
       stage.fetch();
       ffi::Error error = std::apply([&](auto&... a) { return kImpl(ordinal, a...); }, host_args);
       if (error.failure()) return error;  // XLA fails the program: nothing reads the outputs
