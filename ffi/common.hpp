@@ -91,6 +91,10 @@ ffi::Error guarded(std::shared_mutex& lifetime, Body&& body) {
 // end of this file): a struct lists exactly the attributes of the op's call, those the op passes and those the
 // lowering adds (jax_uccl_ep/_ffi.py: group_table, group_size, path, node_size, op_index); XLA fails a call that
 // carries more or fewer.
+struct PairCapacityAttrs {  // dispatch(layout="expert")'s overflow="error" check: local, no group
+  int64_t capacity;         // pair rows of the buffer
+};
+
 struct LayoutAttrs {  // get_dispatch_layout: local, no group
   int64_t num_experts;
   int64_t num_ranks;
@@ -176,6 +180,26 @@ auto layout_signature(Binding b) {
       .template Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_rank
       .template Ret<ffi::Buffer<ffi::S32>>()    // num_tokens_per_expert
       .template Ret<ffi::Buffer<ffi::PRED>>();  // is_token_in_rank
+}
+
+// The expert layout's capacity check: the axis already agreed (a pmax) on the most pair rows a rank needs and on
+// that rank, so every rank raises the same error in the same op and none waits on another.
+template <class Binding>
+auto pair_capacity_signature(Binding b) {
+  return std::move(b)
+      .template Attrs<PairCapacityAttrs>()
+      .template Arg<ffi::Buffer<ffi::S32>>()   // needed: the most pair rows a rank of the axis needs
+      .template Arg<ffi::Buffer<ffi::S32>>()   // rank: the rank that needs them
+      .template Ret<ffi::Buffer<ffi::S32>>();  // 0, for the pair rows to wait on
+}
+
+inline void check_pair_capacity(int32_t needed, int32_t rank, int64_t capacity) {
+  if (needed > capacity)
+    throw InvalidArgument("uccl_ep dispatch(layout='expert'): rank " + std::to_string(rank) +
+                          " of the EP axis received pairs that need " + std::to_string(needed) +
+                          " rows (each expert's rounded up to expert_alignment) but capacity is " +
+                          std::to_string(capacity) + "; pass a larger capacity (the default never drops) or " +
+                          "overflow='drop'");
 }
 
 // cached_dispatch (x -> recv_x) and combine (y -> combined) take the same arguments.
@@ -462,6 +486,7 @@ inline void set_low_latency_combine_receive(LowLatencyCombineArgs& a, const ffi:
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Path);
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Overflow);
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Level);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::PairCapacityAttrs, StructMember<int64_t>("capacity"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::LayoutAttrs, StructMember<int64_t>("num_experts"),
                                       StructMember<int64_t>("num_ranks"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::DispatchAttrs,

@@ -86,6 +86,14 @@ ffi::Error LayoutImpl(const LayoutAttrs& attrs, ffi::Buffer<ffi::S32> topk_idx,
   });
 }
 
+ffi::Error PairCapacityImpl(const ffi_common::PairCapacityAttrs& attrs, ffi::Buffer<ffi::S32> needed,
+                            ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::Buffer<ffi::S32>> zero) {
+  return guarded([&] {
+    *zero->typed_data() = 0;
+    ffi_common::check_pair_capacity(*needed.typed_data(), *rank.typed_data(), attrs.capacity);
+  });
+}
+
 ffi::Error DispatchImpl(int32_t ordinal, const DispatchAttrs& attrs, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
@@ -226,6 +234,8 @@ ffi::Error LowLatencyCombineRecvImpl(int32_t ordinal, const LowLatencyAttrs& att
 using namespace uccl_ep::ffi_cpu;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl, ffi_common::layout_signature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCpu, PairCapacityImpl,
+                              ffi_common::pair_capacity_signature(ffi::Ffi::Bind()));
 
 #define UCCL_EP_CPU_HANDLER(stem, name, signature)             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl, \

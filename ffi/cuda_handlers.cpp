@@ -299,6 +299,26 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t ordinal, const LayoutAttrs& a
   });
 }
 
+// The expert layout's capacity check: the two agreed numbers come to the host (a wait for the stream, taken only
+// under overflow="error" with a capacity below the never-dropping one).
+ffi::Error PairCapacityImpl(cudaStream_t stream, int32_t /*ordinal*/,
+                            const uccl_ep::ffi_common::PairCapacityAttrs& attrs, ffi::Buffer<ffi::S32> needed,
+                            ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::Buffer<ffi::S32>> zero) {
+  static std::shared_mutex no_runtime;  // the check reads no runtime state
+  return uccl_ep::ffi_common::guarded(no_runtime, [&] {
+    int32_t host[2] = {0, 0};
+    auto check = [](cudaError_t e, const char* what) {
+      if (e != cudaSuccess)
+        throw std::runtime_error(std::string("uccl_ep pair capacity check: ") + what + ": " + cudaGetErrorString(e));
+    };
+    check(cudaMemcpyAsync(&host[0], needed.typed_data(), 4, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+    check(cudaMemcpyAsync(&host[1], rank.typed_data(), 4, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+    check(cudaMemsetAsync(zero->typed_data(), 0, 4, stream), "cudaMemsetAsync");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    uccl_ep::ffi_common::check_pair_capacity(host[0], host[1], attrs.capacity);
+  });
+}
+
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
@@ -309,3 +329,5 @@ UCCL_EP_FFI_OPS(UCCL_EP_CUDA_HANDLER)
 #undef UCCL_EP_CUDA_HANDLER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCuda, LayoutImpl, uccl_ep::ffi_common::layout_signature(UCCL_EP_CUDA_BIND()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCuda, PairCapacityImpl,
+                              uccl_ep::ffi_common::pair_capacity_signature(UCCL_EP_CUDA_BIND()));

@@ -5,6 +5,7 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpLayoutCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEpPairCapacityCuda);
 #define UCCL_EP_DECLARE_CUDA(stem, name, signature) XLA_FFI_DECLARE_HANDLER_SYMBOL(UcclEp##stem##Cuda);
 UCCL_EP_FFI_OPS(UCCL_EP_DECLARE_CUDA)
 #undef UCCL_EP_DECLARE_CUDA

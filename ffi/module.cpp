@@ -45,6 +45,7 @@ NB_MODULE(_uccl_ep, m) {
   m.def("cpu_registrations", [] {
     nb::dict d;
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCpu);
+    d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCpu);
 #define UCCL_EP_CPU_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cpu);
     UCCL_EP_FFI_OPS(UCCL_EP_CPU_CAPSULE)
 #undef UCCL_EP_CPU_CAPSULE
@@ -56,6 +57,7 @@ NB_MODULE(_uccl_ep, m) {
   m.def("cuda_registrations", [] {
     nb::dict d;
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCuda);
+    d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCuda);
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
     UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
 #undef UCCL_EP_CUDA_CAPSULE

@@ -564,25 +564,22 @@ def _by_expert(
 
 
 def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_name: AxisName) -> jax.Array:
-    """Under overflow="error" with the expert layout: every rank of the axis raises in the same step when one
-    rank's pairs need more than `capacity` rows, naming the rank that needs the most (the ranks agree through a
-    pmax, so none waits on another; a host callback, since a kernel's error could not fail every rank at once: a
-    pure one, whose error fails only the call it belongs to, where an effect's would be raised again at exit).
-    Returns 0 (int32), to be added to what must wait for the check."""
+    """Under overflow="error" with the expert layout: every rank of the axis raises in the same op when one rank's
+    pairs need more than `capacity` rows, naming the rank that needs the most (the ranks agree through a pmax
+    first, so none waits on another). Returns 0 (int32), to be added to what must wait for the check."""
     axes = _ffi.axes_of(axis_name)
     worst = jax.lax.pmax(pairs_needed, axes)
     who = jax.lax.pmax(jnp.where(pairs_needed == worst, jax.lax.axis_index(axes), -1), axes)  # the neediest
-
-    def raise_on_overflow(worst, who):
-        if int(worst) > capacity:
-            raise ValueError(
-                f"jax_uccl_ep dispatch(layout='expert'): rank {int(who)} of axis {axis_name!r} received pairs that "
-                f"need {int(worst)} rows (each expert's rounded up to expert_alignment) but capacity is {capacity}; "
-                "pass a larger capacity (the default never drops) or overflow='drop'"
-            )
-        return np.zeros((), np.int32)
-
-    return jax.pure_callback(raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), worst, who)
+    (zero,) = ep_call(
+        "pair_capacity",
+        (jax.ShapeDtypeStruct((), jnp.int32),),
+        worst.astype(jnp.int32),
+        who.astype(jnp.int32),
+        varying_over=axes,
+        ordered=False,  # local: the axis agreed on its inputs already
+        capacity=capacity,
+    )
+    return zero
 
 
 def _with_token_shape(handle: RowHandle, token_shape: tuple[int, ...]) -> RowHandle:

@@ -105,7 +105,7 @@ def test_overflow_error_is_raised_naming_the_rank():
 
     f = jax.jit(jax.shard_map(body, mesh=_mesh(r), in_specs=P("ep"), out_specs=P("ep")))
     with pytest.raises(
-        Exception, match=rf"rank 0 of axis 'ep' received pairs that need {need[0]} rows .* capacity is 50"
+        Exception, match=rf"rank 0 of the EP axis received pairs that need {need[0]} rows .* capacity is 50"
     ):
         jax.block_until_ready(f(cases.shard(_mesh(r), x), cases.shard(_mesh(r), idx)))
     # The runtime stays usable: a fitting capacity runs.
