@@ -112,6 +112,22 @@ def test_overflow_error_is_raised_naming_the_rank():
     assert cases.check_expert_layout(_mesh(4), 9, 10, 128, 2, 8, jnp.float32) == []
 
 
+def test_the_capacity_check_runs_only_where_pairs_can_overflow():
+    """Under overflow="error" the check costs two pmax and, on GPUs, a wait for the stream: a capacity that holds
+    every slot of every row leaves it out; a smaller one keeps it."""
+
+    def program(capacity):
+        def body(x, idx):
+            res = ep.dispatch(x[0], idx[0], num_experts=8, axis_name="ep", layout="expert", capacity=capacity)
+            return ep.combine(res.x, res.handle)[None]
+
+        f = jax.shard_map(body, mesh=_mesh(2), in_specs=P("ep"), out_specs=P("ep"))
+        return str(jax.make_jaxpr(f)(jnp.ones((2, 4, 128), jnp.float32), jnp.zeros((2, 4, 3), jnp.int32)))
+
+    assert "pair_capacity" not in program(None)  # 2 ranks x 4 tokens x min(3, 4) slots: every slot fits
+    assert "pair_capacity" in program(20)
+
+
 def test_combine_refuses_rows_of_another_shape():
     def body(x, idx):
         res = ep.dispatch(x[0], idx[0], num_experts=8, axis_name="ep", layout="expert")

@@ -1,5 +1,6 @@
 // Microbenchmarks and test drivers of the GPU kernels (ring_bench.cu, loopback_bench.cu, built into the tests'
-// extension only: ffi/testing.cpp), and the kernels' hooks they and the benches set (defined in intranode.cu).
+// extension only: ffi/testing.cpp), and the kernels' hooks they and the benches set (defined in normal_nvlink.cu
+// and bulk_shapes.cu).
 #pragma once
 #include <cstdint>
 
