@@ -137,10 +137,10 @@ std::string Device::local_peer_note(uint32_t peer, int channel) const {
 }
 
 std::string Device::exited_peers_note() const {
-  // A peer stuck on the rank that died (a proxy spinning on the dead process's shm lock) may be the one that did
-  // not answer: name the rank whose process is gone too, where the provider lets us see it (shm, one host).
+  // A peer stuck on the rank that died (waiting for its rows, or a proxy spinning on the dead process's shm lock)
+  // may be the one that did not answer: name the rank whose process is gone too, where we can see it (one host).
   std::string ranks;
-  for (uint32_t r : fabric_->exited_shm_peers()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  for (uint32_t r : fabric_->exited_local_peers()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   return ranks.empty() ? "" : "; rank(s) " + ranks + " exited (process gone), likely the cause";
 }
 

@@ -107,9 +107,9 @@ void remove_dead_peers_shm_segments(const std::vector<std::string>& peer_names) 
   }
 }
 
-std::vector<uint32_t> FabricDevice::exited_shm_peers() const {
+std::vector<uint32_t> FabricDevice::exited_local_peers() const {
   std::vector<uint32_t> gone;
-  for (const auto& [rank, pid] : peer_shm_pids_)
+  for (const auto& [rank, pid] : local_peer_pids_)
     if (!process_runs(pid) && (gone.empty() || gone.back() != rank)) gone.push_back(rank);
   return gone;
 }
@@ -120,6 +120,7 @@ std::vector<uint8_t> EndpointInfo::serialize() const {
   w.u64(remote_base);
   w.u64(key);
   w.bytes(host.data(), host.size());
+  w.u64(uint64_t(pid));
   w.u64(names.size());
   for (const auto& n : names) w.bytes(n.data(), n.size());
   return w.b;
@@ -133,6 +134,7 @@ EndpointInfo EndpointInfo::deserialize(const std::vector<uint8_t>& bytes) {
   info.key = r.u64();
   auto host = r.bytes();
   info.host.assign(host.begin(), host.end());
+  info.pid = int64_t(r.u64());
   uint64_t n = r.u64();
   for (uint64_t i = 0; i < n; ++i) info.names.push_back(r.bytes());
   return info;
@@ -198,14 +200,19 @@ FabricDevice::~FabricDevice() {
   if (info_) fi_freeinfo(info_);
 }
 
+std::string FabricDevice::local_info_host() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
 EndpointInfo FabricDevice::local_info() const {
   EndpointInfo info;
   info.rank = rank_;
   info.remote_base = virt_addr_ ? reinterpret_cast<uint64_t>(buffer_) : 0;
   info.key = fi_mr_key(mr_);
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  info.host = host;
+  info.host = local_info_host();
+  info.pid = int64_t(getpid());
   for (const auto& ch : channels_) {
     std::vector<uint8_t> name(256);
     size_t len = name.size();
@@ -228,16 +235,18 @@ void FabricDevice::connect(const std::vector<EndpointInfo>& peers) {
     peer_key_[p] = peers[p].key;
   }
   peer_shm_names_.clear();
-  peer_shm_pids_.clear();
-  if (provider_ == "shm")
-    for (const auto& peer : peers)
-      if (peer.rank != rank_)
-        for (const auto& n : peer.names) {
-          peer_shm_names_.emplace_back(n.begin(), n.end());
-          // Only a process we see now can be seen gone later (another pid namespace would look gone throughout).
-          const long pid = shm_segment(peer_shm_names_.back()).second;
-          if (pid >= 0 && process_runs(pid)) peer_shm_pids_.emplace_back(uint32_t(peer.rank), pid);
-        }
+  local_peer_pids_.clear();
+  const std::string here = local_info_host();
+  for (const auto& peer : peers) {
+    if (peer.rank == rank_) continue;
+    if (provider_ == "shm")
+      for (const auto& n : peer.names) peer_shm_names_.emplace_back(n.begin(), n.end());
+    // A peer on this host whose process is gone is the likely cause of a timeout (a survivor stuck on it may be the
+    // rank that did not answer). Only a process we see now can be seen gone later (another pid namespace would
+    // look gone throughout).
+    if (peer.host == here && peer.pid > 0 && process_runs(long(peer.pid)))
+      local_peer_pids_.emplace_back(uint32_t(peer.rank), long(peer.pid));
+  }
   for (size_t c = 0; c < channels_.size(); ++c) {
     auto& ch = channels_[c];
     ch.peer_addr.assign(peers.size(), FI_ADDR_UNSPEC);

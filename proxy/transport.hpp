@@ -17,6 +17,7 @@ struct EndpointInfo {
   uint64_t remote_base = 0;  // address to add offsets to (the buffer's address under FI_MR_VIRT_ADDR, else 0)
   uint64_t key = 0;
   std::string host;
+  int64_t pid = -1;                         // the process, for telling a peer on this host is gone
   std::vector<std::vector<uint8_t>> names;  // one per channel
 
   std::vector<uint8_t> serialize() const;
@@ -49,11 +50,12 @@ class FabricDevice {
 
   const std::string& provider() const { return provider_; }
   EndpointInfo local_info() const;
+  static std::string local_info_host();                  // this host's name, as local_info() gives it
   void connect(const std::vector<EndpointInfo>& peers);  // indexed by rank
   // shm: the peers' endpoint names (for remove_dead_peers_shm_segments); empty for other providers.
   const std::vector<std::string>& peer_shm_names() const { return peer_shm_names_; }
-  // shm: peers whose process has exited since connect() (ascending ranks); empty for other providers.
-  std::vector<uint32_t> exited_shm_peers() const;
+  // Peers on this host whose process has exited since connect() (ascending ranks), whatever the provider.
+  std::vector<uint32_t> exited_local_peers() const;
 
   // Posts one write with an immediate; returns false if the provider asks to retry later (-FI_EAGAIN).
   bool post_write(int channel, uint32_t peer, uint64_t local_offset, uint64_t remote_offset, size_t length,
@@ -71,7 +73,7 @@ class FabricDevice {
   };
   std::string provider_;
   std::vector<std::string> peer_shm_names_;
-  std::vector<std::pair<uint32_t, long>> peer_shm_pids_;  // (rank, pid) of peers whose process ran at connect()
+  std::vector<std::pair<uint32_t, long>> local_peer_pids_;  // (rank, pid): peers on this host, running at connect()
   uint32_t rank_;
   char* buffer_;
   size_t bytes_;

@@ -271,9 +271,9 @@ def test_dead_peer_mid_loop_is_named_and_nothing_is_left_behind(provider, seed):
                 assert res["segments_while_running"], "expected a libfabric shm segment named after the pid"
             assert res["segments_after_shutdown"] == []
             # "rank 2 ...", "rank(s) 2 ...", or over tcp "transport error with rank 2: Broken pipe" (relayed by
-            # the rank that saw it as "rank 1 aborted: ..."); over shm a timeout that blames a survivor stuck on the
-            # dead process adds "rank(s) 2 exited (process gone)", or "rank(s) 1, 2 exited" when the other survivor
-            # has already raised and left.
+            # the rank that saw it as "rank 1 aborted: ..."); a timeout that blames a survivor stuck on the dead
+            # process adds "rank(s) 2 exited (process gone)" (every provider: the processes share this host), or
+            # "rank(s) 1, 2 exited" when the other survivor has already raised and left.
             named = re.search(r"\brank(?:\(s\))? (?:\d+, )*2\b", msg) is not None and any(
                 m in msg
                 for m in (
