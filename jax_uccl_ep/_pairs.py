@@ -39,6 +39,12 @@ def never_dropping_pairs(rows: int, top_k: int, groups: int, alignment: int) -> 
     return rows * min(top_k, groups) + (alignment - 1) * groups
 
 
+def every_slot_pairs(rows: int, top_k: int, groups: int, alignment: int) -> int:
+    """Pair slots that hold every top-k slot of `rows` rows, a token naming one expert twice included: no routing
+    can overflow them."""
+    return rows * top_k + (alignment - 1) * groups
+
+
 def _align(n: jax.Array, alignment: int) -> jax.Array:
     return (n + alignment - 1) // alignment * alignment
 
@@ -47,7 +53,8 @@ def pair_layout(expert: jax.Array, num_rows: jax.Array | int, groups: int, align
     """The layout of ``expert [C, K]`` (local expert of each received row's slot, -1 for none; rows at or past
     `num_rows` are padding) in a buffer of `capacity` pair slots."""
     c, k = expert.shape
-    valid = (expert >= 0) & (expert < groups) & (jnp.arange(c)[:, None] < num_rows)
+    received = jnp.arange(c) < num_rows  # [C]: rows past num_rows are padding
+    valid = (expert >= 0) & (expert < groups) & received[:, None]
     e = jnp.where(valid, expert, 0)
     one_hot = jax.nn.one_hot(e, groups, dtype=jnp.int32) * valid[..., None].astype(jnp.int32)  # [C, K, G]
     per_row = jnp.sum(one_hot, axis=1)  # [C, G] pairs of each row per expert
@@ -55,7 +62,7 @@ def pair_layout(expert: jax.Array, num_rows: jax.Array | int, groups: int, align
     # A row is kept while every row up to it fits, groups rounded up: the aligned total only grows with c.
     aligned_through = jnp.sum(_align(through, alignment), axis=1)  # [C]
     keep = aligned_through <= capacity
-    rows_kept = jnp.sum((keep & (jnp.arange(c) < num_rows)).astype(jnp.int32))
+    rows_kept = jnp.sum((keep & received).astype(jnp.int32))
     counts = jnp.sum(per_row * keep[:, None].astype(jnp.int32), axis=0)  # [G]
     sizes = _align(counts, alignment)
     offsets = jnp.cumsum(sizes) - sizes

@@ -177,7 +177,7 @@ def swiglu_experts(
     dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
     if weights is None:
         weights = varying_like(jnp.ones((n, k), jnp.float32), rows)
-    layout = _pairs.pair_layout(expert, n, groups, 1, n * k)  # n * k slots: never drops, repeated experts too
+    layout = _pairs.pair_layout(expert, n, groups, 1, _pairs.every_slot_pairs(n, k, groups, 1))  # never drops
     pairs = _pairs.expand(rows.astype(dtype), layout.pair_row, layout.pair_of)
     y = swiglu_pairs(params, pairs, layout.num_tokens_per_expert, compute_dtype=dtype, backend=backend)
     pair_weights = _pairs.pair_weights(weights, layout.pair_index, layout.pair_of)

@@ -540,7 +540,7 @@ def _by_expert(
     """The received rows laid out as pair rows (see _pairs)."""
     layout = _pairs.pair_layout(out.topk_idx, out.num_tokens, groups, alignment, capacity)
     rows, top_k = out.topk_idx.shape
-    if overflow == "error" and capacity < rows * top_k + (alignment - 1) * groups:  # else nothing can overflow
+    if overflow == "error" and capacity < _pairs.every_slot_pairs(rows, top_k, groups, alignment):
         # The pair rows depend on the check, so it runs whenever they are used.
         zero = _raise_if_any_rank_overflows(layout.pairs_needed, capacity, axis_name)
         layout = layout._replace(pair_row=layout.pair_row + zero)

@@ -200,7 +200,7 @@ FabricDevice::~FabricDevice() {
   if (info_) fi_freeinfo(info_);
 }
 
-std::string FabricDevice::local_info_host() {
+std::string FabricDevice::host_name() {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   return host;
@@ -211,7 +211,7 @@ EndpointInfo FabricDevice::local_info() const {
   info.rank = rank_;
   info.remote_base = virt_addr_ ? reinterpret_cast<uint64_t>(buffer_) : 0;
   info.key = fi_mr_key(mr_);
-  info.host = local_info_host();
+  info.host = host_name();
   info.pid = int64_t(getpid());
   for (const auto& ch : channels_) {
     std::vector<uint8_t> name(256);
@@ -236,7 +236,7 @@ void FabricDevice::connect(const std::vector<EndpointInfo>& peers) {
   }
   peer_shm_names_.clear();
   local_peer_pids_.clear();
-  const std::string here = local_info_host();
+  const std::string here = host_name();
   for (const auto& peer : peers) {
     if (peer.rank == rank_) continue;
     if (provider_ == "shm")

@@ -50,7 +50,7 @@ class FabricDevice {
 
   const std::string& provider() const { return provider_; }
   EndpointInfo local_info() const;
-  static std::string local_info_host();                  // this host's name, as local_info() gives it
+  static std::string host_name();                        // as local_info() gives it
   void connect(const std::vector<EndpointInfo>& peers);  // indexed by rank
   // shm: the peers' endpoint names (for remove_dead_peers_shm_segments); empty for other providers.
   const std::vector<std::string>& peer_shm_names() const { return peer_shm_names_; }
