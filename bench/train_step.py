@@ -5,6 +5,9 @@ feed-forward: softmax top-k router, SwiGLU experts, load-balancing loss; AdamW; 
 matmuls in --compute-dtype) once per implementation, with the same sizes, seed and data:
 
   uccl        jax_uccl_ep dispatch/combine, dropless, grouped matmuls  (jax_uccl_ep.layers.moe_ffn_local)
+  uccl_capacity  the same layer with MoEConfig.capacity_factor = --a2a-capacity-factor: a pair buffer of
+              MaxText's capacity instead of the dropless bound, dropping past it as all_to_all does (not run
+              unless named)
   all_to_all  MaxText's GPU path: all_to_all of an [E, C, D] buffer at capacity factor --a2a-capacity-factor,
               experts as batched einsums                               (moe_layer.moe_ffn_all_to_all)
   ragged      jax.lax.ragged_all_to_all, dropless, grouped matmuls     (moe_layer.moe_ffn_ragged; MaxText's)
@@ -50,6 +53,7 @@ import common  # noqa: E402
 TRAIN = os.path.join(common.REPO_ROOT, "examples", "train_moe.py")
 JSON_MARK = "TRAIN_MOE_JSON "
 IMPLS = ["uccl", "all_to_all", "ragged", "dense"]
+MORE_IMPLS = ["uccl_capacity"]
 
 # Model sizes: a fine-grained MoE (64 experts, top-8: the issue's user), DeepSeek-V3's routing, the older
 # Mixtral-like MoE (8 experts, top-2), and a smoke-test size for CPUs.
@@ -91,7 +95,7 @@ HEADERS = [
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}, in run order")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, in run order: of {IMPLS + MORE_IMPLS}")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="fine", help="model sizes (see above)")
     ap.add_argument("--small", action="store_true", help=f"smoke-test sizes {SMALL_SIZES}")
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_PLATFORMS=cpu, JAX_NUM_CPU_DEVICES=--devices)")
@@ -107,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--a2a-capacity-factor",
         type=float,
         default=1.25,
-        help="all_to_all: slots per (sender, expert) = factor x tokens x top-k / experts (MaxText's; 0: never drops)",
+        help="all_to_all: slots per (sender, expert) = factor x tokens x top-k / experts (MaxText's; 0: never drops); "
+        "uccl_capacity: the layer's pair buffer at the same factor",
     )
     ap.add_argument(
         "--compute-dtype",
@@ -124,8 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=600.0,
         help="seconds per implementation, compilation included (its child process is killed after that: n/a); "
-        "on 4x H100 uccl's training step compiled in ~70 s, and again at step 2, and the part timings compile six "
-        "more programs",
+        "on 4x H100 uccl's first step compiled for ~60-70 s, and the part timings compile six more programs",
     )
     ap.add_argument("--verbose", action="store_true", help="echo each child's per-step lines")
     ap.add_argument(
@@ -140,9 +144,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.warmup < args.steps:
         ap.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
     impls = [i for i in args.impls.split(",") if i]
-    unknown = set(impls) - set(IMPLS)
+    unknown = set(impls) - set(IMPLS + MORE_IMPLS)
     if unknown or not impls:
-        ap.error(f"--impls: unknown {sorted(unknown)}; choose from {IMPLS}")
+        ap.error(f"--impls: unknown {sorted(unknown)}; choose from {IMPLS + MORE_IMPLS}")
+    if "uccl_capacity" in impls and args.a2a_capacity_factor <= 0:
+        ap.error("--impls uccl_capacity needs --a2a-capacity-factor > 0 (its pair buffer's factor)")
     args.impl_list = impls
     return args
 
@@ -159,7 +165,7 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
         "--compute-dtype",
         args.compute_dtype,
         "--ep-impl",
-        impl,
+        "uccl" if impl == "uccl_capacity" else impl,
         "--json",
         "--time-every",
         "0" if args.no_parts else str(args.steps),
@@ -184,7 +190,7 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
         "--layers",
         str(args.layers),
     ]
-    if impl == "all_to_all" and args.a2a_capacity_factor > 0:
+    if impl in ("all_to_all", "uccl_capacity") and args.a2a_capacity_factor > 0:
         argv += ["--capacity-factor", str(args.a2a_capacity_factor)]
     return argv
 
