@@ -120,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="the experts' matmuls for every implementation (auto: bfloat16 on GPUs)",
     )
+    ap.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="every implementation's layers stacked and run by one jax.lax.scan (MaxText's default): compiled once",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW's peak learning rate")
     ap.add_argument("--lr-warmup-steps", type=int, default=10, help="linear warmup; with --clip-norm, no loss spikes")
@@ -190,6 +195,8 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
         "--layers",
         str(args.layers),
     ]
+    if args.scan_layers:
+        argv.append("--scan-layers")
     if impl in ("all_to_all", "uccl_capacity") and args.a2a_capacity_factor > 0:
         argv += ["--capacity-factor", str(args.a2a_capacity_factor)]
     return argv
@@ -304,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "tokens_per_device": tokens,
         "cpu": args.cpu,
+        "scan_layers": args.scan_layers,
     }
     print(f"# {header}", flush=True)
     print(f"# config: {config}", flush=True)
@@ -329,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.experts} experts top-{args.top_k}, {args.layers} layers, {args.batch_per_device}x{args.seq_len} "
         f"tokens/device, float32 AdamW, experts in {args.compute_dtype} (auto: bf16 on GPUs), all_to_all at capacity "
         f"factor {args.a2a_capacity_factor:g}, median of steps {args.warmup + 1}-{args.steps}"
+        + (", layers scanned" if args.scan_layers else "")
     )
     common.print_table(HEADERS, table_rows(results), title=title)
     return 0 if ok else 1

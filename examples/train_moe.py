@@ -83,6 +83,7 @@ class Config(NamedTuple):
     aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per MoE layer
     capacity_factor: float | None = None  # rows a device may receive per its tokens' slots (None: never drops)
     compute_dtype: str | None = None  # the experts' matmuls (None: bfloat16 on GPUs, the parameters' elsewhere)
+    scan_layers: bool = False  # the layers' parameters stacked and run by one jax.lax.scan (compiled once)
 
     def moe(self) -> layers.MoEConfig:
         """The MoE layers' configuration."""
@@ -157,13 +158,23 @@ def init_params(key: jax.Array, cfg: Config) -> dict:
                 "moe": layers.init_moe_params(k_moe, d_model=d, d_ff=cfg.d_ff, num_experts=cfg.num_experts),
             }
         )
+    if cfg.scan_layers:  # one tree of [layers, ...] arrays
+        params["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
     return params
 
 
 def param_specs(cfg: Config) -> dict:
     """Everything replicated except the experts, which are split over the EP axis."""
     layer = {"norm_attn": P(), "qkv": P(), "out": P(), "norm_moe": P(), "moe": layers.moe_param_specs(AXIS)}
+    if cfg.scan_layers:
+        stacked = jax.tree.map(lambda s: P(None, *s), layer, is_leaf=lambda s: isinstance(s, P))
+        return {"embed": P(), "pos": P(), "head": P(), "norm_f": P(), "layers": stacked}
     return {"embed": P(), "pos": P(), "head": P(), "norm_f": P(), "layers": [layer] * cfg.num_layers}
+
+
+def first_layer(params: dict, cfg: Config) -> dict:
+    """The first layer's parameters, stacked or not."""
+    return jax.tree.map(lambda a: a[0], params["layers"]) if cfg.scan_layers else params["layers"][0]
 
 
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -204,11 +215,20 @@ def forward(params: dict, tokens: jax.Array, cfg: Config, moe_fn: MoeFn) -> tupl
     s = tokens.shape[1]
     x = params["embed"][tokens] + params["pos"][None, :s]
     aux = jnp.zeros((), jnp.float32)
-    for layer in params["layers"]:
+
+    def block(carry: tuple[jax.Array, jax.Array], layer: dict) -> tuple[tuple[jax.Array, jax.Array], None]:
+        x, aux = carry
         x = x + attention(layer, rms_norm(x, layer["norm_attn"]), cfg.num_heads)
         out = moe_fn(layer["moe"], rms_norm(x, layer["norm_moe"]))
-        x = x + out.y
-        aux = aux + out.aux_loss
+        return (x + out.y, aux + out.aux_loss), None
+
+    if cfg.scan_layers:
+        # Each rank's aux loss is its own: the loop's carry says so from the start (shard_map checks it).
+        aux = jax.lax.pcast(aux, AXIS, to="varying")
+        (x, aux), _ = jax.lax.scan(block, (x, aux), params["layers"])
+    else:
+        for layer in params["layers"]:
+            (x, aux), _ = block((x, aux), layer)
     return rms_norm(x, params["norm_f"]) @ params["head"], aux
 
 
@@ -372,6 +392,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the experts' matmuls (parameters stay float32; outputs summed in float32): auto = bfloat16 on GPUs, "
         "float32 elsewhere",
     )
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack the layers' parameters and run them with one jax.lax.scan, as MaxText does by default: the "
+        "layer compiles once instead of once per layer",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warmup from 0 (0: none)")
     p.add_argument("--clip-norm", type=float, default=0.0, help="clip gradients to this global norm (0: no clipping)")
@@ -397,6 +423,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         aux_loss_coef=args.aux_loss_coef,
         capacity_factor=args.capacity_factor,
         compute_dtype=None if args.compute_dtype == "auto" else args.compute_dtype,
+        scan_layers=args.scan_layers,
     )
     if args.capacity is not None and args.ep_impl == "uccl":
         raise SystemExit("--capacity counts all_to_all's slots; bound uccl's received rows with --capacity-factor")
@@ -420,7 +447,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         + (f"capacity factor {cfg.capacity_factor:g}, " if cfg.capacity_factor is not None else "")
         + (f"capacity {capacity} slots, " if capacity is not None else "")
         + f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, heads={cfg.num_heads}, layers={cfg.num_layers}, "
-        f"batch {args.batch_per_device}x{cfg.seq_len} tokens/device"
+        f"batch {args.batch_per_device}x{cfg.seq_len} tokens/device" + (", layers scanned" if cfg.scan_layers else "")
     )
 
     specs = param_specs(cfg)
@@ -480,7 +507,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
             f"{elapsed * 1e3:8.1f} ms/step" + ("  (includes compilation)" if step == 1 else "")
         )
         if timer is not None and (step % args.time_every == 0 or step == args.steps):
-            t = timer.measure(params["layers"][0]["moe"])
+            t = timer.measure(first_layer(params, cfg)["moe"])
             timings.append(t)
             line += f"  | moe fwd {t['moe_fwd_ms']:.2f} ms, fwd+bwd {t['moe_fwd_bwd_ms']:.2f} ms"
             if "dispatch_ms" in t:
@@ -495,6 +522,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         "capacity_factor": cfg.capacity_factor,
         "capacity": capacity,
         "compute_dtype": cfg.moe().experts_dtype(jnp.float32).name,
+        "scan_layers": cfg.scan_layers,
         "devices": r,
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,

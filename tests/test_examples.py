@@ -316,6 +316,25 @@ def test_train_moe_ep_impls_match_dense_losses(ep_runtime, monkeypatch):
     assert all(a > 0.5 * 2 * 0.05 for a in dense["aux_losses"]), dense["aux_losses"]
 
 
+def test_train_moe_with_its_layers_scanned_gives_the_unrolled_losses(ep_runtime):
+    """--scan-layers (stacked parameters, one jax.lax.scan, as MaxText runs its layers): the package's ops inside
+    the scan's loop, forward and backward, give the unrolled model's losses, and the layer's timings take the first
+    of the stacked layers."""
+    pytest.importorskip("optax")
+    train = _load("train_moe").train
+    base = ["--steps", "3", "--batch-per-device", "2", "--seed", "5", "--layers", "3", "--ep-impl"]
+    dense = train(base + ["dense", "--time-every", "0"], verbose=False)
+    unrolled = train(base + ["uccl", "--time-every", "0"], verbose=False)
+    scanned = train(base + ["uccl", "--scan-layers", "--time-every", "3"], verbose=False)
+    assert scanned["scan_layers"] and not unrolled["scan_layers"]
+    # The same arithmetic in the same order, looped instead of unrolled; the dense reference to float rounding.
+    np.testing.assert_allclose(scanned["losses"], unrolled["losses"], rtol=1e-6)
+    np.testing.assert_allclose(scanned["aux_losses"], unrolled["aux_losses"], rtol=1e-6)
+    np.testing.assert_allclose(scanned["losses"], dense["losses"], rtol=1e-4)
+    assert dense["losses"][-1] < dense["losses"][0]
+    assert scanned["dispatch_ms"] > 0 and scanned["moe_fwd_ms"] > 0
+
+
 def test_train_moe_in_one_process_with_several_devices(ep_runtime):
     pytest.importorskip("optax")
     train = _load("train_moe").train
