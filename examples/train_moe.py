@@ -21,7 +21,8 @@ its tokens reach the experts; all compute the same function on the same paramete
 float rounding:
 
 * ``uccl`` (default): jax_uccl_ep dispatch/combine (``jax_uccl_ep.layers.moe_ffn_local``; ``--capacity-factor``
-  bounds the rows each device receives and drops the rest, tokens in order of source device; default: never drops);
+  bounds the (token, expert) pairs each device receives and drops the rest, tokens in order of source device;
+  default: never drops);
 * ``all_to_all``: MaxText's GPU path: ``jax.lax.all_to_all`` of a fixed-capacity expert-major ``[E, C, D]``
   buffer, the experts as batched matmuls (``examples/moe_layer.py``'s ``moe_ffn_all_to_all``; C slots per expert
   from ``--capacity-factor`` or ``--capacity``, default tokens: never drops);
@@ -81,7 +82,7 @@ class Config(NamedTuple):
     top_k: int = 2
     num_layers: int = 2
     aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per MoE layer
-    capacity_factor: float | None = None  # rows a device may receive per its tokens' slots (None: never drops)
+    capacity_factor: float | None = None  # pairs a device may receive per its own tokens' slots (None: never drops)
     compute_dtype: str | None = None  # the experts' matmuls (None: bfloat16 on GPUs, the parameters' elsewhere)
     scan_layers: bool = False  # the layers' parameters stacked and run by one jax.lax.scan (compiled once)
 
@@ -374,8 +375,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--capacity-factor",
         type=float,
         default=None,
-        help="MoEConfig.capacity_factor: uccl receives at most factor x tokens * top-k / devices rows per device "
-        "(the rest are dropped); all_to_all sends at most that many slots to each device and drops the rest "
+        help="MoEConfig.capacity_factor: uccl receives at most factor x tokens * top-k (token, expert) pairs per "
+        "device, a device's tokens being its share of the batch (the rest are dropped); all_to_all sends at most "
+        "factor x tokens * top-k / experts slots to each expert and drops the rest: the same pairs per device "
         "(default: never drop); ignored by ragged and dense",
     )
     p.add_argument(

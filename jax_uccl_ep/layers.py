@@ -113,13 +113,14 @@ def moe_param_specs(axis_name: str | tuple[str, ...]) -> dict[str, P]:
 def capacity_for(
     num_tokens: int, top_k: int, num_ranks: int, capacity_factor: float, num_experts: int | None = None
 ) -> int:
-    """(token, expert) pairs a rank takes at most for `capacity_factor` (MaxText's, per expert, times the rank's
-    experts): factor x the pairs a rank gets on average, ``num_tokens * top_k / num_ranks``, at least 1 and at most
-    the never-dropping ``num_ranks * num_tokens * min(top_k, num_experts / num_ranks)`` (top_k without
-    num_experts)."""
+    """(token, expert) pairs a rank takes at most for `capacity_factor` (MaxText's: per expert factor x
+    ``num_tokens * top_k / num_experts`` from each of the ranks, times the rank's experts): factor x the pairs a
+    rank gets on average, ``num_tokens * top_k`` for `num_tokens` tokens on each rank (each rank sends its tokens'
+    top_k pairs, spread over the ranks), at least 1 and at most the never-dropping ``num_ranks * num_tokens *
+    min(top_k, num_experts / num_ranks)`` (top_k without num_experts)."""
     if capacity_factor <= 0:
         raise ValueError(f"jax_uccl_ep: capacity_factor must be positive, got {capacity_factor}")
-    pairs = math.ceil(capacity_factor * num_tokens * top_k / num_ranks)
+    pairs = math.ceil(capacity_factor * num_tokens * top_k)
     per_token = top_k if num_experts is None else min(top_k, num_experts // num_ranks)
     return max(1, min(num_ranks * num_tokens * per_token, pairs))
 

@@ -145,8 +145,16 @@ def test_decode_layer_matches_the_reference(use_fp8):
 
 
 def test_capacity_for_follows_the_factor():
-    assert layers.capacity_for(1024, 8, 8, 1.0, 64) == 1024
-    assert layers.capacity_for(1024, 8, 8, 1.25, 64) == 1280
+    # Counted from a routing: 12 tokens on each of 4 ranks, top-3 of 16 experts (4 a rank), the pairs each rank
+    # receives average to capacity_for at factor 1.
+    rng = np.random.default_rng(0)
+    idx = np.argsort(rng.random((4 * 12, 16)), axis=1)[:, :3]
+    received = np.bincount((idx // 4).ravel(), minlength=4)
+    assert layers.capacity_for(12, 3, 4, 1.0, 16) == received.mean() == 36
+    # 1024 tokens on each of 8 ranks, top-8: 8192 pairs reach a rank on average, whatever the rank count.
+    assert layers.capacity_for(1024, 8, 8, 1.0, 64) == 8192
+    assert layers.capacity_for(1024, 8, 8, 1.25, 64) == 10240
+    assert layers.capacity_for(1024, 8, 2, 1.25, 64) == 10240
     assert layers.capacity_for(10, 2, 4, 100.0, 16) == 80  # never more than R * T * min(K, E / R)
     assert layers.capacity_for(10, 4, 4, 100.0, 8) == 80  # min(K, E / R) = 2 pairs a token at most
     with pytest.raises(ValueError, match="capacity_factor must be positive"):

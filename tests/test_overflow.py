@@ -121,7 +121,8 @@ def test_layer_with_a_capacity_factor_drops_rows_and_matches_the_masked_referenc
     # does not fit on, none.
     tokens_per_rank = b * s // R
     capacity = layers.capacity_for(tokens_per_rank, k, R, 0.5, e)
-    assert capacity == int(np.ceil(0.5 * tokens_per_rank * k / R))  # MaxText's factor times the average pairs
+    # Half the pairs a rank gets on average: every rank sends tokens_per_rank * k pairs, spread over the R ranks.
+    assert capacity == int(np.ceil(0.5 * tokens_per_rank * k))
     _, idx, _ = reference.moe_route(np.asarray(host["router"]), np.asarray(x).reshape(-1, d), k)
     owner = idx.reshape(R, tokens_per_rank, k) // (e // R)
     keep = np.zeros_like(owner, bool)
