@@ -8,6 +8,9 @@ matmuls in --compute-dtype) once per implementation, with the same sizes, seed a
   uccl_capacity  the same layer with MoEConfig.capacity_factor = --a2a-capacity-factor: a pair buffer of
               MaxText's capacity instead of the dropless bound, dropping past it as all_to_all does (not run
               unless named)
+  uccl_sized  the dropless layer with MoEConfig.pair_buffer_factor = --pair-buffer-factor: its experts on a pair
+              buffer of that factor x the mean pairs whenever a device's pairs fit, else on the worst-case one (not
+              run unless named)
   all_to_all  MaxText's GPU path: all_to_all of an [E, C, D] buffer at capacity factor --a2a-capacity-factor,
               experts as batched einsums                               (moe_layer.moe_ffn_all_to_all)
   ragged      jax.lax.ragged_all_to_all, dropless, grouped matmuls     (moe_layer.moe_ffn_ragged; MaxText's)
@@ -53,7 +56,7 @@ import common  # noqa: E402
 TRAIN = os.path.join(common.REPO_ROOT, "examples", "train_moe.py")
 JSON_MARK = "TRAIN_MOE_JSON "
 IMPLS = ["uccl", "all_to_all", "ragged", "dense"]
-MORE_IMPLS = ["uccl_capacity"]
+MORE_IMPLS = ["uccl_capacity", "uccl_sized"]
 
 # Model sizes: a fine-grained MoE (64 experts, top-8: the issue's user), DeepSeek-V3's routing, the older
 # Mixtral-like MoE (8 experts, top-2), and a smoke-test size for CPUs.
@@ -115,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "uccl_capacity: the layer's pair buffer at the same factor",
     )
     ap.add_argument(
+        "--pair-buffer-factor",
+        type=float,
+        default=1.5,
+        help="uccl_sized: its pair buffer in mean pairs a device receives (it falls back to the worst case, no drops)",
+    )
+    ap.add_argument(
         "--compute-dtype",
         choices=["auto", "bfloat16", "float32"],
         default="auto",
@@ -170,7 +179,7 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
         "--compute-dtype",
         args.compute_dtype,
         "--ep-impl",
-        "uccl" if impl == "uccl_capacity" else impl,
+        "uccl" if impl in MORE_IMPLS else impl,
         "--json",
         "--time-every",
         "0" if args.no_parts else str(args.steps),
@@ -197,6 +206,8 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
     ]
     if args.scan_layers:
         argv.append("--scan-layers")
+    if impl == "uccl_sized":
+        argv += ["--pair-buffer-factor", str(args.pair_buffer_factor)]
     if impl in ("all_to_all", "uccl_capacity") and args.a2a_capacity_factor > 0:
         argv += ["--capacity-factor", str(args.a2a_capacity_factor)]
     return argv
@@ -306,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch_per_device * args.seq_len
     config = {k: getattr(args, k) for k in GPU_SIZES} | {
         "a2a_capacity_factor": args.a2a_capacity_factor,
+        "pair_buffer_factor": args.pair_buffer_factor,
         "compute_dtype": args.compute_dtype,
         "preset": None if args.small else args.preset,
         "seed": args.seed,

@@ -83,6 +83,7 @@ class Config(NamedTuple):
     num_layers: int = 2
     aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per MoE layer
     capacity_factor: float | None = None  # pairs a device may receive per its own tokens' slots (None: never drops)
+    pair_buffer_factor: float | None = None  # uccl, never dropping: a buffer of factor x the mean pairs when they fit
     compute_dtype: str | None = None  # the experts' matmuls (None: bfloat16 on GPUs, the parameters' elsewhere)
     scan_layers: bool = False  # the layers' parameters stacked and run by one jax.lax.scan (compiled once)
 
@@ -93,6 +94,7 @@ class Config(NamedTuple):
             top_k=self.top_k,
             aux_loss_coef=self.aux_loss_coef,
             capacity_factor=self.capacity_factor,
+            pair_buffer_factor=self.pair_buffer_factor,
             compute_dtype=self.compute_dtype,
         )
 
@@ -381,6 +383,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default: never drop); ignored by ragged and dense",
     )
     p.add_argument(
+        "--pair-buffer-factor",
+        type=float,
+        default=None,
+        help="MoEConfig.pair_buffer_factor (uccl, never dropping): each device's experts run on a pair buffer of "
+        "factor x its mean pairs whenever its pairs fit, else on the worst-case one (default: always the worst case)",
+    )
+    p.add_argument(
         "--capacity",
         type=int,
         default=None,
@@ -424,6 +433,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         num_layers=args.layers,
         aux_loss_coef=args.aux_loss_coef,
         capacity_factor=args.capacity_factor,
+        pair_buffer_factor=args.pair_buffer_factor,
         compute_dtype=None if args.compute_dtype == "auto" else args.compute_dtype,
         scan_layers=args.scan_layers,
     )
@@ -522,6 +532,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         "ep_impl": args.ep_impl,
         "aux_loss_coef": cfg.aux_loss_coef,
         "capacity_factor": cfg.capacity_factor,
+        "pair_buffer_factor": cfg.pair_buffer_factor,
         "capacity": capacity,
         "compute_dtype": cfg.moe().experts_dtype(jnp.float32).name,
         "scan_layers": cfg.scan_layers,

@@ -285,6 +285,15 @@ def _varying_axes(x: jax.Array) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def zeros_typed(like) -> jax.Array:
+    """Zeros of `like`'s shape and dtype, varying over the manual axes `like` varies over (`like`: an array, or a
+    ShapeDtypeStruct from ``jax.eval_shape`` inside shard_map): what a branch of ``lax.cond`` returns in place of
+    a value only the other branch computes."""
+    manual = getattr(like, "manual_axis_type", None)
+    axes = frozenset(manual.varying) if manual is not None else frozenset(getattr(like, "vma", ()))
+    return _varying(jnp.zeros(like.shape, like.dtype), tuple(sorted(axes)))
+
+
 def _varying(outputs, axes):
     """Marks FFI outputs as varying over `axes` inside shard_map: each device computes its own values."""
 

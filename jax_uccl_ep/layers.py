@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import _pairs
-from ._ffi import varying_like
+from ._ffi import varying_like, zeros_typed
 from .grouped import GroupedBackend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
@@ -67,6 +67,9 @@ class MoEConfig:
     capacity_factor: float | None = None  # (token, expert) pairs a rank may take, per its tokens' top-k slots
     # (None: never drops)
     overflow: Literal["drop", "error"] = "drop"  # rows past that capacity: dropped (MaxText's), or an error
+    pair_buffer_factor: float | None = None  # never dropping (capacity_factor None): a rank's experts run on a
+    # pair buffer of this factor x its mean pairs (capacity_for) whenever its pairs fit, else on the worst-case one
+    # (None: always the worst case, R * tokens * min(top_k, E / R) pairs); see moe_ffn_local
     fp8_dispatch: bool = False  # rows travel as FP8 (dispatch's use_fp8; the backward stays in x's dtype)
     compute_dtype: Any = None  # the experts' matmuls (and dispatched rows): None = bfloat16 on GPUs, else params'
     grouped_matmul: GroupedBackend = "auto"  # the experts' grouped matmuls: Mosaic kernels where they run, else XLA's
@@ -164,25 +167,94 @@ def swiglu_experts(
     expert: jax.Array,
     weights: jax.Array | None = None,
     *,
+    num_rows: jax.Array | int | None = None,
+    pair_buffer: int | None = None,
     compute_dtype: Any = None,
     backend: GroupedBackend = "auto",
 ) -> jax.Array:
     """Each row of ``rows [N, D]`` through its chosen local experts only, weighted and summed: ``[N, D]`` float32,
     ``sum_k weights[n, k] * expert_{expert[n, k]}(rows[n])`` (``weights [N, K]``; None: all 1), slots with expert -1
-    adding nothing. For rows in any order (the examples' baselines): the (row, slot) pairs are laid out by expert as
-    dispatch(layout="expert") lays them out (a counting sort, one gather), run through `swiglu_pairs` in
-    `compute_dtype` (default: the parameters'), weighted and summed back into rows in float32 (gathers both ways,
-    forward and backward: no scatter of the pair buffer)."""
+    adding nothing, rows at or past `num_rows` (default N) zeros. For rows in any order: the (row, slot) pairs are
+    laid out by expert as dispatch(layout="expert") lays them out (a counting sort, one gather), run through
+    `swiglu_pairs` in `compute_dtype` (default: the parameters'), weighted and summed back into rows in float32
+    (gathers both ways, forward and backward: no scatter of the pair buffer).
+
+    The pair buffer holds every slot (N * K pairs) unless `pair_buffer` (pairs) is smaller: then the pairs run on a
+    buffer of that size whenever they fit in it and on the full one otherwise (``lax.cond`` on their count, in the
+    forward and the backward pass alike), so nothing drops and the elementwise work over the buffer follows the
+    small size while the routing allows. The backward keeps the small path's residuals only; the full path, when
+    taken, computes its forward again. Both paths are compiled."""
     n, k = expert.shape
     groups = params["w_gate"].shape[0]
     dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
     if weights is None:
         weights = varying_like(jnp.ones((n, k), jnp.float32), rows)
-    layout = _pairs.pair_layout(expert, n, groups, 1, _pairs.every_slot_pairs(n, k, groups, 1))  # never drops
+    num_rows = n if num_rows is None else num_rows
+    full = _pairs.every_slot_pairs(n, k, groups, 1)
+    if pair_buffer is None or pair_buffer >= full:
+        return _through_pairs(params, rows, weights, expert, num_rows, full, dtype, backend)
+    return _through_pairs_sized(params, rows, weights, expert, num_rows, (pair_buffer, full), dtype, backend)
+
+
+def _through_pairs(params, rows, weights, expert, num_rows, capacity: int, dtype, backend) -> jax.Array:
+    """swiglu_experts on a pair buffer of `capacity` pairs."""
+    layout = _pairs.pair_layout(expert, num_rows, params["w_gate"].shape[0], 1, capacity)
     pairs = _pairs.expand(rows.astype(dtype), layout.pair_row, layout.pair_of)
     y = swiglu_pairs(params, pairs, layout.num_tokens_per_expert, compute_dtype=dtype, backend=backend)
     pair_weights = _pairs.pair_weights(weights, layout.pair_index, layout.pair_of)
     return _pairs.reduce_pairs(y.astype(jnp.float32) * pair_weights[:, None], layout.pair_row, layout.pair_of)
+
+
+def _through_pairs_sized(params, rows, weights, expert, num_rows, buffers: tuple[int, int], dtype, backend):
+    """swiglu_experts on the small pair buffer where the pairs fit, else on the full one (see there)."""
+    small, full = buffers
+
+    def on(capacity, expert, num_rows):
+        return lambda p, r, w: _through_pairs(p, r, w, expert, num_rows, capacity, dtype, backend)
+
+    def fits(expert, num_rows):
+        received = jnp.arange(expert.shape[0]) < num_rows
+        return jnp.sum((expert >= 0) & (expert < params["w_gate"].shape[0]) & received[:, None]) <= small
+
+    pullback_trees: list[Any] = []  # the small path's pullback, as a tree over its residuals
+
+    def small_with_pullback(expert, num_rows):
+        def branch(p, r, w):
+            out, pullback = jax.vjp(on(small, expert, num_rows), p, r, w)
+            leaves, tree = jax.tree.flatten(pullback)
+            pullback_trees.append(tree)
+            return out, leaves
+
+        return branch
+
+    @jax.custom_vjp
+    def run(p, r, w, expert, num_rows):
+        return jax.lax.cond(fits(expert, num_rows), on(small, expert, num_rows), on(full, expert, num_rows), p, r, w)
+
+    def run_fwd(p, r, w, expert, num_rows):
+        with_pullback = small_with_pullback(expert, num_rows)
+        leaf_types = jax.eval_shape(lambda *a: with_pullback(*a)[1], p, r, w)
+
+        def full_without(p, r, w):
+            return on(full, expert, num_rows)(p, r, w), [zeros_typed(t) for t in leaf_types]
+
+        out, leaves = jax.lax.cond(fits(expert, num_rows), with_pullback, full_without, p, r, w)
+        return out, (leaves, p, r, w, expert, num_rows)
+
+    def run_bwd(res, g):
+        leaves, p, r, w, expert, num_rows = res
+
+        def small_pullback(leaves, p, r, w, g):
+            return jax.tree.unflatten(pullback_trees[-1], leaves)(g)
+
+        def full_pullback(leaves, p, r, w, g):
+            return jax.vjp(on(full, expert, num_rows), p, r, w)[1](g)
+
+        grads = jax.lax.cond(fits(expert, num_rows), small_pullback, full_pullback, leaves, p, r, w, g)
+        return (*grads, None, None)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(params, rows, weights, expert, jnp.asarray(num_rows, jnp.int32))
 
 
 def swiglu_pairs(
@@ -229,6 +301,14 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         ranks = jax.lax.axis_size(axis_name)
         capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor, config.num_experts)
     dtype = config.experts_dtype(params["w_gate"].dtype)
+    aux, per_expert = _routing_stats(scores, idx, config)
+    if capacity is None and config.pair_buffer_factor is not None:
+        ranks = jax.lax.axis_size(axis_name)
+        small = capacity_for(tokens.shape[0], config.top_k, ranks, config.pair_buffer_factor, config.num_experts)
+        groups = params["w_gate"].shape[0]
+        if small < _pairs.never_dropping_pairs(ranks * tokens.shape[0], config.top_k, groups, 1):
+            sized = _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name)
+            return MoEOutput(sized[0].astype(x.dtype).reshape(*lead, d), aux, MoEStats(*sized[1:], per_expert))
     res = dispatch(
         tokens.astype(dtype),
         idx,
@@ -245,8 +325,33 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     # Each pair weighted by its router weight in float32 and rounded once to travel; combine sums them in float32.
     y = (y.astype(jnp.float32) * cast(jax.Array, res.weights)[:, None]).astype(dtype)
     y = combine(y, res.handle).astype(x.dtype).reshape(*lead, d)
-    aux, per_expert = _routing_stats(scores, idx, config)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
+
+
+def _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name):
+    """moe_ffn_local's never-dropping layer with MoEConfig.pair_buffer_factor: token rows dispatched (they never
+    drop), the experts on a pair buffer of `small` pairs while this rank's pairs fit in it (swiglu_experts), each
+    row's weighted sum sent back once. (y [T, D], rows received [1], pairs dropped [1]: none)."""
+    res = dispatch(
+        tokens.astype(dtype),  # the rows travel in the experts' dtype
+        idx,
+        weights,
+        num_experts=config.num_experts,
+        axis_name=axis_name,
+        use_fp8=config.fp8_dispatch,
+    )
+    rows = cast(jax.Array, res.x)  # one array in, one back (use_fp8 casts on the way)
+    y = swiglu_experts(
+        params,
+        rows.astype(dtype),
+        res.topk_idx,
+        res.topk_weights,
+        num_rows=res.num_tokens,
+        pair_buffer=small,
+        compute_dtype=dtype,
+        backend=config.grouped_matmul,
+    )
+    return combine(y.astype(dtype), res.handle), res.num_tokens.reshape(1), res.num_dropped.reshape(1)
 
 
 def moe_ffn(

@@ -117,6 +117,62 @@ def test_gradients_match_the_dense_reference_under_remat_and_scan():
     assert all(float(jnp.abs(g).sum()) > 0 for g in gp1.values())  # every parameter gets a gradient
 
 
+@pytest.mark.parametrize("factor", [1.0, 0.3])
+def test_a_load_sized_pair_buffer_drops_nothing(factor, monkeypatch):
+    """MoEConfig.pair_buffer_factor: a rank's experts run on a pair buffer of factor x its mean pairs where its
+    pairs fit and on the every-slot one where they do not, forward and backward: the dense reference's output and
+    gradients either way, nothing dropped, and each rank on the path its own pair count calls for (1.0: the ranks
+    above the mean take the large path, the others the small; 0.3: every rank the large)."""
+    config = layers.MoEConfig(num_experts=E, top_k=K, aux_loss_coef=0.01, pair_buffer_factor=factor)
+    params, x, mesh = _inputs(6)
+    taken: list[tuple[int, int]] = []
+    through_pairs = layers._through_pairs
+
+    def recording(params, rows, weights, expert, num_rows, capacity, dtype, backend):
+        jax.debug.callback(lambda r: taken.append((int(r), capacity)), jax.lax.axis_index("ep"))
+        return through_pairs(params, rows, weights, expert, num_rows, capacity, dtype, backend)
+
+    monkeypatch.setattr(layers, "_through_pairs", recording)
+
+    def loss(ffn):
+        def f(p, x):
+            y, aux, dropped = ffn(p, x)
+            return jnp.sum(jnp.sin(y)) + aux, dropped
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+    def ep_ffn(p, x):
+        out = layers.moe_ffn(p, x, mesh=mesh, config=config)
+        return out.y, out.aux_loss, out.stats.pairs_dropped
+
+    def dense_ffn(p, x):
+        y, aux, _ = _per_rank_reference(p, x, config)
+        return y, aux, jnp.zeros(R, jnp.int32)
+
+    (v1, dropped), (gp1, gx1) = loss(ep_ffn)(params, x)
+    jax.effects_barrier()
+    (v2, _), (gp2, gx2) = loss(dense_ffn)(params, x)
+    np.testing.assert_allclose(float(v1), float(v2), rtol=1e-5)
+    for name, got, want in [("x", gx1, gx2)] + [(n, gp1[n], gp2[n]) for n in gp1]:
+        scale = float(np.abs(np.asarray(want)).max())  # float32 sums in another order: relative to the largest
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6 * scale, err_msg=name)
+    assert np.asarray(dropped).tolist() == [0] * R
+    # The pairs each rank receives, from the routing alone; the buffer each rank's pairs called for.
+    tokens = B * S // R
+    _, idx, _ = reference.moe_route(
+        np.asarray(params["router"]), np.asarray(x).reshape(-1, D), K, score=config.score, renormalize=True
+    )
+    received = np.bincount((idx // (E // R)).ravel(), minlength=R)
+    small = layers.capacity_for(tokens, K, R, factor, E)
+    every_slot = R * tokens * K
+    want = {r: small if received[r] <= small else every_slot for r in range(R)}
+    assert {r: {c for q, c in taken if q == r} for r in range(R)} == {r: {want[r]} for r in range(R)}, (received, small)
+    if factor == 1.0:
+        assert set(want.values()) == {small, every_slot}, received  # both paths ran
+    # The large path runs its forward again in the backward pass; the small one keeps its residuals.
+    assert all(sum(q == r for q, _ in taken) == (1 if want[r] == small else 2) for r in range(R)), taken
+
+
 def test_bfloat16_layer_tracks_the_reference():
     config = layers.MoEConfig(num_experts=E, top_k=K)
     params, x, mesh = _inputs(3, jnp.bfloat16)
