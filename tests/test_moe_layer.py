@@ -84,8 +84,9 @@ def test_forward_matches_the_dense_reference(config):
     assert (float(out.aux_loss) > 0) == (config.aux_loss_coef > 0)
 
 
-def test_gradients_match_the_dense_reference_under_remat_and_scan():
-    config = layers.MoEConfig(num_experts=E, top_k=K, aux_loss_coef=0.01)
+@pytest.mark.parametrize("pair_buffer_factor", [None, 1.0], ids=["worst-case buffer", "load-sized buffer"])
+def test_gradients_match_the_dense_reference_under_remat_and_scan(pair_buffer_factor):
+    config = layers.MoEConfig(num_experts=E, top_k=K, aux_loss_coef=0.01, pair_buffer_factor=pair_buffer_factor)
     params, x, mesh = _inputs(2)
     stacked = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), params)  # two layers, scanned
 
@@ -318,7 +319,7 @@ def test_training_across_two_processes_follows_the_dense_reference():
     assert results[0] == results[1]  # every process sees the same global loss
 
 
-def layer_parity_child(fp8: bool) -> dict:
+def layer_parity_child(fp8: bool, pair_buffer_factor: float | None = None) -> dict:
     """Child (processes sharing GPUs, no XLA collectives): the layer's output and gradients on each rank against
     the dense reference computed whole in every process. Each rank differentiates its own loss; the EP ops'
     backward passes exchange the cotangents, so expert weights and inputs get the gradient of the total loss."""
@@ -339,7 +340,12 @@ def layer_parity_child(fp8: bool) -> dict:
     # would be bf16 experts and TF32 matmuls, each more than the 2e-3 asked). FP8 dispatch: the user's default
     # path (bf16 experts on GPUs) at the FP8 wire's tolerance.
     config = layers.MoEConfig(
-        num_experts=8 * r, top_k=4, aux_loss_coef=0.01, fp8_dispatch=fp8, compute_dtype=None if fp8 else jnp.float32
+        num_experts=8 * r,
+        top_k=4,
+        aux_loss_coef=0.01,
+        fp8_dispatch=fp8,
+        compute_dtype=None if fp8 else jnp.float32,
+        pair_buffer_factor=pair_buffer_factor,
     )
     host = {
         k: np.asarray(v)
@@ -399,11 +405,12 @@ def layer_parity_child(fp8: bool) -> dict:
     return {"problems": problems}
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_layer_gradients_across_processes_match_the_reference(fp8):
+@pytest.mark.parametrize("fp8,pair_buffer_factor", [(False, None), (True, None), (False, 1.0)])
+def test_layer_gradients_across_processes_match_the_reference(fp8, pair_buffer_factor):
     import os
 
     from mp import launch_ok
 
-    for result in launch_ok(os.path.abspath(__file__), "layer_parity_child", 2, args=[fp8], devices_per_process=2):
+    args = [fp8, pair_buffer_factor]
+    for result in launch_ok(os.path.abspath(__file__), "layer_parity_child", 2, args=args, devices_per_process=2):
         assert result["problems"] == []

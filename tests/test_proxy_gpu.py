@@ -142,11 +142,12 @@ def test_missing_peer_is_named_within_the_deadline_on_one_shared_gpu(mode):
     _check_missing_peer(results)
 
 
-@pytest.mark.parametrize("fp8", ["0", "1"])
-def test_moe_layer_on_one_shared_gpu(fp8):
+@pytest.mark.parametrize("case", ["0", "1", "sized"])
+def test_moe_layer_on_one_shared_gpu(case):
     """The package's MoE layer (jax_uccl_ep.layers) on two processes sharing one GPU (the NVLink path): output
-    and gradients against the dense reference, BF16 and FP8 dispatch."""
-    results = _on_one_gpu("test_moe_layer.py", "layer_parity_child", 2, args=[fp8 == "1"], kv_gather=False)
+    and gradients against the dense reference, BF16 and FP8 dispatch, and BF16 with the load-sized pair buffer."""
+    args = [case == "1", 1.0 if case == "sized" else None]
+    results = _on_one_gpu("test_moe_layer.py", "layer_parity_child", 2, args=args, kv_gather=False)
     assert all(x.ok for x in results), describe(results)
     assert all(x.result["problems"] == [] for x in results), describe(results)
 
