@@ -307,8 +307,8 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         small = capacity_for(tokens.shape[0], config.top_k, ranks, config.pair_buffer_factor, config.num_experts)
         groups = params["w_gate"].shape[0]
         if small < _pairs.never_dropping_pairs(ranks * tokens.shape[0], config.top_k, groups, 1):
-            sized = _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name)
-            return MoEOutput(sized[0].astype(x.dtype).reshape(*lead, d), aux, MoEStats(*sized[1:], per_expert))
+            y, rows, dropped = _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name)
+            return MoEOutput(y.astype(x.dtype).reshape(*lead, d), aux, MoEStats(rows, dropped, per_expert))
     res = dispatch(
         tokens.astype(dtype),
         idx,
@@ -328,7 +328,9 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
 
 
-def _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name):
+def _moe_ffn_load_sized(
+    params, tokens, weights, idx, small, dtype, config, axis_name
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """moe_ffn_local's never-dropping layer with MoEConfig.pair_buffer_factor: token rows dispatched (they never
     drop), the experts on a pair buffer of `small` pairs while this rank's pairs fit in it (swiglu_experts), each
     row's weighted sum sent back once. (y [T, D], rows received [1], pairs dropped [1]: none)."""
