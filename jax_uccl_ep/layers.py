@@ -74,6 +74,17 @@ class MoEConfig:
     compute_dtype: Any = None  # the experts' matmuls (and dispatched rows): None = bfloat16 on GPUs, else params'
     grouped_matmul: GroupedBackend = "auto"  # the experts' grouped matmuls: Mosaic kernels where they run, else XLA's
 
+    def __post_init__(self) -> None:
+        for name in ("capacity_factor", "pair_buffer_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"jax_uccl_ep: MoEConfig.{name} must be positive or None, got {value}")
+        if self.capacity_factor is not None and self.pair_buffer_factor is not None:
+            raise ValueError(
+                "jax_uccl_ep: MoEConfig sets both capacity_factor (a fixed pair buffer that drops past it) and "
+                "pair_buffer_factor (a never-dropping layer's buffer for the common case): set one"
+            )
+
     def experts_dtype(self, param_dtype: Any) -> jnp.dtype:
         """The dtype the experts compute in for parameters of `param_dtype`: compute_dtype, else bfloat16 on
         GPUs (as models train) and the parameters' own elsewhere."""

@@ -174,6 +174,15 @@ def test_a_load_sized_pair_buffer_drops_nothing(factor, monkeypatch):
     assert all(sum(q == r for q, _ in taken) == (1 if want[r] == small else 2) for r in range(R)), taken
 
 
+def test_the_config_refuses_buffer_factors_that_cannot_work():
+    with pytest.raises(ValueError, match="pair_buffer_factor must be positive"):
+        layers.MoEConfig(num_experts=E, top_k=K, pair_buffer_factor=0.0)
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        layers.MoEConfig(num_experts=E, top_k=K, capacity_factor=-1.0)
+    with pytest.raises(ValueError, match="set one"):
+        layers.MoEConfig(num_experts=E, top_k=K, capacity_factor=1.25, pair_buffer_factor=1.5)
+
+
 def test_bfloat16_layer_tracks_the_reference():
     config = layers.MoEConfig(num_experts=E, top_k=K)
     params, x, mesh = _inputs(3, jnp.bfloat16)
