@@ -89,6 +89,7 @@ HEADERS = [
     "vs uccl",
     "final loss",
     "|loss - dense|",
+    "pairs dropped",
     "layer fwd / fwd+bwd ms",
     "router / dispatch / experts / combine ms",
     "1st step s",
@@ -271,6 +272,13 @@ def run_impl(args: argparse.Namespace, impl: str, env: dict[str, str]) -> dict[s
     return result
 
 
+def dropped_share(result: dict[str, Any]) -> str:
+    """The (token, expert) pairs an implementation dropped, as a share of all pairs over the steps."""
+    if "pairs_dropped" not in result:
+        return "n/a"
+    return f"{sum(result['pairs_dropped']) / (result['pairs_per_step'] * len(result['pairs_dropped'])):.2%}"
+
+
 def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     by_impl = {r["impl"]: r for r in results if "error" not in r}
     uccl_ms = by_impl["uccl"]["step_ms_median"] if "uccl" in by_impl else None
@@ -300,6 +308,7 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 ratio,
                 f"{r['final_loss']:.4f}",
                 diff,
+                dropped_share(r),
                 layer or "-",
                 parts or "-",
                 f"{r['first_step_s']:.1f}",

@@ -212,40 +212,41 @@ def moe_fn_for(impl: str, cfg: Config, capacity: int | None = None) -> MoeFn:
     return moe_layer.local_layer(impl, cfg.moe(), axis_name=AXIS)
 
 
-def forward(params: dict, tokens: jax.Array, cfg: Config, moe_fn: MoeFn) -> tuple[jax.Array, jax.Array]:
-    """(logits [B, S, vocab], this rank's load-balancing loss summed over the layers) for this rank's tokens [B, S]
-    (inside shard_map)."""
+def forward(params: dict, tokens: jax.Array, cfg: Config, moe_fn: MoeFn) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logits [B, S, vocab], this rank's load-balancing loss and its dropped (token, expert) pairs, each summed
+    over the layers) for this rank's tokens [B, S] (inside shard_map)."""
     s = tokens.shape[1]
     x = params["embed"][tokens] + params["pos"][None, :s]
-    aux = jnp.zeros((), jnp.float32)
+    carry = (x, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
 
-    def block(carry: tuple[jax.Array, jax.Array], layer: dict) -> tuple[tuple[jax.Array, jax.Array], None]:
-        x, aux = carry
+    def block(carry: tuple[jax.Array, ...], layer: dict) -> tuple[tuple[jax.Array, ...], None]:
+        x, aux, dropped = carry
         x = x + attention(layer, rms_norm(x, layer["norm_attn"]), cfg.num_heads)
         out = moe_fn(layer["moe"], rms_norm(x, layer["norm_moe"]))
-        return (x + out.y, aux + out.aux_loss), None
+        return (x + out.y, aux + out.aux_loss, dropped + jnp.sum(out.stats.pairs_dropped)), None
 
     if cfg.scan_layers:
-        # Each rank's aux loss is its own: the loop's carry says so from the start (shard_map checks it).
-        aux = jax.lax.pcast(aux, AXIS, to="varying")
-        (x, aux), _ = jax.lax.scan(block, (x, aux), params["layers"])
+        # Each rank's aux loss and drops are its own: the loop's carry says so from the start (shard_map checks it).
+        carry = (x, *(jax.lax.pcast(c, AXIS, to="varying") for c in carry[1:]))
+        carry, _ = jax.lax.scan(block, carry, params["layers"])
     else:
         for layer in params["layers"]:
-            (x, aux), _ = block((x, aux), layer)
-    return rms_norm(x, params["norm_f"]) @ params["head"], aux
+            carry, _ = block(carry, layer)
+    x, aux, dropped = carry
+    return rms_norm(x, params["norm_f"]) @ params["head"], aux, dropped
 
 
 def local_loss(params: dict, batch: jax.Array, cfg: Config, moe_fn: MoeFn) -> tuple[jax.Array, dict]:
-    """(cross-entropy + aux loss, {"ce", "aux"}), each averaged over the ranks; each rank sees its slice [B, S+1].
+    """(cross-entropy + aux loss, {"ce", "aux", "dropped"}); each rank sees its slice [B, S+1].
 
     The cross-entropy is the mean over the whole (global) batch; the aux loss the ranks' mean, as
-    ``layers.moe_ffn`` reports it.
+    ``layers.moe_ffn`` reports it; dropped the (token, expert) pairs dropped on all ranks and layers.
     """
-    logits, aux = forward(params, batch[:, :-1], cfg, moe_fn)
+    logits, aux, dropped = forward(params, batch[:, :-1], cfg, moe_fn)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)
     ce, aux = jax.lax.pmean((jnp.mean(nll), aux), AXIS)
-    return ce + aux, {"ce": ce, "aux": aux}
+    return ce + aux, {"ce": ce, "aux": aux, "dropped": jax.lax.psum(dropped, AXIS)}
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -502,6 +503,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
 
     losses: list[float] = []
     aux_losses: list[float] = []
+    pairs_dropped: list[int] = []
     step_s: list[float] = []
     timings: list[dict[str, float]] = []
     for step in range(1, args.steps + 1):
@@ -511,6 +513,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         loss = float(parts["ce"])  # waits for the step
         elapsed = time.perf_counter() - start
         aux = float(parts["aux"])
+        pairs_dropped.append(int(parts["dropped"]))
         losses.append(loss)
         aux_losses.append(aux)
         step_s.append(elapsed)
@@ -543,6 +546,8 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         "steps": args.steps,
         "losses": losses,  # cross-entropy
         "aux_losses": aux_losses,  # load-balancing loss, summed over the layers
+        "pairs_dropped": pairs_dropped,  # (token, expert) pairs dropped in each step, over all devices and layers
+        "pairs_per_step": tokens_per_step * cfg.top_k * cfg.num_layers,
         "loss_floor": data.entropy_rate(),
         "tokens_per_step": tokens_per_step,
         "step_ms": [t * 1e3 for t in step_s],  # wall time of each step, the first one with compilation

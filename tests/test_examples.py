@@ -366,6 +366,14 @@ def test_train_moe_capacity_options(ep_runtime):
     uccl_dropping = train(base + ["uccl", "--capacity-factor", "0.25"], verbose=False)
     np.testing.assert_allclose(uccl_full["losses"], full["losses"], rtol=1e-5)
     assert abs(uccl_dropping["losses"][0] - uccl_full["losses"][0]) > 1e-3, uccl_dropping["losses"]
+    # At factor 0.25 a device keeps at most a quarter of the pairs it gets on average (uccl: 0.25 x 64 tokens x
+    # top-2 pairs; all_to_all: ceil(0.25 x 64 x 2 / 8) = 4 slots per sender and expert), so at least 3/4 of all
+    # pairs drop in every step, in both; with ~16 pairs per (sender, expert) and ~128 per device on average, both
+    # keep close to that quarter (under 0.8 dropped); the never-dropping runs drop none.
+    for out in (dropping, uccl_dropping):
+        shares = np.asarray(out["pairs_dropped"]) / out["pairs_per_step"]
+        assert np.all((shares >= 0.75) & (shares < 0.8)), (out["ep_impl"], shares)
+    assert sum(full["pairs_dropped"]) == sum(uccl_full["pairs_dropped"]) == 0
 
 
 # ------------------------------------------------------------------------------------------- (a) parity
