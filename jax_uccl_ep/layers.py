@@ -201,6 +201,8 @@ def swiglu_experts(
     if weights is None:
         weights = varying_like(jnp.ones((n, k), jnp.float32), rows)
     num_rows = n if num_rows is None else num_rows
+    if pair_buffer is not None and pair_buffer < 1:
+        raise ValueError(f"jax_uccl_ep.swiglu_experts: pair_buffer must be at least 1 pair or None, got {pair_buffer}")
     full = _pairs.every_slot_pairs(n, k, groups, 1)
     if pair_buffer is None or pair_buffer >= full:
         return _through_pairs(params, rows, weights, expert, num_rows, full, dtype, backend)
@@ -219,13 +221,14 @@ def _through_pairs(params, rows, weights, expert, num_rows, capacity: int, dtype
 def _through_pairs_sized(params, rows, weights, expert, num_rows, buffers: tuple[int, int], dtype, backend):
     """swiglu_experts on the small pair buffer where the pairs fit, else on the full one (see there)."""
     small, full = buffers
+    groups = params["w_gate"].shape[0]  # a shape, not the traced params: run_bwd outlives this trace
 
     def on(capacity, expert, num_rows):
         return lambda p, r, w: _through_pairs(p, r, w, expert, num_rows, capacity, dtype, backend)
 
     def fits(expert, num_rows):
         received = jnp.arange(expert.shape[0]) < num_rows
-        return jnp.sum((expert >= 0) & (expert < params["w_gate"].shape[0]) & received[:, None]) <= small
+        return jnp.sum((expert >= 0) & (expert < groups) & received[:, None]) <= small
 
     pullback_trees: list[Any] = []  # the small path's pullback, as a tree over its residuals
 
