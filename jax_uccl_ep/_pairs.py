@@ -49,12 +49,19 @@ def _align(n: jax.Array, alignment: int) -> jax.Array:
     return (n + alignment - 1) // alignment * alignment
 
 
+def valid_pairs(expert: jax.Array, num_rows: jax.Array | int, groups: int) -> jax.Array:
+    """[C, K] bool: the slots of ``expert [C, K]`` that name a local expert, in rows before `num_rows` (the rows
+    past it are padding)."""
+    received = jnp.arange(expert.shape[0]) < num_rows
+    return (expert >= 0) & (expert < groups) & received[:, None]
+
+
 def pair_layout(expert: jax.Array, num_rows: jax.Array | int, groups: int, alignment: int, capacity: int) -> PairLayout:
     """The layout of ``expert [C, K]`` (local expert of each received row's slot, -1 for none; rows at or past
     `num_rows` are padding) in a buffer of `capacity` pair slots."""
     c, k = expert.shape
     received = jnp.arange(c) < num_rows  # [C]: rows past num_rows are padding
-    valid = (expert >= 0) & (expert < groups) & received[:, None]
+    valid = valid_pairs(expert, num_rows, groups)
     e = jnp.where(valid, expert, 0)
     one_hot = jax.nn.one_hot(e, groups, dtype=jnp.int32) * valid[..., None].astype(jnp.int32)  # [C, K, G]
     per_row = jnp.sum(one_hot, axis=1)  # [C, G] pairs of each row per expert

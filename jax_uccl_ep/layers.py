@@ -227,8 +227,7 @@ def _through_pairs_sized(params, rows, weights, expert, num_rows, buffers: tuple
         return lambda p, r, w: _through_pairs(p, r, w, expert, num_rows, capacity, dtype, backend)
 
     def fits(expert, num_rows):
-        received = jnp.arange(expert.shape[0]) < num_rows
-        return jnp.sum((expert >= 0) & (expert < groups) & received[:, None]) <= small
+        return jnp.sum(_pairs.valid_pairs(expert, num_rows, groups)) <= small
 
     pullback_trees: list[Any] = []  # the small path's pullback, as a tree over its residuals
 
@@ -311,13 +310,12 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     tokens = x.reshape(-1, d)
     weights, idx, scores = route(params["router"], tokens, config)
     capacity = None
+    ranks = jax.lax.axis_size(axis_name)
     if config.capacity_factor is not None:
-        ranks = jax.lax.axis_size(axis_name)
         capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor, config.num_experts)
     dtype = config.experts_dtype(params["w_gate"].dtype)
     aux, per_expert = _routing_stats(scores, idx, config)
     if capacity is None and config.pair_buffer_factor is not None:
-        ranks = jax.lax.axis_size(axis_name)
         small = capacity_for(tokens.shape[0], config.top_k, ranks, config.pair_buffer_factor, config.num_experts)
         groups = params["w_gate"].shape[0]
         if small < _pairs.never_dropping_pairs(ranks * tokens.shape[0], config.top_k, groups, 1):
@@ -359,7 +357,7 @@ def _moe_ffn_load_sized(
     rows = cast(jax.Array, res.x)  # one array in, one back (use_fp8 casts on the way)
     y = swiglu_experts(
         params,
-        rows.astype(dtype),
+        rows,
         res.topk_idx,
         res.topk_weights,
         num_rows=res.num_tokens,
