@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../kernels/contract.hpp"
+#include "../kernels/cpu/pairs.hpp"
 #include "../proxy/errors.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,6 +31,12 @@
   X(LowLatencyCombineSend, "uccl_ep_low_latency_combine_send", low_latency_combine_send_signature)    \
   X(LowLatencyCombineRecv, "uccl_ep_low_latency_combine_recv", low_latency_combine_recv_signature)
 #define UCCL_EP_FFI_OPS(X) UCCL_EP_FFI_NORMAL_OPS(X) UCCL_EP_FFI_LOW_LATENCY_OPS(X)
+// dispatch(layout="expert")'s ops whose receive writes the pair buffer: CPU devices only (the GPU paths lay the pairs
+// out in XLA after the rows arrive, jax_uccl_ep/_plan.py: receive_writes_pairs).
+#define UCCL_EP_FFI_PAIR_OPS(X)                                                            \
+  X(DispatchPairs, "uccl_ep_dispatch_pairs", dispatch_pairs_signature)                     \
+  X(CachedDispatchPairs, "uccl_ep_cached_dispatch_pairs", cached_dispatch_pairs_signature) \
+  X(CombinePairs, "uccl_ep_combine_pairs", combine_pairs_signature)
 
 namespace uccl_ep::ffi_common {
 
@@ -109,6 +116,18 @@ struct DispatchAttrs {
   Path path;          // decided at lowering; the CUDA handlers switch on it
   int64_t node_size;  // host paths: ranks per node of hierarchical rounds (0: flat)
   Overflow overflow;  // rows past the capacity fail the op or are dropped (checked by checked_overflow)
+};
+
+struct DispatchPairsAttrs {  // DispatchAttrs' and the pair buffer's alignment; overflow: of the pairs
+  ffi::Span<const int32_t> group_table;
+  int64_t group_size;
+  int64_t op_index;
+  int64_t num_experts;
+  Level two_level;
+  Path path;
+  int64_t node_size;
+  Overflow overflow;
+  int64_t expert_alignment;  // rows: every expert's first pair row a multiple of it
 };
 
 struct HandleOpAttrs {  // cached_dispatch and combine, which follow a dispatch's handle
@@ -195,11 +214,8 @@ auto pair_capacity_signature(Binding b) {
 
 inline void check_pair_capacity(int32_t needed, int32_t rank, int64_t capacity) {
   if (needed > capacity)
-    throw InvalidArgument("uccl_ep dispatch(layout='expert'): rank " + std::to_string(rank) +
-                          " of the EP axis received pairs that need " + std::to_string(needed) +
-                          " rows (each expert's rounded up to expert_alignment) but capacity is " +
-                          std::to_string(capacity) + "; pass a larger capacity (the default never drops) or " +
-                          "overflow='drop'");
+    throw InvalidArgument("uccl_ep dispatch(layout='expert'): " +
+                          cpu::pair_overflow_message(std::to_string(rank) + " of the EP axis", needed, capacity));
 }
 
 // cached_dispatch (x -> recv_x) and combine (y -> combined) take the same arguments.
@@ -212,6 +228,53 @@ auto handle_op_signature(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()   // recv_counts
       .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::AnyBuffer>();         // recv_x or combined
+}
+
+// The pair ops: the pair buffer's M slots come from the pair rows' shape, the C received rows from pair_of's.
+template <class Binding>
+auto dispatch_pairs_signature(Binding b) {
+  return std::move(b)
+      .template Attrs<DispatchPairsAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::AnyBuffer>()          // scales (zero width unless FP8)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()   // topk_weights (zero width if absent)
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
+      .template Ret<ffi::AnyBuffer>()          // pair rows [M, H]
+      .template Ret<ffi::AnyBuffer>()          // their scales [M, S]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // pair weights [M] ([0] without weights)
+      .template Ret<ffi::Buffer<ffi::S32>>()   // expert_offsets [L]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // pairs per expert [L]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // pair_row [M]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // pair_of [C, K]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // stats [3]: rows kept, pairs dropped, pair rows needed
+      .template Ret<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank
+      .template Ret<ffi::Buffer<ffi::S32>>();  // recv_counts
+}
+
+template <class Binding>
+auto cached_dispatch_pairs_signature(Binding b) {
+  return std::move(b)
+      .template Attrs<HandleOpAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // x [T, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // pair_row [M]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // pair_of [C, K]
+      .template Arg<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank
+      .template Arg<ffi::Buffer<ffi::S32>>()   // recv_counts
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
+      .template Ret<ffi::AnyBuffer>();         // pair rows [M, H]
+}
+
+template <class Binding>
+auto combine_pairs_signature(Binding b) {
+  return std::move(b)
+      .template Attrs<HandleOpAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // pair rows y [M, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // pair_of [C, K]
+      .template Arg<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank
+      .template Arg<ffi::Buffer<ffi::S32>>()   // recv_counts
+      .template Arg<ffi::AnyBuffer>()          // order: ignored
+      .template Ret<ffi::AnyBuffer>();         // combined [T, H]
 }
 
 // Bytes of one row of a [rows, ...] buffer, and of a [L, rows, width] one (0 without rows).
@@ -358,6 +421,31 @@ inline LayoutArgs layout_args(const LayoutAttrs& attrs, const ffi::Buffer<ffi::S
                     is_token_in_rank->typed_data()};
 }
 
+// A dispatch's inputs, its handle's outputs and the attributes both dispatch ops share; the received rows unset.
+template <class Attrs>
+DispatchArgs dispatch_inputs(const Attrs& attrs, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
+                             const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
+                             ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank,
+                             ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
+  DispatchArgs a{};
+  a.x = x.untyped_data();
+  a.x_row_bytes = row_bytes(x);
+  a.scales = scales.untyped_data();
+  a.scale_row_bytes = row_bytes(scales);
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_weights = topk_weights.element_count() != 0 ? topk_weights.typed_data() : nullptr;
+  a.num_tokens = int(topk_idx.dimensions()[0]);
+  a.topk = int(topk_idx.dimensions()[1]);
+  a.num_experts = int(attrs.num_experts);
+  a.overflow = checked_overflow(attrs.overflow);
+  a.overflow_status_over_job = attrs.two_level == Level::kNode;
+  a.is_token_in_rank = is_token_in_rank->typed_data();
+  a.recv_counts = recv_counts->typed_data();
+  a.op_index = uint32_t(attrs.op_index);
+  a.node_size = int(attrs.node_size);
+  return a;
+}
+
 inline DispatchArgs dispatch_args(const DispatchAttrs& attrs, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
                                   const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
                                   ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_scales,
@@ -367,30 +455,15 @@ inline DispatchArgs dispatch_args(const DispatchAttrs& attrs, const ffi::AnyBuff
                                   ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_expert,
                                   ffi::Result<ffi::Buffer<ffi::PRED>>& is_token_in_rank,
                                   ffi::Result<ffi::Buffer<ffi::S32>>& recv_counts) {
-  const bool weights = topk_weights.element_count() != 0;
-  DispatchArgs a{};
-  a.x = x.untyped_data();
-  a.x_row_bytes = row_bytes(x);
-  a.scales = scales.untyped_data();
-  a.scale_row_bytes = row_bytes(scales);
-  a.topk_idx = topk_idx.typed_data();
-  a.topk_weights = weights ? topk_weights.typed_data() : nullptr;
-  a.num_tokens = int(topk_idx.dimensions()[0]);
-  a.topk = int(topk_idx.dimensions()[1]);
-  a.num_experts = int(attrs.num_experts);
+  DispatchArgs a = dispatch_inputs(attrs, x, scales, topk_idx, topk_weights, is_token_in_rank, recv_counts);
+  const bool weights = a.topk_weights != nullptr;
   a.capacity = int(recv_x->dimensions()[0]);
-  a.overflow = checked_overflow(attrs.overflow);
-  a.overflow_status_over_job = attrs.two_level == Level::kNode;
   a.recv_x = recv_x->untyped_data();
   a.recv_scales = recv_scales->untyped_data();
   a.recv_topk_idx = recv_topk_idx->typed_data();
   a.recv_topk_weights = weights ? recv_topk_weights->typed_data() : nullptr;
   a.recv_num_tokens = recv_num_tokens->typed_data();
   a.num_tokens_per_expert = num_tokens_per_expert->typed_data();
-  a.is_token_in_rank = is_token_in_rank->typed_data();
-  a.recv_counts = recv_counts->typed_data();
-  a.op_index = uint32_t(attrs.op_index);
-  a.node_size = int(attrs.node_size);
   return a;
 }
 
@@ -408,6 +481,29 @@ inline CachedDispatchArgs cached_dispatch_args(const HandleOpAttrs& attrs, const
                             recv_x->untyped_data(),
                             uint32_t(attrs.op_index),
                             int(attrs.node_size)};
+}
+
+// The pair buffer dispatch_pairs writes (the contract's PairBuffer).
+inline PairBuffer pair_buffer(const DispatchPairsAttrs& attrs, ffi::Result<ffi::AnyBuffer>& x,
+                              ffi::Result<ffi::AnyBuffer>& scales, ffi::Result<ffi::Buffer<ffi::F32>>& weights,
+                              ffi::Result<ffi::Buffer<ffi::S32>>& expert_offsets,
+                              ffi::Result<ffi::Buffer<ffi::S32>>& pairs_per_expert,
+                              ffi::Result<ffi::Buffer<ffi::S32>>& pair_row, ffi::Result<ffi::Buffer<ffi::S32>>& pair_of,
+                              ffi::Result<ffi::Buffer<ffi::S32>>& stats) {
+  if (attrs.expert_alignment < 1)
+    throw InvalidArgument("uccl_ep dispatch(layout='expert'): expert_alignment must be >= 1, got " +
+                          std::to_string(attrs.expert_alignment));
+  return PairBuffer{int(x->dimensions()[0]),
+                    int(attrs.expert_alignment),
+                    int(pair_of->dimensions()[0]),
+                    x->untyped_data(),
+                    scales->untyped_data(),
+                    weights->element_count() != 0 ? weights->typed_data() : nullptr,
+                    expert_offsets->typed_data(),
+                    pairs_per_expert->typed_data(),
+                    pair_row->typed_data(),
+                    pair_of->typed_data(),
+                    stats->typed_data()};
 }
 
 inline CombineArgs combine_args(const HandleOpAttrs& attrs, const ffi::AnyBuffer& y,
@@ -495,6 +591,13 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::DispatchAttrs,
                                       StructMember<int64_t>("num_experts"), StructMember<uccl_ep::Level>("two_level"),
                                       StructMember<uccl_ep::Path>("path"), StructMember<int64_t>("node_size"),
                                       StructMember<uccl_ep::Overflow>("overflow"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::DispatchPairsAttrs,
+                                      StructMember<Span<const int32_t>>("group_table"),
+                                      StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),
+                                      StructMember<int64_t>("num_experts"), StructMember<uccl_ep::Level>("two_level"),
+                                      StructMember<uccl_ep::Path>("path"), StructMember<int64_t>("node_size"),
+                                      StructMember<uccl_ep::Overflow>("overflow"),
+                                      StructMember<int64_t>("expert_alignment"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::HandleOpAttrs,
                                       StructMember<Span<const int32_t>>("group_table"),
                                       StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),

@@ -10,6 +10,7 @@
 
 #include "../kernels/cpu/low_latency.hpp"
 #include "../kernels/cpu/normal.hpp"
+#include "../kernels/cpu/pairs.hpp"
 #include "../kernels/settings.hpp"
 #include "common.hpp"
 #ifdef UCCL_EP_WITH_CUDA
@@ -139,6 +140,64 @@ ffi::Error CombineImpl(int32_t ordinal, const HandleOpAttrs& attrs, ffi::AnyBuff
   });
 }
 
+ffi::Error DispatchPairsImpl(int32_t ordinal, const ffi_common::DispatchPairsAttrs& attrs, ffi::AnyBuffer x,
+                             ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                             ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> pair_x,
+                             ffi::Result<ffi::AnyBuffer> pair_scales, ffi::Result<ffi::Buffer<ffi::F32>> pair_weights,
+                             ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
+                             ffi::Result<ffi::Buffer<ffi::S32>> pairs_per_expert,
+                             ffi::Result<ffi::Buffer<ffi::S32>> pair_row, ffi::Result<ffi::Buffer<ffi::S32>> pair_of,
+                             ffi::Result<ffi::Buffer<ffi::S32>> stats,
+                             ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank,
+                             ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+  return guarded([&] {
+    poison(pair_x, pair_scales, pair_weights, expert_offsets, pairs_per_expert, pair_row, pair_of, stats,
+           is_token_in_rank, recv_counts);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    const Group g = group_of(dev, attrs.group_table, attrs.group_size, "dispatch");
+    DispatchArgs a =
+        ffi_common::dispatch_inputs(attrs, x, scales, topk_idx, topk_weights, is_token_in_rank, recv_counts);
+    const PairBuffer p = ffi_common::pair_buffer(attrs, pair_x, pair_scales, pair_weights, expert_offsets,
+                                                 pairs_per_expert, pair_row, pair_of, stats);
+    a.capacity = p.rows;
+    aborting_the_job_on_failure(dev, attrs.two_level, [&] { cpu::dispatch_pairs(dev, g, a, p); });
+  });
+}
+
+ffi::Error CachedDispatchPairsImpl(int32_t ordinal, const HandleOpAttrs& attrs, ffi::AnyBuffer x,
+                                   ffi::Buffer<ffi::S32> pair_row, ffi::Buffer<ffi::S32> pair_of,
+                                   ffi::Buffer<ffi::PRED> is_token_in_rank, ffi::Buffer<ffi::S32> recv_counts,
+                                   ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    poison(out);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    const Group g = group_of(dev, attrs.group_table, attrs.group_size, "cached_dispatch");
+    CachedDispatchArgs a = ffi_common::cached_dispatch_args(attrs, x, is_token_in_rank, recv_counts, out);
+    a.capacity = int(pair_of.dimensions()[0]);
+    aborting_the_job_on_failure(dev, attrs.two_level, [&] {
+      cpu::cached_dispatch_pairs(dev, g, a, pair_row.typed_data(), int(pair_row.element_count()), out->untyped_data());
+    });
+  });
+}
+
+ffi::Error CombinePairsImpl(int32_t ordinal, const HandleOpAttrs& attrs, ffi::AnyBuffer y,
+                            ffi::Buffer<ffi::S32> pair_of, ffi::Buffer<ffi::PRED> is_token_in_rank,
+                            ffi::Buffer<ffi::S32> recv_counts, ffi::AnyBuffer /*order*/,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    poison(out);
+    Device& dev = Runtime::get().device_by_ordinal(ordinal);
+    const Group g = group_of(dev, attrs.group_table, attrs.group_size, "combine");
+    CombineArgs a = ffi_common::combine_args(attrs, y, is_token_in_rank, recv_counts, out);
+    a.capacity = int(pair_of.dimensions()[0]);
+    a.y = nullptr;
+    aborting_the_job_on_failure(dev, attrs.two_level, [&] {
+      cpu::combine_pairs(dev, g, a, y.untyped_data(), int(y.dimensions()[0]), pair_of.typed_data(),
+                         int(pair_of.dimensions()[1]));
+    });
+  });
+}
+
 // What every low-latency handler does first: find the device and its group, set the static sizes.
 template <class Args, class Attrs, class Body>
 ffi::Error low_latency_op(int32_t ordinal, const Attrs& attrs, const char* op, Body&& body) {
@@ -241,6 +300,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCpu, PairCapacityImpl,
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl, \
                                 ffi_common::signature(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
 UCCL_EP_FFI_OPS(UCCL_EP_CPU_HANDLER)
+UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CPU_HANDLER)
 
 #ifdef UCCL_EP_WITH_CUDA
 // The host-staged path of the ops on platform CUDA (cpu_handlers.hpp): the implementations above, on host copies.

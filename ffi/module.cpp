@@ -48,6 +48,7 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCpu);
 #define UCCL_EP_CPU_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cpu);
     UCCL_EP_FFI_OPS(UCCL_EP_CPU_CAPSULE)
+    UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CPU_CAPSULE)
 #undef UCCL_EP_CPU_CAPSULE
     return d;
   });

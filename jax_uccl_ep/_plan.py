@@ -153,7 +153,13 @@ def node_size(plan: RuntimePlan, table: np.ndarray) -> int:
     return sizes.pop() if len(sizes) == 1 else 0
 
 
-NORMAL_OPS = ("dispatch", "cached_dispatch", "combine")
+NORMAL_OPS = ("dispatch", "cached_dispatch", "combine", "dispatch_pairs", "cached_dispatch_pairs", "combine_pairs")
+
+
+def receive_writes_pairs() -> bool:
+    """Whether dispatch(layout="expert")'s receive writes the pair buffer itself (the *_pairs ops): on CPU devices.
+    The GPU paths receive token rows and lay the pairs out in XLA (_pairs.py), slot for slot the same."""
+    return _current is not None and _current.platform == "cpu"
 
 
 def op_path(plan: RuntimePlan, op: str, level: str | None, platforms: Sequence[str], table: np.ndarray) -> Path:

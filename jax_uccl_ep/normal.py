@@ -523,6 +523,11 @@ def dispatch(
     if use_fp8:
         check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
         check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
+    if pair_capacity is not None and _plan.receive_writes_pairs():
+        call = _dispatch_pairs_call if is_fp8 else _dispatch_pairs_fp8_wire if use_fp8 else _dispatch_pairs
+        res = call(x, idx, weights, num_experts, axis_name, int(pair_capacity), expert_alignment, overflow)
+        handle = res.handle
+        return res._replace(handle=ExpertHandle(_with_token_shape(handle.rows, lead), handle.pair_row, handle.pair_of))
     call = _dispatch_call if is_fp8 else _dispatch_fp8_wire if use_fp8 else _dispatch
     row_overflow = "error" if layout == "expert" else overflow  # R * T rows: never reached
     out = call(x, idx, weights, num_experts, axis_name, int(capacity), row_overflow)
@@ -562,6 +567,164 @@ def _by_expert(
         num_dropped=num_dropped,
         handle=ExpertHandle(out.handle, layout.pair_row, layout.pair_of),
     )
+
+
+def _dispatch_pairs_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow, level=None):
+    """One dispatch_pairs op (the receive writes the pair buffer) over the axis, or the node level of two-level
+    routing. The C received rows it indexes are every row the level's group can send (level size x tokens)."""
+    rows, scales, is_fp8 = _split_x(x)
+    t, h = rows.shape
+    k = topk_idx.shape[1]
+    num_ranks = _level_size(axis_name, level)
+    groups = num_experts // num_ranks
+    weights = topk_weights if topk_weights is not None else jnp.zeros((t, 0), jnp.float32)
+    outs = ep_call(
+        "dispatch_pairs",
+        (
+            jax.ShapeDtypeStruct((capacity, h), rows.dtype),
+            jax.ShapeDtypeStruct((capacity, scales.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct((capacity if topk_weights is not None else 0,), jnp.float32),
+            jax.ShapeDtypeStruct((groups,), jnp.int32),
+            jax.ShapeDtypeStruct((groups,), jnp.int32),
+            jax.ShapeDtypeStruct((capacity,), jnp.int32),
+            jax.ShapeDtypeStruct((num_ranks * t, k), jnp.int32),
+            jax.ShapeDtypeStruct((3,), jnp.int32),
+            jax.ShapeDtypeStruct((t, num_ranks), jnp.bool_),
+            jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+        ),
+        rows,
+        scales,
+        topk_idx,
+        weights,
+        axis_name=axis_name,
+        num_experts=num_experts,
+        overflow=_OVERFLOW_CODES[overflow],
+        expert_alignment=alignment,
+        **_level_args(level),
+    )
+    pair_x, pair_scales, pair_w, offsets, per_expert, pair_row, pair_of, stats, in_rank, counts = outs
+    return ExpertDispatchResult(
+        x=(pair_x, pair_scales) if is_fp8 else pair_x,
+        weights=pair_w if topk_weights is not None else None,
+        expert_offsets=offsets,
+        num_tokens_per_expert=per_expert,
+        num_tokens=stats[0],
+        num_dropped=stats[1],
+        handle=ExpertHandle(DispatchHandle(in_rank, counts, axis_name, level, overflow="error"), pair_row, pair_of),
+    )
+
+
+def _dispatch_pairs_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
+    plan = _two_level_plan(axis_name)
+    if plan is None:
+        return _dispatch_pairs_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
+    # Token rows across nodes (as _dispatch_call), then the node level's receive writes the pairs.
+    t = topk_idx.shape[0]
+    across = _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, plan.num_nodes * t, "error", "across")
+    weights = across.topk_weights if topk_weights is not None else None
+    within = _dispatch_pairs_level(
+        across.x,
+        across.topk_idx,
+        weights,
+        num_experts // plan.num_nodes,
+        axis_name,
+        capacity,
+        alignment,
+        overflow,
+        "node",
+    )
+    handle = within.handle
+    return within._replace(
+        handle=ExpertHandle(TwoLevelHandle(across.handle, handle.rows), handle.pair_row, handle.pair_of)
+    )
+
+
+def _within(handle: ExpertHandle) -> DispatchHandle:
+    """The row handle of the level whose receive wrote the pairs."""
+    rows = handle.rows
+    return rows.within if isinstance(rows, TwoLevelHandle) else rows
+
+
+def _combine_pairs_call(y: jax.Array, handle: ExpertHandle, after: jax.Array | None = None) -> jax.Array:
+    """combine over the pair buffer: each received row's pairs summed in float32 (rounded once to y's dtype) on its
+    way back, then across nodes under two-level routing."""
+    if y.dtype not in FLOAT_DTYPES:
+        return _combine_pairs_call(y.astype(jnp.float32), handle, after).astype(y.dtype)
+    within = _within(handle)
+    (out,) = ep_call(
+        "combine_pairs",
+        (jax.ShapeDtypeStruct((within.is_token_in_rank.shape[0], y.shape[1]), y.dtype),),
+        y,
+        handle.pair_of,
+        within.is_token_in_rank,
+        within.recv_counts,
+        axis_name=within.axis_name,
+        after=after,
+        overflow=_OVERFLOW_CODES[within.overflow],
+        **_level_args(within.level),
+    )
+    return _combine_call(out, handle.rows.across) if isinstance(handle.rows, TwoLevelHandle) else out
+
+
+def _cached_dispatch_pairs_call(x: jax.Array, handle: ExpertHandle, after: jax.Array | None = None) -> jax.Array:
+    """x [T, H] sent along the pairs' routing, each received row written to its pair slots: [M, H]."""
+    within = _within(handle)
+    if isinstance(handle.rows, TwoLevelHandle):
+        x = _cached_dispatch_call(x, handle.rows.across, within.is_token_in_rank.shape[0], after=after)
+        after = None
+    (out,) = ep_call(
+        "cached_dispatch_pairs",
+        (jax.ShapeDtypeStruct((handle.pair_row.shape[0], x.shape[1]), x.dtype),),
+        x,
+        handle.pair_row,
+        handle.pair_of,
+        within.is_token_in_rank,
+        within.recv_counts,
+        axis_name=within.axis_name,
+        after=after,
+        overflow=_OVERFLOW_CODES[within.overflow],
+        **_level_args(within.level),
+    )
+    return out
+
+
+def _dispatch_pairs_bwd(num_experts, axis_name, capacity, alignment, overflow, handle, g):
+    dx = _combine_pairs_call(g.x, handle)  # the VJP of the pair dispatch is a combine of the pairs
+    dw = None
+    if g.weights is not None:
+        # Each (row, slot)'s weight went to its pair slot (none where dropped): gather the slots' cotangents back.
+        c, k = handle.pair_of.shape
+        owned = jnp.take(g.weights, handle.pair_of.reshape(-1), mode="fill", fill_value=0).reshape(c, k)
+        dw = _combine_call(owned.astype(jnp.float32), handle.rows, after=dx)  # chained: one order on every rank
+    return dx, None, dw
+
+
+def _fp8_wire_pairs_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
+    """Rows cast to FP8 with per-128-channel scales, dispatched as FP8 pairs, cast back to x's dtype."""
+    pair = per_token_cast_to_fp8(x)
+    out = _dispatch_pairs_call(pair, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
+    rows, scales = out.x
+    return out._replace(x=per_token_cast_back(rows, scales, dtype=x.dtype))
+
+
+def _differentiable_pairs(forward):
+    """`forward` (a pair dispatch's call) with its VJP: a combine of the pairs' cotangent (FP8 casts as the
+    identity) and, for the router weights, a combine of each slot's pair cotangent."""
+
+    @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+    def op(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
+        return forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
+
+    def fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
+        out = forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
+        return out, out.handle
+
+    op.defvjp(fwd, _dispatch_pairs_bwd)
+    return op
+
+
+_dispatch_pairs = _differentiable_pairs(_dispatch_pairs_call)
+_dispatch_pairs_fp8_wire = _differentiable_pairs(_fp8_wire_pairs_call)
 
 
 def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_name: AxisName) -> jax.Array:
@@ -613,6 +776,25 @@ def _combine_bwd(residuals, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+@jax.custom_vjp
+def _combine_pairs(y, handle):
+    return _combine_pairs_call(y, handle)
+
+
+def _combine_pairs_fwd(y, handle):
+    out = _combine_pairs_call(y, handle)
+    return out, (handle, out.reshape(-1)[:1])
+
+
+def _combine_pairs_bwd(residuals, g):
+    handle, forward_done = residuals
+    # As _combine_bwd: a dispatch of the cotangent along the routing, each row written to its pair slots.
+    return _cached_dispatch_pairs_call(g, handle, after=forward_done), _no_cotangent(handle)
+
+
+_combine_pairs.defvjp(_combine_pairs_fwd, _combine_pairs_bwd)
+
+
 def combine(y: jax.Array, handle: Handle) -> jax.Array:
     """Returns dispatched rows to their source ranks and sums the copies of each token (call inside shard_map).
 
@@ -637,8 +819,11 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
     if isinstance(handle, ExpertHandle):
         pairs = handle.pair_row.shape[0]
         check(y.shape[0] == pairs, f"y must have the dispatch's {pairs} pair rows, got {y.shape[0]}")
-        rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(y.dtype)
-        y, handle = rows, handle.rows
-    out = _combine(y, handle)
+        if _plan.receive_writes_pairs():
+            out = _combine_pairs(y, handle)
+        else:
+            out = _combine(_pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(y.dtype), handle.rows)
+    else:
+        out = _combine(y, handle)
     token_shape = handle.token_shape
     return out if token_shape is None else out.reshape((*token_shape, out.shape[-1]))

@@ -75,6 +75,25 @@ struct DispatchArgs {
   int node_size;                   // host paths: ranks per node of the hierarchical rounds (0: flat)
 };
 
+// dispatch(layout="expert")'s pair buffer: one row per received (row, slot) pair that names a local expert, local
+// expert e's at [expert_offsets[e], expert_offsets[e] + pairs_per_expert[e]) (offsets multiples of `alignment`,
+// increasing with e), in received row order within each expert. The pairs of a prefix of the received rows are kept
+// while every expert's pairs, rounded up to the alignment, fit in the M slots; the later rows lose all theirs.
+// jax_uccl_ep/_pairs.py lays out the same pairs in XLA (the GPU paths): the two must agree slot for slot.
+struct PairBuffer {
+  int capacity;               // M pair slots
+  int alignment;              // rows
+  int rows;                   // C: the received rows the pairs index (rows of pair_of)
+  void* x;                    // [M, x_row_bytes]: zeros outside the groups
+  void* scales;               // [M, scale_row_bytes]
+  float* weights;             // [M] router weight of each pair, 0 outside the groups; null without weights
+  int32_t* expert_offsets;    // [L]
+  int32_t* pairs_per_expert;  // [L]
+  int32_t* pair_row;          // [M] received row of each slot, C outside the groups
+  int32_t* pair_of;           // [C, K] slot of each received row's top-k slot, M where none or dropped
+  int32_t* stats;             // [3]: rows kept, pairs dropped, aligned pair slots every received pair would need
+};
+
 // Sends x rows by a dispatch's routing (its handle): the backward pass of combine.
 struct CachedDispatchArgs {
   const void* x;  // [T, row_bytes]

@@ -5,6 +5,7 @@ Functions return lists of problems instead of asserting, so child processes can 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 
@@ -649,4 +650,73 @@ def check_expert_gradients(mesh, seed, num_tokens, hidden, topk, num_experts, *,
         problems.append(f"grad x differs (max abs error {np.abs(gather(gx) - np.asarray(want_gx)).max()})")
     if not np.allclose(gather(gw), np.asarray(want_gw), rtol=1e-4, atol=1e-5):
         problems.append(f"grad weights differs (max abs error {np.abs(gather(gw) - np.asarray(want_gw)).max()})")
+    return problems
+
+
+@contextlib.contextmanager
+def pairs_laid_out_in_xla():
+    """dispatch(layout="expert") as the GPU paths run it (token rows, then the pair layout in XLA, _pairs.py) on
+    CPU devices, whose receive otherwise writes the pairs itself. Programs traced inside are traced afresh."""
+    from jax_uccl_ep import _plan
+
+    saved = _plan.receive_writes_pairs
+    _plan.receive_writes_pairs = lambda: False
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _plan.receive_writes_pairs = saved
+        jax.clear_caches()
+
+
+def check_pair_writers_agree(
+    mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, alignment=1, capacity=None, use_fp8=False
+) -> list[str]:
+    """The receive's pair buffer against the XLA layout of the same routing (the GPU paths'): the pair rows, weights,
+    offsets, counts, drops and the handle's slots equal, combine and the gradients of x and the weights within
+    float32 rounding (the two sum a row's pairs in other orders)."""
+    x_dev, _, idx, w = random_case(seed, mesh.devices.size, num_tokens, hidden, topk, num_experts, dtype)
+    cot = np.random.default_rng(seed + 7).standard_normal(x_dev.shape).astype(np.float32)
+
+    def body(x, idx, w, c):
+        def loss(x, w):
+            r = ep.dispatch(
+                x,
+                idx[0],
+                w,
+                num_experts=num_experts,
+                axis_name="ep",
+                layout="expert",
+                expert_alignment=alignment,
+                capacity=capacity,
+                overflow="drop",
+                use_fp8=use_fp8,
+            )
+            y = (jnp.tanh(r.x.astype(jnp.float32)) * r.weights[:, None]).astype(x.dtype)
+            out = ep.combine(y, r.handle)
+            fields = (r.x, r.weights, r.expert_offsets, r.num_tokens_per_expert, r.num_tokens, r.num_dropped)
+            return jnp.sum(out.astype(jnp.float32) * c[0]), (out, fields, r.handle.pair_row, r.handle.pair_of)
+
+        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x[0], w[0])
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], (aux, grads))
+
+    def run():
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        outs = f(*(shard(mesh, a) for a in (x_dev, idx, w, cot)))
+        return [np.asarray(gather(o), np.float32) for o in jax.tree.leaves(outs)]
+
+    received = run()
+    with pairs_laid_out_in_xla():
+        laid_out = run()
+    names = ["combine", "pair rows", "weights", "expert_offsets", "num_tokens_per_expert", "num_tokens"]
+    names += ["num_dropped", "pair_row", "pair_of", "grad x", "grad weights"]
+    problems = []
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name, got, want in zip(names, received, laid_out, strict=True):
+        exact = name not in ("combine", "grad x", "grad weights")
+        same = np.array_equal(got, want) if exact else np.allclose(got, want, **tol)
+        if not same:
+            problems.append(f"{name}: the receive's {got.ravel()[:6]} != XLA's {want.ravel()[:6]}")
+    if received[6].sum() == 0 and capacity is not None:
+        problems.append("the capacity case dropped no pair: it proves nothing about the drop rule")
     return problems

@@ -1,5 +1,7 @@
 """dispatch(layout="expert") on CPU devices against the NumPy reference: pair rows, order, offsets, weights,
-capacity, FP8 pairs, combine and gradients, in one process and across processes."""
+capacity, FP8 pairs, combine and gradients, in one process and across processes; both ways of writing the pairs:
+the receive's own (the *_pairs ops, CPU devices) and the XLA layout after token rows (the GPU paths'), against the
+reference and against each other."""
 
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ def _mesh(num_ranks: int) -> Mesh:
     return cases.mesh_of(jax.devices()[:num_ranks])
 
 
+@pytest.fixture(params=["receive", "xla"])
+def writer(request):
+    """Who writes the pair buffer: the receive (CPU devices' default) or XLA after token rows (the GPU paths')."""
+    if request.param == "xla":
+        with cases.pairs_laid_out_in_xla():
+            yield request.param
+    else:
+        yield request.param
+
+
 CASES = [
     # ranks, tokens, hidden, topk, experts, dtype, alignment, capacity (pairs; None: never drops)
     (1, 9, 128, 2, 4, jnp.float32, 1, None),
@@ -42,7 +54,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("num_ranks,num_tokens,hidden,topk,num_experts,dtype,alignment,capacity", CASES)
-def test_pairs_match_reference(num_ranks, num_tokens, hidden, topk, num_experts, dtype, alignment, capacity):
+def test_pairs_match_reference(num_ranks, num_tokens, hidden, topk, num_experts, dtype, alignment, capacity, writer):
     seed = zlib.crc32(repr((num_ranks, num_tokens, hidden, topk, alignment, capacity)).encode())
     problems = cases.check_expert_layout(
         _mesh(num_ranks), seed, num_tokens, hidden, topk, num_experts, dtype, alignment=alignment, capacity=capacity
@@ -60,15 +72,15 @@ def test_a_small_capacity_drops_what_the_reference_drops():
     assert all(e["num_tokens"] > 0 for e in expected)
 
 
-def test_fp8_pairs_travel_with_their_scales():
+def test_fp8_pairs_travel_with_their_scales(writer):
     assert cases.check_expert_layout(_mesh(4), 5, 19, 256, 3, 8, jnp.float32, alignment=2, fp8_pair=True) == []
 
 
-def test_gradients_match_dense_reference():
+def test_gradients_match_dense_reference(writer):
     assert cases.check_expert_gradients(_mesh(4), 7, 12, 128, 3, 8) == []
 
 
-def test_gradients_through_the_fp8_wire():
+def test_gradients_through_the_fp8_wire(writer):
     assert cases.check_expert_gradients(_mesh(4), 8, 12, 128, 3, 8, use_fp8=True) == []
 
 
@@ -90,7 +102,7 @@ def test_offsets_are_aligned_and_groups_do_not_overlap():
     assert np.all(offsets[:, -1] + counts[:, -1] <= rows[:, None])
 
 
-def test_overflow_error_is_raised_naming_the_rank():
+def test_overflow_error_is_raised_naming_the_rank(writer):
     r, t, k, e = 4, 24, 4, 16
     rng = np.random.default_rng(4)
     idx = ref.random_routing(rng, r, t, k, e)
@@ -105,7 +117,7 @@ def test_overflow_error_is_raised_naming_the_rank():
 
     f = jax.jit(jax.shard_map(body, mesh=_mesh(r), in_specs=P("ep"), out_specs=P("ep")))
     with pytest.raises(
-        Exception, match=rf"rank 0 of the EP axis received pairs that need {need[0]} rows .* capacity is 50"
+        Exception, match=rf"rank 0 (of the EP axis )?received pairs that need {need[0]} rows .* capacity is 50"
     ):
         jax.block_until_ready(f(cases.shard(_mesh(r), x), cases.shard(_mesh(r), idx)))
     # The runtime stays usable: a fitting capacity runs.
@@ -113,8 +125,8 @@ def test_overflow_error_is_raised_naming_the_rank():
 
 
 def test_the_capacity_check_runs_only_where_pairs_can_overflow():
-    """Under overflow="error" the check costs two pmax and, on GPUs, a wait for the stream: a capacity that holds
-    every slot of every row leaves it out; a smaller one keeps it."""
+    """The XLA layout's check under overflow="error" costs two pmax and, on GPUs, a wait for the stream: a capacity
+    that holds every slot of every row leaves it out; a smaller one keeps it. (The receive checks in its own op.)"""
 
     def program(capacity):
         def body(x, idx):
@@ -124,8 +136,39 @@ def test_the_capacity_check_runs_only_where_pairs_can_overflow():
         f = jax.shard_map(body, mesh=_mesh(2), in_specs=P("ep"), out_specs=P("ep"))
         return str(jax.make_jaxpr(f)(jnp.ones((2, 4, 128), jnp.float32), jnp.zeros((2, 4, 3), jnp.int32)))
 
-    assert "pair_capacity" not in program(None)  # 2 ranks x 4 tokens x min(3, 4) slots: every slot fits
-    assert "pair_capacity" in program(20)
+    with cases.pairs_laid_out_in_xla():
+        assert "pair_capacity" not in program(None)  # 2 ranks x 4 tokens x min(3, 4) slots: every slot fits
+        assert "pair_capacity" in program(20)
+    assert "dispatch_pairs" in program(20) and "pair_capacity" not in program(20)
+
+
+AGREE = [
+    # ranks, tokens, hidden, topk, experts, dtype, alignment, capacity, use_fp8
+    (4, 21, 128, 4, 16, jnp.float32, 1, None, False),
+    (2, 33, 256, 3, 4, jnp.bfloat16, 8, None, False),  # more slots than local experts, aligned
+    (4, 20, 128, 4, 16, jnp.float32, 4, 40, False),  # drops
+    (4, 15, 256, 2, 8, jnp.float32, 2, None, True),  # FP8 on the wire
+]
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens,hidden,topk,num_experts,dtype,alignment,capacity,use_fp8", AGREE)
+def test_the_receive_writes_what_the_xla_layout_writes(
+    num_ranks, num_tokens, hidden, topk, num_experts, dtype, alignment, capacity, use_fp8
+):
+    seed = zlib.crc32(repr(("agree", num_ranks, num_tokens, alignment, capacity, use_fp8)).encode())
+    problems = cases.check_pair_writers_agree(
+        _mesh(num_ranks),
+        seed,
+        num_tokens,
+        hidden,
+        topk,
+        num_experts,
+        dtype,
+        alignment=alignment,
+        capacity=capacity,
+        use_fp8=use_fp8,
+    )
+    assert problems == []
 
 
 def test_combine_refuses_rows_of_another_shape():
@@ -154,6 +197,7 @@ def multi_process_pairs(seed: int) -> dict:
     problems = cases.check_expert_layout(mesh, seed, 21, 256, 4, 4 * num_ranks, jnp.bfloat16, alignment=4)
     problems += cases.check_expert_layout(mesh, seed + 1, 17, 128, 3, 2 * num_ranks, jnp.float32, capacity=30)
     problems += cases.check_expert_gradients(mesh, seed + 2, 9, 128, 3, 2 * num_ranks)
+    problems += cases.check_pair_writers_agree(mesh, seed + 3, 13, 128, 3, 2 * num_ranks, jnp.float32, alignment=2)
     ep.shutdown()
     return {"errors": problems, "ranks": num_ranks}
 

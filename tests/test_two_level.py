@@ -116,6 +116,10 @@ def two_nodes_two_levels() -> dict:
     # Every rank of the job raised the overflow in the node level's op: no restart.
     problems["after_capacity"] = cases.check_case(mesh, 39, 10, 128, 2, 2 * r, jnp.float32)
     problems["drop"] = cases.check_drop(mesh, 42, 20, 128, 3, 4 * r, 14)
+    # The expert layout: the node level's receive writes the pairs, in two-level row order.
+    problems["expert_layout"] = cases.check_expert_layout(mesh, 43, 12, 128, 3, 4 * r, jnp.float32, alignment=2)
+    problems["expert_gradients"] = cases.check_expert_gradients(mesh, 44, 9, 128, 3, 2 * r)
+    problems["pair_writers"] = cases.check_pair_writers_agree(mesh, 45, 11, 128, 3, 2 * r, jnp.bfloat16, alignment=4)
 
     # The nodes interleaved along the axis: expert ownership by position no longer matches the nodes.
     interleaved = cases.mesh_of([devices[i] for i in (0, 2, 1, 3)])

@@ -255,6 +255,38 @@ std::vector<uint32_t> exchange_receive(Device& dev, const Group& group, OpKind k
   });
 }
 
+void raise_if_any_rank_needs_more(Device& dev, const Group& group, uint32_t op_index, uint64_t capacity, bool over_job,
+                                  uint64_t needed,
+                                  const std::function<std::string(uint32_t rank, uint64_t needed)>& message) {
+  std::vector<int32_t> everyone;
+  Group round = group;
+  if (over_job) {
+    for (uint32_t r = 0; r < dev.num_ranks(); ++r) everyone.push_back(int32_t(r));
+    round = make_group(dev, everyone.data(), int(everyone.size()), "dispatch");
+  }
+  ExchangePlan plan{OpKind::kCapacityCheck, op_index, 16, capacity, std::vector<uint32_t>(round.size, 1), ""};
+  uint64_t most = 0;
+  uint32_t neediest = 0;
+  exchange(
+      dev, round, plan,
+      [&](int, uint32_t, uint8_t* out) {
+        std::memset(out, 0, 16);
+        std::memcpy(out, &needed, 8);
+      },
+      [&](int s, uint32_t count, const uint8_t* rows) {
+        uint64_t n = 0;
+        if (count == 1) std::memcpy(&n, rows, 8);
+        if (n > most) {
+          most = n;
+          neediest = uint32_t(round.ranks[s]);
+        }
+      });
+  if (most <= capacity) return;
+  const std::string what = std::string("uccl_ep ") + op_name(OpKind::kCapacityCheck) + ": " + message(neediest, most);
+  if (over_job) throw RaisedOnEveryRank(what);
+  throw CollectiveError(what);
+}
+
 void abort_group(Device& dev, const Group& group, const std::string& message) {
   {
     std::lock_guard<std::mutex> lock(dev.op_mutex());

@@ -51,37 +51,21 @@ struct RowSink {
     return first;
   }
   bool overflowed() const { return total > uint64_t(capacity); }
-  std::string overflow_message(const Device& dev) const {
-    return "rank " + std::to_string(dev.rank()) + " received " + std::to_string(total) + " tokens but capacity is " +
-           std::to_string(capacity) +
-           "; pass a larger capacity (the default, group size * tokens per rank, never drops) or overflow='drop'";
-  }
 };
 
-// Under Overflow::kError a dispatch whose rows may exceed some rank's capacity ends with a round of verdicts, so
-// that every rank raises a rank's overflow in the same op and all stay in step (the runtime remains usable). The
-// round runs over the group, or over every rank of the runtime for the node level of two-level routing.
+std::string overflow_message(uint32_t rank, uint64_t rows, int capacity) {
+  return "rank " + std::to_string(rank) + " received " + std::to_string(rows) + " tokens but capacity is " +
+         std::to_string(capacity) +
+         "; pass a larger capacity (the default, group size * tokens per rank, never drops) or overflow='drop'";
+}
+
+// Under Overflow::kError a dispatch whose rows may exceed some rank's capacity ends with a round of the ranks'
+// counts, so that every rank raises the neediest rank's overflow in the same op.
 void check_capacity_everywhere(Device& dev, const Group& group, const DispatchArgs& a, const RowSink& sink) {
   const uint64_t most_rows = uint64_t(group.size) * uint64_t(a.num_tokens);  // every member sends all its tokens
   if (a.overflow != Overflow::kError || most_rows <= uint64_t(a.capacity)) return;
-  std::vector<int32_t> everyone;
-  Group round = group;
-  if (a.overflow_status_over_job) {
-    for (uint32_t r = 0; r < dev.num_ranks(); ++r) everyone.push_back(int32_t(r));
-    round = make_group(dev, everyone.data(), int(everyone.size()), "dispatch");
-  }
-  ExchangePlan plan{OpKind::kCapacityCheck,
-                    a.op_index,
-                    16,
-                    uint64_t(a.capacity),
-                    std::vector<uint32_t>(round.size, 0),
-                    sink.overflowed() ? sink.overflow_message(dev) : ""};
-  try {
-    exchange(dev, round, plan, [](int, uint32_t, uint8_t*) {}, [](int, uint32_t, const uint8_t*) {});
-  } catch (const CollectiveError& e) {
-    if (a.overflow_status_over_job) throw RaisedOnEveryRank(e.what());
-    throw;
-  }
+  raise_if_any_rank_needs_more(dev, group, a.op_index, uint64_t(a.capacity), a.overflow_status_over_job, sink.total,
+                               [&](uint32_t rank, uint64_t rows) { return overflow_message(rank, rows, a.capacity); });
 }
 
 // A group whose members fall into nodes as equal blocks of `per_node` consecutive members (member s = node *
@@ -467,7 +451,9 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep cached_dispatch: " + mismatch + " (stale handle?)");
   // Rows past the capacity: dropped by a dropping dispatch's handle; otherwise its dispatch would have failed.
   if (sink.overflowed() && a.overflow != Overflow::kDrop)
-    abort_group(dev, group, "uccl_ep cached_dispatch: " + sink.overflow_message(dev) + " (stale handle?)");
+    abort_group(
+        dev, group,
+        "uccl_ep cached_dispatch: " + overflow_message(dev.rank(), sink.total, a.capacity) + " (stale handle?)");
   size_t valid = std::min(size_t(sink.total), size_t(a.capacity));
   std::memset(bytes_of(a.recv_x) + valid * a.row_bytes, 0, (size_t(a.capacity) - valid) * a.row_bytes);
 }
