@@ -69,7 +69,8 @@ class MoEConfig:
     overflow: Literal["drop", "error"] = "drop"  # rows past that capacity: dropped (MaxText's), or an error
     pair_buffer_factor: float | None = None  # never dropping (capacity_factor None): a rank's experts run on a
     # pair buffer of this factor x its mean pairs (capacity_for) whenever its pairs fit, else on the worst-case one
-    # (None: always the worst case, R * tokens * min(top_k, E / R) pairs); see moe_ffn_local
+    # (None: always the worst case, R * tokens * min(top_k, E / R) pairs); see moe_ffn_local. Slower on 4x H200
+    # (46.2 against 41.6 ms a step, bench/RESULTS.md): the grouped matmuls skip the empty tiles already
     fp8_dispatch: bool = False  # rows travel as FP8 (dispatch's use_fp8; the backward stays in x's dtype)
     compute_dtype: Any = None  # the experts' matmuls (and dispatched rows): None = bfloat16 on GPUs, else params'
     grouped_matmul: GroupedBackend = "auto"  # the experts' grouped matmuls: Mosaic kernels where they run, else XLA's
