@@ -367,32 +367,41 @@ def _dispatch_bwd(num_experts, axis_name, capacity, overflow, residuals, g):
     return dx, None, dw
 
 
-def _fp8_wire_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
-    """Rows cast to FP8 with per-128-channel scales, dispatched as FP8, and cast back to x's dtype on arrival."""
-    pair = per_token_cast_to_fp8(x)
-    out = _dispatch_call(pair, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
-    rows, scales = out.x
-    return out._replace(x=per_token_cast_back(rows, scales, dtype=x.dtype))
+def _over_fp8_wire(call):
+    """`call` (a dispatch's call, x first) with x's rows cast to FP8 with per-128-channel scales, dispatched as FP8,
+    and cast back to x's dtype on arrival."""
+
+    def wire(x, *args):
+        out = call(per_token_cast_to_fp8(x), *args)
+        rows, scales = out.x
+        return out._replace(x=per_token_cast_back(rows, scales, dtype=x.dtype))
+
+    return wire
 
 
-def _differentiable(forward):
-    """`forward` (a dispatch's call) with dispatch's VJP: a combine of the rows' cotangent, in their dtype. For the
-    FP8 wire the casts are taken as the identity, as FP8 training does."""
+def _differentiable(forward, residuals_of, backward, num_static: int):
+    """`forward` (a dispatch's call: x, topk_idx, topk_weights, then `num_static` static arguments) with the VJP
+    `backward(*static, residuals_of(output), cotangent)`: a combine of the rows' cotangent in their dtype (for the
+    FP8 wire the casts taken as the identity, as FP8 training does)."""
 
-    @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-    def op(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
-        return forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
+    @partial(jax.custom_vjp, nondiff_argnums=tuple(range(3, 3 + num_static)))
+    def op(x, topk_idx, topk_weights, *static):
+        return forward(x, topk_idx, topk_weights, *static)
 
-    def fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
-        out = forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
-        return out, (out.handle, out.topk_idx)
+    def fwd(x, topk_idx, topk_weights, *static):
+        out = forward(x, topk_idx, topk_weights, *static)
+        return out, residuals_of(out)
 
-    op.defvjp(fwd, _dispatch_bwd)
+    op.defvjp(fwd, backward)
     return op
 
 
-_dispatch = _differentiable(_dispatch_call)
-_dispatch_fp8_wire = _differentiable(_fp8_wire_call)
+def _rows_residuals(out: DispatchResult):
+    return out.handle, out.topk_idx
+
+
+_dispatch = _differentiable(_dispatch_call, _rows_residuals, _dispatch_bwd, 4)
+_dispatch_fp8_wire = _differentiable(_over_fp8_wire(_dispatch_call), _rows_residuals, _dispatch_bwd, 4)
 
 
 @overload
@@ -699,32 +708,10 @@ def _dispatch_pairs_bwd(num_experts, axis_name, capacity, alignment, overflow, h
     return dx, None, dw
 
 
-def _fp8_wire_pairs_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
-    """Rows cast to FP8 with per-128-channel scales, dispatched as FP8 pairs, cast back to x's dtype."""
-    pair = per_token_cast_to_fp8(x)
-    out = _dispatch_pairs_call(pair, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
-    rows, scales = out.x
-    return out._replace(x=per_token_cast_back(rows, scales, dtype=x.dtype))
-
-
-def _differentiable_pairs(forward):
-    """`forward` (a pair dispatch's call) with its VJP: a combine of the pairs' cotangent (FP8 casts as the
-    identity) and, for the router weights, a combine of each slot's pair cotangent."""
-
-    @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-    def op(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
-        return forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
-
-    def fwd(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
-        out = forward(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
-        return out, out.handle
-
-    op.defvjp(fwd, _dispatch_pairs_bwd)
-    return op
-
-
-_dispatch_pairs = _differentiable_pairs(_dispatch_pairs_call)
-_dispatch_pairs_fp8_wire = _differentiable_pairs(_fp8_wire_pairs_call)
+_dispatch_pairs = _differentiable(_dispatch_pairs_call, lambda out: out.handle, _dispatch_pairs_bwd, 5)
+_dispatch_pairs_fp8_wire = _differentiable(
+    _over_fp8_wire(_dispatch_pairs_call), lambda out: out.handle, _dispatch_pairs_bwd, 5
+)
 
 
 def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_name: AxisName) -> jax.Array:
