@@ -31,8 +31,8 @@
   X(LowLatencyCombineSend, "uccl_ep_low_latency_combine_send", low_latency_combine_send_signature)    \
   X(LowLatencyCombineRecv, "uccl_ep_low_latency_combine_recv", low_latency_combine_recv_signature)
 #define UCCL_EP_FFI_OPS(X) UCCL_EP_FFI_NORMAL_OPS(X) UCCL_EP_FFI_LOW_LATENCY_OPS(X)
-// dispatch(layout="expert")'s ops whose receive writes the pair buffer: CPU devices only (the GPU paths lay the pairs
-// out in XLA after the rows arrive, jax_uccl_ep/_plan.py: receive_writes_pairs).
+// dispatch(layout="expert")'s ops whose receive writes the pair buffer: the host paths (CPU devices, host-staged
+// GPUs); the GPU kernels' paths lay the pairs out in XLA after the rows arrive (jax_uccl_ep/_plan.py decides).
 #define UCCL_EP_FFI_PAIR_OPS(X)                                                            \
   X(DispatchPairs, "uccl_ep_dispatch_pairs", dispatch_pairs_signature)                     \
   X(CachedDispatchPairs, "uccl_ep_cached_dispatch_pairs", cached_dispatch_pairs_signature) \
@@ -70,6 +70,7 @@ inline std::vector<std::string> take_op_errors() {
     static constexpr const char* kName = name; \
   };
 UCCL_EP_FFI_OPS(UCCL_EP_OP_TAG)
+UCCL_EP_FFI_PAIR_OPS(UCCL_EP_OP_TAG)
 #undef UCCL_EP_OP_TAG
 
 // Runs `body` while holding the runtime alive (`lifetime` shared), mapping exceptions to XLA error codes.

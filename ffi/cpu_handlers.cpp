@@ -309,6 +309,7 @@ namespace {
 #define UCCL_EP_IMPL_OF(stem, name, signature) \
   constexpr auto impl_of(ffi_common::stem##Op) { return &stem##Impl; }
 UCCL_EP_FFI_OPS(UCCL_EP_IMPL_OF)
+UCCL_EP_FFI_PAIR_OPS(UCCL_EP_IMPL_OF)
 #undef UCCL_EP_IMPL_OF
 }  // namespace
 
@@ -319,6 +320,7 @@ ffi::Error StagedOp<Op, ffi::Error(int32_t, Args...)>::call(cudaStream_t stream,
 
 #define UCCL_EP_STAGED(stem, name, signature) template struct StagedOp<ffi_common::stem##Op, decltype(stem##Impl)>;
 UCCL_EP_FFI_OPS(UCCL_EP_STAGED)
+UCCL_EP_FFI_PAIR_OPS(UCCL_EP_STAGED)
 #undef UCCL_EP_STAGED
 }  // namespace uccl_ep::ffi_cpu
 #endif

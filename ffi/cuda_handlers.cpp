@@ -276,6 +276,22 @@ struct OnPath {
   }
 };
 
+// A pair op's CUDA handler: its receive writes the pair buffer on the host paths only (the host-staged one here);
+// on the kernels' paths the lowering never places it (jax_uccl_ep/_plan.py: receive_writes_pairs).
+template <class Op>
+struct OnHostPath {
+  template <class Attrs, class... Args>
+  ffi::Error operator()(cudaStream_t stream, int32_t ordinal, const Attrs& attrs, Args... args) const {
+    using Staged = uccl_ep::ffi_cpu::StagedOp<Op, ffi::Error(int32_t, const Attrs&, Args...)>;
+    if (attrs.path == uccl_ep::Path::kStaged) return Staged::call(stream, ordinal, attrs, args...);
+    const std::string path = std::to_string(int64_t(attrs.path));
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string("uccl_ep ") + Op::kName +
+                          ": the pair buffer is written by the host paths only, not " + "GPU path " + path +
+                          " (lowered by another version of jax_uccl_ep?)");
+  }
+};
+
 }  // namespace
 
 // get_dispatch_layout: no communication; a bad index goes to the error word of whichever runtime holds the GPU,
@@ -327,6 +343,11 @@ ffi::Error PairCapacityImpl(cudaStream_t stream, int32_t /*ordinal*/,
                                 uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
 UCCL_EP_FFI_OPS(UCCL_EP_CUDA_HANDLER)
 #undef UCCL_EP_CUDA_HANDLER
+#define UCCL_EP_CUDA_PAIR_HANDLER(stem, name, signature)                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cuda, OnHostPath<uccl_ep::ffi_common::stem##Op>{}, \
+                                uccl_ep::ffi_common::signature(UCCL_EP_CUDA_BIND()));
+UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CUDA_PAIR_HANDLER)
+#undef UCCL_EP_CUDA_PAIR_HANDLER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCuda, LayoutImpl, uccl_ep::ffi_common::layout_signature(UCCL_EP_CUDA_BIND()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCuda, PairCapacityImpl,

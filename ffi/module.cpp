@@ -61,6 +61,7 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCuda);
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
     UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
+    UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CUDA_CAPSULE)
 #undef UCCL_EP_CUDA_CAPSULE
     return d;
   });

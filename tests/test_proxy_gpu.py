@@ -81,6 +81,23 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
     _check(results, 2)
 
 
+def test_host_staged_ops_across_nodes_on_one_shared_gpu():
+    """UCCL_EP_GPU_INITIATED=0 on two processes sharing one GPU, each its own node: normal mode copies to the host
+    and runs the CPU implementation there, the expert layout's pair ops included (their receive writes the pair
+    buffer on the host), against the same references as tests/test_gpu.py."""
+    results = _on_one_gpu(
+        "test_gpu.py",
+        "gpu_suite",
+        2,
+        args=["normal", "0", "0"],
+        timeout_s=200,
+        UCCL_EP_GPUS_PER_NODE="1",
+        UCCL_EP_GPU_INITIATED="0",
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
+    )
+    _check(results, 2)
+
+
 @pytest.mark.parametrize("part,reorder", [("normal", "0"), ("normal", "1"), ("low_latency", "0")])
 def test_two_level_routing_on_one_shared_gpu(part, reorder):
     """Four processes on one GPU as two nodes of two (UCCL_EP_GPUS_PER_NODE=2): normal mode routes in two levels,
