@@ -157,14 +157,11 @@ NORMAL_OPS = ("dispatch", "cached_dispatch", "combine", "dispatch_pairs", "cache
 
 
 def receive_writes_pairs() -> bool:
-    """Whether dispatch(layout="expert")'s receive writes the pair buffer itself (the *_pairs ops): where normal
-    mode runs on the host (CPU devices; GPUs on the proxy runtime whose kernels do not push its commands, in one
-    level, which op_path makes Path.STAGED). The GPU kernels' paths receive token rows and lay the pairs out in XLA
-    (_pairs.py), slot for slot the same."""
-    plan = _current
-    if plan is None:
-        return False
-    return plan.platform == "cpu" or not (plan.nvlink or plan.gpu_initiated_normal or plan.two_level is not None)
+    """Whether dispatch(layout="expert")'s receive writes the pair buffer itself (the *_pairs ops): on CPU devices.
+    The GPU paths receive token rows and lay the pairs out in XLA (_pairs.py), slot for slot the same. (The CUDA
+    handlers of the pair ops can run them host-staged, Path.STAGED; that path takes them once a GPU has run
+    tests/test_proxy_gpu.py's staged case with them.)"""
+    return _current is not None and _current.platform == "cpu"
 
 
 def op_path(plan: RuntimePlan, op: str, level: str | None, platforms: Sequence[str], table: np.ndarray) -> Path:

@@ -83,8 +83,8 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
 
 def test_host_staged_ops_across_nodes_on_one_shared_gpu():
     """UCCL_EP_GPU_INITIATED=0 on two processes sharing one GPU, each its own node: normal mode copies to the host
-    and runs the CPU implementation there, the expert layout's pair ops included (their receive writes the pair
-    buffer on the host), against the same references as tests/test_gpu.py."""
+    and runs the CPU implementation there, the expert layout included, against the same references as
+    tests/test_gpu.py."""
     results = _on_one_gpu(
         "test_gpu.py",
         "gpu_suite",
