@@ -216,7 +216,7 @@ def _no_jvp(primals: Any, tangents: Any, *, params: CallParams) -> Any:
     op = params.op
     if op.startswith("low_latency"):
         hint = "low-latency ops are for inference and decoding; train with dispatch and combine, which have VJPs"
-    elif op == "dispatch":
+    elif op in ("dispatch", "dispatch_pairs"):
         hint = (
             "an FP8 pair has no derivative: pass the unquantized rows with use_fp8=True for an FP8 dispatch that "
             "has one"

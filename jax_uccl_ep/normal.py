@@ -655,8 +655,8 @@ def _within(handle: ExpertHandle) -> DispatchHandle:
 
 
 def _combine_pairs_call(y: jax.Array, handle: ExpertHandle, after: jax.Array | None = None) -> jax.Array:
-    """combine over the pair buffer: each received row's pairs summed in float32 (rounded once to y's dtype) on its
-    way back, then across nodes under two-level routing."""
+    """combine over the pair buffer: each received row's pairs summed in float32 (rounded once to y's dtype, float16
+    sums sent as float32) on its way back, then across nodes under two-level routing."""
     if y.dtype not in FLOAT_DTYPES:
         return _combine_pairs_call(y.astype(jnp.float32), handle, after).astype(y.dtype)
     within = _within(handle)
@@ -795,7 +795,8 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
       [..., H] in y's dtype with the leading dimensions of dispatch's x, accumulated in float32 (float16 rows
       travel as float32); tokens that went nowhere get zeros. Under two-level routing each node's partial sum is
       rounded to y's dtype once before it crosses nodes (as DeepEP's internode combine does: bfloat16 on the
-      network). Pair rows: a rank sums a token's pairs in float32 and sends the sum back rounded once to y's dtype.
+      network). Pair rows: a rank sums a token's pairs in float32 and sends the sum back rounded once to y's dtype
+      (float16: as float32).
     """
     check(hasattr(y, "ndim") and y.ndim == 2, f"y must be 2-D [capacity, hidden], got shape {getattr(y, 'shape', y)}")
     check(y.dtype in ROW_DTYPES, f"y must be float32, bfloat16 or float16, got {y.dtype}")
@@ -809,7 +810,10 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
         if _plan.receive_writes_pairs():
             out = _combine_pairs(y, handle)
         else:
-            out = _combine(_pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(y.dtype), handle.rows)
+            # float16 sums travel as float32 (as float16 rows do), the same sums the receive's pair ops send
+            wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
+            rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(wire)
+            out = _combine(rows, handle.rows).astype(y.dtype)
     else:
         out = _combine(y, handle)
     token_shape = handle.token_shape

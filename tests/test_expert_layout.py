@@ -124,6 +124,24 @@ def test_overflow_error_is_raised_naming_the_rank(writer):
     assert cases.check_expert_layout(_mesh(4), 9, 10, 128, 2, 8, jnp.float32) == []
 
 
+def test_overflow_names_the_rank_by_its_place_on_the_axis(writer):
+    """A mesh whose axis lists the devices in reverse: both writers name the neediest rank by its index on the EP
+    axis (the one a user's mesh gives), not by the runtime's numbering."""
+    r, t, k, e = 4, 16, 2, 8
+    idx = np.full((r, t, k), -1, np.int32)
+    idx[:, :, 0] = 1  # every token to expert 1: axis position 0's rank needs every pair
+    x = np.random.default_rng(6).standard_normal((r, t, 128)).astype(np.float32)
+    mesh = cases.mesh_of(list(reversed(jax.devices()[:r])))
+
+    def body(x, idx):
+        res = ep.dispatch(x[0], idx[0], num_experts=e, axis_name="ep", layout="expert", capacity=20)
+        return ep.combine(res.x, res.handle)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    with pytest.raises(Exception, match=rf"rank 0 of the EP axis received pairs that need {r * t} rows"):
+        jax.block_until_ready(f(cases.shard(mesh, x), cases.shard(mesh, idx)))
+
+
 def test_the_capacity_check_runs_only_where_pairs_can_overflow():
     """The XLA layout's check under overflow="error" costs two pmax and, on GPUs, a wait for the stream: a capacity
     that holds every slot of every row leaves it out; a smaller one keeps it. (The receive checks in its own op.)"""
@@ -148,6 +166,7 @@ AGREE = [
     (2, 33, 256, 3, 4, jnp.bfloat16, 8, None, False),  # more slots than local experts, aligned
     (4, 20, 128, 4, 16, jnp.float32, 4, 40, False),  # drops
     (4, 15, 256, 2, 8, jnp.float32, 2, None, True),  # FP8 on the wire
+    (4, 17, 128, 3, 8, jnp.float16, 2, None, False),  # float16 pair sums travel as float32 both ways
 ]
 
 

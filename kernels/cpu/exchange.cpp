@@ -257,7 +257,7 @@ std::vector<uint32_t> exchange_receive(Device& dev, const Group& group, OpKind k
 
 void raise_if_any_rank_needs_more(Device& dev, const Group& group, uint32_t op_index, uint64_t capacity, bool over_job,
                                   uint64_t needed,
-                                  const std::function<std::string(uint32_t rank, uint64_t needed)>& message) {
+                                  const std::function<std::string(uint32_t member, uint64_t needed)>& message) {
   std::vector<int32_t> everyone;
   Group round = group;
   if (over_job) {
@@ -278,7 +278,7 @@ void raise_if_any_rank_needs_more(Device& dev, const Group& group, uint32_t op_i
         if (count == 1) std::memcpy(&n, rows, 8);
         if (n > most) {
           most = n;
-          neediest = uint32_t(round.ranks[s]);
+          neediest = uint32_t(s);
         }
       });
   if (most <= capacity) return;

@@ -85,12 +85,13 @@ std::vector<uint32_t> exchange_receive(Device& dev, const Group& group, OpKind k
 
 // After an op that may have overflowed a capacity under Overflow::kError: every rank sends every member what it
 // needed (`needed`, in the capacity's units), and if any rank needed more than `capacity`, every rank raises
-// `message(rank, needed)` of the neediest (the first in group order on a tie) in this op, so all stay in step and
-// the runtime remains usable. Over the group, or with `over_job` over every rank of the runtime (the node level of
-// two-level routing, whose other nodes wait on this one): then the error is RaisedOnEveryRank.
+// `message(member, needed)` of the neediest (the first in order on a tie) in this op, so all stay in step and the
+// runtime remains usable. Over the group, `member` the neediest's index in it (its position on the EP axis), or
+// with `over_job` over every rank of the runtime (the node level of two-level routing, whose other nodes wait on
+// this one), `member` its runtime rank: then the error is RaisedOnEveryRank.
 void raise_if_any_rank_needs_more(Device& dev, const Group& group, uint32_t op_index, uint64_t capacity, bool over_job,
                                   uint64_t needed,
-                                  const std::function<std::string(uint32_t rank, uint64_t needed)>& message);
+                                  const std::function<std::string(uint32_t member, uint64_t needed)>& message);
 
 // For a failure found after a successful round on this rank only (capacity exceeded, a stale handle): aborts
 // like above and throws InvalidArgument(message).

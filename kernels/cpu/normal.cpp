@@ -64,8 +64,9 @@ std::string overflow_message(uint32_t rank, uint64_t rows, int capacity) {
 void check_capacity_everywhere(Device& dev, const Group& group, const DispatchArgs& a, const RowSink& sink) {
   const uint64_t most_rows = uint64_t(group.size) * uint64_t(a.num_tokens);  // every member sends all its tokens
   if (a.overflow != Overflow::kError || most_rows <= uint64_t(a.capacity)) return;
-  raise_if_any_rank_needs_more(dev, group, a.op_index, uint64_t(a.capacity), a.overflow_status_over_job, sink.total,
-                               [&](uint32_t rank, uint64_t rows) { return overflow_message(rank, rows, a.capacity); });
+  raise_if_any_rank_needs_more(
+      dev, group, a.op_index, uint64_t(a.capacity), a.overflow_status_over_job, sink.total,
+      [&](uint32_t member, uint64_t rows) { return overflow_message(member, rows, a.capacity); });
 }
 
 // A group whose members fall into nodes as equal blocks of `per_node` consecutive members (member s = node *

@@ -96,8 +96,9 @@ void dispatch_pairs(Device& dev, const Group& group, DispatchArgs rows, const Pa
   const int64_t every_slot = int64_t(C) * K + int64_t(pairs.alignment - 1) * groups;
   if (pair_overflow == Overflow::kError && M < every_slot)
     raise_if_any_rank_needs_more(dev, group, rows.op_index, uint64_t(M), rows.overflow_status_over_job,
-                                 uint64_t(pairs.stats[2]), [&](uint32_t rank, uint64_t needed) {
-                                   return pair_overflow_message(std::to_string(rank), int64_t(needed), M);
+                                 uint64_t(pairs.stats[2]), [&](uint32_t member, uint64_t needed) {
+                                   const std::string of_axis = rows.overflow_status_over_job ? "" : " of the EP axis";
+                                   return pair_overflow_message(std::to_string(member) + of_axis, int64_t(needed), M);
                                  });
   for (int s = 0; s < M; ++s) {
     const int64_t from = source[s];
