@@ -300,8 +300,16 @@ class LayerTimer:
         pairs = None
         if cfg.capacity_factor is not None:
             pairs = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.capacity_factor, cfg.num_experts)
+        # With pair_buffer_factor the layer dispatches token rows and lays their pairs out itself, on the small
+        # buffer while a rank's pairs fit (moe_ffn_local): the parts run that way too.
+        small = None
+        if cfg.pair_buffer_factor is not None:
+            small = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.pair_buffer_factor, cfg.num_experts)
 
         def dispatch(x, idx, w):
+            if small is not None:
+                res = ep.dispatch(x.astype(dtype), idx, w, num_experts=cfg.num_experts, axis_name=AXIS)
+                return (res.x, res.topk_idx, res.topk_weights, res.num_tokens.reshape(1)), res.handle
             res = ep.dispatch(
                 x.astype(dtype),
                 idx,
@@ -312,15 +320,28 @@ class LayerTimer:
                 overflow="drop",
                 layout="expert",
             )
-            return res.x, res.num_tokens_per_expert, res.weights, res.handle
+            return (res.x, res.num_tokens_per_expert, res.weights), res.handle
 
-        def experts(p, pairs, sizes, w):
+        def experts(p, received):
+            if small is not None:
+                rows, expert, w, num_rows = received
+                return layers.swiglu_experts(
+                    p,
+                    rows,
+                    expert,
+                    w,
+                    num_rows=num_rows[0],
+                    pair_buffer=small,
+                    compute_dtype=dtype,
+                    backend=moe.grouped_matmul,
+                )
+            pairs, sizes, w = received
             y = layers.swiglu_pairs(p, pairs, sizes, compute_dtype=dtype, backend=moe.grouped_matmul)
             return y.astype(jnp.float32) * w[:, None]
 
         self.router = shard(lambda p, x: layers.route(p["router"], x, moe)[:2], (specs, P(AXIS)))
         self.dispatch = shard(dispatch, P(AXIS))
-        self.experts = shard(experts, (specs, P(AXIS), P(AXIS), P(AXIS)))
+        self.experts = shard(experts, (specs, P(AXIS)))
         self.combine = shard(lambda y, handle: ep.combine(y.astype(dtype), handle), P(AXIS))
 
     def measure(self, moe_params: dict) -> dict[str, float]:
@@ -331,11 +352,11 @@ class LayerTimer:
             "moe_fwd_bwd_ms": _median_ms(lambda: self.layer_grads(moe_params, self.x)),
         }
         if self.impl == "uccl":
-            pairs, sizes, w, handle = self.dispatch(self.x, self.idx, self.w)
-            y = self.experts(moe_params, pairs, sizes, w)
+            received, handle = self.dispatch(self.x, self.idx, self.w)
+            y = self.experts(moe_params, received)
             out["router_ms"] = _median_ms(lambda: self.router(moe_params, self.x))
             out["dispatch_ms"] = _median_ms(lambda: self.dispatch(self.x, self.idx, self.w))
-            out["experts_ms"] = _median_ms(lambda: self.experts(moe_params, pairs, sizes, w))
+            out["experts_ms"] = _median_ms(lambda: self.experts(moe_params, received))
             out["combine_ms"] = _median_ms(lambda: self.combine(y, handle))
         return out
 

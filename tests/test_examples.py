@@ -335,6 +335,20 @@ def test_train_moe_with_its_layers_scanned_gives_the_unrolled_losses(ep_runtime)
     assert scanned["dispatch_ms"] > 0 and scanned["moe_fwd_ms"] > 0
 
 
+def test_train_moe_with_the_load_sized_buffer(ep_runtime):
+    """--pair-buffer-factor: the never-dropping layer on the load-sized buffer gives the worst-case buffer's losses
+    (nothing drops either way), and its part timings run the layer's own path (token rows, swiglu_experts on the
+    small buffer)."""
+    pytest.importorskip("optax")
+    train = _load("train_moe").train
+    base = ["--steps", "3", "--batch-per-device", "2", "--seed", "4", "--ep-impl", "uccl"]
+    plain = train(base + ["--time-every", "0"], verbose=False)
+    sized = train(base + ["--pair-buffer-factor", "1.5", "--time-every", "3"], verbose=False)
+    np.testing.assert_allclose(sized["losses"], plain["losses"], rtol=1e-5)
+    assert sized["pairs_dropped"] == [0, 0, 0], sized["pairs_dropped"]
+    assert sized["dispatch_ms"] > 0 and sized["experts_ms"] > 0 and sized["combine_ms"] > 0, sized
+
+
 def test_train_moe_in_one_process_with_several_devices(ep_runtime):
     pytest.importorskip("optax")
     train = _load("train_moe").train
