@@ -311,17 +311,23 @@ def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, 
     return within._replace(handle=TwoLevelHandle(across.handle, within.handle))
 
 
-def _combine_call(y: jax.Array, handle: RowHandle, after: jax.Array | None = None) -> jax.Array:
+def _combine_call(
+    y: jax.Array, handle: RowHandle, after: jax.Array | None = None, pair_of: jax.Array | None = None
+) -> jax.Array:
+    """combine's op along `handle`; with `pair_of` ([C, K] slots of the rows the dispatch received, whose receive
+    wrote them: the node level under two-level routing), y holds pair rows and each received row's pairs are summed
+    in float32 on its way back (combine_pairs)."""
     if y.dtype not in FLOAT_DTYPES:  # float16: the kernels sum float32 and bfloat16 rows
-        return _combine_call(y.astype(jnp.float32), handle, after).astype(y.dtype)
+        return _combine_call(y.astype(jnp.float32), handle, after, pair_of).astype(y.dtype)
     if isinstance(handle, TwoLevelHandle):
         # Sum within the node, then cross back once.
-        return _combine_call(_combine_call(y, handle.within, after=after), handle.across)
+        return _combine_call(_combine_call(y, handle.within, after, pair_of), handle.across)
     t = handle.is_token_in_rank.shape[0]
+    op, operands = ("combine", [y]) if pair_of is None else ("combine_pairs", [y, pair_of])
     (out,) = ep_call(
-        "combine",
+        op,
         (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
-        y,
+        *operands,
         handle.is_token_in_rank,
         handle.recv_counts,
         axis_name=handle.axis_name,
@@ -332,15 +338,27 @@ def _combine_call(y: jax.Array, handle: RowHandle, after: jax.Array | None = Non
     return out
 
 
-def _cached_dispatch_call(x: jax.Array, handle: RowHandle, capacity: int, after: jax.Array | None = None) -> jax.Array:
+def _cached_dispatch_call(
+    x: jax.Array,
+    handle: RowHandle,
+    capacity: int,
+    after: jax.Array | None = None,
+    pairs: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+    """cached_dispatch's op along `handle` into `capacity` rows (those its dispatch received); with `pairs` (pair_row
+    [M], pair_of [C, K] of the dispatch whose receive wrote them), each received row is written to its pair slots
+    instead: [M, H] (cached_dispatch_pairs)."""
     if isinstance(handle, TwoLevelHandle):
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         across = _cached_dispatch_call(x, handle.across, forwarded, after=after)
-        return _cached_dispatch_call(across, handle.within, capacity)
+        return _cached_dispatch_call(across, handle.within, capacity, pairs=pairs)
+    op, operands, rows = "cached_dispatch", [x], capacity
+    if pairs is not None:
+        op, operands, rows = "cached_dispatch_pairs", [x, *pairs], pairs[0].shape[0]
     (out,) = ep_call(
-        "cached_dispatch",
-        (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),),
-        x,
+        op,
+        (jax.ShapeDtypeStruct((rows, x.shape[1]), x.dtype),),
+        *operands,
         handle.is_token_in_rank,
         handle.recv_counts,
         axis_name=handle.axis_name,
@@ -648,57 +666,8 @@ def _dispatch_pairs_call(x, topk_idx, topk_weights, num_experts, axis_name, capa
     )
 
 
-def _within(handle: ExpertHandle) -> DispatchHandle:
-    """The row handle of the level whose receive wrote the pairs."""
-    rows = handle.rows
-    return rows.within if isinstance(rows, TwoLevelHandle) else rows
-
-
-def _combine_pairs_call(y: jax.Array, handle: ExpertHandle, after: jax.Array | None = None) -> jax.Array:
-    """combine over the pair buffer: each received row's pairs summed in float32 (rounded once to y's dtype, float16
-    sums sent as float32) on its way back, then across nodes under two-level routing."""
-    if y.dtype not in FLOAT_DTYPES:
-        return _combine_pairs_call(y.astype(jnp.float32), handle, after).astype(y.dtype)
-    within = _within(handle)
-    (out,) = ep_call(
-        "combine_pairs",
-        (jax.ShapeDtypeStruct((within.is_token_in_rank.shape[0], y.shape[1]), y.dtype),),
-        y,
-        handle.pair_of,
-        within.is_token_in_rank,
-        within.recv_counts,
-        axis_name=within.axis_name,
-        after=after,
-        overflow=_OVERFLOW_CODES[within.overflow],
-        **_level_args(within.level),
-    )
-    return _combine_call(out, handle.rows.across) if isinstance(handle.rows, TwoLevelHandle) else out
-
-
-def _cached_dispatch_pairs_call(x: jax.Array, handle: ExpertHandle, after: jax.Array | None = None) -> jax.Array:
-    """x [T, H] sent along the pairs' routing, each received row written to its pair slots: [M, H]."""
-    within = _within(handle)
-    if isinstance(handle.rows, TwoLevelHandle):
-        x = _cached_dispatch_call(x, handle.rows.across, within.is_token_in_rank.shape[0], after=after)
-        after = None
-    (out,) = ep_call(
-        "cached_dispatch_pairs",
-        (jax.ShapeDtypeStruct((handle.pair_row.shape[0], x.shape[1]), x.dtype),),
-        x,
-        handle.pair_row,
-        handle.pair_of,
-        within.is_token_in_rank,
-        within.recv_counts,
-        axis_name=within.axis_name,
-        after=after,
-        overflow=_OVERFLOW_CODES[within.overflow],
-        **_level_args(within.level),
-    )
-    return out
-
-
 def _dispatch_pairs_bwd(num_experts, axis_name, capacity, alignment, overflow, handle, g):
-    dx = _combine_pairs_call(g.x, handle)  # the VJP of the pair dispatch is a combine of the pairs
+    dx = _combine_call(g.x, handle.rows, pair_of=handle.pair_of)  # the pair dispatch's VJP: a combine of the pairs
     dw = None
     if g.weights is not None:
         # Each (row, slot)'s weight went to its pair slot (none where dropped): gather the slots' cotangents back.
@@ -765,18 +734,20 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 @jax.custom_vjp
 def _combine_pairs(y, handle):
-    return _combine_pairs_call(y, handle)
+    return _combine_call(y, handle.rows, pair_of=handle.pair_of)
 
 
 def _combine_pairs_fwd(y, handle):
-    out = _combine_pairs_call(y, handle)
+    out = _combine_call(y, handle.rows, pair_of=handle.pair_of)
     return out, (handle, out.reshape(-1)[:1])
 
 
 def _combine_pairs_bwd(residuals, g):
     handle, forward_done = residuals
     # As _combine_bwd: a dispatch of the cotangent along the routing, each row written to its pair slots.
-    return _cached_dispatch_pairs_call(g, handle, after=forward_done), _no_cotangent(handle)
+    pairs = (handle.pair_row, handle.pair_of)
+    received = handle.pair_of.shape[0]
+    return _cached_dispatch_call(g, handle.rows, received, after=forward_done, pairs=pairs), _no_cotangent(handle)
 
 
 _combine_pairs.defvjp(_combine_pairs_fwd, _combine_pairs_bwd)
