@@ -323,11 +323,10 @@ def _combine_call(
         # Sum within the node, then cross back once.
         return _combine_call(_combine_call(y, handle.within, after, pair_of), handle.across)
     t = handle.is_token_in_rank.shape[0]
-    op, operands = ("combine", [y]) if pair_of is None else ("combine_pairs", [y, pair_of])
     (out,) = ep_call(
-        op,
+        "combine" if pair_of is None else "combine_pairs",
         (jax.ShapeDtypeStruct((t, y.shape[1]), y.dtype),),
-        *operands,
+        *([y] if pair_of is None else [y, pair_of]),
         handle.is_token_in_rank,
         handle.recv_counts,
         axis_name=handle.axis_name,
@@ -352,13 +351,11 @@ def _cached_dispatch_call(
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         across = _cached_dispatch_call(x, handle.across, forwarded, after=after)
         return _cached_dispatch_call(across, handle.within, capacity, pairs=pairs)
-    op, operands, rows = "cached_dispatch", [x], capacity
-    if pairs is not None:
-        op, operands, rows = "cached_dispatch_pairs", [x, *pairs], pairs[0].shape[0]
+    rows = capacity if pairs is None else pairs[0].shape[0]
     (out,) = ep_call(
-        op,
+        "cached_dispatch" if pairs is None else "cached_dispatch_pairs",
         (jax.ShapeDtypeStruct((rows, x.shape[1]), x.dtype),),
-        *operands,
+        *([x] if pairs is None else [x, *pairs]),
         handle.is_token_in_rank,
         handle.recv_counts,
         axis_name=handle.axis_name,

@@ -87,8 +87,10 @@ def test_every_op_has_a_handler_on_every_built_platform():
     for name in os.listdir(PACKAGE):
         if name.endswith(".py"):
             with open(os.path.join(PACKAGE, name)) as f:
-                ops |= set(re.findall(r'ep_call\(\s*"(\w+)"', f.read()))
-    assert {"layout", "dispatch", "combine", "low_latency_dispatch"} <= ops  # the scan finds the ops
+                # The op's name is the call's first argument: a literal, or a choice of literals.
+                for first in re.findall(r'ep_call\(\s*("\w+"(?:\s+if\s+[^,]*?\s+else\s+"\w+")?)', f.read()):
+                    ops |= set(re.findall(r'"(\w+)"', first))
+    assert {"layout", "dispatch", "combine", "combine_pairs", "low_latency_dispatch"} <= ops  # the scan finds them
     targets = {"uccl_ep_" + op for op in ops}
     assert targets <= set(_uccl_ep.cpu_registrations()), targets - set(_uccl_ep.cpu_registrations())
     if hasattr(_uccl_ep, "cuda_registrations"):  # a CUDA build: every op on GPUs too
