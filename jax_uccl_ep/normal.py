@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Literal, NamedTuple, Union, overload
+from typing import Literal, NamedTuple, Union, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -289,34 +289,41 @@ def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity,
     )
 
 
-def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
+def _in_levels(node_level, x, topk_idx, topk_weights, num_experts: int, axis_name: AxisName):
+    """A dispatch over the axis: ``node_level(x, topk_idx, topk_weights, num_experts, level)`` over the whole axis
+    (level None), or under two-level routing over the node level (level "node") after the level across nodes, with
+    a handle of both levels."""
     plan = _two_level_plan(axis_name)
     if plan is None:
-        return _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow)
+        return node_level(x, topk_idx, topk_weights, num_experts, None)
     # Across nodes: node n owns experts [n*E/N, (n+1)*E/N); its rows come back with node-local indices (or -1)
     # and padding rows with -1 everywhere, so the node level forwards exactly the valid rows. That level's
     # capacity holds every row a node can get; only the node level applies the user's.
     t = topk_idx.shape[0]
     across = _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, plan.num_nodes * t, "error", "across")
-    within = _dispatch_level(
-        across.x,
-        across.topk_idx,
-        across.topk_weights,
-        num_experts // plan.num_nodes,
-        axis_name,
-        capacity,
-        overflow,
-        "node",
-    )
-    return within._replace(handle=TwoLevelHandle(across.handle, within.handle))
+    within = node_level(across.x, across.topk_idx, across.topk_weights, num_experts // plan.num_nodes, "node")
+    handle = within.handle  # of the node level: its rows' handle is one level's
+    if isinstance(handle, ExpertHandle):
+        rows = TwoLevelHandle(across.handle, cast(DispatchHandle, handle.rows))
+        return within._replace(handle=ExpertHandle(rows, handle.pair_row, handle.pair_of))
+    return within._replace(handle=TwoLevelHandle(across.handle, cast(DispatchHandle, handle)))
+
+
+def _dispatch_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow):
+    def level(x, topk_idx, topk_weights, num_experts, level):
+        return _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, overflow, level)
+
+    return _in_levels(level, x, topk_idx, topk_weights, num_experts, axis_name)
 
 
 def _combine_call(
-    y: jax.Array, handle: RowHandle, after: jax.Array | None = None, pair_of: jax.Array | None = None
+    y: jax.Array, handle: Handle, after: jax.Array | None = None, pair_of: jax.Array | None = None
 ) -> jax.Array:
-    """combine's op along `handle`; with `pair_of` ([C, K] slots of the rows the dispatch received, whose receive
-    wrote them: the node level under two-level routing), y holds pair rows and each received row's pairs are summed
-    in float32 on its way back (combine_pairs)."""
+    """combine's op along `handle`. With an ExpertHandle (its pairs written by the receive) or `pair_of` ([C, K]
+    slots of the rows a dispatch received, passed on to the node level under two-level routing), y holds pair rows
+    and each received row's pairs are summed in float32 on its way back (combine_pairs)."""
+    if isinstance(handle, ExpertHandle):  # pair rows whose receive wrote them
+        return _combine_call(y, handle.rows, after, handle.pair_of)
     if y.dtype not in FLOAT_DTYPES:  # float16: the kernels sum float32 and bfloat16 rows
         return _combine_call(y.astype(jnp.float32), handle, after, pair_of).astype(y.dtype)
     if isinstance(handle, TwoLevelHandle):
@@ -339,14 +346,17 @@ def _combine_call(
 
 def _cached_dispatch_call(
     x: jax.Array,
-    handle: RowHandle,
+    handle: Handle,
     capacity: int,
     after: jax.Array | None = None,
     pairs: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """cached_dispatch's op along `handle` into `capacity` rows (those its dispatch received); with `pairs` (pair_row
-    [M], pair_of [C, K] of the dispatch whose receive wrote them), each received row is written to its pair slots
-    instead: [M, H] (cached_dispatch_pairs)."""
+    """cached_dispatch's op along `handle` into `capacity` rows (those its dispatch received). With an ExpertHandle
+    (its pairs written by the receive) or `pairs` (its pair_row [M] and pair_of [C, K], passed on to the node level
+    under two-level routing), each received row is written to its pair slots instead: [M, H]
+    (cached_dispatch_pairs)."""
+    if isinstance(handle, ExpertHandle):
+        return _cached_dispatch_call(x, handle.rows, capacity, after, (handle.pair_row, handle.pair_of))
     if isinstance(handle, TwoLevelHandle):
         forwarded = handle.within.is_token_in_rank.shape[0]  # rows the dispatch across nodes delivered
         across = _cached_dispatch_call(x, handle.across, forwarded, after=after)
@@ -550,8 +560,7 @@ def dispatch(
     if pair_capacity is not None and _plan.receive_writes_pairs():
         call = _dispatch_pairs_call if is_fp8 else _dispatch_pairs_fp8_wire if use_fp8 else _dispatch_pairs
         res = call(x, idx, weights, num_experts, axis_name, int(pair_capacity), expert_alignment, overflow)
-        handle = res.handle
-        return res._replace(handle=ExpertHandle(_with_token_shape(handle.rows, lead), handle.pair_row, handle.pair_of))
+        return res._replace(handle=_with_token_shape(res.handle, lead))
     call = _dispatch_call if is_fp8 else _dispatch_fp8_wire if use_fp8 else _dispatch
     row_overflow = "error" if layout == "expert" else overflow  # R * T rows: never reached
     out = call(x, idx, weights, num_experts, axis_name, int(capacity), row_overflow)
@@ -639,32 +648,16 @@ def _dispatch_pairs_level(x, topk_idx, topk_weights, num_experts, axis_name, cap
 
 
 def _dispatch_pairs_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
-    plan = _two_level_plan(axis_name)
-    if plan is None:
-        return _dispatch_pairs_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow)
-    # Token rows across nodes (as _dispatch_call), then the node level's receive writes the pairs.
-    t = topk_idx.shape[0]
-    across = _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, plan.num_nodes * t, "error", "across")
-    weights = across.topk_weights if topk_weights is not None else None
-    within = _dispatch_pairs_level(
-        across.x,
-        across.topk_idx,
-        weights,
-        num_experts // plan.num_nodes,
-        axis_name,
-        capacity,
-        alignment,
-        overflow,
-        "node",
-    )
-    handle = within.handle
-    return within._replace(
-        handle=ExpertHandle(TwoLevelHandle(across.handle, handle.rows), handle.pair_row, handle.pair_of)
-    )
+    def level(x, topk_idx, topk_weights, num_experts, level):
+        return _dispatch_pairs_level(
+            x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow, level
+        )
+
+    return _in_levels(level, x, topk_idx, topk_weights, num_experts, axis_name)
 
 
 def _dispatch_pairs_bwd(num_experts, axis_name, capacity, alignment, overflow, handle, g):
-    dx = _combine_call(g.x, handle.rows, pair_of=handle.pair_of)  # the pair dispatch's VJP: a combine of the pairs
+    dx = _combine_call(g.x, handle)  # the VJP of the pair dispatch is a combine of the pairs
     dw = None
     if g.weights is not None:
         # Each (row, slot)'s weight went to its pair slot (none where dropped): gather the slots' cotangents back.
@@ -674,9 +667,13 @@ def _dispatch_pairs_bwd(num_experts, axis_name, capacity, alignment, overflow, h
     return dx, None, dw
 
 
-_dispatch_pairs = _differentiable(_dispatch_pairs_call, lambda out: out.handle, _dispatch_pairs_bwd, 5)
+def _pairs_residuals(out: ExpertDispatchResult):
+    return out.handle
+
+
+_dispatch_pairs = _differentiable(_dispatch_pairs_call, _pairs_residuals, _dispatch_pairs_bwd, 5)
 _dispatch_pairs_fp8_wire = _differentiable(
-    _over_fp8_wire(_dispatch_pairs_call), lambda out: out.handle, _dispatch_pairs_bwd, 5
+    _over_fp8_wire(_dispatch_pairs_call), _pairs_residuals, _dispatch_pairs_bwd, 5
 )
 
 
@@ -699,7 +696,10 @@ def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_na
     return zero
 
 
-def _with_token_shape(handle: RowHandle, token_shape: tuple[int, ...]) -> RowHandle:
+def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
+    if isinstance(handle, ExpertHandle):
+        rows = cast(RowHandle, _with_token_shape(handle.rows, token_shape))
+        return ExpertHandle(rows, handle.pair_row, handle.pair_of)
     if isinstance(handle, TwoLevelHandle):
         return TwoLevelHandle(handle.across, handle.within, token_shape)
     return DispatchHandle(
@@ -729,27 +729,6 @@ def _combine_bwd(residuals, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-@jax.custom_vjp
-def _combine_pairs(y, handle):
-    return _combine_call(y, handle.rows, pair_of=handle.pair_of)
-
-
-def _combine_pairs_fwd(y, handle):
-    out = _combine_call(y, handle.rows, pair_of=handle.pair_of)
-    return out, (handle, out.reshape(-1)[:1])
-
-
-def _combine_pairs_bwd(residuals, g):
-    handle, forward_done = residuals
-    # As _combine_bwd: a dispatch of the cotangent along the routing, each row written to its pair slots.
-    pairs = (handle.pair_row, handle.pair_of)
-    received = handle.pair_of.shape[0]
-    return _cached_dispatch_call(g, handle.rows, received, after=forward_done, pairs=pairs), _no_cotangent(handle)
-
-
-_combine_pairs.defvjp(_combine_pairs_fwd, _combine_pairs_bwd)
-
-
 def combine(y: jax.Array, handle: Handle) -> jax.Array:
     """Returns dispatched rows to their source ranks and sums the copies of each token (call inside shard_map).
 
@@ -776,7 +755,7 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
         pairs = handle.pair_row.shape[0]
         check(y.shape[0] == pairs, f"y must have the dispatch's {pairs} pair rows, got {y.shape[0]}")
         if _plan.receive_writes_pairs():
-            out = _combine_pairs(y, handle)
+            out = _combine(y, handle)
         else:
             # float16 sums travel as float32 (as float16 rows do), the same sums the receive's pair ops send
             wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
