@@ -287,7 +287,7 @@ struct OnHostPath {
     const std::string path = std::to_string(int64_t(attrs.path));
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string("uccl_ep ") + Op::kName +
-                          ": the pair buffer is written by the host paths only, not " + "GPU path " + path +
+                          ": the pair buffer is written by the host paths only, not GPU path " + path +
                           " (lowered by another version of jax_uccl_ep?)");
   }
 };

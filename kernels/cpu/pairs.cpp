@@ -17,10 +17,9 @@ int64_t aligned(int64_t n, int alignment) { return (n + alignment - 1) / alignme
 // stats; returns the (row * K + slot) of each pair slot, -1 outside the groups.
 std::vector<int64_t> lay_out(const int32_t* expert, int valid_rows, int K, int groups, const PairBuffer& p) {
   const int C = p.rows, M = p.capacity;
-  std::vector<int64_t> through(groups, 0), kept(groups, 0);
-  int64_t needed = 0, pairs = 0;  // aligned slots of the rows so far, valid pairs of all rows
+  std::vector<int64_t> through(groups, 0), kept;  // pairs of each expert in the rows so far; in the kept rows
+  int64_t needed = 0, pairs = 0;                  // aligned slots of the rows so far, valid pairs of all rows
   int rows_kept = 0;
-  bool keeping = true;
   auto local = [&](int row, int k) {
     const int32_t e = expert[int64_t(row) * K + k];
     return e >= 0 && e < groups ? e : -1;
@@ -33,12 +32,16 @@ std::vector<int64_t> lay_out(const int32_t* expert, int valid_rows, int K, int g
         ++pairs;
       }
     // A row is kept while every row up to it fits: the aligned total only grows, so the kept rows are a prefix.
-    keeping = keeping && needed <= M;
-    if (keeping) {
+    if (rows_kept < r) continue;
+    if (needed <= M) {
       ++rows_kept;
-      kept = through;
+      continue;
     }
+    kept = through;  // the first row that does not fit: the counts before it
+    for (int k = 0; k < K; ++k)
+      if (const int e = local(r, k); e >= 0) --kept[e];
   }
+  if (rows_kept == valid_rows) kept = through;
   int64_t offset = 0, placed = 0;
   std::vector<int64_t> cursor(groups);
   for (int e = 0; e < groups; ++e) {
