@@ -300,11 +300,9 @@ class LayerTimer:
         pairs = None
         if cfg.capacity_factor is not None:
             pairs = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.capacity_factor, cfg.num_experts)
-        # With pair_buffer_factor the layer dispatches token rows and lays their pairs out itself, on the small
-        # buffer while a rank's pairs fit (moe_ffn_local): the parts run that way too.
-        small = None
-        if cfg.pair_buffer_factor is not None:
-            small = layers.capacity_for(tokens_per_rank, cfg.top_k, r, cfg.pair_buffer_factor, cfg.num_experts)
+        # Where the layer runs the load-sized buffer it dispatches token rows and lays their pairs out itself, on
+        # the small buffer while a rank's pairs fit (moe_ffn_local): the parts run that way too.
+        small = layers.load_sized_pairs(moe, tokens_per_rank, r)
 
         def dispatch(x, idx, w):
             if small is not None:

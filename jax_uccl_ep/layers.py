@@ -42,6 +42,7 @@ __all__ = [
     "capacity_for",
     "init_moe_params",
     "load_balancing_loss",
+    "load_sized_pairs",
     "moe_ffn",
     "moe_ffn_decode",
     "moe_ffn_local",
@@ -138,6 +139,17 @@ def capacity_for(
     pairs = math.ceil(capacity_factor * num_tokens * top_k)
     per_token = top_k if num_experts is None else min(top_k, num_experts // num_ranks)
     return max(1, min(num_ranks * num_tokens * per_token, pairs))
+
+
+def load_sized_pairs(config: MoEConfig, num_tokens: int, num_ranks: int) -> int | None:
+    """The pair buffer (pairs) on which moe_ffn_local runs a rank's experts while its pairs fit, for `num_tokens`
+    tokens on each of `num_ranks` ranks (MoEConfig.pair_buffer_factor), or None where the layer runs the expert
+    layout instead: no factor, a capacity factor, or a factor whose buffer would hold every pair anyway."""
+    if config.capacity_factor is not None or config.pair_buffer_factor is None:
+        return None
+    small = capacity_for(num_tokens, config.top_k, num_ranks, config.pair_buffer_factor, config.num_experts)
+    groups = config.num_experts // num_ranks
+    return small if small < _pairs.never_dropping_pairs(num_ranks * num_tokens, config.top_k, groups, 1) else None
 
 
 def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -316,12 +328,10 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor, config.num_experts)
     dtype = config.experts_dtype(params["w_gate"].dtype)
     aux, per_expert = _routing_stats(scores, idx, config)
-    if capacity is None and config.pair_buffer_factor is not None:
-        small = capacity_for(tokens.shape[0], config.top_k, ranks, config.pair_buffer_factor, config.num_experts)
-        groups = params["w_gate"].shape[0]
-        if small < _pairs.never_dropping_pairs(ranks * tokens.shape[0], config.top_k, groups, 1):
-            y, rows, dropped = _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name)
-            return MoEOutput(y.astype(x.dtype).reshape(*lead, d), aux, MoEStats(rows, dropped, per_expert))
+    small = load_sized_pairs(config, tokens.shape[0], ranks)
+    if small is not None:
+        y, rows, dropped = _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name)
+        return MoEOutput(y.astype(x.dtype).reshape(*lead, d), aux, MoEStats(rows, dropped, per_expert))
     res = dispatch(
         tokens.astype(dtype),
         idx,

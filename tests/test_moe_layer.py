@@ -423,3 +423,14 @@ def test_layer_gradients_across_processes_match_the_reference(fp8, pair_buffer_f
     args = [fp8, pair_buffer_factor]
     for result in launch_ok(os.path.abspath(__file__), "layer_parity_child", 2, args=args, devices_per_process=2):
         assert result["problems"] == []
+
+
+def test_the_load_sized_buffer_is_used_only_where_it_is_smaller_than_every_pair():
+    """load_sized_pairs (the layer's choice of path): factor x the mean pairs a rank gets (tokens x top_k), and None
+    without a factor, beside a capacity factor, or where that buffer would hold every pair anyway (one rank: each
+    rank gets exactly its mean)."""
+    cfg = layers.MoEConfig(num_experts=16, top_k=4, pair_buffer_factor=1.5)
+    assert layers.load_sized_pairs(cfg, 64, 4) == 384  # 1.5 x 64 x 4, under the 4 x 64 x 4 never-dropping pairs
+    assert layers.load_sized_pairs(cfg, 64, 1) is None  # 1.5 x the mean is capped at every pair: no small path
+    assert layers.load_sized_pairs(layers.MoEConfig(num_experts=16, top_k=4), 64, 4) is None
+    assert layers.load_sized_pairs(layers.MoEConfig(num_experts=16, top_k=4, capacity_factor=1.25), 64, 4) is None
