@@ -5,6 +5,7 @@ bandwidth, sets the step time. This times the package's MoE layer (jax_uccl_ep.l
 examples/moe_layer.py on the same parameters and tokens (the same function: router, SwiGLU experts):
 
   uccl LL fp8 / bf16   layers.moe_ffn_decode (jax_uccl_ep low-latency dispatch/combine, static buffers)
+  uccl LL fp8 batched  the same with its experts as batched matmuls over every slot (grouped_matmul="xla")
   uccl normal          layers.moe_ffn_local (jax_uccl_ep dispatch/combine)
   all_to_all           moe_layer.moe_ffn_all_to_all (jax.lax.all_to_all, fixed capacity, never drops)
   dense                moe_layer.moe_ffn_dense (layers.moe_ffn_reference, expert weights all-gathered; no EP)
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--impls", default="uccl_ll_fp8,uccl_ll_bf16,uccl,all_to_all,dense")
+    ap.add_argument("--impls", default="uccl_ll_fp8,uccl_ll_fp8_batched,uccl_ll_bf16,uccl,all_to_all,dense")
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
     ap.add_argument("--cpu", action="store_true", help="CPU devices (JAX_NUM_CPU_DEVICES, default 2)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -71,10 +72,13 @@ def main(argv=None) -> int:
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     x = jax.device_put(jax.random.normal(jax.random.key(1), (r * t, args.d_model), dtype), NamedSharding(mesh, P("ep")))
     config = layers.MoEConfig(num_experts=args.experts, top_k=args.top_k)
+    # The decode layer's experts as batched matmuls over every slot (XLA) rather than on the rows received.
+    batched = layers.MoEConfig(num_experts=args.experts, top_k=args.top_k, grouped_matmul="xla")
     kw = dict(axis_name="ep", max_tokens_per_rank=t)
     impls = {
         "uccl_ll_fp8": lambda p, x: layers.moe_ffn_decode(p, x, config, use_fp8=True, **kw),
         "uccl_ll_bf16": lambda p, x: layers.moe_ffn_decode(p, x, config, use_fp8=False, **kw),
+        "uccl_ll_fp8_batched": lambda p, x: layers.moe_ffn_decode(p, x, batched, use_fp8=True, **kw),
         "uccl": lambda p, x: layers.moe_ffn_local(p, x, config, axis_name="ep").y,
         "all_to_all": lambda p, x: ml.moe_ffn_all_to_all(p, x, config, axis_name="ep").y,
         "dense": lambda p, x: ml.moe_ffn_dense(p, x, config, axis_name="ep").y,

@@ -161,3 +161,33 @@ def _pair_weights_bwd(residuals, d_pairs):
 
 
 pair_weights.defvjp(_pair_weights_fwd, _pair_weights_bwd)
+
+
+def pack_slots(rows: jax.Array, counts: jax.Array) -> jax.Array:
+    """``rows [G, S, D]`` (group g's first ``counts[g]`` slots hold its rows, the rest padding) as ``[G * S, D]``
+    with the groups one after another from row 0 (the grouped matmul's layout, alignment 1) and zeros after them:
+    a gather, so the grouped matmul's cost follows the rows there rather than G * S."""
+    groups, slots = rows.shape[:2]
+    counts = jnp.clip(counts.astype(jnp.int32), 0, slots)
+    ends = jnp.cumsum(counts)
+    packed_row = jnp.arange(groups * slots, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, packed_row, side="right").astype(jnp.int32)  # G past the groups
+    inside = group < groups
+    group = jnp.minimum(group, groups - 1)
+    source = group * slots + packed_row - (ends[group] - counts[group])
+    flat = rows.reshape(groups * slots, *rows.shape[2:])
+    gathered = flat[jnp.where(inside, source, 0)]
+    return jnp.where(inside.reshape(-1, *([1] * (rows.ndim - 2))), gathered, jnp.zeros((), rows.dtype))
+
+
+def unpack_slots(packed: jax.Array, counts: jax.Array, slots: int) -> jax.Array:
+    """`pack_slots` backwards: ``packed [G * S, D]`` (the groups from row 0) as ``[G, S, D]``, each group's rows in
+    its first ``counts[g]`` slots and zeros in the rest."""
+    groups = counts.shape[0]
+    counts = jnp.clip(counts.astype(jnp.int32), 0, slots)
+    starts = jnp.cumsum(counts) - counts
+    slot = jnp.arange(slots, dtype=jnp.int32)
+    inside = slot[None, :] < counts[:, None]  # [G, S]
+    source = jnp.where(inside, starts[:, None] + slot[None, :], 0)
+    out = packed[source.reshape(-1)].reshape(groups, slots, *packed.shape[1:])
+    return jnp.where(inside.reshape(groups, slots, *([1] * (packed.ndim - 1))), out, jnp.zeros((), packed.dtype))

@@ -157,11 +157,16 @@ NORMAL_OPS = ("dispatch", "cached_dispatch", "combine", "dispatch_pairs", "cache
 
 
 def receive_writes_pairs() -> bool:
-    """Whether dispatch(layout="expert")'s receive writes the pair buffer itself (the *_pairs ops): on CPU devices.
-    The GPU paths receive token rows and lay the pairs out in XLA (_pairs.py), slot for slot the same. (The CUDA
-    handlers of the pair ops can run them host-staged, Path.STAGED; that path takes them once a GPU has run
-    tests/test_proxy_gpu.py's staged case with them.)"""
-    return _current is not None and _current.platform == "cpu"
+    """Whether dispatch(layout="expert")'s receive writes the pair buffer itself (the *_pairs ops): on CPU devices,
+    and on GPUs where normal mode runs host-staged (the proxy runtime with GPU-initiated ops off and no two-level
+    routing: op_path's Path.STAGED), whose handlers run the CPU ops on the host copies. The NVLink and GPU-initiated
+    paths receive token rows and lay the pairs out in XLA (_pairs.py), slot for slot the same."""
+    plan = _current
+    if plan is None:
+        return False
+    if plan.platform == "cpu":
+        return True
+    return not plan.nvlink and plan.two_level is None and not plan.gpu_initiated_normal
 
 
 def op_path(plan: RuntimePlan, op: str, level: str | None, platforms: Sequence[str], table: np.ndarray) -> Path:

@@ -136,6 +136,9 @@ def _import_kernels() -> None:
 _runtime.after_initialize(_import_kernels)
 
 
+# The kernels' calls are jitted on their own so that identical calls (the same shapes in every layer of a model,
+# forward and backward) trace and lower their Pallas kernels once per program rather than once per call site.
+@functools.partial(jax.jit, static_argnums=(3,))
 def _tokamax_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     """lhs [M, K] x rhs [G, K, N] by groups of rows, forward only."""
     out = _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype, implementation=_row_kernel())
@@ -147,6 +150,7 @@ def _tile(size: int) -> int | None:
     return next((t for t in (128, 64) if size % t == 0), None)
 
 
+@functools.partial(jax.jit, static_argnums=(3,))
 def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     """[G, K, N]: group g's rows of lhs [M, K] transposed times its rows of dout [M, N]; zeros for empty groups.
     JAX's own Mosaic GPU kernel (`transposed_ragged_dot_mgpu`: it walks only each group's row blocks, so the rows

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _pairs
 from ._ffi import varying_like, zeros_typed
-from .grouped import GroupedBackend, grouped_matmul
+from .grouped import GroupedBackend, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
 
@@ -49,6 +49,7 @@ __all__ = [
     "moe_ffn_reference",
     "moe_param_specs",
     "route",
+    "swiglu_expert_slots",
     "swiglu_experts",
     "swiglu_pairs",
 ]
@@ -302,6 +303,35 @@ def swiglu_pairs(
     return grouped_matmul(h, params["w_down"].astype(dtype), group_sizes, out_dtype=dtype, backend=backend)
 
 
+def swiglu_expert_slots(
+    params: Params,
+    rows: jax.Array,
+    counts: jax.Array,
+    *,
+    compute_dtype: Any = None,
+    backend: GroupedBackend = "auto",
+) -> jax.Array:
+    """The local experts on per-expert slot buffers ``rows [G, S, D]`` (low-latency dispatch's output: expert g's
+    rows in its first ``counts[g]`` slots, padding after them that may hold anything): ``[G, S, D]`` in
+    `compute_dtype` (default: the parameters'), zeros in the padding. Where the grouped matmul runs its Mosaic
+    kernels the rows are packed first (a gather each way), so the cost follows the rows received rather than
+    G * S slots; elsewhere (CPU devices, XLA's ragged_dot) as batched matmuls over the slots, the padding zeroed."""
+    dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
+    groups, slots = rows.shape[:2]
+    if grouped_backend(backend, dtype) == "mosaic":
+        packed = _pairs.pack_slots(rows.astype(dtype), counts)
+        y = swiglu_pairs(params, packed, jnp.minimum(counts, slots), compute_dtype=dtype, backend=backend)
+        return _pairs.unpack_slots(y, counts, slots)
+    valid = jnp.arange(slots)[None, :] < counts[:, None]
+    rows = jnp.where(valid[..., None], rows, 0).astype(dtype)
+    w = {k: params[k].astype(dtype) for k in ("w_gate", "w_up", "w_down")}
+    gate = jnp.einsum("lnd,ldf->lnf", rows, w["w_gate"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("lnd,ldf->lnf", rows, w["w_up"], preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    y = jnp.einsum("lnf,lfd->lnd", h, w["w_down"], preferred_element_type=jnp.float32).astype(dtype)
+    return jnp.where(valid[..., None], y, jnp.zeros((), dtype))
+
+
 def _check_params(params: Params, num_experts: int, axis_name: Any, where: str) -> None:
     missing = {"router", "w_gate", "w_up", "w_down"} - set(params)
     if missing:
@@ -448,8 +478,9 @@ def moe_ffn_decode(
     use_fp8: bool = True,
 ) -> jax.Array:
     """The layer for decoding, inside a ``jax.shard_map``: low-latency dispatch (FP8 rows by default) into static
-    per-expert buffers, the local experts as batched matmuls over them (already expert-major: no grouping needed)
-    in ``config.compute_dtype``, low-latency combine weighted by the router. ``x [..., D]`` with at most
+    per-expert buffers, the local experts over them (`swiglu_expert_slots`: the grouped matmul on the rows received
+    where its Mosaic kernels run, batched matmuls over the slots elsewhere) in ``config.compute_dtype``, low-latency
+    combine weighted by the router. ``x [..., D]`` with at most
     `max_tokens_per_rank` tokens. Forward only."""
     _check_params(params, config.num_experts, axis_name, "moe_ffn_decode")
     lead, d = x.shape[:-1], x.shape[-1]
@@ -473,11 +504,5 @@ def moe_ffn_decode(
     else:
         rows = recv
     dtype = config.experts_dtype(params["w_gate"].dtype)
-    valid = jnp.arange(rows.shape[1])[None, :] < count[:, None]  # padding rows may hold anything on GPUs
-    rows = jnp.where(valid[..., None], rows, 0).astype(dtype)
-    w = {k: params[k].astype(dtype) for k in ("w_gate", "w_up", "w_down")}
-    gate = jnp.einsum("lnd,ldf->lnf", rows, w["w_gate"], preferred_element_type=jnp.float32)
-    up = jnp.einsum("lnd,ldf->lnf", rows, w["w_up"], preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(dtype)
-    y = jnp.einsum("lnf,lfd->lnd", h, w["w_down"], preferred_element_type=jnp.float32).astype(x.dtype)
+    y = swiglu_expert_slots(params, rows, count, compute_dtype=dtype, backend=config.grouped_matmul).astype(x.dtype)
     return low_latency_combine(y, idx, weights, handle).reshape(*lead, d)

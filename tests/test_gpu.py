@@ -29,6 +29,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     import reference as ref
 
     import jax_uccl_ep as ep
+    from jax_uccl_ep import _plan
 
     ep.initialize()
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
@@ -68,9 +69,11 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         problems["expert_gradients"] = cases.check_expert_gradients(mesh, 16, 12, 128, 3, 4 * r)
     print(f"expert layout: {[problems[k] for k in problems if k.startswith('expert')]}", flush=True)
     ep.check_errors()  # nothing pending so far (dropping on purpose is no error)
+    # Which writer laid the pairs out: the receive (the *_pairs ops) or XLA after token rows.
+    receive_writes_pairs = _plan.receive_writes_pairs()
     if error_checks == "0":
         ep.shutdown()
-        return {"problems": problems, "ranks": r, "two_level": two_level}
+        return {"problems": problems, "ranks": r, "two_level": two_level, "receive_writes_pairs": receive_writes_pairs}
 
     # Capacity exceeded (overflow="error"): the kernel cannot fail its own call, and ops never raise it (that would
     # strand the peers); every member of the group that overflowed counts every member's rows, so check_errors()
@@ -118,7 +121,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         ok = owns_rank0 and "= 99 outside" in str(exc)
         problems["layout_bad_index"] = [] if ok else [str(exc)[:300]]
     ep.shutdown()
-    return {"problems": problems, "ranks": r, "two_level": two_level}
+    return {"problems": problems, "ranks": r, "two_level": two_level, "receive_writes_pairs": receive_writes_pairs}
 
 
 def _low_latency_checks(mesh, problems: dict) -> None:

@@ -210,6 +210,55 @@ def test_decode_layer_matches_the_reference(use_fp8):
     np.testing.assert_allclose(got, want, **tol)
 
 
+def _slot_buffers(seed: int, groups: int = 5, slots: int = 12, width: int = 7):
+    """Random per-expert slot buffers, padding filled with garbage, and counts including 0 and a full group."""
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((groups, slots, width)).astype(np.float32)
+    counts = rng.integers(0, slots + 1, groups).astype(np.int32)
+    counts[0], counts[-1] = 0, slots
+    return rows, counts
+
+
+def test_slot_buffers_pack_into_consecutive_groups_and_back():
+    rows, counts = _slot_buffers(7)
+    groups, slots, width = rows.shape
+    packed = np.asarray(jax.jit(layers._pairs.pack_slots)(rows, counts))
+    want = np.zeros((groups * slots, width), np.float32)
+    want[: counts.sum()] = np.concatenate([rows[g, : counts[g]] for g in range(groups)])
+    np.testing.assert_array_equal(packed, want)
+    # Back: each group's rows in its first counts[g] slots, zeros in the padding.
+    other = np.random.default_rng(8).standard_normal(packed.shape).astype(np.float32)
+    back = np.asarray(jax.jit(layers._pairs.unpack_slots, static_argnums=2)(other, counts, slots))
+    start = np.concatenate([[0], np.cumsum(counts)])
+    for g in range(groups):
+        np.testing.assert_array_equal(back[g, : counts[g]], other[start[g] : start[g + 1]])
+        assert not back[g, counts[g] :].any()
+
+
+def test_expert_slots_through_the_grouped_matmul_match_the_batched_matmuls():
+    """The packed path (the one Mosaic kernels take on GPUs) run with XLA's ragged_dot on CPU against the batched
+    matmuls over the slots and a NumPy SwiGLU: the same rows, zeros in the padding whatever it held."""
+    groups, slots, d_model, d_ff = 4, 10, 16, 24
+    params = layers.init_moe_params(jax.random.key(5), d_model=d_model, d_ff=d_ff, num_experts=groups)
+    rows, counts = _slot_buffers(9, groups, slots, d_model)
+    batched = layers.swiglu_expert_slots(params, jnp.asarray(rows), jnp.asarray(counts), backend="xla")
+    packed = layers._pairs.unpack_slots(
+        layers.swiglu_pairs(params, layers._pairs.pack_slots(jnp.asarray(rows), counts), counts, backend="xla"),
+        counts,
+        slots,
+    )
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    want = np.zeros(rows.shape)
+    for g in range(groups):
+        x = rows[g, : counts[g]].astype(np.float64)
+        gate, up = x @ p["w_gate"][g], x @ p["w_up"][g]
+        want[g, : counts[g]] = (gate / (1 + np.exp(-gate)) * up) @ p["w_down"][g]
+    for got in (batched, packed):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-5)
+        for g in range(groups):
+            assert not np.asarray(got)[g, counts[g] :].any()
+
+
 def test_capacity_for_follows_the_factor():
     # Counted from a routing: 12 tokens on each of 4 ranks, top-3 of 16 experts (4 a rank), the pairs each rank
     # receives average to capacity_for at factor 1.

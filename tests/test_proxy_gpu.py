@@ -83,8 +83,9 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
 
 def test_host_staged_ops_across_nodes_on_one_shared_gpu():
     """UCCL_EP_GPU_INITIATED=0 on two processes sharing one GPU, each its own node: normal mode copies to the host
-    and runs the CPU implementation there, the expert layout included, against the same references as
-    tests/test_gpu.py."""
+    and runs the CPU implementation there, the expert layout written by the receive (the pair ops' host-staged
+    handlers) included, against the same references as tests/test_gpu.py (no gradients: their loss sums with an XLA
+    collective, which NCCL refuses on a shared GPU)."""
     results = _on_one_gpu(
         "test_gpu.py",
         "gpu_suite",
@@ -96,6 +97,7 @@ def test_host_staged_ops_across_nodes_on_one_shared_gpu():
         UCCL_EP_BUFFER_BYTES=str(256 << 20),
     )
     _check(results, 2)
+    assert all(x.result["receive_writes_pairs"] for x in results), describe(results)
 
 
 @pytest.mark.parametrize("part,reorder", [("normal", "0"), ("normal", "1"), ("low_latency", "0")])
