@@ -31,7 +31,10 @@ through the package's grouped matmul (jax_uccl_ep.grouped: tokamax's kernels on 
 jax.lax.ragged_dot) on receive buffers of static size (uccl R * tokens rows holding R * tokens * top-k pairs,
 ragged R * tokens * top-k rows); all_to_all drops the slots past its capacity. Besides the step, each child times
 the layer's parts as standalone jitted calls on the step's shapes (forward only: router, dispatch, experts,
-combine; and the whole layer forward+backward).
+combine; and the whole layer forward+backward), and profiles one more step: the "profile" column is the device time
+(ms per device, forward and backward, summed over the layers) of the ops under each of the layer's named scopes
+(layers.SCOPES; all_to_all's layer has the same scopes; "layout" is the XLA pair layout after token rows, which
+only the GPU paths run) and of everything else in the step ("other": attention, the optimizer, ...).
 
     python bench/train_step.py --out $OUT/train_step.json        # GPUs: defaults sized for 2x H200
     python bench/train_step.py --cpu --small                     # smoke run on 2 CPU devices (ragged: n/a)
@@ -92,6 +95,7 @@ HEADERS = [
     "pairs dropped",
     "layer fwd / fwd+bwd ms",
     "router / dispatch / experts / combine ms",
+    "profile: router / dispatch / layout / experts / combine / other ms",
     "1st step s",
     "error",
 ]
@@ -150,6 +154,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--no-parts", action="store_true", help="skip the layer's standalone timings (each compiles its own programs)"
     )
+    ap.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="skip the profiled step after the timed ones (its parts' device time; compiles the step once more)",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     sizes = SMALL_SIZES if args.small else PRESETS[args.preset]
@@ -207,6 +216,8 @@ def train_argv(args: argparse.Namespace, impl: str) -> list[str]:
     ]
     if args.scan_layers:
         argv.append("--scan-layers")
+    if not args.no_profile:
+        argv.append("--profile-parts")
     if impl == "uccl_sized":
         argv += ["--pair-buffer-factor", str(args.pair_buffer_factor)]
     if impl in ("all_to_all", "uccl_capacity") and args.a2a_capacity_factor > 0:
@@ -298,6 +309,12 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
         experts = {"dense": "all", "all_to_all": "batched"}.get(r["impl"], "grouped")
         layer = "/".join(f"{r[k]:.2f}" for k in ("moe_fwd_ms", "moe_fwd_bwd_ms") if k in r)
         parts = "/".join(f"{r[k]:.2f}" for k in ("router_ms", "dispatch_ms", "experts_ms", "combine_ms") if k in r)
+        profile = r.get("profile_ms") or {}
+        profiled = "/".join(
+            f"{profile[k]:.2f}"
+            for k in ("router", "dispatch", "pair_layout", "experts", "combine", "other")
+            if k in profile
+        )
         rows.append(
             [
                 r["impl"],
@@ -311,6 +328,7 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 dropped_share(r),
                 layer or "-",
                 parts or "-",
+                profiled or "-",
                 f"{r['first_step_s']:.1f}",
                 "",
             ]

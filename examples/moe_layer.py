@@ -113,28 +113,32 @@ def moe_ffn_all_to_all(
     slots = tokens.shape[0] * top_k
     c = all_to_all_capacity(tokens.shape[0], config, num_ranks) if capacity is None else capacity
     dtype = config.experts_dtype(params["w_gate"].dtype)
-    weights, idx, aux, per_expert = _routing(params, tokens, config)
+    with jax.named_scope(layers.SCOPES["router"]):  # the layer's parts, as profiles name them
+        weights, idx, aux, per_expert = _routing(params, tokens, config)
 
     # 1. A slot of the send buffer for each (token, expert): expert e's slots in token order; past C, the row E * C
     #    (out of range: the scatter drops it, the gather reads zeros).
-    expert = idx.reshape(slots)
-    position = jnp.take_along_axis(
-        _exclusive_cumsum(jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)), expert[:, None], axis=1
-    )[:, 0]
-    row = jnp.where(position < c, expert * c + position, num_experts * c)  # [S]
-    token = jnp.arange(slots) // top_k
-    send = jnp.zeros((num_experts * c, d_model), dtype).at[row].set(tokens[token].astype(dtype), mode="drop")
+    with jax.named_scope(layers.SCOPES["dispatch"]):
+        expert = idx.reshape(slots)
+        position = jnp.take_along_axis(
+            _exclusive_cumsum(jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)), expert[:, None], axis=1
+        )[:, 0]
+        row = jnp.where(position < c, expert * c + position, num_experts * c)  # [S]
+        token = jnp.arange(slots) // top_k
+        send = jnp.zeros((num_experts * c, d_model), dtype).at[row].set(tokens[token].astype(dtype), mode="drop")
 
-    # 2. Rank j gets its experts' slots from every rank: [R, E/R, C, D] -> each local expert's R * C slots.
-    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
-    recv = recv.reshape(num_ranks, local_experts, c, d_model).transpose(1, 0, 2, 3)
-    out = _batched_swiglu(params, recv.reshape(local_experts, num_ranks * c, d_model), dtype)
+        # 2. Rank j gets its experts' slots from every rank: [R, E/R, C, D] -> each local expert's R * C slots.
+        recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+        recv = recv.reshape(num_ranks, local_experts, c, d_model).transpose(1, 0, 2, 3)
+    with jax.named_scope(layers.SCOPES["experts"]):
+        out = _batched_swiglu(params, recv.reshape(local_experts, num_ranks * c, d_model), dtype)
 
     # 3. Back to the sender's slots; each (token, expert) reads its slot (dropped ones read zeros).
-    out = out.reshape(local_experts, num_ranks, c, d_model).transpose(1, 0, 2, 3).reshape(num_experts * c, d_model)
-    back = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True)
-    slot_out = back.at[row].get(mode="fill", fill_value=0).reshape(-1, top_k, d_model)
-    y = jnp.einsum("tk,tkd->td", weights, slot_out, preferred_element_type=jnp.float32).astype(x.dtype)
+    with jax.named_scope(layers.SCOPES["combine"]):
+        out = out.reshape(local_experts, num_ranks, c, d_model).transpose(1, 0, 2, 3)
+        back = jax.lax.all_to_all(out.reshape(num_experts * c, d_model), axis_name, 0, 0, tiled=True)
+        slot_out = back.at[row].get(mode="fill", fill_value=0).reshape(-1, top_k, d_model)
+        y = jnp.einsum("tk,tkd->td", weights, slot_out, preferred_element_type=jnp.float32).astype(x.dtype)
     kept = (position < c).astype(jnp.int32)
     received = jax.lax.psum(jnp.zeros((num_ranks,), jnp.int32).at[expert // local_experts].add(kept), axis_name)
     received = jax.lax.dynamic_slice_in_dim(received, jax.lax.axis_index(axis_name), 1)

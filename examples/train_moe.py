@@ -38,7 +38,8 @@ Timing columns are honest about what they measure: ``ms/step`` and ``tok/s`` are
 step (forward, backward, optimizer; host-synchronized). Every ``--time-every`` steps the script also times, in
 separate jitted calls on this step's shapes (tokens per device, d_model, top-k; median of 3), one MoE layer
 forward (``moe fwd``) and, for ``--ep-impl uccl``, one standalone ``dispatch`` and one standalone ``combine`` with
-random routing. Those are not slices of the training step.
+random routing. Those are not slices of the training step; ``--profile-parts`` gives the slices: one more step,
+profiled, its device time split by the layer's named scopes (``layers.SCOPES``), forward and backward together.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_layer  # (the baselines beside the package's layer, next to this file)
+import step_profile
 
 import jax_uccl_ep as ep
 from jax_uccl_ep import layers
@@ -433,6 +435,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warmup from 0 (0: none)")
     p.add_argument("--clip-norm", type=float, default=0.0, help="clip gradients to this global norm (0: no clipping)")
     p.add_argument("--time-every", type=int, default=10, help="time the MoE layer every N steps (0: never)")
+    p.add_argument(
+        "--profile-parts",
+        action="store_true",
+        help="after the last step, profile one more and report the device time of the layer's parts in it (router, "
+        "dispatch, the XLA pair layout, experts, combine; forward and backward; ms per device)",
+    )
     p.add_argument("--json", action="store_true", help=f"print a final '{JSON_MARK}{{...}}' line on process 0")
     return p.parse_args(argv)
 
@@ -548,6 +556,15 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
                 line += ", " + ", ".join(f"{k[:-3]} {t[k]:.2f}" for k in PART_KEYS[2:]) + " ms"
         say(line)
 
+    profile = None
+    if args.profile_parts:
+        batch = _global_array(data.batch(args.steps + 1, r * args.batch_per_device, cfg.seq_len + 1), batch_sharding)
+        profile = step_profile.profile_parts(train_step, (params, opt_state, batch), layers.SCOPES)
+        params, opt_state, _ = profile.pop("_results")
+        say(
+            "profile of one step (ms per device, forward and backward): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in profile.items())
+        )
     ep.check_errors()  # GPU kernels report bad routing or exceeded capacity here (CPU ops raise themselves)
     steady = step_s[1:] or step_s
     summary: dict[str, Any] = {
@@ -572,6 +589,8 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         "step_ms": [t * 1e3 for t in step_s],  # wall time of each step, the first one with compilation
         "tokens_per_s": tokens_per_step / float(np.median(steady)) if steady else 0.0,
     }
+    if profile is not None:
+        summary["profile_ms"] = profile
     for key in PART_KEYS:
         values = [t[key] for t in timings if key in t]
         if values:

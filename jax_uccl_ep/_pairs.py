@@ -19,6 +19,9 @@ import jax.numpy as jnp
 
 from ._ffi import like_primal
 
+# The named scope of the pair layout XLA runs after token rows (and of its reverse in combine), for profiles.
+SCOPE = "ep_pair_layout"
+
 
 class PairLayout(NamedTuple):
     """Where each received (row, slot) pair sits in the pair buffer, and back."""

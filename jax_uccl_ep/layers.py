@@ -39,6 +39,7 @@ __all__ = [
     "MoEConfig",
     "MoEOutput",
     "MoEStats",
+    "SCOPES",
     "capacity_for",
     "init_moe_params",
     "load_balancing_loss",
@@ -55,6 +56,16 @@ __all__ = [
 ]
 
 Params = dict[str, jax.Array]
+
+# The layer's parts as named scopes: a profile attributes each compiled op, forward and backward, to the part whose
+# scope its op_name holds (examples/train_moe.py --profile-parts). The XLA pair layout after token rows is its own.
+SCOPES = {
+    "router": "moe_router",
+    "dispatch": "moe_dispatch",
+    "pair_layout": _pairs.SCOPE,
+    "experts": "moe_experts",
+    "combine": "moe_combine",
+}
 
 
 @dataclass(frozen=True)
@@ -351,33 +362,37 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     _check_params(params, config.num_experts, axis_name, "moe_ffn_local")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
-    weights, idx, scores = route(params["router"], tokens, config)
+    with jax.named_scope(SCOPES["router"]):
+        weights, idx, scores = route(params["router"], tokens, config)
+        aux, per_expert = _routing_stats(scores, idx, config)
     capacity = None
     ranks = jax.lax.axis_size(axis_name)
     if config.capacity_factor is not None:
         capacity = capacity_for(tokens.shape[0], config.top_k, ranks, config.capacity_factor, config.num_experts)
     dtype = config.experts_dtype(params["w_gate"].dtype)
-    aux, per_expert = _routing_stats(scores, idx, config)
     small = load_sized_pairs(config, tokens.shape[0], ranks)
     if small is not None:
         y, rows, dropped = _moe_ffn_load_sized(params, tokens, weights, idx, small, dtype, config, axis_name)
         return MoEOutput(y.astype(x.dtype).reshape(*lead, d), aux, MoEStats(rows, dropped, per_expert))
-    res = dispatch(
-        tokens.astype(dtype),
-        idx,
-        weights,
-        num_experts=config.num_experts,
-        axis_name=axis_name,
-        capacity=capacity,
-        overflow=config.overflow,
-        use_fp8=config.fp8_dispatch,
-        layout="expert",
-    )
+    with jax.named_scope(SCOPES["dispatch"]):
+        res = dispatch(
+            tokens.astype(dtype),
+            idx,
+            weights,
+            num_experts=config.num_experts,
+            axis_name=axis_name,
+            capacity=capacity,
+            overflow=config.overflow,
+            use_fp8=config.fp8_dispatch,
+            layout="expert",
+        )
     pairs = cast(jax.Array, res.x)  # x went in as one array (use_fp8 casts on the way): its pairs come back as one
-    y = swiglu_pairs(params, pairs, res.num_tokens_per_expert, compute_dtype=dtype, backend=config.grouped_matmul)
-    # Each pair weighted by its router weight in float32 and rounded once to travel; combine sums them in float32.
-    y = (y.astype(jnp.float32) * cast(jax.Array, res.weights)[:, None]).astype(dtype)
-    y = combine(y, res.handle).astype(x.dtype).reshape(*lead, d)
+    with jax.named_scope(SCOPES["experts"]):
+        y = swiglu_pairs(params, pairs, res.num_tokens_per_expert, compute_dtype=dtype, backend=config.grouped_matmul)
+        # Each pair weighted by its router weight in float32 and rounded once to travel; combine sums them in float32.
+        y = (y.astype(jnp.float32) * cast(jax.Array, res.weights)[:, None]).astype(dtype)
+    with jax.named_scope(SCOPES["combine"]):
+        y = combine(y, res.handle).astype(x.dtype).reshape(*lead, d)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))
 
 
@@ -387,26 +402,30 @@ def _moe_ffn_load_sized(
     """moe_ffn_local's never-dropping layer with MoEConfig.pair_buffer_factor: token rows dispatched (they never
     drop), the experts on a pair buffer of `small` pairs while this rank's pairs fit in it (swiglu_experts), each
     row's weighted sum sent back once. (y [T, D], rows received [1], pairs dropped [1]: none)."""
-    res = dispatch(
-        tokens.astype(dtype),  # the rows travel in the experts' dtype
-        idx,
-        weights,
-        num_experts=config.num_experts,
-        axis_name=axis_name,
-        use_fp8=config.fp8_dispatch,
-    )
+    with jax.named_scope(SCOPES["dispatch"]):
+        res = dispatch(
+            tokens.astype(dtype),  # the rows travel in the experts' dtype
+            idx,
+            weights,
+            num_experts=config.num_experts,
+            axis_name=axis_name,
+            use_fp8=config.fp8_dispatch,
+        )
     rows = cast(jax.Array, res.x)  # one array in, one back (use_fp8 casts on the way)
-    y = swiglu_experts(
-        params,
-        rows,
-        res.topk_idx,
-        res.topk_weights,
-        num_rows=res.num_tokens,
-        pair_buffer=small,
-        compute_dtype=dtype,
-        backend=config.grouped_matmul,
-    )
-    return combine(y.astype(dtype), res.handle), res.num_tokens.reshape(1), res.num_dropped.reshape(1)
+    with jax.named_scope(SCOPES["experts"]):  # the pair layout too: swiglu_experts lays its pairs out itself
+        y = swiglu_experts(
+            params,
+            rows,
+            res.topk_idx,
+            res.topk_weights,
+            num_rows=res.num_tokens,
+            pair_buffer=small,
+            compute_dtype=dtype,
+            backend=config.grouped_matmul,
+        )
+    with jax.named_scope(SCOPES["combine"]):
+        y = combine(y.astype(dtype), res.handle)
+    return y, res.num_tokens.reshape(1), res.num_dropped.reshape(1)
 
 
 def moe_ffn(

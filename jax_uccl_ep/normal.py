@@ -576,6 +576,13 @@ def _by_expert(
     out: DispatchResult, groups: int, alignment: int, capacity: int, overflow: Overflow, axis_name: AxisName
 ) -> ExpertDispatchResult:
     """The received rows laid out as pair rows (see _pairs)."""
+    with jax.named_scope(_pairs.SCOPE):
+        return _laid_out_by_expert(out, groups, alignment, capacity, overflow, axis_name)
+
+
+def _laid_out_by_expert(
+    out: DispatchResult, groups: int, alignment: int, capacity: int, overflow: Overflow, axis_name: AxisName
+) -> ExpertDispatchResult:
     layout = _pairs.pair_layout(out.topk_idx, out.num_tokens, groups, alignment, capacity)
     rows, top_k = out.topk_idx.shape
     if overflow == "error" and capacity < _pairs.every_slot_pairs(rows, top_k, groups, alignment):
@@ -759,7 +766,8 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
         else:
             # float16 sums travel as float32 (as float16 rows do), the same sums the receive's pair ops send
             wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
-            rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(wire)
+            with jax.named_scope(_pairs.SCOPE):
+                rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(wire)
             out = _combine(rows, handle.rows).astype(y.dtype)
     else:
         out = _combine(y, handle)

@@ -352,12 +352,56 @@ def test_train_moe_with_the_load_sized_buffer(ep_runtime):
 def test_train_moe_in_one_process_with_several_devices(ep_runtime):
     pytest.importorskip("optax")
     train = _load("train_moe").train
-    out = train(["--steps", "4", "--time-every", "2", "--batch-per-device", "2"], verbose=False)
+    out = train(["--steps", "4", "--time-every", "2", "--batch-per-device", "2", "--profile-parts"], verbose=False)
     losses = out["losses"]
     assert len(losses) == 4 and all(np.isfinite(losses))
     assert losses[-1] < losses[0] - 0.1, losses
     assert out["devices"] == len(__import__("jax").devices()) and out["processes"] == 1
     assert out["dispatch_ms"] > 0 and out["combine_ms"] > 0 and out["moe_fwd_ms"] > 0
+    # The profiled step: every part of the layer ran ops; on CPU devices the receive writes the pairs, so XLA runs
+    # no pair layout; attention and the optimizer are "other".
+    profile = out["profile_ms"]
+    assert all(profile[k] > 0 for k in ("router", "dispatch", "experts", "combine", "other")), profile
+    assert profile["pair_layout"] == 0, profile
+    parts = sum(profile[k] for k in ("router", "dispatch", "pair_layout", "experts", "combine", "other"))
+    assert abs(parts - profile["total"]) < 1e-6 * max(1.0, profile["total"]), profile
+
+
+def test_a_step_profile_splits_the_device_time_by_named_scope():
+    """examples/step_profile.py on a jitted value-and-grad whose scopes do very different work: the forward and
+    backward ops of each scope count towards it (the HLO's op names keep the scope under jvp/transpose), the
+    unscoped reduction is other, and the heavier scope takes the larger share."""
+    import jax
+    import jax.numpy as jnp
+
+    step_profile = _load("step_profile")
+
+    def f(x, w_small, w_large):
+        with jax.named_scope("light_part"):
+            a = jnp.tanh(x[:, :16] @ w_small)
+        with jax.named_scope("heavy_part"):
+            b = jnp.tanh(x @ w_large) @ w_large.T
+        return jnp.sum(a) + jnp.sum(b)
+
+    step = jax.jit(jax.value_and_grad(f, argnums=(1, 2)))
+    keys = jax.random.split(jax.random.key(0), 3)
+    args = (
+        jax.random.normal(keys[0], (512, 512)),
+        jax.random.normal(keys[1], (16, 16)) / 4,
+        jax.random.normal(keys[2], (512, 512)) / 23,
+    )
+    scopes = {"light": "light_part", "heavy": "heavy_part"}
+    jax.block_until_ready(step(*args))
+    _, ops = step_profile.op_parts(step.lower(*args).compile().as_text(), scopes)
+    assert "heavy" in ops.values() and "light" in ops.values(), ops
+    assert step_profile.scope_of("jit(f)/transpose(jvp(heavy_part))/dot_general", scopes) == "heavy"
+    assert step_profile.scope_of("jit(f)/jvp(heavy_part)/light_part/dot", scopes) == "light"  # the innermost
+    assert step_profile.scope_of("jit(f)/heavy_parts/dot", scopes) is None  # a whole word only
+    profile = step_profile.profile_parts(step, args, scopes)
+    value, _ = profile.pop("_results")
+    assert np.isfinite(float(value))
+    assert profile["heavy"] > profile["light"] > 0, profile
+    assert abs(profile["heavy"] + profile["light"] + profile["other"] - profile["total"]) < 1e-6, profile
 
 
 def test_train_moe_capacity_options(ep_runtime):
