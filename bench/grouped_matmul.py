@@ -14,10 +14,11 @@ worst case, R * T * K), spread over 16 local experts at random, times [16, 2048,
 
 Time: median over --repeats of (wall time of --iters calls in one jit) / iters. TFLOP/s counts the useful work
 only (2 * valid rows * K * N forward, 3x that forward+backward), so the floor's padding costs it. Every case's
-loop consumes all of its outputs (forward: the sum of y; forward+backward: a random cotangent, then the sums of
-both gradients), the same few reductions for every case: a cotangent of ones, or one element of a gradient, lets
-XLA simplify the dense and einsum cases' backward matmuls away (it once timed dense forward+backward at 1190
-TFLOP/s, past an H200's peak) while the kernels under a custom VJP run in full.
+loop consumes all of its outputs (y against a random cotangent; forward+backward also the loss and the sums of both
+gradients), the same few elementwise passes for every case, and its operands pass an optimization barrier each
+iteration. Without these XLA simplified the dense and einsum cases (a cotangent of ones, one element of a gradient,
+a dropped forward product, work hoisted out of the loop: it once timed dense forward+backward at 1190 TFLOP/s,
+past an H200's peak), while the kernels under a custom VJP ran in full.
 
     python bench/grouped_matmul.py --out $OUT/grouped_matmul.json
 """
@@ -81,36 +82,39 @@ def main(argv: list[str] | None = None) -> int:
         ("dense [rows, K] x [K, N]", lambda a, b: a @ b, (lhs_rows, dense_rhs)),
     ]
 
-    def timed(fn, a, b) -> float:
-        def loop(a, b):
-            def body(_, carry):
-                a, acc = carry
-                return a, acc + fn(a, b)
+    def timed(fn, operands) -> float:
+        """Seconds per call of fn(*operands) (a float32 scalar), args.iters calls in one jitted loop. The operands
+        pass through an optimization barrier each iteration, so XLA can neither hoist the loop-invariant work out
+        of the loop nor specialise it to constants."""
 
-            return jax.lax.fori_loop(0, args.iters, body, (a, jnp.zeros((), jnp.float32)))[1]
+        def loop(operands):
+            def body(_, carry):
+                operands, acc = jax.lax.optimization_barrier(carry)
+                return operands, acc + fn(*operands)
+
+            return jax.lax.fori_loop(0, args.iters, body, (operands, jnp.zeros((), jnp.float32)))[1]
 
         f = jax.jit(loop)
-        jax.block_until_ready(f(a, b))
+        jax.block_until_ready(f(operands))
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            jax.block_until_ready(f(a, b))
+            jax.block_until_ready(f(operands))
             times.append((time.perf_counter() - start) / args.iters)
         return statistics.median(times)
 
     def forward(fn):
-        def step(a, b):
-            return jnp.sum(fn(a, b).astype(jnp.float32))
+        def step(a, b, cotangent):
+            return jnp.sum(fn(a, b).astype(jnp.float32) * cotangent)
 
         return step
 
-    def forward_backward(fn, cotangent):
-        def step(a, b):
-            def loss(a, b):
-                return jnp.sum(fn(a, b).astype(jnp.float32) * cotangent)
-
-            da, db = jax.grad(loss, argnums=(0, 1))(a, b)
-            return jnp.sum(da.astype(jnp.float32)) + jnp.sum(db.astype(jnp.float32))
+    def forward_backward(fn):
+        def step(a, b, cotangent):
+            # The loss value is kept too: without it XLA may drop the forward product, which the gradients of a
+            # linear map do not need.
+            loss, (da, db) = jax.value_and_grad(forward(fn), argnums=(0, 1))(a, b, cotangent)
+            return loss + jnp.sum(da.astype(jnp.float32)) + jnp.sum(db.astype(jnp.float32))
 
         return step
 
@@ -118,11 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     results, table = [], []
     for name, fn, (a, b) in cases:
         row = {"case": name}
-        out = jax.eval_shape(fn, a, b)
-        cotangent = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
-        for what, f, work in (("fwd", forward(fn), flops), ("fwd+bwd", forward_backward(fn, cotangent), 3 * flops)):
+        cotangent = jnp.asarray(rng.standard_normal(jax.eval_shape(fn, a, b).shape), jnp.float32)
+        for what, f, work in (("fwd", forward(fn), flops), ("fwd+bwd", forward_backward(fn), 3 * flops)):
             try:
-                seconds = timed(f, a, b)
+                seconds = timed(f, (a, b, cotangent))
                 row[what + "_ms"] = seconds * 1e3
                 row[what + "_tflops"] = work / seconds / 1e12
             except Exception as e:  # noqa: BLE001 - a case that cannot run prints n/a

@@ -21,10 +21,15 @@ from typing import Any
 
 import jax
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*$")
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
+_CALLED = re.compile(
+    r"\b(calls|to_apply|body|condition|branch_computations|called_computations|true_computation|"
+    r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+# Instructions whose events (XLA:CPU records one for a loop's whole run) span their callees' own op events.
+_CONTAINERS = ("body", "branch_computations", "true_computation")
 
 
 def scope_of(op_name: str, scopes: Mapping[str, str]) -> str | None:
@@ -37,46 +42,53 @@ def scope_of(op_name: str, scopes: Mapping[str, str]) -> str | None:
     return best
 
 
-def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, str | None]]:
-    """(the module's name, each instruction's part) from compiled HLO text."""
+def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, str | None], set[str]]:
+    """(the module's name, each instruction's part, the loop and conditional instructions) from compiled HLO text.
+    An instruction's part is its op_name's scope, else the one most of its called computations' instructions have
+    (a fusion without metadata)."""
     module = re.search(r"HloModule\s+([\w.\-]+)", hlo_text)
     own: dict[str, str | None] = {}
     calls: dict[str, list[str]] = {}
+    containers: set[str] = set()
     members: dict[str, list[str]] = collections.defaultdict(list)
     computation = None
     for line in hlo_text.splitlines():
-        if "=" not in line.split("{", 1)[0] and _COMPUTATION.match(line):
-            computation = _COMPUTATION.match(line).group(1)
-            continue
         m = _INSTRUCTION.match(line)
-        if not m:
+        if m is None or _HEADER.match(line):  # a header's parameters may print /*index=5*/
+            header = _HEADER.match(line)
+            if header:
+                computation = header.group(1)
             continue
-        name = m.group(1)
-        op_name = _OP_NAME.search(line)
+        name, rest = m.group(1), m.group(2)
+        op_name = _OP_NAME.search(rest)
         own[name] = scope_of(op_name.group(1), scopes) if op_name else None
-        called = _CALLS.search(line)
+        called = [(kind, target) for kind, target in _CALLED.findall(rest)]
         if called:
-            calls[name] = [c.strip().lstrip("%") for c in called.group(1).split(",") if c.strip()]
+            calls[name] = [c.strip().lstrip("%") for _, t in called for c in t.strip("{}").split(",") if c.strip()]
+            if any(kind in _CONTAINERS for kind, _ in called):
+                containers.add(name)
         if computation is not None:
             members[computation].append(name)
 
-    def computation_part(comp: str, seen: set[str]) -> str | None:
+    def computation_part(comp: str, seen: frozenset[str]) -> str | None:
         votes = collections.Counter(p for i in members.get(comp, []) if (p := part(i, seen)) is not None)
         return votes.most_common(1)[0][0] if votes else None
 
-    def part(name: str, seen: set[str]) -> str | None:
+    def part(name: str, seen: frozenset[str]) -> str | None:
         if own.get(name) is not None or name in seen:
             return own.get(name)
         seen = seen | {name}
         votes = collections.Counter(p for c in calls.get(name, []) if (p := computation_part(c, seen)) is not None)
         return votes.most_common(1)[0][0] if votes else None
 
-    return (module.group(1) if module else ""), {name: part(name, set()) for name in own}
+    parts = {name: part(name, frozenset()) for name in own}
+    return (module.group(1) if module else ""), parts, containers
 
 
 def _events(directory: str) -> list[tuple[str, str, str, float]]:
     """(device, hlo_module, hlo_op, duration ns) of every op event in the profile written under `directory`; the
-    device is the plane (a GPU's) and the event's device ordinal where it has one (CPU devices share a plane)."""
+    device is the plane and the event's device ordinal where it has one (CPU devices share a plane). Where there
+    are device planes (GPUs) only their events count: host threads that name ops would count them twice."""
     from jax.profiler import ProfileData
 
     out = []
@@ -89,26 +101,30 @@ def _events(directory: str) -> list[tuple[str, str, str, float]]:
                     if "hlo_op" in stats and "hlo_module" in stats:
                         device = f"{plane.name}#{stats.get('device_ordinal', '')}"
                         out.append((device, str(stats["hlo_module"]), str(stats["hlo_op"]), event.duration_ns))
+    if any(device.startswith("/device:") for device, *_ in out):
+        out = [e for e in out if e[0].startswith("/device:")]
     return out
 
 
-def profile_parts(step: Callable[..., Any], args: Sequence[Any], scopes: Mapping[str, str]) -> dict[str, float]:
+def profile_parts(step: Callable[..., Any], args: Sequence[Any], scopes: Mapping[str, str]) -> dict[str, Any]:
     """Calls the jitted `step` on `args` once under the profiler; the ms per device of each part of `scopes`
-    ({part: scope name}), of "other" (ops in no scope) and "total" (every op of the step's program). The call's
-    results are returned under "_results" (step may donate its arguments). Compiles `step` once more for its HLO."""
-    module, parts = op_parts(step.lower(*args).compile().as_text(), scopes)
-    directory = tempfile.mkdtemp(prefix="step_profile_")
-    with jax.profiler.trace(directory):
-        results = jax.block_until_ready(step(*args))
+    ({part: scope name}), of "other" (ops in no scope) and "total" (every op of the step's program), or only
+    "_results" where the profile named none of the program's ops. The call's results are under "_results" (step may
+    donate its arguments). Compiles `step` once more for its HLO."""
+    module, parts, containers = op_parts(step.lower(*args).compile().as_text(), scopes)
+    with tempfile.TemporaryDirectory(prefix="step_profile_") as directory:
+        with jax.profiler.trace(directory):
+            results = jax.block_until_ready(step(*args))
+        events = _events(directory)
     ms: dict[str, float] = collections.defaultdict(float)
     devices = set()
-    for device, hlo_module, hlo_op, ns in _events(directory):
-        if hlo_module != module:
+    for device, hlo_module, hlo_op, ns in events:
+        if hlo_module != module or hlo_op in containers:  # a loop's event spans its body's, counted themselves
             continue
         devices.add(device)
         ms[parts.get(hlo_op) or "other"] += ns / 1e6
         ms["total"] += ns / 1e6
-    per_device = max(1, len(devices))
-    out: dict[str, Any] = {p: ms.get(p, 0.0) / per_device for p in (*scopes, "other", "total")}
-    out["_results"] = results
+    out: dict[str, Any] = {"_results": results}
+    if devices:
+        out.update({p: ms.get(p, 0.0) / len(devices) for p in (*scopes, "other", "total")})
     return out

@@ -563,7 +563,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         params, opt_state, _ = profile.pop("_results")
         say(
             "profile of one step (ms per device, forward and backward): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in profile.items())
+            + (", ".join(f"{k} {v:.2f}" for k, v in profile.items()) or "the profile named none of its ops")
         )
     ep.check_errors()  # GPU kernels report bad routing or exceeded capacity here (CPU ops raise themselves)
     steady = step_s[1:] or step_s

@@ -60,10 +60,11 @@ def _hopper() -> bool:
         return False
 
 
-def grouped_backend(requested: GroupedBackend, dtype: Any) -> Literal["mosaic", "xla"]:
+def grouped_backend(requested: GroupedBackend, dtype: Any, *, warn: bool = True) -> Literal["mosaic", "xla"]:
     """The backend ``grouped_matmul`` uses for operands of `dtype`. ``"auto"`` takes the Mosaic kernels on Hopper
-    GPUs with bf16/f16 operands when tokamax is installed, and says once why not when a GPU run falls back to XLA;
-    ``"mosaic"`` refuses to fall back."""
+    GPUs with bf16/f16 operands when tokamax is installed, and (with `warn`) says once why not when a GPU run falls
+    back to XLA's ragged_dot; ``"mosaic"`` refuses to fall back. Callers whose fallback is not ragged_dot pass
+    ``warn=False``."""
     if requested not in ("auto", "mosaic", "xla"):
         raise ValueError(f"jax_uccl_ep: grouped_matmul backend must be 'auto', 'mosaic' or 'xla', got {requested!r}")
     if requested == "xla":
@@ -85,7 +86,7 @@ def grouped_backend(requested: GroupedBackend, dtype: Any) -> Literal["mosaic", 
         return "mosaic"
     if requested == "mosaic":
         raise ValueError(f"jax_uccl_ep: grouped_matmul backend 'mosaic' cannot run here: {reason}")
-    if on_gpu:
+    if on_gpu and warn:
         _warn_once(
             "jax_uccl_ep: the experts' grouped matmuls run through jax.lax.ragged_dot, which XLA lowers on GPUs to "
             f"one dense matmul per local expert (that many times the useful work), because {reason}"

@@ -329,11 +329,12 @@ def swiglu_expert_slots(
     G * S slots; elsewhere (CPU devices, XLA's ragged_dot) as batched matmuls over the slots, the padding zeroed."""
     dtype = jnp.dtype(params["w_gate"].dtype if compute_dtype is None else compute_dtype)
     groups, slots = rows.shape[:2]
-    if grouped_backend(backend, dtype) == "mosaic":
+    if grouped_backend(backend, dtype, warn=False) == "mosaic":
+        counts = jnp.clip(counts.astype(jnp.int32), 0, slots)  # the groups pack_slots lays out
         packed = _pairs.pack_slots(rows.astype(dtype), counts)
-        y = swiglu_pairs(params, packed, jnp.minimum(counts, slots), compute_dtype=dtype, backend=backend)
+        y = swiglu_pairs(params, packed, counts, compute_dtype=dtype, backend=backend)
         return _pairs.unpack_slots(y, counts, slots)
-    valid = jnp.arange(slots)[None, :] < counts[:, None]
+    valid = jnp.arange(slots)[None, :] < counts[:, None]  # a negative count: no rows, as pack_slots has it
     rows = jnp.where(valid[..., None], rows, 0).astype(dtype)
     w = {k: params[k].astype(dtype) for k in ("w_gate", "w_up", "w_down")}
     gate = jnp.einsum("lnd,ldf->lnf", rows, w["w_gate"], preferred_element_type=jnp.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -363,8 +364,7 @@ def test_train_moe_in_one_process_with_several_devices(ep_runtime):
     profile = out["profile_ms"]
     assert all(profile[k] > 0 for k in ("router", "dispatch", "experts", "combine", "other")), profile
     assert profile["pair_layout"] == 0, profile
-    parts = sum(profile[k] for k in ("router", "dispatch", "pair_layout", "experts", "combine", "other"))
-    assert abs(parts - profile["total"]) < 1e-6 * max(1.0, profile["total"]), profile
+    assert profile["experts"] > profile["router"], profile  # the experts' matmuls against the router's [T, E]
 
 
 def test_a_step_profile_splits_the_device_time_by_named_scope():
@@ -383,7 +383,12 @@ def test_a_step_profile_splits_the_device_time_by_named_scope():
             b = jnp.tanh(x @ w_large) @ w_large.T
         return jnp.sum(a) + jnp.sum(b)
 
-    step = jax.jit(jax.value_and_grad(f, argnums=(1, 2)))
+    def scanned(x, w_small, w_large):  # the same layer four times in a loop (a while loop in the HLO)
+        def layer(carry, _):  # the body depends on the carry, so XLA cannot hoist it out of the loop
+            return carry + f(x * (1 + carry), w_small, w_large) * 1e-6, None
+
+        return jax.lax.scan(layer, jnp.zeros(()), None, length=4)[0]
+
     keys = jax.random.split(jax.random.key(0), 3)
     args = (
         jax.random.normal(keys[0], (512, 512)),
@@ -391,17 +396,24 @@ def test_a_step_profile_splits_the_device_time_by_named_scope():
         jax.random.normal(keys[2], (512, 512)) / 23,
     )
     scopes = {"light": "light_part", "heavy": "heavy_part"}
-    jax.block_until_ready(step(*args))
-    _, ops = step_profile.op_parts(step.lower(*args).compile().as_text(), scopes)
-    assert "heavy" in ops.values() and "light" in ops.values(), ops
     assert step_profile.scope_of("jit(f)/transpose(jvp(heavy_part))/dot_general", scopes) == "heavy"
     assert step_profile.scope_of("jit(f)/jvp(heavy_part)/light_part/dot", scopes) == "light"  # the innermost
     assert step_profile.scope_of("jit(f)/heavy_parts/dot", scopes) is None  # a whole word only
-    profile = step_profile.profile_parts(step, args, scopes)
-    value, _ = profile.pop("_results")
-    assert np.isfinite(float(value))
-    assert profile["heavy"] > profile["light"] > 0, profile
-    assert abs(profile["heavy"] + profile["light"] + profile["other"] - profile["total"]) < 1e-6, profile
+    for fn in (f, scanned):
+        step = jax.jit(jax.value_and_grad(fn, argnums=(1, 2)))
+        jax.block_until_ready(step(*args))
+        text = step.lower(*args).compile().as_text()
+        _, ops, loops = step_profile.op_parts(text, scopes)
+        assert "heavy" in ops.values() and "light" in ops.values(), (fn.__name__, ops)
+        # The loops, whose events span their bodies' op events (counted themselves), are known and left out.
+        whiles = set(re.findall(r"%?([\w.\-]+) = [^\n]* while\(", text))
+        assert loops == whiles and bool(whiles) == (fn is scanned), (fn.__name__, loops, whiles)
+        assert all(ops[name] is not None for name in ops if name.startswith("dot")), ops  # every matmul is scoped
+        profile = step_profile.profile_parts(step, args, scopes)
+        value, _ = profile.pop("_results")
+        assert np.isfinite(float(value))
+        assert profile["heavy"] > profile["light"] > 0, (fn.__name__, profile)
+        assert profile["other"] < profile["heavy"], (fn.__name__, profile)
 
 
 def test_train_moe_capacity_options(ep_runtime):

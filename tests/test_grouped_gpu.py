@@ -101,8 +101,8 @@ def grouped_child() -> dict:
 
 
 def expert_slots_child() -> dict:
-    """Child: the decode layer's experts on per-expert slot buffers (random counts, one group empty, one full,
-    garbage in the padding) through the Mosaic kernels on the packed rows, against the batched matmuls over the
+    """Child: the decode layer's experts on per-expert slot buffers (random counts, one group empty, one negative,
+    one full, garbage in the padding) through the Mosaic kernels on the packed rows, against the batched matmuls over the
     slots (XLA) and a NumPy float64 SwiGLU on the same bf16 numbers."""
     import jax
     import jax.numpy as jnp
@@ -118,20 +118,20 @@ def expert_slots_child() -> dict:
     params = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
     rows = jnp.asarray(rng.standard_normal((groups, slots, d_model)), jnp.bfloat16)
     counts = rng.integers(1, slots, groups).astype(np.int32)
-    counts[1], counts[4] = 0, slots
+    counts[1], counts[3], counts[4] = 0, -5, slots  # empty, negative (no rows either), full
     p64 = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in params.items()}
     r64 = np.asarray(rows.astype(jnp.float32), np.float64)
     want = np.zeros(r64.shape)
     for g in range(groups):
-        x = r64[g, : counts[g]]
+        x = r64[g, : max(counts[g], 0)]
         gate, up = x @ p64["w_gate"][g], x @ p64["w_up"][g]
-        want[g, : counts[g]] = (gate / (1 + np.exp(-gate)) * up) @ p64["w_down"][g]
+        want[g, : max(counts[g], 0)] = (gate / (1 + np.exp(-gate)) * up) @ p64["w_down"][g]
     out = {"counts": counts.tolist()}
     with jax.default_matmul_precision("highest"):
         for backend in ("mosaic", "xla"):
             f = jax.jit(lambda r, c, b=backend: layers.swiglu_expert_slots(params, r, c, backend=b))
             got = np.asarray(f(rows, jnp.asarray(counts)).astype(jnp.float32), np.float64)
-            padding = max(float(np.abs(got[g, counts[g] :]).max(initial=0.0)) for g in range(groups))
+            padding = max(float(np.abs(got[g, max(counts[g], 0) :]).max(initial=0.0)) for g in range(groups))
             out[backend] = {"y": _relative_error(got, want), "padding_max": padding}
     return out
 

@@ -241,22 +241,24 @@ def test_expert_slots_through_the_grouped_matmul_match_the_batched_matmuls():
     groups, slots, d_model, d_ff = 4, 10, 16, 24
     params = layers.init_moe_params(jax.random.key(5), d_model=d_model, d_ff=d_ff, num_experts=groups)
     rows, counts = _slot_buffers(9, groups, slots, d_model)
+    counts[1] = -3  # no rows, on either path
     batched = layers.swiglu_expert_slots(params, jnp.asarray(rows), jnp.asarray(counts), backend="xla")
+    groups_of = np.clip(counts, 0, slots)  # what swiglu_expert_slots gives the grouped matmul on GPUs
     packed = layers._pairs.unpack_slots(
-        layers.swiglu_pairs(params, layers._pairs.pack_slots(jnp.asarray(rows), counts), counts, backend="xla"),
+        layers.swiglu_pairs(params, layers._pairs.pack_slots(jnp.asarray(rows), counts), groups_of, backend="xla"),
         counts,
         slots,
     )
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     want = np.zeros(rows.shape)
     for g in range(groups):
-        x = rows[g, : counts[g]].astype(np.float64)
+        x = rows[g, : max(counts[g], 0)].astype(np.float64)
         gate, up = x @ p["w_gate"][g], x @ p["w_up"][g]
-        want[g, : counts[g]] = (gate / (1 + np.exp(-gate)) * up) @ p["w_down"][g]
+        want[g, : max(counts[g], 0)] = (gate / (1 + np.exp(-gate)) * up) @ p["w_down"][g]
     for got in (batched, packed):
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-5)
         for g in range(groups):
-            assert not np.asarray(got)[g, counts[g] :].any()
+            assert not np.asarray(got)[g, max(counts[g], 0) :].any()
 
 
 def test_capacity_for_follows_the_factor():
