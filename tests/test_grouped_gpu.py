@@ -102,8 +102,8 @@ def grouped_child() -> dict:
 
 def expert_slots_child() -> dict:
     """Child: the decode layer's experts on per-expert slot buffers (random counts, one group empty, one negative,
-    one full, garbage in the padding) through the Mosaic kernels on the packed rows, against the batched matmuls over the
-    slots (XLA) and a NumPy float64 SwiGLU on the same bf16 numbers."""
+    one full, garbage in the padding) through the Mosaic kernels on the packed rows, against the batched matmuls
+    over the slots (XLA) and a NumPy float64 SwiGLU on the same bf16 numbers."""
     import jax
     import jax.numpy as jnp
     import numpy as np
