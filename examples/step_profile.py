@@ -13,6 +13,7 @@ more than the step's wall time.
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import re
 import tempfile
@@ -53,16 +54,17 @@ def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, s
     members: dict[str, list[str]] = collections.defaultdict(list)
     computation = None
     for line in hlo_text.splitlines():
+        header = _HEADER.match(line)  # first: a header's parameters may print /*index=5*/, which looks like "name ="
+        if header:
+            computation = header.group(1)
+            continue
         m = _INSTRUCTION.match(line)
-        if m is None or _HEADER.match(line):  # a header's parameters may print /*index=5*/
-            header = _HEADER.match(line)
-            if header:
-                computation = header.group(1)
+        if m is None:
             continue
         name, rest = m.group(1), m.group(2)
         op_name = _OP_NAME.search(rest)
         own[name] = scope_of(op_name.group(1), scopes) if op_name else None
-        called = [(kind, target) for kind, target in _CALLED.findall(rest)]
+        called = _CALLED.findall(rest)
         if called:
             calls[name] = [c.strip().lstrip("%") for _, t in called for c in t.strip("{}").split(",") if c.strip()]
             if any(kind in _CONTAINERS for kind, _ in called):
@@ -70,18 +72,20 @@ def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, s
         if computation is not None:
             members[computation].append(name)
 
-    def computation_part(comp: str, seen: frozenset[str]) -> str | None:
-        votes = collections.Counter(p for i in members.get(comp, []) if (p := part(i, seen)) is not None)
+    # HLO's calls form no cycles, so each computation's vote is taken once and reused by every caller.
+    @functools.cache
+    def computation_part(comp: str) -> str | None:
+        votes = collections.Counter(p for i in members.get(comp, []) if (p := part(i)) is not None)
         return votes.most_common(1)[0][0] if votes else None
 
-    def part(name: str, seen: frozenset[str]) -> str | None:
-        if own.get(name) is not None or name in seen:
-            return own.get(name)
-        seen = seen | {name}
-        votes = collections.Counter(p for c in calls.get(name, []) if (p := computation_part(c, seen)) is not None)
+    @functools.cache
+    def part(name: str) -> str | None:
+        if own.get(name) is not None:
+            return own[name]
+        votes = collections.Counter(p for c in calls.get(name, []) if (p := computation_part(c)) is not None)
         return votes.most_common(1)[0][0] if votes else None
 
-    parts = {name: part(name, frozenset()) for name in own}
+    parts = {name: part(name) for name in own}
     return (module.group(1) if module else ""), parts, containers
 
 

@@ -576,35 +576,28 @@ def _by_expert(
     out: DispatchResult, groups: int, alignment: int, capacity: int, overflow: Overflow, axis_name: AxisName
 ) -> ExpertDispatchResult:
     """The received rows laid out as pair rows (see _pairs)."""
-    with jax.named_scope(_pairs.SCOPE):
-        return _laid_out_by_expert(out, groups, alignment, capacity, overflow, axis_name)
-
-
-def _laid_out_by_expert(
-    out: DispatchResult, groups: int, alignment: int, capacity: int, overflow: Overflow, axis_name: AxisName
-) -> ExpertDispatchResult:
-    layout = _pairs.pair_layout(out.topk_idx, out.num_tokens, groups, alignment, capacity)
     rows, top_k = out.topk_idx.shape
-    if overflow == "error" and capacity < _pairs.every_slot_pairs(rows, top_k, groups, alignment):
-        # The pair rows depend on the check, so it runs whenever they are used.
-        zero = _raise_if_any_rank_overflows(layout.pairs_needed, capacity, axis_name)
-        layout = layout._replace(pair_row=layout.pair_row + zero)
-    num_dropped = layout.pairs_dropped
+    with jax.named_scope(_pairs.SCOPE):
+        layout = _pairs.pair_layout(out.topk_idx, out.num_tokens, groups, alignment, capacity)
+        if overflow == "error" and capacity < _pairs.every_slot_pairs(rows, top_k, groups, alignment):
+            # The pair rows depend on the check, so it runs whenever they are used.
+            zero = _raise_if_any_rank_overflows(layout.pairs_needed, capacity, axis_name)
+            layout = layout._replace(pair_row=layout.pair_row + zero)
 
-    def expand(rows):
-        return _pairs.expand(rows, layout.pair_row, layout.pair_of)
+        def expand(rows):
+            return _pairs.expand(rows, layout.pair_row, layout.pair_of)
 
-    x = tuple(map(expand, out.x)) if isinstance(out.x, tuple) else expand(out.x)
-    weights = None
-    if out.topk_weights is not None:
-        weights = _pairs.pair_weights(out.topk_weights, layout.pair_index, layout.pair_of)
+        x = tuple(map(expand, out.x)) if isinstance(out.x, tuple) else expand(out.x)
+        weights = None
+        if out.topk_weights is not None:
+            weights = _pairs.pair_weights(out.topk_weights, layout.pair_index, layout.pair_of)
     return ExpertDispatchResult(
         x=x,
         weights=weights,
         expert_offsets=layout.expert_offsets,
         num_tokens_per_expert=layout.num_tokens_per_expert,
         num_tokens=layout.rows_kept,
-        num_dropped=num_dropped,
+        num_dropped=layout.pairs_dropped,
         handle=ExpertHandle(out.handle, layout.pair_row, layout.pair_of),
     )
 
