@@ -29,6 +29,8 @@ _CALLED = re.compile(
     r"\b(calls|to_apply|body|condition|branch_computations|called_computations|true_computation|"
     r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
 )
+# XLA:GPU's command buffers off (CPU compilers ignore the option).
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 # Instructions whose events (XLA:CPU records one for a loop's whole run) span their callees' own op events.
 _CONTAINERS = ("body", "branch_computations", "true_computation")
 
@@ -89,10 +91,11 @@ def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, s
     return (module.group(1) if module else ""), parts, containers
 
 
-def _events(directory: str) -> list[tuple[str, str, str, float]]:
-    """(device, hlo_module, hlo_op, duration ns) of every op event in the profile written under `directory`; the
-    device is the plane and the event's device ordinal where it has one (CPU devices share a plane). Where there
-    are device planes (GPUs) only their events count: host threads that name ops would count them twice."""
+def _events(directory: str) -> list[tuple[str, str, str, str, float]]:
+    """(device, hlo_module, hlo_op, event name (the kernel's, on GPUs), duration ns) of every op event in the profile
+    written under `directory`; the device is the plane and the event's device ordinal where it has one (CPU devices
+    share a plane). Where there are device planes (GPUs) only their events count: host threads that name ops would
+    count them twice."""
     from jax.profiler import ProfileData
 
     out = []
@@ -104,31 +107,51 @@ def _events(directory: str) -> list[tuple[str, str, str, float]]:
                     stats = dict(event.stats)
                     if "hlo_op" in stats and "hlo_module" in stats:
                         device = f"{plane.name}#{stats.get('device_ordinal', '')}"
-                        out.append((device, str(stats["hlo_module"]), str(stats["hlo_op"]), event.duration_ns))
+                        out.append(
+                            (device, str(stats["hlo_module"]), str(stats["hlo_op"]), event.name, event.duration_ns)
+                        )
     if any(device.startswith("/device:") for device, *_ in out):
         out = [e for e in out if e[0].startswith("/device:")]
     return out
 
 
-def profile_parts(step: Callable[..., Any], args: Sequence[Any], scopes: Mapping[str, str]) -> dict[str, Any]:
+def profile_parts(
+    step: Callable[..., Any], args: Sequence[Any], scopes: Mapping[str, str], top: int = 0
+) -> dict[str, Any]:
     """Calls the jitted `step` on `args` once under the profiler; the ms per device of each part of `scopes`
     ({part: scope name}), of "other" (ops in no scope) and "total" (every op of the step's program), or only
     "_results" where the profile named none of the program's ops. The call's results are under "_results" (step may
-    donate its arguments). Compiles `step` once more for its HLO."""
-    module, parts, containers = op_parts(step.lower(*args).compile().as_text(), scopes)
+    donate its arguments); with `top`, "_top" holds each part's `top` heaviest kernels (event names: the GPU's
+    kernels, CPU's ops) as [name, ms per device, events], heaviest first.
+
+    Compiles `step` once more, without XLA:GPU's command buffers, and profiles that program: a kernel a CUDA graph
+    launches carries the graph's name as its op, not its own, so in the program the steps run most kernels would
+    count as "other". Each kernel's time is its own either way; the graphs save launches between them."""
+    compiled = step.lower(*args).compile(compiler_options=NO_COMMAND_BUFFERS)
+    module, parts, containers = op_parts(compiled.as_text(), scopes)
     with tempfile.TemporaryDirectory(prefix="step_profile_") as directory:
         with jax.profiler.trace(directory):
-            results = jax.block_until_ready(step(*args))
+            results = jax.block_until_ready(compiled(*args))
         events = _events(directory)
     ms: dict[str, float] = collections.defaultdict(float)
+    kernels: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    counts: collections.Counter = collections.Counter()
     devices = set()
-    for device, hlo_module, hlo_op, ns in events:
+    for device, hlo_module, hlo_op, name, ns in events:
         if hlo_module != module or hlo_op in containers:  # a loop's event spans its body's, counted themselves
             continue
         devices.add(device)
-        ms[parts.get(hlo_op) or "other"] += ns / 1e6
+        part = parts.get(hlo_op) or "other"
+        ms[part] += ns / 1e6
         ms["total"] += ns / 1e6
+        kernels[part][name] += ns / 1e6
+        counts[part, name] += 1
     out: dict[str, Any] = {"_results": results}
     if devices:
-        out.update({p: ms.get(p, 0.0) / len(devices) for p in (*scopes, "other", "total")})
+        n = len(devices)
+        out.update({p: ms.get(p, 0.0) / n for p in (*scopes, "other", "total")})
+        if top:
+            out["_top"] = {
+                p: [[k, t / n, counts[p, k] // n] for k, t in kernels[p].most_common(top)] for p in (*scopes, "other")
+            }
     return out

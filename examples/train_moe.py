@@ -70,6 +70,7 @@ AXIS = "ep"
 JSON_MARK = "TRAIN_MOE_JSON "
 # LayerTimer's standalone timings (ms), in the order they print.
 PART_KEYS = ("moe_fwd_ms", "moe_fwd_bwd_ms", "router_ms", "dispatch_ms", "experts_ms", "combine_ms")
+PROFILE_TOP = 6  # heaviest kernels of each part the profile lists
 
 
 class Config(NamedTuple):
@@ -559,12 +560,16 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     profile = None
     if args.profile_parts:
         batch = _global_array(data.batch(args.steps + 1, r * args.batch_per_device, cfg.seq_len + 1), batch_sharding)
-        profile = step_profile.profile_parts(train_step, (params, opt_state, batch), layers.SCOPES)
+        profile = step_profile.profile_parts(train_step, (params, opt_state, batch), layers.SCOPES, top=PROFILE_TOP)
         params, opt_state, _ = profile.pop("_results")
+        top_kernels = profile.pop("_top", {})
         say(
             "profile of one step (ms per device, forward and backward): "
             + (", ".join(f"{k} {v:.2f}" for k, v in profile.items()) or "the profile named none of its ops")
         )
+        for part, heaviest in top_kernels.items():
+            if heaviest:
+                say(f"  {part}: " + "; ".join(f"{name[:60]} {t:.2f} ms x{n}" for name, t, n in heaviest))
     ep.check_errors()  # GPU kernels report bad routing or exceeded capacity here (CPU ops raise themselves)
     steady = step_s[1:] or step_s
     summary: dict[str, Any] = {
@@ -591,6 +596,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     }
     if profile is not None:
         summary["profile_ms"] = profile
+        summary["profile_top_kernels"] = top_kernels  # {part: [[kernel, ms per device, launches], ...]}
     for key in PART_KEYS:
         values = [t[key] for t in timings if key in t]
         if values:

@@ -409,11 +409,19 @@ def test_a_step_profile_splits_the_device_time_by_named_scope():
         whiles = set(re.findall(r"%?([\w.\-]+) = [^\n]* while\(", text))
         assert loops == whiles and bool(whiles) == (fn is scanned), (fn.__name__, loops, whiles)
         assert all(ops[name] is not None for name in ops if name.startswith("dot")), ops  # every matmul is scoped
-        profile = step_profile.profile_parts(step, args, scopes)
+        profile = step_profile.profile_parts(step, args, scopes, top=2)
         value, _ = profile.pop("_results")
+        top = profile.pop("_top")
         assert np.isfinite(float(value))
         assert profile["heavy"] > profile["light"] > 0, (fn.__name__, profile)
         assert profile["other"] < profile["heavy"], (fn.__name__, profile)
+        # Each part's heaviest kernels: at most `top`, heaviest first, within the part's time, the heavy part's from
+        # its own ops (a dot or a fusion of one).
+        for part in (*scopes, "other"):
+            times = [t for _, t, _ in top[part]]
+            assert len(times) <= 2 and times == sorted(times, reverse=True), (part, top[part])
+            assert sum(times) <= profile[part] * (1 + 1e-9), (part, top[part], profile[part])
+        assert top["heavy"][0][2] >= 1 and ops.get(top["heavy"][0][0]) == "heavy", (top, ops)
 
 
 def test_train_moe_capacity_options(ep_runtime):
