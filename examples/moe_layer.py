@@ -22,6 +22,7 @@ curves agree to float rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -146,6 +147,45 @@ def moe_ffn_all_to_all(
     return MoEOutput(y.reshape(*lead, d_model), aux, MoEStats(received, dropped, per_expert))
 
 
+def _ragged_rows(operand: jax.Array, plan: tuple[jax.Array, ...], rows: int, axis_name: str) -> jax.Array:
+    """``jax.lax.ragged_all_to_all`` of ``operand`` into ``rows`` zero rows by ``plan`` (input offsets, send sizes,
+    output offsets, receive sizes)."""
+    out = jnp.zeros((rows, *operand.shape[1:]), operand.dtype)
+    out = jax.lax.ragged_all_to_all(operand, out, *plan, axis_name=axis_name)
+    # Each rank's rows are its own, also where the operand (a cotangent) came in marked invariant.
+    aval = jax.typeof(out)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; later jax: aval.vma
+    if axis_name in (manual.varying if manual is not None else getattr(aval, "vma", ())):
+        return out
+    return (
+        jax.lax.pcast(out, (axis_name,), to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(out, axis_name)
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ragged_exchange(
+    operand: jax.Array, there: tuple[jax.Array, ...], back: tuple[jax.Array, ...], rows: tuple[int, int], axis_name: str
+) -> jax.Array:
+    """``_ragged_rows`` by ``there`` into ``rows[0]`` rows, whose gradient is the same exchange run by ``back`` into
+    ``rows[1]`` rows (the operand's). Each rank already holds the reverse plan, so the backward pass runs no
+    all_to_all of offsets, as JAX's own transpose rule of ragged_all_to_all does."""
+    del back
+    return _ragged_rows(operand, there, rows[0], axis_name)
+
+
+def _ragged_exchange_fwd(operand, there, back, rows, axis_name):
+    return _ragged_exchange(operand, there, back, rows, axis_name), (there, back)
+
+
+def _ragged_exchange_bwd(rows, axis_name, residuals, cotangent):
+    there, back = residuals
+    operand_t = _ragged_rows(cotangent, back, rows[1], axis_name)
+    return operand_t, tuple(None for _ in there), tuple(None for _ in back)
+
+
+_ragged_exchange.defvjp(_ragged_exchange_fwd, _ragged_exchange_bwd)
+
+
 def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str) -> MoEOutput:
     """The package's layer with ``jax.lax.ragged_all_to_all`` (MaxText's dropless path); never drops.
 
@@ -191,15 +231,10 @@ def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name
     home_offsets = _exclusive_cumsum(sent, axis=1)[:, me]  # where each source's chunk for me starts in its send_x
 
     # 3. Exchange: the receive buffer holds the chunks of rank 0, 1, ... at recv_offsets (padding rows are zeros).
-    recv_x = jax.lax.ragged_all_to_all(
-        send_x,
-        jnp.zeros((recv_rows, d_model), x.dtype),
-        input_offsets,
-        send_sizes,
-        output_offsets,
-        recv_sizes,
-        axis_name=axis_name,
-    )
+    #    The way back (step 5) runs the same plan reversed, and each is the other's gradient.
+    there = (input_offsets, send_sizes, output_offsets, recv_sizes)
+    back = (recv_offsets, recv_sizes, home_offsets, send_sizes)
+    recv_x = _ragged_exchange(send_x, there, back, (recv_rows, slots), axis_name)
 
     # 4. The local expert of each received row: within a source's chunk, rows come sorted by expert, so the
     #    buffer is a sequence of (source, local expert) segments in source-major order; -1 past the last one.
@@ -215,18 +250,10 @@ def moe_ffn_ragged(params: Params, x: jax.Array, config: MoEConfig, *, axis_name
     )  # [R * S, D] float32, padding zeros
 
     # 5. The reverse exchange: source i's rows go back to where they started in its send_x.
-    back = jax.lax.ragged_all_to_all(
-        y.astype(x.dtype),
-        jnp.zeros((slots, d_model), x.dtype),
-        recv_offsets,
-        recv_sizes,
-        home_offsets,
-        send_sizes,
-        axis_name=axis_name,
-    )
+    returned = _ragged_exchange(y.astype(x.dtype), back, there, (slots, recv_rows), axis_name)
 
     # 6. Un-sort to slot order and sum each token's slots with its router weights.
-    slot_out = back[jnp.argsort(order)].reshape(-1, top_k, d_model)
+    slot_out = returned[jnp.argsort(order)].reshape(-1, top_k, d_model)
     out = jnp.einsum("tk,tkd->td", weights, slot_out.astype(jnp.float32)).astype(x.dtype)
     received = jnp.sum(recv_sizes).astype(jnp.int32).reshape(1)
     return MoEOutput(out.reshape(*lead, d_model), aux, MoEStats(received, jnp.zeros((1,), jnp.int32), per_expert))

@@ -5,9 +5,9 @@
     # {"experts": 2.1, ..., "other": 30.5, "total": 40.2}  (ms per device, summed over the ops' events)
 
 The profile's events name their compiled op (``hlo_op``) and program (``hlo_module``); the op's scope comes from
-the compiled HLO text (a fusion without metadata takes the scope most of its fused instructions have). Times are
-the sums of the ops' device events, per device: ops on different streams may overlap, so the parts can add up to
-more than the step's wall time.
+the compiled HLO text (a fusion takes its matmul's scope, else its root's; one without metadata the scope most of its
+fused instructions have). Times are the sums of the ops' device events, per device: ops on different streams may
+overlap, so the parts can add up to more than the step's wall time.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import jax
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MATMUL = re.compile(r"\s(dot|convolution|custom-call)\(")  # the opcode (operands print as %name)
 _CALLED = re.compile(
     r"\b(calls|to_apply|body|condition|branch_computations|called_computations|true_computation|"
     r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
@@ -47,13 +48,16 @@ def scope_of(op_name: str, scopes: Mapping[str, str]) -> str | None:
 
 def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, str | None], set[str]]:
     """(the module's name, each instruction's part, the loop and conditional instructions) from compiled HLO text.
-    An instruction's part is its op_name's scope, else the one most of its called computations' instructions have
-    (a fusion without metadata)."""
+    An instruction's part is that of the matmul (dot, convolution, custom call) it fuses, else its op_name's scope
+    (None where the op name holds none: a fusion's is its root's), and where it has no op name, the part most of its
+    called computations' instructions have."""
     module = re.search(r"HloModule\s+([\w.\-]+)", hlo_text)
-    own: dict[str, str | None] = {}
+    own: dict[str, str | None] = {}  # the part of each instruction with an op name (None: in no scope)
     calls: dict[str, list[str]] = {}
     containers: set[str] = set()
     members: dict[str, list[str]] = collections.defaultdict(list)
+    instructions: list[str] = []
+    matmuls: set[str] = set()
     computation = None
     for line in hlo_text.splitlines():
         header = _HEADER.match(line)  # first: a header's parameters may print /*index=5*/, which looks like "name ="
@@ -64,8 +68,12 @@ def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, s
         if m is None:
             continue
         name, rest = m.group(1), m.group(2)
+        instructions.append(name)
+        if _MATMUL.search(rest.split(", metadata=")[0]):
+            matmuls.add(name)
         op_name = _OP_NAME.search(rest)
-        own[name] = scope_of(op_name.group(1), scopes) if op_name else None
+        if op_name:
+            own[name] = scope_of(op_name.group(1), scopes)
         called = _CALLED.findall(rest)
         if called:
             calls[name] = [c.strip().lstrip("%") for _, t in called for c in t.strip("{}").split(",") if c.strip()]
@@ -81,13 +89,24 @@ def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, s
         return votes.most_common(1)[0][0] if votes else None
 
     @functools.cache
+    def matmul_part(comp: str) -> str | None:  # the part of a matmul the computation holds, at any depth
+        for i in members.get(comp, []):
+            if i in matmuls and own.get(i) is not None:
+                return own[i]
+            if (p := next((q for c in calls.get(i, []) if (q := matmul_part(c)) is not None), None)) is not None:
+                return p
+        return None
+
+    @functools.cache
     def part(name: str) -> str | None:
-        if own.get(name) is not None:
+        if (p := next((q for c in calls.get(name, []) if (q := matmul_part(c)) is not None), None)) is not None:
+            return p  # a fusion's time is its matmul's
+        if name in own:  # else its root's op name (the optimizer's update, fusing in a gradient's convert: other)
             return own[name]
         votes = collections.Counter(p for c in calls.get(name, []) if (p := computation_part(c)) is not None)
         return votes.most_common(1)[0][0] if votes else None
 
-    parts = {name: part(name) for name in own}
+    parts = {name: part(name) for name in instructions}
     return (module.group(1) if module else ""), parts, containers
 
 

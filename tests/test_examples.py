@@ -281,15 +281,19 @@ def test_all_to_all_layer_drops_the_slots_past_capacity(ep_runtime, how):
 
 
 def test_ragged_layer_with_the_real_ragged_all_to_all(ep_runtime):
-    """moe_ffn_ragged with jax.lax.ragged_all_to_all itself; XLA:CPU does not implement it (jax 0.10): skips."""
+    """moe_ffn_ragged with jax.lax.ragged_all_to_all itself, output and gradients (its backward is the reverse
+    exchange, not JAX's transpose of the collective); float32 experts at the highest matmul precision, so that GPUs
+    compare at the reference's rounding. XLA:CPU does not implement ragged_all_to_all (jax 0.10): skips there."""
     import jax
+    import jax.numpy as jnp
 
     from jax_uccl_ep import layers
 
     ml = _load("moe_layer")
-    config = layers.MoEConfig(num_experts=2 * jax.device_count(), top_k=2, aux_loss_coef=0.1)
+    config = layers.MoEConfig(num_experts=2 * jax.device_count(), top_k=2, aux_loss_coef=0.1, compute_dtype=jnp.float32)
     try:
-        _layer_vs_reference(ml.moe_ffn_ragged, config, seed=31)
+        with jax.default_matmul_precision("highest"):
+            _layer_vs_reference(ml.moe_ffn_ragged, config, seed=31)
     except Exception as e:  # noqa: BLE001  (JaxRuntimeError; its module moved between jax versions)
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         if jax.devices()[0].platform == "cpu" and "ragged-all-to-all" in message and "UNIMPLEMENTED" in message:
@@ -399,6 +403,41 @@ def test_a_step_profile_splits_the_device_time_by_named_scope():
     assert step_profile.scope_of("jit(f)/transpose(jvp(heavy_part))/dot_general", scopes) == "heavy"
     assert step_profile.scope_of("jit(f)/jvp(heavy_part)/light_part/dot", scopes) == "light"  # the innermost
     assert step_profile.scope_of("jit(f)/heavy_parts/dot", scopes) is None  # a whole word only
+    # A fusion's part: its matmul's scope wherever the matmul sits, else its root's (an optimizer update that fuses in
+    # a scoped gradient's convert is in no scope), and the fused instructions' majority where it has no op name.
+    text = """HloModule jit_step, is_scheduled=true
+
+%fused_update (p0: f32[8], p1: bf16[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %p1 = bf16[8]{0} parameter(1)
+  %convert.1 = f32[8]{0} convert(%p1), metadata={op_name="jit(step)/transpose(jvp(heavy_part))/convert"}
+  ROOT %add.1 = f32[8]{0} add(%p0, %convert.1), metadata={op_name="jit(step)/add"}
+}
+
+%fused_dot (p0: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %dot.1 = f32[8,8]{1,0} dot(%p0, %p0), metadata={op_name="jit(step)/light_part/dot_general"}
+  ROOT %tanh.1 = f32[8,8]{1,0} tanh(%dot.1), metadata={op_name="jit(step)/tanh"}
+}
+
+%fused_plain (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %exp.1 = f32[8]{0} exponential(%p0), metadata={op_name="jit(step)/heavy_part/exp"}
+  ROOT %neg.1 = f32[8]{0} negate(%exp.1), metadata={op_name="jit(step)/heavy_part/neg"}
+}
+
+ENTRY %main (a: f32[8], b: bf16[8], c: f32[8,8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %b = bf16[8]{0} parameter(1)
+  %c = f32[8,8]{1,0} parameter(2)
+  %update_fusion = f32[8]{0} fusion(%a, %b), kind=kLoop, calls=%fused_update, metadata={op_name="jit(step)/add"}
+  %dot_fusion = f32[8,8]{1,0} fusion(%c), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(step)/tanh"}
+  ROOT %plain_fusion = f32[8]{0} fusion(%update_fusion), kind=kLoop, calls=%fused_plain
+}
+"""
+    module, ops, _ = step_profile.op_parts(text, scopes)
+    assert module == "jit_step"
+    assert (ops["update_fusion"], ops["dot_fusion"], ops["plain_fusion"]) == (None, "light", "heavy"), ops
     for fn in (f, scanned):
         step = jax.jit(jax.value_and_grad(fn, argnums=(1, 2)))
         jax.block_until_ready(step(*args))
