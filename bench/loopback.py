@@ -14,7 +14,10 @@ sends from rank 0 only (the others route to their own experts), about halving th
 the others' receive sides. --sides-apart holds dispatch's receive side back in the spans' call until every rank's
 rows have landed, so that its send and receive spans are each side with the memory to itself. Each run checks the
 last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook). --gpus N spreads the
-ranks over GPUs 0..N-1 of this process (rank r on GPU r % N): the same kernels, spans and sides apart over NVLink.
+ranks over GPUs 0..N-1 of this process (rank r on GPU r % N): the same kernels, spans and sides apart over NVLink;
+the spans over all ranks then mix the GPUs' clocks (which disagree by up to milliseconds), so each GPU's own spans
+print too ("routing": dispatch's receive blocks waiting for every member's routing; "scan": the routing scan after
+it).
 
     python bench/loopback.py --out $OUT/loopback.json
 """
@@ -152,6 +155,9 @@ def main(argv=None) -> int:
                     ),
                     flush=True,
                 )
+            gpu_spans = r.get("gpu_spans_us", [])
+            for g, own in enumerate(gpu_spans if len(gpu_spans) > 1 else []):  # each GPU on its own clock
+                print(f"#   GPU {g}: " + ", ".join(f"{k} +{s:.0f}/{n:.0f}" for k, (s, n) in own.items()), flush=True)
     _uccl_ep_testing.nvl_set_bulk_tuning(0, 0)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)

@@ -160,15 +160,22 @@ NB_MODULE(_uccl_ep_testing, m) {
         d["mismatched_combine_rows"] = r.mismatched_combine_rows;
         d["num_sms"] = nvl::num_sms();
         d["bulk"] = nvl::bulk_copies();
-        static const char* kKinds[] = {"scan", "dispatch_send", "dispatch_receive", "combine_send", "combine_receive"};
+        static const char* kKinds[] = {"scan",         "dispatch_send",   "dispatch_receive",
+                                       "combine_send", "combine_receive", "routing"};
         static_assert(std::size(kKinds) == size_t(nvl::KernelKind::kCount), "a name per kernel kind");
-        nb::dict spans;
-        for (int op = 0; op < 2; ++op)
-          for (int k = 0; k < int(nvl::KernelKind::kCount); ++k)
-            if (r.spans[op][k][1] >= 0)
-              spans[(std::string(op ? "combine:" : "dispatch:") + kKinds[k]).c_str()] =
-                  nb::make_tuple(r.spans[op][k][0], r.spans[op][k][1]);
-        d["spans_us"] = spans;  // one more call of each op: (start after the op's first kernel, length)
+        const auto spans_dict = [&](const double (*spans)[int(nvl::KernelKind::kCount)][2]) {
+          nb::dict out;
+          for (int op = 0; op < 2; ++op)
+            for (int k = 0; k < int(nvl::KernelKind::kCount); ++k)
+              if (spans[op][k][1] >= 0)
+                out[(std::string(op ? "combine:" : "dispatch:") + kKinds[k]).c_str()] =
+                    nb::make_tuple(spans[op][k][0], spans[op][k][1]);
+          return out;
+        };
+        d["spans_us"] = spans_dict(r.spans);  // one more call of each op: (start after the op's first kernel, length)
+        nb::list gpu_spans;                   // the same per GPU, on its own clock
+        for (int g = 0; g < gpus; ++g) gpu_spans.append(spans_dict(r.gpu_spans[g]));
+        d["gpu_spans_us"] = gpu_spans;
         return d;
       },
       nb::arg("device"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("topk"), nb::arg("experts"), nb::arg("fp8"),

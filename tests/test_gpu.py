@@ -604,7 +604,7 @@ def gpu_loopback_over_nvlink() -> list:
 def test_the_loopback_runs_its_ranks_over_nvlink():
     """bench/loopback.py --gpus 2: every row, scale row, expert count and (BF16) sum arrives with the ranks on two
     GPUs; with the sides apart the receive side starts once the send side is done, and the spans are stamped by
-    both GPUs' kernels."""
+    both GPUs' kernels, each also on its own clock."""
     results = launch(
         HERE,
         "gpu_loopback_over_nvlink",
@@ -631,6 +631,14 @@ def test_the_loopback_runs_its_ranks_over_nvlink():
             assert receive_start >= send_start + send_len - 5.0, r
         elif r["apart"]:
             print(f"ranks {r['ranks']}: the GPUs' timers disagree (send span {send_len:.0f} us); order not checked")
+        # Each GPU's own spans read one clock: its send side within the call, and its receive blocks wait for the
+        # routing, scan it, then copy (the earliest of each phase in that order).
+        assert len(r["gpu_spans_us"]) == 2, r
+        for own in r["gpu_spans_us"]:
+            routing, scan = own["dispatch:routing"], own["dispatch:scan"]
+            receive, send = own["dispatch:dispatch_receive"], own["dispatch:dispatch_send"]
+            assert 0 < send[1] <= 2 * r["dispatch_us"] + 20, (own, r["dispatch_us"])
+            assert routing[0] <= scan[0] + 0.5 and scan[0] <= receive[0] + 0.5, own
 
 
 def test_the_copy_bench_pushes_and_pulls_between_two_gpus():

@@ -282,37 +282,62 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   }
   // One more call of each op with the kernels' stamps on: where its time goes. Every rank's kernels are queued
   // behind one gate (a kernel that sleeps, then an event), so they start together as in the timed loop rather
-  // than as one host thread launches them. With several GPUs, every GPU's kernels stamp the one array on the first
-  // GPU (atomics over NVLink) by their own %globaltimer.
+  // than as one host thread launches them. Each GPU's kernels stamp an array of its own, by its own %globaltimer:
+  // the spans over all ranks merge them (mixing the clocks), gpu_spans keep each GPU's.
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   cudaEvent_t gate;
   check(cudaEventCreateWithFlags(&gate, cudaEventDisableTiming), "cudaEventCreate");
   constexpr int kKinds = int(KernelKind::kCount);
-  uint64_t* stamps = device_alloc<uint64_t>(2 * kKinds);
+  std::vector<uint64_t*> stamps(a.num_gpus);
+  for (int g = 0; g < a.num_gpus; ++g) {
+    check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
+    stamps[g] = device_alloc<uint64_t>(2 * kKinds);
+  }
+  // (start, length) in us of each kind from `first`, or (0, -1) where no kernel of the kind ran.
+  const auto spans_from = [&](const std::vector<uint64_t>& words, double (*out)[2]) {
+    uint64_t first = UINT64_MAX;
+    for (int k = 0; k < kKinds; ++k) first = std::min(first, words[2 * k]);
+    for (int k = 0; k < kKinds; ++k) {
+      const bool ran = words[2 * k] != UINT64_MAX;
+      out[k][0] = ran ? double(words[2 * k] - first) / 1e3 : 0.0;
+      out[k][1] = ran ? (double(words[2 * k + 1]) - double(words[2 * k])) / 1e3 : -1.0;
+    }
+  };
   for (auto& op : res.spans)
     for (auto& span : op) span[1] = -1.0;  // not run (combine with fp8)
+  for (auto& gpu : res.gpu_spans)
+    for (auto& op : gpu)
+      for (auto& span : op) span[1] = -1.0;
   for (int op = 0; op < (a.fp8 ? 1 : 2); ++op) {
-    std::vector<uint64_t> host(2 * kKinds, 0);
-    for (int k = 0; k < kKinds; ++k) host[2 * k] = UINT64_MAX;
-    check(cudaMemcpy(stamps, host.data(), host.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
-    for (int g = 0; g < a.num_gpus; ++g) set_kernel_stamps(a.cuda_device + g, stamps, a.sides_apart);
+    std::vector<uint64_t> merged(2 * kKinds, 0), host(2 * kKinds);
+    for (int k = 0; k < kKinds; ++k) merged[2 * k] = UINT64_MAX;
+    for (int g = 0; g < a.num_gpus; ++g) {
+      check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
+      check(cudaMemcpy(stamps[g], merged.data(), merged.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
+      set_kernel_stamps(a.cuda_device + g, stamps[g], a.sides_apart);
+    }
     check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
     sleep_kernel<<<1, 1, 0, ranks[0].stream>>>(200000);
     check(cudaEventRecord(gate, ranks[0].stream), "cudaEventRecord");
     for (int r = 1; r < R; ++r) check(cudaStreamWaitEvent(ranks[r].stream, gate), "cudaStreamWaitEvent");
     run(op == 1, 1);
     synchronize_all();
-    for (int g = 0; g < a.num_gpus; ++g) set_kernel_stamps(a.cuda_device + g, nullptr);
-    check(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
-    uint64_t first = UINT64_MAX;
-    for (int k = 0; k < kKinds; ++k) first = std::min(first, host[2 * k]);
-    for (int k = 0; k < kKinds; ++k) {
-      const bool ran = host[2 * k] != UINT64_MAX;
-      res.spans[op][k][0] = ran ? double(host[2 * k] - first) / 1e3 : 0.0;
-      res.spans[op][k][1] = ran ? (double(host[2 * k + 1]) - double(host[2 * k])) / 1e3 : -1.0;
+    for (int g = 0; g < a.num_gpus; ++g) {
+      set_kernel_stamps(a.cuda_device + g, nullptr);
+      check(cudaMemcpy(host.data(), stamps[g], host.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      spans_from(host, res.gpu_spans[g][op]);
+      for (int k = 0; k < kKinds; ++k) {
+        merged[2 * k] = std::min(merged[2 * k], host[2 * k]);
+        merged[2 * k + 1] = std::max(merged[2 * k + 1], host[2 * k + 1]);
+      }
     }
+    spans_from(merged, res.spans[op]);
   }
-  check(cudaFree(stamps), "cudaFree");
+  for (int g = 0; g < a.num_gpus; ++g) {
+    check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
+    check(cudaFree(stamps[g]), "cudaFree");
+  }
+  check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   cudaEventDestroy(gate);
   synchronize_all();
   return res;

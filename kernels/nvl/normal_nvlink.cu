@@ -707,10 +707,13 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchL
   }
   const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
   {
+    {
+      const KernelStamp stamp(KernelKind::kRouting);
+      // A member whose routing never came is reported; the scan still runs (over what its region holds: every read
+      // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
+      wait_all(f.routing, m.timeout_ns, m.err, m.rank);
+    }
     const KernelStamp stamp(KernelKind::kScan);
-    // A member whose routing never came is reported; the scan still runs (over what its region holds: every read
-    // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
-    wait_all(f.routing, m.timeout_ns, m.err, m.rank);
     scan_pass(f, block, blocks, /*place=*/false);
     if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
     hand_over(f.handoff, counted, block, blocks, units);

@@ -25,8 +25,10 @@ struct RingBenchResult {
 RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per_ring, uint32_t ring_capacity,
                            uint64_t ping_rounds);
 
-// The normal-mode bulk kernels whose spans the loopback bench reads (stamps.cuh).
-enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kCombineReceive, kCount };
+// The normal-mode bulk kernels whose spans the loopback bench reads (stamps.cuh). kRouting: dispatch's receive blocks
+// waiting for every member's routing; kScan: then the routing scan (dispatch) or the positions (combine).
+enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kCombineReceive, kRouting, kCount };
+constexpr int kMaxLoopbackGpus = 8;
 // Points the kernels' stamps at `stamps` (device memory, [KernelKind::kCount][start, end], start words set to
 // UINT64_MAX and end words to 0 beforehand), or turns them off with null. With `sides_apart`, dispatch's receive
 // side starts copying only once every member's rows have landed, so each side's span is what it moves alone.
@@ -77,8 +79,11 @@ struct LoopbackResult {
   // (must be 0).
   uint64_t mismatched_rows, mismatched_expert_counts, mismatched_combine_rows;
   // One more call of each op, its bulk kernels' spans over all ranks: [KernelKind] {start, length} in us from the
-  // earliest start of the op's kernels (negative length: the kernel did not run).
+  // earliest start of the op's kernels (negative length: the kernel did not run). With several GPUs these mix the
+  // GPUs' %globaltimer clocks, which disagree by up to milliseconds; gpu_spans are each GPU's own (its ranks'
+  // kernels on its clock, from the earliest start of the op's kernels on that GPU).
   double spans[2][int(KernelKind::kCount)][2];  // [dispatch, combine]
+  double gpu_spans[kMaxLoopbackGpus][2][int(KernelKind::kCount)][2];
 };
 LoopbackResult loopback_bench(const LoopbackArgs& args);
 // GB/s one kernel of `blocks` blocks copies: per block `producers` threads each running bulk copies through
