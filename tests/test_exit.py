@@ -60,13 +60,16 @@ def test_exit_while_ops_are_in_flight_never_stalls():
     is left waiting for rows: such a stall lasts UCCL_EP_TIMEOUT_S (60 s here), a run takes ~5 s. Many runs: the
     race was 1 in 5."""
     script = _script(UNAWAITED)
+    # The libraries' timestamped log lines (the coordination service's barriers and shutdown) come along, so that a
+    # slow run says which wait took its time.
+    logs = {"UCCL_EP_TIMEOUT_S": "60", "TF_CPP_MIN_LOG_LEVEL": "0"}
     for run in range(6):
         start = time.monotonic()
-        done = _launch(["-n", "2", "--devices-per-process", "2", script], env={"UCCL_EP_TIMEOUT_S": "60"})
+        done = _launch(["--verbose", "-n", "2", "--devices-per-process", "2", script], env=logs)
         seconds = time.monotonic() - start
         assert done.returncode == 0, (run, done.stderr[-2000:])
         assert done.stdout.count("(256, 256)") == 6, (run, done.stdout)
-        assert seconds < 45.0, f"run {run} took {seconds:.1f} s: a rank waited at exit"
+        assert seconds < 45.0, f"run {run} took {seconds:.1f} s: a rank waited at exit\n{done.stderr[-6000:]}"
         assert "jax_uccl_ep (" not in done.stderr, done.stderr  # nothing to report
 
 
