@@ -150,16 +150,9 @@ def moe_ffn_all_to_all(
 def _ragged_rows(operand: jax.Array, plan: tuple[jax.Array, ...], rows: int, axis_name: str) -> jax.Array:
     """``jax.lax.ragged_all_to_all`` of ``operand`` into ``rows`` zero rows by ``plan`` (input offsets, send sizes,
     output offsets, receive sizes)."""
-    out = jnp.zeros((rows, *operand.shape[1:]), operand.dtype)
-    out = jax.lax.ragged_all_to_all(operand, out, *plan, axis_name=axis_name)
-    # Each rank's rows are its own, also where the operand (a cotangent) came in marked invariant.
-    aval = jax.typeof(out)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; later jax: aval.vma
-    if axis_name in (manual.varying if manual is not None else getattr(aval, "vma", ())):
-        return out
-    return (
-        jax.lax.pcast(out, (axis_name,), to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(out, axis_name)
-    )
+    # Each rank's rows are its own, also where the operand (a cotangent) comes in marked invariant.
+    out = jax.lax.pcast(jnp.zeros((rows, *operand.shape[1:]), operand.dtype), (axis_name,), to="varying")
+    return jax.lax.ragged_all_to_all(operand, out, *plan, axis_name=axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

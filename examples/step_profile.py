@@ -91,15 +91,16 @@ def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, s
     @functools.cache
     def matmul_part(comp: str) -> str | None:  # the part of a matmul the computation holds, at any depth
         for i in members.get(comp, []):
-            if i in matmuls and own.get(i) is not None:
-                return own[i]
-            if (p := next((q for c in calls.get(i, []) if (q := matmul_part(c)) is not None), None)) is not None:
+            if (p := (own.get(i) if i in matmuls else None) or called_matmul_part(i)) is not None:
                 return p
         return None
 
+    def called_matmul_part(name: str) -> str | None:
+        return next((p for c in calls.get(name, []) if (p := matmul_part(c)) is not None), None)
+
     @functools.cache
     def part(name: str) -> str | None:
-        if (p := next((q for c in calls.get(name, []) if (q := matmul_part(c)) is not None), None)) is not None:
+        if (p := called_matmul_part(name)) is not None:
             return p  # a fusion's time is its matmul's
         if name in own:  # else its root's op name (the optimizer's update, fusing in a gradient's convert: other)
             return own[name]
