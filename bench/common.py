@@ -452,7 +452,16 @@ class EPBench:
 
     AXIS = "ep"
 
-    def __init__(self, prob: EPProblem, devices=None, *, iters: int = 10, repeats: int = 5, cupti: bool = False):
+    def __init__(
+        self,
+        prob: EPProblem,
+        devices=None,
+        *,
+        iters: int = 10,
+        repeats: int = 5,
+        cupti: bool = False,
+        unroll: bool = False,
+    ):
         import jax
         import numpy as np
         from jax.sharding import Mesh
@@ -462,6 +471,7 @@ class EPBench:
         self.iters = iters
         self.repeats = repeats
         self.cupti = cupti  # also record each op's device activity per call (GPUs, torch)
+        self.unroll = unroll  # the timed calls as a straight line in the jit rather than a fori_loop (looped)
         devices = list(devices if devices is not None else jax.devices())
         if len(devices) != prob.ranks:
             raise ValueError(f"{len(devices)} devices but the problem has {prob.ranks} ranks")
@@ -559,7 +569,9 @@ class EPBench:
                     )
                     return out.num_tokens
 
-                return looped(step, self.iters)(idx[0, 0] * 0)[None]  # (a zero that varies over the axis, as the carry)
+                return looped(step, self.iters, self.unroll)(idx[0, 0] * 0)[
+                    None
+                ]  # (a zero that varies over the axis, as the carry)
 
             xs = self.fp8_inputs() if fp8 else (self.x,)
             return self._smap(body, len(xs) + 2), (*xs, self.topk_idx, self.topk_weights)
@@ -593,7 +605,7 @@ class EPBench:
                     out = ep.combine(y, jax.tree.unflatten(handle_tree[0], (first, *leaves[1:])))
                     return out[0, 0].astype(jnp.float32)
 
-                return looped(step, self.iters)(leaves[-1][0].astype(jnp.float32) * 0)[None]
+                return looped(step, self.iters, self.unroll)(leaves[-1][0].astype(jnp.float32) * 0)[None]
 
             return self._smap(body, len(arrays)), arrays
 
@@ -616,7 +628,7 @@ class EPBench:
                 def step(tok):
                     return ep.low_latency_dispatch(x, jnp.where(tok < 0, 0, idx), use_fp8=True, **kw)[1][0]
 
-                return looped(step, self.iters)(idx[0, 0] * 0)[None]
+                return looped(step, self.iters, self.unroll)(idx[0, 0] * 0)[None]
 
             def combine_body(x, idx, w):
                 recv, _, handle = ep.low_latency_dispatch(x, idx, use_fp8=False, **kw)
@@ -624,7 +636,7 @@ class EPBench:
                 def step(tok):
                     return ep.low_latency_combine(recv, idx, w + tok * 0, handle)[0, 0].astype(jnp.float32)
 
-                return looped(step, self.iters)(w[0, 0] * 0)[None]
+                return looped(step, self.iters, self.unroll)(w[0, 0] * 0)[None]
 
             return self._smap(combine_body if combine else dispatch_body, 3), (self.x, self.topk_idx, self.topk_weights)
 
@@ -646,7 +658,7 @@ class EPBench:
             buf = _global_array(self.mesh, self.P(self.AXIS), host.astype(np.dtype(jdtype)))
 
             def body(b):
-                return looped(lambda v: jax.lax.all_to_all(v, self.AXIS, 0, 0, tiled=True), self.iters)(b)
+                return looped(lambda v: jax.lax.all_to_all(v, self.AXIS, 0, 0, tiled=True), self.iters, self.unroll)(b)
 
             return self._smap(body, 1), (buf,)
 
@@ -689,7 +701,7 @@ class EPBench:
                 def step(out):
                     return jax.lax.ragged_all_to_all(operand, out, io, ss, oo, rs, axis_name=self.AXIS)
 
-                return looped(step, self.iters)(output)
+                return looped(step, self.iters, self.unroll)(output)
 
             return self._smap(body, 6), tuple(args)
 

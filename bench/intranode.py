@@ -219,6 +219,7 @@ def run_jax(
     repeats: int,
     cupti: bool = False,
     budgets: list[tuple[int, int]] | None = None,
+    unroll: bool = False,
 ) -> tuple[list[common.OpResult], dict]:
     """The XLA ops once, and jax_uccl_ep's at each (SM budget, send blocks of it; 0: the default split) in
     `budgets` (default: the environment's)."""
@@ -233,7 +234,7 @@ def run_jax(
     }
     if len(devices) < prob.ranks:
         raise SystemExit(f"{len(devices)} JAX devices < --ranks {prob.ranks}")
-    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti)
+    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti, unroll=unroll)
     results = []
 
     def run_op(op: str) -> common.OpResult:
@@ -341,6 +342,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--torch-timeout", type=float, default=300.0)
     ap.add_argument(
+        "--unroll",
+        action="store_true",
+        help="the JAX ops' timed calls as a straight line in the jit, not a fori_loop (no loop bookkeeping "
+        "between calls, as NCCL's back-to-back calls have none)",
+    )
+    ap.add_argument(
         "--cupti",
         action="store_true",
         help="also list each op's kernels and copies per call on GPU 0 (CUPTI through torch.profiler)",
@@ -414,7 +421,9 @@ def main(argv=None) -> int:
         from jax_uccl_ep import _uccl_ep_testing
 
         _uccl_ep_testing.nvl_set_bulk_tuning(*common.bulk_tuning(args.rings))
-    jax_results, info = run_jax(prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets)
+    jax_results, info = run_jax(
+        prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets, unroll=args.unroll
+    )
     record["jax"] = info
     results += jax_results
     results += nccl_results(prob, nccl, reason)
