@@ -17,7 +17,9 @@ last call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes 
 ranks over GPUs 0..N-1 of this process (rank r on GPU r % N): the same kernels, spans and sides apart over NVLink;
 the spans over all ranks then mix the GPUs' clocks (which disagree by up to milliseconds), so each GPU's own spans
 print too ("routing": dispatch's receive blocks waiting for every member's routing; "scan": the routing scan after
-it).
+it; "acks": the send blocks waiting for the members' acknowledgements; "routing_sent": a send block's start until its
+routing is announced). The stamped call follows three unstamped ones back to back, as in the timed loop (the first
+NVLink traffic after an idle gap is ~110 us slower).
 
     python bench/loopback.py --out $OUT/loopback.json
 """

@@ -161,7 +161,8 @@ NB_MODULE(_uccl_ep_testing, m) {
         d["num_sms"] = nvl::num_sms();
         d["bulk"] = nvl::bulk_copies();
         static const char* kKinds[] = {"scan",         "dispatch_send",   "dispatch_receive",
-                                       "combine_send", "combine_receive", "routing"};
+                                       "combine_send", "combine_receive", "routing",
+                                       "acks",         "routing_sent"};
         static_assert(std::size(kKinds) == size_t(nvl::KernelKind::kCount), "a name per kernel kind");
         const auto spans_dict = [&](const double (*spans)[int(nvl::KernelKind::kCount)][2]) {
           nb::dict out;

@@ -15,7 +15,7 @@
 // (a chunk per send block); chunk[p][c] = k << 32 | n once n tokens (rows, in combine) of chunk c of p's message
 // k landed; ack[p] = k once p has finished reading our message k (we may overwrite its in-region then). An op is one
 // launch on XLA's stream whose send blocks and receive blocks run side by side (the receive blocks scan the routing
-// as it lands), then a stream write of each acknowledgement.
+// as it lands); its last block to finish writes the acknowledgements.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -197,9 +197,6 @@ class NvlRuntime {
 // Installs pinned, device-mapped host memory as the proxy runtime's host allocator when a GPU is present
 // (command rings a kernel can write, staging for providers without GPU memory support). Returns whether it did.
 bool install_pinned_host_allocator();
-
-// A stream memory write from the driver, found at run time (no libcuda at link time).
-void stream_write_value(cudaStream_t stream, uint64_t* address, uint64_t value);
 
 using uccl_ep::CachedDispatchArgs;
 using uccl_ep::CombineArgs;

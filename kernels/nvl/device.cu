@@ -1,7 +1,4 @@
-// NvlDevice: the per-GPU buffer, its mapping into peers, and the driver's stream memory operations.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
+// NvlDevice: the per-GPU buffer and its mapping into peers.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -17,35 +14,6 @@
 #include "device_common.cuh"
 
 namespace uccl_ep::nvl {
-namespace {
-
-struct DriverMemOps {
-  PFN_cuStreamWriteValue64_v11070 write = nullptr;
-};
-
-const DriverMemOps& memops() {
-  static const DriverMemOps ops = [] {
-    DriverMemOps o;
-    cudaDriverEntryPointQueryResult found;
-    check(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", reinterpret_cast<void**>(&o.write), 11070,
-                                           cudaEnableDefault, &found),
-          "looking up cuStreamWriteValue64");
-    if (found != cudaDriverEntryPointSuccess) throw std::runtime_error("uccl_ep nvl: no cuStreamWriteValue64");
-    return o;
-  }();
-  return ops;
-}
-
-}  // namespace
-
-void stream_write_value(cudaStream_t stream, uint64_t* address, uint64_t value) {
-  // The default flags put a memory barrier before the write: everything this stream wrote earlier (the copy of
-  // the message) is visible to whoever sees the new value.
-  CUresult r = memops().write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
-                              CU_STREAM_WRITE_VALUE_DEFAULT);
-  if (r != CUDA_SUCCESS) throw std::runtime_error("uccl_ep nvl: cuStreamWriteValue64 failed: " + std::to_string(r));
-}
-
 namespace {
 void* pinned_alloc(size_t bytes) {
   void* p = nullptr;

@@ -282,8 +282,10 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   }
   // One more call of each op with the kernels' stamps on: where its time goes. Every rank's kernels are queued
   // behind one gate (a kernel that sleeps, then an event), so they start together as in the timed loop rather
-  // than as one host thread launches them. Each GPU's kernels stamp an array of its own, by its own %globaltimer:
-  // the spans over all ranks merge them (mixing the clocks), gpu_spans keep each GPU's.
+  // than as one host thread launches them, and the stamped call follows kWarmCalls unstamped ones back to back, as
+  // a call in the timed loop does: the first NVLink traffic after an idle gap is ~100 us slower (bench/RESULTS.md).
+  // Each GPU's kernels stamp an array of its own, by its own %globaltimer: the spans over all ranks merge them
+  // (mixing the clocks), gpu_spans keep each GPU's.
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   cudaEvent_t gate;
   check(cudaEventCreateWithFlags(&gate, cudaEventDisableTiming), "cudaEventCreate");
@@ -308,18 +310,44 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   for (auto& gpu : res.gpu_spans)
     for (auto& op : gpu)
       for (auto& span : op) span[1] = -1.0;
+  constexpr int kWarmCalls = 3;
+  std::vector<cudaEvent_t> queued(R);  // each rank's stream up to the stamps' switch
+  for (int r = 0; r < R; ++r) {
+    check(cudaSetDevice(gpu_of(r)), "cudaSetDevice");
+    check(cudaEventCreateWithFlags(&queued[r], cudaEventDisableTiming), "cudaEventCreate");
+  }
   for (int op = 0; op < (a.fp8 ? 1 : 2); ++op) {
     std::vector<uint64_t> merged(2 * kKinds, 0), host(2 * kKinds);
     for (int k = 0; k < kKinds; ++k) merged[2 * k] = UINT64_MAX;
     for (int g = 0; g < a.num_gpus; ++g) {
       check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
       check(cudaMemcpy(stamps[g], merged.data(), merged.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
-      set_kernel_stamps(a.cuda_device + g, stamps[g], a.sides_apart);
     }
     check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
     sleep_kernel<<<1, 1, 0, ranks[0].stream>>>(200000);
     check(cudaEventRecord(gate, ranks[0].stream), "cudaEventRecord");
     for (int r = 1; r < R; ++r) check(cudaStreamWaitEvent(ranks[r].stream, gate), "cudaStreamWaitEvent");
+    run(op == 1, kWarmCalls);
+    // Stamps on in each GPU's stream order: rank g (the GPU's first) switches them once every rank on the GPU has
+    // queued its warm calls, and those ranks' stamped calls wait for the switch.
+    for (int r = 0; r < R; ++r) {
+      check(cudaSetDevice(gpu_of(r)), "cudaSetDevice");
+      check(cudaEventRecord(queued[r], ranks[r].stream), "cudaEventRecord");
+    }
+    for (int r = 0; r < R; ++r)
+      if (r != gpu_of(r) - a.cuda_device) {
+        check(cudaSetDevice(gpu_of(r)), "cudaSetDevice");
+        check(cudaStreamWaitEvent(ranks[gpu_of(r) - a.cuda_device].stream, queued[r]), "cudaStreamWaitEvent");
+      }
+    for (int g = 0; g < a.num_gpus; ++g) {
+      set_kernel_stamps(a.cuda_device + g, stamps[g], a.sides_apart, ranks[g].stream);
+      check(cudaEventRecord(queued[g], ranks[g].stream), "cudaEventRecord");
+    }
+    for (int r = 0; r < R; ++r)
+      if (r != gpu_of(r) - a.cuda_device) {
+        check(cudaSetDevice(gpu_of(r)), "cudaSetDevice");
+        check(cudaStreamWaitEvent(ranks[r].stream, queued[gpu_of(r) - a.cuda_device]), "cudaStreamWaitEvent");
+      }
     run(op == 1, 1);
     synchronize_all();
     for (int g = 0; g < a.num_gpus; ++g) {
@@ -337,6 +365,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
     check(cudaFree(stamps[g]), "cudaFree");
   }
+  for (auto& e : queued) cudaEventDestroy(e);
   check(cudaSetDevice(a.cuda_device), "cudaSetDevice");
   cudaEventDestroy(gate);
   synchronize_all();

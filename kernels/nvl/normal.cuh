@@ -113,8 +113,17 @@ __device__ int wait_progress(const ReceiveFrom& from, int s, int c, int done) {
 // contiguous and small.
 __device__ void group_copy(char* dst, const char* src, int64_t bytes, int thread, int threads) {
   if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
-    for (int64_t i = thread; i < bytes / 16; i += threads)
-      reinterpret_cast<int4*>(dst)[i] = __ldg(reinterpret_cast<const int4*>(src) + i);
+    // Several loads in flight per thread before their stores: one at a time waits out a memory trip per 16 bytes.
+    const int64_t n = bytes / 16;
+    for (int64_t i0 = thread; i0 < n; i0 += kUnroll * threads) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k)
+        if (i0 + k * threads < n) v[k] = __ldg(reinterpret_cast<const int4*>(src) + i0 + k * threads);
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k)
+        if (i0 + k * threads < n) reinterpret_cast<int4*>(dst)[i0 + k * threads] = v[k];
+    }
     return;
   }
   // Rows of topk int32s (an odd topk at an odd token offset) stay 4-byte aligned; the token mask need not.
@@ -783,6 +792,6 @@ inline CombineKernels combine_kernels(const CombineArgs& a, const Scratch& scrat
 // The proxy path's kernels (normal_proxy.cu), which preload_intranode_kernels loads and set_kernel_stamps points at
 // the stamps: without separate compilation each translation unit has its own kernels and __device__ globals.
 void preload_proxy_normal_kernels();
-void set_proxy_kernel_stamps(uint64_t* stamps);
+void set_proxy_kernel_stamps(uint64_t* stamps, cudaStream_t stream);
 
 }  // namespace uccl_ep::nvl

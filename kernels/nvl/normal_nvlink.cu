@@ -1,7 +1,7 @@
 // Normal mode over NVLink (api.hpp): an op is one launch on XLA's stream whose first blocks send and the rest
 // receive, moving rows by bulk copies (bulk.cuh, bulk_shapes.cuh) where they allow, else by the SM-store sides of
-// normal.cuh; then a stream write of each acknowledgement. Also the host API of the NVLink ops, and the loading of
-// every normal-mode kernel.
+// normal.cuh; its last block to finish acknowledges the messages it read. Also the host API of the NVLink ops, and the
+// loading of every normal-mode kernel.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -46,6 +46,33 @@ __device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int co
       report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
     return p == Polled::kReached;
   });
+}
+
+// The op's acknowledgements to the members whose messages it read (their regions in our buffer are free again),
+// sent by the launch's last block to finish: one system fence after every block's reads, rather than a stream
+// memory operation per member after the kernel (each a memory barrier of its own, between our launches).
+struct Acks {
+  uint64_t* flag[kMaxRanks];  // the members' ack words for us
+  uint64_t value[kMaxRanks];  // the message of theirs we read
+  int n;
+  uint64_t* finished;  // a handoff word: the launch's epoch in its high half, its finished blocks in the low
+};
+__device__ void acknowledge_when_last(const Handoff& h, const Acks& a) {
+  __syncthreads();  // every thread of the block is done with the messages
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  auto* word = reinterpret_cast<unsigned long long*>(a.finished);
+  const unsigned long long tag = static_cast<unsigned long long>(h.epoch) << 32;
+  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word), now;
+  for (;;) {  // an earlier launch's count restarts with this launch's first block
+    now = ((seen >> 32) == h.epoch ? seen : tag) + 1;
+    const unsigned long long was = atomicCAS(word, seen, now);
+    if (was == seen) break;
+    seen = was;
+  }
+  if (now - tag != gridDim.x) return;
+  __threadfence_system();  // every block's reads (their fences, then the count) before the words
+  for (int i = 0; i < a.n; ++i) store_release_sys(a.flag[i], a.value[i]);
 }
 
 __device__ void init_stage_barriers(uint64_t* full, int stages) {
@@ -129,6 +156,7 @@ __device__ void store_scale_rows(const DispatchSendArgs& a, int p0, int tokens, 
 // producers, once the pass's scale rows are in, announces the least frontier as the chunk's progress.
 __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b, int block, int blocks) {
   const KernelStamp stamp(KernelKind::kDispatchSend);
+  if (threadIdx.x == 0) stamp_edge(KernelKind::kRoutingSent, false);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ int frontier[kMaxProducers];
@@ -156,13 +184,17 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
       // The table is in before the producers copy and the warps past them send; nothing lands in a member's
       // region before it has acknowledged our last message.
       if (first_pass) {
+        const KernelStamp acks(KernelKind::kAcks);
         if (!wait_acks(to)) return;
       } else {
         __syncthreads();
       }
       if (warp >= P) {
         const int threads = int(blockDim.x) - first_helper, thread = int(threadIdx.x) - first_helper;
-        if (first_pass) send_routing(a, block, blocks, thread, threads);
+        if (first_pass) {
+          send_routing(a, block, blocks, thread, threads);
+          if (thread == 0) stamp_edge(KernelKind::kRoutingSent, true);
+        }
         if (srb) {
           // The scale rows while the producers copy; a system fence (cumulative over the warps' stores, which the
           // named barrier orders before it) by the announcer before its first announcement.
@@ -653,9 +685,10 @@ struct DispatchLaunch {
   DispatchReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
-  Handoff handoff;                      // words: the copies' item counter, then [2 passes][units * R]
-  int run;                              // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
-  int units;                            // scan units per source, of kTransferThreads * run tokens
+  Handoff handoff;                      // words: the copies' item counter, [2 passes][units * R], Acks::finished
+  Acks acks;
+  int run;    // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
+  int units;  // scan units per source, of kTransferThreads * run tokens
 };
 
 // The receive blocks' scan passes over the units u = block, block + blocks, ... of every source, with kRun tokens
@@ -686,7 +719,7 @@ __device__ void scan_pass(const DispatchLaunch& f, int block, int blocks, bool p
 // bulk copies a send block whose sends are done joins the copies (the items come from one counter of the launch), so
 // that neither side idles while the other still works.
 template <bool kBulk>
-__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
+__device__ void dispatch_blocks(const DispatchLaunch& f) {
   const int send_blocks = f.send.chunks;
   const Members& m = f.receive.from;
   const int units = f.units * f.scan.num_ranks;
@@ -728,19 +761,25 @@ __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchL
   else
     dispatch_receive(f.receive, block, blocks);
 }
+template <bool kBulk>
+__global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
+  dispatch_blocks<kBulk>(f);
+  acknowledge_when_last(f.handoff, f.acks);
+}
 
 struct CombineLaunch {
   CombineSendArgs send;
   CombineReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
-  Handoff handoff;                      // words: the reductions' item counter, then the positions'
+  Handoff handoff;                      // words: the reductions' item counter, the positions', Acks::finished
+  Acks acks;
 };
 
 // Combine: the send blocks as combine_send(_bulk); the first receive block lays out our tokens' positions in the
 // members' messages (block_positions) while the others wait for them, then every receive block reduces, and with
 // bulk copies every send block too once its sends are done (the items come from one counter of the launch).
 template <typename T, bool kBulk>
-__global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLaunch f) {
+__device__ void combine_blocks(const CombineLaunch& f) {
   const int send_blocks = f.send.chunks;
   const CombineReceiveArgs& a = f.receive;
   const ItemCounter items{f.handoff.words};
@@ -770,6 +809,11 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLau
     combine_receive_bulk<T>(a, f.receive_shape, items);
   else
     combine_receive<T>(a, block, blocks);
+}
+template <typename T, bool kBulk>
+__global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLaunch f) {
+  combine_blocks<T, kBulk>(f);
+  acknowledge_when_last(f.handoff, f.acks);
 }
 
 Members members(const NvlDevice& dev, const Group& g) {
@@ -811,10 +855,16 @@ ReceiveFrom receive_from(NvlDevice& dev, const Group& g) {
   return from;
 }
 
-// Tells every member we finished reading its message (after the op's launch).
-void acknowledge(NvlDevice& dev, const Group& g, const ReceiveFrom& from, cudaStream_t stream) {
+// The words that tell every member we finished reading its message (the launch's last block writes them).
+Acks acks_for(NvlDevice& dev, const Group& g, const ReceiveFrom& from, uint64_t* finished) {
+  Acks a{};
   for (int s = 0; s < g.size; ++s)
-    if (s != g.self) stream_write_value(stream, dev.peer_ack_flag(from.rank_of[s]), from.message[s]);
+    if (s != g.self) {
+      a.flag[a.n] = dev.peer_ack_flag(from.rank_of[s]);
+      a.value[a.n++] = from.message[s];
+    }
+  a.finished = finished;
+  return a;
 }
 
 // The fused scan's tokens per thread: the fewest (1, 2, 4 or kMaxScanRun) with which every source's units go to the
@@ -870,7 +920,7 @@ Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
   dev.ensure_scratch(scratch_bytes(capacity, num_tokens));
   return scratch_at(dev.scratch(), capacity, num_tokens);
 }
-// The NVLink op: its one launch, then the acknowledgements.
+// The NVLink op: its one launch (its last block to finish acknowledges the messages it read).
 void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, cudaStream_t stream) {
   DispatchLaunch f{};
   f.send = k.send;
@@ -880,7 +930,8 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks);
   f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
   const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + 1;
-  f.handoff = Handoff{dev.handoff_words(scan_words), dev.next_launch()};
+  f.handoff = Handoff{dev.handoff_words(scan_words + 1), dev.next_launch()};
+  f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + scan_words);
   f.send.token_slots = f.receive.token_slots = true;
   uint32_t shared = 0;
   if (bulk_dispatch(k.send, k.receive)) {
@@ -891,13 +942,13 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   } else {
     launch_fused(dispatch_kernel<false>, f, shared, stream, "dispatch_kernel");
   }
-  acknowledge(dev, g, k.receive.from, stream);
 }
 void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, bool bf16, cudaStream_t stream) {
   CombineLaunch f{};
   f.send = k.send;
   f.receive = k.receive;
-  f.handoff = Handoff{dev.handoff_words(2), dev.next_launch()};
+  f.handoff = Handoff{dev.handoff_words(3), dev.next_launch()};
+  f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + 2);
   uint32_t shared = 0;
   if (bulk_combine(k.send, k.receive)) {
     f.send_shape = piece_stages(k.send.row_bytes, 0);
@@ -909,7 +960,6 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
     launch_fused(bf16 ? combine_kernel<__nv_bfloat16, false> : combine_kernel<float, false>, f, shared, stream,
                  "combine_kernel");
   }
-  acknowledge(dev, g, k.receive.from, stream);
 }
 
 }  // namespace
@@ -917,12 +967,16 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
 int normal_send_blocks() { return send_blocks(); }
 
 // Every unit's g_kernel_stamps (stamps.cuh): this one's and normal_proxy.cu's.
-void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart) {
+// Pageable sources: each async copy stages its value before it returns.
+void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart, cudaStream_t stream) {
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
-  check(cudaMemcpyToSymbol(g_kernel_stamps, &stamps, sizeof(stamps)), "cudaMemcpyToSymbol");
-  set_proxy_kernel_stamps(stamps);
+  check(cudaMemcpyToSymbolAsync(g_kernel_stamps, &stamps, sizeof(stamps), 0, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyToSymbolAsync");
+  set_proxy_kernel_stamps(stamps, stream);
   sides_apart = sides_apart && stamps;
-  check(cudaMemcpyToSymbol(g_sides_apart, &sides_apart, sizeof(sides_apart)), "cudaMemcpyToSymbol");
+  check(cudaMemcpyToSymbolAsync(g_sides_apart, &sides_apart, sizeof(sides_apart), 0, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyToSymbolAsync");
+  if (!stream) check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
 void allow_budget_past_the_gpu(bool allow) { g_allow_budget_past_the_gpu = allow; }

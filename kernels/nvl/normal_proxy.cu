@@ -217,8 +217,9 @@ void run_over_proxy(ProxyHalf& half, MessagePieces m, cudaStream_t stream, Send&
 
 }  // namespace
 
-void set_proxy_kernel_stamps(uint64_t* stamps) {
-  check(cudaMemcpyToSymbol(g_kernel_stamps, &stamps, sizeof(stamps)), "cudaMemcpyToSymbol");
+void set_proxy_kernel_stamps(uint64_t* stamps, cudaStream_t stream) {
+  check(cudaMemcpyToSymbolAsync(g_kernel_stamps, &stamps, sizeof(stamps), 0, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyToSymbolAsync");
 }
 
 void preload_proxy_normal_kernels() {

@@ -16,18 +16,30 @@ namespace {
 // latest end of any block of any rank, in ns of %globaltimer, while the bench points this at a device array; null
 // otherwise (one load and branch per block).
 __device__ uint64_t* g_kernel_stamps = nullptr;
+// Stamped by the block's thread `stamper` (0 unless told).
 struct KernelStamp {
   int kind;
-  __device__ explicit KernelStamp(KernelKind k) : kind(int(k)) {
+  bool stamping;
+  __device__ explicit KernelStamp(KernelKind k, int stamper = 0) : kind(int(k)), stamping(int(threadIdx.x) == stamper) {
     uint64_t* stamps = g_kernel_stamps;
-    if (stamps && threadIdx.x == 0) atomicMin(reinterpret_cast<unsigned long long*>(stamps + 2 * kind), global_ns());
+    if (stamps && stamping) atomicMin(reinterpret_cast<unsigned long long*>(stamps + 2 * kind), global_ns());
   }
   __device__ ~KernelStamp() {
     uint64_t* stamps = g_kernel_stamps;
-    if (stamps && threadIdx.x == 0)
-      atomicMax(reinterpret_cast<unsigned long long*>(stamps + 2 * kind + 1), global_ns());
+    if (stamps && stamping) atomicMax(reinterpret_cast<unsigned long long*>(stamps + 2 * kind + 1), global_ns());
   }
 };
+
+// One edge of kind k's span (its start, or its end), stamped by whichever thread calls it.
+__device__ inline void stamp_edge(KernelKind k, bool end) {
+  uint64_t* stamps = g_kernel_stamps;
+  if (!stamps) return;
+  auto* word = reinterpret_cast<unsigned long long*>(stamps + 2 * int(k) + (end ? 1 : 0));
+  if (end)
+    atomicMax(word, global_ns());
+  else
+    atomicMin(word, global_ns());
+}
 
 }  // namespace
 }  // namespace uccl_ep::nvl

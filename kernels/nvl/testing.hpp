@@ -26,13 +26,26 @@ RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per
                            uint64_t ping_rounds);
 
 // The normal-mode bulk kernels whose spans the loopback bench reads (stamps.cuh). kRouting: dispatch's receive blocks
-// waiting for every member's routing; kScan: then the routing scan (dispatch) or the positions (combine).
-enum class KernelKind { kScan, kDispatchSend, kDispatchReceive, kCombineSend, kCombineReceive, kRouting, kCount };
+// waiting for every member's routing; kScan: then the routing scan (dispatch) or the positions (combine); kAcks:
+// dispatch's send blocks waiting for the members' acknowledgements of our last message; kRoutingSent: from a send
+// block's start until its routing is announced to every member.
+enum class KernelKind {
+  kScan,
+  kDispatchSend,
+  kDispatchReceive,
+  kCombineSend,
+  kCombineReceive,
+  kRouting,
+  kAcks,
+  kRoutingSent,
+  kCount
+};
 constexpr int kMaxLoopbackGpus = 8;
 // Points the kernels' stamps at `stamps` (device memory, [KernelKind::kCount][start, end], start words set to
 // UINT64_MAX and end words to 0 beforehand), or turns them off with null. With `sides_apart`, dispatch's receive
 // side starts copying only once every member's rows have landed, so each side's span is what it moves alone.
-void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart = false);
+// Given a stream (of `cuda_device`), the pointer changes in its order, between the launches queued on it.
+void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart = false, cudaStream_t stream = nullptr);
 
 // The bulk-copy rings of the normal-mode kernels (0: the default): how many jobs behind its stores a producer refills
 // a stage (1 to 6), how many stages each producer gets (the send and dispatch-receive rings), how many stages each
