@@ -151,6 +151,26 @@ def _tile(size: int) -> int | None:
     return next((t for t in (128, 64) if size % t == 0), None)
 
 
+# The weight-gradient kernel's blocks along the rows (its `block_k`).
+_WEIGHT_GRAD_ROW_BLOCK = 64
+
+
+def _zero_the_block_past_groups(x: jax.Array, total: jax.Array, rows: int) -> jax.Array:
+    """`x [M, ...]` with the rows in ``[total, total + rows)`` (as far as M) set to zero, by a select on one window
+    of `rows` rows: the weight-gradient kernel reads the last group's final block whole and masks the rows past the
+    group by multiplying by zero, which keeps a NaN or Inf there (a buffer's unwritten padding) in the sum. Rows
+    further on are never read."""
+    m = x.shape[0]
+    if m <= rows:
+        keep = jnp.arange(m, dtype=jnp.int32) < total
+        return jnp.where(keep.reshape((m,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+    start = jnp.clip(total, 0, m - rows).astype(jnp.int32)
+    window = jax.lax.dynamic_slice_in_dim(x, start, rows, 0)
+    keep = (start + jnp.arange(rows, dtype=jnp.int32)) < total
+    window = jnp.where(keep.reshape((rows,) + (1,) * (x.ndim - 1)), window, jnp.zeros((), x.dtype))
+    return jax.lax.dynamic_update_slice_in_dim(x, window, start, 0)
+
+
 @functools.partial(jax.jit, static_argnums=(3,))
 def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     """[G, K, N]: group g's rows of lhs [M, K] transposed times its rows of dout [M, N]; zeros for empty groups.
@@ -172,7 +192,7 @@ def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dt
             group_sizes=group_sizes,
             block_m=block_m,
             block_n=block_n,
-            block_k=64,
+            block_k=_WEIGHT_GRAD_ROW_BLOCK,
             max_concurrent_steps=4,
             grid_block_n=4,
         )
@@ -195,7 +215,10 @@ def _mosaic_matmul_fwd(lhs, rhs, group_sizes, out_dtype):
 
 def _mosaic_matmul_bwd(out_dtype, residuals, dout):
     lhs, rhs, group_sizes = residuals
-    dout = dout.astype(lhs.dtype)
+    # The rows just past the groups are finite for both kernels (zeros), whatever the buffers hold there.
+    total = jnp.sum(group_sizes)
+    lhs = _zero_the_block_past_groups(lhs, total, _WEIGHT_GRAD_ROW_BLOCK)
+    dout = _zero_the_block_past_groups(dout.astype(lhs.dtype), total, _WEIGHT_GRAD_ROW_BLOCK)
     # A kernel's output varies over no manual axis: first mark it as its operands vary, then sum over the axes its
     # primal does not vary over (rhs sharded over a tensor-parallel axis that lhs is not, say).
     dlhs = _tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype)
@@ -218,7 +241,8 @@ def grouped_matmul(
 ) -> jax.Array:
     """Rows of ``lhs [M, K]`` in consecutive groups (``group_sizes [G]`` int32 rows each, in order) times
     ``rhs [G, K, N]``: ``[M, N]`` in `out_dtype` (default: the operands'), accumulated in float32; rows past
-    ``sum(group_sizes)`` are zeros. Differentiable in `lhs` and `rhs`. `backend`: see ``grouped_backend``."""
+    ``sum(group_sizes)`` are zeros, and what `lhs` (or the cotangent) holds there, NaN included, reaches neither the
+    output nor a gradient. Differentiable in `lhs` and `rhs`. `backend`: see ``grouped_backend``."""
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],) or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"jax_uccl_ep.grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "

@@ -485,3 +485,24 @@ def test_the_load_sized_buffer_is_used_only_where_it_is_smaller_than_every_pair(
     assert layers.load_sized_pairs(cfg, 64, 1) is None  # 1.5 x the mean is capped at every pair: no small path
     assert layers.load_sized_pairs(layers.MoEConfig(num_experts=16, top_k=4), 64, 4) is None
     assert layers.load_sized_pairs(layers.MoEConfig(num_experts=16, top_k=4, capacity_factor=1.25), 64, 4) is None
+
+
+@pytest.mark.parametrize("total", [0, 37, 64, 150, 190, 200])
+def test_the_weight_gradient_sees_zeros_just_past_the_groups_whatever_the_buffer_holds_there(total):
+    """The block the weight-gradient kernel reads past the last group (which it masks by multiplying by zero) is
+    zeroed by a select, so NaN in a buffer's padding stays out of the sum: rows before the groups' end keep their
+    values bit for bit, the block past it is zeros, rows further on are not touched (the kernel never reads them)."""
+    from jax_uccl_ep import grouped
+
+    block, m = 64, 200
+    rng = np.random.default_rng(total)
+    x = rng.standard_normal((m, 3, 5)).astype(np.float32)
+    x[total:] = np.nan
+    got = np.asarray(jax.jit(grouped._zero_the_block_past_groups, static_argnums=2)(jnp.asarray(x), total, block))
+    np.testing.assert_array_equal(got[:total], x[:total])
+    end = min(total + block, m)
+    assert (got[total:end] == 0).all()
+    assert np.isnan(got[end:]).all()
+    small = np.asarray(grouped._zero_the_block_past_groups(jnp.asarray(x[:40]), min(total, 40), block))
+    np.testing.assert_array_equal(small[: min(total, 40)], x[: min(total, 40)])
+    assert (small[min(total, 40) :] == 0).all()
