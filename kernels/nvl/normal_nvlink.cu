@@ -28,6 +28,9 @@ struct Handoff {
   uint64_t* words;  // in NvlDevice::handoff_words
   uint64_t epoch;
 };
+// Every fused launch's words: [0] its item counter (ItemCounter), [1] its finished blocks (Acks::finished: a tagged
+// count, never read as a handed-over word, which would pass early), then the words it hands over.
+constexpr size_t kItemWord = 0, kFinishedWord = 1, kFirstHandedOverWord = 2;
 
 // After the block's units u = first, first + step, ... < count of a pass: their words, once every thread's writes
 // are in (the barrier, then a fence cumulative over them).
@@ -279,8 +282,8 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
   if (first_pass && wait_acks(to)) send_routing(a, block, blocks);
 }
 
-// Hands out one launch's work items 0, 1, ... to whichever thread asks next, in any block of the launch (word 0 of
-// the device's handoff_words). The block that hands its tables over first resets it before it does, and every
+// Hands out one launch's work items 0, 1, ... to whichever thread asks next, in any block of the launch (kItemWord
+// of the device's handoff_words). The block that hands its tables over first resets it before it does, and every
 // block takes items only after that handover, so a count an earlier launch left (or broke off) never leaks in.
 struct ItemCounter {
   uint64_t* word;
@@ -685,7 +688,7 @@ struct DispatchLaunch {
   DispatchReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
-  Handoff handoff;                      // words: the copies' item counter, [2 passes][units * R], Acks::finished
+  Handoff handoff;                      // words: as kItemWord etc., then [2 passes][units * R]
   Acks acks;
   int run;    // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
   int units;  // scan units per source, of kTransferThreads * run tokens
@@ -723,8 +726,8 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
   const int send_blocks = f.send.chunks;
   const Members& m = f.receive.from;
   const int units = f.units * f.scan.num_ranks;
-  const ItemCounter items{f.handoff.words};
-  uint64_t* counted = f.handoff.words + 1;
+  const ItemCounter items{f.handoff.words + kItemWord};
+  uint64_t* counted = f.handoff.words + kFirstHandedOverWord;
   uint64_t* placed = counted + units;
   if (int(blockIdx.x) < send_blocks) {
     if constexpr (kBulk) {
@@ -771,7 +774,7 @@ struct CombineLaunch {
   CombineSendArgs send;
   CombineReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
-  Handoff handoff;                      // words: the reductions' item counter, the positions', Acks::finished
+  Handoff handoff;                      // words: as kItemWord etc., then the positions'
   Acks acks;
 };
 
@@ -782,8 +785,8 @@ template <typename T, bool kBulk>
 __device__ void combine_blocks(const CombineLaunch& f) {
   const int send_blocks = f.send.chunks;
   const CombineReceiveArgs& a = f.receive;
-  const ItemCounter items{f.handoff.words};
-  uint64_t* positioned = f.handoff.words + 1;
+  const ItemCounter items{f.handoff.words + kItemWord};
+  uint64_t* positioned = f.handoff.words + kFirstHandedOverWord;
   if (int(blockIdx.x) < send_blocks) {
     if constexpr (kBulk) {
       combine_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
@@ -929,9 +932,9 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.routing = routing_waits(dev, g, k.receive.from);
   f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks);
   f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
-  const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + 1;
-  f.handoff = Handoff{dev.handoff_words(scan_words + 1), dev.next_launch()};
-  f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + scan_words);
+  const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks;
+  f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + scan_words), dev.next_launch()};
+  f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.send.token_slots = f.receive.token_slots = true;
   uint32_t shared = 0;
   if (bulk_dispatch(k.send, k.receive)) {
@@ -947,8 +950,8 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
   CombineLaunch f{};
   f.send = k.send;
   f.receive = k.receive;
-  f.handoff = Handoff{dev.handoff_words(3), dev.next_launch()};
-  f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + 2);
+  f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + 1), dev.next_launch()};
+  f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   uint32_t shared = 0;
   if (bulk_combine(k.send, k.receive)) {
     f.send_shape = piece_stages(k.send.row_bytes, 0);
