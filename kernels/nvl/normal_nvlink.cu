@@ -65,10 +65,11 @@ __device__ void acknowledge_when_last(const Handoff& h, const Acks& a) {
   if (threadIdx.x != 0) return;
   __threadfence();
   auto* word = reinterpret_cast<unsigned long long*>(a.finished);
-  const unsigned long long tag = static_cast<unsigned long long>(h.epoch) << 32;
+  const uint32_t epoch = uint32_t(h.epoch);  // the tag's 32 bits (wrapping after 2^32 launches, as the tag does)
+  const unsigned long long tag = static_cast<unsigned long long>(epoch) << 32;
   unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(word), now;
   for (;;) {  // an earlier launch's count restarts with this launch's first block
-    now = ((seen >> 32) == h.epoch ? seen : tag) + 1;
+    now = (uint32_t(seen >> 32) == epoch ? seen : tag) + 1;
     const unsigned long long was = atomicCAS(word, seen, now);
     if (was == seen) break;
     seen = was;
@@ -279,7 +280,10 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
     }
   }
   // A block whose chunk has no tokens still announces its routing (empty), which every member's scan waits for.
-  if (first_pass && wait_acks(to)) send_routing(a, block, blocks);
+  if (first_pass && wait_acks(to)) {
+    send_routing(a, block, blocks);
+    if (threadIdx.x == 0) stamp_edge(KernelKind::kRoutingSent, true);
+  }
 }
 
 // Hands out one launch's work items 0, 1, ... to whichever thread asks next, in any block of the launch (kItemWord
@@ -764,6 +768,8 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
   else
     dispatch_receive(f.receive, block, blocks);
 }
+// Every thread of every block must come back from the body to the acknowledgements (no exit or trap on the way):
+// a block that never counts itself withholds them, and the members wait for them until their deadline.
 template <bool kBulk>
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_kernel(DispatchLaunch f) {
   dispatch_blocks<kBulk>(f);
@@ -813,6 +819,7 @@ __device__ void combine_blocks(const CombineLaunch& f) {
   else
     combine_receive<T>(a, block, blocks);
 }
+// As dispatch_kernel: every thread comes back from the body to the acknowledgements.
 template <typename T, bool kBulk>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLaunch f) {
   combine_blocks<T, kBulk>(f);
