@@ -129,6 +129,7 @@ struct DispatchPairsAttrs {  // DispatchAttrs' and the pair buffer's alignment; 
   int64_t node_size;
   Overflow overflow;
   int64_t expert_alignment;  // rows: every expert's first pair row a multiple of it
+  int64_t zero_padding;      // 1: the pair rows outside the groups are written as zeros; 0: left as they are
 };
 
 struct HandleOpAttrs {  // cached_dispatch and combine, which follow a dispatch's handle
@@ -504,7 +505,8 @@ inline PairBuffer pair_buffer(const DispatchPairsAttrs& attrs, ffi::Result<ffi::
                     pairs_per_expert->typed_data(),
                     pair_row->typed_data(),
                     pair_of->typed_data(),
-                    stats->typed_data()};
+                    stats->typed_data(),
+                    attrs.zero_padding != 0};
 }
 
 inline CombineArgs combine_args(const HandleOpAttrs& attrs, const ffi::AnyBuffer& y,
@@ -598,7 +600,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::DispatchPairsAttrs,
                                       StructMember<int64_t>("num_experts"), StructMember<uccl_ep::Level>("two_level"),
                                       StructMember<uccl_ep::Path>("path"), StructMember<int64_t>("node_size"),
                                       StructMember<uccl_ep::Overflow>("overflow"),
-                                      StructMember<int64_t>("expert_alignment"));
+                                      StructMember<int64_t>("expert_alignment"), StructMember<int64_t>("zero_padding"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::HandleOpAttrs,
                                       StructMember<Span<const int32_t>>("group_table"),
                                       StructMember<int64_t>("group_size"), StructMember<int64_t>("op_index"),

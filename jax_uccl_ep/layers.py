@@ -386,6 +386,7 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
             overflow=config.overflow,
             use_fp8=config.fp8_dispatch,
             layout="expert",
+            zero_padding=False,  # every consumer below reads only the groups' rows
         )
     pairs = cast(jax.Array, res.x)  # x went in as one array (use_fp8 casts on the way): its pairs come back as one
     with jax.named_scope(SCOPES["experts"]):

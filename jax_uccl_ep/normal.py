@@ -163,7 +163,7 @@ class ExpertDispatchResult(NamedTuple):
 
     Local expert e's rows are ``x[expert_offsets[e] : expert_offsets[e] + num_tokens_per_expert[e]]``, in the
     received order (source rank, then source token; two-level: the two-level order). Rows outside the groups
-    (alignment padding and the tail) are zeros with weight 0."""
+    (alignment padding and the tail) have weight 0, and are zeros unless dispatch's zero_padding was False."""
 
     x: jax.Array | Fp8Pair  # [M, H] (or the FP8 pair [M, H], [M, H // 128])
     weights: jax.Array | None  # [M] float32: each pair row's router weight, 0 outside the groups (None without)
@@ -442,6 +442,7 @@ def dispatch(
     use_fp8: bool = False,
     layout: Literal["token"] = "token",
     expert_alignment: int = 1,
+    zero_padding: bool = True,
 ) -> DispatchResult: ...
 
 
@@ -458,6 +459,7 @@ def dispatch(
     use_fp8: bool = False,
     layout: Literal["expert"],
     expert_alignment: int = 1,
+    zero_padding: bool = True,
 ) -> ExpertDispatchResult: ...
 
 
@@ -473,6 +475,7 @@ def dispatch(
     use_fp8: bool = False,
     layout: Layout = "token",
     expert_alignment: int = 1,
+    zero_padding: bool = True,
 ) -> DispatchResult | ExpertDispatchResult:
     """Sends each token to every rank of `axis_name` that owns one of its experts (call inside shard_map).
 
@@ -506,6 +509,10 @@ def dispatch(
         naming the rank that overflowed. combine() takes the pair rows back and sums each token's pairs.
       expert_alignment: with layout="expert", the multiple every expert's first row sits at (e.g. a grouped
         matmul's tile rows; padding rows are zeros with weight 0).
+      zero_padding: with layout="expert", whether the pair rows outside the groups (alignment padding and the
+        tail) are written as zeros. False leaves them as the op found them (any value, NaN included) wherever the
+        receive writes the pairs itself, which saves writing most of a worst-case buffer; read only the groups'
+        rows then, as grouped_matmul and combine do (their weights are 0 either way). The MoE layer passes False.
 
     Returns:
       A DispatchResult of 2-D rows [capacity, ...], ordered by source rank, then source token index (the leading
@@ -554,12 +561,15 @@ def dispatch(
         f"capacity must be a positive int (tokens), got {capacity!r}",
     )
     check(overflow in _OVERFLOW_CODES, f"overflow must be 'error' or 'drop', got {overflow!r}")
+    check(isinstance(zero_padding, (bool, np.bool_)), f"zero_padding must be a bool, got {zero_padding!r}")
     if use_fp8:
         check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
         check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
     if pair_capacity is not None and _plan.receive_writes_pairs():
         call = _dispatch_pairs_call if is_fp8 else _dispatch_pairs_fp8_wire if use_fp8 else _dispatch_pairs
-        res = call(x, idx, weights, num_experts, axis_name, int(pair_capacity), expert_alignment, overflow)
+        res = call(
+            x, idx, weights, num_experts, axis_name, int(pair_capacity), expert_alignment, overflow, bool(zero_padding)
+        )
         return res._replace(handle=_with_token_shape(res.handle, lead))
     call = _dispatch_call if is_fp8 else _dispatch_fp8_wire if use_fp8 else _dispatch
     row_overflow = "error" if layout == "expert" else overflow  # R * T rows: never reached
@@ -602,7 +612,9 @@ def _by_expert(
     )
 
 
-def _dispatch_pairs_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow, level=None):
+def _dispatch_pairs_level(
+    x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow, zero_padding, level=None
+):
     """One dispatch_pairs op (the receive writes the pair buffer) over the axis, or the node level of two-level
     routing. The C received rows it indexes are every row the level's group can send (level size x tokens)."""
     rows, scales, is_fp8 = _split_x(x)
@@ -633,6 +645,7 @@ def _dispatch_pairs_level(x, topk_idx, topk_weights, num_experts, axis_name, cap
         num_experts=num_experts,
         overflow=_OVERFLOW_CODES[overflow],
         expert_alignment=alignment,
+        zero_padding=int(zero_padding),
         **_level_args(level),
     )
     pair_x, pair_scales, pair_w, offsets, per_expert, pair_row, pair_of, stats, in_rank, counts = outs
@@ -647,16 +660,18 @@ def _dispatch_pairs_level(x, topk_idx, topk_weights, num_experts, axis_name, cap
     )
 
 
-def _dispatch_pairs_call(x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow):
+def _dispatch_pairs_call(
+    x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow, zero_padding
+):
     def level(x, topk_idx, topk_weights, num_experts, level):
         return _dispatch_pairs_level(
-            x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow, level
+            x, topk_idx, topk_weights, num_experts, axis_name, capacity, alignment, overflow, zero_padding, level
         )
 
     return _in_levels(level, x, topk_idx, topk_weights, num_experts, axis_name)
 
 
-def _dispatch_pairs_bwd(num_experts, axis_name, capacity, alignment, overflow, handle, g):
+def _dispatch_pairs_bwd(num_experts, axis_name, capacity, alignment, overflow, zero_padding, handle, g):
     dx = _combine_call(g.x, handle)  # the VJP of the pair dispatch is a combine of the pairs
     dw = None
     if g.weights is not None:
@@ -671,9 +686,9 @@ def _pairs_residuals(out: ExpertDispatchResult):
     return out.handle
 
 
-_dispatch_pairs = _differentiable(_dispatch_pairs_call, _pairs_residuals, _dispatch_pairs_bwd, 5)
+_dispatch_pairs = _differentiable(_dispatch_pairs_call, _pairs_residuals, _dispatch_pairs_bwd, 6)
 _dispatch_pairs_fp8_wire = _differentiable(
-    _over_fp8_wire(_dispatch_pairs_call), _pairs_residuals, _dispatch_pairs_bwd, 5
+    _over_fp8_wire(_dispatch_pairs_call), _pairs_residuals, _dispatch_pairs_bwd, 6
 )
 
 

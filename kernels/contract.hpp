@@ -84,7 +84,7 @@ struct PairBuffer {
   int capacity;               // M pair slots
   int alignment;              // rows
   int rows;                   // C: the received rows the pairs index (rows of pair_of)
-  void* x;                    // [M, x_row_bytes]: zeros outside the groups
+  void* x;                    // [M, x_row_bytes]: zeros outside the groups (with zero_padding, else unwritten)
   void* scales;               // [M, scale_row_bytes]
   float* weights;             // [M] router weight of each pair, 0 outside the groups; null without weights
   int32_t* expert_offsets;    // [L]
@@ -92,6 +92,7 @@ struct PairBuffer {
   int32_t* pair_row;          // [M] received row of each slot, C outside the groups
   int32_t* pair_of;           // [C, K] slot of each received row's top-k slot, M where none or dropped
   int32_t* stats;             // [3]: rows kept, pairs dropped, aligned pair slots every received pair would need
+  bool zero_padding;          // x's and scales' rows outside the groups written as zeros, or left as they are
 };
 
 // Sends x rows by a dispatch's routing (its handle): the backward pass of combine.

@@ -190,6 +190,61 @@ def test_the_receive_writes_what_the_xla_layout_writes(
     assert problems == []
 
 
+def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_changes(writer):
+    """zero_padding=False: the groups' rows, offsets, counts and weights, combine's sums and the gradient of x are
+    those of the zeroed buffer; the rows outside the groups are left as the op found them (the receive, with the
+    suite's poisoned outputs: NaN in every one) or zeros (the XLA layout)."""
+    from jax_uccl_ep import _uccl_ep_testing
+
+    num_ranks, num_tokens, hidden, topk, num_experts, alignment = 4, 19, 128, 3, 16, 4
+    rng = np.random.default_rng(41)
+    x = jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)), jnp.bfloat16)
+    idx = np.stack(
+        [np.stack([rng.permutation(num_experts)[:topk] for _ in range(num_tokens)]) for _ in range(num_ranks)]
+    )
+    idx[:, ::5, -1] = -1
+    w = jnp.asarray(rng.random((num_ranks, num_tokens, topk)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)), jnp.float32)
+
+    def run(zero_padding):
+        def body(x, idx, w, cot):
+            def loss(x):
+                res = ep.dispatch(
+                    x[0],
+                    idx[0],
+                    w[0],
+                    num_experts=num_experts,
+                    axis_name="ep",
+                    layout="expert",
+                    expert_alignment=alignment,
+                    zero_padding=zero_padding,
+                )
+                y = ep.combine(res.x * 3, res.handle).astype(jnp.float32)
+                return jnp.sum(y * cot[0]), (res, y)
+
+            (_, (res, y)), dx = jax.value_and_grad(loss, has_aux=True)(x)
+            out = (res.x, res.weights, res.expert_offsets, res.num_tokens_per_expert, y, dx[0])
+            return tuple(a[None] for a in out)
+
+        spec = P("ep")
+        f = jax.shard_map(body, mesh=_mesh(num_ranks), in_specs=(spec,) * 4, out_specs=(spec,) * 6)
+        return [np.asarray(a.astype(jnp.float32)) for a in jax.jit(f)(x, jnp.asarray(idx, jnp.int32), w, cot)]
+
+    zeroed, left = run(True), run(False)
+    for name, a, b in zip(["weights", "offsets", "counts", "combine", "dx"], zeroed[1:], left[1:]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    poisoned = writer == "receive" and _uccl_ep_testing.test_modes()["poison"]
+    for r in range(num_ranks):
+        inside = np.zeros(zeroed[0].shape[1], bool)
+        for start, count in zip(zeroed[2][r], zeroed[3][r]):
+            inside[int(start) : int(start + count)] = True
+        assert inside.any() and not inside.all()
+        np.testing.assert_array_equal(zeroed[0][r][inside], left[0][r][inside])
+        assert not zeroed[0][r][~inside].any()
+        outside = left[0][r][~inside]
+        assert np.isnan(outside).all() if poisoned else not outside.any()
+
+
 def test_combine_refuses_rows_of_another_shape():
     def body(x, idx):
         res = ep.dispatch(x[0], idx[0], num_experts=8, axis_name="ep", layout="expert")

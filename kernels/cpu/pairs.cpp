@@ -108,8 +108,10 @@ void dispatch_pairs(Device& dev, const Group& group, DispatchArgs rows, const Pa
     uint8_t* out_x = bytes_of(pairs.x) + size_t(s) * rows.x_row_bytes;
     uint8_t* out_scales = bytes_of(pairs.scales) + size_t(s) * rows.scale_row_bytes;
     if (from < 0) {
-      std::memset(out_x, 0, rows.x_row_bytes);
-      std::memset(out_scales, 0, rows.scale_row_bytes);
+      if (pairs.zero_padding) {
+        std::memset(out_x, 0, rows.x_row_bytes);
+        std::memset(out_scales, 0, rows.scale_row_bytes);
+      }
       if (pairs.weights) pairs.weights[s] = 0.0f;
       continue;
     }
