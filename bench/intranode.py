@@ -10,10 +10,12 @@ random normal x), BF16 payload. Measured:
   - NCCL all_to_all_single, padded and ragged (split sizes = the same counts), BF16, and the FP8 row bytes
     (H + 4*H/128 bytes per token, as uint8) ragged — one process per GPU via torch.multiprocessing, timed with
     torch.cuda.Event over --iters calls, median of --repeats; NCCL_NVLS_ENABLE=0. Runs before JAX takes the GPUs.
-JAX ops run --iters times inside one jit (a fori_loop in jax.shard_map over all R devices of this process);
-time = median over --repeats of wall time / iters after block_until_ready (JAX exposes no device events; the loop
-amortizes launch overhead). GB/s per rank, mean over ranks: "DeepEP" = all received token bytes incl. the rank's
-own (DeepEP's test formula: x only, FP8 = (1 + 4/128)/2 of BF16), "remote" = bytes from other ranks (NVLink).
+JAX ops run --iters times inside one jit (a straight line of calls in jax.shard_map over all R devices of this
+process, as NCCL's calls run back to back; --loop: a fori_loop instead, whose bookkeeping between calls cost XLA's
+all_to_all ~64 us a call on 4x H200, bench/RESULTS.md); time = median over --repeats of wall time / iters after
+block_until_ready (JAX exposes no device events). GB/s per rank, mean over ranks: "DeepEP" = all received token
+bytes incl. the rank's own (DeepEP's test formula: x only, FP8 = (1 + 4/128)/2 of BF16), "remote" = bytes from
+other ranks (NVLink).
 
     python bench/intranode.py --out $OUT/intranode.json               # on the GPU host
     python bench/intranode.py --sms 8,12,16,24,32 --send-sms 0,13,14  # budgets, and splits beside the default
@@ -342,10 +344,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--torch-timeout", type=float, default=300.0)
     ap.add_argument(
-        "--unroll",
+        "--loop",
         action="store_true",
-        help="the JAX ops' timed calls as a straight line in the jit, not a fori_loop (no loop bookkeeping "
-        "between calls, as NCCL's back-to-back calls have none)",
+        help="the JAX ops' timed calls as a fori_loop in the jit rather than a straight line (the runs before "
+        "2026-11-27 were looped)",
     )
     ap.add_argument(
         "--cupti",
@@ -422,7 +424,7 @@ def main(argv=None) -> int:
 
         _uccl_ep_testing.nvl_set_bulk_tuning(*common.bulk_tuning(args.rings))
     jax_results, info = run_jax(
-        prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets, unroll=args.unroll
+        prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets, unroll=not args.loop
     )
     record["jax"] = info
     results += jax_results
