@@ -495,18 +495,19 @@ inline PairBuffer pair_buffer(const DispatchPairsAttrs& attrs, ffi::Result<ffi::
   if (attrs.expert_alignment < 1)
     throw InvalidArgument("uccl_ep dispatch(layout='expert'): expert_alignment must be >= 1, got " +
                           std::to_string(attrs.expert_alignment));
-  return PairBuffer{int(x->dimensions()[0]),
-                    int(attrs.expert_alignment),
-                    int(pair_of->dimensions()[0]),
-                    x->untyped_data(),
-                    scales->untyped_data(),
-                    weights->element_count() != 0 ? weights->typed_data() : nullptr,
-                    expert_offsets->typed_data(),
-                    pairs_per_expert->typed_data(),
-                    pair_row->typed_data(),
-                    pair_of->typed_data(),
-                    stats->typed_data(),
-                    attrs.zero_padding != 0};
+  PairBuffer p{int(x->dimensions()[0]),
+               int(attrs.expert_alignment),
+               int(pair_of->dimensions()[0]),
+               x->untyped_data(),
+               scales->untyped_data(),
+               weights->element_count() != 0 ? weights->typed_data() : nullptr,
+               expert_offsets->typed_data(),
+               pairs_per_expert->typed_data(),
+               pair_row->typed_data(),
+               pair_of->typed_data(),
+               stats->typed_data()};
+  p.zero_padding = attrs.zero_padding != 0;
+  return p;
 }
 
 inline CombineArgs combine_args(const HandleOpAttrs& attrs, const ffi::AnyBuffer& y,

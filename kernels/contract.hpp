@@ -92,7 +92,7 @@ struct PairBuffer {
   int32_t* pair_row;          // [M] received row of each slot, C outside the groups
   int32_t* pair_of;           // [C, K] slot of each received row's top-k slot, M where none or dropped
   int32_t* stats;             // [3]: rows kept, pairs dropped, aligned pair slots every received pair would need
-  bool zero_padding;          // x's and scales' rows outside the groups written as zeros, or left as they are
+  bool zero_padding = true;   // x's and scales' rows outside the groups written as zeros, or left as they are
 };
 
 // Sends x rows by a dispatch's routing (its handle): the backward pass of combine.
