@@ -129,26 +129,30 @@ __device__ __forceinline__ int4 load16(const int4* p) {
     return __ldcg(p);
 }
 
-// Copies `bytes` with one warp. 16-byte rows move as int4 with several loads in flight per lane before their
-// stores (one load at a time leaves the memory system idle).
+// Copies n 16-byte vectors, thread `thread` of `threads` taking vectors thread, thread + threads, ..., with several
+// loads in flight per thread before their stores (one load at a time leaves the memory system idle).
 constexpr int kUnroll = 4;
+template <Load kLoad = Load::kReadOnly>
+__device__ __forceinline__ void strided_copy16(int4* __restrict__ d, const int4* __restrict__ s, int64_t n, int thread,
+                                               int threads) {
+  int64_t i = thread;
+  for (; i + (kUnroll - 1) * threads < n; i += kUnroll * threads) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load16<kLoad>(s + i + u * threads);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) d[i + u * threads] = v[u];
+  }
+  for (; i < n; i += threads) d[i] = load16<kLoad>(s + i);
+}
+
+// Copies `bytes` with one warp: 16-byte rows as int4 (strided_copy16).
 template <Load kLoad = Load::kReadOnly>
 __device__ __forceinline__ void warp_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes,
                                           int lane) {
   if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 &&
       (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    const int64_t n = bytes / 16;
-    int64_t i = lane;
-    for (; i + (kUnroll - 1) * kWarp < n; i += kUnroll * kWarp) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = load16<kLoad>(s + i + u * kWarp);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) d[i + u * kWarp] = v[u];
-    }
-    for (; i < n; i += kWarp) d[i] = load16<kLoad>(s + i);
+    strided_copy16<kLoad>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), bytes / 16, lane, kWarp);
     return;
   }
   for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = kLoad == Load::kReadOnly ? src[i] : __ldcg(src + i);

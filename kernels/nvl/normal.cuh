@@ -113,17 +113,7 @@ __device__ int wait_progress(const ReceiveFrom& from, int s, int c, int done) {
 // contiguous and small.
 __device__ void group_copy(char* dst, const char* src, int64_t bytes, int thread, int threads) {
   if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
-    // Several loads in flight per thread before their stores: one at a time waits out a memory trip per 16 bytes.
-    const int64_t n = bytes / 16;
-    for (int64_t i0 = thread; i0 < n; i0 += kUnroll * threads) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k)
-        if (i0 + k * threads < n) v[k] = __ldg(reinterpret_cast<const int4*>(src) + i0 + k * threads);
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k)
-        if (i0 + k * threads < n) reinterpret_cast<int4*>(dst)[i0 + k * threads] = v[k];
-    }
+    strided_copy16(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), bytes / 16, thread, threads);
     return;
   }
   // Rows of topk int32s (an odd topk at an odd token offset) stay 4-byte aligned; the token mask need not.

@@ -16,20 +16,6 @@ namespace {
 // latest end of any block of any rank, in ns of %globaltimer, while the bench points this at a device array; null
 // otherwise (one load and branch per block).
 __device__ uint64_t* g_kernel_stamps = nullptr;
-// Stamped by the block's thread `stamper` (0 unless told).
-struct KernelStamp {
-  int kind;
-  bool stamping;
-  __device__ explicit KernelStamp(KernelKind k, int stamper = 0) : kind(int(k)), stamping(int(threadIdx.x) == stamper) {
-    uint64_t* stamps = g_kernel_stamps;
-    if (stamps && stamping) atomicMin(reinterpret_cast<unsigned long long*>(stamps + 2 * kind), global_ns());
-  }
-  __device__ ~KernelStamp() {
-    uint64_t* stamps = g_kernel_stamps;
-    if (stamps && stamping) atomicMax(reinterpret_cast<unsigned long long*>(stamps + 2 * kind + 1), global_ns());
-  }
-};
-
 // One edge of kind k's span (its start, or its end), stamped by whichever thread calls it.
 __device__ inline void stamp_edge(KernelKind k, bool end) {
   uint64_t* stamps = g_kernel_stamps;
@@ -40,6 +26,17 @@ __device__ inline void stamp_edge(KernelKind k, bool end) {
   else
     atomicMin(word, global_ns());
 }
+
+// A scope's span, stamped by the block's thread 0.
+struct KernelStamp {
+  KernelKind kind;
+  __device__ explicit KernelStamp(KernelKind k) : kind(k) {
+    if (threadIdx.x == 0) stamp_edge(kind, false);
+  }
+  __device__ ~KernelStamp() {
+    if (threadIdx.x == 0) stamp_edge(kind, true);
+  }
+};
 
 }  // namespace
 }  // namespace uccl_ep::nvl
