@@ -197,14 +197,8 @@ def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_ch
     from jax_uccl_ep import _uccl_ep_testing
 
     num_ranks, num_tokens, hidden, topk, num_experts, alignment = 4, 19, 128, 3, 16, 4
-    rng = np.random.default_rng(41)
-    x = jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)), jnp.bfloat16)
-    idx = np.stack(
-        [np.stack([rng.permutation(num_experts)[:topk] for _ in range(num_tokens)]) for _ in range(num_ranks)]
-    )
-    idx[:, ::5, -1] = -1
-    w = jnp.asarray(rng.random((num_ranks, num_tokens, topk)), jnp.float32)
-    cot = jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)), jnp.float32)
+    x, _, idx, w = cases.random_case(41, num_ranks, num_tokens, hidden, topk, num_experts, jnp.bfloat16)
+    cot = jnp.asarray(np.random.default_rng(42).standard_normal((num_ranks, num_tokens, hidden)), jnp.float32)
 
     def run(zero_padding):
         def body(x, idx, w, cot):
