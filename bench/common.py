@@ -569,9 +569,8 @@ class EPBench:
                     )
                     return out.num_tokens
 
-                return looped(step, self.iters, self.unroll)(idx[0, 0] * 0)[
-                    None
-                ]  # (a zero that varies over the axis, as the carry)
+                # (a zero that varies over the axis, as the carry)
+                return looped(step, self.iters, self.unroll)(idx[0, 0] * 0)[None]
 
             xs = self.fp8_inputs() if fp8 else (self.x,)
             return self._smap(body, len(xs) + 2), (*xs, self.topk_idx, self.topk_weights)

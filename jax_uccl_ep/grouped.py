@@ -160,11 +160,8 @@ def _zero_the_block_past_groups(x: jax.Array, total: jax.Array, rows: int) -> ja
     of `rows` rows: the weight-gradient kernel reads the last group's final block whole and masks the rows past the
     group by multiplying by zero, which keeps a NaN or Inf there (a buffer's unwritten padding) in the sum. Rows
     further on are never read."""
-    m = x.shape[0]
-    if m <= rows:
-        keep = jnp.arange(m, dtype=jnp.int32) < total
-        return jnp.where(keep.reshape((m,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
-    start = jnp.clip(total, 0, m - rows).astype(jnp.int32)
+    rows = min(rows, x.shape[0])
+    start = jnp.clip(total, 0, x.shape[0] - rows).astype(jnp.int32)
     window = jax.lax.dynamic_slice_in_dim(x, start, rows, 0)
     keep = (start + jnp.arange(rows, dtype=jnp.int32)) < total
     window = jnp.where(keep.reshape((rows,) + (1,) * (x.ndim - 1)), window, jnp.zeros((), x.dtype))
