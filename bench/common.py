@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -423,28 +424,42 @@ def _global_array(mesh, spec, host_array):
     return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
 
 
-def cupti_activity(call: Callable[[], Any], device_index: int = 0) -> list[tuple[str, float]]:
-    """(name, microseconds) of every kernel and copy that `call` runs on GPU `device_index`, from CUPTI's activity
-    records through torch.profiler (how DeepEP's tests time their kernels). Raises ImportError without torch."""
+def cupti_activity(
+    call: Callable[[], Any], device_index: int = 0, trace_path: str | None = None
+) -> list[tuple[str, float, float]]:
+    """(name, microseconds, start in microseconds) of every kernel and copy that `call` runs on GPU `device_index`,
+    from CUPTI's activity records through torch.profiler (how DeepEP's tests time their kernels). With `trace_path`,
+    the whole timeline (every GPU's kernels and copies, the host's CUDA calls) is also written there as a Chrome
+    trace. Raises ImportError without torch."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
     return [
-        (ev.name, ev.time_range.elapsed_us())
+        (ev.name, ev.time_range.elapsed_us(), ev.time_range.start)
         for ev in prof.events()
         if ev.device_type == DeviceType.CUDA and ev.device_index == device_index
     ]
 
 
-def cupti_per_call(activity: list[tuple[str, float]], calls: int, top: int = 8) -> dict:
+def cupti_per_call(activity: list[tuple[str, float, float]], calls: int, top: int = 8) -> dict:
     """The `top` names by device time, as microseconds per call (sum / calls)."""
     total: dict = {}
-    for name, us in activity:
+    for name, us, _ in activity:
         total[name] = total.get(name, 0.0) + us
     ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
     return {name: round(us / calls, 2) for name, us in ranked}
+
+
+def cupti_span_per_call(activity: list[tuple[str, float, float]], calls: int) -> float | None:
+    """Microseconds per call from the first record's start to the last one's end: the device's time for `calls`
+    calls, as CUDA events around them time NCCL, without the host's dispatch before the first (None if empty)."""
+    if not activity:
+        return None
+    return (max(start + us for _, us, start in activity) - min(start for _, _, start in activity)) / calls
 
 
 class EPBench:
@@ -461,6 +476,7 @@ class EPBench:
         repeats: int = 5,
         cupti: bool = False,
         unroll: bool = False,
+        trace_dir: str | None = None,
     ):
         import jax
         import numpy as np
@@ -470,7 +486,8 @@ class EPBench:
         self.prob = prob
         self.iters = iters
         self.repeats = repeats
-        self.cupti = cupti  # also record each op's device activity per call (GPUs, torch)
+        self.cupti = cupti or bool(trace_dir)  # also record each op's device activity per call (GPUs, torch)
+        self.trace_dir = trace_dir  # where each op's Chrome trace of its timed calls goes (None: nowhere)
         self.unroll = unroll  # the timed calls as a straight line in the jit rather than a fori_loop (looped)
         devices = list(devices if devices is not None else jax.devices())
         if len(devices) != prob.ranks:
@@ -522,9 +539,13 @@ class EPBench:
                 import jax
 
                 try:
-                    res.extra["cupti_us_per_call"] = cupti_per_call(
-                        cupti_activity(lambda: jax.block_until_ready(fn(*args))), self.iters
-                    )
+                    trace = None
+                    if self.trace_dir:
+                        os.makedirs(self.trace_dir, exist_ok=True)
+                        trace = os.path.join(self.trace_dir, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
+                    activity = cupti_activity(lambda: jax.block_until_ready(fn(*args)), trace_path=trace)
+                    res.extra["cupti_us_per_call"] = cupti_per_call(activity, self.iters)
+                    res.extra["device_span_us_per_call"] = cupti_span_per_call(activity, self.iters)
                 except Exception as e:  # noqa: BLE001 (no torch: the timing stands without it)
                     res.extra["cupti_us_per_call"] = {"error": short_error(e, 120)}
         except Exception as e:  # noqa: BLE001 (one op failing, not implemented here say, must not stop the rest)

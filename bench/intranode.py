@@ -222,9 +222,10 @@ def run_jax(
     cupti: bool = False,
     budgets: list[tuple[int, int]] | None = None,
     unroll: bool = False,
+    trace_dir: str | None = None,
 ) -> tuple[list[common.OpResult], dict]:
     """The XLA ops once, and jax_uccl_ep's at each (SM budget, send blocks of it; 0: the default split) in
-    `budgets` (default: the environment's)."""
+    `budgets` (default: the environment's); with `trace_dir`, each op's timeline as a Chrome trace there."""
     import jax
 
     devices = jax.devices()[: prob.ranks]
@@ -236,7 +237,7 @@ def run_jax(
     }
     if len(devices) < prob.ranks:
         raise SystemExit(f"{len(devices)} JAX devices < --ranks {prob.ranks}")
-    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti, unroll=unroll)
+    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti, unroll=unroll, trace_dir=trace_dir)
     results = []
 
     def run_op(op: str) -> common.OpResult:
@@ -250,6 +251,10 @@ def run_jax(
         if "cupti_us_per_call" in res.extra:
             shown = {k[:90]: v for k, v in res.extra["cupti_us_per_call"].items()}  # names are long templates
             print(f"#   device time per call on GPU 0 (us, CUPTI): {shown}", flush=True)
+            span = res.extra.get("device_span_us_per_call")
+            if span:
+                print(f"#   GPU 0 span per call (first start to last end / calls): {span:.1f} us", flush=True)
+                res.note = (res.note + "; " if res.note else "") + f"GPU 0 span {span:.1f} us/call"
         return res
 
     uccl_ops = [o for o in ops if o in UCCL_OPS]
@@ -355,6 +360,13 @@ def main(argv=None) -> int:
         help="also list each op's kernels and copies per call on GPU 0 (CUPTI through torch.profiler)",
     )
     ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write each op's profiled calls as a Chrome trace (every GPU's kernels, the host's CUDA calls) into DIR "
+        "(implies --cupti; with one SM budget, else the last budget's trace stays)",
+    )
+    ap.add_argument(
         "--sms",
         default=None,
         help="comma-separated SM budgets (send + receive blocks) to sweep jax_uccl_ep's ops over, e.g. "
@@ -424,7 +436,14 @@ def main(argv=None) -> int:
 
         _uccl_ep_testing.nvl_set_bulk_tuning(*common.bulk_tuning(args.rings))
     jax_results, info = run_jax(
-        prob, ops, args.iters, args.repeats, cupti=args.cupti, budgets=budgets, unroll=not args.loop
+        prob,
+        ops,
+        args.iters,
+        args.repeats,
+        cupti=args.cupti,
+        budgets=budgets,
+        unroll=not args.loop,
+        trace_dir=args.trace,
     )
     record["jax"] = info
     results += jax_results

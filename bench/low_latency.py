@@ -267,7 +267,7 @@ def cupti_kernel_us(call, labels) -> dict:
         return {"error": common.short_error(exc, 120)}
     wanted = {CUPTI_KERNELS[label] for label in labels if label in CUPTI_KERNELS}
     durations: dict = {}
-    for name, us in activity:
+    for name, us, _ in activity:
         if "uccl_ep" in name and any(w in name for w in wanted):
             durations.setdefault(name, []).append(us)
     return {k: statistics.median(v) for k, v in durations.items()}

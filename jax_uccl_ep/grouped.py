@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -151,49 +152,74 @@ def _tile(size: int) -> int | None:
     return next((t for t in (128, 64) if size % t == 0), None)
 
 
-# The weight-gradient kernel's blocks along the rows (its `block_k`).
+# The weight-gradient kernel reads rows in blocks of this many, at multiples of it (its `block_k`).
 _WEIGHT_GRAD_ROW_BLOCK = 64
 
 
-def _zero_the_block_past_groups(x: jax.Array, total: jax.Array, rows: int) -> jax.Array:
-    """`x [M, ...]` with the rows in ``[total, total + rows)`` (as far as M) set to zero, by a select on one window
-    of `rows` rows: the weight-gradient kernel reads the last group's final block whole and masks the rows past the
-    group by multiplying by zero, which keeps a NaN or Inf there (a buffer's unwritten padding) in the sum. Rows
-    further on are never read."""
-    rows = min(rows, x.shape[0])
-    start = jnp.clip(total, 0, x.shape[0] - rows).astype(jnp.int32)
-    window = jax.lax.dynamic_slice_in_dim(x, start, rows, 0)
-    keep = (start + jnp.arange(rows, dtype=jnp.int32)) < total
-    window = jnp.where(keep.reshape((rows,) + (1,) * (x.ndim - 1)), window, jnp.zeros((), x.dtype))
-    return jax.lax.dynamic_update_slice_in_dim(x, window, start, 0)
+def _weight_grad_by_blocks(
+    kernel: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+    lhs: jax.Array,
+    dout: jax.Array,
+    group_sizes: jax.Array,
+    block: int,
+) -> jax.Array:
+    """[G, K, N] of group g's rows of lhs [M, K] transposed times its rows of dout [M, N], from `kernel(lhs, dout,
+    sizes)`: a weight-gradient kernel that reads rows in aligned blocks of `block` and masks the rows outside a group
+    by multiplying by zero (so a NaN or Inf there, a buffer's unwritten padding, stays in the sum).
+
+    The kernel gets the groups cut at the last multiple of `block` before their end, so every block it reads lies
+    inside the groups; the fewer than `block` rows after the cut (which may belong to several groups) are summed from
+    one window, selected to those rows, by one small matmul over every group. The buffers are only read: rewriting a
+    block of them costs a copy of the whole buffer wherever XLA cannot update it in place (an argument of the jit,
+    say), and a loop over the tail's groups would stop the host at every step (XLA reads a while loop's predicate
+    back)."""
+    m, g = lhs.shape[0], group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    total = ends[-1]
+    cut = total // block * block
+    cut_sizes = jnp.diff(jnp.minimum(ends, cut), prepend=0)
+    out = varying_like(kernel(lhs, dout, cut_sizes), lhs, dout, group_sizes)
+    out = jnp.where((cut_sizes > 0)[:, None, None], out, jnp.zeros((), out.dtype))  # it skips an empty group's sum
+    rows = min(block, m)
+    start = jnp.clip(cut, 0, m - rows)
+    row = start + jnp.arange(rows, dtype=ends.dtype)
+    in_tail = ((row >= cut) & (row < total))[:, None]
+    x = jnp.where(in_tail, jax.lax.dynamic_slice_in_dim(lhs, start, rows, 0), jnp.zeros((), lhs.dtype))
+    dy = jnp.where(in_tail, jax.lax.dynamic_slice_in_dim(dout, start, rows, 0), jnp.zeros((), dout.dtype))
+    owner = jnp.searchsorted(ends, row, side="right")[None, :] == jnp.arange(g, dtype=ends.dtype)[:, None]  # [G, r]
+    x_by_group = jnp.where(owner[:, :, None], x[None], jnp.zeros((), x.dtype))  # [G, rows, K]
+    return out + jnp.einsum("grk,rn->gkn", x_by_group, dy, preferred_element_type=out.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
-    """[G, K, N]: group g's rows of lhs [M, K] transposed times its rows of dout [M, N]; zeros for empty groups.
-    JAX's own Mosaic GPU kernel (`transposed_ragged_dot_mgpu`: it walks only each group's row blocks, so the rows
-    past the groups cost nothing); XLA's ragged_dot_general where K or N is not a multiple of 64. tokamax's
-    ragged-contracting kernel is not used: on H200 with jax 0.11.2 it came out 10% off, differently run to run."""
+    """[G, K, N]: group g's rows of lhs [M, K] transposed times its rows of dout [M, N]; zeros for empty groups;
+    nothing past the groups read into a sum. JAX's own Mosaic GPU kernel (`transposed_ragged_dot_mgpu`: it walks
+    only each group's row blocks, so the rows past the groups cost nothing; see _weight_grad_by_blocks for its last
+    block); XLA's ragged_dot_general where K or N is not a multiple of 64. tokamax's ragged-contracting kernel is
+    not used: on H200 with jax 0.11.2 it came out 10% off, differently run to run."""
     block_m, block_n = _tile(lhs.shape[1]), _tile(dout.shape[1])
     if block_m is None or block_n is None:
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
         )
         out = jax.lax.ragged_dot_general(lhs, dout, group_sizes, dims, preferred_element_type=jnp.float32)
+        out = jnp.where((group_sizes > 0)[:, None, None], out, jnp.zeros((), out.dtype))
     else:
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-        out = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-            lhs,
-            dout,
-            group_sizes=group_sizes,
+        kernel = functools.partial(
+            transposed_ragged_dot_mgpu.transposed_ragged_dot,
             block_m=block_m,
             block_n=block_n,
             block_k=_WEIGHT_GRAD_ROW_BLOCK,
             max_concurrent_steps=4,
             grid_block_n=4,
         )
-    return jnp.where((group_sizes > 0)[:, None, None], out, jnp.zeros((), out.dtype)).astype(out_dtype)
+        out = _weight_grad_by_blocks(
+            lambda a, b, sizes: kernel(a, b, group_sizes=sizes), lhs, dout, group_sizes, _WEIGHT_GRAD_ROW_BLOCK
+        )
+    return out.astype(out_dtype)
 
 
 def _mosaic_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
@@ -212,10 +238,7 @@ def _mosaic_matmul_fwd(lhs, rhs, group_sizes, out_dtype):
 
 def _mosaic_matmul_bwd(out_dtype, residuals, dout):
     lhs, rhs, group_sizes = residuals
-    # The rows just past the groups are finite for both kernels (zeros), whatever the buffers hold there.
-    total = jnp.sum(group_sizes)
-    lhs = _zero_the_block_past_groups(lhs, total, _WEIGHT_GRAD_ROW_BLOCK)
-    dout = _zero_the_block_past_groups(dout.astype(lhs.dtype), total, _WEIGHT_GRAD_ROW_BLOCK)
+    dout = dout.astype(lhs.dtype)
     # A kernel's output varies over no manual axis: first mark it as its operands vary, then sum over the axes its
     # primal does not vary over (rhs sharded over a tensor-parallel axis that lhs is not, say).
     dlhs = _tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype)

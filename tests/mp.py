@@ -22,6 +22,7 @@ __all__ = [
     "RankResult",
     "count_gpus",
     "describe",
+    "detect_gpus",
     "free_port",
     "launch",
     "launch_ok",

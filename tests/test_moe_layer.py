@@ -487,22 +487,43 @@ def test_the_load_sized_buffer_is_used_only_where_it_is_smaller_than_every_pair(
     assert layers.load_sized_pairs(layers.MoEConfig(num_experts=16, top_k=4, capacity_factor=1.25), 64, 4) is None
 
 
+def _reads_aligned_blocks(lhs, dout, sizes, block=64):
+    """A stand-in for the Mosaic weight-gradient kernel's reads: each group's rows in blocks of `block` aligned to
+    multiples of it, the rows outside the group masked by multiplying lhs by zero (NaN x 0 stays NaN)."""
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    rows = jnp.arange(lhs.shape[0])
+    read = (rows >= starts[:, None] // block * block) & (rows < -(ends[:, None] // -block) * block)  # [G, M]
+    inside = ((rows >= starts[:, None]) & (rows < ends[:, None])).astype(lhs.dtype)
+    x = jnp.where(read[..., None], lhs[None], 0) * inside[..., None]
+    dy = jnp.where(read[..., None], dout[None], 0)
+    return jnp.einsum("gmk,gmn->gkn", x, dy)
+
+
 @pytest.mark.parametrize("total", [0, 37, 64, 150, 190, 200])
-def test_the_weight_gradient_sees_zeros_just_past_the_groups_whatever_the_buffer_holds_there(total):
-    """The block the weight-gradient kernel reads past the last group (which it masks by multiplying by zero) is
-    zeroed by a select, so NaN in a buffer's padding stays out of the sum: rows before the groups' end keep their
-    values bit for bit, the block past it is zeros, rows further on are not touched (the kernel never reads them)."""
+def test_the_weight_gradient_reads_no_row_past_the_groups_into_a_sum(total):
+    """The weight gradient from a kernel that reads whole aligned blocks (as the Mosaic one does) equals each
+    group's x^T dy in float64 and is finite, with NaN in every row past the groups; the same kernel on the same
+    buffers directly is NaN whenever the groups end inside a block before the buffer does (so the check can fail).
+    Sizes include empty groups and a tail shared by several groups."""
     from jax_uccl_ep import grouped
 
-    block, m = 64, 200
+    m, k, n, g = 200, 6, 5, 7
     rng = np.random.default_rng(total)
-    x = rng.standard_normal((m, 3, 5)).astype(np.float32)
-    x[total:] = np.nan
-    got = np.asarray(jax.jit(grouped._zero_the_block_past_groups, static_argnums=2)(jnp.asarray(x), total, block))
-    np.testing.assert_array_equal(got[:total], x[:total])
-    end = min(total + block, m)
-    assert (got[total:end] == 0).all()
-    assert np.isnan(got[end:]).all()
-    small = np.asarray(grouped._zero_the_block_past_groups(jnp.asarray(x[:40]), min(total, 40), block))
-    np.testing.assert_array_equal(small[: min(total, 40)], x[: min(total, 40)])
-    assert (small[min(total, 40) :] == 0).all()
+    cuts = np.sort(rng.integers(0, total + 1, g - 1))
+    if total > 3:
+        cuts[-2:] = [total - 3, total - 1]  # the last rows in three groups, one of one row
+    sizes = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
+    sizes[1] = 0 if total else sizes[1]
+    sizes[-1] = total - sizes[:-1].sum()
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    x[total:], dy[total:] = np.nan, np.nan
+    got = jax.jit(lambda a, b, s: grouped._weight_grad_by_blocks(_reads_aligned_blocks, a, b, s, 64))(
+        jnp.asarray(x), jnp.asarray(dy), jnp.asarray(sizes)
+    )
+    ends = np.cumsum(sizes)
+    want = np.stack([x[e - s : e].astype(np.float64).T @ dy[e - s : e] for s, e in zip(sizes, ends)])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    direct = np.asarray(_reads_aligned_blocks(jnp.asarray(x), jnp.asarray(dy), jnp.asarray(sizes)))
+    assert np.isnan(direct).any() == (total % 64 != 0 and total < m)

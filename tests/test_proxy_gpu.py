@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from mp import describe, launch
+from mp import describe, detect_gpus, launch
 from test_gpu import NUM_GPUS, SUITE_ENV, _check, _check_missing_peer
 
 HERE = os.path.abspath(__file__)
@@ -16,10 +16,10 @@ pytestmark = pytest.mark.skipif(NUM_GPUS < 1, reason="needs an NVIDIA GPU")
 
 
 def _on_one_gpu(file: str, function: str, n: int, *, args=(), timeout_s=240, kv_gather=True, **env):
-    """Runs `function` of tests/`file` in `n` processes that all drive GPU 0, with the suite's settings and `env`
-    on top. kv_gather: results gathered through jax.distributed's key-value store (NCCL refuses two ranks on one
-    GPU)."""
-    shared = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    """Runs `function` of tests/`file` in `n` processes that all drive the first GPU this process may use, with the
+    suite's settings and `env` on top. kv_gather: results gathered through jax.distributed's key-value store (NCCL
+    refuses two ranks on one GPU)."""
+    shared = {"CUDA_VISIBLE_DEVICES": detect_gpus()[0], "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if kv_gather:
         shared["UCCL_EP_TEST_KV_GATHER"] = "1"
     return launch(
