@@ -103,6 +103,10 @@ struct PairCapacityAttrs {  // dispatch(layout="expert")'s overflow="error" chec
   int64_t capacity;         // pair rows of the buffer
 };
 
+struct ExpandPairsAttrs {  // the expert layout's pair rows from token rows: local, no group
+  int64_t zero_padding;     // 1: zeros in the slots outside the groups; 0: they are left unwritten
+};
+
 struct LayoutAttrs {  // get_dispatch_layout: local, no group
   int64_t num_experts;
   int64_t num_ranks;
@@ -402,6 +406,31 @@ inline Overflow checked_overflow(Overflow overflow) {
 }
 
 // The contract's element types from XLA's.
+// The expert layout's pair rows from token rows (ExpandPairsArgs), where a path's receive writes token rows.
+template <class Binding>
+auto expand_pairs_signature(Binding b) {
+  return std::move(b)
+      .template Attrs<ExpandPairsAttrs>()
+      .template Arg<ffi::AnyBuffer>()          // rows [C, ...]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // pair_row [M]: the row of each slot, C outside the groups
+      .template Ret<ffi::AnyBuffer>();         // pairs [M, ...]
+}
+
+inline ExpandPairsArgs expand_pairs_args(const ExpandPairsAttrs& attrs, const ffi::AnyBuffer& rows,
+                                         const ffi::Buffer<ffi::S32>& pair_row, ffi::Result<ffi::AnyBuffer>& pairs) {
+  const int64_t num_rows = rows.dimensions().size() ? rows.dimensions()[0] : 0;
+  const int64_t num_slots = pair_row.element_count();
+  if (pairs->size_bytes() != (num_rows ? rows.size_bytes() / num_rows : 0) * num_slots && num_rows)
+    throw InvalidArgument("uccl_ep expand_pairs: the pair rows must be as wide as the rows, one per slot");
+  return ExpandPairsArgs{rows.untyped_data(),
+                         num_rows,
+                         num_rows ? int64_t(rows.size_bytes()) / num_rows : 0,
+                         pair_row.typed_data(),
+                         num_slots,
+                         pairs->untyped_data(),
+                         attrs.zero_padding != 0};
+}
+
 inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
   if (b.element_type() == ffi::DataType::F32) return FloatType::kF32;
   if (b.element_type() == ffi::DataType::BF16) return FloatType::kBF16;
@@ -587,6 +616,7 @@ XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Path);
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Overflow);
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(uccl_ep::Level);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::PairCapacityAttrs, StructMember<int64_t>("capacity"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::ExpandPairsAttrs, StructMember<int64_t>("zero_padding"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::LayoutAttrs, StructMember<int64_t>("num_experts"),
                                       StructMember<int64_t>("num_ranks"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(uccl_ep::ffi_common::DispatchAttrs,

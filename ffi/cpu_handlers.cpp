@@ -95,6 +95,14 @@ ffi::Error PairCapacityImpl(const ffi_common::PairCapacityAttrs& attrs, ffi::Buf
   });
 }
 
+ffi::Error ExpandPairsImpl(const ffi_common::ExpandPairsAttrs& attrs, ffi::AnyBuffer rows,
+                           ffi::Buffer<ffi::S32> pair_row, ffi::Result<ffi::AnyBuffer> pairs) {
+  return guarded([&] {
+    if (!attrs.zero_padding) poison(pairs);  // the slots outside the groups are left as they are
+    cpu::expand_pairs(ffi_common::expand_pairs_args(attrs, rows, pair_row, pairs));
+  });
+}
+
 ffi::Error DispatchImpl(int32_t ordinal, const DispatchAttrs& attrs, ffi::AnyBuffer x, ffi::AnyBuffer scales,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
@@ -295,6 +303,8 @@ using namespace uccl_ep::ffi_cpu;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCpu, LayoutImpl, ffi_common::layout_signature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCpu, PairCapacityImpl,
                               ffi_common::pair_capacity_signature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpExpandPairsCpu, ExpandPairsImpl,
+                              ffi_common::expand_pairs_signature(ffi::Ffi::Bind()));
 
 #define UCCL_EP_CPU_HANDLER(stem, name, signature)             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl, \

@@ -335,6 +335,14 @@ ffi::Error PairCapacityImpl(cudaStream_t stream, int32_t /*ordinal*/,
   });
 }
 
+ffi::Error ExpandPairsImpl(cudaStream_t stream, int32_t /*ordinal*/, const uccl_ep::ffi_common::ExpandPairsAttrs& attrs,
+                           ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pair_row, ffi::Result<ffi::AnyBuffer> pairs) {
+  static std::shared_mutex no_runtime;  // a local copy: no runtime state
+  return uccl_ep::ffi_common::guarded(no_runtime, [&] {
+    uccl_ep::nvl::expand_pairs(uccl_ep::ffi_common::expand_pairs_args(attrs, rows, pair_row, pairs), stream);
+  });
+}
+
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
@@ -352,3 +360,5 @@ UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CUDA_PAIR_HANDLER)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpLayoutCuda, LayoutImpl, uccl_ep::ffi_common::layout_signature(UCCL_EP_CUDA_BIND()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCuda, PairCapacityImpl,
                               uccl_ep::ffi_common::pair_capacity_signature(UCCL_EP_CUDA_BIND()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpExpandPairsCuda, ExpandPairsImpl,
+                              uccl_ep::ffi_common::expand_pairs_signature(UCCL_EP_CUDA_BIND()));

@@ -46,6 +46,7 @@ NB_MODULE(_uccl_ep, m) {
     nb::dict d;
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCpu);
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCpu);
+    d["uccl_ep_expand_pairs"] = capsule(UcclEpExpandPairsCpu);
 #define UCCL_EP_CPU_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cpu);
     UCCL_EP_FFI_OPS(UCCL_EP_CPU_CAPSULE)
     UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CPU_CAPSULE)
@@ -59,6 +60,7 @@ NB_MODULE(_uccl_ep, m) {
     nb::dict d;
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCuda);
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCuda);
+    d["uccl_ep_expand_pairs"] = capsule(UcclEpExpandPairsCuda);
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
     UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
     UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CUDA_CAPSULE)

@@ -12,12 +12,13 @@ in the buffer; the rows after it lose all their pairs (deterministic, as dispatc
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from ._ffi import like_primal
+from ._ffi import ep_call, like_primal
 
 # The named scope of the pair layout XLA runs after token rows (and of its reverse in combine), for profiles.
 SCOPE = "ep_pair_layout"
@@ -105,18 +106,29 @@ def _gather(rows: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
 
 
-@jax.custom_vjp
-def expand(rows: jax.Array, pair_row: jax.Array, pair_of: jax.Array) -> jax.Array:
-    """Received ``rows [C, ...]`` -> pair rows ``[M, ...]`` (zeros outside the groups). Its transpose is
-    `reduce_pairs`: a gather too."""
-    return _gather(rows, pair_row)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def expand(rows: jax.Array, pair_row: jax.Array, pair_of: jax.Array, zero_padding: bool) -> jax.Array:
+    """Received ``rows [C, ...]`` -> pair rows ``[M, ...]``: zeros outside the groups, or (without `zero_padding`)
+    whatever the buffer held there, which spares writing most of a worst-case buffer (a copy of the rows inside the
+    groups only, the FFI's expand_pairs). Its transpose is `reduce_pairs`: a gather too."""
+    if zero_padding:
+        return _gather(rows, pair_row)
+    (pairs,) = ep_call(
+        "expand_pairs",
+        (jax.ShapeDtypeStruct((pair_row.shape[0], *rows.shape[1:]), rows.dtype),),
+        rows,
+        pair_row,
+        ordered=False,  # local: no peers involved
+        zero_padding=0,
+    )
+    return pairs
 
 
-def _expand_fwd(rows, pair_row, pair_of):
-    return expand(rows, pair_row, pair_of), (pair_row, pair_of, rows[:0])
+def _expand_fwd(rows, pair_row, pair_of, zero_padding):
+    return expand(rows, pair_row, pair_of, zero_padding), (pair_row, pair_of, rows[:0])
 
 
-def _expand_bwd(residuals, d_pairs):
+def _expand_bwd(zero_padding, residuals, d_pairs):
     pair_row, pair_of, rows_type = residuals
     d_rows = reduce_pairs(d_pairs, pair_row, pair_of).astype(rows_type.dtype)
     return like_primal(d_rows, rows_type), None, None

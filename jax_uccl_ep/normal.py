@@ -576,16 +576,25 @@ def dispatch(
     out = call(x, idx, weights, num_experts, axis_name, int(capacity), row_overflow)
     out = out._replace(handle=_with_token_shape(out.handle, lead))
     if pair_capacity is not None:
-        return _by_expert(out, num_experts // num_ranks, expert_alignment, int(pair_capacity), overflow, axis_name)
+        return _by_expert(
+            out, num_experts // num_ranks, expert_alignment, int(pair_capacity), overflow, axis_name, bool(zero_padding)
+        )
     if topk_weights is not None and topk_weights.dtype != jnp.float32:
         out = out._replace(topk_weights=out.topk_weights.astype(topk_weights.dtype))
     return out
 
 
 def _by_expert(
-    out: DispatchResult, groups: int, alignment: int, capacity: int, overflow: Overflow, axis_name: AxisName
+    out: DispatchResult,
+    groups: int,
+    alignment: int,
+    capacity: int,
+    overflow: Overflow,
+    axis_name: AxisName,
+    zero_padding: bool,
 ) -> ExpertDispatchResult:
-    """The received rows laid out as pair rows (see _pairs)."""
+    """The received rows laid out as pair rows (see _pairs); without `zero_padding` the rows outside the groups are
+    left unwritten."""
     rows, top_k = out.topk_idx.shape
     with jax.named_scope(_pairs.SCOPE):
         layout = _pairs.pair_layout(out.topk_idx, out.num_tokens, groups, alignment, capacity)
@@ -595,7 +604,7 @@ def _by_expert(
             layout = layout._replace(pair_row=layout.pair_row + zero)
 
         def expand(rows):
-            return _pairs.expand(rows, layout.pair_row, layout.pair_of)
+            return _pairs.expand(rows, layout.pair_row, layout.pair_of, zero_padding)
 
         x = tuple(map(expand, out.x)) if isinstance(out.x, tuple) else expand(out.x)
         weights = None

@@ -95,6 +95,18 @@ struct PairBuffer {
   bool zero_padding = true;   // x's and scales' rows outside the groups written as zeros, or left as they are
 };
 
+// The pair rows from received token rows, where a path's receive writes token rows and the pairs are laid out after
+// it (jax_uccl_ep/_pairs.py): slot s gets received row pair_row[s]; a slot whose pair_row names no row (outside the
+// groups) gets zeros, or nothing without zero_padding (most of a worst-case buffer lies outside the groups).
+struct ExpandPairsArgs {
+  const void* rows;  // [num_rows, row_bytes]
+  int64_t num_rows, row_bytes;
+  const int32_t* pair_row;  // [num_slots]
+  int64_t num_slots;
+  void* pairs;  // [num_slots, row_bytes]
+  bool zero_padding;
+};
+
 // Sends x rows by a dispatch's routing (its handle): the backward pass of combine.
 struct CachedDispatchArgs {
   const void* x;  // [T, row_bytes]

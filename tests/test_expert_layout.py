@@ -192,8 +192,8 @@ def test_the_receive_writes_what_the_xla_layout_writes(
 
 def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_changes(writer):
     """zero_padding=False: the groups' rows, offsets, counts and weights, combine's sums and the gradient of x are
-    those of the zeroed buffer; the rows outside the groups are left as the op found them (the receive, with the
-    suite's poisoned outputs: NaN in every one) or zeros (the XLA layout)."""
+    those of the zeroed buffer; the rows outside the groups are left as the op found them (with the suite's poisoned
+    outputs: NaN in every one), whether the receive writes the pairs or the FFI's expand_pairs after token rows."""
     from jax_uccl_ep import _uccl_ep_testing
 
     num_ranks, num_tokens, hidden, topk, num_experts, alignment = 4, 19, 128, 3, 16, 4
@@ -227,7 +227,7 @@ def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_ch
     zeroed, left = run(True), run(False)
     for name, a, b in zip(["weights", "offsets", "counts", "combine", "dx"], zeroed[1:], left[1:]):
         np.testing.assert_array_equal(a, b, err_msg=name)
-    poisoned = writer == "receive" and _uccl_ep_testing.test_modes()["poison"]
+    poisoned = _uccl_ep_testing.test_modes()["poison"]
     for r in range(num_ranks):
         inside = np.zeros(zeroed[0].shape[1], bool)
         for start, count in zip(zeroed[2][r], zeroed[3][r]):
@@ -237,6 +237,31 @@ def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_ch
         assert not zeroed[0][r][~inside].any()
         outside = left[0][r][~inside]
         assert np.isnan(outside).all() if poisoned else not outside.any()
+
+
+@pytest.mark.parametrize("row_shape,dtype", [((128,), jnp.bfloat16), ((3, 5), jnp.float32), ((7,), jnp.uint8)])
+@pytest.mark.parametrize("zero_padding", [True, False])
+def test_expand_copies_each_slot_its_row(row_shape, dtype, zero_padding):
+    """The pair rows from token rows: every slot whose pair_row names a row holds that row bit for bit; the others
+    hold zeros, or (without zero_padding) whatever the output held (the suite poisons it: NaN, 0xFF). Rows of 7
+    bytes and of 60 take the copy's narrow path on GPUs."""
+    from jax_uccl_ep import _pairs, _uccl_ep_testing
+
+    rng = np.random.default_rng(len(row_shape) * 10 + zero_padding)
+    c, m = 23, 61
+    rows = rng.standard_normal((c, *row_shape)) * 50
+    rows = jnp.asarray(rows.astype(np.uint8) if dtype == jnp.uint8 else rows, dtype)
+    pair_row = rng.integers(0, c + 3, m).astype(np.int32)  # some name no row: C and past (the layout puts C)
+    pair_row[:5] = c
+    got = np.asarray(jax.jit(lambda r, p: _pairs.expand(r, p, None, zero_padding))(rows, jnp.asarray(pair_row)))
+    named = (pair_row >= 0) & (pair_row < c)
+    want = np.asarray(rows)[np.clip(pair_row, 0, c - 1)]
+    np.testing.assert_array_equal(got[named], want[named])
+    if zero_padding:
+        assert not got[~named].any()
+    elif _uccl_ep_testing.test_modes()["poison"]:
+        outside = got[~named].view(np.uint8)
+        assert (outside == 0xFF).all()
 
 
 def test_combine_refuses_rows_of_another_shape():

@@ -1,6 +1,6 @@
 """The experts' grouped matmul on one GPU: the Mosaic kernels under the package's VJP against a NumPy float64
-reference and against jax.lax.ragged_dot, forward and both gradients, alone and inside shard_map; then the layer
-with its bf16 experts against the float32 dense reference. Skipped without an NVIDIA GPU (or, for the kernel
+reference and against jax.lax.ragged_dot, forward and both gradients, alone and inside shard_map; the pair rows' copy
+from token rows (expand_pairs); then the layer with its bf16 experts against the float32 dense reference. Skipped without an NVIDIA GPU (or, for the kernel
 cases, without tokamax, which the Mosaic backend needs). References run at
 `jax.default_matmul_precision("highest")`: TF32 would move them by more than the bf16 tolerance on its own."""
 
@@ -173,6 +173,60 @@ def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot():
         assert errors["rows_past_groups_max"] == 0.0, (name, errors)
         assert errors["empty_group_grad_max"] == 0.0, (name, errors)
     assert res["fast_vs_xla_y"] < 2e-3, res
+
+
+def expand_child() -> dict:
+    """Child: the pair rows from token rows on the GPU (expand without zero padding: the FFI's expand_pairs, as the
+    layer runs it) against NumPy, for rows of 4096, 60 and 7 bytes (the copy's wide and narrow paths), slots naming
+    no row among them; then its time beside the zeroing gather at the layer's sizes (reported, not checked)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_uccl_ep import _pairs
+
+    rng = np.random.default_rng(5)
+    res = {}
+    for name, shape, dtype in [("bf16", (2048,), jnp.bfloat16), ("f32", (3, 5), jnp.float32), ("u8", (7,), jnp.uint8)]:
+        c, m = 300, 1000
+        rows_np = (rng.standard_normal((c, *shape)) * 50).astype(np.float32)
+        rows = jnp.asarray(rows_np.astype(np.uint8) if dtype == jnp.uint8 else rows_np, dtype)
+        pair_row = rng.integers(0, c + 50, m).astype(np.int32)  # ~1/7 name no row
+        got = {
+            z: np.asarray(jax.jit(lambda r, p, z=z: _pairs.expand(r, p, None, z))(rows, jnp.asarray(pair_row)))
+            for z in (False, True)
+        }
+        named = pair_row < c
+        want = np.asarray(rows)[np.minimum(pair_row, c - 1)]
+        res[name] = {
+            "named_rows_wrong": int(sum((got[z][named] != want[named]).any() for z in (False, True))),
+            "zeroed_padding_nonzero": int(got[True][~named].any()),
+        }
+    c, m, h, valid = 15024, 131072, 2048, 33000
+    rows = jnp.asarray(rng.standard_normal((c, h)), jnp.bfloat16)
+    pair_row = np.full(m, c, np.int32)
+    pair_row[:valid] = rng.integers(0, c, valid)
+    pair_row = jnp.asarray(pair_row)
+    for z in (True, False):
+        f = jax.jit(lambda r, p, z=z: _pairs.expand(r, p, None, z))
+        jax.block_until_ready(f(rows, pair_row))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                out = f(rows, pair_row)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / 20)
+        res[f"us_zero_padding_{z}"] = round(float(np.median(times)) * 1e6, 1)
+    return res
+
+
+def test_expand_on_the_gpu_copies_each_slot_its_row():
+    res = _child_result("expand_child")
+    for name in ("bf16", "f32", "u8"):
+        assert res[name] == {"named_rows_wrong": 0, "zeroed_padding_nonzero": 0}, res
 
 
 def layer_child() -> dict:

@@ -128,13 +128,17 @@ void cached_dispatch_pairs(Device& dev, const Group& group, CachedDispatchArgs r
   std::vector<uint8_t> received(size_t(C) * rows.row_bytes);
   rows.recv_x = received.data();
   cached_dispatch(dev, group, rows);
-  for (int s = 0; s < num_pairs; ++s) {
-    uint8_t* o = bytes_of(out) + size_t(s) * rows.row_bytes;
-    const int32_t r = pair_row[s];
-    if (r >= 0 && r < C)
-      std::memcpy(o, received.data() + size_t(r) * rows.row_bytes, rows.row_bytes);
-    else
-      std::memset(o, 0, rows.row_bytes);
+  expand_pairs({received.data(), C, rows.row_bytes, pair_row, num_pairs, out, true});
+}
+
+void expand_pairs(const ExpandPairsArgs& a) {
+  for (int64_t s = 0; s < a.num_slots; ++s) {
+    uint8_t* o = bytes_of(a.pairs) + size_t(s) * a.row_bytes;
+    const int32_t r = a.pair_row[s];
+    if (r >= 0 && r < a.num_rows)
+      std::memcpy(o, bytes_of(a.rows) + size_t(r) * a.row_bytes, a.row_bytes);
+    else if (a.zero_padding)
+      std::memset(o, 0, a.row_bytes);
   }
 }
 

@@ -20,6 +20,9 @@ std::string pair_overflow_message(const std::string& rank, int64_t needed, int64
 // pairs may not fit ends with a round of verdicts: every rank raises the overflow in the op.
 void dispatch_pairs(Device& dev, const Group& group, DispatchArgs rows, const PairBuffer& pairs);
 
+// ExpandPairsArgs on the host.
+void expand_pairs(const ExpandPairsArgs& a);
+
 // Sends x by the handle's routing and writes each received row to its pair slots: out [num_pairs, row_bytes], zeros
 // where pair_row (C outside the groups) names no row. `rows`: cached dispatch's arguments, recv_x unset, capacity C.
 void cached_dispatch_pairs(Device& dev, const Group& group, CachedDispatchArgs rows, const int32_t* pair_row,

@@ -1,6 +1,8 @@
-// get_dispatch_layout on GPUs: the routing counts of this rank's tokens, on XLA's stream, no communication.
+// get_dispatch_layout on GPUs: the routing counts of this rank's tokens, on XLA's stream, no communication; and the
+// expert layout's pair rows from token rows (ExpandPairsArgs).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "api.hpp"
@@ -35,7 +37,29 @@ __global__ void layout_kernel(const int32_t* __restrict__ topk_idx, int num_toke
   }
 }
 
+// A warp per pair slot, grid-stride: the slots outside the groups cost a 4-byte read each without zero_padding.
+__global__ void expand_pairs_kernel(ExpandPairsArgs a) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
+  for (int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; s < a.num_slots; s += warps) {
+    const int32_t r = a.pair_row[s];
+    char* out = static_cast<char*>(a.pairs) + s * a.row_bytes;
+    if (r >= 0 && r < a.num_rows)
+      warp_copy(out, static_cast<const char*>(a.rows) + r * a.row_bytes, a.row_bytes, lane);
+    else if (a.zero_padding)
+      warp_zero(out, a.row_bytes, lane);
+  }
+}
+
 }  // namespace
+
+void expand_pairs(const ExpandPairsArgs& a, cudaStream_t stream) {
+  if (a.num_slots == 0 || a.row_bytes == 0) return;
+  constexpr int kThreads = 256, kMaxBlocks = 4096;
+  const int64_t blocks = std::min<int64_t>((a.num_slots * kWarp + kThreads - 1) / kThreads, kMaxBlocks);
+  expand_pairs_kernel<<<int(blocks), kThreads, 0, stream>>>(a);
+  check(cudaGetLastError(), "expand_pairs kernel");
+}
 
 void get_dispatch_layout(const LayoutArgs& a, DeviceErrors* err, int rank, cudaStream_t stream) {
   check(cudaMemsetAsync(a.num_tokens_per_rank, 0, sizeof(int32_t) * a.num_ranks, stream), "cudaMemsetAsync");
