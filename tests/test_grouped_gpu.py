@@ -1,8 +1,9 @@
 """The experts' grouped matmul on one GPU: the Mosaic kernels under the package's VJP against a NumPy float64
-reference and against jax.lax.ragged_dot, forward and both gradients, alone and inside shard_map; the pair rows' copy
-from token rows (expand_pairs); then the layer with its bf16 experts against the float32 dense reference. Skipped without an NVIDIA GPU (or, for the kernel
-cases, without tokamax, which the Mosaic backend needs). References run at
-`jax.default_matmul_precision("highest")`: TF32 would move them by more than the bf16 tolerance on its own."""
+reference and against jax.lax.ragged_dot, forward and both gradients, alone and inside shard_map; the pair rows'
+copy from token rows (expand_pairs); then the layer with its bf16 experts against the float32 dense reference.
+Skipped without an NVIDIA GPU (or, for the kernel cases, without tokamax, which the Mosaic backend needs).
+References run at `jax.default_matmul_precision("highest")`: TF32 would move them by more than the bf16 tolerance
+on its own."""
 
 from __future__ import annotations
 
