@@ -13,12 +13,16 @@ random normal x), BF16 payload. Measured:
 JAX ops run --iters times inside one jit (a straight line of calls in jax.shard_map over all R devices of this
 process, as NCCL's calls run back to back; --loop: a fori_loop instead, whose bookkeeping between calls cost XLA's
 all_to_all ~64 us a call on 4x H200, bench/RESULTS.md); time = median over --repeats of wall time / iters after
-block_until_ready (JAX exposes no device events). GB/s per rank, mean over ranks: "DeepEP" = all received token
+block_until_ready (JAX exposes no device events), which carries the jit call's own cost (~20-45 us a call at 30
+calls on 4x H200) that NCCL's event timing does not; with --cupti (or --trace) each op's note adds GPU 0's device
+span per call (first kernel's start to the last one's end over one profiled call, / iters), the figure to set
+beside NCCL's. GB/s per rank, mean over ranks: "DeepEP" = all received token
 bytes incl. the rank's own (DeepEP's test formula: x only, FP8 = (1 + 4/128)/2 of BF16), "remote" = bytes from
 other ranks (NVLink).
 
     python bench/intranode.py --out $OUT/intranode.json               # on the GPU host
     python bench/intranode.py --sms 8,12,16,24,32 --send-sms 0,13,14  # budgets, and splits beside the default
+    python bench/intranode.py --cupti --trace $OUT/trace                # device spans; Chrome traces of each op
     python bench/intranode.py --cpu --tokens 64 --hidden 256          # smoke test on CPU devices
 """
 
