@@ -542,7 +542,9 @@ class EPBench:
                     trace = None
                     if self.trace_dir:
                         os.makedirs(self.trace_dir, exist_ok=True)
-                        trace = os.path.join(self.trace_dir, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
+                        sms = os.environ.get("UCCL_EP_NUM_SMS", "")  # one file per budget of a sweep
+                        stem = re.sub(r"[^A-Za-z0-9]+", "_", f"{name} {sms}").strip("_")
+                        trace = os.path.join(self.trace_dir, stem + ".json")
                     activity = cupti_activity(lambda: jax.block_until_ready(fn(*args)), trace_path=trace)
                     res.extra["cupti_us_per_call"] = cupti_per_call(activity, self.iters)
                     res.extra["device_span_us_per_call"] = cupti_span_per_call(activity, self.iters)

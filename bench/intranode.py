@@ -368,7 +368,7 @@ def main(argv=None) -> int:
         default=None,
         metavar="DIR",
         help="write each op's profiled calls as a Chrome trace (every GPU's kernels, the host's CUDA calls) into DIR "
-        "(implies --cupti; with one SM budget, else the last budget's trace stays)",
+        "(implies --cupti; a file per op and SM budget)",
     )
     ap.add_argument(
         "--sms",

@@ -104,7 +104,7 @@ struct PairCapacityAttrs {  // dispatch(layout="expert")'s overflow="error" chec
 };
 
 struct ExpandPairsAttrs {  // the expert layout's pair rows from token rows: local, no group
-  int64_t zero_padding;     // 1: zeros in the slots outside the groups; 0: they are left unwritten
+  int64_t zero_padding;    // 1: zeros in the slots outside the groups; 0: they are left unwritten
 };
 
 struct LayoutAttrs {  // get_dispatch_layout: local, no group
@@ -411,24 +411,31 @@ template <class Binding>
 auto expand_pairs_signature(Binding b) {
   return std::move(b)
       .template Attrs<ExpandPairsAttrs>()
-      .template Arg<ffi::AnyBuffer>()          // rows [C, ...]
-      .template Arg<ffi::Buffer<ffi::S32>>()   // pair_row [M]: the row of each slot, C outside the groups
-      .template Ret<ffi::AnyBuffer>();         // pairs [M, ...]
+      .template Arg<ffi::AnyBuffer>()         // rows [C, ...]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // pair_row [M]: the row of each slot, C outside the groups
+      .template Ret<ffi::AnyBuffer>();        // pairs [M, ...]
 }
 
 inline ExpandPairsArgs expand_pairs_args(const ExpandPairsAttrs& attrs, const ffi::AnyBuffer& rows,
                                          const ffi::Buffer<ffi::S32>& pair_row, ffi::Result<ffi::AnyBuffer>& pairs) {
-  const int64_t num_rows = rows.dimensions().size() ? rows.dimensions()[0] : 0;
+  const auto from = rows.dimensions(), to = pairs->dimensions();
   const int64_t num_slots = pair_row.element_count();
-  if (pairs->size_bytes() != (num_rows ? rows.size_bytes() / num_rows : 0) * num_slots && num_rows)
-    throw InvalidArgument("uccl_ep expand_pairs: the pair rows must be as wide as the rows, one per slot");
-  return ExpandPairsArgs{rows.untyped_data(),
-                         num_rows,
-                         num_rows ? int64_t(rows.size_bytes()) / num_rows : 0,
-                         pair_row.typed_data(),
-                         num_slots,
-                         pairs->untyped_data(),
-                         attrs.zero_padding != 0};
+  bool same = from.size() >= 1 && to.size() == from.size() && to[0] == num_slots &&
+              pairs->element_type() == rows.element_type();
+  for (size_t d = 1; same && d < from.size(); ++d) same = to[d] == from[d];
+  if (!same)
+    throw InvalidArgument(
+        "uccl_ep expand_pairs: the pair rows must be [pair slots, ...] of the rows' row shape and "
+        "dtype");
+  ExpandPairsArgs a{};
+  a.rows = rows.untyped_data();
+  a.num_rows = from[0];
+  a.row_bytes = num_slots ? int64_t(pairs->size_bytes()) / num_slots : 0;
+  a.pair_row = pair_row.typed_data();
+  a.num_slots = num_slots;
+  a.pairs = pairs->untyped_data();
+  a.zero_padding = attrs.zero_padding != 0;
+  return a;
 }
 
 inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {

@@ -188,6 +188,8 @@ def _weight_grad_by_blocks(
     dy = jnp.where(in_tail, jax.lax.dynamic_slice_in_dim(dout, start, rows, 0), jnp.zeros((), dout.dtype))
     owner = jnp.searchsorted(ends, row, side="right")[None, :] == jnp.arange(g, dtype=ends.dtype)[:, None]  # [G, r]
     x_by_group = jnp.where(owner[:, :, None], x[None], jnp.zeros((), x.dtype))  # [G, rows, K]
+    # Added in the kernel's dtype (the tail's groups round twice, within one unit of the output's precision): a
+    # float32 sum would write and read the [G, K, N] gradient twice as wide.
     return out + jnp.einsum("grk,rn->gkn", x_by_group, dy, preferred_element_type=out.dtype)
 
 

@@ -237,8 +237,9 @@ def swiglu_experts(
 def _through_pairs(params, rows, weights, expert, num_rows, capacity: int, dtype, backend) -> jax.Array:
     """swiglu_experts on a pair buffer of `capacity` pairs."""
     layout = _pairs.pair_layout(expert, num_rows, params["w_gate"].shape[0], 1, capacity)
-    # Every consumer below reads only the groups' rows: the slots outside them are left unwritten.
-    pairs = _pairs.expand(rows.astype(dtype), layout.pair_row, layout.pair_of, False)
+    # Zeroed padding: a public function, also run eagerly or under vmap, which the FFI copy (zero_padding=False)
+    # does not support.
+    pairs = _pairs.expand(rows.astype(dtype), layout.pair_row, layout.pair_of, True)
     y = swiglu_pairs(params, pairs, layout.num_tokens_per_expert, compute_dtype=dtype, backend=backend)
     pair_weights = _pairs.pair_weights(weights, layout.pair_index, layout.pair_of)
     return _pairs.reduce_pairs(y.astype(jnp.float32) * pair_weights[:, None], layout.pair_row, layout.pair_of)

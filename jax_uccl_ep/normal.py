@@ -510,9 +510,10 @@ def dispatch(
       expert_alignment: with layout="expert", the multiple every expert's first row sits at (e.g. a grouped
         matmul's tile rows; padding rows are zeros with weight 0).
       zero_padding: with layout="expert", whether the pair rows outside the groups (alignment padding and the
-        tail) are written as zeros. False leaves them as the op found them (any value, NaN included) wherever the
-        receive writes the pairs itself, which saves writing most of a worst-case buffer; read only the groups'
-        rows then, as grouped_matmul and combine do (their weights are 0 either way). The MoE layer passes False.
+        tail) are written as zeros. False leaves them as the op found them (any value, NaN included), which saves
+        writing most of a worst-case buffer; read only the groups' rows then, as grouped_matmul and combine do
+        (their weights are 0 either way; a grouped matmul over aligned groups that take their padding in would
+        read it). The MoE layer passes False.
 
     Returns:
       A DispatchResult of 2-D rows [capacity, ...], ordered by source rank, then source token index (the leading

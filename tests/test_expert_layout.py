@@ -264,6 +264,24 @@ def test_expand_copies_each_slot_its_row(row_shape, dtype, zero_padding):
         assert (outside == 0xFF).all()
 
 
+@pytest.mark.parametrize("shape,dtype", [((9, 5), jnp.float32), ((9, 4, 2), jnp.float32), ((9, 4), jnp.int32)])
+def test_expand_refuses_pair_rows_unlike_the_rows(shape, dtype):
+    """The copy op checks its output against its rows: one row per slot, the rows' row shape and dtype (a wrong
+    width would copy past a row), naming what it expected."""
+    from jax_uccl_ep._ffi import ep_call
+
+    rows, pair_row = jnp.ones((3, 4), jnp.float32), jnp.zeros((9,), jnp.int32)
+
+    def copy(rows, pair_row):
+        (out,) = ep_call(
+            "expand_pairs", (jax.ShapeDtypeStruct(shape, dtype),), rows, pair_row, ordered=False, zero_padding=1
+        )
+        return out
+
+    with pytest.raises(Exception, match="expand_pairs: the pair rows must be"):
+        jax.block_until_ready(jax.jit(copy)(rows, pair_row))
+
+
 def test_combine_refuses_rows_of_another_shape():
     def body(x, idx):
         res = ep.dispatch(x[0], idx[0], num_experts=8, axis_name="ep", layout="expert")
