@@ -106,11 +106,10 @@ def _gather(rows: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def expand(rows: jax.Array, pair_row: jax.Array, pair_of: jax.Array, zero_padding: bool) -> jax.Array:
-    """Received ``rows [C, ...]`` -> pair rows ``[M, ...]``: zeros outside the groups, or (without `zero_padding`)
-    whatever the buffer held there, which spares writing most of a worst-case buffer (a copy of the rows inside the
-    groups only, the FFI's expand_pairs). Its transpose is `reduce_pairs`: a gather too."""
+def _to_slots(rows: jax.Array, pair_row: jax.Array, zero_padding: bool) -> jax.Array:
+    """``rows [C, ...]`` -> ``[M, ...]``, slot s holding row pair_row[s]: zeros outside the groups (XLA's gather,
+    which writes every slot), or without `zero_padding` whatever the buffer held there (the FFI's expand_pairs,
+    which copies the slots inside the groups only: most of a worst-case buffer is outside them)."""
     if zero_padding:
         return _gather(rows, pair_row)
     (pairs,) = ep_call(
@@ -124,35 +123,43 @@ def expand(rows: jax.Array, pair_row: jax.Array, pair_of: jax.Array, zero_paddin
     return pairs
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def expand(rows: jax.Array, pair_row: jax.Array, pair_of: jax.Array, zero_padding: bool) -> jax.Array:
+    """Received ``rows [C, ...]`` -> pair rows ``[M, ...]`` (outside the groups: see _to_slots). Its transpose is
+    `reduce_pairs`: a gather too."""
+    return _to_slots(rows, pair_row, zero_padding)
+
+
 def _expand_fwd(rows, pair_row, pair_of, zero_padding):
     return expand(rows, pair_row, pair_of, zero_padding), (pair_row, pair_of, rows[:0])
 
 
 def _expand_bwd(zero_padding, residuals, d_pairs):
     pair_row, pair_of, rows_type = residuals
-    d_rows = reduce_pairs(d_pairs, pair_row, pair_of).astype(rows_type.dtype)
+    d_rows = reduce_pairs(d_pairs, pair_row, pair_of, zero_padding).astype(rows_type.dtype)
     return like_primal(d_rows, rows_type), None, None
 
 
 expand.defvjp(_expand_fwd, _expand_bwd)
 
 
-@jax.custom_vjp
-def reduce_pairs(pairs: jax.Array, pair_row: jax.Array, pair_of: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def reduce_pairs(pairs: jax.Array, pair_row: jax.Array, pair_of: jax.Array, zero_padding: bool) -> jax.Array:
     """Pair rows ``[M, H]`` -> ``[C, H]`` float32: each received row's sum of its pairs. Its transpose is
-    `expand`."""
+    `expand`: the cotangent's slots outside the groups as _to_slots leaves them (the pairs' own padding was
+    unspecified too without `zero_padding`, so nothing reads it)."""
     c, k = pair_of.shape
     per_row = _gather(pairs, pair_of.reshape(-1)).reshape(c, k, pairs.shape[-1])
     return jnp.sum(per_row, axis=1, dtype=jnp.float32)
 
 
-def _reduce_fwd(pairs, pair_row, pair_of):
-    return reduce_pairs(pairs, pair_row, pair_of), (pair_row, pair_of, pairs[:0])
+def _reduce_fwd(pairs, pair_row, pair_of, zero_padding):
+    return reduce_pairs(pairs, pair_row, pair_of, zero_padding), (pair_row, pair_of, pairs[:0])
 
 
-def _reduce_bwd(residuals, d_rows):
+def _reduce_bwd(zero_padding, residuals, d_rows):
     pair_row, pair_of, pairs_type = residuals
-    d_pairs = _gather(d_rows, pair_row).astype(pairs_type.dtype)
+    d_pairs = _to_slots(d_rows.astype(pairs_type.dtype), pair_row, zero_padding)  # cast the C rows, not M slots
     return like_primal(d_pairs, pairs_type), None, None
 
 

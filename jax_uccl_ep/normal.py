@@ -118,10 +118,11 @@ RowHandle = Union[DispatchHandle, TwoLevelHandle]  # a dispatch of token rows (l
 class ExpertHandle:
     """A dispatch handle of the expert-major layout: the rows' handle and where each row's pairs sit."""
 
-    def __init__(self, rows: RowHandle, pair_row: jax.Array, pair_of: jax.Array):
+    def __init__(self, rows: RowHandle, pair_row: jax.Array, pair_of: jax.Array, zero_padding: bool = True):
         self.rows = rows  # the handle of the rows as they arrived (one per token and rank)
         self.pair_row = pair_row  # [M] int32: the received row of each pair slot (C outside the groups)
         self.pair_of = pair_of  # [C, K] int32: the pair slot of each received row's top-k slot (M for none)
+        self.zero_padding = zero_padding  # dispatch's: combine's cotangent outside the groups is zeros, or unwritten
 
     @property
     def axis_name(self) -> AxisName:
@@ -132,14 +133,17 @@ class ExpertHandle:
         return self.rows.token_shape
 
     def tree_flatten(self):
-        return (self.rows, self.pair_row, self.pair_of), None
+        return (self.rows, self.pair_row, self.pair_of), self.zero_padding
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children)
+    def tree_unflatten(cls, zero_padding, children):
+        return cls(*children, zero_padding)
 
     def __repr__(self) -> str:
-        return f"ExpertHandle(rows={self.rows!r}, pair_row={self.pair_row!r}, pair_of={self.pair_of!r})"
+        return (
+            f"ExpertHandle(rows={self.rows!r}, pair_row={self.pair_row!r}, pair_of={self.pair_of!r}, "
+            f"zero_padding={self.zero_padding})"
+        )
 
 
 Handle = Union[DispatchHandle, TwoLevelHandle, ExpertHandle]
@@ -305,7 +309,7 @@ def _in_levels(node_level, x, topk_idx, topk_weights, num_experts: int, axis_nam
     handle = within.handle  # of the node level: its rows' handle is one level's
     if isinstance(handle, ExpertHandle):
         rows = TwoLevelHandle(across.handle, cast(DispatchHandle, handle.rows))
-        return within._replace(handle=ExpertHandle(rows, handle.pair_row, handle.pair_of))
+        return within._replace(handle=ExpertHandle(rows, handle.pair_row, handle.pair_of, handle.zero_padding))
     return within._replace(handle=TwoLevelHandle(across.handle, cast(DispatchHandle, handle)))
 
 
@@ -510,10 +514,10 @@ def dispatch(
       expert_alignment: with layout="expert", the multiple every expert's first row sits at (e.g. a grouped
         matmul's tile rows; padding rows are zeros with weight 0).
       zero_padding: with layout="expert", whether the pair rows outside the groups (alignment padding and the
-        tail) are written as zeros. False leaves them as the op found them (any value, NaN included), which saves
-        writing most of a worst-case buffer; read only the groups' rows then, as grouped_matmul and combine do
-        (their weights are 0 either way; a grouped matmul over aligned groups that take their padding in would
-        read it). The MoE layer passes False.
+        tail) are written as zeros. False leaves them as the op found them (any value, NaN included), and the
+        cotangent combine's VJP gives those rows too, which saves writing most of a worst-case buffer each way;
+        read only the groups' rows then, as grouped_matmul and combine do (their weights are 0 either way; a
+        grouped matmul over aligned groups that take their padding in would read it). The MoE layer passes False.
 
     Returns:
       A DispatchResult of 2-D rows [capacity, ...], ordered by source rank, then source token index (the leading
@@ -618,7 +622,7 @@ def _by_expert(
         num_tokens_per_expert=layout.num_tokens_per_expert,
         num_tokens=layout.rows_kept,
         num_dropped=layout.pairs_dropped,
-        handle=ExpertHandle(out.handle, layout.pair_row, layout.pair_of),
+        handle=ExpertHandle(out.handle, layout.pair_row, layout.pair_of, zero_padding),
     )
 
 
@@ -666,7 +670,9 @@ def _dispatch_pairs_level(
         num_tokens_per_expert=per_expert,
         num_tokens=stats[0],
         num_dropped=stats[1],
-        handle=ExpertHandle(DispatchHandle(in_rank, counts, axis_name, level, overflow="error"), pair_row, pair_of),
+        handle=ExpertHandle(
+            DispatchHandle(in_rank, counts, axis_name, level, overflow="error"), pair_row, pair_of, bool(zero_padding)
+        ),
     )
 
 
@@ -724,7 +730,7 @@ def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_na
 def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
     if isinstance(handle, ExpertHandle):
         rows = cast(RowHandle, _with_token_shape(handle.rows, token_shape))
-        return ExpertHandle(rows, handle.pair_row, handle.pair_of)
+        return ExpertHandle(rows, handle.pair_row, handle.pair_of, handle.zero_padding)
     if isinstance(handle, TwoLevelHandle):
         return TwoLevelHandle(handle.across, handle.within, token_shape)
     return DispatchHandle(
@@ -785,7 +791,7 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
             # float16 sums travel as float32 (as float16 rows do), the same sums the receive's pair ops send
             wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
             with jax.named_scope(_pairs.SCOPE):
-                rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of).astype(wire)
+                rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding).astype(wire)
             out = _combine(rows, handle.rows).astype(y.dtype)
     else:
         out = _combine(y, handle)

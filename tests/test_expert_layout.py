@@ -191,9 +191,11 @@ def test_the_receive_writes_what_the_xla_layout_writes(
 
 
 def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_changes(writer):
-    """zero_padding=False: the groups' rows, offsets, counts and weights, combine's sums and the gradient of x are
-    those of the zeroed buffer; the rows outside the groups are left as the op found them (with the suite's poisoned
-    outputs: NaN in every one), whether the receive writes the pairs or the FFI's expand_pairs after token rows."""
+    """zero_padding=False: the groups' rows, offsets, counts and weights, combine's sums, the gradient of x and the
+    cotangent combine gives the pair rows inside the groups are those of the zeroed buffer; the rows outside the
+    groups are left as the op found them (with the suite's poisoned outputs: NaN in every one), whether the receive
+    writes the pairs or the FFI's expand_pairs after token rows; so is combine's cotangent there after token rows
+    (the receive's own combine writes zeros, which the contract allows)."""
     from jax_uccl_ep import _uccl_ep_testing
 
     num_ranks, num_tokens, hidden, topk, num_experts, alignment = 4, 19, 128, 3, 16, 4
@@ -217,15 +219,16 @@ def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_ch
                 return jnp.sum(y * cot[0]), (res, y)
 
             (_, (res, y)), dx = jax.value_and_grad(loss, has_aux=True)(x)
-            out = (res.x, res.weights, res.expert_offsets, res.num_tokens_per_expert, y, dx[0])
+            d_pairs = jax.grad(lambda p: jnp.sum(ep.combine(p, res.handle).astype(jnp.float32) * cot[0]))(res.x)
+            out = (res.x, res.weights, res.expert_offsets, res.num_tokens_per_expert, y, dx[0], d_pairs)
             return tuple(a[None] for a in out)
 
         spec = P("ep")
-        f = jax.shard_map(body, mesh=_mesh(num_ranks), in_specs=(spec,) * 4, out_specs=(spec,) * 6)
+        f = jax.shard_map(body, mesh=_mesh(num_ranks), in_specs=(spec,) * 4, out_specs=(spec,) * 7)
         return [np.asarray(a.astype(jnp.float32)) for a in jax.jit(f)(x, jnp.asarray(idx, jnp.int32), w, cot)]
 
     zeroed, left = run(True), run(False)
-    for name, a, b in zip(["weights", "offsets", "counts", "combine", "dx"], zeroed[1:], left[1:]):
+    for name, a, b in zip(["weights", "offsets", "counts", "combine", "dx"], zeroed[1:6], left[1:6]):
         np.testing.assert_array_equal(a, b, err_msg=name)
     poisoned = _uccl_ep_testing.test_modes()["poison"]
     for r in range(num_ranks):
@@ -233,10 +236,16 @@ def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_ch
         for start, count in zip(zeroed[2][r], zeroed[3][r]):
             inside[int(start) : int(start + count)] = True
         assert inside.any() and not inside.all()
-        np.testing.assert_array_equal(zeroed[0][r][inside], left[0][r][inside])
-        assert not zeroed[0][r][~inside].any()
+        for i in (0, 6):  # the pair rows, combine's cotangent of them
+            np.testing.assert_array_equal(zeroed[i][r][inside], left[i][r][inside])
+            assert not zeroed[i][r][~inside].any()
         outside = left[0][r][~inside]
         assert np.isnan(outside).all() if poisoned else not outside.any()
+        cotangent_outside = left[6][r][~inside]
+        if poisoned and writer == "xla":
+            assert np.isnan(cotangent_outside).all()
+        else:
+            assert not cotangent_outside.any()
 
 
 @pytest.mark.parametrize("row_shape,dtype", [((128,), jnp.bfloat16), ((3, 5), jnp.float32), ((7,), jnp.uint8)])
