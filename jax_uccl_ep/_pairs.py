@@ -3,8 +3,9 @@
 Local expert e's pairs sit at ``[offsets[e], offsets[e] + counts[e])``, offsets multiples of the alignment A and
 increasing with e; within a group, pairs follow the received rows' order (source rank, then token; two-level:
 the two-level order). The layout is a counting sort of the received (row, slot) pairs: per-expert prefix counts
-over the rows, no sort. The rows then move once, by a gather from the received rows, and back once, by a gather of
-each row's pairs: neither direction scatters rows, forward or backward.
+over the rows, no sort. The rows then move once into their slots (a gather from the received rows, or without zero
+padding a copy of the slots inside the groups only), and back once, by a gather of each row's pairs: neither
+direction scatters rows, forward or backward.
 
 Capacity: the pairs of a prefix of the rows (in row order) are kept while their groups, each rounded up to A, fit
 in the buffer; the rows after it lose all their pairs (deterministic, as dispatch's row capacity).
