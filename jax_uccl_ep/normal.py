@@ -567,13 +567,14 @@ def dispatch(
     )
     check(overflow in _OVERFLOW_CODES, f"overflow must be 'error' or 'drop', got {overflow!r}")
     check(isinstance(zero_padding, (bool, np.bool_)), f"zero_padding must be a bool, got {zero_padding!r}")
+    zero_padding = bool(zero_padding)  # a Python bool from here on: static data of the ops and the handle
     if use_fp8:
         check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
         check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
     if pair_capacity is not None and _plan.receive_writes_pairs():
         call = _dispatch_pairs_call if is_fp8 else _dispatch_pairs_fp8_wire if use_fp8 else _dispatch_pairs
         res = call(
-            x, idx, weights, num_experts, axis_name, int(pair_capacity), expert_alignment, overflow, bool(zero_padding)
+            x, idx, weights, num_experts, axis_name, int(pair_capacity), expert_alignment, overflow, zero_padding
         )
         return res._replace(handle=_with_token_shape(res.handle, lead))
     call = _dispatch_call if is_fp8 else _dispatch_fp8_wire if use_fp8 else _dispatch
@@ -582,7 +583,7 @@ def dispatch(
     out = out._replace(handle=_with_token_shape(out.handle, lead))
     if pair_capacity is not None:
         return _by_expert(
-            out, num_experts // num_ranks, expert_alignment, int(pair_capacity), overflow, axis_name, bool(zero_padding)
+            out, num_experts // num_ranks, expert_alignment, int(pair_capacity), overflow, axis_name, zero_padding
         )
     if topk_weights is not None and topk_weights.dtype != jnp.float32:
         out = out._replace(topk_weights=out.topk_weights.astype(topk_weights.dtype))
@@ -671,7 +672,7 @@ def _dispatch_pairs_level(
         num_tokens=stats[0],
         num_dropped=stats[1],
         handle=ExpertHandle(
-            DispatchHandle(in_rank, counts, axis_name, level, overflow="error"), pair_row, pair_of, bool(zero_padding)
+            DispatchHandle(in_rank, counts, axis_name, level, overflow="error"), pair_row, pair_of, zero_padding
         ),
     )
 
