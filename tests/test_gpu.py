@@ -626,9 +626,13 @@ def test_the_loopback_runs_its_ranks_over_nvlink():
         # stood ~3.3 ms apart (an 80 us send side stamped as 3349 us), on 2 H100s ~120 us (206 us for an 84 us
         # call). With the sides apart the send side is a part of the call: a side longer than the whole call
         # measured on the host says the stamps do not share a clock, and the order cannot be read from them.
+        # A rank's receive side waits for the other ranks' rows, not its own: the first one to start comes after
+        # every send side of some other GPU has ended, so after the earliest send start plus the shortest GPU's send
+        # length (a duration, read on that GPU's own clock). Its own GPU's sends may still run.
         one_clock = send_len <= 1.25 * r["dispatch_us"]
         if r["apart"] and one_clock:
-            assert receive_start >= send_start + send_len - 5.0, r
+            shortest_send = min(own["dispatch:dispatch_send"][1] for own in r["gpu_spans_us"])
+            assert receive_start >= send_start + shortest_send - 5.0, (shortest_send, r)
         elif r["apart"]:
             print(f"ranks {r['ranks']}: the GPUs' timers disagree (send span {send_len:.0f} us); order not checked")
         # Each GPU's own spans read one clock: its send side within the call, and its receive blocks wait for the

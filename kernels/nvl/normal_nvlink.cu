@@ -692,40 +692,21 @@ struct DispatchLaunch {
   DispatchReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
-  int routing_of[kMaxRanks];            // source s's wait in `routing` (-1: our own routing, already here)
   Handoff handoff;                      // words: as kItemWord etc., then [2 passes][units * R]
   Acks acks;
   int run;    // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
   int units;  // scan units per source, of kTransferThreads * run tokens
 };
 
-// Waits (the whole block) until source s's routing has landed. A member whose routing never came is reported; the
-// scan still runs (over what its region holds: every read and write stays in bounds), so that every unit is handed
-// over and no block waits for another in vain.
-__device__ void wait_routing(const DispatchLaunch& f, int s) {
-  const int i = f.routing_of[s];
-  if (i < 0) return;
-  const FlagWaits& w = f.routing;
-  const Members& m = f.receive.from;
-  block_waits(1, [&](int) {
-    return wait_flag(w.flag[i], w.value[i], int64_t(w.value[i]), m.timeout_ns, m.err, m.rank, w.peer[i]);
-  });
-}
-
 // The receive blocks' scan passes over the units u = block, block + blocks, ... of every source, with kRun tokens
-// per thread. A unit is counted once its own source's routing is here, so our own units and the first members' go
-// while the last member's routing is still on its way. (Placing reads every unit's count, so every routing.)
+// per thread.
 template <int kRun>
 __device__ void scan_pass_run(const DispatchLaunch& f, int block, int blocks, bool place) {
-  for (int u = block; u < f.units * f.scan.num_ranks; u += blocks) {
-    const int x = u % f.units, s = u / f.units;
-    if (place) {
-      place_unit<kRun>(f.scan, x, s, f.units);
-    } else {
-      wait_routing(f, s);
-      count_unit<kRun>(f.scan, x, s, f.units);
-    }
-  }
+  for (int u = block; u < f.units * f.scan.num_ranks; u += blocks)
+    if (place)
+      place_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
+    else
+      count_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
 }
 __device__ void scan_pass(const DispatchLaunch& f, int block, int blocks, bool place) {
   switch (f.run) {
@@ -767,8 +748,10 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
   const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
   {
     {
-      const KernelStamp stamp(KernelKind::kRouting);  // the block's first unit's routing; the scan waits for the rest
-      if (block < units) wait_routing(f, block / f.units);
+      const KernelStamp stamp(KernelKind::kRouting);
+      // A member whose routing never came is reported; the scan still runs (over what its region holds: every read
+      // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
+      wait_all(f.routing, m.timeout_ns, m.err, m.rank);
     }
     const KernelStamp stamp(KernelKind::kScan);
     scan_pass(f, block, blocks, /*place=*/false);
@@ -929,19 +912,16 @@ void launch_fused(void (*kernel)(Launch), const Launch& f, uint32_t shared_bytes
   check(cudaGetLastError(), what);
 }
 
-// Every member's routing has landed: one announcement per chunk and message; wait_of[s] is source s's wait (-1: our
-// own routing).
-FlagWaits routing_waits(NvlDevice& dev, const Group& g, const ReceiveFrom& from, int* wait_of) {
+// Every member's routing has landed: one announcement per chunk and message.
+FlagWaits routing_waits(NvlDevice& dev, const Group& g, const ReceiveFrom& from) {
   FlagWaits w{};
-  for (int s = 0; s < g.size; ++s) {
-    wait_of[s] = s == g.self ? -1 : w.n;
+  for (int s = 0; s < g.size; ++s)
     if (s != g.self) {
       const int p = from.rank_of[s];
       w.flag[w.n] = dev.meta_flag(p);
       w.value[w.n] = from.message[s] * uint64_t(send_blocks());
       w.peer[w.n++] = p;
     }
-  }
   return w;
 }
 
@@ -956,7 +936,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.send = k.send;
   f.scan = k.scan;
   f.receive = k.receive;
-  f.routing = routing_waits(dev, g, k.receive.from, f.routing_of);
+  f.routing = routing_waits(dev, g, k.receive.from);
   f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks);
   f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
   const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks;

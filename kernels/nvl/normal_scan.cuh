@@ -296,50 +296,20 @@ inline Scratch scratch_at(void* scratch, int capacity, int num_tokens) {
 // Combine's view of this rank's tokens: excl[t * R + d] = how many tokens before t went to d in the dispatch, for t
 // in [0, T] (row T: the totals), from the handle's token-in-rank mask. Token t's copy from d comes back as row
 // excl[t, d] of d's message (d received our rows in token order, and sends them back packed in that order). One
-// block, each thread a run of consecutive tokens: every member's counts in one pass whose loads all go out together,
-// one block scan of them all, then the rows. (A scan per member, each waiting on its own loads, took ~30 us at 4096
-// tokens and 4 members: the combine's receive blocks wait for it.)
+// block: a block scan per member over runs of tokens per thread.
 __device__ void block_positions(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {
-  constexpr int kUnroll = 8;
   const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
   const int t0 = min(num_tokens, int(threadIdx.x) * per_thread), t1 = min(num_tokens, t0 + per_thread);
-  const int n = (t1 - t0) * num_ranks;  // the thread's mask bytes, from t0 * num_ranks
-  const bool* mine = mask + int64_t(t0) * num_ranks;
-  int count[kMaxRanks] = {}, total[kMaxRanks];
-  for (int i0 = 0; i0 < n; i0 += kUnroll) {
-    bool m[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) m[u] = i0 + u < n && mine[i0 + u];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d)
-        if ((i0 + u) % num_ranks == d) count[d] += m[u];
-  }
-  block_exclusive_scans(count, total);
-  int32_t* out = excl + int64_t(t0) * num_ranks;
-  for (int i0 = 0; i0 < n; i0 += kUnroll) {  // the same bytes again (in L1 now), the rows out
-    bool m[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) m[u] = i0 + u < n && mine[i0 + u];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (i0 + u >= n) break;
-      const int d = (i0 + u) % num_ranks;
-      int row = 0;
-#pragma unroll
-      for (int q = 0; q < kMaxRanks; ++q)
-        if (q == d) {
-          row = count[q];
-          count[q] += m[u];
-        }
-      out[i0 + u] = row;
+  for (int d = 0; d < num_ranks; ++d) {
+    int mine = 0;
+    for (int t = t0; t < t1; ++t) mine += mask[t * num_ranks + d];
+    int total;
+    int p = block_exclusive_scan(mine, &total);
+    for (int t = t0; t < t1; ++t) {
+      excl[t * num_ranks + d] = p;
+      p += mask[t * num_ranks + d];
     }
-  }
-  if (int(threadIdx.x) < num_ranks) {
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q)
-      if (q == int(threadIdx.x)) excl[int64_t(num_tokens) * num_ranks + q] = total[q];
+    if (threadIdx.x == 0) excl[num_tokens * num_ranks + d] = total;
   }
 }
 
