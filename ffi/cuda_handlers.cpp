@@ -343,6 +343,23 @@ ffi::Error ExpandPairsImpl(cudaStream_t stream, int32_t /*ordinal*/, const uccl_
   });
 }
 
+ffi::Error SwigluImpl(cudaStream_t stream, int32_t /*ordinal*/, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> weight,
+                      ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> h) {
+  static std::shared_mutex no_runtime;  // local: no runtime state
+  return uccl_ep::ffi_common::guarded(no_runtime, [&] {
+    uccl_ep::nvl::swiglu(uccl_ep::ffi_common::swiglu_args(gate_up, weight, nullptr, num_rows, *h, nullptr), stream);
+  });
+}
+ffi::Error SwigluGradImpl(cudaStream_t stream, int32_t /*ordinal*/, ffi::AnyBuffer gate_up,
+                          ffi::Buffer<ffi::F32> weight, ffi::AnyBuffer dh, ffi::Buffer<ffi::S32> num_rows,
+                          ffi::Result<ffi::AnyBuffer> d_gate_up, ffi::Result<ffi::Buffer<ffi::F32>> d_weight) {
+  static std::shared_mutex no_runtime;  // local: no runtime state
+  return uccl_ep::ffi_common::guarded(no_runtime, [&] {
+    uccl_ep::nvl::swiglu(uccl_ep::ffi_common::swiglu_args(gate_up, weight, &dh, num_rows, *d_gate_up, &*d_weight),
+                         stream);
+  });
+}
+
 // CUDA handlers take XLA's stream, then the same arguments as the CPU ones.
 #define UCCL_EP_CUDA_BIND() ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 
@@ -362,3 +379,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCuda, PairCapacityImpl,
                               uccl_ep::ffi_common::pair_capacity_signature(UCCL_EP_CUDA_BIND()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpExpandPairsCuda, ExpandPairsImpl,
                               uccl_ep::ffi_common::expand_pairs_signature(UCCL_EP_CUDA_BIND()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluCuda, SwigluImpl, uccl_ep::ffi_common::swiglu_signature(UCCL_EP_CUDA_BIND()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluGradCuda, SwigluGradImpl,
+                              uccl_ep::ffi_common::swiglu_grad_signature(UCCL_EP_CUDA_BIND()));
