@@ -176,11 +176,28 @@ def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot():
     assert res["fast_vs_xla_y"] < 2e-3, res
 
 
+def _median_us(f, *args) -> float:
+    """Microseconds a call of jitted `f`: the median of 5 rounds of 20 calls after one to compile (wall time)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / 20)
+    return round(float(np.median(times)) * 1e6, 1)
+
+
 def expand_child() -> dict:
     """Child: the pair rows from token rows on the GPU (expand without zero padding: the FFI's expand_pairs, as the
     layer runs it) against NumPy, for rows of 4096, 60 and 7 bytes (the copy's wide and narrow paths), slots naming
     no row among them; then its time beside the zeroing gather at the layer's sizes (reported, not checked)."""
-    import time
 
     import jax
     import jax.numpy as jnp
@@ -211,16 +228,9 @@ def expand_child() -> dict:
     pair_row[:valid] = rng.integers(0, c, valid)
     pair_row = jnp.asarray(pair_row)
     for z in (True, False):
-        f = jax.jit(lambda r, p, z=z: _pairs.expand(r, p, None, z))
-        jax.block_until_ready(f(rows, pair_row))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                out = f(rows, pair_row)
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) / 20)
-        res[f"us_zero_padding_{z}"] = round(float(np.median(times)) * 1e6, 1)
+        res[f"us_zero_padding_{z}"] = _median_us(
+            jax.jit(lambda r, p, z=z: _pairs.expand(r, p, None, z)), rows, pair_row
+        )
     return res
 
 
@@ -235,7 +245,6 @@ def swiglu_child() -> dict:
     float64, for bf16 rows of 1024 features (16-byte vectors) and float32 rows of 12 (an element at a time), the
     groups' rows a prefix of the buffer; then its forward+backward time at the layer's sizes beside XLA's
     elementwise step over every row (reported, not checked)."""
-    import time
 
     import jax
     import jax.numpy as jnp
@@ -281,16 +290,7 @@ def swiglu_child() -> dict:
         return (h, *vjp(dh))
 
     for label, fn in (("ffi", step), ("xla", xla_step)):
-        f_jit = jax.jit(fn)
-        jax.block_until_ready(f_jit(gate_up, weights, dh, jnp.int32(n)))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                out = f_jit(gate_up, weights, dh, jnp.int32(n))
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) / 20)
-        res[f"us_fwd_bwd_{label}"] = round(float(np.median(times)) * 1e6, 1)
+        res[f"us_fwd_bwd_{label}"] = _median_us(jax.jit(fn), gate_up, weights, dh, jnp.int32(n))
     return res
 
 

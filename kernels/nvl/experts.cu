@@ -14,19 +14,6 @@ namespace {
 
 constexpr int kSwigluThreads = 128;
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);  // round to nearest even, as XLA's convert
-}
-
 // V consecutive elements, loaded and stored at once (16 bytes where V * sizeof(T) is).
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
@@ -36,13 +23,13 @@ template <typename T, int V>
 __device__ __forceinline__ void load(const T* p, float (&out)[V]) {
   const Pack<T, V> x = *reinterpret_cast<const Pack<T, V>*>(p);
 #pragma unroll
-  for (int i = 0; i < V; ++i) out[i] = to_f32(x.v[i]);
+  for (int i = 0; i < V; ++i) out[i] = to_float(x.v[i]);
 }
 template <typename T, int V>
 __device__ __forceinline__ void store(T* p, const float (&in)[V]) {
   Pack<T, V> x;
 #pragma unroll
-  for (int i = 0; i < V; ++i) x.v[i] = from_f32<T>(in[i]);
+  for (int i = 0; i < V; ++i) x.v[i] = from_float<T>(in[i]);
   *reinterpret_cast<Pack<T, V>*>(p) = x;
 }
 
