@@ -111,6 +111,27 @@ def op_parts(hlo_text: str, scopes: Mapping[str, str]) -> tuple[str, dict[str, s
     return (module.group(1) if module else ""), parts, containers
 
 
+_SHAPE_AND_OPCODE = re.compile(r"^(\([^)]*\)|\S+)\s+([\w\-]+)\(")
+_KIND = re.compile(r"\bkind=(k\w+)")
+
+
+def describe_instructions(hlo_text: str) -> dict[str, str]:
+    """Each instruction's result shape and opcode from compiled HLO text, layouts left out (``"bf16[131072,1024]
+    fusion kLoop"``): what a kernel the profile names computes, and over how many rows."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None or _HEADER.match(line):
+            continue
+        what = _SHAPE_AND_OPCODE.match(m.group(2))
+        if what is None:
+            continue
+        kind = _KIND.search(m.group(2).split(", metadata=")[0])
+        shape = re.sub(r"\{[^}]*\}", "", what.group(1))
+        out[m.group(1)] = f"{shape} {what.group(2)}" + (f" {kind.group(1)}" if kind else "")
+    return out
+
+
 def _events(directory: str) -> list[tuple[str, str, str, str, float]]:
     """(device, hlo_module, hlo_op, event name (the kernel's, on GPUs), duration ns) of every op event in the profile
     written under `directory`; the device is the plane and the event's device ordinal where it has one (CPU devices
@@ -142,13 +163,16 @@ def profile_parts(
     ({part: scope name}), of "other" (ops in no scope) and "total" (every op of the step's program), or only
     "_results" where the profile named none of the program's ops. The call's results are under "_results" (step may
     donate its arguments); with `top`, "_top" holds each part's `top` heaviest kernels (event names: the GPU's
-    kernels, CPU's ops) as [name, ms per device, events], heaviest first.
+    kernels, CPU's ops) as [name, ms per device, events, what the first op that launched it computes
+    (describe_instructions)], heaviest first.
 
     Compiles `step` once more, without XLA:GPU's command buffers, and profiles that program: a kernel a CUDA graph
     launches carries the graph's name as its op, not its own, so in the program the steps run most kernels would
     count as "other". Each kernel's time is its own either way; the graphs save launches between them."""
     compiled = step.lower(*args).compile(compiler_options=NO_COMMAND_BUFFERS)
-    module, parts, containers = op_parts(compiled.as_text(), scopes)
+    text = compiled.as_text()
+    module, parts, containers = op_parts(text, scopes)
+    described = describe_instructions(text)
     with tempfile.TemporaryDirectory(prefix="step_profile_") as directory:
         with jax.profiler.trace(directory):
             results = jax.block_until_ready(compiled(*args))
@@ -156,6 +180,7 @@ def profile_parts(
     ms: dict[str, float] = collections.defaultdict(float)
     kernels: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     counts: collections.Counter = collections.Counter()
+    what: dict[tuple[str, str], str] = {}
     devices = set()
     for device, hlo_module, hlo_op, name, ns in events:
         if hlo_module != module or hlo_op in containers:  # a loop's event spans its body's, counted themselves
@@ -166,12 +191,14 @@ def profile_parts(
         ms["total"] += ns / 1e6
         kernels[part][name] += ns / 1e6
         counts[part, name] += 1
+        what.setdefault((part, name), described.get(hlo_op, ""))
     out: dict[str, Any] = {"_results": results}
     if devices:
         n = len(devices)
         out.update({p: ms.get(p, 0.0) / n for p in (*scopes, "other", "total")})
         if top:
             out["_top"] = {
-                p: [[k, t / n, counts[p, k] // n] for k, t in kernels[p].most_common(top)] for p in (*scopes, "other")
+                p: [[k, t / n, counts[p, k] // n, what[p, k]] for k, t in kernels[p].most_common(top)]
+                for p in (*scopes, "other")
             }
     return out

@@ -70,7 +70,7 @@ AXIS = "ep"
 JSON_MARK = "TRAIN_MOE_JSON "
 # LayerTimer's standalone timings (ms), in the order they print.
 PART_KEYS = ("moe_fwd_ms", "moe_fwd_bwd_ms", "router_ms", "dispatch_ms", "experts_ms", "combine_ms")
-PROFILE_TOP = 6  # heaviest kernels of each part the profile lists
+PROFILE_TOP = 8  # heaviest kernels of each part the profile lists
 
 
 class Config(NamedTuple):
@@ -569,7 +569,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         )
         for part, heaviest in top_kernels.items():
             if heaviest:
-                say(f"  {part}: " + "; ".join(f"{name[:60]} {t:.2f} ms x{n}" for name, t, n in heaviest))
+                say(f"  {part}: " + "; ".join(f"{name[:60]} ({what}) {t:.2f} ms x{n}" for name, t, n, what in heaviest))
     ep.check_errors()  # GPU kernels report bad routing or exceeded capacity here (CPU ops raise themselves)
     steady = step_s[1:] or step_s
     summary: dict[str, Any] = {
@@ -596,7 +596,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     }
     if profile is not None:
         summary["profile_ms"] = profile
-        summary["profile_top_kernels"] = top_kernels  # {part: [[kernel, ms per device, launches], ...]}
+        summary["profile_top_kernels"] = top_kernels  # {part: [[kernel, ms per device, launches, what], ...]}
     for key in PART_KEYS:
         values = [t[key] for t in timings if key in t]
         if values:

@@ -457,10 +457,13 @@ ENTRY %main (a: f32[8], b: bf16[8], c: f32[8,8]) -> f32[8] {
         # Each part's heaviest kernels: at most `top`, heaviest first, within the part's time, the heavy part's from
         # its own ops (a dot or a fusion of one).
         for part in (*scopes, "other"):
-            times = [t for _, t, _ in top[part]]
+            times = [t for _, t, _, _ in top[part]]
             assert len(times) <= 2 and times == sorted(times, reverse=True), (part, top[part])
             assert sum(times) <= profile[part] * (1 + 1e-9), (part, top[part], profile[part])
         assert top["heavy"][0][2] >= 1 and ops.get(top["heavy"][0][0]) == "heavy", (top, ops)
+        # and what it computes: the heavy matmul's result, the shape its op has in the compiled text
+        name, what = top["heavy"][0][0], top["heavy"][0][3]
+        assert re.search(rf"%?{re.escape(name)} = {re.escape(what.split()[0])}[{{ ]", text), (what, name)
 
 
 def test_train_moe_capacity_options(ep_runtime):
