@@ -366,7 +366,16 @@ def _weighted_swiglu_pairs(
     gate_up = grouped_matmul(
         pairs.astype(dtype), w_gate_up, group_sizes, out_dtype=dtype, backend=backend, zero_padding=False
     )
-    h = _weighted_swiglu(gate_up, weights.astype(jnp.float32), jnp.sum(group_sizes))
+    weights = weights.astype(jnp.float32)
+    if jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):  # the op's types
+        h = _weighted_swiglu(gate_up, weights, jnp.sum(group_sizes))
+    else:  # float16: XLA's elementwise step, over every row
+        gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+        h = (jax.nn.silu(gate) * up * weights[:, None]).astype(dtype)
+    if grouped_backend(backend, dtype, warn=False) == "xla":
+        # XLA's ragged_dot may hand its weight gradient to a library kernel (cuDNN's, on GPUs before Hopper) that
+        # masks rows by multiplying: give it zeros past the groups, a pass that costs little beside its dense work.
+        h = jnp.where((jnp.arange(h.shape[0]) < jnp.sum(group_sizes))[:, None], h, jnp.zeros((), h.dtype))
     w_down = params["w_down"].astype(dtype)
     return grouped_matmul(h, w_down, group_sizes, out_dtype=dtype, backend=backend, zero_padding=False)
 

@@ -183,12 +183,15 @@ def test_the_config_refuses_buffer_factors_that_cannot_work():
         layers.MoEConfig(num_experts=E, top_k=K, capacity_factor=1.25, pair_buffer_factor=1.5)
 
 
-def test_bfloat16_layer_tracks_the_reference():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_layers_track_the_reference(dtype):
+    """bf16 and f16 parameters and tokens (the experts compute in the parameters' dtype on CPU devices): the
+    layer's output near the float32-computed reference."""
     config = layers.MoEConfig(num_experts=E, top_k=K)
-    params, x, mesh = _inputs(3, jnp.bfloat16)
+    params, x, mesh = _inputs(3, dtype)
     out = jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config))(params, x)
     y, _, _ = _per_rank_reference(params, x, config)
-    assert out.y.dtype == jnp.bfloat16
+    assert out.y.dtype == dtype
     np.testing.assert_allclose(np.asarray(out.y, np.float32), np.asarray(y, np.float32), rtol=5e-2, atol=5e-2)
 
 
