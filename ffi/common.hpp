@@ -405,7 +405,6 @@ inline Overflow checked_overflow(Overflow overflow) {
   return overflow;
 }
 
-// The contract's element types from XLA's.
 // The expert layout's pair rows from token rows (ExpandPairsArgs), where a path's receive writes token rows.
 template <class Binding>
 auto expand_pairs_signature(Binding b) {
@@ -438,6 +437,7 @@ inline ExpandPairsArgs expand_pairs_args(const ExpandPairsAttrs& attrs, const ff
   return a;
 }
 
+// The contract's element types from XLA's.
 inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
   if (b.element_type() == ffi::DataType::F32) return FloatType::kF32;
   if (b.element_type() == ffi::DataType::BF16) return FloatType::kBF16;
