@@ -132,6 +132,10 @@ class ExpertHandle:
     def token_shape(self) -> tuple[int, ...] | None:
         return self.rows.token_shape
 
+    def with_rows(self, rows: RowHandle) -> ExpertHandle:
+        """The same pairs over another handle of their rows."""
+        return ExpertHandle(rows, self.pair_row, self.pair_of, self.zero_padding)
+
     def tree_flatten(self):
         return (self.rows, self.pair_row, self.pair_of), self.zero_padding
 
@@ -309,7 +313,7 @@ def _in_levels(node_level, x, topk_idx, topk_weights, num_experts: int, axis_nam
     handle = within.handle  # of the node level: its rows' handle is one level's
     if isinstance(handle, ExpertHandle):
         rows = TwoLevelHandle(across.handle, cast(DispatchHandle, handle.rows))
-        return within._replace(handle=ExpertHandle(rows, handle.pair_row, handle.pair_of, handle.zero_padding))
+        return within._replace(handle=handle.with_rows(rows))
     return within._replace(handle=TwoLevelHandle(across.handle, cast(DispatchHandle, handle)))
 
 
@@ -730,8 +734,7 @@ def _raise_if_any_rank_overflows(pairs_needed: jax.Array, capacity: int, axis_na
 
 def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
     if isinstance(handle, ExpertHandle):
-        rows = cast(RowHandle, _with_token_shape(handle.rows, token_shape))
-        return ExpertHandle(rows, handle.pair_row, handle.pair_of, handle.zero_padding)
+        return handle.with_rows(cast(RowHandle, _with_token_shape(handle.rows, token_shape)))
     if isinstance(handle, TwoLevelHandle):
         return TwoLevelHandle(handle.across, handle.within, token_shape)
     return DispatchHandle(
