@@ -444,6 +444,55 @@ inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
   throw InvalidArgument(std::string("uccl_ep ") + op + ": rows must be float32 or bfloat16");
 }
 
+// The experts' step between their grouped matmuls (SwigluArgs): swiglu, and its gradient swiglu_grad.
+template <class Binding>
+auto swiglu_signature(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // gate_up [rows, 2 * features]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // weight [rows]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // num_rows []: the groups' rows
+      .template Ret<ffi::AnyBuffer>();        // h [rows, features]
+}
+template <class Binding>
+auto swiglu_grad_signature(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // gate_up [rows, 2 * features]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // weight [rows]
+      .template Arg<ffi::AnyBuffer>()          // dh [rows, features]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // num_rows []
+      .template Ret<ffi::AnyBuffer>()          // d_gate_up [rows, 2 * features]
+      .template Ret<ffi::Buffer<ffi::F32>>();  // d_weight [rows]
+}
+
+// `dh` and `d_weight` only for the gradient.
+inline SwigluArgs swiglu_args(const ffi::AnyBuffer& gate_up, const ffi::Buffer<ffi::F32>& weight,
+                              const ffi::AnyBuffer* dh, const ffi::Buffer<ffi::S32>& num_rows, ffi::AnyBuffer out,
+                              ffi::Buffer<ffi::F32>* d_weight) {
+  const char* op = dh ? "swiglu_grad" : "swiglu";
+  const auto in = gate_up.dimensions();
+  const auto shaped = [&](const ffi::AnyBuffer& b, int64_t cols) {
+    const auto d = b.dimensions();
+    return d.size() == 2 && d[0] == in[0] && d[1] == cols && b.element_type() == gate_up.element_type();
+  };
+  if (in.size() != 2 || in[1] % 2 != 0 || weight.element_count() != size_t(in[0]) || num_rows.element_count() != 1 ||
+      !shaped(out, dh ? in[1] : in[1] / 2) || (dh && !shaped(*dh, in[1] / 2)) ||
+      (d_weight && d_weight->element_count() != size_t(in[0])))
+    throw InvalidArgument(std::string("uccl_ep ") + op +
+                          ": expected gate_up [rows, 2F], weight [rows], num_rows [] and rows of F (the gradient "
+                          "of 2F) of gate_up's dtype");
+  SwigluArgs a{};
+  a.dtype = float_type(gate_up, op);
+  a.gate_up = gate_up.untyped_data();
+  a.weight = weight.typed_data();
+  a.dh = dh ? dh->untyped_data() : nullptr;
+  a.out = out.untyped_data();
+  a.d_weight = d_weight ? d_weight->typed_data() : nullptr;
+  a.rows = in[0];
+  a.features = in[1] / 2;
+  a.num_rows = num_rows.typed_data();
+  return a;
+}
+
 // Each op's FFI buffers and attributes decoded into its contract arguments, for every backend.
 inline LayoutArgs layout_args(const LayoutAttrs& attrs, const ffi::Buffer<ffi::S32>& topk_idx,
                               ffi::Result<ffi::Buffer<ffi::S32>>& num_tokens_per_rank,

@@ -8,6 +8,7 @@
 #include <shared_mutex>
 #include <string>
 
+#include "../kernels/cpu/experts.hpp"
 #include "../kernels/cpu/low_latency.hpp"
 #include "../kernels/cpu/normal.hpp"
 #include "../kernels/cpu/pairs.hpp"
@@ -100,6 +101,23 @@ ffi::Error ExpandPairsImpl(const ffi_common::ExpandPairsAttrs& attrs, ffi::AnyBu
   return guarded([&] {
     if (!attrs.zero_padding) poison(pairs);  // the slots outside the groups are left as they are
     cpu::expand_pairs(ffi_common::expand_pairs_args(attrs, rows, pair_row, pairs));
+  });
+}
+
+// The rows past the groups keep whatever the output held: poisoned in test mode.
+ffi::Error SwigluImpl(ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::S32> num_rows,
+                      ffi::Result<ffi::AnyBuffer> h) {
+  return guarded([&] {
+    poison(h);
+    cpu::swiglu(ffi_common::swiglu_args(gate_up, weight, nullptr, num_rows, *h, nullptr));
+  });
+}
+ffi::Error SwigluGradImpl(ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> weight, ffi::AnyBuffer dh,
+                          ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> d_gate_up,
+                          ffi::Result<ffi::Buffer<ffi::F32>> d_weight) {
+  return guarded([&] {
+    poison(d_gate_up, d_weight);
+    cpu::swiglu(ffi_common::swiglu_args(gate_up, weight, &dh, num_rows, *d_gate_up, &*d_weight));
   });
 }
 
@@ -305,6 +323,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCpu, PairCapacityImpl,
                               ffi_common::pair_capacity_signature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpExpandPairsCpu, ExpandPairsImpl,
                               ffi_common::expand_pairs_signature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluCpu, SwigluImpl, ffi_common::swiglu_signature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluGradCpu, SwigluGradImpl, ffi_common::swiglu_grad_signature(ffi::Ffi::Bind()));
 
 #define UCCL_EP_CPU_HANDLER(stem, name, signature)             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEp##stem##Cpu, stem##Impl, \

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "../kernels/nvl/api.hpp"
+#include "../kernels/settings.hpp"
 #include "../proxy/runtime.hpp"
 #include "common.hpp"
 #include "cpu_handlers.hpp"
@@ -335,11 +336,42 @@ ffi::Error PairCapacityImpl(cudaStream_t stream, int32_t /*ordinal*/,
   });
 }
 
+// Test mode (handler_test_modes().poison), as the CPU handlers have it: an output the op writes only in part is
+// filled with 0xFF bytes first, so a reader of a row it leaves (past the groups) finds NaN there.
+template <class... Buffers>
+void poison(cudaStream_t stream, Buffers&... buffers) {
+  if (!uccl_ep::handler_test_modes().poison) return;
+  for (const auto& [data, bytes] : {std::pair{buffers->untyped_data(), buffers->size_bytes()}...}) {
+    const cudaError_t e = cudaMemsetAsync(data, 0xFF, bytes, stream);
+    if (e != cudaSuccess) throw std::runtime_error(std::string("uccl_ep poison: ") + cudaGetErrorString(e));
+  }
+}
+
 ffi::Error ExpandPairsImpl(cudaStream_t stream, int32_t /*ordinal*/, const uccl_ep::ffi_common::ExpandPairsAttrs& attrs,
                            ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pair_row, ffi::Result<ffi::AnyBuffer> pairs) {
   static std::shared_mutex no_runtime;  // a local copy: no runtime state
   return uccl_ep::ffi_common::guarded(no_runtime, [&] {
+    if (!attrs.zero_padding) poison(stream, pairs);  // the slots outside the groups are left as they are
     uccl_ep::nvl::expand_pairs(uccl_ep::ffi_common::expand_pairs_args(attrs, rows, pair_row, pairs), stream);
+  });
+}
+
+ffi::Error SwigluImpl(cudaStream_t stream, int32_t /*ordinal*/, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> weight,
+                      ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> h) {
+  static std::shared_mutex no_runtime;  // local: no runtime state
+  return uccl_ep::ffi_common::guarded(no_runtime, [&] {
+    poison(stream, h);
+    uccl_ep::nvl::swiglu(uccl_ep::ffi_common::swiglu_args(gate_up, weight, nullptr, num_rows, *h, nullptr), stream);
+  });
+}
+ffi::Error SwigluGradImpl(cudaStream_t stream, int32_t /*ordinal*/, ffi::AnyBuffer gate_up,
+                          ffi::Buffer<ffi::F32> weight, ffi::AnyBuffer dh, ffi::Buffer<ffi::S32> num_rows,
+                          ffi::Result<ffi::AnyBuffer> d_gate_up, ffi::Result<ffi::Buffer<ffi::F32>> d_weight) {
+  static std::shared_mutex no_runtime;  // local: no runtime state
+  return uccl_ep::ffi_common::guarded(no_runtime, [&] {
+    poison(stream, d_gate_up, d_weight);
+    uccl_ep::nvl::swiglu(uccl_ep::ffi_common::swiglu_args(gate_up, weight, &dh, num_rows, *d_gate_up, &*d_weight),
+                         stream);
   });
 }
 
@@ -362,3 +394,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCuda, PairCapacityImpl,
                               uccl_ep::ffi_common::pair_capacity_signature(UCCL_EP_CUDA_BIND()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpExpandPairsCuda, ExpandPairsImpl,
                               uccl_ep::ffi_common::expand_pairs_signature(UCCL_EP_CUDA_BIND()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluCuda, SwigluImpl, uccl_ep::ffi_common::swiglu_signature(UCCL_EP_CUDA_BIND()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluGradCuda, SwigluGradImpl,
+                              uccl_ep::ffi_common::swiglu_grad_signature(UCCL_EP_CUDA_BIND()));

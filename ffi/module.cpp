@@ -47,6 +47,8 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCpu);
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCpu);
     d["uccl_ep_expand_pairs"] = capsule(UcclEpExpandPairsCpu);
+    d["uccl_ep_swiglu"] = capsule(UcclEpSwigluCpu);
+    d["uccl_ep_swiglu_grad"] = capsule(UcclEpSwigluGradCpu);
 #define UCCL_EP_CPU_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cpu);
     UCCL_EP_FFI_OPS(UCCL_EP_CPU_CAPSULE)
     UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CPU_CAPSULE)
@@ -61,6 +63,8 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCuda);
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCuda);
     d["uccl_ep_expand_pairs"] = capsule(UcclEpExpandPairsCuda);
+    d["uccl_ep_swiglu"] = capsule(UcclEpSwigluCuda);
+    d["uccl_ep_swiglu_grad"] = capsule(UcclEpSwigluGradCuda);
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);
     UCCL_EP_FFI_OPS(UCCL_EP_CUDA_CAPSULE)
     UCCL_EP_FFI_PAIR_OPS(UCCL_EP_CUDA_CAPSULE)

@@ -140,11 +140,14 @@ _runtime.after_initialize(_import_kernels)
 
 # The kernels' calls are jitted on their own so that identical calls (the same shapes in every layer of a model,
 # forward and backward) trace and lower their Pallas kernels once per program rather than once per call site.
-@functools.partial(jax.jit, static_argnums=(3,))
-def _tokamax_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
-    """lhs [M, K] x rhs [G, K, N] by groups of rows, forward only."""
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _tokamax_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any, zero_padding: bool
+) -> jax.Array:
+    """lhs [M, K] x rhs [G, K, N] by groups of rows, forward only; the rows past the groups zeros, or without
+    `zero_padding` as the kernel leaves them (it writes only the groups' rows)."""
     out = _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype, implementation=_row_kernel())
-    return _rows_in_groups(out, group_sizes)
+    return _rows_in_groups(out, group_sizes) if zero_padding else out
 
 
 def _tile(size: int) -> int | None:
@@ -224,26 +227,30 @@ def _weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dt
     return out.astype(out_dtype)
 
 
-def _mosaic_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+def _mosaic_forward(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any, zero_padding: bool
+) -> jax.Array:
     # Inside shard_map a Pallas kernel's output varies over no manual axis: mark it like its operands.
-    return varying_like(_tokamax_dot(lhs, rhs, group_sizes, out_dtype), lhs, rhs, group_sizes)
+    return varying_like(_tokamax_dot(lhs, rhs, group_sizes, out_dtype, zero_padding), lhs, rhs, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mosaic_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
-    return _mosaic_forward(lhs, rhs, group_sizes, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _mosaic_matmul(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any, zero_padding: bool
+) -> jax.Array:
+    return _mosaic_forward(lhs, rhs, group_sizes, out_dtype, zero_padding)
 
 
-def _mosaic_matmul_fwd(lhs, rhs, group_sizes, out_dtype):
-    return _mosaic_forward(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
+def _mosaic_matmul_fwd(lhs, rhs, group_sizes, out_dtype, zero_padding):
+    return _mosaic_forward(lhs, rhs, group_sizes, out_dtype, zero_padding), (lhs, rhs, group_sizes)
 
 
-def _mosaic_matmul_bwd(out_dtype, residuals, dout):
+def _mosaic_matmul_bwd(out_dtype, zero_padding, residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = dout.astype(lhs.dtype)
     # A kernel's output varies over no manual axis: first mark it as its operands vary, then sum over the axes its
     # primal does not vary over (rhs sharded over a tensor-parallel axis that lhs is not, say).
-    dlhs = _tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype)
+    dlhs = _tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype, zero_padding)
     dlhs = like_primal(varying_like(dlhs, dout, rhs, group_sizes), lhs)
     drhs = _weight_grad(lhs, dout, group_sizes, rhs.dtype)
     drhs = like_primal(varying_like(drhs, lhs, dout, group_sizes), rhs)
@@ -260,11 +267,16 @@ def grouped_matmul(
     *,
     out_dtype: Any = None,
     backend: GroupedBackend = "auto",
+    zero_padding: bool = True,
 ) -> jax.Array:
     """Rows of ``lhs [M, K]`` in consecutive groups (``group_sizes [G]`` int32 rows each, in order) times
     ``rhs [G, K, N]``: ``[M, N]`` in `out_dtype` (default: the operands'), accumulated in float32; rows past
     ``sum(group_sizes)`` are zeros, and what `lhs` (or the cotangent) holds there, NaN included, reaches neither the
-    output nor a gradient. Differentiable in `lhs` and `rhs`. `backend`: see ``grouped_backend``."""
+    output nor a gradient. Differentiable in `lhs` and `rhs`. `backend`: see ``grouped_backend``.
+
+    With ``zero_padding=False`` the rows past the groups, of the output and of lhs's gradient, are left as the
+    kernels leave them (anything, NaN included) rather than zeroed by a pass over all M rows: for consumers that
+    read only the groups' rows (most of a worst-case pair buffer lies past them)."""
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],) or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"jax_uccl_ep.grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
@@ -275,6 +287,6 @@ def grouped_matmul(
     out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     if grouped_backend(backend, lhs.dtype) == "mosaic":
-        return _mosaic_matmul(lhs, rhs, group_sizes, out_dtype)
+        return _mosaic_matmul(lhs, rhs, group_sizes, out_dtype, bool(zero_padding))
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     return _rows_in_groups(out, group_sizes).astype(out_dtype)

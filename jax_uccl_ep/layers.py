@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import _pairs
-from ._ffi import varying_like, zeros_typed
+from ._ffi import ep_call, like_primal, varying_like, zeros_typed
 from .grouped import GroupedBackend, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
@@ -316,6 +316,70 @@ def swiglu_pairs(
     return grouped_matmul(h, params["w_down"].astype(dtype), group_sizes, out_dtype=dtype, backend=backend)
 
 
+@jax.custom_vjp
+def _weighted_swiglu(gate_up: jax.Array, weights: jax.Array, num_rows: jax.Array) -> jax.Array:
+    """``silu(gate) * up * weight`` of each of the first `num_rows` rows of ``gate_up [M, 2F]`` (gate its first F
+    columns) and ``weights [M]``, in float32, rounded once to gate_up's dtype: ``[M, F]``. The rows past `num_rows`
+    are neither read nor written (the FFI's swiglu), and their cotangents are left as they are too: for the layer's
+    pair buffer, whose consumers read only the groups' rows."""
+    (h,) = ep_call(
+        "swiglu",
+        (jax.ShapeDtypeStruct((gate_up.shape[0], gate_up.shape[1] // 2), gate_up.dtype),),
+        gate_up,
+        weights,
+        num_rows,
+        ordered=False,  # local: no peers involved
+    )
+    return h
+
+
+def _weighted_swiglu_fwd(gate_up, weights, num_rows):
+    return _weighted_swiglu(gate_up, weights, num_rows), (gate_up, weights, num_rows)
+
+
+def _weighted_swiglu_bwd(residuals, dh):
+    gate_up, weights, num_rows = residuals
+    d_gate_up, d_weights = ep_call(
+        "swiglu_grad",
+        (jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype), jax.ShapeDtypeStruct(weights.shape, jnp.float32)),
+        gate_up,
+        weights,
+        dh.astype(gate_up.dtype),
+        num_rows,
+        ordered=False,
+    )
+    return like_primal(d_gate_up, gate_up), like_primal(d_weights, weights), None
+
+
+_weighted_swiglu.defvjp(_weighted_swiglu_fwd, _weighted_swiglu_bwd)
+
+
+def _weighted_swiglu_pairs(
+    params: Params, pairs: jax.Array, group_sizes: jax.Array, weights: jax.Array, dtype: Any, backend: GroupedBackend
+) -> jax.Array:
+    """`swiglu_pairs` with each pair row weighted by ``weights [M]`` (its router weight), for the layer: the weight
+    scales the row between the matmuls (a row's scale commutes with the down projection), and every step between
+    them, and their backward, touches only the groups' rows. Rows past the groups are left unspecified; the
+    layer's combine reads only the groups' rows."""
+    group_sizes = group_sizes.astype(jnp.int32)
+    w_gate_up = jnp.concatenate([params["w_gate"], params["w_up"]], axis=-1).astype(dtype)  # [G, D, 2F]
+    gate_up = grouped_matmul(
+        pairs.astype(dtype), w_gate_up, group_sizes, out_dtype=dtype, backend=backend, zero_padding=False
+    )
+    weights = weights.astype(jnp.float32)
+    if jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):  # the op's types
+        h = _weighted_swiglu(gate_up, weights, jnp.sum(group_sizes))
+    else:  # float16: XLA's elementwise step, over every row
+        gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+        h = (jax.nn.silu(gate) * up * weights[:, None]).astype(dtype)
+    if grouped_backend(backend, dtype, warn=False) == "xla":
+        # XLA's ragged_dot may hand its weight gradient to a library kernel (cuDNN's, on GPUs before Hopper) that
+        # masks rows by multiplying: give it zeros past the groups, a pass that costs little beside its dense work.
+        h = jnp.where((jnp.arange(h.shape[0]) < jnp.sum(group_sizes))[:, None], h, jnp.zeros((), h.dtype))
+    w_down = params["w_down"].astype(dtype)
+    return grouped_matmul(h, w_down, group_sizes, out_dtype=dtype, backend=backend, zero_padding=False)
+
+
 def swiglu_expert_slots(
     params: Params,
     rows: jax.Array,
@@ -392,9 +456,10 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
         )
     pairs = cast(jax.Array, res.x)  # x went in as one array (use_fp8 casts on the way): its pairs come back as one
     with jax.named_scope(SCOPES["experts"]):
-        y = swiglu_pairs(params, pairs, res.num_tokens_per_expert, compute_dtype=dtype, backend=config.grouped_matmul)
-        # Each pair weighted by its router weight in float32 and rounded once to travel; combine sums them in float32.
-        y = (y.astype(jnp.float32) * cast(jax.Array, res.weights)[:, None]).astype(dtype)
+        # Each pair weighted by its router weight between the matmuls; combine sums the pairs in float32.
+        y = _weighted_swiglu_pairs(
+            params, pairs, res.num_tokens_per_expert, cast(jax.Array, res.weights), dtype, config.grouped_matmul
+        )
     with jax.named_scope(SCOPES["combine"]):
         y = combine(y, res.handle).astype(x.dtype).reshape(*lead, d)
     return MoEOutput(y, aux, MoEStats(res.num_tokens.reshape(1), res.num_dropped.reshape(1), per_expert))

@@ -107,6 +107,22 @@ struct ExpandPairsArgs {
   bool zero_padding;
 };
 
+// The experts' step between their two grouped matmuls, weighted: h = silu(gate) * up * weight of each pair row of
+// gate_up [rows, 2 * features] (gate: its first `features` columns, up: the rest) and weight [rows], in float32, h
+// rounded to the rows' type once; with dh, its gradient: d_gate_up [rows, 2 * features] in the rows' type and
+// d_weight [rows] float32. Only rows [0, *num_rows) (the groups') are read or written: the rest of a pair buffer,
+// most of a worst-case one, is left as it is. num_rows is where the op runs (device memory on GPUs).
+struct SwigluArgs {
+  FloatType dtype;      // of gate_up, dh, h and d_gate_up
+  const void* gate_up;  // [rows, 2 * features]
+  const float* weight;  // [rows]
+  const void* dh;       // [rows, features]: the backward; null for the forward
+  void* out;            // forward: h [rows, features]; backward: d_gate_up [rows, 2 * features]
+  float* d_weight;      // backward: [rows]
+  int64_t rows, features;
+  const int32_t* num_rows;  // rows [0, *num_rows) are computed (clamped to [0, rows])
+};
+
 // Sends x rows by a dispatch's routing (its handle): the backward pass of combine.
 struct CachedDispatchArgs {
   const void* x;  // [T, row_bytes]

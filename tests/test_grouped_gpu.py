@@ -176,11 +176,36 @@ def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot():
     assert res["fast_vs_xla_y"] < 2e-3, res
 
 
+def _median_us(f, *args) -> float:
+    """Microseconds a call of jitted `f`: the median of 5 rounds of 20 calls after one to compile (wall time), with
+    the test mode's poisoning of outputs off (a fill of every output byte)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from jax_uccl_ep import _uccl_ep_testing
+
+    modes = _uccl_ep_testing.test_modes()
+    _uccl_ep_testing.set_test_modes(**{**modes, "poison": False})
+    try:
+        jax.block_until_ready(f(*args))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                out = f(*args)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / 20)
+    finally:
+        _uccl_ep_testing.set_test_modes(**modes)
+    return round(float(np.median(times)) * 1e6, 1)
+
+
 def expand_child() -> dict:
     """Child: the pair rows from token rows on the GPU (expand without zero padding: the FFI's expand_pairs, as the
     layer runs it) against NumPy, for rows of 4096, 60 and 7 bytes (the copy's wide and narrow paths), slots naming
     no row among them; then its time beside the zeroing gather at the layer's sizes (reported, not checked)."""
-    import time
 
     import jax
     import jax.numpy as jnp
@@ -211,16 +236,9 @@ def expand_child() -> dict:
     pair_row[:valid] = rng.integers(0, c, valid)
     pair_row = jnp.asarray(pair_row)
     for z in (True, False):
-        f = jax.jit(lambda r, p, z=z: _pairs.expand(r, p, None, z))
-        jax.block_until_ready(f(rows, pair_row))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                out = f(rows, pair_row)
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) / 20)
-        res[f"us_zero_padding_{z}"] = round(float(np.median(times)) * 1e6, 1)
+        res[f"us_zero_padding_{z}"] = _median_us(
+            jax.jit(lambda r, p, z=z: _pairs.expand(r, p, None, z)), rows, pair_row
+        )
     return res
 
 
@@ -228,6 +246,70 @@ def test_expand_on_the_gpu_copies_each_slot_its_row():
     res = _child_result("expand_child")
     for name in ("bf16", "f32", "u8"):
         assert res[name] == {"named_rows_wrong": 0, "zeroed_padding_nonzero": 0}, res
+
+
+def swiglu_child() -> dict:
+    """Child: the layer's weighted SwiGLU between its matmuls (FFI swiglu and swiglu_grad) on the GPU against NumPy
+    float64, for bf16 rows of 1024 features (16-byte vectors) and float32 rows of 10 (an element at a time), the
+    groups' rows a prefix of the buffer; then its forward+backward time at the layer's sizes beside XLA's
+    elementwise step over every row (reported, not checked)."""
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_uccl_ep import _uccl_ep_testing, layers
+
+    rng = np.random.default_rng(6)
+    res = {}
+
+    def step(a, w, dh, n):
+        h, vjp = jax.vjp(lambda a, w: layers._weighted_swiglu(a, w, n), a, w)
+        return (h, *vjp(dh))
+
+    for name, m, f, dtype in [("bf16", 3000, 1024, jnp.bfloat16), ("f32", 500, 10, jnp.float32)]:
+        n = m * 2 // 3
+        gate_up = jnp.asarray(rng.standard_normal((m, 2 * f)) * 2, dtype)
+        weights = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+        dh = jnp.asarray(rng.standard_normal((m, f)), dtype)
+        h, d_gate_up, d_w = jax.jit(step)(gate_up, weights, dh, jnp.int32(n))
+        g = np.asarray(gate_up.astype(jnp.float32), np.float64)[:n]
+        gate, up = g[:, :f], g[:, f:]
+        w = np.asarray(weights, np.float64)[:n, None]
+        d = np.asarray(dh.astype(jnp.float32), np.float64)[:n]
+        sig = 1 / (1 + np.exp(-gate))
+        want_dg = np.concatenate([d * w * up * sig * (1 + gate * (1 - sig)), d * w * gate * sig], axis=1)
+        if _uccl_ep_testing.test_modes()["poison"]:  # the rows past the groups: left as the fill made them
+            past = [np.asarray(h.astype(jnp.float32))[n:], np.asarray(d_gate_up.astype(jnp.float32))[n:]]
+            res[f"{name}_past_rows_nan"] = bool(all(np.isnan(p).all() for p in past))
+        res[name] = {
+            "h": _relative_error(np.asarray(h.astype(jnp.float32))[:n], gate * sig * up * w),
+            "d_gate_up": _relative_error(np.asarray(d_gate_up.astype(jnp.float32))[:n], want_dg),
+            "d_weight": _relative_error(np.asarray(d_w)[:n], np.sum(d * gate * sig * up, axis=1)),
+        }
+    m, f, n = 131072, 1024, 33000
+    gate_up = jnp.asarray(rng.standard_normal((m, 2 * f)), jnp.bfloat16)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    dh = jnp.asarray(rng.standard_normal((m, f)), jnp.bfloat16)
+
+    def xla_step(a, w, dh, n):  # what the layer ran before: XLA's elementwise step over every row, then the weights
+        def fn(a, w):
+            gate, up = jnp.split(a.astype(jnp.float32), 2, axis=-1)
+            return (jax.nn.silu(gate) * up * w[:, None]).astype(a.dtype)
+
+        h, vjp = jax.vjp(fn, a, w)
+        return (h, *vjp(dh))
+
+    for label, fn in (("ffi", step), ("xla", xla_step)):
+        res[f"us_fwd_bwd_{label}"] = _median_us(jax.jit(fn), gate_up, weights, dh, jnp.int32(n))
+    return res
+
+
+def test_the_weighted_swiglu_on_the_gpu_matches_numpy():
+    res = _child_result("swiglu_child")
+    assert res["bf16"]["h"] < 1e-2 and res["bf16"]["d_gate_up"] < 1e-2 and res["bf16"]["d_weight"] < 1e-2, res
+    assert max(res["f32"].values()) < 1e-5, res
+    assert all(res.get(f"{name}_past_rows_nan", True) for name in ("bf16", "f32")), res
 
 
 def layer_child() -> dict:

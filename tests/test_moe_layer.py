@@ -183,12 +183,15 @@ def test_the_config_refuses_buffer_factors_that_cannot_work():
         layers.MoEConfig(num_experts=E, top_k=K, capacity_factor=1.25, pair_buffer_factor=1.5)
 
 
-def test_bfloat16_layer_tracks_the_reference():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_layers_track_the_reference(dtype):
+    """bf16 and f16 parameters and tokens (the experts compute in the parameters' dtype on CPU devices): the
+    layer's output near the float32-computed reference."""
     config = layers.MoEConfig(num_experts=E, top_k=K)
-    params, x, mesh = _inputs(3, jnp.bfloat16)
+    params, x, mesh = _inputs(3, dtype)
     out = jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config))(params, x)
     y, _, _ = _per_rank_reference(params, x, config)
-    assert out.y.dtype == jnp.bfloat16
+    assert out.y.dtype == dtype
     np.testing.assert_allclose(np.asarray(out.y, np.float32), np.asarray(y, np.float32), rtol=5e-2, atol=5e-2)
 
 
@@ -527,3 +530,65 @@ def test_the_weight_gradient_reads_no_row_past_the_groups_into_a_sum(total):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     direct = np.asarray(_reads_aligned_blocks(jnp.asarray(x), jnp.asarray(dy), jnp.asarray(sizes)))
     assert np.isnan(direct).any() == (total % 64 != 0 and total < m)
+
+
+def _swiglu_reference(gate_up, weights, dh):
+    """NumPy float64: h = silu(gate) * up * weight per row, and its gradients from dh."""
+    f = gate_up.shape[1] // 2
+    g, u = gate_up[:, :f].astype(np.float64), gate_up[:, f:].astype(np.float64)
+    w = weights.astype(np.float64)[:, None]
+    sig = 1.0 / (1.0 + np.exp(-g))
+    h = g * sig * u * w
+    dh = dh.astype(np.float64)
+    d_gate = dh * w * u * sig * (1.0 + g * (1.0 - sig))
+    d_up = dh * w * g * sig
+    d_w = np.sum(dh * g * sig * u, axis=1)
+    return h, np.concatenate([d_gate, d_up], axis=1), d_w
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_rows", [0, 7, 19, 25])
+def test_the_weighted_swiglu_computes_the_groups_rows_only(dtype, num_rows):
+    """The layer's step between its matmuls (FFI swiglu, swiglu_grad) against NumPy for the first num_rows rows
+    (clamped to the buffer's 19), forward and both gradients; rows past them are left unwritten (NaN under the
+    suite's poison mode), so the op's cost follows the groups rather than the buffer."""
+    rng = np.random.default_rng(num_rows)
+    m, f = 19, 12
+    gate_up = rng.standard_normal((m, 2 * f)).astype(np.float32) * 2
+    weights = rng.uniform(0.1, 1.0, m).astype(np.float32)
+    dh = rng.standard_normal((m, f)).astype(np.float32)
+    gate_up_t = jnp.asarray(gate_up).astype(dtype)
+    exact = np.asarray(gate_up_t.astype(jnp.float32))  # the op's inputs as it sees them
+    dh_t = jnp.asarray(dh).astype(dtype)
+
+    @jax.jit
+    def step(a, w, dh):  # the op runs inside jit, as in the layer
+        h, vjp = jax.vjp(lambda a, w: layers._weighted_swiglu(a, w, jnp.int32(num_rows)), a, w)
+        return (h, *vjp(dh))
+
+    h, d_gate_up, d_weights = step(gate_up_t, jnp.asarray(weights), dh_t)
+    want_h, want_dg, want_dw = _swiglu_reference(exact, weights, np.asarray(dh_t.astype(jnp.float32)))
+    n = min(num_rows, m)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(h.astype(jnp.float32))[:n], want_h[:n], rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(d_gate_up.astype(jnp.float32))[:n], want_dg[:n], rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(d_weights)[:n], want_dw[:n], rtol=1e-5, atol=1e-4)
+    from jax_uccl_ep import _uccl_ep_testing
+
+    if n < m and _uccl_ep_testing.test_modes()["poison"]:
+        assert np.isnan(np.asarray(h.astype(jnp.float32))[n:]).all()
+        assert np.isnan(np.asarray(d_weights)[n:]).all()
+
+
+def test_the_weighted_swiglu_refuses_mismatched_shapes():
+    """The op checks its buffers against gate_up [rows, 2F], naming what it expected."""
+    from jax_uccl_ep._ffi import ep_call
+
+    gate_up, weights, n = jnp.ones((6, 8), jnp.float32), jnp.ones((5,), jnp.float32), jnp.int32(3)
+
+    def step(gate_up, weights, n):
+        (h,) = ep_call("swiglu", (jax.ShapeDtypeStruct((6, 4), jnp.float32),), gate_up, weights, n, ordered=False)
+        return h
+
+    with pytest.raises(Exception, match="swiglu: expected gate_up"):
+        jax.block_until_ready(jax.jit(step)(gate_up, weights, n))

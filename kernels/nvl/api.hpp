@@ -210,6 +210,10 @@ using uccl_ep::ExpandPairsArgs;
 // Enqueues ExpandPairsArgs's copy on `stream` (no communication).
 void expand_pairs(const ExpandPairsArgs& args, cudaStream_t stream);
 
+using uccl_ep::SwigluArgs;
+// Enqueues the experts' elementwise step (SwigluArgs) on `stream` (no communication).
+void swiglu(const SwigluArgs& args, cudaStream_t stream);
+
 using uccl_ep::LayoutArgs;
 // Enqueues the layout on `stream`; a bad expert index is skipped and recorded in `err` (raised by check_errors()).
 void get_dispatch_layout(const LayoutArgs& args, DeviceErrors* err, int rank, cudaStream_t stream);
