@@ -503,15 +503,18 @@ def _reads_aligned_blocks(lhs, dout, sizes, block=64):
     return jnp.einsum("gmk,gmn->gkn", x, dy)
 
 
+@pytest.mark.parametrize("m", [200, 256])
 @pytest.mark.parametrize("total", [0, 37, 64, 150, 190, 200])
-def test_the_weight_gradient_reads_no_row_past_the_groups_into_a_sum(total):
+def test_the_weight_gradient_reads_no_row_past_the_groups_into_a_sum(total, m):
     """The weight gradient from a kernel that reads whole aligned blocks (as the Mosaic one does) equals each
     group's x^T dy in float64 and is finite, with NaN in every row past the groups; the same kernel on the same
     buffers directly is NaN whenever the groups end inside a block before the buffer does (so the check can fail).
-    Sizes include empty groups and a tail shared by several groups."""
+    Sizes include empty groups and a tail shared by several groups. A buffer of whole blocks (256 rows) takes the
+    path that zeroes the rows after the groups to the block's end; 200 rows, the one that sums them apart. The
+    caller's buffers keep their NaN rows (the zeroing is the function's own)."""
     from jax_uccl_ep import grouped
 
-    m, k, n, g = 200, 6, 5, 7
+    k, n, g = 6, 5, 7
     rng = np.random.default_rng(total)
     cuts = np.sort(rng.integers(0, total + 1, g - 1))
     if total > 3:
@@ -528,6 +531,11 @@ def test_the_weight_gradient_reads_no_row_past_the_groups_into_a_sum(total):
     ends = np.cumsum(sizes)
     want = np.stack([x[e - s : e].astype(np.float64).T @ dy[e - s : e] for s, e in zip(sizes, ends)])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    x_dev = jnp.asarray(x)
+    jax.jit(lambda a, b, s: grouped._weight_grad_by_blocks(_reads_aligned_blocks, a, b, s, 64))(
+        x_dev, jnp.asarray(dy), jnp.asarray(sizes)
+    )
+    assert np.isnan(np.asarray(x_dev)[total:]).all()
     direct = np.asarray(_reads_aligned_blocks(jnp.asarray(x), jnp.asarray(dy), jnp.asarray(sizes)))
     assert np.isnan(direct).any() == (total % 64 != 0 and total < m)
 
