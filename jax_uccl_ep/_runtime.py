@@ -166,6 +166,7 @@ def configure_native(config: Config) -> None:
         "num_sms",
         "num_send_sms",
         "nvl_bulk",
+        "nvl_pull_combine",
         "ll_num_sms",
         "ll_fused",
         "kernel_timing",

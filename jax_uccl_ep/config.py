@@ -95,6 +95,14 @@ class Config:
     nvl_bulk: bool = field(
         default=True, metadata=_env("UCCL_EP_NVL_BULK", "normal mode moves rows by bulk copies (TMA), else SM stores")
     )
+    nvl_pull_combine: bool = field(
+        default=False,
+        metadata=_env(
+            "UCCL_EP_NVL_PULL_COMBINE",
+            "normal-mode combine among GPUs one process drives reads each member's rows where they are (one copy, "
+            "every block reducing) instead of the members sending them",
+        ),
+    )
     ll_num_sms: int = field(
         default=32, metadata=_env("UCCL_EP_LL_NUM_SMS", "blocks of the split low-latency receive kernels")
     )

@@ -98,6 +98,13 @@ class NvlDevice {
   uint64_t* peer_chunk_flags(int peer) const;
   uint64_t* peer_meta_flag(int peer) const;
   uint64_t* peer_ack_flag(int peer) const;
+  // Whether `peer`'s memory is this process's (a GPU it drives): any of its device pointers is valid here.
+  bool peer_in_process(int peer) const { return !opened_ipc_[size_t(peer)]; }
+  // A pull combine's words from `peer` to us (ours) and from us to `peer` (its): where its combine rows are
+  // [pointer, first row of ours | rows << 32, message] (kPullWords), the message's number written last.
+  static constexpr int kPullWords = 3;
+  uint64_t* pull_words(int peer) const;
+  uint64_t* peer_pull_words(int peer) const;
 
   // Message sequencing (host side, under op_mutex): both ends of a pair enqueue ops in the same order.
   std::mutex& op_mutex() { return op_mutex_; }
@@ -242,6 +249,10 @@ int normal_send_blocks();  // what the kernels take of the budget to send (the r
 // Whether normal mode's NVLink kernels move rows with bulk copies (TMA) rather than SM stores; rows that are not
 // 16-byte multiples, and the proxy path's host-memory regions, always take SM stores.
 bool bulk_copies();
+// Whether normal mode's combine, where every member is a GPU of this process (its memory, XLA's buffers included, is
+// addressable here), reads the members' rows where they are (a pull: one copy, every block of the budget reducing)
+// rather than having each member send them into our buffer first.
+bool pull_combine();
 // Blocks of the split low-latency receive kernels; send and fused kernels use kSendBlocks (low_latency.cu).
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing.

@@ -60,9 +60,10 @@ struct Acks {
   int n;
   uint64_t* finished;  // a handoff word: the launch's epoch in its high half, its finished blocks in the low
 };
-__device__ void acknowledge_when_last(const Handoff& h, const Acks& a) {
+// Returns true to the thread that wrote them (the last block's first).
+__device__ bool acknowledge_when_last(const Handoff& h, const Acks& a) {
   __syncthreads();  // every thread of the block is done with the messages
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x != 0) return false;
   __threadfence();
   auto* word = reinterpret_cast<unsigned long long*>(a.finished);
   const uint32_t epoch = uint32_t(h.epoch);  // the tag's 32 bits (wrapping after 2^32 launches, as the tag does)
@@ -74,9 +75,10 @@ __device__ void acknowledge_when_last(const Handoff& h, const Acks& a) {
     if (was == seen) break;
     seen = was;
   }
-  if (now - tag != gridDim.x) return;
+  if (now - tag != gridDim.x) return false;
   __threadfence_system();  // every block's reads (their fences, then the count) before the words
   for (int i = 0; i < a.n; ++i) store_release_sys(a.flag[i], a.value[i]);
+  return true;
 }
 
 __device__ void init_stage_barriers(uint64_t* full, int stages) {
@@ -553,19 +555,28 @@ __device__ void combine_send_bulk(const CombineSendArgs& a, const BulkShape& b, 
   }
 }
 
+// Where a pull combine reads each member's rows of ours: its combine input (y, addressable here), the first of them
+// and how many rows it holds (the dispatch's capacity: rows past it were dropped and count as absent).
+struct PullSources {
+  const char* y[kMaxRanks];
+  int first[kMaxRanks], rows[kMaxRanks];
+};
+
 // Receive side of combine with bulk copies: every warp of the block works alone through its own `per` stages. It takes
 // the launch's work items (pieces of kCombinePieceTokens tokens of a chunk, in the order of combine_receive_kernel) one
 // at a time from its counter, waits for the item's rows and lists where each token's copies are; then per
 // (token, segment of at most segment_bytes) its lanes load every copy of the segment into a stage (a slot per copy).
 // Once a stage's loads land the warp sums them in float32 from shared memory, writes the sum and refills the stage
-// with its next job, so the loads of its other stages stay in flight while it adds.
+// with its next job, so the loads of its other stages stay in flight while it adds. With `pull` the copies are read
+// where the members keep them (they are all there already: nothing to wait for) rather than from our buffer.
 constexpr int kCombinePieceTokens = 4;
 struct CombineJob {
   int token, rows;
   uint32_t offset, bytes;
 };
 template <typename T>
-__device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShape& b, const ItemCounter& items) {
+__device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
+                                     const PullSources* pull = nullptr) {
   const KernelStamp stamp(KernelKind::kCombineReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -586,7 +597,9 @@ __device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShap
   const int segs = int((rb + b.segment_bytes - 1) / b.segment_bytes);
   const int all_items = pieces(T_, a.chunks, kCombinePieceTokens) * a.chunks;
   int (*table)[kMaxRanks] = listed[warp];
-  const char* source = lane < R ? (lane == from.self ? a.y : from.region[lane]) : nullptr;  // lane d's member
+  const char* source = lane >= R ? nullptr
+                       : pull    ? pull->y[lane]
+                                 : (lane == from.self ? a.y : from.region[lane]);  // lane d's member
   // The issuing side's place: tokens [t0, t1) of the current item, token t0 + i, segment g.
   int t0 = 0, t1 = 0, i = 0, g = 0;
   const auto next_job = [&](int st) -> bool {
@@ -601,7 +614,7 @@ __device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShap
       i = g = 0;
       if (t0 >= t1) continue;
       bool ok = true;
-      for (int p = lane; p < R * a.chunks; p += kWarp) {
+      for (int p = lane; p < (pull ? 0 : R * a.chunks); p += kWarp) {
         const int d = p / a.chunks, cc = p % a.chunks;
         const int lo = a.excl[t0 * R + d], hi = a.excl[t1 * R + d], n = a.excl[T_ * R + d];
         const int c0 = chunk_begin(n, a.chunks, cc), c1 = chunk_begin(n, a.chunks, cc + 1);
@@ -618,7 +631,9 @@ __device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShap
         int row = -1;
         if (a.mask[t * R + d]) {
           const int j = a.excl[t * R + d];
-          if (d != from.self)
+          if (pull)
+            row = pull->first[d] + j < pull->rows[d] ? pull->first[d] + j : -1;  // else: dropped by the dispatch
+          else if (d != from.self)
             row = j;
           else if (own_offset + j < a.capacity)
             row = own_offset + j;  // else: dropped by the dispatch
@@ -826,6 +841,94 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLau
   acknowledge_when_last(f.handoff, f.acks);
 }
 
+// Combine among GPUs of one process, by pulls: each member's rows of ours stay in its y (XLA's buffer, addressable
+// here), and every block of the budget reduces, reading the copies where they are; no member sends. A member tells
+// us where its rows are (its PullWords for us, the message's number last) and may not let y go before we finished
+// reading it, which the acknowledgements tell it: the launch's last block waits for every member's before the
+// launch ends. The message numbers, the meta counts and the acknowledgements keep the pace of a sent combine, so
+// either kind may follow.
+struct PullCombineLaunch {
+  CombineReceiveArgs receive;
+  BulkShape receive_shape;
+  SendTo to;                              // our message numbers, the members' meta words, our acknowledgement words
+  uint64_t* words_to[kMaxRanks];          // the members' pull words for us
+  const uint64_t* words_from[kMaxRanks];  // ours, written by the members
+  bool drop_overflow;                     // as CombineSendArgs
+  Handoff handoff;                        // words: as kItemWord etc., then the positions'
+  Acks acks;
+};
+
+// Block 0's first thread, first: where our rows of each member are in y, then the message's number (the release
+// puts y's rows, which earlier launches on this stream wrote, before it for the member's reads), and the meta count
+// a sent combine keeps.
+__device__ void publish_pull_words(const PullCombineLaunch& f) {
+  const CombineReceiveArgs& a = f.receive;
+  const SendTo& to = f.to;
+  int total = 0;
+  for (int s = 0; s < to.num_ranks; ++s) total += a.recv_counts[s];
+  if (total > a.capacity && !f.drop_overflow) report(to.err, kHandleDisagreesWithY, to.rank, total, a.capacity, 0);
+  __threadfence_system();
+  for (int s = 0, first = 0; s < to.num_ranks; first += a.recv_counts[s], ++s) {
+    if (s == to.self) continue;
+    volatile uint64_t* w = f.words_to[s];
+    w[0] = reinterpret_cast<uint64_t>(a.y);
+    w[1] = uint64_t(uint32_t(first)) | uint64_t(uint32_t(a.capacity)) << 32;
+    store_release_sys(f.words_to[s] + 2, to.message[s]);
+    add_release_sys(to.meta[s], uint64_t(a.chunks));
+  }
+}
+
+// Every block: where each member's rows are (thread s waits for member s's words); false (to the whole block) once a
+// member is late (reported).
+__device__ bool read_pull_words(const PullCombineLaunch& f, PullSources& src) {
+  const CombineReceiveArgs& a = f.receive;
+  const ReceiveFrom& from = a.from;
+  const bool ok = block_waits(from.num_ranks, [&](int s) {
+    if (s == from.self) {
+      int first = 0;
+      for (int q = 0; q < s; ++q) first += a.recv_counts[q];
+      src.y[s] = a.y;
+      src.first[s] = first;
+      src.rows[s] = a.capacity;
+      return true;
+    }
+    if (!wait_flag(f.words_from[s] + 2, from.message[s], int64_t(from.message[s]), from.timeout_ns, from.err, from.rank,
+                   from.rank_of[s], Sleep::kBackoff))
+      return false;
+    const volatile uint64_t* w = f.words_from[s];
+    src.y[s] = reinterpret_cast<const char*>(w[0]);
+    const uint64_t span = w[1];
+    src.first[s] = int(uint32_t(span));
+    src.rows[s] = int(uint32_t(span >> 32));
+    return true;
+  });
+  fence_shared_for_bulk();
+  return ok;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullCombineLaunch f) {
+  __shared__ PullSources src;
+  const CombineReceiveArgs& a = f.receive;
+  const ItemCounter items{f.handoff.words + kItemWord};
+  uint64_t* positioned = f.handoff.words + kFirstHandedOverWord;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) publish_pull_words(f);
+    const KernelStamp stamp(KernelKind::kScan);
+    block_positions(a.mask, a.num_tokens, a.from.num_ranks, a.excl);
+    if (threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for `positioned`)
+    hand_over(f.handoff, positioned, 0, 1, 1);
+  }
+  if (wait_handed_over(f.handoff, positioned, 1, a.from) && read_pull_words(f, src))
+    combine_receive_bulk<T>(a, f.receive_shape, items, &src);
+  if (!acknowledge_when_last(f.handoff, f.acks)) return;
+  // Every member has read our rows (its acknowledgement) before y may go.
+  for (int s = 0; s < f.to.num_ranks; ++s)
+    if (s != f.to.self && !wait_flag(f.to.ack[s], f.to.message[s], -int64_t(f.to.message[s]), f.to.timeout_ns, f.to.err,
+                                     f.to.rank, f.to.rank_of[s]))
+      break;
+}
+
 Members members(const NvlDevice& dev, const Group& g) {
   Members m{};
   m.num_ranks = g.size;
@@ -972,6 +1075,32 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
   }
 }
 
+// Whether combine may pull: every member a GPU of this process, rows that bulk copies move.
+bool pulls(const NvlDevice& dev, const Group& g, const CombineKernels& k) {
+  if (!pull_combine() || !bulk_combine(k.send, k.receive)) return false;
+  const Members m = k.receive.from;
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self && !dev.peer_in_process(m.rank_of[s])) return false;
+  return true;
+}
+void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, bool bf16, cudaStream_t stream) {
+  PullCombineLaunch f{};
+  f.receive = k.receive;
+  f.to = k.send.to;
+  f.drop_overflow = k.send.drop_overflow;
+  for (int s = 0; s < g.size; ++s)
+    if (s != g.self) {
+      const int p = f.to.rank_of[s];
+      f.words_to[s] = dev.peer_pull_words(p);
+      f.words_from[s] = dev.pull_words(p);
+    }
+  f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + 1), dev.next_launch()};
+  f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
+  f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks);
+  launch_fused(bf16 ? pull_combine_kernel<__nv_bfloat16> : pull_combine_kernel<float>, f,
+               f.receive_shape.shared_bytes(), stream, "pull_combine_kernel");
+}
+
 }  // namespace
 
 int normal_send_blocks() { return send_blocks(); }
@@ -1030,17 +1159,22 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-  launch_combine(dev, g, combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g)),
-                 a.dtype == FloatType::kBF16, stream);
+  const CombineKernels k = combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g));
+  if (pulls(dev, g, k))
+    launch_pull_combine(dev, g, k, a.dtype == FloatType::kBF16, stream);
+  else
+    launch_combine(dev, g, k, a.dtype == FloatType::kBF16, stream);
   dev.timing_end(stream, "combine");
 }
 
 void preload_intranode_kernels() {
   preload_proxy_normal_kernels();
   load_kernels(dispatch_kernel<true>, dispatch_kernel<false>, combine_kernel<float, true>,
-               combine_kernel<__nv_bfloat16, true>, combine_kernel<float, false>, combine_kernel<__nv_bfloat16, false>);
+               combine_kernel<__nv_bfloat16, true>, combine_kernel<float, false>, combine_kernel<__nv_bfloat16, false>,
+               pull_combine_kernel<float>, pull_combine_kernel<__nv_bfloat16>);
   allow_shared_bytes(kBulkSharedBytes, dispatch_kernel<true>, combine_kernel<float, true>,
-                     combine_kernel<__nv_bfloat16, true>);
+                     combine_kernel<__nv_bfloat16, true>, pull_combine_kernel<float>,
+                     pull_combine_kernel<__nv_bfloat16>);
 }
 
 }  // namespace uccl_ep::nvl
