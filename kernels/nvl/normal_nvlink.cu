@@ -1075,12 +1075,19 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
   }
 }
 
-// Whether combine may pull: every member a GPU of this process, rows that bulk copies move.
-bool pulls(const NvlDevice& dev, const Group& g, const CombineKernels& k) {
-  if (!pull_combine() || !bulk_combine(k.send, k.receive)) return false;
-  const Members m = k.receive.from;
+// Whether combine pulls: decided from what every member shares (the settings, the group, the rows' size), since a
+// member that sent while we pulled would wait for words that never come; before any message number is taken, so a
+// refusal (buffers that bulk copies cannot move, which XLA's never are) leaves this rank in step with its members.
+bool pulls(const NvlDevice& dev, const Group& g, const CombineArgs& a) {
+  const int64_t row_bytes = int64_t(a.hidden) * float_bytes(a.dtype);
+  if (!pull_combine() || !bulk_copies() || row_bytes % 16 != 0) return false;
+  const Members m = members(dev, g);
   for (int s = 0; s < g.size; ++s)
     if (s != g.self && !dev.peer_in_process(m.rank_of[s])) return false;
+  if (!aligned16(a.y) || !aligned16(a.out))
+    throw std::invalid_argument(
+        "uccl_ep combine: UCCL_EP_NVL_PULL_COMBINE=1 needs 16-byte aligned y and output buffers; this rank's are "
+        "not: set UCCL_EP_NVL_PULL_COMBINE=0");
   return true;
 }
 void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, bool bf16, cudaStream_t stream) {
@@ -1158,9 +1165,10 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.dtype), "combine");
   const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  const bool pull = pulls(dev, g, a);
   dev.timing_begin(stream);
   const CombineKernels k = combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g));
-  if (pulls(dev, g, k))
+  if (pull)
     launch_pull_combine(dev, g, k, a.dtype == FloatType::kBF16, stream);
   else
     launch_combine(dev, g, k, a.dtype == FloatType::kBF16, stream);
