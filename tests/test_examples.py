@@ -368,7 +368,11 @@ def test_train_moe_in_one_process_with_several_devices(ep_runtime):
     profile = out["profile_ms"]
     assert all(profile[k] > 0 for k in ("router", "dispatch", "experts", "combine", "other")), profile
     assert profile["pair_layout"] == 0, profile
-    assert profile["experts"] > profile["router"], profile  # the experts' matmuls against the router's [T, E]
+    # The experts' gate/up matmul (a result [pair rows, 2 * d_ff]) is counted in the experts part: checked by the
+    # kernels' result shapes, not by timings, which at these sizes swap places between runs on two CPU cores.
+    two_ff = 2 * _load("train_moe").Config().d_ff
+    shapes = [kernel[3] for kernel in out["profile_top_kernels"]["experts"]]
+    assert any(re.search(rf"\[\d+,{two_ff}\]", shape) for shape in shapes), shapes
 
 
 def test_a_step_profile_splits_the_device_time_by_named_scope():
