@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _pairs
 from ._ffi import ep_call, like_primal, varying_like, zeros_typed
-from .grouped import GroupedBackend, grouped_backend, grouped_matmul
+from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
 
@@ -375,7 +375,7 @@ def _weighted_swiglu_pairs(
     if grouped_backend(backend, dtype, warn=False) == "xla":
         # XLA's ragged_dot may hand its weight gradient to a library kernel (cuDNN's, on GPUs before Hopper) that
         # masks rows by multiplying: give it zeros past the groups, a pass that costs little beside its dense work.
-        h = jnp.where((jnp.arange(h.shape[0]) < jnp.sum(group_sizes))[:, None], h, jnp.zeros((), h.dtype))
+        h = _rows_in_groups(h, group_sizes)
     w_down = params["w_down"].astype(dtype)
     return grouped_matmul(h, w_down, group_sizes, out_dtype=dtype, backend=backend, zero_padding=False)
 
