@@ -850,10 +850,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLau
 struct PullCombineLaunch {
   CombineReceiveArgs receive;
   BulkShape receive_shape;
-  SendTo to;                              // our message numbers, the members' meta words, our acknowledgement words
-  uint64_t* words_to[kMaxRanks];          // the members' pull words for us
+  CombineSendArgs send;           // its `to`: our message numbers, the members' meta words, our acknowledgement words
+  uint64_t* words_to[kMaxRanks];  // the members' pull words for us
   const uint64_t* words_from[kMaxRanks];  // ours, written by the members
-  bool drop_overflow;                     // as CombineSendArgs
   Handoff handoff;                        // words: as kItemWord etc., then the positions'
   Acks acks;
 };
@@ -863,10 +862,8 @@ struct PullCombineLaunch {
 // a sent combine keeps.
 __device__ void publish_pull_words(const PullCombineLaunch& f) {
   const CombineReceiveArgs& a = f.receive;
-  const SendTo& to = f.to;
-  int total = 0;
-  for (int s = 0; s < to.num_ranks; ++s) total += a.recv_counts[s];
-  if (total > a.capacity && !f.drop_overflow) report(to.err, kHandleDisagreesWithY, to.rank, total, a.capacity, 0);
+  const SendTo& to = f.send.to;
+  check_combine_capacity(f.send, 0);
   __threadfence_system();
   for (int s = 0, first = 0; s < to.num_ranks; first += a.recv_counts[s], ++s) {
     if (s == to.self) continue;
@@ -923,9 +920,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullC
     combine_receive_bulk<T>(a, f.receive_shape, items, &src);
   if (!acknowledge_when_last(f.handoff, f.acks)) return;
   // Every member has read our rows (its acknowledgement) before y may go.
-  for (int s = 0; s < f.to.num_ranks; ++s)
-    if (s != f.to.self && !wait_flag(f.to.ack[s], f.to.message[s], -int64_t(f.to.message[s]), f.to.timeout_ns, f.to.err,
-                                     f.to.rank, f.to.rank_of[s]))
+  const SendTo& to = f.send.to;
+  for (int s = 0; s < to.num_ranks; ++s)
+    if (s != to.self &&
+        !wait_flag(to.ack[s], to.message[s], -int64_t(to.message[s]), to.timeout_ns, to.err, to.rank, to.rank_of[s]))
       break;
 }
 
@@ -1093,11 +1091,10 @@ bool pulls(const NvlDevice& dev, const Group& g, const CombineArgs& a) {
 void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, bool bf16, cudaStream_t stream) {
   PullCombineLaunch f{};
   f.receive = k.receive;
-  f.to = k.send.to;
-  f.drop_overflow = k.send.drop_overflow;
+  f.send = k.send;
   for (int s = 0; s < g.size; ++s)
     if (s != g.self) {
-      const int p = f.to.rank_of[s];
+      const int p = f.send.to.rank_of[s];
       f.words_to[s] = dev.peer_pull_words(p);
       f.words_from[s] = dev.pull_words(p);
     }
