@@ -289,9 +289,8 @@ def test_pulled_dispatch_and_combine_move_every_row_between_ranks_on_one_gpu():
         assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0 and r["mismatched_combine_rows"] == 0, r
         assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
         assert r["dispatch_us"] > 0 and (fp8 or r["combine_us"] > 0), r
-        sent_dispatch = fp8 and hidden // 128 * 4 % 16 != 0
-        assert ("dispatch:dispatch_send" in r["spans_us"]) == sent_dispatch, r
-        assert "dispatch:dispatch_receive" in r["spans_us"], r
+        if not (fp8 and hidden // 128 * 4 % 16 != 0):  # else sent, by SM stores (which stamp no sides)
+            assert "dispatch:dispatch_send" not in r["spans_us"] and "dispatch:dispatch_receive" in r["spans_us"], r
         assert fp8 or ("combine:combine_send" not in r["spans_us"] and "combine:combine_receive" in r["spans_us"]), r
 
 
