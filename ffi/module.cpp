@@ -125,6 +125,7 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("num_send_sms", &Settings::num_send_sms)
       .def_rw("nvl_bulk", &Settings::nvl_bulk)
       .def_rw("nvl_pull_combine", &Settings::nvl_pull_combine)
+      .def_rw("nvl_pull_dispatch", &Settings::nvl_pull_dispatch)
       .def_rw("ll_num_sms", &Settings::ll_num_sms)
       .def_rw("ll_fused", &Settings::ll_fused)
       .def_rw("kernel_timing", &Settings::kernel_timing);

@@ -167,6 +167,7 @@ def configure_native(config: Config) -> None:
         "num_send_sms",
         "nvl_bulk",
         "nvl_pull_combine",
+        "nvl_pull_dispatch",
         "ll_num_sms",
         "ll_fused",
         "kernel_timing",

@@ -103,6 +103,14 @@ class Config:
             "every block reducing) instead of the members sending them",
         ),
     )
+    nvl_pull_dispatch: bool = field(
+        default=False,
+        metadata=_env(
+            "UCCL_EP_NVL_PULL_DISPATCH",
+            "normal-mode dispatch among GPUs one process drives reads each member's rows and routing where they are "
+            "(one copy, every block receiving) instead of the members sending them",
+        ),
+    )
     ll_num_sms: int = field(
         default=32, metadata=_env("UCCL_EP_LL_NUM_SMS", "blocks of the split low-latency receive kernels")
     )

@@ -7,14 +7,15 @@
 namespace uccl_ep {
 
 struct Settings {
-  double timeout_s;       // deadline of every wait on a peer
-  int num_sms;            // normal mode's SM budget on GPUs: send and receive blocks together
-  int num_send_sms;       // the send blocks of that budget (0: a half with bulk copies, else a third)
-  bool nvl_bulk;          // normal mode's NVLink kernels move rows by bulk copies (TMA), else by SM stores
-  bool nvl_pull_combine;  // combine among GPUs of one process reads the members' rows where they are (pull)
-  int ll_num_sms;         // blocks of the split low-latency receive kernels
-  bool ll_fused;          // a non-split low-latency op's send and receive in one kernel
-  int kernel_timing;      // 1: CUDA events around each GPU op; 2: also the low-latency kernels' phase stamps
+  double timeout_s;        // deadline of every wait on a peer
+  int num_sms;             // normal mode's SM budget on GPUs: send and receive blocks together
+  int num_send_sms;        // the send blocks of that budget (0: a half with bulk copies, else a third)
+  bool nvl_bulk;           // normal mode's NVLink kernels move rows by bulk copies (TMA), else by SM stores
+  bool nvl_pull_combine;   // combine among GPUs of one process reads the members' rows where they are (pull)
+  bool nvl_pull_dispatch;  // dispatch among GPUs of one process reads the members' rows where they are (pull)
+  int ll_num_sms;          // blocks of the split low-latency receive kernels
+  bool ll_fused;           // a non-split low-latency op's send and receive in one kernel
+  int kernel_timing;       // 1: CUDA events around each GPU op; 2: also the low-latency kernels' phase stamps
 };
 
 Settings& mutable_settings();  // importing jax_uccl_ep configures it before any op or hook can run

@@ -238,6 +238,9 @@ NORMAL_VARIANTS = {
     "6 SMs, SM stores": {"UCCL_EP_NUM_SMS": "6", "UCCL_EP_NVL_BULK": "0"},
     "pulled combine": {"UCCL_EP_NVL_PULL_COMBINE": "1"},
     "pulled combine, 6 SMs": {"UCCL_EP_NVL_PULL_COMBINE": "1", "UCCL_EP_NUM_SMS": "6"},
+    "pulled dispatch": {"UCCL_EP_NVL_PULL_DISPATCH": "1"},
+    "pulled dispatch, 6 SMs": {"UCCL_EP_NVL_PULL_DISPATCH": "1", "UCCL_EP_NUM_SMS": "6"},
+    "pulled dispatch and combine": {"UCCL_EP_NVL_PULL_DISPATCH": "1", "UCCL_EP_NVL_PULL_COMBINE": "1"},
 }
 
 
@@ -245,9 +248,10 @@ NORMAL_VARIANTS = {
 def test_normal_mode_variants(variant):
     """Normal mode's references with an SM budget of 6: a message in 3 chunks (a send block each) and 3 receive
     blocks, each working through several (chunk, source) pieces, with bulk copies (the default) and with the SM-store
-    kernels; and with combine pulling each member's rows from its y (one process drives every GPU), at the full
-    budget and at 6, between the sent dispatches of the same suite (their message numbers, meta counts and
-    acknowledgements must stay in step)."""
+    kernels; with combine pulling each member's rows from its y and with (cached) dispatch pulling each member's
+    routing and rows from its inputs (one process drives every GPU), at the full budget and at 6, between the sent
+    ops of the same suite (those the pulls refuse, FP8 rows with 8-byte scale rows: message numbers, meta counts
+    and acknowledgements must stay in step), and both pulled together."""
     env = dict(SUITE_ENV, **NORMAL_VARIANTS[variant])
     results = launch(HERE, "gpu_suite", 1, args=["normal"], platform="gpu", timeout_s=150, env=env)
     _check(results, NUM_GPUS)

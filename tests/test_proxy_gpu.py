@@ -171,13 +171,22 @@ def test_moe_layer_on_one_shared_gpu(case):
     assert all(x.result["problems"] == [] for x in results), describe(results)
 
 
-def gpu_loopback(cases: list) -> list:
-    """Child: normal mode's NVLink kernels between ranks on GPU 0 (nvl_loopback_bench), per case."""
+def gpu_loopback(cases: list, pull: bool = False) -> list:
+    """Child: normal mode's NVLink kernels between ranks on GPU 0 (nvl_loopback_bench), per case; with `pull`,
+    dispatch and combine pull (the ranks are GPUs of one process)."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     out = []
     for budget, send, bulk, tokens, hidden, topk, experts, fp8, ranks, one_way in cases:
-        _runtime.configure_native(Config(num_sms=budget, num_send_sms=send, nvl_bulk=bulk == "1"))
+        _runtime.configure_native(
+            Config(
+                num_sms=budget,
+                num_send_sms=send,
+                nvl_bulk=bulk == "1",
+                nvl_pull_dispatch=pull,
+                nvl_pull_combine=pull,
+            )
+        )
         r = dict(
             _uccl_ep_testing.nvl_loopback_bench(0, tokens, hidden, topk, experts, fp8, 3, 11 + len(out), ranks, one_way)
         )
@@ -241,6 +250,48 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
         assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0 and r["mismatched_combine_rows"] == 0, r
         assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
         assert r["dispatch_us"] > 0 and (r["case"][7] or r["combine_us"] > 0), r
+
+
+def test_pulled_dispatch_and_combine_move_every_row_between_ranks_on_one_gpu():
+    """Dispatch and combine by pulls (UCCL_EP_NVL_PULL_DISPATCH=1, UCCL_EP_NVL_PULL_COMBINE=1) between ranks that one
+    process drives on GPU 0: each receiver scans the members' routing and loads their rows where they are. The same
+    host-side checks as the sent kernels' test (every row and FP8 scale row against the sender's input, every local
+    expert's count, every combined sum), over budgets down to 6 SMs, rows in segments, 2 to 8 ranks, members that
+    send us nothing, and small rows; and no send side ran (the stamps name none). FP8 scale rows of 8 bytes (hidden
+    256) are not 16-byte multiples, so that case keeps the sent dispatch, as every rank decides alike."""
+    cases = [
+        (budget, 0, "1", tokens, hidden, 8, 64, fp8, ranks, one_way)
+        for budget, tokens, hidden, ranks, one_way in [
+            (24, 7, 256, 2, False),
+            (6, 1000, 7168, 2, False),
+            (24, 4096, 7168, 2, False),
+            (12, 777, 20480, 2, False),
+            (16, 4096, 7168, 4, False),
+            (12, 1000, 7168, 8, False),
+            (24, 2000, 7168, 4, True),
+            (12, 1001, 2048, 8, False),
+        ]
+        for fp8 in (False, True)
+    ]
+    results = launch(
+        HERE,
+        "gpu_loopback",
+        1,
+        args=[cases, True],
+        platform="gpu",
+        timeout_s=300,
+        env={"UCCL_EP_TIMEOUT_S": "30", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    )
+    assert all(x.ok for x in results), describe(results)
+    for r in results[0].result:
+        print(r["case"], r["dispatch_us"], r["combine_us"], sorted(r["spans_us"]))
+        hidden, fp8 = r["case"][4], r["case"][7]
+        assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0 and r["mismatched_combine_rows"] == 0, r
+        assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
+        assert r["dispatch_us"] > 0 and (fp8 or r["combine_us"] > 0), r
+        if not (fp8 and hidden // 128 * 4 % 16 != 0):  # else sent, by SM stores (which stamp no sides)
+            assert "dispatch:dispatch_send" not in r["spans_us"] and "dispatch:dispatch_receive" in r["spans_us"], r
+        assert fp8 or ("combine:combine_send" not in r["spans_us"] and "combine:combine_receive" in r["spans_us"]), r
 
 
 def gpu_sides_apart() -> list:

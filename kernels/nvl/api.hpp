@@ -100,9 +100,10 @@ class NvlDevice {
   uint64_t* peer_ack_flag(int peer) const;
   // Whether `peer`'s memory is this process's (a GPU it drives): any of its device pointers is valid here.
   bool peer_in_process(int peer) const { return !opened_ipc_[size_t(peer)]; }
-  // A pull combine's words from `peer` to us (ours) and from us to `peer` (its): where its combine rows are
-  // [pointer, first row of ours | rows << 32, message] (kPullWords), the message's number written last.
-  static constexpr int kPullWords = 3;
+  // A pulled op's words from `peer` to us (ours) and from us to `peer` (its): where its inputs are (combine: y, first
+  // row of ours | rows << 32; dispatch: x, scales, topk_idx or the token-in-rank mask, weights), then the message's
+  // number (kPullMessageWord), written last.
+  static constexpr int kPullWords = 6, kPullMessageWord = kPullWords - 1;
   uint64_t* pull_words(int peer) const;
   uint64_t* peer_pull_words(int peer) const;
 
@@ -253,6 +254,8 @@ bool bulk_copies();
 // addressable here), reads the members' rows where they are (a pull: one copy, every block of the budget reducing)
 // rather than having each member send them into our buffer first.
 bool pull_combine();
+// Likewise for (cached) dispatch: each receiver reads the members' routing and rows in their inputs (XLA's buffers).
+bool pull_dispatch();
 // Blocks of the split low-latency receive kernels; send and fused kernels use kSendBlocks (low_latency.cu).
 int low_latency_blocks();
 // How long a kernel waits for a peer's message before it reports the peer as missing.

@@ -54,6 +54,7 @@ int num_sms() { return std::max(2, settings().num_sms); }
 int num_send_sms() { return std::max(0, settings().num_send_sms); }
 bool bulk_copies() { return settings().nvl_bulk; }
 bool pull_combine() { return settings().nvl_pull_combine; }
+bool pull_dispatch() { return settings().nvl_pull_dispatch; }
 int low_latency_blocks() { return std::max(1, settings().ll_num_sms); }
 bool low_latency_fused() { return settings().ll_fused; }
 
@@ -159,7 +160,7 @@ char* NvlDevice::peer_low_latency_region(int peer, int parity) const {
   return peer_buffers_[peer] + ll_offset_ + size_t(parity) * ll_half_ + size_t(rank_) * ll_stride_;
 }
 // Flag words, indexed by the writing peer: [unused x kMaxRanks][meta x kMaxRanks][ack x kMaxRanks]
-// [low-latency x kMaxRanks][pull: kPullWords x kMaxRanks][unused to word 64][chunks: kChunks x kMaxRanks].
+// [low-latency x kMaxRanks][unused to word 64][chunks: kChunks x kMaxRanks][pull: kPullWords x kMaxRanks].
 uint64_t* NvlDevice::low_latency_arrivals(int sender) const {
   return reinterpret_cast<uint64_t*>(buffer_) + 3 * kMaxRanks + sender;
 }
@@ -167,15 +168,16 @@ uint64_t* NvlDevice::peer_low_latency_arrivals(int peer) const {
   return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 3 * kMaxRanks + rank_;
 }
 
-static_assert(4 * kMaxRanks + NvlDevice::kPullWords * kMaxRanks <= 64, "pull words outgrow their place");
+constexpr size_t kPullWordsAt = 64 + kChunks * kMaxRanks;
+static_assert((kPullWordsAt + NvlDevice::kPullWords * kMaxRanks) * sizeof(uint64_t) <= kFlagBytes,
+              "chunk flags and pull words outgrow the flag page");
 uint64_t* NvlDevice::pull_words(int peer) const {
-  return reinterpret_cast<uint64_t*>(buffer_) + 4 * kMaxRanks + size_t(peer) * kPullWords;
+  return reinterpret_cast<uint64_t*>(buffer_) + kPullWordsAt + size_t(peer) * kPullWords;
 }
 uint64_t* NvlDevice::peer_pull_words(int peer) const {
-  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + 4 * kMaxRanks + size_t(rank_) * kPullWords;
+  return reinterpret_cast<uint64_t*>(peer_buffers_[peer]) + kPullWordsAt + size_t(rank_) * kPullWords;
 }
 
-static_assert((64 + kChunks * kMaxRanks) * sizeof(uint64_t) <= kFlagBytes, "chunk flags outgrow the flag page");
 uint64_t* NvlDevice::chunk_flags(int peer) const {
   return reinterpret_cast<uint64_t*>(buffer_) + 64 + size_t(peer) * kChunks;
 }

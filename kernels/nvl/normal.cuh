@@ -309,6 +309,7 @@ struct DispatchReceiveArgs {
   const int32_t* row_before;       // [R, T + 1] from the scan
   int32_t* num_tokens_per_expert;  // topk mode: [local experts], zeroed by the scan, counted as slots are localized
   bool token_slots;                // the members' messages as DispatchSendArgs::token_slots says
+  bool pulled;                     // src: the members' own inputs, all there before the launch (pull_dispatch_kernel)
 };
 
 // Where source s's rows are in its message: ours (the op's inputs) and, with token slots, a member's at their
@@ -689,6 +690,7 @@ inline DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, c
                                   a.recv_topk_weights,
                                   scratch.row_before,
                                   a.num_tokens_per_expert,
+                                  false,
                                   false};
   return k;
 }
@@ -760,6 +762,7 @@ inline DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, cons
                                   nullptr,
                                   scratch.row_before,
                                   nullptr,
+                                  false,
                                   false};
   return k;
 }

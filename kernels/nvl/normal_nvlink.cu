@@ -3,6 +3,7 @@
 // normal.cuh; its last block to finish acknowledges the messages it read. Also the host API of the NVLink ops, and the
 // loading of every normal-mode kernel.
 #include <algorithm>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -325,7 +326,7 @@ __device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
 // write its share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
 __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
                                       int block, int blocks, bool joined) {
-  if (g_sides_apart && !wait_every_chunk(a)) return;
+  if (g_sides_apart && !a.pulled && !wait_every_chunk(a)) return;
   const KernelStamp stamp(KernelKind::kDispatchReceive);
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -370,7 +371,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               o0 = min(before[t0], kept);
               o1 = min(before[t1], kept);
               if (o0 >= o1) continue;
-              if (s != from.self && wait_progress(from, s, c, t1 - c0) < 0) continue;
+              if (s != from.self && !a.pulled && wait_progress(from, s, c, t1 - c0) < 0) continue;
               // Rows at their tokens' rows (token slots) are contiguous where every token of the item comes to us
               // (and is kept).
               if (o1 - o0 == t1 - t0) {
@@ -713,27 +714,43 @@ struct DispatchLaunch {
   int units;  // scan units per source, of kTransferThreads * run tokens
 };
 
-// The receive blocks' scan passes over the units u = block, block + blocks, ... of every source, with kRun tokens
-// per thread.
+// The receive blocks' scan passes over the units u = block, block + blocks, ... of every source (`units` a source),
+// with kRun tokens per thread.
 template <int kRun>
-__device__ void scan_pass_run(const DispatchLaunch& f, int block, int blocks, bool place) {
-  for (int u = block; u < f.units * f.scan.num_ranks; u += blocks)
+__device__ void scan_pass_run(const ScanArgs& scan, int units, int block, int blocks, bool place) {
+  for (int u = block; u < units * scan.num_ranks; u += blocks)
     if (place)
-      place_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
+      place_unit<kRun>(scan, u % units, u / units, units);
     else
-      count_unit<kRun>(f.scan, u % f.units, u / f.units, f.units);
+      count_unit<kRun>(scan, u % units, u / units, units);
 }
-__device__ void scan_pass(const DispatchLaunch& f, int block, int blocks, bool place) {
-  switch (f.run) {
+__device__ void scan_pass(const ScanArgs& scan, int run, int units, int block, int blocks, bool place) {
+  switch (run) {
     case 1:
-      return scan_pass_run<1>(f, block, blocks, place);
+      return scan_pass_run<1>(scan, units, block, blocks, place);
     case 2:
-      return scan_pass_run<2>(f, block, blocks, place);
+      return scan_pass_run<2>(scan, units, block, blocks, place);
     case 4:
-      return scan_pass_run<4>(f, block, blocks, place);
+      return scan_pass_run<4>(scan, units, block, blocks, place);
     default:
-      return scan_pass_run<kMaxScanRun>(f, block, blocks, place);
+      return scan_pass_run<kMaxScanRun>(scan, units, block, blocks, place);
   }
+}
+// Both scan passes of the receive blocks, each unit handed over once done: counted, then placed (`counted`,
+// `placed`: [units * R] words of the launch's handoff); false (to the whole block) once the op is given up.
+__device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Handoff& h, uint64_t* counted,
+                             uint64_t* placed, const ItemCounter& items, int block, int blocks, const Members& m) {
+  const int all = units * scan.num_ranks;
+  const KernelStamp stamp(KernelKind::kScan);
+  scan_pass(scan, run, units, block, blocks, /*place=*/false);
+  if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
+  hand_over(h, counted, block, blocks, all);
+  if (!wait_handed_over(h, counted, all, m)) return false;
+  scan_pass(scan, run, units, block, blocks, /*place=*/true);
+  hand_over(h, placed, block, blocks, all);
+  if (!wait_handed_over(h, placed, all, m)) return false;
+  fence_shared_for_bulk();
+  return true;
 }
 
 // (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
@@ -768,15 +785,7 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
       // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
       wait_all(f.routing, m.timeout_ns, m.err, m.rank);
     }
-    const KernelStamp stamp(KernelKind::kScan);
-    scan_pass(f, block, blocks, /*place=*/false);
-    if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
-    hand_over(f.handoff, counted, block, blocks, units);
-    if (!wait_handed_over(f.handoff, counted, units, m)) return;
-    scan_pass(f, block, blocks, /*place=*/true);
-    hand_over(f.handoff, placed, block, blocks, units);
-    if (!wait_handed_over(f.handoff, placed, units, m)) return;
-    fence_shared_for_bulk();
+    if (!scan_routing(f.scan, f.run, f.units, f.handoff, counted, placed, items, block, blocks, m)) return;
   }
   if constexpr (kBulk)
     dispatch_receive_bulk(f.receive, f.receive_shape, items, block, blocks, /*joined=*/false);
@@ -841,6 +850,108 @@ __global__ void __launch_bounds__(kTransferThreads, 1) combine_kernel(CombineLau
   acknowledge_when_last(f.handoff, f.acks);
 }
 
+// A pulled op's end (the launch's last block, once it has acknowledged what it read): every member has finished
+// reading our inputs (its acknowledgement of our message), so XLA may let them go once the launch ends.
+__device__ void wait_members_read(const SendTo& to) {
+  for (int s = 0; s < to.num_ranks; ++s)
+    if (s != to.self &&
+        !wait_flag(to.ack[s], to.message[s], -int64_t(to.message[s]), to.timeout_ns, to.err, to.rank, to.rank_of[s]))
+      return;
+}
+
+// (Cached) dispatch among GPUs of one process, by pulls: each member's routing and rows stay in its inputs (XLA's
+// buffers, addressable here), and every block of the budget receives: it scans the members' routing where it is and
+// copies their rows from there, so a row crosses NVLink once, loaded by the receiver; no member sends. A member
+// tells us where its inputs are (its PullWords for us, the message's number last) and keeps them until we have
+// read them (the acknowledgements, as pull_combine_kernel). Our own tokens' layout (the handle's token-in-rank mask)
+// and the check of their expert indices, which a send side does, are spread over the blocks.
+struct PullDispatchLaunch {
+  DispatchLaunch d;  // its send: our inputs, message numbers, the members' meta and acknowledgement words
+  uint64_t* words_to[kMaxRanks];
+  const uint64_t* words_from[kMaxRanks];
+};
+
+// Block 0's first thread, first: where our inputs are, then the message's number (its release puts our inputs,
+// which earlier launches on this stream wrote, before it for the member's reads), and the meta count a sent dispatch
+// keeps.
+__device__ void publish_dispatch_words(const PullDispatchLaunch& f) {
+  const SendTo& to = f.d.send.to;
+  const Sources& own = f.d.scan.src;
+  const int self = to.self;
+  __threadfence_system();
+  for (int s = 0; s < to.num_ranks; ++s) {
+    if (s == self) continue;
+    volatile uint64_t* w = f.words_to[s];
+    w[0] = reinterpret_cast<uint64_t>(own.x[self]);
+    w[1] = reinterpret_cast<uint64_t>(own.scales[self]);
+    w[2] = f.d.scan.topk_mode ? reinterpret_cast<uint64_t>(own.topk_idx[self])
+                              : reinterpret_cast<uint64_t>(own.mask[self]);
+    w[3] = reinterpret_cast<uint64_t>(own.weights[self]);
+    store_release_sys(f.words_to[s] + NvlDevice::kPullMessageWord, to.message[s]);
+    add_release_sys(to.meta[s], uint64_t(f.d.send.chunks));
+  }
+}
+
+// Every block: every source's inputs (thread s waits for member s's words); false (to the whole block) once a member
+// is late (reported).
+__device__ bool read_dispatch_words(const PullDispatchLaunch& f, Sources& src) {
+  const ReceiveFrom& from = f.d.receive.from;
+  const bool ok = block_waits(from.num_ranks, [&](int s) {
+    const Sources& own = f.d.scan.src;
+    if (s == from.self) {
+      src.x[s] = own.x[s];
+      src.scales[s] = own.scales[s];
+      src.topk_idx[s] = own.topk_idx[s];
+      src.mask[s] = own.mask[s];
+      src.weights[s] = own.weights[s];
+      return true;
+    }
+    if (!wait_flag(f.words_from[s] + NvlDevice::kPullMessageWord, from.message[s], int64_t(from.message[s]),
+                   from.timeout_ns, from.err, from.rank, from.rank_of[s], Sleep::kBackoff))
+      return false;
+    const volatile uint64_t* w = f.words_from[s];
+    src.x[s] = reinterpret_cast<const char*>(w[0]);
+    src.scales[s] = reinterpret_cast<const char*>(w[1]);
+    src.topk_idx[s] = f.d.scan.topk_mode ? reinterpret_cast<const int32_t*>(w[2]) : nullptr;
+    src.mask[s] = f.d.scan.topk_mode ? nullptr : reinterpret_cast<const bool*>(w[2]);
+    src.weights[s] = reinterpret_cast<const float*>(w[3]);
+    return true;
+  });
+  return ok;
+}
+
+// As dispatch_kernel: every thread comes back from the body to the acknowledgements.
+__global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(PullDispatchLaunch f) {
+  __shared__ Sources src;
+  const DispatchLaunch& d = f.d;
+  const Members& m = d.receive.from;
+  const int block = int(blockIdx.x), blocks = int(gridDim.x);
+  const ItemCounter items{d.handoff.words + kItemWord};
+  uint64_t* counted = d.handoff.words + kFirstHandedOverWord;
+  uint64_t* placed = counted + d.units * d.scan.num_ranks;
+  if (block == 0 && threadIdx.x == 0) publish_dispatch_words(f);
+  if (d.send.topk_idx)
+    for (int t = block * int(blockDim.x) + int(threadIdx.x); t < d.send.num_tokens; t += blocks * int(blockDim.x))
+      token_members(d.send, t, /*own=*/true);
+  bool ok;
+  {
+    const KernelStamp stamp(KernelKind::kRouting);
+    ok = read_dispatch_words(f, src);
+  }
+  if (ok) {
+    // The launch's arguments with the members' inputs as sources (a copy per thread: the parameters are read-only).
+    ScanArgs scan = d.scan;
+    scan.src = src;
+    if (scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m)) {
+      DispatchReceiveArgs receive = d.receive;
+      receive.src = src;
+      receive.pulled = true;
+      dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
+    }
+  }
+  if (acknowledge_when_last(d.handoff, d.acks)) wait_members_read(d.send.to);  // before our inputs may go
+}
+
 // Combine among GPUs of one process, by pulls: each member's rows of ours stay in its y (XLA's buffer, addressable
 // here), and every block of the budget reduces, reading the copies where they are; no member sends. A member tells
 // us where its rows are (its PullWords for us, the message's number last) and may not let y go before we finished
@@ -870,7 +981,7 @@ __device__ void publish_pull_words(const PullCombineLaunch& f) {
     volatile uint64_t* w = f.words_to[s];
     w[0] = reinterpret_cast<uint64_t>(a.y);
     w[1] = uint64_t(uint32_t(first)) | uint64_t(uint32_t(a.capacity)) << 32;
-    store_release_sys(f.words_to[s] + 2, to.message[s]);
+    store_release_sys(f.words_to[s] + NvlDevice::kPullMessageWord, to.message[s]);
     add_release_sys(to.meta[s], uint64_t(a.chunks));
   }
 }
@@ -889,8 +1000,8 @@ __device__ bool read_pull_words(const PullCombineLaunch& f, PullSources& src) {
       src.rows[s] = a.capacity;
       return true;
     }
-    if (!wait_flag(f.words_from[s] + 2, from.message[s], int64_t(from.message[s]), from.timeout_ns, from.err, from.rank,
-                   from.rank_of[s], Sleep::kBackoff))
+    if (!wait_flag(f.words_from[s] + NvlDevice::kPullMessageWord, from.message[s], int64_t(from.message[s]),
+                   from.timeout_ns, from.err, from.rank, from.rank_of[s], Sleep::kBackoff))
       return false;
     const volatile uint64_t* w = f.words_from[s];
     src.y[s] = reinterpret_cast<const char*>(w[0]);
@@ -918,13 +1029,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullC
   }
   if (wait_handed_over(f.handoff, positioned, 1, a.from) && read_pull_words(f, src))
     combine_receive_bulk<T>(a, f.receive_shape, items, &src);
-  if (!acknowledge_when_last(f.handoff, f.acks)) return;
-  // Every member has read our rows (its acknowledgement) before y may go.
-  const SendTo& to = f.send.to;
-  for (int s = 0; s < to.num_ranks; ++s)
-    if (s != to.self &&
-        !wait_flag(to.ack[s], to.message[s], -int64_t(to.message[s]), to.timeout_ns, to.err, to.rank, to.rank_of[s]))
-      break;
+  if (acknowledge_when_last(f.handoff, f.acks)) wait_members_read(f.send.to);  // before y may go
 }
 
 Members members(const NvlDevice& dev, const Group& g) {
@@ -1032,7 +1137,7 @@ Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
   return scratch_at(dev.scratch(), capacity, num_tokens);
 }
 // The NVLink op: its one launch (its last block to finish acknowledges the messages it read).
-void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, cudaStream_t stream) {
+void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, bool pull, cudaStream_t stream) {
   DispatchLaunch f{};
   f.send = k.send;
   f.scan = k.scan;
@@ -1045,7 +1150,18 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, c
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.send.token_slots = f.receive.token_slots = true;
   uint32_t shared = 0;
-  if (bulk_dispatch(k.send, k.receive)) {
+  if (pull) {  // pulls() checked what bulk copies need
+    PullDispatchLaunch p{};
+    p.d = f;
+    p.d.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
+    for (int s = 0; s < g.size; ++s)
+      if (s != g.self) {
+        const int peer = k.send.to.rank_of[s];
+        p.words_to[s] = dev.peer_pull_words(peer);
+        p.words_from[s] = dev.pull_words(peer);
+      }
+    launch_fused(pull_dispatch_kernel, p, p.d.receive_shape.shared_bytes(), stream, "pull_dispatch_kernel");
+  } else if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
     f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
     shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
@@ -1073,19 +1189,21 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
   }
 }
 
-// Whether combine pulls: decided from what every member shares (the settings, the group, the rows' size), since a
-// member that sent while we pulled would wait for words that never come; before any message number is taken, so a
-// refusal (buffers that bulk copies cannot move, which XLA's never are) leaves this rank in step with its members.
-bool pulls(const NvlDevice& dev, const Group& g, const CombineArgs& a) {
-  const int64_t row_bytes = int64_t(a.hidden) * float_bytes(a.dtype);
-  if (!pull_combine() || !bulk_copies() || row_bytes % 16 != 0) return false;
+// Whether an op pulls (`wanted`: its setting, `setting` by name): decided from what every member shares (the
+// settings, the group, whether the rows' sizes are 16-byte multiples), since a member that sent while we pulled
+// would wait for words that never come; before any message number is taken, so a refusal (buffers that bulk copies
+// cannot move, which XLA's never are) leaves this rank in step with its members.
+bool pulls(const NvlDevice& dev, const Group& g, bool wanted, bool rows_in_16_bytes,
+           std::initializer_list<const void*> buffers, const char* op, const char* setting) {
+  if (!wanted || !bulk_copies() || !rows_in_16_bytes) return false;
   const Members m = members(dev, g);
   for (int s = 0; s < g.size; ++s)
     if (s != g.self && !dev.peer_in_process(m.rank_of[s])) return false;
-  if (!aligned16(a.y) || !aligned16(a.out))
-    throw std::invalid_argument(
-        "uccl_ep combine: UCCL_EP_NVL_PULL_COMBINE=1 needs 16-byte aligned y and output buffers; this rank's are "
-        "not: set UCCL_EP_NVL_PULL_COMBINE=0");
+  for (const void* p : buffers)
+    if (p && !aligned16(p))
+      throw std::invalid_argument(std::string("uccl_ep ") + op + ": " + setting +
+                                  "=1 needs 16-byte aligned inputs and outputs; this rank's are not: set " + setting +
+                                  "=0");
   return true;
 }
 void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, bool bf16, cudaStream_t stream) {
@@ -1141,7 +1259,11 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   dev.timing_begin(stream);
-  launch_dispatch(dev, g, dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g)), stream);
+  const bool pull =
+      pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
+            {a.x, a.recv_x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? a.recv_scales : nullptr},
+            "dispatch", "UCCL_EP_NVL_PULL_DISPATCH");
+  launch_dispatch(dev, g, dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g)), pull, stream);
   dev.timing_end(stream, "dispatch");
 }
 
@@ -1152,7 +1274,9 @@ void cached_dispatch(NvlDevice& dev, const Group& g, const CachedDispatchArgs& a
   check_fits(dev, cached_message_bytes(a.num_tokens, a.row_bytes, g.size), "cached_dispatch");
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  launch_dispatch(dev, g, cached_dispatch_kernels(a, g, scratch, send_to(dev, g), receive_from(dev, g)), stream);
+  const bool pull = pulls(dev, g, pull_dispatch(), a.row_bytes % 16 == 0, {a.x, a.recv_x}, "cached_dispatch",
+                          "UCCL_EP_NVL_PULL_DISPATCH");
+  launch_dispatch(dev, g, cached_dispatch_kernels(a, g, scratch, send_to(dev, g), receive_from(dev, g)), pull, stream);
 }
 
 void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t stream) {
@@ -1162,7 +1286,9 @@ void combine(NvlDevice& dev, const Group& g, const CombineArgs& a, cudaStream_t 
   check_fits(dev, combine_message_bytes(a.num_tokens, a.hidden, a.dtype), "combine");
   const Scratch scratch = op_scratch(dev, 0, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  const bool pull = pulls(dev, g, a);
+  const int64_t row_bytes = int64_t(a.hidden) * float_bytes(a.dtype);
+  const bool pull =
+      pulls(dev, g, pull_combine(), row_bytes % 16 == 0, {a.y, a.out}, "combine", "UCCL_EP_NVL_PULL_COMBINE");
   dev.timing_begin(stream);
   const CombineKernels k = combine_kernels(a, scratch, send_to(dev, g), receive_from(dev, g));
   if (pull)
@@ -1176,8 +1302,8 @@ void preload_intranode_kernels() {
   preload_proxy_normal_kernels();
   load_kernels(dispatch_kernel<true>, dispatch_kernel<false>, combine_kernel<float, true>,
                combine_kernel<__nv_bfloat16, true>, combine_kernel<float, false>, combine_kernel<__nv_bfloat16, false>,
-               pull_combine_kernel<float>, pull_combine_kernel<__nv_bfloat16>);
-  allow_shared_bytes(kBulkSharedBytes, dispatch_kernel<true>, combine_kernel<float, true>,
+               pull_combine_kernel<float>, pull_combine_kernel<__nv_bfloat16>, pull_dispatch_kernel);
+  allow_shared_bytes(kBulkSharedBytes, dispatch_kernel<true>, pull_dispatch_kernel, combine_kernel<float, true>,
                      combine_kernel<__nv_bfloat16, true>, pull_combine_kernel<float>,
                      pull_combine_kernel<__nv_bfloat16>);
 }
