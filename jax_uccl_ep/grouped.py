@@ -6,11 +6,14 @@ rows past ``sum(group_sizes)`` come out as zeros. Two backends, chosen once by `
 
 * ``"mosaic"``: Pallas Mosaic GPU kernels for Hopper (compute capability 9.x), bf16/f16: tokamax's ragged dot for
   the forward pass and the rows' gradient, JAX's own ``transposed_ragged_dot_mgpu`` for the weights' gradient. Both
-  skip the tiles past the groups, so a layer's worst-case buffer costs what its real rows cost. They run under a VJP
-  of ours: inside ``jax.shard_map`` their outputs carry no varying manual axes, which JAX refuses for a cotangent,
-  and the rows past the groups are left unwritten, which would turn into NaNs upstream.
-* ``"xla"``: ``jax.lax.ragged_dot``: CPU devices, float32, other GPUs, or no tokamax. On GPUs XLA lowers it to one
-  dense matmul per group over a masked copy of ``lhs`` (G times the work).
+  skip the tiles past the groups, so a layer's worst-case buffer costs what its real rows cost. Without tokamax the
+  forward pass and the rows' gradient run JAX's own ``ragged_dot_mgpu``, which also computes the tiles past the
+  groups (and stores nothing there): a worst-case buffer then costs its whole size, once, where XLA's ragged_dot
+  costs G times that and its memory. They run under a VJP of ours: inside ``jax.shard_map`` their outputs carry no
+  varying manual axes, which JAX refuses for a cotangent, and the rows past the groups are left unwritten, which
+  would turn into NaNs upstream.
+* ``"xla"``: ``jax.lax.ragged_dot``: CPU devices, float32 and other GPUs. On GPUs XLA lowers it to one dense matmul
+  per group over a masked copy of ``lhs`` (G times the work).
 
 tokamax is an optional dependency (``pip install 'jax_uccl_ep[gpu]'``), imported only where it can run.
 """
@@ -18,6 +21,7 @@ tokamax is an optional dependency (``pip install 'jax_uccl_ep[gpu]'``), imported
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -63,9 +67,9 @@ def _hopper() -> bool:
 
 def grouped_backend(requested: GroupedBackend, dtype: Any, *, warn: bool = True) -> Literal["mosaic", "xla"]:
     """The backend ``grouped_matmul`` uses for operands of `dtype`. ``"auto"`` takes the Mosaic kernels on Hopper
-    GPUs with bf16/f16 operands when tokamax is installed, and (with `warn`) says once why not when a GPU run falls
-    back to XLA's ragged_dot; ``"mosaic"`` refuses to fall back. Callers whose fallback is not ragged_dot pass
-    ``warn=False``."""
+    GPUs with bf16/f16 operands, and (with `warn`) says once why not when a GPU run falls back to XLA's ragged_dot,
+    or that tokamax's faster forward kernel is missing; ``"mosaic"`` refuses to fall back. Callers whose fallback is
+    not ragged_dot pass ``warn=False``."""
     if requested not in ("auto", "mosaic", "xla"):
         raise ValueError(f"jax_uccl_ep: grouped_matmul backend must be 'auto', 'mosaic' or 'xla', got {requested!r}")
     if requested == "xla":
@@ -81,9 +85,13 @@ def grouped_backend(requested: GroupedBackend, dtype: Any, *, warn: bool = True)
             f"the experts compute in {jnp.dtype(dtype).name} (the kernels take bfloat16 or float16); "
             "MoEConfig(compute_dtype=jnp.bfloat16) uses them"
         )
-    elif _tokamax() is None:
-        reason = "tokamax is not installed: pip install 'jax_uccl_ep[gpu]'"
     if reason is None:
+        if _tokamax() is None and warn:
+            _warn_once(
+                "jax_uccl_ep: tokamax is not installed, so the experts' grouped matmuls run JAX's own Mosaic kernel, "
+                "which computes every row tile of the pair buffer rather than only the groups' (pip install "
+                "'jax_uccl_ep[gpu]' for tokamax's)"
+            )
         return "mosaic"
     if requested == "mosaic":
         raise ValueError(f"jax_uccl_ep: grouped_matmul backend 'mosaic' cannot run here: {reason}")
@@ -129,10 +137,11 @@ def _import_kernels() -> None:
     """Imports the Mosaic kernels' modules on GPUs before the first trace. Importing them registers JAX config
     options, and options that appear during a jit's first trace change its cache key: the training step traced
     and compiled twice (steps 1 and 2: 60 s and 46 s on an H100)."""
-    if jax.default_backend() != "gpu" or _tokamax() is None:
+    if jax.default_backend() != "gpu":
         return
-    _row_kernel()
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: F401
+    if _tokamax() is not None:
+        _row_kernel()
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
 
 
 _runtime.after_initialize(_import_kernels)
@@ -148,6 +157,54 @@ def _tokamax_dot(
     `zero_padding` as the kernel leaves them (it writes only the groups' rows)."""
     out = _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype, implementation=_row_kernel())
     return _rows_in_groups(out, group_sizes) if zero_padding else out
+
+
+# JAX's row kernel's tiles (rows, columns, contraction), as its weight-gradient kernel's below.
+_JAX_ROW_TILES = (128, 128, 64)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _jax_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any, zero_padding: bool, transpose_rhs: bool
+) -> jax.Array:
+    """lhs [M, K] x rhs [G, K, N] (or rhs [G, N, K] with `transpose_rhs`) by groups of rows, forward only, by JAX's
+    own Mosaic kernel (tokamax absent); XLA's ragged_dot where the contraction is not a multiple of its tile or the
+    columns of theirs. The rows past the groups as _tokamax_dot leaves them."""
+    block_m, block_n, block_k = _JAX_ROW_TILES
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if lhs.shape[1] % block_k or n % block_n:
+        rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(out_dtype)
+        return _rows_in_groups(out, group_sizes) if zero_padding else out
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    options = {}
+    if "transpose_rhs" in inspect.signature(ragged_dot_mgpu.ragged_dot).parameters:
+        options["transpose_rhs"] = transpose_rhs
+    elif transpose_rhs:  # an older JAX: the transpose is XLA's
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    out = ragged_dot_mgpu.ragged_dot(
+        lhs,
+        rhs,
+        group_sizes=group_sizes,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        max_concurrent_steps=4,
+        grid_block_n=4 if n % (4 * block_n) == 0 else 1,
+        **options,
+    ).astype(out_dtype)
+    return _rows_in_groups(out, group_sizes) if zero_padding else out
+
+
+def _row_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any, zero_padding: bool, transpose_rhs: bool
+) -> jax.Array:
+    """The Mosaic backend's forward products: tokamax's kernel where it is installed, else JAX's own."""
+    if _tokamax() is None:
+        return _jax_dot(lhs, rhs, group_sizes, out_dtype, zero_padding, transpose_rhs)
+    rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    return _tokamax_dot(lhs, rhs, group_sizes, out_dtype, zero_padding)
 
 
 def _tile(size: int) -> int | None:
@@ -243,7 +300,7 @@ def _mosaic_forward(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any, zero_padding: bool
 ) -> jax.Array:
     # Inside shard_map a Pallas kernel's output varies over no manual axis: mark it like its operands.
-    return varying_like(_tokamax_dot(lhs, rhs, group_sizes, out_dtype, zero_padding), lhs, rhs, group_sizes)
+    return varying_like(_row_dot(lhs, rhs, group_sizes, out_dtype, zero_padding, False), lhs, rhs, group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -262,7 +319,7 @@ def _mosaic_matmul_bwd(out_dtype, zero_padding, residuals, dout):
     dout = dout.astype(lhs.dtype)
     # A kernel's output varies over no manual axis: first mark it as its operands vary, then sum over the axes its
     # primal does not vary over (rhs sharded over a tensor-parallel axis that lhs is not, say).
-    dlhs = _tokamax_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype, zero_padding)
+    dlhs = _row_dot(dout, rhs, group_sizes, lhs.dtype, zero_padding, True)
     dlhs = like_primal(varying_like(dlhs, dout, rhs, group_sizes), lhs)
     # The weight gradient rewrites a few rows of dout in place (_weight_grad_by_blocks): after dlhs has read it, or
     # XLA would keep a copy of the whole buffer for dlhs.

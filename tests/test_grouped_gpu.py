@@ -1,7 +1,7 @@
 """The experts' grouped matmul on one GPU: the Mosaic kernels under the package's VJP against a NumPy float64
 reference and against jax.lax.ragged_dot, forward and both gradients, alone and inside shard_map; the pair rows'
 copy from token rows (expand_pairs); then the layer with its bf16 experts against the float32 dense reference.
-Skipped without an NVIDIA GPU (or, for the kernel cases, without tokamax, which the Mosaic backend needs).
+Skipped without an NVIDIA GPU (the tokamax cases also without tokamax; the Mosaic backend runs JAX's own kernel then).
 References run at `jax.default_matmul_precision("highest")`: TF32 would move them by more than the bf16 tolerance
 on its own."""
 
@@ -28,10 +28,11 @@ def _relative_error(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def grouped_child() -> dict:
+def grouped_child(row_kernel: str) -> dict:
     """Child: forward, d lhs and d rhs of grouped_matmul's Mosaic kernels against NumPy and jax.lax.ragged_dot; the
     weights' gradient three times (a racy kernel gave a different error each run); the kernels again with NaN in
-    the rows past the groups."""
+    the rows past the groups. `row_kernel`: the forward products by tokamax's kernel, or by JAX's own (what a GPU
+    without tokamax runs)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -40,8 +41,12 @@ def grouped_child() -> dict:
 
     from jax_uccl_ep import grouped
 
+    if row_kernel == "tokamax" and grouped._tokamax() is None:
+        return {"skip": "tokamax is not installed"}
+    if row_kernel == "jax":
+        grouped._tokamax = lambda: None  # as where tokamax is not installed
     if grouped.grouped_backend("auto", jnp.bfloat16) != "mosaic":
-        return {"skip": "tokamax is not installed or cannot run on this GPU"}
+        return {"skip": "the Mosaic kernels cannot run on this GPU"}
     rng = np.random.default_rng(11)
     sizes = np.array(GROUP_SIZES, np.int32)
     lhs = rng.standard_normal((ROWS, K)).astype(np.float32)
@@ -118,7 +123,7 @@ def expert_slots_child() -> dict:
     from jax_uccl_ep import grouped, layers
 
     if grouped.grouped_backend("auto", jnp.bfloat16) != "mosaic":
-        return {"skip": "tokamax is not installed or cannot run on this GPU"}
+        return {"skip": "the Mosaic kernels cannot run on this GPU"}
     groups, slots, d_model, d_ff = 6, 512, 256, 384
     rng = np.random.default_rng(12)
     params = layers.init_moe_params(jax.random.key(4), d_model=d_model, d_ff=d_ff, num_experts=groups)
@@ -153,16 +158,17 @@ def test_the_decode_layers_expert_slots_on_mosaic_kernels_match_numpy():
         assert res[backend]["padding_max"] == 0.0, res
 
 
-def _child_result(function: str) -> dict:
-    """Runs `function` of this file in one GPU process; its result, printed for the log."""
-    results = launch(HERE, function, 1, platform="gpu", timeout_s=300)
+def _child_result(function: str, *args: object) -> dict:
+    """Runs `function(*args)` of this file in one GPU process; its result, printed for the log."""
+    results = launch(HERE, function, 1, args=list(args), platform="gpu", timeout_s=300)
     assert all(x.ok for x in results), describe(results)
     print(results[0].result)
     return results[0].result
 
 
-def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot():
-    res = _child_result("grouped_child")
+@pytest.mark.parametrize("row_kernel", ["tokamax", "jax"])
+def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot(row_kernel):
+    res = _child_result("grouped_child", row_kernel)
     if "skip" in res:
         pytest.skip(res["skip"])
     for name in ("fast", "xla", "shard_map", "nan_padding"):
