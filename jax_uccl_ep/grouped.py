@@ -344,7 +344,9 @@ def grouped_matmul(
     """Rows of ``lhs [M, K]`` in consecutive groups (``group_sizes [G]`` int32 rows each, in order) times
     ``rhs [G, K, N]``: ``[M, N]`` in `out_dtype` (default: the operands'), accumulated in float32; rows past
     ``sum(group_sizes)`` are zeros, and what `lhs` (or the cotangent) holds there, NaN included, reaches neither the
-    output nor a gradient. Differentiable in `lhs` and `rhs`. `backend`: see ``grouped_backend``.
+    output nor a gradient. Differentiable in `lhs` and `rhs`. `backend`: see ``grouped_backend`` (on the Mosaic
+    backend without tokamax, JAX's kernel writes the output in the operands' dtype first: a wider `out_dtype` gets
+    that rounding too).
 
     With ``zero_padding=False`` the rows past the groups, of the output and of lhs's gradient, are left as the
     kernels leave them (anything, NaN included) rather than zeroed by a pass over all M rows: for consumers that

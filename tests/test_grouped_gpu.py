@@ -174,12 +174,13 @@ def test_grouped_matmul_on_mosaic_kernels_matches_numpy_and_ragged_dot(row_kerne
     for name in ("fast", "xla", "shard_map", "nan_padding"):
         errors = res[name]
         # bf16 operands, float32 accumulation; d lhs is produced in bf16 (the operands' dtype): ~3 significant digits.
-        assert errors["y"] < 2e-3, (name, errors)
+        # JAX's kernel writes y in the operands' dtype before the cast to float32: one more bf16 rounding (2^-8).
+        assert errors["y"] < (2e-3 if row_kernel == "tokamax" else 4e-3), (name, errors)
         assert errors["dlhs"] < 1e-2, (name, errors)
         assert errors["drhs"] < 1e-2, (name, errors)
         assert errors["rows_past_groups_max"] == 0.0, (name, errors)
         assert errors["empty_group_grad_max"] == 0.0, (name, errors)
-    assert res["fast_vs_xla_y"] < 2e-3, res
+    assert res["fast_vs_xla_y"] < (2e-3 if row_kernel == "tokamax" else 4e-3), res
 
 
 def _median_us(f, *args) -> float:
