@@ -859,6 +859,14 @@ __device__ void wait_members_read(const SendTo& to) {
       return;
 }
 
+// Member s's pull words for us, once its message's number is there; null (reported) once the member is late.
+__device__ const volatile uint64_t* member_pull_words(const uint64_t* words, const ReceiveFrom& from, int s) {
+  if (!wait_flag(words + NvlDevice::kPullMessageWord, from.message[s], int64_t(from.message[s]), from.timeout_ns,
+                 from.err, from.rank, from.rank_of[s], Sleep::kBackoff))
+    return nullptr;
+  return words;
+}
+
 // (Cached) dispatch among GPUs of one process, by pulls: each member's routing and rows stay in its inputs (XLA's
 // buffers, addressable here), and every block of the budget receives: it scans the members' routing where it is and
 // copies their rows from there, so a row crosses NVLink once, loaded by the receiver; no member sends. A member
@@ -906,10 +914,8 @@ __device__ bool read_dispatch_words(const PullDispatchLaunch& f, Sources& src) {
       src.weights[s] = own.weights[s];
       return true;
     }
-    if (!wait_flag(f.words_from[s] + NvlDevice::kPullMessageWord, from.message[s], int64_t(from.message[s]),
-                   from.timeout_ns, from.err, from.rank, from.rank_of[s], Sleep::kBackoff))
-      return false;
-    const volatile uint64_t* w = f.words_from[s];
+    const volatile uint64_t* w = member_pull_words(f.words_from[s], from, s);
+    if (!w) return false;
     src.x[s] = reinterpret_cast<const char*>(w[0]);
     src.scales[s] = reinterpret_cast<const char*>(w[1]);
     src.topk_idx[s] = f.d.scan.topk_mode ? reinterpret_cast<const int32_t*>(w[2]) : nullptr;
@@ -1000,10 +1006,8 @@ __device__ bool read_pull_words(const PullCombineLaunch& f, PullSources& src) {
       src.rows[s] = a.capacity;
       return true;
     }
-    if (!wait_flag(f.words_from[s] + NvlDevice::kPullMessageWord, from.message[s], int64_t(from.message[s]),
-                   from.timeout_ns, from.err, from.rank, from.rank_of[s], Sleep::kBackoff))
-      return false;
-    const volatile uint64_t* w = f.words_from[s];
+    const volatile uint64_t* w = member_pull_words(f.words_from[s], from, s);
+    if (!w) return false;
     src.y[s] = reinterpret_cast<const char*>(w[0]);
     const uint64_t span = w[1];
     src.first[s] = int(uint32_t(span));
