@@ -21,7 +21,6 @@ tokamax is an optional dependency (``pip install 'jax_uccl_ep[gpu]'``), imported
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -47,6 +46,17 @@ def _tokamax() -> Any:
     except Exception:  # noqa: BLE001 - any failure to import means the XLA path
         return None
     return tokamax
+
+
+@functools.cache
+def _jax_kernels_missing() -> str | None:
+    """Why JAX's own Mosaic GPU kernels (the weights' gradient; the forward products without tokamax) cannot
+    import, or None. Their modules import JAX's test utilities, which need absl-py."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import means the XLA path
+        return f"JAX's Mosaic GPU kernels cannot import ({type(e).__name__}: {e})"
+    return None
 
 
 @functools.cache
@@ -85,6 +95,8 @@ def grouped_backend(requested: GroupedBackend, dtype: Any, *, warn: bool = True)
             f"the experts compute in {jnp.dtype(dtype).name} (the kernels take bfloat16 or float16); "
             "MoEConfig(compute_dtype=jnp.bfloat16) uses them"
         )
+    else:
+        reason = _jax_kernels_missing()
     if reason is None:
         if _tokamax() is None and warn:
             _warn_once(
@@ -137,11 +149,11 @@ def _import_kernels() -> None:
     """Imports the Mosaic kernels' modules on GPUs before the first trace. Importing them registers JAX config
     options, and options that appear during a jit's first trace change its cache key: the training step traced
     and compiled twice (steps 1 and 2: 60 s and 46 s on an H100)."""
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" or not _hopper():
         return
     if _tokamax() is not None:
         _row_kernel()
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
+    _jax_kernels_missing()
 
 
 _runtime.after_initialize(_import_kernels)
@@ -173,16 +185,16 @@ def _jax_dot(
     block_m, block_n, block_k = _JAX_ROW_TILES
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if lhs.shape[1] % block_k or n % block_n:
+        _warn_once(
+            f"jax_uccl_ep: a grouped matmul of [{lhs.shape[0]}, {lhs.shape[1]}] rows into {n} columns runs through "
+            f"jax.lax.ragged_dot (one dense matmul per group): JAX's kernel takes a contraction that is a multiple "
+            f"of {block_k} and columns a multiple of {block_n}; tokamax's takes any (pip install 'jax_uccl_ep[gpu]')"
+        )
         rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
         out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(out_dtype)
         return _rows_in_groups(out, group_sizes) if zero_padding else out
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    options = {}
-    if "transpose_rhs" in inspect.signature(ragged_dot_mgpu.ragged_dot).parameters:
-        options["transpose_rhs"] = transpose_rhs
-    elif transpose_rhs:  # an older JAX: the transpose is XLA's
-        rhs = jnp.swapaxes(rhs, 1, 2)
     out = ragged_dot_mgpu.ragged_dot(
         lhs,
         rhs,
@@ -192,7 +204,7 @@ def _jax_dot(
         block_k=block_k,
         max_concurrent_steps=4,
         grid_block_n=4 if n % (4 * block_n) == 0 else 1,
-        **options,
+        transpose_rhs=transpose_rhs,
     ).astype(out_dtype)
     return _rows_in_groups(out, group_sizes) if zero_padding else out
 

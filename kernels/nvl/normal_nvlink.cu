@@ -697,6 +697,9 @@ void check_fits(const NvlDevice& dev, size_t message, const char* op) {
 
 // Our reads and writes of shared memory come before bulk loads into it (another proxy).
 __device__ __forceinline__ void fence_shared_for_bulk() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// What an acquire made visible to this thread in global memory (a member's inputs, once its pull words came) is
+// visible to the bulk loads (another proxy) it issues next.
+__device__ __forceinline__ void fence_global_for_bulk() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // An op on the NVLink buffers runs as one launch on XLA's stream: blocks [0, chunks) send, the rest receive. So
 // nothing hops between streams, and no launch waits for another's between the routing's arrival and the copies.
@@ -923,12 +926,17 @@ __device__ bool read_dispatch_words(const PullDispatchLaunch& f, Sources& src) {
     src.weights[s] = reinterpret_cast<const float*>(w[3]);
     return true;
   });
+  fence_global_for_bulk();
   return ok;
 }
 
 // As dispatch_kernel: every thread comes back from the body to the acknowledgements.
 __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(PullDispatchLaunch f) {
+  // The launch's scan and receive arguments with the members' inputs as sources: one copy a block in shared memory
+  // (a copy a thread would take ~1.2 KiB of stack each, which the context reserves for every thread of the GPU).
   __shared__ Sources src;
+  __shared__ ScanArgs scan;
+  __shared__ DispatchReceiveArgs receive;
   const DispatchLaunch& d = f.d;
   const Members& m = d.receive.from;
   const int block = int(blockIdx.x), blocks = int(gridDim.x);
@@ -945,15 +953,16 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
     ok = read_dispatch_words(f, src);
   }
   if (ok) {
-    // The launch's arguments with the members' inputs as sources (a copy per thread: the parameters are read-only).
-    ScanArgs scan = d.scan;
-    scan.src = src;
-    if (scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m)) {
-      DispatchReceiveArgs receive = d.receive;
+    if (threadIdx.x == 0) {
+      scan = d.scan;
+      scan.src = src;
+      receive = d.receive;
       receive.src = src;
       receive.pulled = true;
-      dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
     }
+    __syncthreads();
+    if (scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m))
+      dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
   }
   if (acknowledge_when_last(d.handoff, d.acks)) wait_members_read(d.send.to);  // before our inputs may go
 }
@@ -1015,6 +1024,7 @@ __device__ bool read_pull_words(const PullCombineLaunch& f, PullSources& src) {
     return true;
   });
   fence_shared_for_bulk();
+  fence_global_for_bulk();
   return ok;
 }
 
@@ -1089,9 +1099,9 @@ Acks acks_for(NvlDevice& dev, const Group& g, const ReceiveFrom& from, uint64_t*
 
 // The fused scan's tokens per thread: the fewest (1, 2, 4 or kMaxScanRun) with which every source's units go to the
 // receive blocks in one round, since a round is a few trips to a memory that the copies keep busy.
-int scan_run(int num_tokens, int num_ranks) {
+int scan_run(int num_tokens, int num_ranks, int blocks) {
   int run = 1;
-  while (run < kMaxScanRun && num_ranks * scan_units(num_tokens, kTransferThreads * run) > receive_blocks()) run *= 2;
+  while (run < kMaxScanRun && num_ranks * scan_units(num_tokens, kTransferThreads * run) > blocks) run *= 2;
   return run;
 }
 
@@ -1147,7 +1157,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
   f.scan = k.scan;
   f.receive = k.receive;
   f.routing = routing_waits(dev, g, k.receive.from);
-  f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks);
+  f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks, pull ? num_sms() : receive_blocks());  // the blocks that scan
   f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
   const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks;
   f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + scan_words), dev.next_launch()};
@@ -1262,11 +1272,11 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
   check_fits(dev, l.total, "dispatch");
   const Scratch scratch = op_scratch(dev, a.capacity, a.num_tokens);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  dev.timing_begin(stream);
   const bool pull =
       pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
             {a.x, a.recv_x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? a.recv_scales : nullptr},
             "dispatch", "UCCL_EP_NVL_PULL_DISPATCH");
+  dev.timing_begin(stream);
   launch_dispatch(dev, g, dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g)), pull, stream);
   dev.timing_end(stream, "dispatch");
 }
