@@ -22,6 +22,7 @@ other ranks (NVLink).
 
     python bench/intranode.py --out $OUT/intranode.json               # on the GPU host
     python bench/intranode.py --sms 8,12,16,24,32 --send-sms 0,13,14  # budgets, and splits beside the default
+    python bench/intranode.py --sms 8,24 --pulls 0,1                  # sent and pulled ops at each budget
     python bench/intranode.py --cupti --trace $OUT/trace                # device spans; Chrome traces of each op
     python bench/intranode.py --cpu --tokens 64 --hidden 256          # smoke test on CPU devices
 """
@@ -204,9 +205,9 @@ def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) 
 UCCL_OPS = ("dispatch", "dispatch_fp8", "combine")
 
 
-def sms_used() -> str:
+def sms_used(pulled: bool = False) -> str:
     """SMs the jax_uccl_ep kernels occupy at once (the SM budget, UCCL_EP_NUM_SMS): "send+receive" blocks of
-    one block per SM, and how rows move (bulk copies or SM stores)."""
+    one block per SM, and how rows move (bulk copies or SM stores); with `pulled`, every block receives."""
     try:
         from jax_uccl_ep import _uccl_ep_testing
 
@@ -215,7 +216,7 @@ def sms_used() -> str:
         copies = "bulk" if _uccl_ep_testing.nvl_bulk_copies() else "stores"
     except Exception:
         return "?"
-    return f"{send}+{n - send} {copies}"
+    return f"{n} pulled" if pulled else f"{send}+{n - send} {copies}"
 
 
 def run_jax(
@@ -227,9 +228,11 @@ def run_jax(
     budgets: list[tuple[int, int]] | None = None,
     unroll: bool = False,
     trace_dir: str | None = None,
+    pulls: list[bool] | None = None,
 ) -> tuple[list[common.OpResult], dict]:
     """The XLA ops once, and jax_uccl_ep's at each (SM budget, send blocks of it; 0: the default split) in
-    `budgets` (default: the environment's); with `trace_dir`, each op's timeline as a Chrome trace there."""
+    `budgets` (default: the environment's), each sent and or pulled as `pulls` says (default: the environment's);
+    with `trace_dir`, each op's timeline as a Chrome trace there."""
     import jax
 
     devices = jax.devices()[: prob.ranks]
@@ -262,9 +265,13 @@ def run_jax(
         return res
 
     uccl_ops = [o for o in ops if o in UCCL_OPS]
-    for budget in (budgets or [None]) if uccl_ops else []:
+    runs = [(b, p) for b in budgets or [None] for p in pulls or [None]]
+    for budget, pull in runs if uccl_ops else []:
         if budget is not None:
             os.environ["UCCL_EP_NUM_SMS"], os.environ["UCCL_EP_NUM_SEND_SMS"] = str(budget[0]), str(budget[1])
+        if pull is not None:
+            for name in ("UCCL_EP_NVL_PULL_DISPATCH", "UCCL_EP_NVL_PULL_COMBINE"):
+                os.environ[name] = "1" if pull else "0"
         uccl_error = None
         try:
             common.set_uccl_env_defaults(prob)
@@ -285,7 +292,7 @@ def run_jax(
             if isinstance(e, KeyboardInterrupt):
                 raise
             uccl_error = f"jax_uccl_ep unavailable: {common.short_error(e, 200)}"
-        sms = sms_used()
+        sms = sms_used(bool(pull) and devices[0].platform == "gpu")
         for op in uccl_ops:
             if uccl_error:
                 name = {
@@ -383,6 +390,13 @@ def main(argv=None) -> int:
         "split; a value not below a budget is skipped for it)",
     )
     ap.add_argument(
+        "--pulls",
+        default=None,
+        help="comma-separated 0/1: jax_uccl_ep's ops sent (0) and/or pulled (1: UCCL_EP_NVL_PULL_DISPATCH=1 and "
+        "UCCL_EP_NVL_PULL_COMBINE=1, every block of the budget receiving, one process driving every GPU) at each "
+        "budget (default: the environment's)",
+    )
+    ap.add_argument(
         "--rings",
         default=None,
         help="lag:stages[:combine[:producers[:rows]]] of the bulk kernels' rings, by the testing hook "
@@ -435,6 +449,10 @@ def main(argv=None) -> int:
         budgets = [(b, s) for b in sms for s in sends if s < b]
     else:
         budgets = None
+    pull_values = [p.strip() for p in args.pulls.split(",") if p.strip()] if args.pulls else []
+    if not set(pull_values) <= {"0", "1"}:
+        raise SystemExit(f"--pulls takes 0 and/or 1, got {args.pulls!r}")
+    pulls = [p == "1" for p in pull_values] or None
     if args.rings and not args.cpu:
         from jax_uccl_ep import _uccl_ep_testing
 
@@ -448,6 +466,7 @@ def main(argv=None) -> int:
         budgets=budgets,
         unroll=not args.loop,
         trace_dir=args.trace,
+        pulls=pulls,
     )
     record["jax"] = info
     results += jax_results
