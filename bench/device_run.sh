@@ -5,13 +5,10 @@
 #   e.g. TESTS="tests/test_gpu.py -k low_latency" BENCHES=low_latency bash bench/device_run.sh all
 #   other benches: BENCHES="decode_step train_step" (train_step takes minutes)
 #
-# The GPU machine has no package registry and (seen 2026-11-22) neither libfabric headers nor scikit-build-core.
-# Prepare both on the dev machine, in folders git ignores, and name them in the device call's `carry`:
-#   echo /.deps/ >> .git/info/exclude; echo /.whl/ >> .git/info/exclude
-#   mkdir -p .deps && (cd .deps && apt-get download libfabric-dev && dpkg -x libfabric-dev_*.deb ex \
-#     && mv ex/usr/include include && rm -rf ex *.deb)
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 --platform any -d .whl scikit-build-core nanobind pathspec packaging
+# The GPU machine has no package registry and (seen 2026-11-22) neither libfabric headers, scikit-build-core nor
+# tokamax. bench/device_prepare.sh puts them on the dev machine in folders git ignores; name them in the device
+# call's `carry`: [".deps", ".whl"]. The wheels go into /tmp/site; commands after this script in the same call set
+#   export PYTHONPATH=/tmp/site:$PWD/.whl/shim
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/uccl_ep_out}; mkdir -p "$OUT"
@@ -27,11 +24,11 @@ if ! pkg-config --exists libfabric 2>/dev/null; then
   export PKG_CONFIG_PATH=$PWD/.deps/pkgconfig
   echo "# libfabric: carried headers, system library $lib"
 fi
-# Build tools missing there travel as wheels in .whl/ (pip download on the dev machine).
-if ! python -c "import scikit_build_core.build, nanobind" 2>/dev/null; then
-  python -c "import scikit_build_core.build" 2>&1 | tail -1
-  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-  echo "# build tools from .whl/"
+# Build tools and the `gpu` extra missing there travel as wheels in .whl/ (bench/device_prepare.sh).
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD/.whl/shim
+  echo "# carried wheels: $(ls .whl/*.whl | wc -l), in /tmp/site"
 fi
 echo "# $(which python) $(python -m pip --version)"
 python -c "import jax, jaxlib; print('# jax', jax.__version__)"; cmake --version | head -1
