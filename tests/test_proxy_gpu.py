@@ -232,24 +232,35 @@ def test_normal_mode_kernels_move_every_row_between_two_ranks_on_one_gpu():
         for bulk in ("1", "0")
         for fp8 in (False, True)
     ]
+    for r in _loopback_results(cases):
+        print(r)
+        budget, send, bulk = r["case"][:3]
+        assert r["bulk"] == (bulk == "1") and r["num_sms"] == budget, r
+        assert r["send_blocks"] == (send or max(1, budget // (2 if bulk == "1" else 3))), r
+        _assert_every_row_moved(r)
+
+
+def _loopback_results(cases: list, pull: bool = False) -> list:
+    """gpu_loopback's result of each case, in one child process on GPU 0."""
     results = launch(
         HERE,
         "gpu_loopback",
         1,
-        args=[cases],
+        args=[cases, pull],
         platform="gpu",
         timeout_s=300,
         env={"UCCL_EP_TIMEOUT_S": "30", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
     )
     assert all(x.ok for x in results), describe(results)
-    for r in results[0].result:
-        print(r)
-        budget, send, bulk = r["case"][:3]
-        assert r["bulk"] == (bulk == "1") and r["num_sms"] == budget, r
-        assert r["send_blocks"] == (send or max(1, budget // (2 if bulk == "1" else 3))), r
-        assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0 and r["mismatched_combine_rows"] == 0, r
-        assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
-        assert r["dispatch_us"] > 0 and (r["case"][7] or r["combine_us"] > 0), r
+    return results[0].result
+
+
+def _assert_every_row_moved(r: dict) -> None:
+    """A loopback case's host-side checks: every row, expert count and combined sum right, rows from other ranks
+    among them, and both ops timed (combine does not run with FP8)."""
+    assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0 and r["mismatched_combine_rows"] == 0, r
+    assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
+    assert r["dispatch_us"] > 0 and (r["case"][7] or r["combine_us"] > 0), r
 
 
 def test_pulled_dispatch_and_combine_move_every_row_between_ranks_on_one_gpu():
@@ -273,22 +284,10 @@ def test_pulled_dispatch_and_combine_move_every_row_between_ranks_on_one_gpu():
         ]
         for fp8 in (False, True)
     ]
-    results = launch(
-        HERE,
-        "gpu_loopback",
-        1,
-        args=[cases, True],
-        platform="gpu",
-        timeout_s=300,
-        env={"UCCL_EP_TIMEOUT_S": "30", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-    )
-    assert all(x.ok for x in results), describe(results)
-    for r in results[0].result:
+    for r in _loopback_results(cases, pull=True):
         print(r["case"], r["dispatch_us"], r["combine_us"], sorted(r["spans_us"]))
         hidden, fp8 = r["case"][4], r["case"][7]
-        assert r["mismatched_rows"] == 0 and r["mismatched_expert_counts"] == 0 and r["mismatched_combine_rows"] == 0, r
-        assert r["remote_rows"] > 0 and r["received_rows"] > r["remote_rows"], r
-        assert r["dispatch_us"] > 0 and (fp8 or r["combine_us"] > 0), r
+        _assert_every_row_moved(r)
         if not (fp8 and hidden // 128 * 4 % 16 != 0):  # else sent, by SM stores (which stamp no sides)
             assert "dispatch:dispatch_send" not in r["spans_us"] and "dispatch:dispatch_receive" in r["spans_us"], r
         assert fp8 or ("combine:combine_send" not in r["spans_us"] and "combine:combine_receive" in r["spans_us"]), r
