@@ -191,21 +191,22 @@ def _jax_dot(
             f"of {block_k} and columns a multiple of {block_n}; tokamax's takes any (pip install 'jax_uccl_ep[gpu]')"
         )
         rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(out_dtype)
-        return _rows_in_groups(out, group_sizes) if zero_padding else out
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    else:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    out = ragged_dot_mgpu.ragged_dot(
-        lhs,
-        rhs,
-        group_sizes=group_sizes,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
-        max_concurrent_steps=4,
-        grid_block_n=4 if n % (4 * block_n) == 0 else 1,
-        transpose_rhs=transpose_rhs,
-    ).astype(out_dtype)
+        out = ragged_dot_mgpu.ragged_dot(
+            lhs,
+            rhs,
+            group_sizes=group_sizes,
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            max_concurrent_steps=4,
+            grid_block_n=4 if n % (4 * block_n) == 0 else 1,
+            transpose_rhs=transpose_rhs,
+        )
+    out = out.astype(out_dtype)
     return _rows_in_groups(out, group_sizes) if zero_padding else out
 
 
