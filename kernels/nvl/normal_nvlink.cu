@@ -1163,21 +1163,20 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
   f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + scan_words), dev.next_launch()};
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.send.token_slots = f.receive.token_slots = true;
+  f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
   uint32_t shared = 0;
   if (pull) {  // pulls() checked what bulk copies need
     PullDispatchLaunch p{};
     p.d = f;
-    p.d.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
     for (int s = 0; s < g.size; ++s)
       if (s != g.self) {
         const int peer = k.send.to.rank_of[s];
         p.words_to[s] = dev.peer_pull_words(peer);
         p.words_from[s] = dev.pull_words(peer);
       }
-    launch_fused(pull_dispatch_kernel, p, p.d.receive_shape.shared_bytes(), stream, "pull_dispatch_kernel");
+    launch_fused(pull_dispatch_kernel, p, f.receive_shape.shared_bytes(), stream, "pull_dispatch_kernel");
   } else if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
-    f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
     shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
     launch_fused(dispatch_kernel<true>, f, shared, stream, "dispatch_kernel");
   } else {
