@@ -96,19 +96,20 @@ class Config:
         default=True, metadata=_env("UCCL_EP_NVL_BULK", "normal mode moves rows by bulk copies (TMA), else SM stores")
     )
     nvl_pull_combine: bool = field(
-        default=False,
+        default=True,
         metadata=_env(
             "UCCL_EP_NVL_PULL_COMBINE",
             "normal-mode combine among GPUs one process drives reads each member's rows where they are (one copy, "
-            "every block reducing) instead of the members sending them",
+            "every block reducing) instead of the members sending them; groups with a GPU of another process send",
         ),
     )
     nvl_pull_dispatch: bool = field(
-        default=False,
+        default=True,
         metadata=_env(
             "UCCL_EP_NVL_PULL_DISPATCH",
             "normal-mode dispatch among GPUs one process drives reads each member's rows and routing where they are "
-            "(one copy, every block receiving) instead of the members sending them",
+            "(one copy, every block receiving) instead of the members sending them; groups with a GPU of another "
+            "process send",
         ),
     )
     ll_num_sms: int = field(

@@ -233,25 +233,25 @@ def test_one_process_per_gpu(part):
     _check(results, NUM_GPUS)
 
 
+SENT = {"UCCL_EP_NVL_PULL_DISPATCH": "0", "UCCL_EP_NVL_PULL_COMBINE": "0"}
 NORMAL_VARIANTS = {
-    "6 SMs": {"UCCL_EP_NUM_SMS": "6"},
+    "sent": SENT,
+    "sent, 6 SMs": dict(SENT, UCCL_EP_NUM_SMS="6"),
     "6 SMs, SM stores": {"UCCL_EP_NUM_SMS": "6", "UCCL_EP_NVL_BULK": "0"},
-    "pulled combine": {"UCCL_EP_NVL_PULL_COMBINE": "1"},
-    "pulled combine, 6 SMs": {"UCCL_EP_NVL_PULL_COMBINE": "1", "UCCL_EP_NUM_SMS": "6"},
-    "pulled dispatch": {"UCCL_EP_NVL_PULL_DISPATCH": "1"},
-    "pulled dispatch, 6 SMs": {"UCCL_EP_NVL_PULL_DISPATCH": "1", "UCCL_EP_NUM_SMS": "6"},
-    "pulled dispatch and combine": {"UCCL_EP_NVL_PULL_DISPATCH": "1", "UCCL_EP_NVL_PULL_COMBINE": "1"},
+    "pulled combine only": {"UCCL_EP_NVL_PULL_DISPATCH": "0"},
+    "pulled dispatch only": {"UCCL_EP_NVL_PULL_COMBINE": "0"},
+    "pulled, 6 SMs": {"UCCL_EP_NUM_SMS": "6"},
 }
 
 
 @pytest.mark.parametrize("variant", list(NORMAL_VARIANTS))
 def test_normal_mode_variants(variant):
-    """Normal mode's references with an SM budget of 6: a message in 3 chunks (a send block each) and 3 receive
-    blocks, each working through several (chunk, source) pieces, with bulk copies (the default) and with the SM-store
-    kernels; with combine pulling each member's rows from its y and with (cached) dispatch pulling each member's
-    routing and rows from its inputs (one process drives every GPU), at the full budget and at 6, between the sent
-    ops of the same suite (those the pulls refuse, FP8 rows with 8-byte scale rows: message numbers, meta counts
-    and acknowledgements must stay in step), and both pulled together."""
+    """Normal mode's references beside the default (both ops pulled where one process drives every GPU, the full
+    budget: test_one_process_drives_all_gpus): the sent ops (every member sending into the receivers' buffers), at
+    the full budget and at 6 SMs (a message in 3 chunks, a send block each, and 3 receive blocks, each working
+    through several (chunk, source) pieces); the SM-store kernels (always sent); each op pulled alone, between the
+    other op's sent messages (message numbers, meta counts and acknowledgements must stay in step; the suite's FP8
+    case with 8-byte scale rows is sent in every variant); and both pulled at 6 SMs."""
     env = dict(SUITE_ENV, **NORMAL_VARIANTS[variant])
     results = launch(HERE, "gpu_suite", 1, args=["normal"], platform="gpu", timeout_s=150, env=env)
     _check(results, NUM_GPUS)
@@ -595,11 +595,11 @@ def test_low_latency_variants(variant):
 
 
 def gpu_loopback_over_nvlink() -> list:
-    """Child: the loopback bench's ranks spread over two GPUs (rank r on GPU r % 2), at 24 SMs with bulk copies: BF16
-    and FP8, two ranks and four, the stamped call with the sides apart and without."""
+    """Child: the loopback bench's ranks spread over two GPUs (rank r on GPU r % 2), at 24 SMs with bulk copies,
+    sent: BF16 and FP8, two ranks and four, the stamped call with the sides apart and without."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
-    _runtime.configure_native(Config(num_sms=24, nvl_bulk=True))
+    _runtime.configure_native(Config(num_sms=24, nvl_bulk=True, nvl_pull_dispatch=False, nvl_pull_combine=False))
     out = []
     for ranks, fp8, apart in [(2, False, False), (2, True, True), (4, False, True), (4, True, False)]:
         r = dict(

@@ -294,11 +294,12 @@ def test_pulled_dispatch_and_combine_move_every_row_between_ranks_on_one_gpu():
 
 
 def gpu_sides_apart() -> list:
-    """Child: two ranks on GPU 0 at 24 SMs with bulk copies, BF16 and FP8, the spans' call with and without the
-    sides apart. 4096 tokens: the send spans (FP8 ~60 us) outlast the receive side's scan by tens of microseconds."""
+    """Child: two ranks on GPU 0 at 24 SMs with bulk copies, sent (a send side to hold apart), BF16 and FP8, the spans'
+    call with and without the sides apart. 4096 tokens: the send spans (FP8 ~60 us) outlast the receive side's scan by
+    tens of microseconds."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
-    _runtime.configure_native(Config(num_sms=24, nvl_bulk=True))
+    _runtime.configure_native(Config(num_sms=24, nvl_bulk=True, nvl_pull_dispatch=False, nvl_pull_combine=False))
     return [
         dict(
             _uccl_ep_testing.nvl_loopback_bench(0, 4096, 7168, 8, 64, fp8, 2, 21, 2, False, apart), fp8=fp8, apart=apart
@@ -342,12 +343,13 @@ def gpu_budget_past_the_gpu() -> dict:
     return {"error": error, "mismatched_rows": r["mismatched_rows"], "received_rows": r["received_rows"]}
 
 
-def gpu_blocks_never_all_resident() -> dict:
-    """Child: one rank on GPU 0 with the budget check lifted and a budget of 400 blocks: the scan's units of 48000
-    tokens (94 of them) reach blocks that cannot get an SM while the others wait for their handover."""
+def gpu_blocks_never_all_resident(pull: bool) -> dict:
+    """Child: one rank on GPU 0 with the budget check lifted and a budget of 400 blocks, dispatch sent or pulled: the
+    scan's units of 48000 tokens (94 of them) reach blocks that cannot get an SM while the others wait for their
+    handover."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
-    _runtime.configure_native(Config(num_sms=400, timeout_s=2))
+    _runtime.configure_native(Config(num_sms=400, timeout_s=2, nvl_pull_dispatch=pull, nvl_pull_combine=pull))
     _uccl_ep_testing.nvl_allow_budget_past_the_gpu(True)
     start = time.monotonic()
     try:
@@ -360,12 +362,13 @@ def gpu_blocks_never_all_resident() -> dict:
     return {"error": error, "seconds": time.monotonic() - start}
 
 
-def test_an_op_whose_blocks_cannot_all_run_at_once_names_the_budget():
+@pytest.mark.parametrize("pull", [False, True], ids=["sent", "pulled"])
+def test_an_op_whose_blocks_cannot_all_run_at_once_names_the_budget(pull):
     """An NVLink op's receive blocks hand the routing scan to each other, so its blocks must all run at once. Where
     they cannot (here a budget past the GPU's SMs, let through by a testing hook; in use, other work holding SMs or
     a share of the GPU), the blocks that run give up after UCCL_EP_TIMEOUT_S and the error says why and what to
     lower, instead of a hang."""
-    results = launch(HERE, "gpu_blocks_never_all_resident", 1, platform="gpu", timeout_s=180)
+    results = launch(HERE, "gpu_blocks_never_all_resident", 1, args=[pull], platform="gpu", timeout_s=180)
     assert all(x.ok for x in results), describe(results)
     r = results[0].result
     assert r["error"].startswith("TimeoutError") and "never all ran at once" in r["error"], r

@@ -58,11 +58,13 @@ BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
   return piece_stages(row_bytes, tail_bytes, kProducers * stages_per_producer());
 }
 // The combine receiver: `per` stages for each of its warps, each stage a slot per member's copy of a row segment
-// (segments of a row made even). Two stages let a warp sum one while the other loads, but halve the copies: in the
-// loopback two won at 2 members (~2.9 KiB copies), one at 4 and 8 (copies of 1.6 KiB rather than 800 B: -10% at 8).
-BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks) {
-  constexpr uint32_t kLeastCopyBytes = 2048;
-  int per = kBulkSharedBytes / (2 * kTransferWarps) / uint32_t(num_ranks) >= kLeastCopyBytes ? 2 : 1;
+// (segments of a row made even). Two stages let a warp sum one while the other loads, but halve the copies. Sent (the
+// members' rows in our own buffer): in the loopback two won at 2 members (~2.9 KiB copies), one at 4 and 8 (copies of
+// 1.6 KiB rather than 800 B: -10% at 8). Pulled (the rows in the members' memory, over NVLink): two at 4 members
+// (1.6 KiB copies) took 11% less at 8 SMs on 4x H200 and the same at 24 (bench/RESULTS.md).
+BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled) {
+  const uint32_t least_copy_bytes = pulled ? 1024 : 2048;
+  int per = kBulkSharedBytes / (2 * kTransferWarps) / uint32_t(num_ranks) >= least_copy_bytes ? 2 : 1;
   if (g_tuning.combine_stages > 0) per = g_tuning.combine_stages;
   BulkShape b = piece_stages(row_bytes, 0, per * kTransferWarps);
   const int64_t most = align_down(b.stage_bytes / uint32_t(num_ranks), 16);
