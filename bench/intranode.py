@@ -292,7 +292,9 @@ def run_jax(
             if isinstance(e, KeyboardInterrupt):
                 raise
             uccl_error = f"jax_uccl_ep unavailable: {common.short_error(e, 200)}"
-        sms = sms_used(bool(pull) and devices[0].platform == "gpu")
+        # The environment's setting where --pulls is not given (pulled by default); dispatch's names the row.
+        pulled = bool(pull) if pull is not None else not uccl_error and ep.Config.from_env().nvl_pull_dispatch
+        sms = sms_used(pulled and devices[0].platform == "gpu")
         for op in uccl_ops:
             if uccl_error:
                 name = {

@@ -345,15 +345,16 @@ def gpu_budget_past_the_gpu() -> dict:
 
 def gpu_blocks_never_all_resident(pull: bool) -> dict:
     """Child: one rank on GPU 0 with the budget check lifted and a budget of 400 blocks, dispatch sent or pulled: the
-    scan's units of 48000 tokens (94 of them) reach blocks that cannot get an SM while the others wait for their
-    handover."""
+    scan's units of 96000 tokens (188 of 512 tokens, more than an H100's or H200's 132 SMs hold at once; a sent op's
+    go to its 200 receive blocks, a pulled op's to blocks 0-187) reach blocks that cannot get an SM while the others
+    wait for their handover."""
     from jax_uccl_ep import Config, _runtime, _uccl_ep_testing
 
     _runtime.configure_native(Config(num_sms=400, timeout_s=2, nvl_pull_dispatch=pull, nvl_pull_combine=pull))
     _uccl_ep_testing.nvl_allow_budget_past_the_gpu(True)
     start = time.monotonic()
     try:
-        _uccl_ep_testing.nvl_loopback_bench(0, 48000, 128, 2, 16, False, 1, 5, 1)
+        _uccl_ep_testing.nvl_loopback_bench(0, 96000, 128, 2, 16, False, 1, 5, 1)
         error = ""
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
@@ -364,10 +365,10 @@ def gpu_blocks_never_all_resident(pull: bool) -> dict:
 
 @pytest.mark.parametrize("pull", [False, True], ids=["sent", "pulled"])
 def test_an_op_whose_blocks_cannot_all_run_at_once_names_the_budget(pull):
-    """An NVLink op's receive blocks hand the routing scan to each other, so its blocks must all run at once. Where
-    they cannot (here a budget past the GPU's SMs, let through by a testing hook; in use, other work holding SMs or
-    a share of the GPU), the blocks that run give up after UCCL_EP_TIMEOUT_S and the error says why and what to
-    lower, instead of a hang."""
+    """An NVLink op's receive blocks hand the routing scan to each other, so the blocks holding scan units must all
+    run at once. Where they cannot (here a budget past the GPU's SMs, let through by a testing hook; in use, other
+    work holding SMs or a share of the GPU), the blocks that run give up after UCCL_EP_TIMEOUT_S and the error says
+    why and what to lower, instead of a hang; sent and pulled alike."""
     results = launch(HERE, "gpu_blocks_never_all_resident", 1, args=[pull], platform="gpu", timeout_s=180)
     assert all(x.ok for x in results), describe(results)
     r = results[0].result

@@ -60,10 +60,10 @@ BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
 // The combine receiver: `per` stages for each of its warps, each stage a slot per member's copy of a row segment
 // (segments of a row made even). Two stages let a warp sum one while the other loads, but halve the copies. Sent (the
 // members' rows in our own buffer): in the loopback two won at 2 members (~2.9 KiB copies), one at 4 and 8 (copies of
-// 1.6 KiB rather than 800 B: -10% at 8). Pulled (the rows in the members' memory, over NVLink): two at 4 members
-// (1.6 KiB copies) took 11% less at 8 SMs on 4x H200 and the same at 24 (bench/RESULTS.md).
-BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled) {
-  const uint32_t least_copy_bytes = pulled ? 1024 : 2048;
+// 1.6 KiB rather than 800 B: -10% at 8). Pulled (the rows in the members' memory, over NVLink) at 4 members on 4x
+// H200: two took 7-9% off at 8 blocks and cost 0-13% at 24 (bench/RESULTS.md), so two where the blocks are few.
+BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled, int blocks) {
+  const uint32_t least_copy_bytes = pulled && blocks <= 8 ? 1024 : 2048;
   int per = kBulkSharedBytes / (2 * kTransferWarps) / uint32_t(num_ranks) >= least_copy_bytes ? 2 : 1;
   if (g_tuning.combine_stages > 0) per = g_tuning.combine_stages;
   BulkShape b = piece_stages(row_bytes, 0, per * kTransferWarps);

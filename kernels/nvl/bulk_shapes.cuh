@@ -33,9 +33,9 @@ constexpr int kMaxRowsPerJob = 4;  // a dispatch send job's consecutive tokens (
 
 // The dispatch sender's rings (row_stages), those of the other senders and of dispatch's receive blocks (piece_stages:
 // kProducers threads' stages, each a row segment and tail_bytes more), and the combine receiver's (`pulled`: reading
-// the members' memory rather than our buffer).
+// the members' memory rather than our buffer, with `blocks` receiving).
 BulkShape row_stages(int64_t row_bytes, uint32_t tables_bytes);
 BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes);
-BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled);
+BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled, int blocks);
 
 }  // namespace uccl_ep::nvl

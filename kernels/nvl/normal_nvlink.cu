@@ -1192,7 +1192,7 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
   uint32_t shared = 0;
   if (bulk_combine(k.send, k.receive)) {
     f.send_shape = piece_stages(k.send.row_bytes, 0);
-    f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks, false);
+    f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks, false, num_sms());
     shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
     launch_fused(bf16 ? combine_kernel<__nv_bfloat16, true> : combine_kernel<float, true>, f, shared, stream,
                  "combine_kernel");
@@ -1231,7 +1231,7 @@ void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k
     }
   f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + 1), dev.next_launch()};
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
-  f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks, true);
+  f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks, true, num_sms());
   launch_fused(bf16 ? pull_combine_kernel<__nv_bfloat16> : pull_combine_kernel<float>, f,
                f.receive_shape.shared_bytes(), stream, "pull_combine_kernel");
 }
