@@ -11,6 +11,7 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "../kernels/nvl/api.hpp"
@@ -277,14 +278,37 @@ struct OnPath {
   }
 };
 
-// A pair op's CUDA handler: its receive writes the pair buffer on the host paths only (the host-staged one here);
-// on the kernels' paths the lowering never places it (jax_uccl_ep/_plan.py: receive_writes_pairs).
+// dispatch(layout="expert") over NVLink where the dispatch pulls (jax_uccl_ep/_plan.py: nvlink_writes_pairs): the
+// receive writes the pair buffer.
+ffi::Error DispatchPairsOverNvlink(
+    cudaStream_t stream, int32_t ordinal, const uccl_ep::ffi_common::DispatchPairsAttrs& attrs, ffi::AnyBuffer x,
+    ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+    ffi::Result<ffi::AnyBuffer> pair_x, ffi::Result<ffi::AnyBuffer> pair_scales,
+    ffi::Result<ffi::Buffer<ffi::F32>> pair_weights, ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
+    ffi::Result<ffi::Buffer<ffi::S32>> pairs_per_expert, ffi::Result<ffi::Buffer<ffi::S32>> pair_row,
+    ffi::Result<ffi::Buffer<ffi::S32>> pair_of, ffi::Result<ffi::Buffer<ffi::S32>> stats,
+    ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
+  return uccl_ep::ffi_common::guarded(OverNvlink::lifetime(), [&] {
+    auto& dev = OverNvlink::device(ordinal);
+    const auto group = group_of<OverNvlink>(dev, attrs.group_table, attrs.group_size, "dispatch");
+    const auto a =
+        uccl_ep::ffi_common::dispatch_inputs(attrs, x, scales, topk_idx, topk_weights, is_token_in_rank, recv_counts);
+    const auto p = uccl_ep::ffi_common::pair_buffer(attrs, pair_x, pair_scales, pair_weights, expert_offsets,
+                                                    pairs_per_expert, pair_row, pair_of, stats);
+    uccl_ep::nvl::dispatch_pairs(dev, group.get(), a, p, stream);
+  });
+}
+
+// A pair op's CUDA handler: its receive writes the pair buffer on the host paths (the host-staged one here) and,
+// for dispatch, over NVLink where the dispatch pulls; elsewhere the lowering never places it (jax_uccl_ep/_plan.py).
 template <class Op>
 struct OnHostPath {
   template <class Attrs, class... Args>
   ffi::Error operator()(cudaStream_t stream, int32_t ordinal, const Attrs& attrs, Args... args) const {
     using Staged = uccl_ep::ffi_cpu::StagedOp<Op, ffi::Error(int32_t, const Attrs&, Args...)>;
     if (attrs.path == uccl_ep::Path::kStaged) return Staged::call(stream, ordinal, attrs, args...);
+    if constexpr (std::is_same_v<Op, uccl_ep::ffi_common::DispatchPairsOp>)
+      if (attrs.path == uccl_ep::Path::kNvlink) return DispatchPairsOverNvlink(stream, ordinal, attrs, args...);
     const std::string path = std::to_string(int64_t(attrs.path));
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string("uccl_ep ") + Op::kName +

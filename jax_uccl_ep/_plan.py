@@ -96,6 +96,9 @@ class RuntimePlan:
     gpu_initiated_normal: bool  # proxy runtime on GPUs: normal-mode kernels push the proxies' commands
     gpu_initiated_low_latency: bool  # likewise for low-latency mode
     two_level: TwoLevel | None
+    # One process drives every GPU of the NVLink runtime and dispatch pulls with bulk copies: dispatch(layout=
+    # "expert")'s receive can write the pair buffer itself (nvlink_writes_pairs).
+    nvlink_pulls_pairs: bool = False
 
 
 _current: RuntimePlan | None = None
@@ -167,6 +170,32 @@ def receive_writes_pairs() -> bool:
     if plan.platform == "cpu":
         return True
     return not plan.nvlink and plan.two_level is None and not plan.gpu_initiated_normal
+
+
+# The NVLink pair writer's limits (kernels/nvl/normal_nvlink.cu: kMaxPairGroups, kMaxPairTopk).
+NVLINK_PAIRS_MAX_GROUPS = 256
+NVLINK_PAIRS_MAX_TOPK = 32
+
+
+def nvlink_writes_pairs(
+    groups: int, top_k: int, capacity: int, every_slot: int, row_bytes: int, scale_row_bytes: int
+) -> bool:
+    """Whether dispatch(layout="expert")'s receive writes the pair buffer over NVLink (the dispatch_pairs op on
+    Path.NVLINK): where the dispatch pulls (one process, UCCL_EP_NVL_PULL_DISPATCH, bulk copies, rows of 16-byte
+    multiples; UCCL_EP_NVL_DISPATCH_PAIRS), flat, with a buffer no routing can overflow (`capacity` pair rows
+    against `every_slot`: every top-k slot of every row), at most NVLINK_PAIRS_MAX_GROUPS local experts and
+    top-NVLINK_PAIRS_MAX_TOPK. Its combine sums the pairs in XLA (receive_writes_pairs decides the combine)."""
+    plan = _current
+    return (
+        plan is not None
+        and plan.nvlink_pulls_pairs
+        and plan.two_level is None
+        and groups <= NVLINK_PAIRS_MAX_GROUPS
+        and top_k <= NVLINK_PAIRS_MAX_TOPK
+        and capacity >= every_slot
+        and row_bytes % 16 == 0
+        and scale_row_bytes % 16 == 0
+    )
 
 
 def op_path(plan: RuntimePlan, op: str, level: str | None, platforms: Sequence[str], table: np.ndarray) -> Path:

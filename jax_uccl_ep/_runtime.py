@@ -283,6 +283,12 @@ def initialize(
             gpu_initiated_normal=gpu and _gpu_initiated(config, "normal", num_ranks),
             gpu_initiated_low_latency=gpu and _gpu_initiated(config, "low_latency", num_ranks),
             two_level=two,
+            nvlink_pulls_pairs=gpu
+            and topo.num_nodes == 1
+            and jax.process_count() == 1
+            and config.nvl_pull_dispatch
+            and config.nvl_bulk
+            and config.nvl_dispatch_pairs,
         )
         if _previous_plan is not None and plan != _previous_plan:
             jax.clear_caches()  # compiled programs carry the paths of the plan they were lowered under

@@ -112,6 +112,14 @@ class Config:
             "process send",
         ),
     )
+    nvl_dispatch_pairs: bool = field(
+        default=True,
+        metadata=_env(
+            "UCCL_EP_NVL_DISPATCH_PAIRS",
+            "dispatch(layout='expert') where dispatch pulls (one process) writes each row straight into its pair "
+            "slots (0: token rows, then the pair layout in XLA)",
+        ),
+    )
     ll_num_sms: int = field(
         default=32, metadata=_env("UCCL_EP_LL_NUM_SMS", "blocks of the split low-latency receive kernels")
     )

@@ -330,8 +330,11 @@ def _combine_call(
     """combine's op along `handle`. With an ExpertHandle (its pairs written by the receive) or `pair_of` ([C, K]
     slots of the rows a dispatch received, passed on to the node level under two-level routing), y holds pair rows
     and each received row's pairs are summed in float32 on its way back (combine_pairs)."""
-    if isinstance(handle, ExpertHandle):  # pair rows whose receive wrote them
-        return _combine_call(y, handle.rows, after, handle.pair_of)
+    if isinstance(handle, ExpertHandle):
+        if _plan.receive_writes_pairs():  # the host paths' pair ops sum each received row's pairs
+            return _combine_call(y, handle.rows, after, handle.pair_of)
+        # Pairs an NVLink dispatch wrote: summed in XLA, then the rows go back.
+        return _combine_call(_summed_pairs(y, handle), handle.rows, after).astype(y.dtype)
     if y.dtype not in FLOAT_DTYPES:  # float16: the kernels sum float32 and bfloat16 rows
         return _combine_call(y.astype(jnp.float32), handle, after, pair_of).astype(y.dtype)
     if isinstance(handle, TwoLevelHandle):
@@ -575,7 +578,9 @@ def dispatch(
     if use_fp8:
         check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
         check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
-    if pair_capacity is not None and _plan.receive_writes_pairs():
+    if pair_capacity is not None and _receive_writes_pairs(
+        x, use_fp8, idx.shape[1], num_experts // num_ranks, expert_alignment, pair_capacity, num_ranks * t
+    ):
         call = _dispatch_pairs_call if is_fp8 else _dispatch_pairs_fp8_wire if use_fp8 else _dispatch_pairs
         res = call(
             x, idx, weights, num_experts, axis_name, int(pair_capacity), expert_alignment, overflow, zero_padding
@@ -592,6 +597,24 @@ def dispatch(
     if topk_weights is not None and topk_weights.dtype != jnp.float32:
         out = out._replace(topk_weights=out.topk_weights.astype(topk_weights.dtype))
     return out
+
+
+def _receive_writes_pairs(
+    x: jax.Array | Fp8Pair, use_fp8: bool, top_k: int, groups: int, alignment: int, capacity: int, group_rows: int
+) -> bool:
+    """Whether this dispatch(layout="expert")'s receive writes the pair buffer (the dispatch_pairs op): on the host
+    paths always, over NVLink where _plan.nvlink_writes_pairs allows (`group_rows`: every row the group can send);
+    else token rows, then _by_expert."""
+    if _plan.receive_writes_pairs():
+        return True
+    rows, _, is_fp8 = _split_x(x)
+    hidden = rows.shape[1]
+    if is_fp8 or use_fp8:
+        row_bytes, scale_row_bytes = hidden, hidden // FP8_BLOCK * 4
+    else:
+        row_bytes, scale_row_bytes = hidden * rows.dtype.itemsize, 0
+    every_slot = _pairs.every_slot_pairs(group_rows, top_k, groups, alignment)
+    return _plan.nvlink_writes_pairs(groups, top_k, capacity, every_slot, row_bytes, scale_row_bytes)
 
 
 def _by_expert(
@@ -742,6 +765,14 @@ def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
     )
 
 
+def _summed_pairs(y: jax.Array, handle: ExpertHandle) -> jax.Array:
+    """Each received row's pair rows summed in XLA (float32), in the dtype the row goes back in: y's, float32 for
+    float16 (as float16 rows travel), the same sums the host paths' pair ops send."""
+    wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
+    with jax.named_scope(_pairs.SCOPE):
+        return _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding).astype(wire)
+
+
 @jax.custom_vjp
 def _combine(y, handle):
     return _combine_call(y, handle)
@@ -792,11 +823,7 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
         if _plan.receive_writes_pairs():
             out = _combine(y, handle)
         else:
-            # float16 sums travel as float32 (as float16 rows do), the same sums the receive's pair ops send
-            wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
-            with jax.named_scope(_pairs.SCOPE):
-                rows = _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding).astype(wire)
-            out = _combine(rows, handle.rows).astype(y.dtype)
+            out = _combine(_summed_pairs(y, handle), handle.rows).astype(y.dtype)
     else:
         out = _combine(y, handle)
     token_shape = handle.token_shape

@@ -669,6 +669,27 @@ def pairs_laid_out_in_xla():
         jax.clear_caches()
 
 
+@contextlib.contextmanager
+def pairs_written_then_summed_in_xla():
+    """dispatch(layout="expert") as the NVLink path runs it where dispatch pulls (the receive writes the pair buffer
+    where _plan.nvlink_writes_pairs allows; combine sums each row's pairs in XLA, then sends token rows back) on CPU
+    devices, whose receive otherwise sums them too. Programs traced inside are traced afresh."""
+    import dataclasses
+
+    from jax_uccl_ep import _plan
+
+    saved, plan = _plan.receive_writes_pairs, _plan.current()
+    _plan.receive_writes_pairs = lambda: False
+    _plan.set_current(dataclasses.replace(plan, nvlink_pulls_pairs=True))
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _plan.receive_writes_pairs = saved
+        _plan.set_current(plan)
+        jax.clear_caches()
+
+
 def check_pair_writers_agree(
     mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, alignment=1, capacity=None, use_fp8=False
 ) -> list[str]:

@@ -32,11 +32,15 @@ def _mesh(num_ranks: int) -> Mesh:
     return cases.mesh_of(jax.devices()[:num_ranks])
 
 
-@pytest.fixture(params=["receive", "xla"])
+@pytest.fixture(params=["receive", "xla", "nvlink"])
 def writer(request):
-    """Who writes the pair buffer: the receive (CPU devices' default) or XLA after token rows (the GPU paths')."""
+    """Who writes the pair buffer and sums it back: the receive both (CPU devices' default); XLA both, after token
+    rows (the GPU paths'); the receive writes and XLA sums (the NVLink path's where dispatch pulls)."""
     if request.param == "xla":
         with cases.pairs_laid_out_in_xla():
+            yield request.param
+    elif request.param == "nvlink":
+        with cases.pairs_written_then_summed_in_xla():
             yield request.param
     else:
         yield request.param
@@ -160,6 +164,29 @@ def test_the_capacity_check_runs_only_where_pairs_can_overflow():
     assert "dispatch_pairs" in program(20) and "pair_capacity" not in program(20)
 
 
+def test_the_nvlink_writer_takes_the_pairs_it_can_hold_and_leaves_the_rest_to_xla():
+    """Where dispatch pulls over NVLink, dispatch_pairs writes the pair buffer and combine sums it in XLA (no
+    combine_pairs op), for buffers that hold every top-k slot with rows and scale rows of 16-byte multiples; a
+    smaller buffer, 8-byte scale rows or more than 256 local experts go through token rows and XLA's layout."""
+
+    def program(capacity=None, hidden=128, use_fp8=False, experts=8, topk=3):
+        def body(x, idx):
+            res = ep.dispatch(
+                x[0], idx[0], num_experts=experts, axis_name="ep", layout="expert", capacity=capacity, use_fp8=use_fp8
+            )
+            return ep.combine(res.x.astype(jnp.float32), res.handle)[None]
+
+        f = jax.shard_map(body, mesh=_mesh(2), in_specs=P("ep"), out_specs=P("ep"))
+        return str(jax.make_jaxpr(f)(jnp.ones((2, 4, hidden), jnp.float32), jnp.zeros((2, 4, topk), jnp.int32)))
+
+    with cases.pairs_written_then_summed_in_xla():
+        for written in (program(), program(hidden=512, use_fp8=True)):
+            assert "op='dispatch_pairs'" in written and "combine_pairs" not in written and "expand_pairs" not in written
+        for kw in (dict(capacity=20), dict(hidden=256, use_fp8=True), dict(experts=1024, topk=2)):
+            laid_out = program(**kw)
+            assert "op='dispatch_pairs'" not in laid_out and "op='dispatch'" in laid_out, kw
+
+
 AGREE = [
     # ranks, tokens, hidden, topk, experts, dtype, alignment, capacity, use_fp8
     (4, 21, 128, 4, 16, jnp.float32, 1, None, False),
@@ -242,7 +269,7 @@ def test_zero_padding_off_leaves_the_rows_outside_the_groups_and_nothing_else_ch
         outside = left[0][r][~inside]
         assert np.isnan(outside).all() if poisoned else not outside.any()
         cotangent_outside = left[6][r][~inside]
-        if poisoned and writer == "xla":
+        if poisoned and writer != "receive":  # the cotangent goes to token rows, then the FFI's expand_pairs
             assert np.isnan(cotangent_outside).all()
         else:
             assert not cotangent_outside.any()

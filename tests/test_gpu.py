@@ -65,15 +65,27 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     problems["expert_layout"] = cases.check_expert_layout(mesh, 13, 40, 256, 4, 4 * r, jnp.bfloat16, alignment=8)
     problems["expert_layout_drop"] = cases.check_expert_layout(mesh, 14, 30, 128, 3, 4 * r, jnp.float32, capacity=25)
     problems["expert_layout_fp8"] = cases.check_expert_layout(mesh, 15, 19, 256, 3, 4 * r, jnp.float32, fp8_pair=True)
+    # Scale rows of 16 bytes: where dispatch pulls, the receive writes these FP8 pairs too (8-byte ones: token rows).
+    problems["expert_layout_fp8_wide"] = cases.check_expert_layout(
+        mesh, 17, 23, 512, 3, 4 * r, jnp.float32, fp8_pair=True, alignment=4
+    )
     if gradients == "1":
         problems["expert_gradients"] = cases.check_expert_gradients(mesh, 16, 12, 128, 3, 4 * r)
     print(f"expert layout: {[problems[k] for k in problems if k.startswith('expert')]}", flush=True)
     ep.check_errors()  # nothing pending so far (dropping on purpose is no error)
-    # Which writer laid the pairs out: the receive (the *_pairs ops) or XLA after token rows.
+    # Which writer laid the pairs out: the receive (the *_pairs ops; over NVLink where dispatch pulls) or XLA after
+    # token rows.
     receive_writes_pairs = _plan.receive_writes_pairs()
+    nvlink_writes_pairs = _plan.current().nvlink_pulls_pairs
     if error_checks == "0":
         ep.shutdown()
-        return {"problems": problems, "ranks": r, "two_level": two_level, "receive_writes_pairs": receive_writes_pairs}
+        return {
+            "problems": problems,
+            "ranks": r,
+            "two_level": two_level,
+            "receive_writes_pairs": receive_writes_pairs,
+            "nvlink_writes_pairs": nvlink_writes_pairs,
+        }
 
     # Capacity exceeded (overflow="error"): the kernel cannot fail its own call, and ops never raise it (that would
     # strand the peers); every member of the group that overflowed counts every member's rows, so check_errors()
@@ -121,7 +133,13 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         ok = owns_rank0 and "= 99 outside" in str(exc)
         problems["layout_bad_index"] = [] if ok else [str(exc)[:300]]
     ep.shutdown()
-    return {"problems": problems, "ranks": r, "two_level": two_level, "receive_writes_pairs": receive_writes_pairs}
+    return {
+        "problems": problems,
+        "ranks": r,
+        "two_level": two_level,
+        "receive_writes_pairs": receive_writes_pairs,
+        "nvlink_writes_pairs": nvlink_writes_pairs,
+    }
 
 
 def _low_latency_checks(mesh, problems: dict) -> None:
@@ -220,8 +238,13 @@ SUITE_ENV = {"UCCL_EP_NVL_BUFFER_BYTES": str(256 << 20), "UCCL_EP_TIMEOUT_S": "3
 
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
 def test_one_process_drives_all_gpus(part):
+    """Every reference check over all GPUs from one process; there dispatch pulls, so the expert layout's cases that
+    fit the NVLink pair writer (a pair buffer of every top-k slot, 16-byte rows and scale rows) have the receive write
+    the pair buffer, the others token rows then XLA's layout."""
     results = launch(HERE, "gpu_suite", 1, args=[part], platform="gpu", timeout_s=150, env=SUITE_ENV)
     _check(results, NUM_GPUS)
+    if part == "normal":
+        assert results[0].result["nvlink_writes_pairs"], results[0].result
 
 
 @pytest.mark.parametrize("part", ["normal", "low_latency"])

@@ -223,12 +223,19 @@ using uccl_ep::SwigluArgs;
 void swiglu(const SwigluArgs& args, cudaStream_t stream);
 
 using uccl_ep::LayoutArgs;
+using uccl_ep::PairBuffer;
 // Enqueues the layout on `stream`; a bad expert index is skipped and recorded in `err` (raised by check_errors()).
 void get_dispatch_layout(const LayoutArgs& args, DeviceErrors* err, int rank, cudaStream_t stream);
 
 // Bytes of the message one rank sends another for a dispatch of this shape.
 size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights);
 void dispatch(NvlDevice& dev, const Group& group, const DispatchArgs& args, cudaStream_t stream);
+
+// dispatch(layout="expert") where the dispatch pulls (pulls() below): the receive copies each row straight into
+// its slots of the pair buffer (PairBuffer's rule), which must never drop; `args`' own outputs other than the
+// token-in-rank mask and the counts are unused.
+void dispatch_pairs(NvlDevice& dev, const Group& group, DispatchArgs args, const PairBuffer& pairs,
+                    cudaStream_t stream);
 
 void cached_dispatch(NvlDevice& dev, const Group& group, const CachedDispatchArgs& args, cudaStream_t stream);
 

@@ -310,6 +310,10 @@ struct DispatchReceiveArgs {
   int32_t* num_tokens_per_expert;  // topk mode: [local experts], zeroed by the scan, counted as slots are localized
   bool token_slots;                // the members' messages as DispatchSendArgs::token_slots says
   bool pulled;                     // src: the members' own inputs, all there before the launch (pull_dispatch_kernel)
+  // dispatch(layout="expert") (pull_dispatch_kernel only): row o goes to pair slots pair_of[o * topk + k] of recv_x
+  // and recv_scales (the pair buffer) instead of row o; a slot of pair_capacity names none.
+  const int32_t* pair_of;
+  int pair_capacity;
 };
 
 // Where source s's rows are in its message: ours (the op's inputs) and, with token slots, a member's at their
@@ -691,7 +695,9 @@ inline DispatchKernels dispatch_kernels(const DispatchArgs& a, const Group& g, c
                                   scratch.row_before,
                                   a.num_tokens_per_expert,
                                   false,
-                                  false};
+                                  false,
+                                  nullptr,
+                                  0};
   return k;
 }
 inline DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, const Group& g, const Scratch& scratch,
@@ -763,7 +769,9 @@ inline DispatchKernels cached_dispatch_kernels(const CachedDispatchArgs& a, cons
                                   scratch.row_before,
                                   nullptr,
                                   false,
-                                  false};
+                                  false,
+                                  nullptr,
+                                  0};
   return k;
 }
 

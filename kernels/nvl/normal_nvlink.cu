@@ -337,8 +337,11 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
   const ReceiveFrom& from = a.from;
   const int R = from.num_ranks, T = a.num_tokens;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  __shared__ int part_row[kMaxStages];     // pair slots: the job's output row
+  __shared__ int64_t part_at[kMaxStages];  // and where in the row its x bytes go
   const int kept = *a.num_kept;
   const int64_t xrb = a.x_row_bytes, srb = a.recv_scales ? a.scale_row_bytes : 0;
+  const bool pairs = a.pair_of != nullptr;  // each row to its pair slots: a row (segment) a job
   if (warp < kProducers && lane == 0) {
     const int per = b.stages / kProducers, first_stage = warp * per;
     StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per, full + first_stage,
@@ -346,7 +349,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
     int* item_tokens = producer_tokens[warp];
     const int all_items = pieces(T, a.chunks) * a.chunks * R;
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
-    const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of an item's rows a row at a time
+    const int rows_per_job = segs == 1 && !pairs ? int(b.stage_bytes / (xrb + srb)) : 1;  // of an item's rows
     // The stream's position: item, its source s and rows [o0, o1); then, where they are contiguous in the source's
     // message (from token t0's row on), a byte position in its x rows (phase 1) and scale rows (2), else a row and
     // segment of the item (3); 0: the next item.
@@ -374,7 +377,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               if (s != from.self && !a.pulled && wait_progress(from, s, c, t1 - c0) < 0) continue;
               // Rows at their tokens' rows (token slots) are contiguous where every token of the item comes to us
               // (and is kept).
-              if (o1 - o0 == t1 - t0) {
+              if (o1 - o0 == t1 - t0 && !pairs) {
                 phase = 1;
                 at = 0;
               } else {
@@ -433,6 +436,8 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
             const bool with_scales = srb && seg == segs - 1;
             part_dst[st][0] = a.recv_x + int64_t(o) * xrb + offset_in_row;
             part_bytes[st][0] = x_bytes;
+            part_row[st] = o;
+            part_at[st] = offset_in_row;
             part_dst[st][1] = with_scales ? a.recv_scales + int64_t(o) * srb : nullptr;
             part_bytes[st][1] = with_scales ? uint32_t(srb) : 0;
             const uint32_t bytes = x_bytes + part_bytes[st][1];
@@ -448,13 +453,23 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
         },
         [&](int j, char* stage) {
           const int st = first_stage + j % ring.stages;
-          bulk_store(part_dst[st][0], stage, part_bytes[st][0]);
-          if (part_bytes[st][1]) bulk_store(part_dst[st][1], stage + part_bytes[st][0], part_bytes[st][1]);
+          if (!pairs) {
+            bulk_store(part_dst[st][0], stage, part_bytes[st][0]);
+            if (part_bytes[st][1]) bulk_store(part_dst[st][1], stage + part_bytes[st][0], part_bytes[st][1]);
+            return;
+          }
+          const int32_t* slots = a.pair_of + int64_t(part_row[st]) * a.topk;  // one load, a store per slot
+          for (int k = 0; k < a.topk; ++k) {
+            const int64_t slot = slots[k];
+            if (slot >= a.pair_capacity) continue;
+            bulk_store(a.recv_x + slot * xrb + part_at[st], stage, part_bytes[st][0]);
+            if (part_bytes[st][1]) bulk_store(a.recv_scales + slot * srb, stage + part_bytes[st][0], part_bytes[st][1]);
+          }
         },
         [](int) {});
     return;
   }
-  if (warp < kProducers || joined) return;
+  if (warp < kProducers || joined || pairs) return;  // pairs: lay_out_pairs wrote the rest
   // The other warps: the kept rows' expert indices (and weights), localized, a row per thread; then the padding.
   const int helper_warps = warps - kProducers;
   const int helpers = helper_warps * kWarp, helper = (warp - kProducers) * kWarp + lane;
@@ -756,6 +771,162 @@ __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Han
   return true;
 }
 
+// dispatch(layout="expert") among GPUs of one process (pull_dispatch_kernel): the pair buffer's slots (the contract's
+// PairBuffer rule, which kernels/cpu/pairs.cpp and jax_uccl_ep/_pairs.py follow too), laid out by every block after
+// the routing scan has placed the rows and before any row moves, so the receive copies each row straight into its
+// slots. The buffer holds every top-k slot of every row (the caller checks), so every received row is kept.
+constexpr int kMaxPairGroups = 256;  // local experts
+constexpr int kMaxPairTopk = 32;
+struct PairLayout {
+  int32_t* pair_of;           // [rows, K]
+  int32_t* pair_row;          // [capacity]
+  float* weights;             // [capacity] or null
+  int32_t* expert_offsets;    // [G]
+  int32_t* pairs_per_expert;  // [G]
+  int32_t* stats;             // [3]: [0] the scan's rows kept
+  char* x;                    // [capacity, x_row_bytes]: zeroed outside the groups with zero_padding
+  char* scales;               // [capacity, scale_row_bytes] or null
+  int64_t x_row_bytes, scale_row_bytes;
+  int32_t* unit_counts;                          // scratch [units, G]: each unit's pairs of each expert
+  int capacity, alignment, rows, groups, units;  // units of blockDim.x received rows
+  bool zero_padding;
+};
+
+// Two passes over units of blockDim.x received rows, each unit handed over once done: count each unit's pairs of
+// each local expert, then give each pair its slot (its expert's offset, then every earlier unit's pairs of that
+// expert, then the earlier rows' of its unit, in row order, a row's slots in k order). Shared memory: the dynamic
+// stages, before any copy uses them. False (to the whole block) once the op is given up.
+__device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const Handoff& h, uint64_t* counted,
+                              uint64_t* placed, int block, int blocks, const Members& m) {
+  extern __shared__ __align__(128) char smem[];
+  const int K = scan.topk, G = p.groups, first = scan.self * G, M = p.capacity;
+  const int tid = int(threadIdx.x), threads = int(blockDim.x), warp = tid / kWarp, warps = threads / kWarp;
+  const int kept = *scan.recv_num_tokens;
+  int* offs = reinterpret_cast<int*>(smem);  // [G] each expert's first slot
+  int* total = offs + G;                     // [G] each expert's pairs
+  int* base = total + G;                     // [G] the unit's first slot of each expert
+  int* warp_first = base + G;                // [warps, G] each warp's first slot of each expert
+  int* experts = warp_first + warps * G;     // [threads, K] each row's local experts, -1 for none
+  __shared__ int needed;
+  const auto local = [&](int r, int k) {
+    const int2 st = scan.row_map[r];
+    const int e = scan.src.topk_idx[st.x][int64_t(st.y) * K + k] - first;
+    return e >= 0 && e < G ? e : -1;
+  };
+  for (int v = block; v < p.units; v += blocks) {
+    for (int e = tid; e < G; e += threads) total[e] = 0;
+    __syncthreads();
+    const int r = v * threads + tid;
+    if (r < kept)
+      for (int k = 0; k < K; ++k)
+        if (const int e = local(r, k); e >= 0) atomicAdd(total + e, 1);
+    __syncthreads();
+    for (int e = tid; e < G; e += threads) p.unit_counts[int64_t(v) * G + e] = total[e];
+    __syncthreads();
+  }
+  hand_over(h, counted, block, blocks, p.units);
+  if (!wait_handed_over(h, counted, p.units, m)) return false;
+
+  for (int e = tid; e < G; e += threads) {
+    int n = 0;
+    for (int v = 0; v < p.units; ++v) n += p.unit_counts[int64_t(v) * G + e];
+    total[e] = n;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int at = 0;
+    for (int e = 0; e < G; ++e) {
+      offs[e] = at;
+      at += (total[e] + p.alignment - 1) / p.alignment * p.alignment;
+    }
+    needed = at;
+  }
+  __syncthreads();
+  if (block == 0) {
+    for (int e = tid; e < G; e += threads) {
+      p.expert_offsets[e] = offs[e];
+      p.pairs_per_expert[e] = total[e];
+    }
+    if (tid == 0) {
+      p.stats[1] = 0;
+      p.stats[2] = needed;
+    }
+  }
+  for (int v = block; v < p.units; v += blocks) {
+    for (int e = tid; e < G; e += threads) {
+      int b = offs[e];
+      for (int u = 0; u < v; ++u) b += p.unit_counts[int64_t(u) * G + e];
+      base[e] = b;
+    }
+    for (int i = tid; i < warps * G; i += threads) warp_first[i] = 0;
+    __syncthreads();
+    const int r = v * threads + tid;
+    for (int k = 0; k < K; ++k) {
+      const int e = r < kept ? local(r, k) : -1;
+      experts[tid * K + k] = e;
+      if (e >= 0) atomicAdd(warp_first + warp * G + e, 1);
+    }
+    __syncthreads();
+    for (int e = tid; e < G; e += threads)
+      for (int w = 0, at = base[e]; w < warps; ++w) {
+        const int n = warp_first[w * G + e];
+        warp_first[w * G + e] = at;
+        at += n;
+      }
+    __syncthreads();
+    if (r < p.rows)
+      for (int k = 0; k < K; ++k) {
+        const int e = experts[tid * K + k];
+        int slot = M;
+        if (e >= 0) {
+          int at = warp_first[warp * G + e];  // then the warp's earlier rows' pairs of e, and this row's
+          for (int i = warp * kWarp; i < tid; ++i)
+            for (int q = 0; q < K; ++q) at += experts[i * K + q] == e;
+          for (int q = 0; q < k; ++q) at += experts[tid * K + q] == e;
+          if (at < M) {
+            slot = at;
+            p.pair_row[slot] = r;
+            if (p.weights) {
+              const int2 st = scan.row_map[r];
+              p.weights[slot] = scan.src.weights[st.x][int64_t(st.y) * K + k];
+            }
+          }
+        }
+        p.pair_of[int64_t(r) * K + k] = slot;
+      }
+    __syncthreads();
+  }
+  // The slots outside the groups: no row, weight 0, and zeros with zero_padding (a warp a slot).
+  const auto outside = [&](int j) {
+    int lo = 0, hi = G;  // the last expert whose offset is <= j
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (offs[mid] <= j)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    return G == 0 || j < offs[lo] || j >= offs[lo] + total[lo];
+  };
+  for (int j = block * threads + tid; j < M; j += blocks * threads)
+    if (outside(j)) {
+      p.pair_row[j] = p.rows;
+      if (p.weights) p.weights[j] = 0.f;
+    }
+  if (p.zero_padding) {
+    const int lane = tid % kWarp;
+    for (int j = block * warps + warp; j < M; j += blocks * warps)
+      if (outside(j)) {
+        warp_zero(p.x + int64_t(j) * p.x_row_bytes, p.x_row_bytes, lane);
+        if (p.scales) warp_zero(p.scales + int64_t(j) * p.scale_row_bytes, p.scale_row_bytes, lane);
+      }
+  }
+  hand_over(h, placed, block, blocks, p.units);
+  if (!wait_handed_over(h, placed, p.units, m)) return false;
+  fence_shared_for_bulk();  // the stages' bytes were written here; bulk copies write them next
+  return true;
+}
+
 // (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
 // counts the rows of its scan units, places them once every unit is counted, and copies once every unit is placed. With
 // bulk copies a send block whose sends are done joins the copies (the items come from one counter of the launch), so
@@ -880,6 +1051,7 @@ struct PullDispatchLaunch {
   DispatchLaunch d;  // its send: our inputs, message numbers, the members' meta and acknowledgement words
   uint64_t* words_to[kMaxRanks];
   const uint64_t* words_from[kMaxRanks];
+  PairLayout pairs;  // dispatch(layout="expert"): pair_of set; its handed-over words follow the scan's
 };
 
 // Block 0's first thread, first: where our inputs are, then the message's number (its release puts our inputs,
@@ -961,8 +1133,13 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
       receive.pulled = true;
     }
     __syncthreads();
-    if (scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m))
-      dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
+    bool laid_out = scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m);
+    if (laid_out && f.pairs.pair_of) {
+      uint64_t* pairs_counted = placed + d.units * d.scan.num_ranks;
+      laid_out =
+          lay_out_pairs(f.pairs, scan, d.handoff, pairs_counted, pairs_counted + f.pairs.units, block, blocks, m);
+    }
+    if (laid_out) dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
   }
   if (acknowledge_when_last(d.handoff, d.acks)) wait_members_read(d.send.to);  // before our inputs may go
 }
@@ -1151,7 +1328,8 @@ Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
   return scratch_at(dev.scratch(), capacity, num_tokens);
 }
 // The NVLink op: its one launch (its last block to finish acknowledges the messages it read).
-void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, bool pull, cudaStream_t stream) {
+void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, bool pull, cudaStream_t stream,
+                     const PairLayout* pairs = nullptr) {
   DispatchLaunch f{};
   f.send = k.send;
   f.scan = k.scan;
@@ -1159,7 +1337,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
   f.routing = routing_waits(dev, g, k.receive.from);
   f.run = scan_run(k.scan.num_tokens, k.scan.num_ranks, pull ? num_sms() : receive_blocks());  // the blocks that scan
   f.units = scan_units(k.scan.num_tokens, kTransferThreads * f.run);
-  const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks;
+  const size_t scan_words = size_t(2) * f.units * k.scan.num_ranks + (pairs ? size_t(2) * pairs->units : 0);
   f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + scan_words), dev.next_launch()};
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.send.token_slots = f.receive.token_slots = true;
@@ -1174,6 +1352,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
         p.words_to[s] = dev.peer_pull_words(peer);
         p.words_from[s] = dev.pull_words(peer);
       }
+    if (pairs) p.pairs = *pairs;
     launch_fused(pull_dispatch_kernel, p, f.receive_shape.shared_bytes(), stream, "pull_dispatch_kernel");
   } else if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
@@ -1277,6 +1456,72 @@ void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_
             "dispatch", "UCCL_EP_NVL_PULL_DISPATCH");
   dev.timing_begin(stream);
   launch_dispatch(dev, g, dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g)), pull, stream);
+  dev.timing_end(stream, "dispatch");
+}
+
+void dispatch_pairs(NvlDevice& dev, const Group& g, DispatchArgs a, const PairBuffer& p, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(dev.op_mutex());
+  const char* op = "dispatch(layout='expert')";
+  check_group(dev, g, op);
+  check_budget_fits(dev, op);
+  const int K = a.topk, G = a.num_experts / g.size, C = p.rows;
+  const int64_t every_slot = int64_t(C) * K + int64_t(p.alignment - 1) * G;  // every top-k slot of every row
+  if (G > kMaxPairGroups || K > kMaxPairTopk || p.capacity < every_slot || C != g.size * a.num_tokens)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + " over NVLink writes the pair buffer for at most " +
+                                std::to_string(kMaxPairGroups) + " local experts, top-" + std::to_string(kMaxPairTopk) +
+                                ", a buffer no routing overflows (" + std::to_string(every_slot) +
+                                " rows) and every row the group can send; got " + std::to_string(G) + ", top-" +
+                                std::to_string(K) + ", " + std::to_string(p.capacity) + " and " + std::to_string(C) +
+                                " (jax_uccl_ep lays such pairs out after token rows)");
+  a.capacity = C;
+  a.overflow = Overflow::kError;
+  a.recv_x = p.x;
+  a.recv_scales = a.scale_row_bytes ? p.scales : nullptr;
+  a.recv_topk_idx = nullptr;
+  a.recv_topk_weights = nullptr;
+  a.recv_num_tokens = p.stats;  // rows kept: stats[0]
+  a.num_tokens_per_expert = p.pairs_per_expert;
+  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
+  check_fits(dev, l.total, op);
+  const size_t scratch_bytes_rows = scratch_bytes(a.capacity, a.num_tokens);
+  PairLayout pairs{};
+  pairs.units = (C + kTransferThreads - 1) / kTransferThreads;
+  dev.ensure_scratch(scratch_bytes_rows + align16(size_t(pairs.units) * G * 4));
+  const Scratch scratch = scratch_at(dev.scratch(), a.capacity, a.num_tokens);
+  pairs.unit_counts = reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + scratch_bytes_rows);
+  pairs.pair_of = p.pair_of;
+  pairs.pair_row = p.pair_row;
+  pairs.weights = a.topk_weights ? p.weights : nullptr;
+  pairs.expert_offsets = p.expert_offsets;
+  pairs.pairs_per_expert = p.pairs_per_expert;
+  pairs.stats = p.stats;
+  pairs.x = static_cast<char*>(p.x);
+  pairs.scales = a.scale_row_bytes ? static_cast<char*>(p.scales) : nullptr;
+  pairs.x_row_bytes = a.x_row_bytes;
+  pairs.scale_row_bytes = a.scale_row_bytes;
+  pairs.capacity = p.capacity;
+  pairs.alignment = p.alignment;
+  pairs.rows = C;
+  pairs.groups = G;
+  pairs.zero_padding = p.zero_padding;
+  check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
+  if (!pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
+             {a.x, p.x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? p.scales : nullptr}, op,
+             "UCCL_EP_NVL_PULL_DISPATCH"))
+    throw std::invalid_argument(std::string("uccl_ep ") + op +
+                                " over NVLink writes the pair buffer where it pulls (one process driving every GPU of "
+                                "the group, UCCL_EP_NVL_PULL_DISPATCH=1, bulk copies, rows of 16-byte multiples); "
+                                "jax_uccl_ep lays other pairs out after token rows");
+  DispatchKernels k = dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g));
+  k.receive.pair_of = p.pair_of;
+  k.receive.pair_capacity = p.capacity;
+  const BulkShape shape = piece_stages(a.x_row_bytes, a.scale_row_bytes);
+  const size_t layout_bytes = (size_t(3) * G + size_t(kTransferThreads / kWarp) * G + size_t(kTransferThreads) * K) * 4;
+  if (layout_bytes > shape.shared_bytes())
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": the pair layout's tables (" +
+                                std::to_string(layout_bytes) + " bytes) exceed a block's shared memory");
+  dev.timing_begin(stream);
+  launch_dispatch(dev, g, k, true, stream, &pairs);
   dev.timing_end(stream, "dispatch");
 }
 
