@@ -113,11 +113,11 @@ class Config:
         ),
     )
     nvl_dispatch_pairs: bool = field(
-        default=True,
+        default=False,
         metadata=_env(
             "UCCL_EP_NVL_DISPATCH_PAIRS",
             "dispatch(layout='expert') where dispatch pulls (one process) writes each row straight into its pair "
-            "slots (0: token rows, then the pair layout in XLA)",
+            "slots, instead of token rows and then the pair layout in XLA",
         ),
     )
     ll_num_sms: int = field(

@@ -232,8 +232,9 @@ def _check(results, num_ranks):
         assert {k: v for k, v in x.result["problems"].items() if v} == {}
 
 
-# Waits on peers end after UCCL_EP_TIMEOUT_S (low-latency kernels); the launch limit bounds the rest.
-SUITE_ENV = {"UCCL_EP_NVL_BUFFER_BYTES": str(256 << 20), "UCCL_EP_TIMEOUT_S": "30"}
+# Waits on peers end after UCCL_EP_TIMEOUT_S (low-latency kernels); the launch limit bounds the rest. The NVLink pair
+# writer (off by default until timed) runs wherever the suite's dispatch pulls.
+SUITE_ENV = {"UCCL_EP_NVL_BUFFER_BYTES": str(256 << 20), "UCCL_EP_TIMEOUT_S": "30", "UCCL_EP_NVL_DISPATCH_PAIRS": "1"}
 
 
 @pytest.mark.parametrize("part", ["normal", "low_latency"])

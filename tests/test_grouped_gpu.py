@@ -158,9 +158,9 @@ def test_the_decode_layers_expert_slots_on_mosaic_kernels_match_numpy():
         assert res[backend]["padding_max"] == 0.0, res
 
 
-def _child_result(function: str, *args: object) -> dict:
-    """Runs `function(*args)` of this file in one GPU process; its result, printed for the log."""
-    results = launch(HERE, function, 1, args=list(args), platform="gpu", timeout_s=300)
+def _child_result(function: str, *args: object, env: dict | None = None) -> dict:
+    """Runs `function(*args)` of this file in one GPU process (with `env` set); its result, printed for the log."""
+    results = launch(HERE, function, 1, args=list(args), platform="gpu", timeout_s=300, env=env or {})
     assert all(x.ok for x in results), describe(results)
     print(results[0].result)
     return results[0].result
@@ -366,8 +366,11 @@ def layer_child() -> dict:
     return out
 
 
-def test_the_layer_with_bf16_experts_follows_the_float32_reference():
-    res = _child_result("layer_child")
+@pytest.mark.parametrize("pairs", ["token rows", "pair writer"])
+def test_the_layer_with_bf16_experts_follows_the_float32_reference(pairs):
+    """The layer over every GPU of one process, its pair rows from token rows and XLA's layout, or written by the
+    NVLink receive (UCCL_EP_NVL_DISPATCH_PAIRS=1, where dispatch pulls)."""
+    res = _child_result("layer_child", env={"UCCL_EP_NVL_DISPATCH_PAIRS": "1" if pairs == "pair writer" else "0"})
     res.pop("ranks")
     for backend, errors in res.items():
         if errors == "skip":
