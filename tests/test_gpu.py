@@ -75,17 +75,16 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     ep.check_errors()  # nothing pending so far (dropping on purpose is no error)
     # Which writer laid the pairs out: the receive (the *_pairs ops; over NVLink where dispatch pulls) or XLA after
     # token rows.
-    receive_writes_pairs = _plan.receive_writes_pairs()
-    nvlink_writes_pairs = _plan.current().nvlink_pulls_pairs
+    result = {
+        "problems": problems,
+        "ranks": r,
+        "two_level": two_level,
+        "receive_writes_pairs": _plan.receive_writes_pairs(),
+        "nvlink_writes_pairs": _plan.current().nvlink_pulls_pairs,
+    }
     if error_checks == "0":
         ep.shutdown()
-        return {
-            "problems": problems,
-            "ranks": r,
-            "two_level": two_level,
-            "receive_writes_pairs": receive_writes_pairs,
-            "nvlink_writes_pairs": nvlink_writes_pairs,
-        }
+        return result
 
     # Capacity exceeded (overflow="error"): the kernel cannot fail its own call, and ops never raise it (that would
     # strand the peers); every member of the group that overflowed counts every member's rows, so check_errors()
@@ -133,13 +132,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         ok = owns_rank0 and "= 99 outside" in str(exc)
         problems["layout_bad_index"] = [] if ok else [str(exc)[:300]]
     ep.shutdown()
-    return {
-        "problems": problems,
-        "ranks": r,
-        "two_level": two_level,
-        "receive_writes_pairs": receive_writes_pairs,
-        "nvlink_writes_pairs": nvlink_writes_pairs,
-    }
+    return result  # `problems` in it has every check's findings
 
 
 def _low_latency_checks(mesh, problems: dict) -> None:
