@@ -777,6 +777,10 @@ __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Han
 // slots. The buffer holds every top-k slot of every row (the caller checks), so every received row is kept.
 constexpr int kMaxPairGroups = 256;  // local experts
 constexpr int kMaxPairTopk = 32;
+// lay_out_pairs' tables, in the dynamic shared memory the stages take later (~200 KiB whatever the rows' size).
+static_assert((3 + kTransferThreads / kWarp) * kMaxPairGroups * 4 + kTransferThreads * kMaxPairTopk * 4 <=
+                  kBulkSharedBytes / 2,
+              "the pair layout's tables must fit a block's stages");
 struct PairLayout {
   int32_t* pair_of;           // [rows, K]
   int32_t* pair_row;          // [capacity]
@@ -921,6 +925,8 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
         if (p.scales) warp_zero(p.scales + int64_t(j) * p.scale_row_bytes, p.scale_row_bytes, lane);
       }
   }
+  // The handover orders the units' slots before any copy reads pair_of; the padding's writes (which nothing in
+  // the launch reads) are ordered by the launch's end.
   hand_over(h, placed, block, blocks, p.units);
   if (!wait_handed_over(h, placed, p.units, m)) return false;
   fence_shared_for_bulk();  // the stages' bytes were written here; bulk copies write them next
@@ -1330,6 +1336,7 @@ Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
 // The NVLink op: its one launch (its last block to finish acknowledges the messages it read).
 void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, bool pull, cudaStream_t stream,
                      const PairLayout* pairs = nullptr) {
+  if (pairs && !pull) throw std::logic_error("uccl_ep dispatch: the pair layout runs in the pulled launch only");
   DispatchLaunch f{};
   f.send = k.send;
   f.scan = k.scan;
@@ -1515,11 +1522,6 @@ void dispatch_pairs(NvlDevice& dev, const Group& g, DispatchArgs a, const PairBu
   DispatchKernels k = dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g));
   k.receive.pair_of = p.pair_of;
   k.receive.pair_capacity = p.capacity;
-  const BulkShape shape = piece_stages(a.x_row_bytes, a.scale_row_bytes);
-  const size_t layout_bytes = (size_t(3) * G + size_t(kTransferThreads / kWarp) * G + size_t(kTransferThreads) * K) * 4;
-  if (layout_bytes > shape.shared_bytes())
-    throw std::invalid_argument(std::string("uccl_ep ") + op + ": the pair layout's tables (" +
-                                std::to_string(layout_bytes) + " bytes) exceed a block's shared memory");
   dev.timing_begin(stream);
   launch_dispatch(dev, g, k, true, stream, &pairs);
   dev.timing_end(stream, "dispatch");
