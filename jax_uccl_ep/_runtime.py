@@ -23,6 +23,7 @@ import jax
 from . import _ffi, _plan, _uccl_ep
 from ._plan import Topology, TwoLevel
 from .config import Config, cluster_launcher, distributed_env
+from .fp8 import dispatch_row_bytes
 
 _log = logging.getLogger("jax_uccl_ep")
 _lock = threading.Lock()
@@ -562,18 +563,6 @@ def check_errors() -> None:
         _uccl_ep.proxy_check_errors()
 
 
-def _dispatch_row_bytes(hidden: int, fp8: bool, dtype: Any) -> tuple[int, int]:
-    """(x bytes, scale bytes) of one dispatched row: FP8 rows are `hidden` bytes with a float32 scale per
-    FP8_BLOCK channels; other rows are hidden elements of `dtype` and have no scales."""
-    import numpy as np
-
-    from .fp8 import FP8_BLOCK
-
-    if fp8:
-        return hidden, (hidden // FP8_BLOCK) * 4
-    return hidden * np.dtype(dtype).itemsize, 0
-
-
 def nvl_buffer_bytes(
     num_tokens: int,
     hidden: int,
@@ -592,7 +581,7 @@ def nvl_buffer_bytes(
     """
     import numpy as np
 
-    x_row, scale_row = _dispatch_row_bytes(hidden, fp8, dtype)
+    x_row, scale_row = dispatch_row_bytes(hidden, fp8, dtype)
     combine_bf16 = np.dtype(combine_dtype) == np.dtype(jax.numpy.bfloat16)  # float16 rows travel as float32
     return int(
         _uccl_ep.nvl_bytes_needed(num_ranks, num_tokens, x_row, scale_row, topk, with_weights, hidden, combine_bf16)
@@ -619,7 +608,7 @@ def low_latency_buffer_bytes(
     """
     import numpy as np
 
-    x_row, scale_row = _dispatch_row_bytes(hidden, fp8, dispatch_dtype)
+    x_row, scale_row = dispatch_row_bytes(hidden, fp8, dispatch_dtype)
     combine_row = hidden * np.dtype(combine_dtype).itemsize
     if not hasattr(_uccl_ep, "nvl_low_latency_bytes_needed"):
         raise RuntimeError("jax_uccl_ep: low_latency_buffer_bytes is for GPUs; this build has no CUDA")

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_BLOCK = 128  # channels that share one scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def dispatch_row_bytes(hidden: int, fp8: bool, dtype: Any) -> tuple[int, int]:
+    """(x bytes, scale bytes) of one dispatched row: FP8 rows are `hidden` bytes with a float32 scale per
+    FP8_BLOCK channels; other rows are hidden elements of `dtype` and have no scales."""
+    if fp8:
+        return hidden, (hidden // FP8_BLOCK) * 4
+    return hidden * np.dtype(dtype).itemsize, 0
 
 
 def per_token_cast_to_fp8(x: jax.Array, round_scale: bool = False) -> tuple[jax.Array, jax.Array]:

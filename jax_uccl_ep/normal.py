@@ -33,7 +33,7 @@ from ._checks import (
     flatten_tokens,
 )
 from ._ffi import ep_call
-from .fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
+from .fp8 import FP8_BLOCK, dispatch_row_bytes, per_token_cast_back, per_token_cast_to_fp8
 
 AxisName = Union[str, Sequence[str]]
 Fp8Pair = tuple  # (x_fp8 [T, H] float8_e4m3fn, scales [T, H // 128] float32)
@@ -608,11 +608,7 @@ def _receive_writes_pairs(
     if _plan.receive_writes_pairs():
         return True
     rows, _, is_fp8 = _split_x(x)
-    hidden = rows.shape[1]
-    if is_fp8 or use_fp8:
-        row_bytes, scale_row_bytes = hidden, hidden // FP8_BLOCK * 4
-    else:
-        row_bytes, scale_row_bytes = hidden * rows.dtype.itemsize, 0
+    row_bytes, scale_row_bytes = dispatch_row_bytes(rows.shape[1], is_fp8 or use_fp8, rows.dtype)
     every_slot = _pairs.every_slot_pairs(group_rows, top_k, groups, alignment)
     return _plan.nvlink_writes_pairs(groups, top_k, capacity, every_slot, row_bytes, scale_row_bytes)
 
