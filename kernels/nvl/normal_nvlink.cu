@@ -782,18 +782,10 @@ static_assert((3 + kTransferThreads / kWarp) * kMaxPairGroups * 4 + kTransferThr
                   kBulkSharedBytes / 2,
               "the pair layout's tables must fit a block's stages");
 struct PairLayout {
-  int32_t* pair_of;           // [rows, K]
-  int32_t* pair_row;          // [capacity]
-  float* weights;             // [capacity] or null
-  int32_t* expert_offsets;    // [G]
-  int32_t* pairs_per_expert;  // [G]
-  int32_t* stats;             // [3]: [0] the scan's rows kept
-  char* x;                    // [capacity, x_row_bytes]: zeroed outside the groups with zero_padding
-  char* scales;               // [capacity, scale_row_bytes] or null
+  PairBuffer out;  // the op's outputs; out.stats[0] is the scan's rows kept
   int64_t x_row_bytes, scale_row_bytes;
-  int32_t* unit_counts;                          // scratch [units, G]: each unit's pairs of each expert
-  int capacity, alignment, rows, groups, units;  // units of blockDim.x received rows
-  bool zero_padding;
+  int32_t* unit_counts;  // scratch [units, G]: each unit's pairs of each expert
+  int groups, units;     // units of blockDim.x received rows
 };
 
 // Two passes over units of blockDim.x received rows, each unit handed over once done: count each unit's pairs of
@@ -803,7 +795,8 @@ struct PairLayout {
 __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const Handoff& h, uint64_t* counted,
                               uint64_t* placed, int block, int blocks, const Members& m) {
   extern __shared__ __align__(128) char smem[];
-  const int K = scan.topk, G = p.groups, first = scan.self * G, M = p.capacity;
+  const PairBuffer& o = p.out;
+  const int K = scan.topk, G = p.groups, first = scan.self * G, M = o.capacity;
   const int tid = int(threadIdx.x), threads = int(blockDim.x), warp = tid / kWarp, warps = threads / kWarp;
   const int kept = *scan.recv_num_tokens;
   int* offs = reinterpret_cast<int*>(smem);  // [G] each expert's first slot
@@ -841,19 +834,19 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
     int at = 0;
     for (int e = 0; e < G; ++e) {
       offs[e] = at;
-      at += (total[e] + p.alignment - 1) / p.alignment * p.alignment;
+      at += (total[e] + o.alignment - 1) / o.alignment * o.alignment;
     }
     needed = at;
   }
   __syncthreads();
   if (block == 0) {
     for (int e = tid; e < G; e += threads) {
-      p.expert_offsets[e] = offs[e];
-      p.pairs_per_expert[e] = total[e];
+      o.expert_offsets[e] = offs[e];
+      o.pairs_per_expert[e] = total[e];
     }
     if (tid == 0) {
-      p.stats[1] = 0;
-      p.stats[2] = needed;
+      o.stats[1] = 0;
+      o.stats[2] = needed;
     }
   }
   for (int v = block; v < p.units; v += blocks) {
@@ -878,7 +871,7 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
         at += n;
       }
     __syncthreads();
-    if (r < p.rows)
+    if (r < o.rows)
       for (int k = 0; k < K; ++k) {
         const int e = experts[tid * K + k];
         int slot = M;
@@ -889,14 +882,14 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
           for (int q = 0; q < k; ++q) at += experts[tid * K + q] == e;
           if (at < M) {
             slot = at;
-            p.pair_row[slot] = r;
-            if (p.weights) {
+            o.pair_row[slot] = r;
+            if (o.weights) {
               const int2 st = scan.row_map[r];
-              p.weights[slot] = scan.src.weights[st.x][int64_t(st.y) * K + k];
+              o.weights[slot] = scan.src.weights[st.x][int64_t(st.y) * K + k];
             }
           }
         }
-        p.pair_of[int64_t(r) * K + k] = slot;
+        o.pair_of[int64_t(r) * K + k] = slot;
       }
     __syncthreads();
   }
@@ -914,15 +907,16 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
   };
   for (int j = block * threads + tid; j < M; j += blocks * threads)
     if (outside(j)) {
-      p.pair_row[j] = p.rows;
-      if (p.weights) p.weights[j] = 0.f;
+      o.pair_row[j] = o.rows;
+      if (o.weights) o.weights[j] = 0.f;
     }
-  if (p.zero_padding) {
+  if (o.zero_padding) {
     const int lane = tid % kWarp;
     for (int j = block * warps + warp; j < M; j += blocks * warps)
       if (outside(j)) {
-        warp_zero(p.x + int64_t(j) * p.x_row_bytes, p.x_row_bytes, lane);
-        if (p.scales) warp_zero(p.scales + int64_t(j) * p.scale_row_bytes, p.scale_row_bytes, lane);
+        warp_zero(static_cast<char*>(o.x) + int64_t(j) * p.x_row_bytes, p.x_row_bytes, lane);
+        if (p.scale_row_bytes)
+          warp_zero(static_cast<char*>(o.scales) + int64_t(j) * p.scale_row_bytes, p.scale_row_bytes, lane);
       }
   }
   // The handover orders the units' slots before any copy reads pair_of; the padding's writes (which nothing in
@@ -1057,7 +1051,7 @@ struct PullDispatchLaunch {
   DispatchLaunch d;  // its send: our inputs, message numbers, the members' meta and acknowledgement words
   uint64_t* words_to[kMaxRanks];
   const uint64_t* words_from[kMaxRanks];
-  PairLayout pairs;  // dispatch(layout="expert"): pair_of set; its handed-over words follow the scan's
+  PairLayout pairs;  // dispatch(layout="expert"): out.pair_of set; its handed-over words follow the scan's
 };
 
 // Block 0's first thread, first: where our inputs are, then the message's number (its release puts our inputs,
@@ -1140,7 +1134,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
     }
     __syncthreads();
     bool laid_out = scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m);
-    if (laid_out && f.pairs.pair_of) {
+    if (laid_out && f.pairs.out.pair_of) {
       uint64_t* pairs_counted = placed + d.units * d.scan.num_ranks;
       laid_out =
           lay_out_pairs(f.pairs, scan, d.handoff, pairs_counted, pairs_counted + f.pairs.units, block, blocks, m);
@@ -1492,25 +1486,15 @@ void dispatch_pairs(NvlDevice& dev, const Group& g, DispatchArgs a, const PairBu
   check_fits(dev, l.total, op);
   const size_t scratch_bytes_rows = scratch_bytes(a.capacity, a.num_tokens);
   PairLayout pairs{};
-  pairs.units = (C + kTransferThreads - 1) / kTransferThreads;
+  pairs.units = scan_units(C, kTransferThreads);
   dev.ensure_scratch(scratch_bytes_rows + align16(size_t(pairs.units) * G * 4));
   const Scratch scratch = scratch_at(dev.scratch(), a.capacity, a.num_tokens);
   pairs.unit_counts = reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + scratch_bytes_rows);
-  pairs.pair_of = p.pair_of;
-  pairs.pair_row = p.pair_row;
-  pairs.weights = a.topk_weights ? p.weights : nullptr;
-  pairs.expert_offsets = p.expert_offsets;
-  pairs.pairs_per_expert = p.pairs_per_expert;
-  pairs.stats = p.stats;
-  pairs.x = static_cast<char*>(p.x);
-  pairs.scales = a.scale_row_bytes ? static_cast<char*>(p.scales) : nullptr;
+  pairs.out = p;
+  pairs.out.weights = a.topk_weights ? p.weights : nullptr;
   pairs.x_row_bytes = a.x_row_bytes;
   pairs.scale_row_bytes = a.scale_row_bytes;
-  pairs.capacity = p.capacity;
-  pairs.alignment = p.alignment;
-  pairs.rows = C;
   pairs.groups = G;
-  pairs.zero_padding = p.zero_padding;
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   if (!pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
              {a.x, p.x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? p.scales : nullptr}, op,
