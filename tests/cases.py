@@ -654,33 +654,17 @@ def check_expert_gradients(mesh, seed, num_tokens, hidden, topk, num_experts, *,
 
 
 @contextlib.contextmanager
-def pairs_laid_out_in_xla():
-    """dispatch(layout="expert") as the GPU paths run it (token rows, then the pair layout in XLA, _pairs.py) on
-    CPU devices, whose receive otherwise writes the pairs itself. Programs traced inside are traced afresh."""
-    from jax_uccl_ep import _plan
-
-    saved = _plan.receive_writes_pairs
-    _plan.receive_writes_pairs = lambda: False
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        _plan.receive_writes_pairs = saved
-        jax.clear_caches()
-
-
-@contextlib.contextmanager
-def pairs_written_then_summed_in_xla():
-    """dispatch(layout="expert") as the NVLink path runs it where dispatch pulls (the receive writes the pair buffer
-    where _plan.nvlink_writes_pairs allows; combine sums each row's pairs in XLA, then sends token rows back) on CPU
-    devices, whose receive otherwise sums them too. Programs traced inside are traced afresh."""
+def _as_gpu_pair_paths(nvlink_writes: bool):
+    """On CPU devices, the pair ops as a GPU path runs them: no host-path pair op sums a row's pairs (XLA does), and
+    with `nvlink_writes` the receive writes the pairs where _plan.nvlink_writes_pairs allows (the NVLink path where
+    dispatch pulls), else token rows then XLA's layout. Programs traced inside are traced afresh."""
     import dataclasses
 
     from jax_uccl_ep import _plan
 
     saved, plan = _plan.receive_writes_pairs, _plan.current()
     _plan.receive_writes_pairs = lambda: False
-    _plan.set_current(dataclasses.replace(plan, nvlink_pulls_pairs=True))
+    _plan.set_current(dataclasses.replace(plan, nvlink_pulls_pairs=nvlink_writes))
     jax.clear_caches()
     try:
         yield
@@ -688,6 +672,19 @@ def pairs_written_then_summed_in_xla():
         _plan.receive_writes_pairs = saved
         _plan.set_current(plan)
         jax.clear_caches()
+
+
+def pairs_laid_out_in_xla():
+    """dispatch(layout="expert") as the GPU paths run it (token rows, then the pair layout in XLA, _pairs.py) on
+    CPU devices, whose receive otherwise writes the pairs itself."""
+    return _as_gpu_pair_paths(nvlink_writes=False)
+
+
+def pairs_written_then_summed_in_xla():
+    """dispatch(layout="expert") as the NVLink path runs it where dispatch pulls (the receive writes the pair buffer
+    where _plan.nvlink_writes_pairs allows; combine sums each row's pairs in XLA, then sends token rows back) on CPU
+    devices, whose receive otherwise sums them too."""
+    return _as_gpu_pair_paths(nvlink_writes=True)
 
 
 def check_pair_writers_agree(
