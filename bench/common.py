@@ -600,6 +600,46 @@ class EPBench:
 
         return self._run(name, make, p.exact_bytes(fp8), note=f"capacity {p.max_recv} rows")
 
+    def uccl_dispatch_expert(self) -> OpResult:
+        """dispatch(layout="expert") as the layer calls it (bf16, alignment 1, padding left unwritten, the
+        default never-dropping pair buffer): the receive writing the pairs where UCCL_EP_NVL_DISPATCH_PAIRS=1
+        takes it, else token rows and then the XLA layout (its counting sort and gather inside the timed span)."""
+        p = self.prob
+        name = f"uccl_ep dispatch expert-major {p.dtype}"
+
+        def make():
+            import jax
+            import jax.numpy as jnp
+
+            import jax_uccl_ep as ep
+
+            def body(x, idx, w):
+                def step(tok):
+                    out = ep.dispatch(
+                        x,
+                        jnp.where(tok < 0, 0, idx),
+                        w,
+                        num_experts=p.experts,
+                        axis_name=self.AXIS,
+                        layout="expert",
+                        zero_padding=False,
+                    )
+                    # The barrier keeps the pair rows live: XLA would drop the layout's gather of rows nothing reads.
+                    rows, count = jax.lax.optimization_barrier((out.x, out.num_tokens))
+                    del rows
+                    return count
+
+                return looped(step, self.iters, self.unroll)(idx[0, 0] * 0)[None]
+
+            return self._smap(body, 3), (self.x, self.topk_idx, self.topk_weights)
+
+        from jax_uccl_ep import _plan
+
+        plan = _plan.current()
+        writes = _plan.receive_writes_pairs() or (plan is not None and plan.nvlink_pulls_pairs)
+        note = "the receive writes the pairs" if writes else "token rows, then the XLA layout"
+        return self._run(name, make, p.exact_bytes(False), note=note)
+
     def uccl_combine(self) -> OpResult:
         p = self.prob
         name = f"uccl_ep combine {p.dtype}"
@@ -730,11 +770,12 @@ class EPBench:
         return self._run(name, make, p.exact_bytes(False), note="exact ragged rows")
 
     def op(self, name: str) -> OpResult:
-        """Runs one op by name: 'dispatch', 'dispatch_fp8', 'combine', 'll_dispatch_fp8', 'll_combine',
+        """Runs one op by name: 'dispatch', 'dispatch_fp8', 'dispatch_expert', 'combine', 'll_dispatch_fp8', 'll_combine',
         'all_to_all', 'ragged_all_to_all'."""
         table = {
             "dispatch": lambda: self.uccl_dispatch(False),
             "dispatch_fp8": lambda: self.uccl_dispatch(True),
+            "dispatch_expert": self.uccl_dispatch_expert,
             "combine": self.uccl_combine,
             "ll_dispatch_fp8": lambda: self.uccl_low_latency(False),
             "ll_combine": lambda: self.uccl_low_latency(True),

@@ -4,7 +4,9 @@ jax.lax.all_to_all, jax.lax.ragged_all_to_all and NCCL all_to_all_single (torch.
 Defaults are DeepSeek-V3's: 4096 tokens per rank, hidden 7168, top-8 of 256 experts, random routing (uniform top-k,
 random normal x), BF16 payload. Measured:
   - jax_uccl_ep dispatch BF16, dispatch FP8 (x float8_e4m3fn + scales [T, H/128] float32), combine BF16 — "n/a"
-    rows (with the reason) where the package or its ops are not available on this platform yet;
+    rows (with the reason) where the package or its ops are not available on this platform yet; with --ops
+    dispatch_expert, dispatch(layout="expert") as the layer calls it (the pair writer against token rows and the XLA
+    layout: run once with UCCL_EP_NVL_DISPATCH_PAIRS=1 and once without);
   - jax.lax.all_to_all on the padded [R, capacity_per_peer, H] payload (capacity = the largest src->dst count);
   - jax.lax.ragged_all_to_all on the exact rows (those dispatch moves);
   - NCCL all_to_all_single, padded and ragged (split sizes = the same counts), BF16, and the FP8 row bytes
@@ -202,7 +204,7 @@ def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) 
 # JAX
 # ------------------------------------------------------------------------------------------------------------
 
-UCCL_OPS = ("dispatch", "dispatch_fp8", "combine")
+UCCL_OPS = ("dispatch", "dispatch_fp8", "dispatch_expert", "combine")
 
 
 def sms_used(pulled: bool = False) -> str:
@@ -300,6 +302,7 @@ def run_jax(
                 name = {
                     "dispatch": f"uccl_ep dispatch {prob.dtype}",
                     "dispatch_fp8": "uccl_ep dispatch fp8",
+                    "dispatch_expert": f"uccl_ep dispatch expert-major {prob.dtype}",
                     "combine": f"uccl_ep combine {prob.dtype}",
                 }[op]
                 nbytes = prob.exact_bytes(op == "dispatch_fp8")

@@ -337,11 +337,12 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
   const ReceiveFrom& from = a.from;
   const int R = from.num_ranks, T = a.num_tokens;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
-  __shared__ int part_row[kMaxStages];     // pair slots: the job's output row
+  __shared__ int part_row[kMaxStages];     // pair slots: the job's first received row,
+  __shared__ int part_rows[kMaxStages];    // its whole rows (1 for a segment)
   __shared__ int64_t part_at[kMaxStages];  // and where in the row its x bytes go
   const int kept = *a.num_kept;
   const int64_t xrb = a.x_row_bytes, srb = a.recv_scales ? a.scale_row_bytes : 0;
-  const bool pairs = a.pair_of != nullptr;  // each row to its pair slots: a row (segment) a job
+  const bool pairs = a.pair_of != nullptr;  // each row to its pair slots, from a stage of rows (or a segment)
   if (warp < kProducers && lane == 0) {
     const int per = b.stages / kProducers, first_stage = warp * per;
     StageRing ring{smem + b.tables_bytes + size_t(first_stage) * b.stage_bytes, b.stage_bytes, per, full + first_stage,
@@ -349,7 +350,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
     int* item_tokens = producer_tokens[warp];
     const int all_items = pieces(T, a.chunks) * a.chunks * R;
     const int segs = int((xrb + b.segment_bytes - 1) / b.segment_bytes);
-    const int rows_per_job = segs == 1 && !pairs ? int(b.stage_bytes / (xrb + srb)) : 1;  // of an item's rows
+    const int rows_per_job = segs == 1 ? int(b.stage_bytes / (xrb + srb)) : 1;  // of an item's rows
     // The stream's position: item, its source s and rows [o0, o1); then, where they are contiguous in the source's
     // message (from token t0's row on), a byte position in its x rows (phase 1) and scale rows (2), else a row and
     // segment of the item (3); 0: the next item.
@@ -418,6 +419,9 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               part_bytes[st][0] = uint32_t(n * xrb);
               part_dst[st][1] = srb ? a.recv_scales + int64_t(o) * srb : nullptr;
               part_bytes[st][1] = uint32_t(n * srb);
+              part_row[st] = o;
+              part_rows[st] = n;
+              part_at[st] = 0;
               const uint32_t bytes = uint32_t(n * (xrb + srb));
               barrier_arrive_expect(bar, bytes);
               for (int r = 0, run = 1; r < n; r += run) {
@@ -437,6 +441,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
             part_dst[st][0] = a.recv_x + int64_t(o) * xrb + offset_in_row;
             part_bytes[st][0] = x_bytes;
             part_row[st] = o;
+            part_rows[st] = 1;
             part_at[st] = offset_in_row;
             part_dst[st][1] = with_scales ? a.recv_scales + int64_t(o) * srb : nullptr;
             part_bytes[st][1] = with_scales ? uint32_t(srb) : 0;
@@ -458,12 +463,17 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
             if (part_bytes[st][1]) bulk_store(part_dst[st][1], stage + part_bytes[st][0], part_bytes[st][1]);
             return;
           }
-          const int32_t* slots = a.pair_of + int64_t(part_row[st]) * a.topk;  // one load, a store per slot
-          for (int k = 0; k < a.topk; ++k) {
-            const int64_t slot = slots[k];
-            if (slot >= a.pair_capacity) continue;
-            bulk_store(a.recv_x + slot * xrb + part_at[st], stage, part_bytes[st][0]);
-            if (part_bytes[st][1]) bulk_store(a.recv_scales + slot * srb, stage + part_bytes[st][0], part_bytes[st][1]);
+          // The stage holds n rows' x parts, then their scale rows: a store of each part to each of its row's slots.
+          const int n = part_rows[st];
+          const uint32_t x_bytes = part_bytes[st][0] / uint32_t(n), s_bytes = part_bytes[st][1] / uint32_t(n);
+          for (int r = 0; r < n; ++r) {
+            const int32_t* slots = a.pair_of + int64_t(part_row[st] + r) * a.topk;
+            for (int k = 0; k < a.topk; ++k) {
+              const int64_t slot = slots[k];
+              if (slot >= a.pair_capacity) continue;
+              bulk_store(a.recv_x + slot * xrb + part_at[st], stage + r * x_bytes, x_bytes);
+              if (s_bytes) bulk_store(a.recv_scales + slot * srb, stage + n * x_bytes + r * s_bytes, s_bytes);
+            }
           }
         },
         [](int) {});
