@@ -464,17 +464,30 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
             return;
           }
           // The stage holds n rows' x parts, then their scale rows: a store of each part to each of its row's slots.
-          const int n = part_rows[st];
+          // The slots of up to kSlotRows rows x kSlotsAtOnce are loaded before any store is issued: each store's
+          // asm orders the loads after it, and one load at a time cost an L2 round trip per slot.
+          constexpr int kSlotRows = 4, kSlotsAtOnce = 8;
+          const int n = part_rows[st], K = a.topk;
           const uint32_t x_bytes = part_bytes[st][0] / uint32_t(n), s_bytes = part_bytes[st][1] / uint32_t(n);
-          for (int r = 0; r < n; ++r) {
-            const int32_t* slots = a.pair_of + int64_t(part_row[st] + r) * a.topk;
-            for (int k = 0; k < a.topk; ++k) {
-              const int64_t slot = slots[k];
-              if (slot >= a.pair_capacity) continue;
-              bulk_store(a.recv_x + slot * xrb + part_at[st], stage + r * x_bytes, x_bytes);
-              if (s_bytes) bulk_store(a.recv_scales + slot * srb, stage + n * x_bytes + r * s_bytes, s_bytes);
+          for (int r0 = 0; r0 < n; r0 += kSlotRows)
+            for (int k0 = 0; k0 < K; k0 += kSlotsAtOnce) {
+              int32_t slot[kSlotRows][kSlotsAtOnce];
+#pragma unroll
+              for (int i = 0; i < kSlotRows; ++i)
+#pragma unroll
+                for (int q = 0; q < kSlotsAtOnce; ++q)
+                  slot[i][q] = r0 + i < n && k0 + q < K ? a.pair_of[int64_t(part_row[st] + r0 + i) * K + k0 + q]
+                                                        : a.pair_capacity;
+#pragma unroll
+              for (int i = 0; i < kSlotRows; ++i)
+#pragma unroll
+                for (int q = 0; q < kSlotsAtOnce; ++q) {
+                  if (slot[i][q] >= a.pair_capacity) continue;
+                  const int64_t at = slot[i][q], r = r0 + i;
+                  bulk_store(a.recv_x + at * xrb + part_at[st], stage + r * x_bytes, x_bytes);
+                  if (s_bytes) bulk_store(a.recv_scales + at * srb, stage + n * x_bytes + r * s_bytes, s_bytes);
+                }
             }
-          }
         },
         [](int) {});
     return;
@@ -815,18 +828,28 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
   int* warp_first = base + G;                // [warps, G] each warp's first slot of each expert
   int* experts = warp_first + warps * G;     // [threads, K] each row's local experts, -1 for none
   __shared__ int needed;
-  const auto local = [&](int r, int k) {
+  // Received row r's local experts k0 .. k0 + kAtOnce - 1 (-1: none, or past K), loaded together from the source's
+  // routing (over NVLink): one round trip a chunk, where a load a slot waited for each before the next.
+  constexpr int kAtOnce = 8;
+  const auto local_experts = [&](int r, int k0, int (&e)[kAtOnce]) {
     const int2 st = scan.row_map[r];
-    const int e = scan.src.topk_idx[st.x][int64_t(st.y) * K + k] - first;
-    return e >= 0 && e < G ? e : -1;
+    const int32_t* idx = scan.src.topk_idx[st.x] + int64_t(st.y) * K;
+#pragma unroll
+    for (int q = 0; q < kAtOnce; ++q) e[q] = k0 + q < K ? idx[k0 + q] - first : -1;
+#pragma unroll
+    for (int q = 0; q < kAtOnce; ++q) e[q] = e[q] >= 0 && e[q] < G ? e[q] : -1;
   };
   for (int v = block; v < p.units; v += blocks) {
     for (int e = tid; e < G; e += threads) total[e] = 0;
     __syncthreads();
     const int r = v * threads + tid;
-    if (r < kept)
-      for (int k = 0; k < K; ++k)
-        if (const int e = local(r, k); e >= 0) atomicAdd(total + e, 1);
+    for (int k0 = 0; r < kept && k0 < K; k0 += kAtOnce) {
+      int e[kAtOnce];
+      local_experts(r, k0, e);
+#pragma unroll
+      for (int q = 0; q < kAtOnce; ++q)
+        if (e[q] >= 0) atomicAdd(total + e[q], 1);
+    }
     __syncthreads();
     for (int e = tid; e < G; e += threads) p.unit_counts[int64_t(v) * G + e] = total[e];
     __syncthreads();
@@ -868,10 +891,18 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
     for (int i = tid; i < warps * G; i += threads) warp_first[i] = 0;
     __syncthreads();
     const int r = v * threads + tid;
-    for (int k = 0; k < K; ++k) {
-      const int e = r < kept ? local(r, k) : -1;
-      experts[tid * K + k] = e;
-      if (e >= 0) atomicAdd(warp_first + warp * G + e, 1);
+    for (int k0 = 0; k0 < K; k0 += kAtOnce) {
+      int e[kAtOnce];
+      if (r < kept)
+        local_experts(r, k0, e);
+      else
+        for (int& each : e) each = -1;
+#pragma unroll
+      for (int q = 0; q < kAtOnce; ++q) {
+        if (k0 + q >= K) break;
+        experts[tid * K + k0 + q] = e[q];
+        if (e[q] >= 0) atomicAdd(warp_first + warp * G + e[q], 1);
+      }
     }
     __syncthreads();
     for (int e = tid; e < G; e += threads)
@@ -881,26 +912,33 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
         at += n;
       }
     __syncthreads();
-    if (r < o.rows)
-      for (int k = 0; k < K; ++k) {
-        const int e = experts[tid * K + k];
+    for (int k0 = 0; r < o.rows && k0 < K; k0 += kAtOnce) {
+      float w[kAtOnce] = {};  // the chunk's router weights, loaded together as the experts were
+      if (o.weights && r < kept) {
+        const int2 st = scan.row_map[r];
+        const float* src = scan.src.weights[st.x] + int64_t(st.y) * K;
+#pragma unroll
+        for (int q = 0; q < kAtOnce; ++q) w[q] = k0 + q < K ? src[k0 + q] : 0.f;
+      }
+#pragma unroll
+      for (int q = 0; q < kAtOnce; ++q) {
+        if (k0 + q >= K) break;
+        const int k = k0 + q, e = experts[tid * K + k];
         int slot = M;
         if (e >= 0) {
           int at = warp_first[warp * G + e];  // then the warp's earlier rows' pairs of e, and this row's
           for (int i = warp * kWarp; i < tid; ++i)
-            for (int q = 0; q < K; ++q) at += experts[i * K + q] == e;
-          for (int q = 0; q < k; ++q) at += experts[tid * K + q] == e;
+            for (int j = 0; j < K; ++j) at += experts[i * K + j] == e;
+          for (int j = 0; j < k; ++j) at += experts[tid * K + j] == e;
           if (at < M) {
             slot = at;
             o.pair_row[slot] = r;
-            if (o.weights) {
-              const int2 st = scan.row_map[r];
-              o.weights[slot] = scan.src.weights[st.x][int64_t(st.y) * K + k];
-            }
+            if (o.weights) o.weights[slot] = w[q];
           }
         }
         o.pair_of[int64_t(r) * K + k] = slot;
       }
+    }
     __syncthreads();
   }
   // The slots outside the groups: no row, weight 0, and zeros with zero_padding (a warp a slot).
