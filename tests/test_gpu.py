@@ -74,6 +74,8 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     problems["expert_layout_units"] = cases.check_expert_layout(
         mesh, 18, 600, 4608, 8, 16 * r, jnp.float32, alignment=4
     )
+    # Top-12 (two chunks of the writer's 8-slot loads, the second partial) of bfloat16 rows of 2 KiB (8 a job).
+    problems["expert_layout_topk12"] = cases.check_expert_layout(mesh, 19, 100, 1024, 12, 16 * r, jnp.bfloat16)
     if gradients == "1":
         problems["expert_gradients"] = cases.check_expert_gradients(mesh, 16, 12, 128, 3, 4 * r)
     print(f"expert layout: {[problems[k] for k in problems if k.startswith('expert')]}", flush=True)
