@@ -130,20 +130,21 @@ __device__ __forceinline__ int4 load16(const int4* p) {
 }
 
 // Copies n 16-byte vectors, thread `thread` of `threads` taking vectors thread, thread + threads, ..., with several
-// loads in flight per thread before their stores (one load at a time leaves the memory system idle).
+// loads in flight per thread before their stores (one load at a time leaves the memory system idle); the last batch
+// is partial, so a tail costs one round trip rather than one a vector.
 constexpr int kUnroll = 4;
 template <Load kLoad = Load::kReadOnly>
 __device__ __forceinline__ void strided_copy16(int4* __restrict__ d, const int4* __restrict__ s, int64_t n, int thread,
                                                int threads) {
-  int64_t i = thread;
-  for (; i + (kUnroll - 1) * threads < n; i += kUnroll * threads) {
+  for (int64_t i = thread; i < n; i += kUnroll * threads) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load16<kLoad>(s + i + u * threads);
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * threads < n) v[u] = load16<kLoad>(s + i + u * threads);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) d[i + u * threads] = v[u];
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * threads < n) d[i + u * threads] = v[u];
   }
-  for (; i < n; i += threads) d[i] = load16<kLoad>(s + i);
 }
 
 // Copies `bytes` with one warp: 16-byte rows as int4 (strided_copy16).

@@ -100,16 +100,26 @@ __device__ int warp_exclusive_scan(int n, Load&& load, Store&& store) {
   return carry;
 }
 
-// The whole block: topk_idx into shared `idx`, out-of-range entries -1 (and reported, with `report_bad`).
+// The whole block: topk_idx into shared `idx`, out-of-range entries -1 (and reported, with `report_bad`). A thread's
+// entries are loaded kAtOnce at a time before any is checked or stored (one load after another's store waited for it).
 __device__ void load_slots(const int32_t* topk_idx, int pairs, int topk, int num_experts, int* idx, DeviceErrors* err,
                            int rank, bool report_bad) {
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    int e = topk_idx[p];
-    if (e < -1 || e >= num_experts) {
-      if (report_bad) report(err, kBadExpertIndex, rank, p / topk, p % topk, e);
-      e = -1;
+  constexpr int kAtOnce = 4;
+  const int threads = int(blockDim.x);
+  for (int p0 = int(threadIdx.x); p0 < pairs; p0 += kAtOnce * threads) {
+    int e[kAtOnce];
+#pragma unroll
+    for (int i = 0; i < kAtOnce; ++i) e[i] = p0 + i * threads < pairs ? topk_idx[p0 + i * threads] : -1;
+#pragma unroll
+    for (int i = 0; i < kAtOnce; ++i) {
+      const int p = p0 + i * threads;
+      if (p >= pairs) break;
+      if (e[i] < -1 || e[i] >= num_experts) {
+        if (report_bad) report(err, kBadExpertIndex, rank, p / topk, p % topk, e[i]);
+        e[i] = -1;
+      }
+      idx[p] = e[i];
     }
-    idx[p] = e;
   }
 }
 
@@ -122,7 +132,8 @@ __device__ void count_by_expert(const int* idx, int pairs, int num_experts, int*
 }
 
 // After the block's stores: block 0 writes each target's counts (write_counts(), its threads), then every block
-// announces itself to every target with one release add (ordering all of the block's stores before it). On the
+// announces itself to every target: one release fence (ordering all of the block's stores before the adds), then a
+// relaxed add to each target's arrival word. On the
 // proxy path the blocks count themselves instead (a system fence first: the rows are in host memory the proxy
 // reads); returns true in the last block to finish, which then pushes the messages (whole block).
 template <class WriteCounts>
@@ -130,8 +141,10 @@ __device__ bool finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
   if (blockIdx.x == 0) write_counts();
   __syncthreads();
   if (!to.proxy.ring.slots) {
-    if (threadIdx.x == 0)
-      for (int d = 0; d < num_ranks; ++d) add_release_sys(to.arrivals[d], 1);
+    if (threadIdx.x == 0) {
+      fence_acq_rel_sys();
+      for (int d = 0; d < num_ranks; ++d) add_relaxed_sys(to.arrivals[d], 1);
+    }
     return false;
   }
   __shared__ bool last;
@@ -147,15 +160,19 @@ __device__ bool finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
   return last;
 }
 
-// Thread 0 waits for every source's arrival counter; false (on every thread) if one did not come in time. An
-// earlier timeout (error code 5 pending) ends the wait at once: the stream is out of step after it.
+// Lane s of warp 0 waits for source s's arrival counter, all sources at once (one after another, each poll was a
+// round trip); false (on every thread) if one did not come in time. An earlier timeout (error code 5 pending) ends
+// the wait at once: the stream is out of step after it.
+static_assert(kMaxLowLatencyRanks <= kWarp, "wait_sources gives each source a lane of one warp");
 __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_ns, DeviceErrors* err, int rank) {
   __shared__ bool ok;
-  if (threadIdx.x == 0) {
-    ok = true;
-    for (int s = 0; s < num_ranks && ok; ++s)
-      ok = !from.arrivals[s] ||
-           wait_flag(from.arrivals[s], from.want[s], int64_t(from.seq[s]), timeout_ns, err, rank, from.rank[s]);
+  if (threadIdx.x < kWarp) {
+    const int s = int(threadIdx.x);
+    const bool arrived =
+        s >= num_ranks || !from.arrivals[s] ||
+        wait_flag(from.arrivals[s], from.want[s], int64_t(from.seq[s]), timeout_ns, err, rank, from.rank[s]);
+    const bool all = __all_sync(0xffffffffu, arrived);
+    if (s == 0) ok = all;
   }
   __syncthreads();
   return ok;
@@ -610,10 +627,6 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   stamp(shape, kCombineRecv, 1);
   if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank)) return;
   stamp(shape, kCombineRecv, 2);
-  for (int e = threadIdx.x; e < out.num_experts && blockIdx.x == 0; e += blockDim.x) {
-    const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
-    if (got != count[e]) report(err, kLowLatencyRowCount, shape.rank, got, e % L, from.rank[e / L]);
-  }
 
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int64_t row_vecs = out.row_bytes / 16;
@@ -652,6 +665,11 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
 #pragma unroll
     for (int u = 0; u < kVecs; ++u)
       if (v0 + u * kWarp < row_vecs) dst[v0 + u * kWarp] = Vec<T>::pack(acc[u]);
+  }
+  // The stale-handle check after block 0's sums, so that its load does not hold back the block's first rows.
+  for (int e = threadIdx.x; e < out.num_experts && blockIdx.x == 0; e += blockDim.x) {
+    const int got = __ldcg(reinterpret_cast<const int*>(from.region[e / L]) + e % L);
+    if (got != count[e]) report(err, kLowLatencyRowCount, shape.rank, got, e % L, from.rank[e / L]);
   }
   stamp(shape, kCombineRecv, 3);
 }

@@ -31,4 +31,12 @@ __device__ __forceinline__ void add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// A release for several words at once: fence_acq_rel_sys() once, then add_relaxed_sys() to each (a release add each
+// would fence again before every word, each fence waiting for the add before it to reach its peer).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ void add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 }  // namespace uccl_ep::nvl
