@@ -129,6 +129,20 @@ __device__ __forceinline__ int4 load16(const int4* p) {
     return __ldcg(p);
 }
 
+// The last index l of [0, n) with starts[l] <= v, for non-decreasing `starts` (0 where there is none, or n <= 1):
+// the group that position v falls in, given each group's first position.
+__device__ __forceinline__ int group_of(const int* starts, int n, int64_t v) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (starts[mid] <= v)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 // Copies n 16-byte vectors, thread `thread` of `threads` taking vectors thread, thread + threads, ..., with several
 // loads in flight per thread before their stores (one load at a time leaves the memory system idle); the last batch
 // is partial, so a tail costs one round trip rather than one a vector.

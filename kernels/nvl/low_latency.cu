@@ -360,15 +360,8 @@ __device__ int64_t packed_position(const CombineSource& in, const Shape& shape, 
   const int* prefix = from_source + s * (L + 1);
   int below = 0;
   for (int i = lane; i < prefix[L]; i += kWarp) {
-    int lo = 0, hi = L;  // the expert: the last l with prefix[l] <= i
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (prefix[mid] <= i)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    below += in.src_slot[int64_t(lo) * slab + begin[lo * R + s] + (i - prefix[lo])] < j;
+    const int l = group_of(prefix, L, i);  // the expert: the last l with prefix[l] <= i
+    below += in.src_slot[int64_t(l) * slab + begin[l * R + s] + (i - prefix[l])] < j;
   }
   for (int d = kWarp / 2; d > 0; d /= 2) below += __shfl_xor_sync(0xffffffffu, below, d);
   return below;
@@ -495,15 +488,8 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     int2 entry = make_int2(0, 0);
     if (lane == 0) entry = __ldcg(reinterpret_cast<const int2*>(from.region[s] + shape.counts_bytes) + r);
     const int token_row = __shfl_sync(0xffffffffu, entry.x, 0), slot = __shfl_sync(0xffffffffu, entry.y, 0);
-    int lo = 0, hi = L;  // the expert: the last l whose rows start at or before r
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (first[s * L + mid] <= r)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    const int l = lo, j = r - first[s * L + l];
+    // The expert: the last l whose rows start at or before r.
+    const int l = group_of(first + s * L, L, r), j = r - first[s * L + l];
     if (token_row < 0 || token_row >= shape.max_tokens || slot < 0) {  // not what a sender of ours writes
       if (lane == 0) report(err, kUnknownRowSource, shape.rank, from.rank[s], token_row, slot);
       continue;
@@ -572,15 +558,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int all_rows = valid ? cum[L] : 0;
   for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < all_rows; i += gridDim.x * warps_per_block) {
-    int lo = 0, hi = L;  // the expert: the last l with cum[l] <= i
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (cum[mid] <= i)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    const int l = lo, r = i - cum[l];
+    const int l = group_of(cum, L, i), r = i - cum[l];  // the expert: the last l with cum[l] <= i
     int s = 0;
     while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
     const int64_t j = in.src_slot[int64_t(l) * slab + r];

@@ -943,15 +943,8 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
   }
   // The slots outside the groups: no row, weight 0, and zeros with zero_padding (a warp a slot).
   const auto outside = [&](int j) {
-    int lo = 0, hi = G;  // the last expert whose offset is <= j
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (offs[mid] <= j)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    return G == 0 || j < offs[lo] || j >= offs[lo] + total[lo];
+    const int e = group_of(offs, G, j);  // the last expert whose offset is <= j
+    return G == 0 || j < offs[e] || j >= offs[e] + total[e];
   };
   for (int j = block * threads + tid; j < M; j += blocks * threads)
     if (outside(j)) {
