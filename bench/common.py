@@ -632,10 +632,12 @@ class EPBench:
 
             return self._smap(body, 3), (self.x, self.topk_idx, self.topk_weights)
 
-        from jax_uccl_ep import _plan
+        from jax_uccl_ep import _pairs, normal
 
-        plan = _plan.current()
-        writes = _plan.receive_writes_pairs() or (plan is not None and plan.nvlink_pulls_pairs)
+        # The label from the decision dispatch makes for these shapes (its default, never-dropping pair buffer).
+        groups, rows = p.experts // p.ranks, p.ranks * p.tokens
+        capacity = _pairs.never_dropping_pairs(rows, p.topk, groups, 1)
+        writes = normal._receive_writes_pairs(self.x, False, p.topk, groups, 1, capacity, rows)
         note = "the receive writes the pairs" if writes else "token rows, then the XLA layout"
         return self._run(name, make, p.exact_bytes(False), note=note)
 
