@@ -382,7 +382,14 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
                 phase = 1;
                 at = 0;
               } else {
-                for (int i = 0; i < o1 - o0; ++i) item_tokens[i] = a.row_map[o0 + i].y;
+                // Every token loaded before any is stored: item_tokens may alias row_map as far as the compiler
+                // knows, so a load a store would wait an L2 round trip each.
+                int tokens[kPieceTokens];
+#pragma unroll
+                for (int i = 0; i < kPieceTokens; ++i) tokens[i] = i < o1 - o0 ? a.row_map[o0 + i].y : 0;
+#pragma unroll
+                for (int i = 0; i < kPieceTokens; ++i)
+                  if (i < o1 - o0) item_tokens[i] = tokens[i];
                 phase = 3;
                 row = seg = 0;
               }
@@ -801,7 +808,7 @@ __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Han
 constexpr int kMaxPairGroups = 256;  // local experts
 constexpr int kMaxPairTopk = 32;
 // lay_out_pairs' tables, in the dynamic shared memory the stages take later (~200 KiB whatever the rows' size).
-static_assert((3 + kTransferThreads / kWarp) * kMaxPairGroups * 4 + kTransferThreads * kMaxPairTopk * 4 <=
+static_assert((3 + 2 * kTransferThreads / kWarp) * kMaxPairGroups * 4 + kTransferThreads * kMaxPairTopk * 4 <=
                   kBulkSharedBytes / 2,
               "the pair layout's tables must fit a block's stages");
 struct PairLayout {
@@ -826,7 +833,8 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
   int* total = offs + G;                     // [G] each expert's pairs
   int* base = total + G;                     // [G] the unit's first slot of each expert
   int* warp_first = base + G;                // [warps, G] each warp's first slot of each expert
-  int* experts = warp_first + warps * G;     // [threads, K] each row's local experts, -1 for none
+  uint32_t* lanes_of = reinterpret_cast<uint32_t*>(warp_first + warps * G);  // [warps, G] its lanes with a pair of e
+  int* experts = reinterpret_cast<int*>(lanes_of + warps * G);  // [threads, K] each row's local experts, -1 for none
   __shared__ int needed;
   // Received row r's local experts k0 .. k0 + kAtOnce - 1 (-1: none, or past K), loaded together from the source's
   // routing (over NVLink): one round trip a chunk, where a load a slot waited for each before the next.
@@ -888,9 +896,10 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
       for (int u = 0; u < v; ++u) b += p.unit_counts[int64_t(u) * G + e];
       base[e] = b;
     }
-    for (int i = tid; i < warps * G; i += threads) warp_first[i] = 0;
+    for (int i = tid; i < warps * G; i += threads) warp_first[i] = 0, lanes_of[i] = 0;
     __syncthreads();
-    const int r = v * threads + tid;
+    const int r = v * threads + tid, lane = tid % kWarp;
+    bool repeats = false;  // this row names one local expert twice
     for (int k0 = 0; k0 < K; k0 += kAtOnce) {
       int e[kAtOnce];
       if (r < kept)
@@ -901,9 +910,15 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
       for (int q = 0; q < kAtOnce; ++q) {
         if (k0 + q >= K) break;
         experts[tid * K + k0 + q] = e[q];
-        if (e[q] >= 0) atomicAdd(warp_first + warp * G + e[q], 1);
+        if (e[q] >= 0) {
+          atomicAdd(warp_first + warp * G + e[q], 1);
+          repeats |= (atomicOr(lanes_of + warp * G + e[q], 1u << lane) >> lane & 1u) != 0;
+        }
       }
     }
+    // Where no row of the warp repeats an expert, a lane's earlier pairs of e are its earlier lanes with e: a
+    // popcount, where the general count reads every earlier lane's K experts (~K * 32 shared loads a slot).
+    const bool one_pair_a_lane = !__any_sync(0xffffffffu, repeats);
     __syncthreads();
     for (int e = tid; e < G; e += threads)
       for (int w = 0, at = base[e]; w < warps; ++w) {
@@ -927,9 +942,13 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
         int slot = M;
         if (e >= 0) {
           int at = warp_first[warp * G + e];  // then the warp's earlier rows' pairs of e, and this row's
-          for (int i = warp * kWarp; i < tid; ++i)
-            for (int j = 0; j < K; ++j) at += experts[i * K + j] == e;
-          for (int j = 0; j < k; ++j) at += experts[tid * K + j] == e;
+          if (one_pair_a_lane) {
+            at += __popc(lanes_of[warp * G + e] & ((1u << lane) - 1u));
+          } else {
+            for (int i = warp * kWarp; i < tid; ++i)
+              for (int j = 0; j < K; ++j) at += experts[i * K + j] == e;
+            for (int j = 0; j < k; ++j) at += experts[tid * K + j] == e;
+          }
           if (at < M) {
             slot = at;
             o.pair_row[slot] = r;
