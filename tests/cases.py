@@ -524,17 +524,17 @@ def check_expert_layout(
     alignment=1,
     capacity=None,
     fp8_pair=False,
-    repeats=False,
+    repeats=0.0,
 ) -> list[str]:
     """dispatch(layout="expert") and its combine against reference.dispatch_by_expert: pair rows, their order,
     offsets, counts, weights, drops, and the combined sums of a per-expert transform weighted by the pairs'
-    weights. With `fp8_pair` the rows travel as an FP8 pair (rows and scales checked exactly); with `repeats` about
-    a third of the tokens name their first expert twice (slots 0 and 1: two pairs of one row, in k order)."""
+    weights. With `fp8_pair` the rows travel as an FP8 pair (rows and scales checked exactly); with `repeats` that
+    fraction of the tokens name their first expert twice (slots 0 and 1: two pairs of one row, in k order)."""
     num_ranks = mesh.devices.size
     groups = num_experts // num_ranks
     x_dev, x_ref, idx, w = random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype)
     if repeats:
-        twice = (np.random.default_rng(seed + 2).random(idx.shape[:2]) < 0.35) & (idx[..., 0] >= 0)
+        twice = (np.random.default_rng(seed + 2).random(idx.shape[:2]) < repeats) & (idx[..., 0] >= 0)
         idx[..., 1] = np.where(twice, idx[..., 0], idx[..., 1])
     scales = None
     if fp8_pair:

@@ -79,7 +79,7 @@ def test_a_small_capacity_drops_what_the_reference_drops():
 def test_a_row_naming_one_expert_twice_gets_two_pairs(writer):
     """Routing is the caller's: a row that names an expert in two slots sends it two pair rows, in k order (the
     NVLink writer counts such warps apart from its popcount)."""
-    assert cases.check_expert_layout(_mesh(4), 6, 40, 128, 4, 8, jnp.float32, alignment=2, repeats=True) == []
+    assert cases.check_expert_layout(_mesh(4), 6, 40, 128, 4, 8, jnp.float32, alignment=2, repeats=0.35) == []
 
 
 def test_fp8_pairs_travel_with_their_scales(writer):
