@@ -278,9 +278,10 @@ struct OnPath {
   }
 };
 
-// dispatch(layout="expert") over NVLink where the dispatch pulls (jax_uccl_ep/_plan.py: nvlink_writes_pairs): the
-// receive writes the pair buffer.
-ffi::Error DispatchPairsOverNvlink(
+// dispatch(layout="expert") where the receive writes the pair buffer (jax_uccl_ep/_plan.py: gpu_writes_pairs): over
+// NVLink where the dispatch pulls, and over the proxy, GPU-initiated.
+template <class Link>
+ffi::Error DispatchPairsOver(
     cudaStream_t stream, int32_t ordinal, const uccl_ep::ffi_common::DispatchPairsAttrs& attrs, ffi::AnyBuffer x,
     ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
     ffi::Result<ffi::AnyBuffer> pair_x, ffi::Result<ffi::AnyBuffer> pair_scales,
@@ -288,9 +289,9 @@ ffi::Error DispatchPairsOverNvlink(
     ffi::Result<ffi::Buffer<ffi::S32>> pairs_per_expert, ffi::Result<ffi::Buffer<ffi::S32>> pair_row,
     ffi::Result<ffi::Buffer<ffi::S32>> pair_of, ffi::Result<ffi::Buffer<ffi::S32>> stats,
     ffi::Result<ffi::Buffer<ffi::PRED>> is_token_in_rank, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts) {
-  return uccl_ep::ffi_common::guarded(OverNvlink::lifetime(), [&] {
-    auto& dev = OverNvlink::device(ordinal);
-    const auto group = group_of<OverNvlink>(dev, attrs.group_table, attrs.group_size, "dispatch");
+  return uccl_ep::ffi_common::guarded(Link::lifetime(), [&] {
+    auto& dev = Link::device(ordinal);
+    const auto group = group_of<Link>(dev, attrs.group_table, attrs.group_size, "dispatch");
     const auto a =
         uccl_ep::ffi_common::dispatch_inputs(attrs, x, scales, topk_idx, topk_weights, is_token_in_rank, recv_counts);
     const auto p = uccl_ep::ffi_common::pair_buffer(attrs, pair_x, pair_scales, pair_weights, expert_offsets,
@@ -300,20 +301,24 @@ ffi::Error DispatchPairsOverNvlink(
 }
 
 // A pair op's CUDA handler: its receive writes the pair buffer on the host paths (the host-staged one here) and,
-// for dispatch, over NVLink where the dispatch pulls; elsewhere the lowering never places it (jax_uccl_ep/_plan.py).
+// for dispatch, over NVLink where the dispatch pulls and over the GPU-initiated proxy; elsewhere the lowering never
+// places it (jax_uccl_ep/_plan.py).
 template <class Op>
 struct OnHostPath {
   template <class Attrs, class... Args>
   ffi::Error operator()(cudaStream_t stream, int32_t ordinal, const Attrs& attrs, Args... args) const {
     using Staged = uccl_ep::ffi_cpu::StagedOp<Op, ffi::Error(int32_t, const Attrs&, Args...)>;
     if (attrs.path == uccl_ep::Path::kStaged) return Staged::call(stream, ordinal, attrs, args...);
-    if constexpr (std::is_same_v<Op, uccl_ep::ffi_common::DispatchPairsOp>)
-      if (attrs.path == uccl_ep::Path::kNvlink) return DispatchPairsOverNvlink(stream, ordinal, attrs, args...);
+    if constexpr (std::is_same_v<Op, uccl_ep::ffi_common::DispatchPairsOp>) {
+      if (attrs.path == uccl_ep::Path::kNvlink) return DispatchPairsOver<OverNvlink>(stream, ordinal, attrs, args...);
+      if (attrs.path == uccl_ep::Path::kProxyGpu) return DispatchPairsOver<OverProxy>(stream, ordinal, attrs, args...);
+    }
     const std::string path = std::to_string(int64_t(attrs.path));
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string("uccl_ep ") + Op::kName +
-                          ": the pair buffer is written by the host paths only, not GPU path " + path +
-                          " (lowered by another version of jax_uccl_ep?)");
+                          ": the pair buffer is written on the host paths, over NVLink and over the GPU-initiated "
+                          "proxy (dispatch), not on GPU path " +
+                          path + " (lowered by another version of jax_uccl_ep?)");
   }
 };
 

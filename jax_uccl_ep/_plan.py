@@ -96,9 +96,10 @@ class RuntimePlan:
     gpu_initiated_normal: bool  # proxy runtime on GPUs: normal-mode kernels push the proxies' commands
     gpu_initiated_low_latency: bool  # likewise for low-latency mode
     two_level: TwoLevel | None
-    # One process drives every GPU of the NVLink runtime and dispatch pulls with bulk copies: dispatch(layout=
-    # "expert")'s receive can write the pair buffer itself (nvlink_writes_pairs).
-    nvlink_pulls_pairs: bool = False
+    # dispatch(layout="expert")'s receive can write the pair buffer itself on this GPU path (gpu_writes_pairs): over
+    # NVLink where one process drives every GPU and dispatch pulls with bulk copies (UCCL_EP_NVL_DISPATCH_PAIRS), or
+    # over the GPU-initiated proxy, flat (UCCL_EP_PROXY_DISPATCH_PAIRS).
+    gpu_writes_pairs: bool = False
 
 
 _current: RuntimePlan | None = None
@@ -162,8 +163,10 @@ NORMAL_OPS = ("dispatch", "cached_dispatch", "combine", "dispatch_pairs", "cache
 def receive_writes_pairs() -> bool:
     """Whether dispatch(layout="expert")'s receive writes the pair buffer itself (the *_pairs ops): on CPU devices,
     and on GPUs where normal mode runs host-staged (the proxy runtime with GPU-initiated ops off and no two-level
-    routing: op_path's Path.STAGED), whose handlers run the CPU ops on the host copies. The NVLink and GPU-initiated
-    paths receive token rows and lay the pairs out in XLA (_pairs.py), slot for slot the same."""
+    routing: op_path's Path.STAGED), whose handlers run the CPU ops on the host copies, and whose combine sums each
+    row's pairs on its way back. The NVLink and GPU-initiated paths receive token rows and lay the pairs out in XLA
+    (_pairs.py), slot for slot the same, or where gpu_writes_pairs allows write them in their dispatch's receive;
+    their combine sums the pairs in XLA either way."""
     plan = _current
     if plan is None:
         return False
@@ -172,26 +175,26 @@ def receive_writes_pairs() -> bool:
     return not plan.nvlink and plan.two_level is None and not plan.gpu_initiated_normal
 
 
-# The NVLink pair writer's limits (kernels/nvl/normal_nvlink.cu: kMaxPairGroups, kMaxPairTopk).
-NVLINK_PAIRS_MAX_GROUPS = 256
-NVLINK_PAIRS_MAX_TOPK = 32
+# The GPU pair writer's limits (kernels/nvl/pair_layout.cuh: kMaxPairGroups, kMaxPairTopk).
+GPU_PAIRS_MAX_GROUPS = 256
+GPU_PAIRS_MAX_TOPK = 32
 
 
-def nvlink_writes_pairs(
+def gpu_writes_pairs(
     groups: int, top_k: int, capacity: int, every_slot: int, row_bytes: int, scale_row_bytes: int
 ) -> bool:
-    """Whether dispatch(layout="expert")'s receive writes the pair buffer over NVLink (the dispatch_pairs op on
-    Path.NVLINK): where the dispatch pulls (one process, UCCL_EP_NVL_PULL_DISPATCH, bulk copies, rows of 16-byte
-    multiples; UCCL_EP_NVL_DISPATCH_PAIRS), flat, with a buffer no routing can overflow (`capacity` pair rows
-    against `every_slot`: every top-k slot of every row), at most NVLINK_PAIRS_MAX_GROUPS local experts and
-    top-NVLINK_PAIRS_MAX_TOPK. Its combine sums the pairs in XLA (receive_writes_pairs decides the combine)."""
+    """Whether dispatch(layout="expert")'s receive writes the pair buffer on a GPU path (the dispatch_pairs op on
+    Path.NVLINK or Path.PROXY_GPU): where the plan allows it (RuntimePlan.gpu_writes_pairs), flat, with rows of
+    16-byte multiples and a buffer no routing can overflow (`capacity` pair rows against `every_slot`: every top-k
+    slot of every row), at most GPU_PAIRS_MAX_GROUPS local experts and top-GPU_PAIRS_MAX_TOPK. Its combine sums the
+    pairs in XLA (receive_writes_pairs decides the combine)."""
     plan = _current
     return (
         plan is not None
-        and plan.nvlink_pulls_pairs
+        and plan.gpu_writes_pairs
         and plan.two_level is None
-        and groups <= NVLINK_PAIRS_MAX_GROUPS
-        and top_k <= NVLINK_PAIRS_MAX_TOPK
+        and groups <= GPU_PAIRS_MAX_GROUPS
+        and top_k <= GPU_PAIRS_MAX_TOPK
         and capacity >= every_slot
         and row_bytes % 16 == 0
         and scale_row_bytes % 16 == 0

@@ -276,20 +276,26 @@ def initialize(
             two = _plan_two_level(config, topo, "cpu", process_of_rank)  # before anything starts
             _start_proxies(config, devices, local, topo, client, key, timeout_ms)
         num_ranks = len(devices)
+        gpu_initiated_normal = gpu and _gpu_initiated(config, "normal", num_ranks)
         plan = _plan.RuntimePlan(
             platform="gpu" if gpu else "cpu",
             nvlink=gpu and topo.num_nodes == 1,
             topology=topo,
             hierarchical=config.hierarchical,
-            gpu_initiated_normal=gpu and _gpu_initiated(config, "normal", num_ranks),
+            gpu_initiated_normal=gpu_initiated_normal,
             gpu_initiated_low_latency=gpu and _gpu_initiated(config, "low_latency", num_ranks),
             two_level=two,
-            nvlink_pulls_pairs=gpu
-            and topo.num_nodes == 1
-            and jax.process_count() == 1
-            and config.nvl_pull_dispatch
-            and config.nvl_bulk
-            and config.nvl_dispatch_pairs,
+            gpu_writes_pairs=gpu
+            and (
+                (
+                    topo.num_nodes == 1
+                    and jax.process_count() == 1
+                    and config.nvl_pull_dispatch
+                    and config.nvl_bulk
+                    and config.nvl_dispatch_pairs
+                )
+                or (topo.num_nodes > 1 and gpu_initiated_normal and two is None and config.proxy_dispatch_pairs)
+            ),
         )
         if _previous_plan is not None and plan != _previous_plan:
             jax.clear_caches()  # compiled programs carry the paths of the plan they were lowered under

@@ -120,6 +120,14 @@ class Config:
             "slots, instead of token rows and then the pair layout in XLA",
         ),
     )
+    proxy_dispatch_pairs: bool = field(
+        default=False,
+        metadata=_env(
+            "UCCL_EP_PROXY_DISPATCH_PAIRS",
+            "dispatch(layout='expert') over the GPU-initiated proxy (flat) copies each received row straight into "
+            "its pair slots, instead of token rows and then the pair layout in XLA",
+        ),
+    )
     ll_num_sms: int = field(
         default=32, metadata=_env("UCCL_EP_LL_NUM_SMS", "blocks of the split low-latency receive kernels")
     )

@@ -603,14 +603,14 @@ def _receive_writes_pairs(
     x: jax.Array | Fp8Pair, use_fp8: bool, top_k: int, groups: int, alignment: int, capacity: int, group_rows: int
 ) -> bool:
     """Whether this dispatch(layout="expert")'s receive writes the pair buffer (the dispatch_pairs op): on the host
-    paths always, over NVLink where _plan.nvlink_writes_pairs allows (`group_rows`: every row the group can send);
+    paths always, on a GPU path where _plan.gpu_writes_pairs allows (`group_rows`: every row the group can send);
     else token rows, then _by_expert."""
     if _plan.receive_writes_pairs():
         return True
     rows, _, is_fp8 = _split_x(x)
     row_bytes, scale_row_bytes = dispatch_row_bytes(rows.shape[1], is_fp8 or use_fp8, rows.dtype)
     every_slot = _pairs.every_slot_pairs(group_rows, top_k, groups, alignment)
-    return _plan.nvlink_writes_pairs(groups, top_k, capacity, every_slot, row_bytes, scale_row_bytes)
+    return _plan.gpu_writes_pairs(groups, top_k, capacity, every_slot, row_bytes, scale_row_bytes)
 
 
 def _by_expert(

@@ -669,17 +669,18 @@ def check_expert_gradients(mesh, seed, num_tokens, hidden, topk, num_experts, *,
 
 
 @contextlib.contextmanager
-def _as_gpu_pair_paths(nvlink_writes: bool):
+def _as_gpu_pair_paths(gpu_writes: bool):
     """On CPU devices, the pair ops as a GPU path runs them: no host-path pair op sums a row's pairs (XLA does), and
-    with `nvlink_writes` the receive writes the pairs where _plan.nvlink_writes_pairs allows (the NVLink path where
-    dispatch pulls), else token rows then XLA's layout. Programs traced inside are traced afresh."""
+    with `gpu_writes` the receive writes the pairs where _plan.gpu_writes_pairs allows (the NVLink path where
+    dispatch pulls, the GPU-initiated proxy), else token rows then XLA's layout. Programs traced inside are traced
+    afresh."""
     import dataclasses
 
     from jax_uccl_ep import _plan
 
     saved, plan = _plan.receive_writes_pairs, _plan.current()
     _plan.receive_writes_pairs = lambda: False
-    _plan.set_current(dataclasses.replace(plan, nvlink_pulls_pairs=nvlink_writes))
+    _plan.set_current(dataclasses.replace(plan, gpu_writes_pairs=gpu_writes))
     jax.clear_caches()
     try:
         yield
@@ -692,14 +693,14 @@ def _as_gpu_pair_paths(nvlink_writes: bool):
 def pairs_laid_out_in_xla():
     """dispatch(layout="expert") as the GPU paths run it (token rows, then the pair layout in XLA, _pairs.py) on
     CPU devices, whose receive otherwise writes the pairs itself."""
-    return _as_gpu_pair_paths(nvlink_writes=False)
+    return _as_gpu_pair_paths(gpu_writes=False)
 
 
 def pairs_written_then_summed_in_xla():
-    """dispatch(layout="expert") as the NVLink path runs it where dispatch pulls (the receive writes the pair buffer
-    where _plan.nvlink_writes_pairs allows; combine sums each row's pairs in XLA, then sends token rows back) on CPU
+    """dispatch(layout="expert") as the GPU paths run it where the receive writes the pairs (where
+    _plan.gpu_writes_pairs allows; combine sums each row's pairs in XLA, then sends token rows back) on CPU
     devices, whose receive otherwise sums them too."""
-    return _as_gpu_pair_paths(nvlink_writes=True)
+    return _as_gpu_pair_paths(gpu_writes=True)
 
 
 def check_pair_writers_agree(

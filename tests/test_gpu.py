@@ -85,14 +85,14 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
         problems["expert_gradients"] = cases.check_expert_gradients(mesh, 16, 12, 128, 3, 4 * r)
     print(f"expert layout: {[problems[k] for k in problems if k.startswith('expert')]}", flush=True)
     ep.check_errors()  # nothing pending so far (dropping on purpose is no error)
-    # Which writer laid the pairs out: the receive (the *_pairs ops; over NVLink where dispatch pulls) or XLA after
-    # token rows.
+    # Which writer laid the pairs out: the receive (the *_pairs ops; on a GPU path where _plan.gpu_writes_pairs
+    # allows) or XLA after token rows.
     result = {
         "problems": problems,
         "ranks": r,
         "two_level": two_level,
         "receive_writes_pairs": _plan.receive_writes_pairs(),
-        "nvlink_writes_pairs": _plan.current().nvlink_pulls_pairs,
+        "gpu_writes_pairs": _plan.current().gpu_writes_pairs,
     }
     if error_checks == "0":
         ep.shutdown()
@@ -250,7 +250,7 @@ def test_one_process_drives_all_gpus(part):
     results = launch(HERE, "gpu_suite", 1, args=[part], platform="gpu", timeout_s=150, env=SUITE_ENV)
     _check(results, NUM_GPUS)
     if part == "normal":
-        assert results[0].result["nvlink_writes_pairs"], results[0].result
+        assert results[0].result["gpu_writes_pairs"], results[0].result
 
 
 @pytest.mark.parametrize("part", ["normal", "low_latency"])

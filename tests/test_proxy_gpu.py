@@ -81,6 +81,24 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
     _check(results, 2)
 
 
+def test_gpu_initiated_dispatch_writes_the_pairs_across_nodes_on_one_shared_gpu():
+    """As above, normal mode, with UCCL_EP_PROXY_DISPATCH_PAIRS=1: dispatch(layout="expert")'s receive lays the pairs
+    out and copies each row from the receive region straight into its slots; the suite's expert-layout cases (units
+    of 512 rows, repeated experts, FP8 pairs, top-12) against the NumPy reference."""
+    results = _on_one_gpu(
+        "test_gpu.py",
+        "gpu_suite",
+        2,
+        args=["normal", "0", "0"],
+        timeout_s=200,
+        UCCL_EP_GPUS_PER_NODE="1",
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
+        UCCL_EP_PROXY_DISPATCH_PAIRS="1",
+    )
+    _check(results, 2)
+    assert all(x.result["gpu_writes_pairs"] for x in results), describe(results)
+
+
 def test_host_staged_ops_across_nodes_on_one_shared_gpu():
     """UCCL_EP_GPU_INITIATED=0 on two processes sharing one GPU, each its own node: normal mode copies to the host
     and runs the CPU implementation there, the expert layout written by the receive (the pair ops' host-staged

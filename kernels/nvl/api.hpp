@@ -323,6 +323,9 @@ bool gpu_initiated_low_latency(uint32_t num_ranks);
 // stage through the host (the CPU path's hierarchical rounds). Each call waits for its kernels, as the
 // low-latency ops above do; errors as there.
 void dispatch(Device& dev, const Group& group, const DispatchArgs& args, cudaStream_t stream);
+// dispatch(layout="expert") on this path: once every message is in, the pair layout, then each received row copied
+// from our receive region straight into its slots (the NVLink dispatch_pairs' rule and limits).
+void dispatch_pairs(Device& dev, const Group& group, DispatchArgs args, const PairBuffer& pairs, cudaStream_t stream);
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& args, cudaStream_t stream);
 void combine(Device& dev, const Group& group, const CombineArgs& args, cudaStream_t stream);
 bool gpu_initiated_normal(uint32_t num_ranks);

@@ -310,8 +310,9 @@ struct DispatchReceiveArgs {
   int32_t* num_tokens_per_expert;  // topk mode: [local experts], zeroed by the scan, counted as slots are localized
   bool token_slots;                // the members' messages as DispatchSendArgs::token_slots says
   bool pulled;                     // src: the members' own inputs, all there before the launch (pull_dispatch_kernel)
-  // dispatch(layout="expert") (pull_dispatch_kernel only): row o goes to pair slots pair_of[o * topk + k] of recv_x
-  // and recv_scales (the pair buffer) instead of row o; a slot of pair_capacity names none.
+  // dispatch(layout="expert") where the receive writes the pair buffer (pair_layout.cuh): row o goes to pair slots
+  // pair_of[o * topk + k] of recv_x and recv_scales (the pair buffer) instead of row o; a slot of pair_capacity names
+  // none. No expert indices are localized and no padding row written (the layout did both).
   const int32_t* pair_of;
   int pair_capacity;
 };
@@ -349,23 +350,35 @@ __device__ void pad_row(const DispatchReceiveArgs& a, int o, int lane) {
 __device__ void copy_rows(const DispatchReceiveArgs& a, int s, int o0, int o1, int offset, int warp, int warps,
                           int lane, int first, int local_experts) {
   const bool own = s == a.from.self, at_tokens = rows_at_tokens(a, s);
-  for (int o = o0 + warp; o < o1; o += warps) {
-    const int t = a.row_map[o].y;
-    const int64_t row = at_tokens ? t : o - offset;
-    char* out_x = a.recv_x + int64_t(o) * a.x_row_bytes;
+  // Row o's x and scale rows to output row `to` (landed while we ran, unless they are our own).
+  const auto copy_to = [&](int64_t to, int64_t row) {
+    char* out_x = a.recv_x + to * a.x_row_bytes;
     const char* in_x = a.src.x[s] + row * a.x_row_bytes;
     if (own)
       warp_copy(out_x, in_x, a.x_row_bytes, lane);
     else
-      warp_copy<Load::kCoherent>(out_x, in_x, a.x_row_bytes, lane);  // landed while we ran
+      warp_copy<Load::kCoherent>(out_x, in_x, a.x_row_bytes, lane);
     if (a.recv_scales) {
-      char* out_s = a.recv_scales + int64_t(o) * a.scale_row_bytes;
+      char* out_s = a.recv_scales + to * a.scale_row_bytes;
       const char* in_s = a.src.scales[s] + row * a.scale_row_bytes;
       if (own)
         warp_copy(out_s, in_s, a.scale_row_bytes, lane);
       else
         warp_copy<Load::kCoherent>(out_s, in_s, a.scale_row_bytes, lane);
     }
+  };
+  for (int o = o0 + warp; o < o1; o += warps) {
+    const int t = a.row_map[o].y;
+    const int64_t row = at_tokens ? t : o - offset;
+    if (a.pair_of) {  // the row to each of its pair slots: lane k holds slot k (top-k <= a warp)
+      const int slot = lane < a.topk ? a.pair_of[int64_t(o) * a.topk + lane] : a.pair_capacity;
+      for (int k = 0; k < a.topk; ++k) {
+        const int to = __shfl_sync(0xffffffffu, slot, k);
+        if (to < a.pair_capacity) copy_to(to, row);
+      }
+      continue;
+    }
+    copy_to(o, row);
     if (a.topk_mode)
       for (int k = lane; k < a.topk; k += kWarp) localize_slot(a, o, s, t, k, first, local_experts);
   }
@@ -404,7 +417,7 @@ __device__ void dispatch_receive(const DispatchReceiveArgs& a, int block, int bl
     copy_rows(a, s, o0, o1, offset, warp, warps, lane, first, local_experts);
   }
   const int all_warps = blocks * warps;
-  for (int o = kept + block * warps + warp; o < a.capacity; o += all_warps) pad_row(a, o, lane);
+  for (int o = kept + block * warps + warp; !a.pair_of && o < a.capacity; o += all_warps) pad_row(a, o, lane);
 }
 
 struct CombineSendArgs {

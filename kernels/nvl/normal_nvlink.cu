@@ -15,6 +15,7 @@
 #include "device_common.cuh"
 #include "normal.cuh"
 #include "normal_scan.cuh"
+#include "pair_layout.cuh"
 #include "stamps.cuh"
 #include "testing.hpp"
 
@@ -801,184 +802,19 @@ __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Han
   return true;
 }
 
-// dispatch(layout="expert") among GPUs of one process (pull_dispatch_kernel): the pair buffer's slots (the contract's
-// PairBuffer rule, which kernels/cpu/pairs.cpp and jax_uccl_ep/_pairs.py follow too), laid out by every block after
-// the routing scan has placed the rows and before any row moves, so the receive copies each row straight into its
-// slots. The buffer holds every top-k slot of every row (the caller checks), so every received row is kept.
-constexpr int kMaxPairGroups = 256;  // local experts
-constexpr int kMaxPairTopk = 32;
-// lay_out_pairs' tables, in the dynamic shared memory the stages take later (~200 KiB whatever the rows' size).
-static_assert((3 + 2 * kTransferThreads / kWarp) * kMaxPairGroups * 4 + kTransferThreads * kMaxPairTopk * 4 <=
-                  kBulkSharedBytes / 2,
-              "the pair layout's tables must fit a block's stages");
-struct PairLayout {
-  PairBuffer out;  // the op's outputs; out.stats[0] is the scan's rows kept
-  int64_t x_row_bytes, scale_row_bytes;
-  int32_t* unit_counts;  // scratch [units, G]: each unit's pairs of each expert
-  int groups, units;     // units of blockDim.x received rows
-};
-
-// Two passes over units of blockDim.x received rows, each unit handed over once done: count each unit's pairs of
-// each local expert, then give each pair its slot (its expert's offset, then every earlier unit's pairs of that
-// expert, then the earlier rows' of its unit, in row order, a row's slots in k order). Shared memory: the dynamic
-// stages, before any copy uses them. False (to the whole block) once the op is given up.
+// dispatch(layout="expert") among GPUs of one process (pull_dispatch_kernel): pair_layout.cuh's two passes, every
+// block taking units, each pass's units handed over before the next reads them; the tables in the dynamic shared
+// memory the stages take later. False (to the whole block) once the op is given up.
 __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const Handoff& h, uint64_t* counted,
                               uint64_t* placed, int block, int blocks, const Members& m) {
   extern __shared__ __align__(128) char smem[];
-  const PairBuffer& o = p.out;
-  const int K = scan.topk, G = p.groups, first = scan.self * G, M = o.capacity;
-  const int tid = int(threadIdx.x), threads = int(blockDim.x), warp = tid / kWarp, warps = threads / kWarp;
-  const int kept = *scan.recv_num_tokens;
-  int* offs = reinterpret_cast<int*>(smem);  // [G] each expert's first slot
-  int* total = offs + G;                     // [G] each expert's pairs
-  int* base = total + G;                     // [G] the unit's first slot of each expert
-  int* warp_first = base + G;                // [warps, G] each warp's first slot of each expert
-  uint32_t* lanes_of = reinterpret_cast<uint32_t*>(warp_first + warps * G);  // [warps, G] its lanes with a pair of e
-  int* experts = reinterpret_cast<int*>(lanes_of + warps * G);  // [threads, K] each row's local experts, -1 for none
-  __shared__ int needed;
-  // Received row r's local experts k0 .. k0 + kAtOnce - 1 (-1: none, or past K), loaded together from the source's
-  // routing (over NVLink): one round trip a chunk, where a load a slot waited for each before the next.
-  constexpr int kAtOnce = 8;
-  const auto local_experts = [&](int r, int k0, int (&e)[kAtOnce]) {
-    const int2 st = scan.row_map[r];
-    const int32_t* idx = scan.src.topk_idx[st.x] + int64_t(st.y) * K;
-#pragma unroll
-    for (int q = 0; q < kAtOnce; ++q) e[q] = k0 + q < K ? idx[k0 + q] - first : -1;
-#pragma unroll
-    for (int q = 0; q < kAtOnce; ++q) e[q] = e[q] >= 0 && e[q] < G ? e[q] : -1;
-  };
-  for (int v = block; v < p.units; v += blocks) {
-    for (int e = tid; e < G; e += threads) total[e] = 0;
-    __syncthreads();
-    const int r = v * threads + tid;
-    for (int k0 = 0; r < kept && k0 < K; k0 += kAtOnce) {
-      int e[kAtOnce];
-      local_experts(r, k0, e);
-#pragma unroll
-      for (int q = 0; q < kAtOnce; ++q)
-        if (e[q] >= 0) atomicAdd(total + e[q], 1);
-    }
-    __syncthreads();
-    for (int e = tid; e < G; e += threads) p.unit_counts[int64_t(v) * G + e] = total[e];
-    __syncthreads();
-  }
+  const PairTables t = pair_tables(smem, p.groups);
+  for (int v = block; v < p.units; v += blocks) count_unit_pairs(p, scan, t, v);
   hand_over(h, counted, block, blocks, p.units);
   if (!wait_handed_over(h, counted, p.units, m)) return false;
-
-  for (int e = tid; e < G; e += threads) {
-    int n = 0;
-    for (int v = 0; v < p.units; ++v) n += p.unit_counts[int64_t(v) * G + e];
-    total[e] = n;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    int at = 0;
-    for (int e = 0; e < G; ++e) {
-      offs[e] = at;
-      at += (total[e] + o.alignment - 1) / o.alignment * o.alignment;
-    }
-    needed = at;
-  }
-  __syncthreads();
-  if (block == 0) {
-    for (int e = tid; e < G; e += threads) {
-      o.expert_offsets[e] = offs[e];
-      o.pairs_per_expert[e] = total[e];
-    }
-    if (tid == 0) {
-      o.stats[1] = 0;
-      o.stats[2] = needed;
-    }
-  }
-  for (int v = block; v < p.units; v += blocks) {
-    for (int e = tid; e < G; e += threads) {
-      int b = offs[e];
-      for (int u = 0; u < v; ++u) b += p.unit_counts[int64_t(u) * G + e];
-      base[e] = b;
-    }
-    for (int i = tid; i < warps * G; i += threads) warp_first[i] = 0, lanes_of[i] = 0;
-    __syncthreads();
-    const int r = v * threads + tid, lane = tid % kWarp;
-    bool repeats = false;  // this row names one local expert twice
-    for (int k0 = 0; k0 < K; k0 += kAtOnce) {
-      int e[kAtOnce];
-      if (r < kept)
-        local_experts(r, k0, e);
-      else
-        for (int& each : e) each = -1;
-#pragma unroll
-      for (int q = 0; q < kAtOnce; ++q) {
-        if (k0 + q >= K) break;
-        experts[tid * K + k0 + q] = e[q];
-        if (e[q] >= 0) {
-          atomicAdd(warp_first + warp * G + e[q], 1);
-          repeats |= (atomicOr(lanes_of + warp * G + e[q], 1u << lane) >> lane & 1u) != 0;
-        }
-      }
-    }
-    // Where no row of the warp repeats an expert, a lane's earlier pairs of e are its earlier lanes with e: a
-    // popcount, where the general count reads every earlier lane's K experts (~K * 32 shared loads a slot).
-    const bool one_pair_a_lane = !__any_sync(0xffffffffu, repeats);
-    __syncthreads();
-    for (int e = tid; e < G; e += threads)
-      for (int w = 0, at = base[e]; w < warps; ++w) {
-        const int n = warp_first[w * G + e];
-        warp_first[w * G + e] = at;
-        at += n;
-      }
-    __syncthreads();
-    for (int k0 = 0; r < o.rows && k0 < K; k0 += kAtOnce) {
-      float w[kAtOnce] = {};  // the chunk's router weights, loaded together as the experts were
-      if (o.weights && r < kept) {
-        const int2 st = scan.row_map[r];
-        const float* src = scan.src.weights[st.x] + int64_t(st.y) * K;
-#pragma unroll
-        for (int q = 0; q < kAtOnce; ++q) w[q] = k0 + q < K ? src[k0 + q] : 0.f;
-      }
-#pragma unroll
-      for (int q = 0; q < kAtOnce; ++q) {
-        if (k0 + q >= K) break;
-        const int k = k0 + q, e = experts[tid * K + k];
-        int slot = M;
-        if (e >= 0) {
-          int at = warp_first[warp * G + e];  // then the warp's earlier rows' pairs of e, and this row's
-          if (one_pair_a_lane) {
-            at += __popc(lanes_of[warp * G + e] & ((1u << lane) - 1u));
-          } else {
-            for (int i = warp * kWarp; i < tid; ++i)
-              for (int j = 0; j < K; ++j) at += experts[i * K + j] == e;
-            for (int j = 0; j < k; ++j) at += experts[tid * K + j] == e;
-          }
-          if (at < M) {
-            slot = at;
-            o.pair_row[slot] = r;
-            if (o.weights) o.weights[slot] = w[q];
-          }
-        }
-        o.pair_of[int64_t(r) * K + k] = slot;
-      }
-    }
-    __syncthreads();
-  }
-  // The slots outside the groups: no row, weight 0, and zeros with zero_padding (a warp a slot).
-  const auto outside = [&](int j) {
-    const int e = group_of(offs, G, j);  // the last expert whose offset is <= j
-    return G == 0 || j < offs[e] || j >= offs[e] + total[e];
-  };
-  for (int j = block * threads + tid; j < M; j += blocks * threads)
-    if (outside(j)) {
-      o.pair_row[j] = o.rows;
-      if (o.weights) o.weights[j] = 0.f;
-    }
-  if (o.zero_padding) {
-    const int lane = tid % kWarp;
-    for (int j = block * warps + warp; j < M; j += blocks * warps)
-      if (outside(j)) {
-        warp_zero(static_cast<char*>(o.x) + int64_t(j) * p.x_row_bytes, p.x_row_bytes, lane);
-        if (p.scale_row_bytes)
-          warp_zero(static_cast<char*>(o.scales) + int64_t(j) * p.scale_row_bytes, p.scale_row_bytes, lane);
-      }
-  }
+  pair_offsets(p, t, block == 0);
+  for (int v = block; v < p.units; v += blocks) place_unit_pairs(p, scan, t, v);
+  mark_pairs_outside(p, t, block, blocks);
   // The handover orders the units' slots before any copy reads pair_of; the padding's writes (which nothing in
   // the launch reads) are ordered by the launch's end.
   hand_over(h, placed, block, blocks, p.units);
@@ -1525,36 +1361,15 @@ void dispatch_pairs(NvlDevice& dev, const Group& g, DispatchArgs a, const PairBu
   const char* op = "dispatch(layout='expert')";
   check_group(dev, g, op);
   check_budget_fits(dev, op);
-  const int K = a.topk, G = a.num_experts / g.size, C = p.rows;
-  const int64_t every_slot = int64_t(C) * K + int64_t(p.alignment - 1) * G;  // every top-k slot of every row
-  if (G > kMaxPairGroups || K > kMaxPairTopk || p.capacity < every_slot || C != g.size * a.num_tokens)
-    throw std::invalid_argument(std::string("uccl_ep ") + op + " over NVLink writes the pair buffer for at most " +
-                                std::to_string(kMaxPairGroups) + " local experts, top-" + std::to_string(kMaxPairTopk) +
-                                ", a buffer no routing overflows (" + std::to_string(every_slot) +
-                                " rows) and every row the group can send; got " + std::to_string(G) + ", top-" +
-                                std::to_string(K) + ", " + std::to_string(p.capacity) + " and " + std::to_string(C) +
-                                " (jax_uccl_ep lays such pairs out after token rows)");
-  a.capacity = C;
-  a.overflow = Overflow::kError;
-  a.recv_x = p.x;
-  a.recv_scales = a.scale_row_bytes ? p.scales : nullptr;
-  a.recv_topk_idx = nullptr;
-  a.recv_topk_weights = nullptr;
-  a.recv_num_tokens = p.stats;  // rows kept: stats[0]
-  a.num_tokens_per_expert = p.pairs_per_expert;
+  check_pair_buffer(op, a, g.size, p, "over NVLink");
+  const int G = a.num_experts / g.size;
+  a = pair_dispatch_args(a, p);
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
   check_fits(dev, l.total, op);
   const size_t scratch_bytes_rows = scratch_bytes(a.capacity, a.num_tokens);
-  PairLayout pairs{};
-  pairs.units = scan_units(C, kTransferThreads);
-  dev.ensure_scratch(scratch_bytes_rows + align16(size_t(pairs.units) * G * 4));
+  dev.ensure_scratch(scratch_bytes_rows + pair_scratch_bytes(p, G));
   const Scratch scratch = scratch_at(dev.scratch(), a.capacity, a.num_tokens);
-  pairs.unit_counts = reinterpret_cast<int32_t*>(static_cast<char*>(dev.scratch()) + scratch_bytes_rows);
-  pairs.out = p;
-  pairs.out.weights = a.topk_weights ? p.weights : nullptr;
-  pairs.x_row_bytes = a.x_row_bytes;
-  pairs.scale_row_bytes = a.scale_row_bytes;
-  pairs.groups = G;
+  const PairLayout pairs = pair_layout(a, p, G, static_cast<char*>(dev.scratch()) + scratch_bytes_rows);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   if (!pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
              {a.x, p.x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? p.scales : nullptr}, op,

@@ -12,6 +12,7 @@
 #include "device_common.cuh"
 #include "normal.cuh"
 #include "normal_scan.cuh"
+#include "pair_layout.cuh"
 #include "proxy_path.cuh"
 #include "stamps.cuh"
 #include "testing.hpp"
@@ -46,6 +47,19 @@ template <typename T>
 __global__ void __launch_bounds__(kTransferThreads, 1) combine_receive_kernel(CombineReceiveArgs a) {
   combine_receive<T>(a, blockIdx.x, gridDim.x);
 }
+// dispatch(layout="expert")'s pair layout (pair_layout.cuh), its passes a kernel each: a block a unit counts, then
+// every block sums the counts, the units' blocks place their pairs and all mark the slots outside the groups.
+__global__ void __launch_bounds__(kTransferThreads, 1) pair_count_kernel(PairLayout p, ScanArgs scan) {
+  extern __shared__ __align__(128) char smem[];
+  count_unit_pairs(p, scan, pair_tables(smem, p.groups), int(blockIdx.x));
+}
+__global__ void __launch_bounds__(kTransferThreads, 1) pair_place_kernel(PairLayout p, ScanArgs scan) {
+  extern __shared__ __align__(128) char smem[];
+  const PairTables t = pair_tables(smem, p.groups);
+  pair_offsets(p, t, blockIdx.x == 0);
+  for (int v = int(blockIdx.x); v < p.units; v += int(gridDim.x)) place_unit_pairs(p, scan, t, v);
+  mark_pairs_outside(p, t, int(blockIdx.x), int(gridDim.x));
+}
 __global__ void wait_flags_kernel(FlagWaits w, uint64_t timeout_ns, DeviceErrors* err, int rank) {
   wait_all(w, timeout_ns, err, rank);
 }
@@ -68,6 +82,20 @@ void launch_send(void (*kernel)(Args), const Args& a, cudaStream_t stream) {
 // The proxy path's receive side once the routing is in: the scan, then the rows.
 void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream) {
   run_scan(k.scan, stream);
+  dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
+  check(cudaGetLastError(), "dispatch_receive_kernel");
+}
+// dispatch(layout="expert")'s receive side: the scan, the pair layout, then each row to its slots.
+void launch_dispatch_pairs_receive(const DispatchKernels& k, const PairLayout& p, cudaStream_t stream) {
+  run_scan(k.scan, stream);
+  const size_t tables = pair_tables_bytes(p.groups, k.scan.topk, kTransferThreads);
+  for (auto kernel : {pair_count_kernel, pair_place_kernel})
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tables)),
+          "cudaFuncSetAttribute");
+  pair_count_kernel<<<p.units, kTransferThreads, tables, stream>>>(p, k.scan);
+  check(cudaGetLastError(), "pair_count_kernel");
+  pair_place_kernel<<<std::max(p.units, receive_blocks()), kTransferThreads, tables, stream>>>(p, k.scan);
+  check(cudaGetLastError(), "pair_place_kernel");
   dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
   check(cudaGetLastError(), "dispatch_receive_kernel");
 }
@@ -173,8 +201,9 @@ void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t byte
 }
 
 // The ops' device scratch on the proxy path, grown as needed (every proxy op waits for its kernels, so none runs).
-Scratch proxy_scratch(ProxyGpu& gpu, int capacity, int num_tokens) {
-  const size_t bytes = scratch_bytes(capacity, num_tokens);
+Scratch proxy_scratch(ProxyGpu& gpu, int capacity, int num_tokens, size_t extra_bytes = 0) {
+  const size_t bytes = align16(scratch_bytes(capacity, num_tokens)) + extra_bytes;  // the extra after the rows'
+
   if (bytes > gpu.scratch_bytes) {
     if (gpu.scratch) cudaFree(gpu.scratch);
     gpu.scratch = nullptr;
@@ -224,17 +253,13 @@ void set_proxy_kernel_stamps(uint64_t* stamps, cudaStream_t stream) {
 
 void preload_proxy_normal_kernels() {
   load_kernels(positions_kernel, dispatch_count_kernel, dispatch_place_kernel, dispatch_send_kernel,
-               dispatch_receive_kernel, combine_send_kernel, combine_receive_kernel<float>,
-               combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel, push_messages_kernel, acknowledge_kernel);
+               dispatch_receive_kernel, pair_count_kernel, pair_place_kernel, combine_send_kernel,
+               combine_receive_kernel<float>, combine_receive_kernel<__nv_bfloat16>, wait_flags_kernel,
+               push_messages_kernel, acknowledge_kernel);
 }
 
-void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
-  ProxyHalf half(dev, g, "dispatch", stream);
-  const bool has_w = a.topk_weights != nullptr;
-  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, has_w);
-  check_proxy_message(dev, g, l.total, 4, "dispatch");
-  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens);
-  const DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
+// A dispatch's message to each member: its rows (and scale rows), then our whole routing (and weights).
+MessagePieces dispatch_message(const DispatchArgs& a, const DispatchLayoutBytes& l, const Scratch& scratch) {
   MessagePieces m{};
   m.num_tokens = a.num_tokens;
   m.excl = scratch.excl;
@@ -242,10 +267,38 @@ void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaS
   add_piece(m, l.x, 0, a.x_row_bytes);
   add_piece(m, l.scales, 0, a.scale_row_bytes);
   add_piece(m, l.idx, size_t(a.num_tokens) * a.topk * 4, 0);
-  if (has_w) add_piece(m, l.weights, size_t(a.num_tokens) * a.topk * 4, 0);
+  if (a.topk_weights) add_piece(m, l.weights, size_t(a.num_tokens) * a.topk * 4, 0);
+  return m;
+}
+
+void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
+  ProxyHalf half(dev, g, "dispatch", stream);
+  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
+  check_proxy_message(dev, g, l.total, 4, "dispatch");
+  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens);
+  const DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
   run_over_proxy(
-      half, m, stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
+      half, dispatch_message(a, l, scratch), stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
       [&] { launch_dispatch_receive(k, stream); });
+}
+
+void dispatch_pairs(uccl_ep::Device& dev, const Group& g, DispatchArgs a, const PairBuffer& p, cudaStream_t stream) {
+  const char* op = "dispatch(layout='expert')";
+  check_pair_buffer(op, a, g.size, p, "over the proxy");
+  const int G = a.num_experts / g.size;
+  a = pair_dispatch_args(a, p);
+  ProxyHalf half(dev, g, "dispatch", stream);
+  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
+  check_proxy_message(dev, g, l.total, 4, op);
+  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens, pair_scratch_bytes(p, G));
+  const PairLayout pairs =
+      pair_layout(a, p, G, static_cast<char*>(half.gpu().scratch) + align16(scratch_bytes(a.capacity, a.num_tokens)));
+  DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
+  k.receive.pair_of = p.pair_of;
+  k.receive.pair_capacity = p.capacity;
+  run_over_proxy(
+      half, dispatch_message(a, l, scratch), stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
+      [&] { launch_dispatch_pairs_receive(k, pairs, stream); });
 }
 
 void cached_dispatch(uccl_ep::Device& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
