@@ -34,6 +34,24 @@ def _on_one_gpu(file: str, function: str, n: int, *, args=(), timeout_s=240, kv_
     )
 
 
+def _suite_across_nodes(part: str, **env):
+    """tests/test_gpu.py's suite `part` in two processes sharing one GPU, each its own node (UCCL_EP_GPUS_PER_NODE=1),
+    without its gradient check (an XLA collective, which NCCL refuses on a shared GPU); `env` on top. Checked, and
+    returned for more checks."""
+    results = _on_one_gpu(
+        "test_gpu.py",
+        "gpu_suite",
+        2,
+        args=[part, "0", "0"],
+        timeout_s=200,
+        UCCL_EP_GPUS_PER_NODE="1",
+        UCCL_EP_BUFFER_BYTES=str(256 << 20),
+        **env,
+    )
+    _check(results, 2)
+    return results
+
+
 def gpu_ring(commands: int, rounds: int) -> dict:
     """Child: GPU warps push numbered commands into host rings; then the ping-pong and one-way rounds."""
     from jax_uccl_ep import _uccl_ep_testing
@@ -67,35 +85,14 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
     proxies' reorder mode off and on. Results are gathered through jax.distributed's key-value store
     (UCCL_EP_TEST_KV_GATHER): NCCL refuses two ranks on one GPU. The processes' kernels take turns on the GPU, so
     every wait on a peer spans the GPU's time slices: slower, the same protocol."""
-    # Normal mode without its gradient check (an XLA collective, which NCCL refuses on a shared GPU).
-    results = _on_one_gpu(
-        "test_gpu.py",
-        "gpu_suite",
-        2,
-        args=[part, "0", "0"],
-        timeout_s=200,
-        UCCL_EP_GPUS_PER_NODE="1",
-        UCCL_EP_REORDER=reorder,
-        UCCL_EP_BUFFER_BYTES=str(256 << 20),
-    )
-    _check(results, 2)
+    _suite_across_nodes(part, UCCL_EP_REORDER=reorder)
 
 
 def test_gpu_initiated_dispatch_writes_the_pairs_across_nodes_on_one_shared_gpu():
     """As above, normal mode, with UCCL_EP_PROXY_DISPATCH_PAIRS=1: dispatch(layout="expert")'s receive lays the pairs
     out and copies each row from the receive region straight into its slots; the suite's expert-layout cases (units
     of 512 rows, repeated experts, FP8 pairs, top-12) against the NumPy reference."""
-    results = _on_one_gpu(
-        "test_gpu.py",
-        "gpu_suite",
-        2,
-        args=["normal", "0", "0"],
-        timeout_s=200,
-        UCCL_EP_GPUS_PER_NODE="1",
-        UCCL_EP_BUFFER_BYTES=str(256 << 20),
-        UCCL_EP_PROXY_DISPATCH_PAIRS="1",
-    )
-    _check(results, 2)
+    results = _suite_across_nodes("normal", UCCL_EP_PROXY_DISPATCH_PAIRS="1")
     assert all(x.result["gpu_writes_pairs"] for x in results), describe(results)
 
 
@@ -104,17 +101,7 @@ def test_host_staged_ops_across_nodes_on_one_shared_gpu():
     and runs the CPU implementation there, the expert layout written by the receive (the pair ops' host-staged
     handlers) included, against the same references as tests/test_gpu.py (no gradients: their loss sums with an XLA
     collective, which NCCL refuses on a shared GPU)."""
-    results = _on_one_gpu(
-        "test_gpu.py",
-        "gpu_suite",
-        2,
-        args=["normal", "0", "0"],
-        timeout_s=200,
-        UCCL_EP_GPUS_PER_NODE="1",
-        UCCL_EP_GPU_INITIATED="0",
-        UCCL_EP_BUFFER_BYTES=str(256 << 20),
-    )
-    _check(results, 2)
+    results = _suite_across_nodes("normal", UCCL_EP_GPU_INITIATED="0")
     assert all(x.result["receive_writes_pairs"] for x in results), describe(results)
 
 
