@@ -34,21 +34,23 @@ def _on_one_gpu(file: str, function: str, n: int, *, args=(), timeout_s=240, kv_
     )
 
 
-def _suite_across_nodes(part: str, **env):
-    """tests/test_gpu.py's suite `part` in two processes sharing one GPU, each its own node (UCCL_EP_GPUS_PER_NODE=1),
-    without its gradient check (an XLA collective, which NCCL refuses on a shared GPU); `env` on top. Checked, and
-    returned for more checks."""
+def _suite_across_nodes(
+    part: str, n: int = 2, per_node: int = 1, *, error_checks: bool = False, timeout_s: int = 200, **env
+):
+    """tests/test_gpu.py's suite `part` in `n` processes sharing one GPU, `per_node` a node (UCCL_EP_GPUS_PER_NODE;
+    more than one: two-level routing), with or without its error checks and without its gradient check (an XLA
+    collective, which NCCL refuses on a shared GPU); `env` on top. Checked, and returned for more checks."""
     results = _on_one_gpu(
         "test_gpu.py",
         "gpu_suite",
-        2,
-        args=[part, "0", "0"],
-        timeout_s=200,
-        UCCL_EP_GPUS_PER_NODE="1",
+        n,
+        args=[part, "1" if error_checks else "0", "0"],
+        timeout_s=timeout_s,
+        UCCL_EP_GPUS_PER_NODE=str(per_node),
         UCCL_EP_BUFFER_BYTES=str(256 << 20),
         **env,
     )
-    _check(results, 2)
+    _check(results, n)
     return results
 
 
@@ -112,17 +114,7 @@ def test_two_level_routing_on_one_shared_gpu(part, reorder):
     IPC between the processes, here on one GPU); the reference checks in two-level row order, then the kernel-found
     errors (capacity at the node level, a bad expert index at the level across nodes) from check_errors().
     Low-latency mode, flat through the proxies, runs beside the node-level runtime."""
-    results = _on_one_gpu(
-        "test_gpu.py",
-        "gpu_suite",
-        4,
-        args=[part, "1", "0"],
-        timeout_s=300,
-        UCCL_EP_GPUS_PER_NODE="2",
-        UCCL_EP_REORDER=reorder,
-        UCCL_EP_BUFFER_BYTES=str(256 << 20),
-    )
-    _check(results, 4)
+    results = _suite_across_nodes(part, 4, 2, error_checks=True, timeout_s=300, UCCL_EP_REORDER=reorder)
     assert all(x.result["two_level"] == [2, 2, True, True] for x in results), describe(results)
 
 
