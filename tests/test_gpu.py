@@ -86,13 +86,20 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     print(f"expert layout: {[problems[k] for k in problems if k.startswith('expert')]}", flush=True)
     ep.check_errors()  # nothing pending so far (dropping on purpose is no error)
     # Which writer laid the pairs out: the receive (the *_pairs ops; on a GPU path where _plan.gpu_writes_pairs
-    # allows) or XLA after token rows.
+    # allows) or XLA after token rows; gpu_writes_pairs: dispatch's own decision for the first expert-layout case
+    # above (40 bf16 rows of 256 a rank, top-4 of 4 local experts, alignment 8, the never-dropping buffer).
+    from jax_uccl_ep import _pairs, normal
+
+    first_case = jax.ShapeDtypeStruct((40, 256), jnp.bfloat16)
     result = {
         "problems": problems,
         "ranks": r,
         "two_level": two_level,
         "receive_writes_pairs": _plan.receive_writes_pairs(),
-        "gpu_writes_pairs": _plan.current().gpu_writes_pairs,
+        "gpu_writes_pairs": not _plan.receive_writes_pairs()
+        and normal._receive_writes_pairs(
+            first_case, False, 4, 4, 8, _pairs.never_dropping_pairs(r * 40, 4, 4, 8), r * 40
+        ),
     }
     if error_checks == "0":
         ep.shutdown()

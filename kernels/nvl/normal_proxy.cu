@@ -203,7 +203,6 @@ void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t byte
 // The ops' device scratch on the proxy path, grown as needed (every proxy op waits for its kernels, so none runs).
 Scratch proxy_scratch(ProxyGpu& gpu, int capacity, int num_tokens, size_t extra_bytes = 0) {
   const size_t bytes = align16(scratch_bytes(capacity, num_tokens)) + extra_bytes;  // the extra after the rows'
-
   if (bytes > gpu.scratch_bytes) {
     if (gpu.scratch) cudaFree(gpu.scratch);
     gpu.scratch = nullptr;
