@@ -79,23 +79,20 @@ void launch_send(void (*kernel)(Args), const Args& a, cudaStream_t stream) {
   check(cudaGetLastError(), "send kernel");
 }
 
-// The proxy path's receive side once the routing is in: the scan, then the rows.
-void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream) {
+// The proxy path's receive side once the routing is in: the scan, then the rows; with `pairs` (dispatch(layout=
+// "expert"), k.receive.pair_of set) the pair layout between them, and each row to its slots.
+void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, const PairLayout* pairs = nullptr) {
   run_scan(k.scan, stream);
-  dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
-  check(cudaGetLastError(), "dispatch_receive_kernel");
-}
-// dispatch(layout="expert")'s receive side: the scan, the pair layout, then each row to its slots.
-void launch_dispatch_pairs_receive(const DispatchKernels& k, const PairLayout& p, cudaStream_t stream) {
-  run_scan(k.scan, stream);
-  const size_t tables = pair_tables_bytes(p.groups, k.scan.topk, kTransferThreads);
-  for (auto kernel : {pair_count_kernel, pair_place_kernel})
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tables)),
-          "cudaFuncSetAttribute");
-  pair_count_kernel<<<p.units, kTransferThreads, tables, stream>>>(p, k.scan);
-  check(cudaGetLastError(), "pair_count_kernel");
-  pair_place_kernel<<<std::max(p.units, receive_blocks()), kTransferThreads, tables, stream>>>(p, k.scan);
-  check(cudaGetLastError(), "pair_place_kernel");
+  if (pairs) {
+    const size_t tables = pair_tables_bytes(pairs->groups, k.scan.topk, kTransferThreads);
+    for (auto kernel : {pair_count_kernel, pair_place_kernel})
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(tables)),
+            "cudaFuncSetAttribute");
+    pair_count_kernel<<<pairs->units, kTransferThreads, tables, stream>>>(*pairs, k.scan);
+    check(cudaGetLastError(), "pair_count_kernel");
+    pair_place_kernel<<<std::max(pairs->units, receive_blocks()), kTransferThreads, tables, stream>>>(*pairs, k.scan);
+    check(cudaGetLastError(), "pair_place_kernel");
+  }
   dispatch_receive_kernel<<<receive_blocks(), kTransferThreads, 0, stream>>>(k.receive);
   check(cudaGetLastError(), "dispatch_receive_kernel");
 }
@@ -257,6 +254,7 @@ void preload_proxy_normal_kernels() {
                push_messages_kernel, acknowledge_kernel);
 }
 
+namespace {
 // A dispatch's message to each member: its rows (and scale rows), then our whole routing (and weights).
 MessagePieces dispatch_message(const DispatchArgs& a, const DispatchLayoutBytes& l, const Scratch& scratch) {
   MessagePieces m{};
@@ -270,34 +268,37 @@ MessagePieces dispatch_message(const DispatchArgs& a, const DispatchLayoutBytes&
   return m;
 }
 
-void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
+// dispatch over the proxy; with `p` (dispatch(layout="expert"), `a` already redirected by pair_dispatch_args), the
+// receive writes the pair buffer, its layout's counts in the scratch after the rows'.
+void dispatch_over_proxy(uccl_ep::Device& dev, const Group& g, DispatchArgs a, const char* op, cudaStream_t stream,
+                         const PairBuffer* p = nullptr) {
   ProxyHalf half(dev, g, "dispatch", stream);
   const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
-  check_proxy_message(dev, g, l.total, 4, "dispatch");
-  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens);
-  const DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
+  check_proxy_message(dev, g, l.total, 4, op);
+  const int G = a.num_experts / g.size;
+  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens, p ? pair_scratch_bytes(*p, G) : 0);
+  DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
+  PairLayout pairs{};
+  if (p) {
+    pairs = pair_layout(a, *p, G,
+                        static_cast<char*>(half.gpu().scratch) + align16(scratch_bytes(a.capacity, a.num_tokens)));
+    k.receive.pair_of = p->pair_of;
+    k.receive.pair_capacity = p->capacity;
+  }
   run_over_proxy(
       half, dispatch_message(a, l, scratch), stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
-      [&] { launch_dispatch_receive(k, stream); });
+      [&] { launch_dispatch_receive(k, stream, p ? &pairs : nullptr); });
+}
+}  // namespace
+
+void dispatch(uccl_ep::Device& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
+  dispatch_over_proxy(dev, g, a, "dispatch", stream);
 }
 
 void dispatch_pairs(uccl_ep::Device& dev, const Group& g, DispatchArgs a, const PairBuffer& p, cudaStream_t stream) {
   const char* op = "dispatch(layout='expert')";
   check_pair_buffer(op, a, g.size, p, "over the proxy");
-  const int G = a.num_experts / g.size;
-  a = pair_dispatch_args(a, p);
-  ProxyHalf half(dev, g, "dispatch", stream);
-  const auto l = dispatch_layout(a.num_tokens, a.x_row_bytes, a.scale_row_bytes, a.topk, a.topk_weights != nullptr);
-  check_proxy_message(dev, g, l.total, 4, op);
-  const Scratch scratch = proxy_scratch(half.gpu(), a.capacity, a.num_tokens, pair_scratch_bytes(p, G));
-  const PairLayout pairs =
-      pair_layout(a, p, G, static_cast<char*>(half.gpu().scratch) + align16(scratch_bytes(a.capacity, a.num_tokens)));
-  DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
-  k.receive.pair_of = p.pair_of;
-  k.receive.pair_capacity = p.capacity;
-  run_over_proxy(
-      half, dispatch_message(a, l, scratch), stream, [&] { launch_send(dispatch_send_kernel, k.send, stream); },
-      [&] { launch_dispatch_pairs_receive(k, pairs, stream); });
+  dispatch_over_proxy(dev, g, pair_dispatch_args(a, p), op, stream, &p);
 }
 
 void cached_dispatch(uccl_ep::Device& dev, const Group& g, const CachedDispatchArgs& a, cudaStream_t stream) {
