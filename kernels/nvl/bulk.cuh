@@ -76,7 +76,7 @@ __device__ __forceinline__ void bulk_wait() {
 }
 // Shared memory a block of these kernels may take (H100/H200: 227 KiB), less what the kernels declare statically.
 constexpr uint32_t kBulkSharedBytes = 200 * 1024;
-constexpr int kMaxStages = 48;
+constexpr int kMaxStages = 64;  // four a warp for the combine receiver's 16 warps
 
 // A stage ring driven by one thread: job j goes through stage j % stages; `full[s]` completes when a job's loads
 // have landed. The thread's parity bits track each stage's phase (bit s). A stage is refilled `lag` jobs after its
