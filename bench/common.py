@@ -477,6 +477,7 @@ class EPBench:
         cupti: bool = False,
         unroll: bool = False,
         trace_dir: str | None = None,
+        phases: bool = False,
     ):
         import jax
         import numpy as np
@@ -489,6 +490,7 @@ class EPBench:
         self.cupti = cupti or bool(trace_dir)  # also record each op's device activity per call (GPUs, torch)
         self.trace_dir = trace_dir  # where each op's Chrome trace of its timed calls goes (None: nowhere)
         self.unroll = unroll  # the timed calls as a straight line in the jit rather than a fori_loop (looped)
+        self.phases = phases  # also one call alone with the NVLink kernels' phase stamps on (kernel_phases)
         devices = list(devices if devices is not None else jax.devices())
         if len(devices) != prob.ranks:
             raise ValueError(f"{len(devices)} devices but the problem has {prob.ranks} ranks")
@@ -550,9 +552,36 @@ class EPBench:
                     res.extra["device_span_us_per_call"] = cupti_span_per_call(activity, self.iters)
                 except Exception as e:  # noqa: BLE001 (no torch: the timing stands without it)
                     res.extra["cupti_us_per_call"] = {"error": short_error(e, 120)}
+            if self.phases:
+                res.extra["phases_us"] = self.kernel_phases(make)
         except Exception as e:  # noqa: BLE001 (one op failing, not implemented here say, must not stop the rest)
             res.error = short_error(e, 400)
         return res
+
+    def kernel_phases(self, make: Callable[[], tuple[Callable, tuple]]) -> list[dict]:
+        """One call of the op alone (a jit of one call, warmed up, run after the GPUs went idle) with the NVLink
+        kernels' stamps on: per GPU {phase: (start, length)} in us on its own clock from its first stamped phase
+        (kernels/nvl/testing.hpp's KernelKind: routing, scan, the receive, acks). The first NVLink traffic after
+        an idle gap is slower than in the timed loop's back-to-back calls."""
+        import jax
+
+        from jax_uccl_ep import _uccl_ep_testing
+
+        iters, self.iters = self.iters, 1
+        try:
+            fn, args = make()
+        finally:
+            self.iters = iters
+        for _ in range(3):
+            jax.block_until_ready(fn(*args))
+        gpus = [int(d.local_hardware_id) for d in self.mesh.devices.flat]
+        for g in gpus:
+            _uccl_ep_testing.nvl_start_kernel_stamps(g)
+        try:
+            jax.block_until_ready(fn(*args))
+        finally:
+            spans = [_uccl_ep_testing.nvl_stop_kernel_stamps(g) for g in gpus]
+        return [{k: tuple(round(v, 1) for v in span) for k, span in gpu.items()} for gpu in spans]
 
     # -- jax_uccl_ep -----------------------------------------------------------------------------------------
     def fp8_inputs(self):

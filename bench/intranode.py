@@ -231,6 +231,7 @@ def run_jax(
     unroll: bool = False,
     trace_dir: str | None = None,
     pulls: list[bool] | None = None,
+    phases: bool = False,
 ) -> tuple[list[common.OpResult], dict]:
     """The XLA ops once, and jax_uccl_ep's at each (SM budget, send blocks of it; 0: the default split) in
     `budgets` (default: the environment's), each sent and or pulled as `pulls` says (default: the environment's);
@@ -246,7 +247,9 @@ def run_jax(
     }
     if len(devices) < prob.ranks:
         raise SystemExit(f"{len(devices)} JAX devices < --ranks {prob.ranks}")
-    bench = common.EPBench(prob, devices, iters=iters, repeats=repeats, cupti=cupti, unroll=unroll, trace_dir=trace_dir)
+    bench = common.EPBench(
+        prob, devices, iters=iters, repeats=repeats, cupti=cupti, unroll=unroll, trace_dir=trace_dir, phases=phases
+    )
     results = []
 
     def run_op(op: str) -> common.OpResult:
@@ -264,6 +267,9 @@ def run_jax(
             if span:
                 print(f"#   GPU 0 span per call (first start to last end / calls): {span:.1f} us", flush=True)
                 res.note = (res.note + "; " if res.note else "") + f"GPU 0 span {span:.1f} us/call"
+        for g, gpu in enumerate(res.extra.get("phases_us", [])):
+            shown = ", ".join(f"{k} +{a:.1f} for {n:.1f}" for k, (a, n) in sorted(gpu.items(), key=lambda kv: kv[1]))
+            print(f"#   phases on GPU {g}, one call alone (us): {shown}", flush=True)
         return res
 
     uccl_ops = [o for o in ops if o in UCCL_OPS]
@@ -314,6 +320,7 @@ def run_jax(
             results.append(res)
         if uccl_error is None:
             ep.shutdown()
+    bench.phases = False  # the stamps are our kernels'
     for op in ops:
         if op not in UCCL_OPS:
             res = run_op(op)
@@ -407,6 +414,12 @@ def main(argv=None) -> int:
         help="lag:stages[:combine[:producers[:rows]]] of the bulk kernels' rings, by the testing hook "
         "(bench/loopback.py)",
     )
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="also one call of each jax_uccl_ep op alone with the NVLink kernels' phase stamps on: each GPU's "
+        "routing wait, scan, receive and acknowledgements (us, its own clock)",
+    )
     ap.add_argument("--out", default="intranode.json", help="JSON of the results")
     args = ap.parse_args(argv)
 
@@ -472,6 +485,7 @@ def main(argv=None) -> int:
         unroll=not args.loop,
         trace_dir=args.trace,
         pulls=pulls,
+        phases=args.phases and not args.cpu,
     )
     record["jax"] = info
     results += jax_results

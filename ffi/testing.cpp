@@ -92,6 +92,13 @@ nb::dict ring_slots_land_in_pieces(uint32_t capacity, uint64_t positions, uint32
 
 }  // namespace
 
+#ifdef UCCL_EP_WITH_CUDA
+// nvl::KernelKind's names, in its order.
+const char* const kKernelKinds[] = {"scan",    "dispatch_send", "dispatch_receive", "combine_send", "combine_receive",
+                                    "routing", "acks",          "routing_sent"};
+static_assert(std::size(kKernelKinds) == size_t(nvl::KernelKind::kCount), "a name per kernel kind");
+#endif
+
 NB_MODULE(_uccl_ep_testing, m) {
   register_error_translator();
   // Set before initialize() (a proxy device takes its modes when it is created); tests/spawn.py sets them from
@@ -139,6 +146,17 @@ NB_MODULE(_uccl_ep_testing, m) {
     return out;
   });
   m.def("nvl_bulk_copies", [] { return nvl::bulk_copies(); });
+  m.def("nvl_start_kernel_stamps", &nvl::start_kernel_stamps, nb::arg("cuda_device"));
+  m.def(
+      "nvl_stop_kernel_stamps",
+      [](int cuda_device) {  // {kind: (start, length) in us} of the kinds that ran since the start
+        nb::dict out;
+        const auto spans = nvl::stop_kernel_stamps(cuda_device);
+        for (size_t k = 0; k < spans.size(); ++k)
+          if (spans[k][1] >= 0) out[kKernelKinds[k]] = nb::make_tuple(spans[k][0], spans[k][1]);
+        return out;
+      },
+      nb::arg("cuda_device"));
   m.def(
       "nvl_loopback_bench",
       [](int device, int tokens, int hidden, int topk, int experts, bool fp8, int iters, uint64_t seed, int ranks,
@@ -160,16 +178,12 @@ NB_MODULE(_uccl_ep_testing, m) {
         d["mismatched_combine_rows"] = r.mismatched_combine_rows;
         d["num_sms"] = nvl::num_sms();
         d["bulk"] = nvl::bulk_copies();
-        static const char* kKinds[] = {"scan",         "dispatch_send",   "dispatch_receive",
-                                       "combine_send", "combine_receive", "routing",
-                                       "acks",         "routing_sent"};
-        static_assert(std::size(kKinds) == size_t(nvl::KernelKind::kCount), "a name per kernel kind");
         const auto spans_dict = [&](const double (*spans)[int(nvl::KernelKind::kCount)][2]) {
           nb::dict out;
           for (int op = 0; op < 2; ++op)
             for (int k = 0; k < int(nvl::KernelKind::kCount); ++k)
               if (spans[op][k][1] >= 0)
-                out[(std::string(op ? "combine:" : "dispatch:") + kKinds[k]).c_str()] =
+                out[(std::string(op ? "combine:" : "dispatch:") + kKernelKinds[k]).c_str()] =
                     nb::make_tuple(spans[op][k][0], spans[op][k][1]);
           return out;
         };

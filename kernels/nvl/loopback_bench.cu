@@ -28,6 +28,25 @@ T* device_alloc(size_t count) {
   return static_cast<T*>(p);
 }
 
+// (start, length) in us of each kind from the earliest start of any, or (0, -1) where no kernel of the kind ran.
+void spans_from(const std::vector<uint64_t>& words, double (*out)[2]) {
+  constexpr int kKinds = int(KernelKind::kCount);
+  uint64_t first = UINT64_MAX;
+  for (int k = 0; k < kKinds; ++k) first = std::min(first, words[2 * k]);
+  for (int k = 0; k < kKinds; ++k) {
+    const bool ran = words[2 * k] != UINT64_MAX;
+    out[k][0] = ran ? double(words[2 * k] - first) / 1e3 : 0.0;
+    out[k][1] = ran ? (double(words[2 * k + 1]) - double(words[2 * k])) / 1e3 : -1.0;
+  }
+}
+
+// Start words at UINT64_MAX, end words at 0: what the kernels' atomicMin / atomicMax stamps start from.
+std::vector<uint64_t> unstamped() {
+  std::vector<uint64_t> words(2 * int(KernelKind::kCount), 0);
+  for (size_t k = 0; k < words.size(); k += 2) words[k] = UINT64_MAX;
+  return words;
+}
+
 // Throws unless GPUs first to first + count - 1 are present; `who` names the bench.
 void require_gpus(const char* who, int first, int count) {
   int present = 0;
@@ -295,16 +314,6 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
     stamps[g] = device_alloc<uint64_t>(2 * kKinds);
   }
-  // (start, length) in us of each kind from `first`, or (0, -1) where no kernel of the kind ran.
-  const auto spans_from = [&](const std::vector<uint64_t>& words, double (*out)[2]) {
-    uint64_t first = UINT64_MAX;
-    for (int k = 0; k < kKinds; ++k) first = std::min(first, words[2 * k]);
-    for (int k = 0; k < kKinds; ++k) {
-      const bool ran = words[2 * k] != UINT64_MAX;
-      out[k][0] = ran ? double(words[2 * k] - first) / 1e3 : 0.0;
-      out[k][1] = ran ? (double(words[2 * k + 1]) - double(words[2 * k])) / 1e3 : -1.0;
-    }
-  };
   for (auto& op : res.spans)
     for (auto& span : op) span[1] = -1.0;  // not run (combine with fp8)
   for (auto& gpu : res.gpu_spans)
@@ -317,8 +326,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
     check(cudaEventCreateWithFlags(&queued[r], cudaEventDisableTiming), "cudaEventCreate");
   }
   for (int op = 0; op < (a.fp8 ? 1 : 2); ++op) {
-    std::vector<uint64_t> merged(2 * kKinds, 0), host(2 * kKinds);
-    for (int k = 0; k < kKinds; ++k) merged[2 * k] = UINT64_MAX;
+    std::vector<uint64_t> merged = unstamped(), host(2 * kKinds);
     for (int g = 0; g < a.num_gpus; ++g) {
       check(cudaSetDevice(a.cuda_device + g), "cudaSetDevice");
       check(cudaMemcpy(stamps[g], merged.data(), merged.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
@@ -510,6 +518,37 @@ double copy_bench(int cuda_device, int blocks, int64_t bytes_per_block, uint32_t
   check(cudaSetDevice(cuda_device), "cudaSetDevice");
   if (!mismatch.empty()) throw std::runtime_error(mismatch);
   return double(bytes) * kIters / (slowest_ms * 1e-3) / 1e9;  // GB/s copied by each GPU
+}
+
+namespace {
+std::vector<std::pair<int, uint64_t*>> g_stamp_arrays;  // the GPUs start_kernel_stamps pointed, and their arrays
+}  // namespace
+
+void start_kernel_stamps(int cuda_device) {
+  stop_kernel_stamps(cuda_device);  // a session left open starts over
+  check(cudaSetDevice(cuda_device), "cudaSetDevice");
+  const std::vector<uint64_t> words = unstamped();
+  uint64_t* stamps = device_alloc<uint64_t>(words.size());
+  check(cudaMemcpy(stamps, words.data(), words.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
+  g_stamp_arrays.emplace_back(cuda_device, stamps);
+  set_kernel_stamps(cuda_device, stamps);
+}
+
+std::vector<std::array<double, 2>> stop_kernel_stamps(int cuda_device) {
+  std::vector<std::array<double, 2>> spans;
+  for (auto it = g_stamp_arrays.begin(); it != g_stamp_arrays.end(); ++it) {
+    if (it->first != cuda_device) continue;
+    set_kernel_stamps(cuda_device, nullptr);
+    std::vector<uint64_t> words = unstamped();
+    check(cudaMemcpy(words.data(), it->second, words.size() * 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    check(cudaFree(it->second), "cudaFree");
+    g_stamp_arrays.erase(it);
+    double out[int(KernelKind::kCount)][2];
+    spans_from(words, out);
+    for (const auto& span : out) spans.push_back({span[0], span[1]});
+    break;
+  }
+  return spans;
 }
 
 }  // namespace uccl_ep::nvl

@@ -1037,6 +1037,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
     }
     if (laid_out) dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
   }
+  const KernelStamp stamp(KernelKind::kAcks);
   if (acknowledge_when_last(d.handoff, d.acks)) wait_members_read(d.send.to);  // before our inputs may go
 }
 
@@ -1116,6 +1117,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullC
   }
   if (wait_handed_over(f.handoff, positioned, 1, a.from) && read_pull_words(f, src))
     combine_receive_bulk<T>(a, f.receive_shape, items, &src);
+  const KernelStamp stamp(KernelKind::kAcks);
   if (acknowledge_when_last(f.handoff, f.acks)) wait_members_read(f.send.to);  // before y may go
 }
 

@@ -2,7 +2,9 @@
 // extension only: ffi/testing.cpp), and the kernels' hooks they and the benches set (defined in normal_nvlink.cu
 // and bulk_shapes.cu).
 #pragma once
+#include <array>
 #include <cstdint>
+#include <vector>
 
 #include "../../proxy/command.hpp"
 #include "api.hpp"
@@ -27,8 +29,9 @@ RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per
 
 // The normal-mode bulk kernels whose spans the loopback bench reads (stamps.cuh). kRouting: dispatch's receive blocks
 // waiting for every member's routing; kScan: then the routing scan (dispatch) or the positions (combine); kAcks:
-// dispatch's send blocks waiting for the members' acknowledgements of our last message; kRoutingSent: from a send
-// block's start until its routing is announced to every member.
+// dispatch's send blocks waiting for the members' acknowledgements of our last message (in the pulled kernels:
+// from the first block done with its copies to the end of the last's wait for the members' reads); kRoutingSent: from a
+// send block's start until its routing is announced to every member.
 enum class KernelKind {
   kScan,
   kDispatchSend,
@@ -46,6 +49,11 @@ constexpr int kMaxLoopbackGpus = 8;
 // side starts copying only once every member's rows have landed, so each side's span is what it moves alone.
 // Given a stream (of `cuda_device`), the pointer changes in its order, between the launches queued on it.
 void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart = false, cudaStream_t stream = nullptr);
+// The same for ops run through XLA (bench/intranode.py --phases): start points `cuda_device`'s kernels at a fresh
+// array, stop turns them off and returns [KernelKind] {start, length} in us from the earliest start of any kind
+// (length -1: no kernel of that kind ran), on that GPU's own %globaltimer. The GPU must be idle at each call.
+void start_kernel_stamps(int cuda_device);
+std::vector<std::array<double, 2>> stop_kernel_stamps(int cuda_device);
 
 // The bulk-copy rings of the normal-mode kernels (0: the default): how many jobs behind its stores a producer refills
 // a stage (1 to 6), how many stages each producer gets (the send and dispatch-receive rings), how many stages each
