@@ -108,7 +108,7 @@ __device__ __forceinline__ int unit_token(int x, int j) {
 // of trips to a memory that the copies keep busy, so the loads go out together.
 template <int kRun, class F>
 __device__ __forceinline__ void for_expert_indices(const ScanArgs& a, int x, int s, F f) {
-  constexpr int kSlots = 16 / kRun;  // 16 loads in flight at most: top-8 in one trip at one token a thread
+  constexpr int kSlots = kRun < 8 ? 4 : 2;  // 16 loads in flight at most
   const int K = a.topk, last = a.num_tokens - 1;
   const int32_t* idx = a.src.topk_idx[s];
   for (int k0 = 0; k0 < K; k0 += kSlots) {
@@ -166,13 +166,11 @@ __device__ __forceinline__ void unit_members(const ScanArgs& a, int x, int s, un
 }
 
 // Pass 1: unit x of source s (its blockDim.x * kRun tokens; `units` per source) counts its rows, and with
-// receiver_counts every member's. Unit (0, 0) zeroes the per-expert counts, which the receive side adds to. Returns
-// the thread's unit_takes, for a caller that places the same unit to pass on.
+// receiver_counts every member's. Unit (0, 0) zeroes the per-expert counts, which the receive side adds to.
 template <int kRun>
-__device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
-  unsigned takes = 0;
+__device__ void count_unit(const ScanArgs& a, int x, int s, int units) {
   if (!a.receiver_counts) {
-    takes = unit_takes<kRun>(a, x, s);
+    const unsigned takes = unit_takes<kRun>(a, x, s);
     int rows = 0;
 #pragma unroll
     for (int j = 0; j < kRun; ++j) rows += __syncthreads_count(takes >> j & 1);
@@ -180,8 +178,6 @@ __device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
   } else {
     unsigned members[kRun];
     unit_members<kRun>(a, x, s, members);
-#pragma unroll
-    for (int j = 0; j < kRun; ++j) takes |= (members[j] >> a.self & 1u) << j;
     int n[kMaxRanks], total[kMaxRanks];  // member d's rows
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
@@ -201,14 +197,13 @@ __device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
   const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
   if (x == 0 && s == 0)
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) a.num_tokens_per_expert[e] = 0;
-  return takes;
 }
 
-// Pass 2: each unit places its rows after those of every earlier unit; `takes`: the thread's unit_takes (what
-// count_unit returned for this unit).
+// Pass 2: each unit places its rows after those of every earlier unit.
 template <int kRun>
-__device__ void place_unit(const ScanArgs& a, int x, int s, int units, unsigned takes) {
+__device__ void place_unit(const ScanArgs& a, int x, int s, int units) {
   const int blocks = units, T = a.num_tokens;
+  const unsigned takes = unit_takes<kRun>(a, x, s);
   int earlier = 0;
   for (int i = threadIdx.x; i < s * blocks + x; i += blockDim.x) earlier += a.block_counts[i];
   int base;
@@ -250,11 +245,6 @@ __device__ void place_unit(const ScanArgs& a, int x, int s, int units, unsigned 
     report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
   }
   *a.recv_num_tokens = min(total, a.capacity);
-}
-// The same, loading the unit's routing again.
-template <int kRun>
-__device__ void place_unit(const ScanArgs& a, int x, int s, int units) {
-  place_unit<kRun>(a, x, s, units, unit_takes<kRun>(a, x, s));
 }
 
 // Scan units per source, of `tokens_per_unit` tokens each (the standalone scan's blocks take kScanThreads, a fused
