@@ -31,7 +31,8 @@ RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per
 // waiting for every member's routing; kScan: then the routing scan (dispatch) or the positions (combine); kAcks:
 // dispatch's send blocks waiting for the members' acknowledgements of our last message (in the pulled kernels:
 // from the first block done with its copies to the end of the last's wait for the members' reads); kRoutingSent: from a
-// send block's start until its routing is announced to every member.
+// send block's start until its routing is announced to every member; kScanCounted: inside kScan, from the first block
+// done counting to the last one through the counts' handover (the place pass and its handover follow).
 enum class KernelKind {
   kScan,
   kDispatchSend,
@@ -41,6 +42,7 @@ enum class KernelKind {
   kRouting,
   kAcks,
   kRoutingSent,
+  kScanCounted,
   kCount
 };
 constexpr int kMaxLoopbackGpus = 8;
