@@ -62,18 +62,16 @@ BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes) {
 // copies. Sent (the members' rows in our own buffer): in the loopback two won at 2 members (~2.9 KiB copies), one at 4
 // and 8 (copies of 1.6 KiB rather than 800 B: -10% at 8). Pulled (the rows in the members' memory, over NVLink): at 2
 // members on 2x H200 three stages (2.1 KiB copies) took 15% off two at 24 blocks, one added 30%; at 4 members on 4x
-// H200 two took 7-9% off one at 8 blocks and cost 0-13% at 24 (bench/RESULTS.md). So pulled: as many stages as keep
-// copies of 2 KiB, and two where the blocks are few and copies keep 1 KiB.
+// H200 two took 7-9% off one at 8 blocks and cost 0-13% at 24 (bench/RESULTS.md). So as many stages as keep copies
+// of 2 KiB (sent: two at most), and pulled two where the blocks are few and copies keep 1 KiB.
 BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled, int blocks) {
   const auto copy_bytes = [&](int stages) {
     return kBulkSharedBytes / (stages * kTransferWarps) / uint32_t(num_ranks);
   };
-  int per = copy_bytes(2) >= 2048 ? 2 : 1;
-  if (pulled) {
-    per = 1;
-    while (per < kMaxStages / kTransferWarps && copy_bytes(per + 1) >= 2048) ++per;
-    if (blocks <= 8 && per < 2 && copy_bytes(2) >= 1024) per = 2;
-  }
+  const int most_stages = pulled ? kMaxStages / kTransferWarps : 2;
+  int per = 1;
+  while (per < most_stages && copy_bytes(per + 1) >= 2048) ++per;
+  if (pulled && blocks <= 8 && per < 2 && copy_bytes(2) >= 1024) per = 2;
   if (g_tuning.combine_stages > 0) per = g_tuning.combine_stages;
   BulkShape b = piece_stages(row_bytes, 0, per * kTransferWarps);
   const int64_t most = align_down(b.stage_bytes / uint32_t(num_ranks), 16);
