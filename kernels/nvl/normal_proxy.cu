@@ -198,8 +198,10 @@ void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t byte
 }
 
 // The ops' device scratch on the proxy path, grown as needed (every proxy op waits for its kernels, so none runs).
+// Where an op's extra scratch starts in ProxyGpu::scratch: after the rows' tables.
+size_t extra_scratch_offset(int capacity, int num_tokens) { return align16(scratch_bytes(capacity, num_tokens)); }
 Scratch proxy_scratch(ProxyGpu& gpu, int capacity, int num_tokens, size_t extra_bytes = 0) {
-  const size_t bytes = align16(scratch_bytes(capacity, num_tokens)) + extra_bytes;  // the extra after the rows'
+  const size_t bytes = extra_scratch_offset(capacity, num_tokens) + extra_bytes;
   if (bytes > gpu.scratch_bytes) {
     if (gpu.scratch) cudaFree(gpu.scratch);
     gpu.scratch = nullptr;
@@ -280,8 +282,8 @@ void dispatch_over_proxy(uccl_ep::Device& dev, const Group& g, DispatchArgs a, c
   DispatchKernels k = dispatch_kernels(a, g, l, scratch, proxy_send_to(half), proxy_receive_from(half));
   PairLayout pairs{};
   if (p) {
-    pairs = pair_layout(a, *p, G,
-                        static_cast<char*>(half.gpu().scratch) + align16(scratch_bytes(a.capacity, a.num_tokens)));
+    pairs =
+        pair_layout(a, *p, G, static_cast<char*>(half.gpu().scratch) + extra_scratch_offset(a.capacity, a.num_tokens));
     k.receive.pair_of = p->pair_of;
     k.receive.pair_capacity = p->capacity;
   }
