@@ -197,9 +197,9 @@ void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t byte
         ": UCCL_EP_MAX_WRITE_BYTES is too small for these rows (a message may hold 2047 writes)");
 }
 
-// The ops' device scratch on the proxy path, grown as needed (every proxy op waits for its kernels, so none runs).
 // Where an op's extra scratch starts in ProxyGpu::scratch: after the rows' tables.
 size_t extra_scratch_offset(int capacity, int num_tokens) { return align16(scratch_bytes(capacity, num_tokens)); }
+// The ops' device scratch on the proxy path, grown as needed (every proxy op waits for its kernels, so none runs).
 Scratch proxy_scratch(ProxyGpu& gpu, int capacity, int num_tokens, size_t extra_bytes = 0) {
   const size_t bytes = extra_scratch_offset(capacity, num_tokens) + extra_bytes;
   if (bytes > gpu.scratch_bytes) {
