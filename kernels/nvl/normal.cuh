@@ -489,7 +489,7 @@ struct CombineReceiveArgs {
   int capacity, num_tokens;
   const int32_t* recv_counts;
   const bool* mask;  // [T, R] this rank's
-  int32_t* excl;     // [T + 1, R] from positions_kernel, or in one launch its first receive block
+  int32_t* excl;     // [T + 1, R] from positions_kernel, or in one launch its first receive blocks (a member each)
   char* out;         // [T, row_bytes]
 };
 

@@ -881,9 +881,10 @@ struct CombineLaunch {
   Acks acks;
 };
 
-// Combine: the send blocks as combine_send(_bulk); the first receive block lays out our tokens' positions in the
-// members' messages (block_positions) while the others wait for them, then every receive block reduces, and with
-// bulk copies every send block too once its sends are done (the items come from one counter of the launch).
+// Combine: the send blocks as combine_send(_bulk); the first receive blocks lay out our tokens' positions in the
+// members' messages (block_positions, a member each) while the others wait for them, then every receive block
+// reduces, and with bulk copies every send block too once its sends are done (the items come from one counter of the
+// launch).
 template <typename T, bool kBulk>
 __device__ void combine_blocks(const CombineLaunch& f) {
   const int send_blocks = f.send.chunks;
@@ -895,7 +896,8 @@ __device__ void combine_blocks(const CombineLaunch& f) {
       combine_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
       __syncthreads();  // every stage has been read (the rings end with their stores complete)
       fence_shared_for_bulk();
-      if (wait_handed_over(f.handoff, positioned, 1, a.from)) combine_receive_bulk<T>(a, f.receive_shape, items);
+      if (wait_handed_over(f.handoff, positioned, a.from.num_ranks, a.from))
+        combine_receive_bulk<T>(a, f.receive_shape, items);
     } else {
       combine_send(f.send, blockIdx.x, send_blocks);
     }
@@ -904,12 +906,12 @@ __device__ void combine_blocks(const CombineLaunch& f) {
   const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
   {
     const KernelStamp stamp(KernelKind::kScan);
-    if (block == 0) {
-      block_positions(a.mask, a.num_tokens, a.from.num_ranks, a.excl);
-      if (threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for `positioned`)
-      hand_over(f.handoff, positioned, 0, 1, 1);
+    if (block < a.from.num_ranks) {
+      block_positions(a.mask, a.num_tokens, a.from.num_ranks, block, blocks, a.excl);
+      if (block == 0 && threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for all)
+      hand_over(f.handoff, positioned, block, blocks, a.from.num_ranks);
     }
-    if (!wait_handed_over(f.handoff, positioned, 1, a.from)) return;
+    if (!wait_handed_over(f.handoff, positioned, a.from.num_ranks, a.from)) return;
   }
   if constexpr (kBulk)
     combine_receive_bulk<T>(a, f.receive_shape, items);
@@ -1111,14 +1113,15 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullC
   const CombineReceiveArgs& a = f.receive;
   const ItemCounter items{f.handoff.words + kItemWord};
   uint64_t* positioned = f.handoff.words + kFirstHandedOverWord;
-  if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) publish_pull_words(f);
+  const int block = int(blockIdx.x), blocks = int(gridDim.x), members = a.from.num_ranks;
+  if (block == 0 && threadIdx.x == 0) publish_pull_words(f);
+  if (block < members) {
     const KernelStamp stamp(KernelKind::kScan);
-    block_positions(a.mask, a.num_tokens, a.from.num_ranks, a.excl);
-    if (threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for `positioned`)
-    hand_over(f.handoff, positioned, 0, 1, 1);
+    block_positions(a.mask, a.num_tokens, members, block, blocks, a.excl);
+    if (block == 0 && threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for all)
+    hand_over(f.handoff, positioned, block, blocks, members);
   }
-  if (wait_handed_over(f.handoff, positioned, 1, a.from) && read_pull_words(f, src))
+  if (wait_handed_over(f.handoff, positioned, members, a.from) && read_pull_words(f, src))
     combine_receive_bulk<T>(a, f.receive_shape, items, &src);
   const KernelStamp stamp(KernelKind::kAcks);
   if (acknowledge_when_last(f.handoff, f.acks)) wait_members_read(f.send.to);  // before y may go
@@ -1268,7 +1271,7 @@ void launch_combine(NvlDevice& dev, const Group& g, const CombineKernels& k, boo
   CombineLaunch f{};
   f.send = k.send;
   f.receive = k.receive;
-  f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + 1), dev.next_launch()};
+  f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + kMaxRanks), dev.next_launch()};
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   uint32_t shared = 0;
   if (bulk_combine(k.send, k.receive)) {
@@ -1310,7 +1313,7 @@ void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k
       f.words_to[s] = dev.peer_pull_words(p);
       f.words_from[s] = dev.pull_words(p);
     }
-  f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + 1), dev.next_launch()};
+  f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + kMaxRanks), dev.next_launch()};
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks, true, num_sms());
   launch_fused(bf16 ? pull_combine_kernel<__nv_bfloat16> : pull_combine_kernel<float>, f,

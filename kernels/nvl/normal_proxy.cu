@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a
 }
 __global__ void __launch_bounds__(kScanThreads)
     positions_kernel(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {
-  block_positions(mask, num_tokens, num_ranks, excl);
+  block_positions(mask, num_tokens, num_ranks, int(blockIdx.x), int(gridDim.x), excl);
 }
 __global__ void __launch_bounds__(kTransferThreads, 1) dispatch_send_kernel(DispatchSendArgs a) {
   dispatch_send(a, blockIdx.x, gridDim.x);
@@ -97,7 +97,7 @@ void launch_dispatch_receive(const DispatchKernels& k, cudaStream_t stream, cons
   check(cudaGetLastError(), "dispatch_receive_kernel");
 }
 void launch_positions(const CombineArgs& a, int num_ranks, const Scratch& scratch, cudaStream_t stream) {
-  positions_kernel<<<1, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, num_ranks, scratch.excl);
+  positions_kernel<<<num_ranks, kScanThreads, 0, stream>>>(a.is_token_in_rank, a.num_tokens, num_ranks, scratch.excl);
   check(cudaGetLastError(), "positions_kernel");
 }
 void launch_combine_receive(const CombineReceiveArgs& ra, bool bf16, cudaStream_t stream) {
