@@ -1062,7 +1062,7 @@ struct PullCombineLaunch {
   Acks acks;
 };
 
-// Block 0's first thread, first: where our rows of each member are in y, then the message's number (the release
+// One block's first thread, first: where our rows of each member are in y, then the message's number (the release
 // puts y's rows, which earlier launches on this stream wrote, before it for the member's reads), and the meta count
 // a sent combine keeps.
 __device__ void publish_pull_words(const PullCombineLaunch& f) {
@@ -1114,7 +1114,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullC
   const ItemCounter items{f.handoff.words + kItemWord};
   uint64_t* positioned = f.handoff.words + kFirstHandedOverWord;
   const int block = int(blockIdx.x), blocks = int(gridDim.x), members = a.from.num_ranks;
-  if (block == 0 && threadIdx.x == 0) publish_pull_words(f);
+  // Our words go out from a block that walks no member where the launch has one: their system-scope stores would
+  // hold a walking block's scan behind them.
+  if (block == (blocks > members ? members : 0) && threadIdx.x == 0) publish_pull_words(f);
   if (block < members) {
     const KernelStamp stamp(KernelKind::kScan);
     block_positions(a.mask, a.num_tokens, members, block, blocks, a.excl);
