@@ -297,8 +297,7 @@ inline Scratch scratch_at(void* scratch, int capacity, int num_tokens) {
 // in [0, T] (row T: the totals), from the handle's token-in-rank mask. Token t's copy from d comes back as row
 // excl[t, d] of d's message (d received our rows in token order, and sends them back packed in that order). Members
 // are independent, so block `first` takes members first, first + step, ... (a block each where the launch has as
-// many): one block alone spent ~6 us a member, 24 us of every combine at EP4. Each: a block scan over runs of tokens
-// per thread.
+// many). Each: a block scan over runs of tokens per thread.
 __device__ void block_positions(const bool* mask, int num_tokens, int num_ranks, int first, int step, int32_t* excl) {
   const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
   const int t0 = min(num_tokens, int(threadIdx.x) * per_thread), t1 = min(num_tokens, t0 + per_thread);
