@@ -955,7 +955,7 @@ struct PullDispatchLaunch {
   PairLayout pairs;  // dispatch(layout="expert"): out.pair_of set; its handed-over words follow the scan's
 };
 
-// Block 0's first thread, first: where our inputs are, then the message's number (its release puts our inputs,
+// One block's first thread, first: where our inputs are, then the message's number (its release puts our inputs,
 // which earlier launches on this stream wrote, before it for the member's reads), and the meta count a sent dispatch
 // keeps.
 __device__ void publish_dispatch_words(const PullDispatchLaunch& f) {
@@ -1015,8 +1015,11 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
   const int block = int(blockIdx.x), blocks = int(gridDim.x);
   const ItemCounter items{d.handoff.words + kItemWord};
   uint64_t* counted = d.handoff.words + kFirstHandedOverWord;
-  uint64_t* placed = counted + d.units * d.scan.num_ranks;
-  if (block == 0 && threadIdx.x == 0) publish_dispatch_words(f);
+  const int units = d.units * d.scan.num_ranks;
+  uint64_t* placed = counted + units;
+  // Our words go out from the first block that scans no unit where the launch has one: their system-scope stores
+  // would hold a scanning block, and every block waits for each unit's handover.
+  if (block == (blocks > units ? units : 0) && threadIdx.x == 0) publish_dispatch_words(f);
   if (d.send.topk_idx)
     for (int t = block * int(blockDim.x) + int(threadIdx.x); t < d.send.num_tokens; t += blocks * int(blockDim.x))
       token_members(d.send, t, /*own=*/true);
@@ -1036,7 +1039,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
     __syncthreads();
     bool laid_out = scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m);
     if (laid_out && f.pairs.out.pair_of) {
-      uint64_t* pairs_counted = placed + d.units * d.scan.num_ranks;
+      uint64_t* pairs_counted = placed + units;
       laid_out =
           lay_out_pairs(f.pairs, scan, d.handoff, pairs_counted, pairs_counted + f.pairs.units, block, blocks, m);
     }
