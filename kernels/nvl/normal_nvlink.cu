@@ -881,6 +881,16 @@ struct CombineLaunch {
   Acks acks;
 };
 
+// Combine's positions in a launch's receive blocks (block of blocks): blocks below the member count each lay out
+// members block, block + blocks, ... and hand them over; the reductions wait for every member's word.
+__device__ void lay_out_positions(const CombineReceiveArgs& a, const Handoff& h, uint64_t* positioned,
+                                  const ItemCounter& items, int block, int blocks) {
+  const int members = a.from.num_ranks;
+  block_positions(a.mask, a.num_tokens, members, block, blocks, a.excl);
+  if (block == 0 && threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for all)
+  hand_over(h, positioned, block, blocks, members);
+}
+
 // Combine: the send blocks as combine_send(_bulk); the first receive blocks lay out our tokens' positions in the
 // members' messages (block_positions, a member each) while the others wait for them, then every receive block
 // reduces, and with bulk copies every send block too once its sends are done (the items come from one counter of the
@@ -906,11 +916,7 @@ __device__ void combine_blocks(const CombineLaunch& f) {
   const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
   {
     const KernelStamp stamp(KernelKind::kScan);
-    if (block < a.from.num_ranks) {
-      block_positions(a.mask, a.num_tokens, a.from.num_ranks, block, blocks, a.excl);
-      if (block == 0 && threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for all)
-      hand_over(f.handoff, positioned, block, blocks, a.from.num_ranks);
-    }
+    if (block < a.from.num_ranks) lay_out_positions(a, f.handoff, positioned, items, block, blocks);
     if (!wait_handed_over(f.handoff, positioned, a.from.num_ranks, a.from)) return;
   }
   if constexpr (kBulk)
@@ -954,6 +960,11 @@ struct PullDispatchLaunch {
   const uint64_t* words_from[kMaxRanks];
   PairLayout pairs;  // dispatch(layout="expert"): out.pair_of set; its handed-over words follow the scan's
 };
+
+// Where a pulled op's own words go out: the first of the launch's blocks that gets none of `parts` parts dealt one a
+// block (part p to blocks p, p + blocks, ...), or block 0 where each gets one. The system fence before the words'
+// stores holds the block that makes them, and every block waits for every part.
+__device__ __forceinline__ int first_block_without_a_part(int parts, int blocks) { return blocks > parts ? parts : 0; }
 
 // One block's first thread, first: where our inputs are, then the message's number (its release puts our inputs,
 // which earlier launches on this stream wrote, before it for the member's reads), and the meta count a sent dispatch
@@ -1017,9 +1028,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
   uint64_t* counted = d.handoff.words + kFirstHandedOverWord;
   const int units = d.units * d.scan.num_ranks;
   uint64_t* placed = counted + units;
-  // Our words go out from the first block that scans no unit where the launch has one: their system-scope stores
-  // would hold a scanning block, and every block waits for each unit's handover.
-  if (block == (blocks > units ? units : 0) && threadIdx.x == 0) publish_dispatch_words(f);
+  if (block == first_block_without_a_part(units, blocks) && threadIdx.x == 0) publish_dispatch_words(f);
   if (d.send.topk_idx)
     for (int t = block * int(blockDim.x) + int(threadIdx.x); t < d.send.num_tokens; t += blocks * int(blockDim.x))
       token_members(d.send, t, /*own=*/true);
@@ -1117,14 +1126,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullC
   const ItemCounter items{f.handoff.words + kItemWord};
   uint64_t* positioned = f.handoff.words + kFirstHandedOverWord;
   const int block = int(blockIdx.x), blocks = int(gridDim.x), members = a.from.num_ranks;
-  // Our words go out from a block that walks no member where the launch has one: their system-scope stores would
-  // hold a walking block's scan behind them.
-  if (block == (blocks > members ? members : 0) && threadIdx.x == 0) publish_pull_words(f);
+  if (block == first_block_without_a_part(members, blocks) && threadIdx.x == 0) publish_pull_words(f);
   if (block < members) {
     const KernelStamp stamp(KernelKind::kScan);
-    block_positions(a.mask, a.num_tokens, members, block, blocks, a.excl);
-    if (block == 0 && threadIdx.x == 0) items.reset();  // before the reductions' first take (they wait for all)
-    hand_over(f.handoff, positioned, block, blocks, members);
+    lay_out_positions(a, f.handoff, positioned, items, block, blocks);
   }
   if (wait_handed_over(f.handoff, positioned, members, a.from) && read_pull_words(f, src))
     combine_receive_bulk<T>(a, f.receive_shape, items, &src);
