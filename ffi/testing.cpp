@@ -94,8 +94,9 @@ nb::dict ring_slots_land_in_pieces(uint32_t capacity, uint64_t positions, uint32
 
 #ifdef UCCL_EP_WITH_CUDA
 // nvl::KernelKind's names, in its order.
-const char* const kKernelKinds[] = {"scan",    "dispatch_send", "dispatch_receive", "combine_send", "combine_receive",
-                                    "routing", "acks",          "routing_sent",     "scan_counted"};
+const char* const kKernelKinds[] = {
+    "scan", "dispatch_send", "dispatch_receive", "combine_send",  "combine_receive", "routing",
+    "acks", "routing_sent",  "scan_counted",     "scan_counting", "scan_placing"};
 static_assert(std::size(kKernelKinds) == size_t(nvl::KernelKind::kCount), "a name per kernel kind");
 #endif
 

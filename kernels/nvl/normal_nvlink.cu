@@ -791,14 +791,20 @@ __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Han
                              uint64_t* placed, const ItemCounter& items, int block, int blocks, const Members& m) {
   const int all = units * scan.num_ranks;
   const KernelStamp stamp(KernelKind::kScan);
-  scan_pass(scan, run, units, block, blocks, /*place=*/false);
+  {
+    const KernelStamp counting(KernelKind::kScanCounting);
+    scan_pass(scan, run, units, block, blocks, /*place=*/false);
+  }
   if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
   {
     const KernelStamp counted_stamp(KernelKind::kScanCounted);
     hand_over(h, counted, block, blocks, all);
     if (!wait_handed_over(h, counted, all, m)) return false;
   }
-  scan_pass(scan, run, units, block, blocks, /*place=*/true);
+  {
+    const KernelStamp placing(KernelKind::kScanPlacing);
+    scan_pass(scan, run, units, block, blocks, /*place=*/true);
+  }
   hand_over(h, placed, block, blocks, all);
   if (!wait_handed_over(h, placed, all, m)) return false;
   fence_shared_for_bulk();

@@ -32,7 +32,9 @@ RingBenchResult ring_bench(int cuda_device, int num_rings, uint64_t commands_per
 // dispatch's send blocks waiting for the members' acknowledgements of our last message (in the pulled kernels:
 // from the first block done with its copies to the end of the last's wait for the members' reads); kRoutingSent: from a
 // send block's start until its routing is announced to every member; kScanCounted: inside kScan, from the first block
-// done counting to the last one through the counts' handover (the place pass and its handover follow).
+// done counting to the last one through the counts' handover (the place pass and its handover follow);
+// kScanCounting and kScanPlacing: the scan's two passes over the blocks' units, from the first block starting one to
+// the last block done with it (without the handovers after them).
 enum class KernelKind {
   kScan,
   kDispatchSend,
@@ -43,6 +45,8 @@ enum class KernelKind {
   kAcks,
   kRoutingSent,
   kScanCounted,
+  kScanCounting,
+  kScanPlacing,
   kCount
 };
 constexpr int kMaxLoopbackGpus = 8;
