@@ -763,37 +763,23 @@ struct DispatchLaunch {
   int units;  // scan units per source, of kTransferThreads * run tokens
 };
 
-// The receive blocks' scan passes over the units u = block, block + blocks, ... of every source (`units` a source),
-// with kRun tokens per thread.
+// Both scan passes of the receive blocks over the units u = block, block + blocks, ... of every source (`units` a
+// source, kRun tokens per thread), each unit handed over once done: counted, then placed (`counted`, `placed`:
+// [units * R] words of the launch's handoff); false (to the whole block) once the op is given up. A block keeps its
+// first unit's routing bits from one pass to the next, so where the units are no more than the blocks (scan_run)
+// placing reads no routing again.
 template <int kRun>
-__device__ void scan_pass_run(const ScanArgs& scan, int units, int block, int blocks, bool place) {
-  for (int u = block; u < units * scan.num_ranks; u += blocks)
-    if (place)
-      place_unit<kRun>(scan, u % units, u / units, units);
-    else
-      count_unit<kRun>(scan, u % units, u / units, units);
-}
-__device__ void scan_pass(const ScanArgs& scan, int run, int units, int block, int blocks, bool place) {
-  switch (run) {
-    case 1:
-      return scan_pass_run<1>(scan, units, block, blocks, place);
-    case 2:
-      return scan_pass_run<2>(scan, units, block, blocks, place);
-    case 4:
-      return scan_pass_run<4>(scan, units, block, blocks, place);
-    default:
-      return scan_pass_run<kMaxScanRun>(scan, units, block, blocks, place);
-  }
-}
-// Both scan passes of the receive blocks, each unit handed over once done: counted, then placed (`counted`,
-// `placed`: [units * R] words of the launch's handoff); false (to the whole block) once the op is given up.
-__device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Handoff& h, uint64_t* counted,
-                             uint64_t* placed, const ItemCounter& items, int block, int blocks, const Members& m) {
+__device__ bool scan_routing_run(const ScanArgs& scan, int units, const Handoff& h, uint64_t* counted, uint64_t* placed,
+                                 const ItemCounter& items, int block, int blocks, const Members& m) {
   const int all = units * scan.num_ranks;
   const KernelStamp stamp(KernelKind::kScan);
+  unsigned first_takes = 0;
   {
     const KernelStamp counting(KernelKind::kScanCounting);
-    scan_pass(scan, run, units, block, blocks, /*place=*/false);
+    for (int u = block; u < all; u += blocks) {
+      const unsigned takes = count_unit<kRun>(scan, u % units, u / units, units);
+      if (u == block) first_takes = takes;
+    }
   }
   if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
   {
@@ -803,12 +789,28 @@ __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Han
   }
   {
     const KernelStamp placing(KernelKind::kScanPlacing);
-    scan_pass(scan, run, units, block, blocks, /*place=*/true);
+    for (int u = block; u < all; u += blocks) {
+      const int x = u % units, s = u / units;
+      place_unit<kRun>(scan, x, s, units, u == block ? first_takes : unit_takes<kRun>(scan, x, s));
+    }
   }
   hand_over(h, placed, block, blocks, all);
   if (!wait_handed_over(h, placed, all, m)) return false;
   fence_shared_for_bulk();
   return true;
+}
+__device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Handoff& h, uint64_t* counted,
+                             uint64_t* placed, const ItemCounter& items, int block, int blocks, const Members& m) {
+  switch (run) {
+    case 1:
+      return scan_routing_run<1>(scan, units, h, counted, placed, items, block, blocks, m);
+    case 2:
+      return scan_routing_run<2>(scan, units, h, counted, placed, items, block, blocks, m);
+    case 4:
+      return scan_routing_run<4>(scan, units, h, counted, placed, items, block, blocks, m);
+    default:
+      return scan_routing_run<kMaxScanRun>(scan, units, h, counted, placed, items, block, blocks, m);
+  }
 }
 
 // dispatch(layout="expert") among GPUs of one process (pull_dispatch_kernel): pair_layout.cuh's two passes, every

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_count_kernel(ScanArgs a
 }
 __global__ void __launch_bounds__(kScanThreads) dispatch_place_kernel(ScanArgs a) {
   const KernelStamp stamp(KernelKind::kScan);
-  place_unit<1>(a, blockIdx.x, blockIdx.y, gridDim.x);
+  place_unit<1>(a, blockIdx.x, blockIdx.y, gridDim.x, unit_takes<1>(a, blockIdx.x, blockIdx.y));
 }
 __global__ void __launch_bounds__(kScanThreads)
     positions_kernel(const bool* mask, int num_tokens, int num_ranks, int32_t* excl) {

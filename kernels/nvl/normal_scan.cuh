@@ -166,11 +166,13 @@ __device__ __forceinline__ void unit_members(const ScanArgs& a, int x, int s, un
 }
 
 // Pass 1: unit x of source s (its blockDim.x * kRun tokens; `units` per source) counts its rows, and with
-// receiver_counts every member's. Unit (0, 0) zeroes the per-expert counts, which the receive side adds to.
+// receiver_counts every member's. Unit (0, 0) zeroes the per-expert counts, which the receive side adds to. Returns
+// the thread's unit_takes, which pass 2 takes again.
 template <int kRun>
-__device__ void count_unit(const ScanArgs& a, int x, int s, int units) {
+__device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
+  unsigned takes = 0;
   if (!a.receiver_counts) {
-    const unsigned takes = unit_takes<kRun>(a, x, s);
+    takes = unit_takes<kRun>(a, x, s);
     int rows = 0;
 #pragma unroll
     for (int j = 0; j < kRun; ++j) rows += __syncthreads_count(takes >> j & 1);
@@ -185,6 +187,8 @@ __device__ void count_unit(const ScanArgs& a, int x, int s, int units) {
 #pragma unroll
       for (int j = 0; j < kRun; ++j) n[d] += members[j] >> d & 1;
     }
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) takes |= (members[j] >> a.self & 1) << j;
     block_exclusive_scans(n, total);
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -197,13 +201,13 @@ __device__ void count_unit(const ScanArgs& a, int x, int s, int units) {
   const int local_experts = a.topk_mode ? a.num_experts / a.num_ranks : 0;
   if (x == 0 && s == 0)
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) a.num_tokens_per_expert[e] = 0;
+  return takes;
 }
 
-// Pass 2: each unit places its rows after those of every earlier unit.
+// Pass 2: each unit places its rows (`takes`: the thread's unit_takes) after those of every earlier unit.
 template <int kRun>
-__device__ void place_unit(const ScanArgs& a, int x, int s, int units) {
+__device__ void place_unit(const ScanArgs& a, int x, int s, int units, unsigned takes) {
   const int blocks = units, T = a.num_tokens;
-  const unsigned takes = unit_takes<kRun>(a, x, s);
   int earlier = 0;
   for (int i = threadIdx.x; i < s * blocks + x; i += blockDim.x) earlier += a.block_counts[i];
   int base;
