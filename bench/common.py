@@ -116,8 +116,8 @@ def proxy_bytes_posted() -> tuple[int, int] | None:
 
 
 def bulk_tuning(spec: str) -> list[int]:
-    """The NVLink bulk kernels' testing hook's arguments from "lag:stages[:combine[:producers[:rows]]]" (0: the
-    default)."""
+    """The NVLink bulk kernels' testing hook's arguments from "lag:stages[:combine[:producers[:rows[:one_fence]]]]"
+    (0: the default)."""
     return [int(v) for v in spec.split(":")]
 
 

@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rings",
         default=None,
-        help="lag:stages[:combine[:producers[:rows]]] of the bulk kernels' rings, by the testing hook "
+        help="lag:stages[:combine[:producers[:rows[:one_fence]]]] of the bulk kernels' rings, by the testing hook "
         "(bench/loopback.py)",
     )
     ap.add_argument(

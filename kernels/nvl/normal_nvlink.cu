@@ -967,6 +967,7 @@ struct PullDispatchLaunch {
   uint64_t* words_to[kMaxRanks];
   const uint64_t* words_from[kMaxRanks];
   PairLayout pairs;  // dispatch(layout="expert"): out.pair_of set; its handed-over words follow the scan's
+  bool one_fence;    // publish_pull_words'
 };
 
 // Where a pulled op's own words go out: the first of the launch's blocks that gets none of `parts` parts dealt one a
@@ -974,25 +975,42 @@ struct PullDispatchLaunch {
 // stores holds the block that makes them, and every block waits for every part.
 __device__ __forceinline__ int first_block_without_a_part(int parts, int blocks) { return blocks > parts ? parts : 0; }
 
-// One block's first thread, first: where our inputs are, then the message's number (its release puts our inputs,
-// which earlier launches on this stream wrote, before it for the member's reads), and the meta count a sent dispatch
-// keeps.
-__device__ void publish_dispatch_words(const PullDispatchLaunch& f) {
-  const SendTo& to = f.d.send.to;
-  const Sources& own = f.d.scan.src;
-  const int self = to.self;
+// A pulled op's words for each member (write(s, w) fills member s's), then the message's number (which puts our
+// inputs, written by earlier launches on this stream, and the words before it for the member's reads) and the meta
+// count a sent op keeps. By default each number and count is a release of its own, each waiting for the store before
+// it to reach its member; `one_fence`: every member's words, one system fence, then every number and count, so that
+// wait is paid once.
+template <class Write>
+__device__ void publish_pull_words(const SendTo& to, uint64_t* const (&words_to)[kMaxRanks], uint64_t chunks,
+                                   bool one_fence, const Write& write) {
+  if (!one_fence) __threadfence_system();
+  for (int s = 0; s < to.num_ranks; ++s) {
+    if (s == to.self) continue;
+    write(s, static_cast<volatile uint64_t*>(words_to[s]));
+    if (one_fence) continue;
+    store_release_sys(words_to[s] + NvlDevice::kPullMessageWord, to.message[s]);
+    add_release_sys(to.meta[s], chunks);
+  }
+  if (!one_fence) return;
   __threadfence_system();
   for (int s = 0; s < to.num_ranks; ++s) {
-    if (s == self) continue;
-    volatile uint64_t* w = f.words_to[s];
+    if (s == to.self) continue;
+    store_relaxed_sys(words_to[s] + NvlDevice::kPullMessageWord, to.message[s]);
+    add_relaxed_sys(to.meta[s], chunks);
+  }
+}
+
+// One block's first thread, first: where our inputs are.
+__device__ void publish_dispatch_words(const PullDispatchLaunch& f) {
+  const Sources& own = f.d.scan.src;
+  const int self = f.d.send.to.self;
+  publish_pull_words(f.d.send.to, f.words_to, uint64_t(f.d.send.chunks), f.one_fence, [&](int, volatile uint64_t* w) {
     w[0] = reinterpret_cast<uint64_t>(own.x[self]);
     w[1] = reinterpret_cast<uint64_t>(own.scales[self]);
     w[2] = f.d.scan.topk_mode ? reinterpret_cast<uint64_t>(own.topk_idx[self])
                               : reinterpret_cast<uint64_t>(own.mask[self]);
     w[3] = reinterpret_cast<uint64_t>(own.weights[self]);
-    store_release_sys(f.words_to[s] + NvlDevice::kPullMessageWord, to.message[s]);
-    add_release_sys(to.meta[s], uint64_t(f.d.send.chunks));
-  }
+  });
 }
 
 // Every block: every source's inputs (thread s waits for member s's words); false (to the whole block) once a member
@@ -1080,24 +1098,19 @@ struct PullCombineLaunch {
   const uint64_t* words_from[kMaxRanks];  // ours, written by the members
   Handoff handoff;                        // words: as kItemWord etc., then the positions'
   Acks acks;
+  bool one_fence;  // publish_pull_words'
 };
 
-// One block's first thread, first: where our rows of each member are in y, then the message's number (the release
-// puts y's rows, which earlier launches on this stream wrote, before it for the member's reads), and the meta count
-// a sent combine keeps.
-__device__ void publish_pull_words(const PullCombineLaunch& f) {
+// One block's first thread, first: where our rows of each member are in y.
+__device__ void publish_combine_words(const PullCombineLaunch& f) {
   const CombineReceiveArgs& a = f.receive;
-  const SendTo& to = f.send.to;
   check_combine_capacity(f.send, 0);
-  __threadfence_system();
-  for (int s = 0, first = 0; s < to.num_ranks; first += a.recv_counts[s], ++s) {
-    if (s == to.self) continue;
-    volatile uint64_t* w = f.words_to[s];
+  int first[kMaxRanks];
+  for (int s = 0, n = 0; s < f.send.to.num_ranks; n += a.recv_counts[s], ++s) first[s] = n;
+  publish_pull_words(f.send.to, f.words_to, uint64_t(a.chunks), f.one_fence, [&](int s, volatile uint64_t* w) {
     w[0] = reinterpret_cast<uint64_t>(a.y);
-    w[1] = uint64_t(uint32_t(first)) | uint64_t(uint32_t(a.capacity)) << 32;
-    store_release_sys(f.words_to[s] + NvlDevice::kPullMessageWord, to.message[s]);
-    add_release_sys(to.meta[s], uint64_t(a.chunks));
-  }
+    w[1] = uint64_t(uint32_t(first[s])) | uint64_t(uint32_t(a.capacity)) << 32;
+  });
 }
 
 // Every block: where each member's rows are (thread s waits for member s's words); false (to the whole block) once a
@@ -1134,7 +1147,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_combine_kernel(PullC
   const ItemCounter items{f.handoff.words + kItemWord};
   uint64_t* positioned = f.handoff.words + kFirstHandedOverWord;
   const int block = int(blockIdx.x), blocks = int(gridDim.x), members = a.from.num_ranks;
-  if (block == first_block_without_a_part(members, blocks) && threadIdx.x == 0) publish_pull_words(f);
+  if (block == first_block_without_a_part(members, blocks) && threadIdx.x == 0) publish_combine_words(f);
   if (block < members) {
     const KernelStamp stamp(KernelKind::kScan);
     lay_out_positions(a, f.handoff, positioned, items, block, blocks);
@@ -1276,6 +1289,7 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
         p.words_from[s] = dev.pull_words(peer);
       }
     if (pairs) p.pairs = *pairs;
+    p.one_fence = pull_words_one_fence();
     launch_fused(pull_dispatch_kernel, p, f.receive_shape.shared_bytes(), stream, "pull_dispatch_kernel");
   } else if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
@@ -1334,6 +1348,7 @@ void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k
   f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + kMaxRanks), dev.next_launch()};
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks, true, num_sms());
+  f.one_fence = pull_words_one_fence();
   launch_fused(bf16 ? pull_combine_kernel<__nv_bfloat16> : pull_combine_kernel<float>, f,
                f.receive_shape.shared_bytes(), stream, "pull_combine_kernel");
 }
