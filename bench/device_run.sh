@@ -2,8 +2,14 @@
 # One call on a lent GPU machine: build this tree against the preinstalled jax, run the GPU tests, then the
 # benchmarks named in BENCHES (default: intranode low_latency proxy_gpu). Logs go to $OUT; the tables are printed last.
 #   usage (from the repo root, on the device): bash bench/device_run.sh [tests|bench|all|none] [bench args...]
-#   e.g. TESTS="tests/test_gpu.py -k low_latency" BENCHES=low_latency bash bench/device_run.sh all
+#   e.g. TESTS=tests/test_gpu.py TEST_SELECT=low_latency BENCHES=low_latency bash bench/device_run.sh all
 #   other benches: BENCHES="decode_step train_step" (train_step takes minutes)
+# The whole tests/test_gpu.py at R = 4 takes ~1000 s on 4x H200, past one call's 600 s; three selections fit a call
+# each (2026-11-28: ~300, ~275 and ~435 s; TEST_TIMEOUT=560, build ~45 s):
+#   "one_process_drives_all_gpus or normal_mode_variants"
+#   "one_process_per_gpu or separate_nodes_over_the_proxy or staged_through"
+#   "two_level or bad_expert or drives_gpus_on_separate_nodes or kernel_sends or missing_peer or soak or
+#    low_latency_variants or loopback or copy_bench"
 #
 # The GPU machine has no package registry and (seen 2026-11-22) neither libfabric headers, scikit-build-core nor
 # tokamax. bench/device_prepare.sh puts them on the dev machine in folders git ignores; name them in the device
@@ -42,7 +48,8 @@ echo "# build: $(( $(date +%s) - start )) s"
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
   start=$(date +%s)
-  timeout ${TEST_TIMEOUT:-300} python -m pytest -q -x ${TESTS:-tests/test_gpu.py} 2>&1 | tee "$OUT/tests.log" | tail -40
+  timeout ${TEST_TIMEOUT:-300} python -m pytest -q -x ${TESTS:-tests/test_gpu.py} ${TEST_SELECT:+-k "$TEST_SELECT"} 2>&1 \
+    | tee "$OUT/tests.log" | tail -40
   echo "# gpu tests: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
