@@ -125,12 +125,11 @@ NB_MODULE(_uccl_ep_testing, m) {
   m.def(
       "nvl_set_bulk_tuning",
       [](int lag, int stages_per_producer, int combine_stages, int send_producers, int send_rows,
-         int pull_words_one_fence) {
-        nvl::set_bulk_tuning(
-            {lag, stages_per_producer, combine_stages, send_producers, send_rows, pull_words_one_fence});
+         int announce_one_fence) {
+        nvl::set_bulk_tuning({lag, stages_per_producer, combine_stages, send_producers, send_rows, announce_one_fence});
       },
       nb::arg("lag") = 0, nb::arg("stages_per_producer") = 0, nb::arg("combine_stages") = 0,
-      nb::arg("send_producers") = 0, nb::arg("send_rows") = 0, nb::arg("pull_words_one_fence") = 0);
+      nb::arg("send_producers") = 0, nb::arg("send_rows") = 0, nb::arg("announce_one_fence") = 0);
   m.def("nvl_kernel_times", [] {  // {local GPU index: [(op, microseconds)]} since the last call
     std::vector<std::vector<std::pair<std::string, float>>> out;
     for (auto* d : nvl::NvlRuntime::get().devices()) out.push_back(d->kernel_times());

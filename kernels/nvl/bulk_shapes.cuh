@@ -37,7 +37,7 @@ constexpr int kMaxRowsPerJob = 4;  // a dispatch send job's consecutive tokens (
 BulkShape row_stages(int64_t row_bytes, uint32_t tables_bytes);
 BulkShape piece_stages(int64_t row_bytes, int64_t tail_bytes);
 BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled, int blocks);
-// Whether the pulled ops publish their words behind one system fence (set_bulk_tuning; publish_pull_words).
-bool pull_words_one_fence();
+// Whether the NVLink kernels' words to several members go out behind one system fence (set_bulk_tuning).
+bool announce_one_fence();
 
 }  // namespace uccl_ep::nvl

@@ -32,6 +32,10 @@ struct SendTo : Members {
   uint64_t* chunks[kMaxRanks];     // its progress words for our chunks: [kChunks]
   const uint64_t* ack[kMaxRanks];  // ours: the last of our messages the member finished reading
   uint64_t message[kMaxRanks];     // this message's number to the member (1, 2, ...)
+  // How the words that announce something to several members go out after the one system fence that orders what
+  // they announce: relaxed (true), or a release each, whose fence waits for the word before it to reach its member
+  // (set_bulk_tuning's announce_one_fence; false on the proxy path).
+  bool one_fence;
 };
 // And a receive side, of each member's message to us.
 struct ReceiveFrom : Members {
@@ -89,15 +93,18 @@ __device__ void announce_meta(const SendTo& to, int chunks = 1, int thread = thr
   if (thread != 0) return;
   __threadfence_system();
   for (int s = 0; s < to.num_ranks; ++s)
-    if (s != to.self) add_release_sys(to.meta[s], chunks);
+    if (s != to.self) to.one_fence ? add_relaxed_sys(to.meta[s], chunks) : add_release_sys(to.meta[s], chunks);
 }
 template <class DoneFor>
 __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_for) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence_system();
-  for (int s = 0; s < to.num_ranks; ++s)
-    if (s != to.self) store_release_sys(to.chunks[s] + c, progress(to.message[s], done_for(s)));
+  for (int s = 0; s < to.num_ranks; ++s) {
+    if (s == to.self) continue;
+    const uint64_t word = progress(to.message[s], done_for(s));
+    to.one_fence ? store_relaxed_sys(to.chunks[s] + c, word) : store_release_sys(to.chunks[s] + c, word);
+  }
 }
 
 // Waits (one thread) until chunk c of member s's message has `done` landed; returns how much has, or -1 (timeout).

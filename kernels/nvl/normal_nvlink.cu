@@ -61,6 +61,7 @@ struct Acks {
   uint64_t value[kMaxRanks];  // the message of theirs we read
   int n;
   uint64_t* finished;  // a handoff word: the launch's epoch in its high half, its finished blocks in the low
+  bool one_fence;      // as SendTo::one_fence
 };
 // Returns true to the thread that wrote them (the last block's first).
 __device__ bool acknowledge_when_last(const Handoff& h, const Acks& a) {
@@ -79,7 +80,8 @@ __device__ bool acknowledge_when_last(const Handoff& h, const Acks& a) {
   }
   if (now - tag != gridDim.x) return false;
   __threadfence_system();  // every block's reads (their fences, then the count) before the words
-  for (int i = 0; i < a.n; ++i) store_release_sys(a.flag[i], a.value[i]);
+  for (int i = 0; i < a.n; ++i)
+    a.one_fence ? store_relaxed_sys(a.flag[i], a.value[i]) : store_release_sys(a.flag[i], a.value[i]);
   return true;
 }
 
@@ -967,7 +969,6 @@ struct PullDispatchLaunch {
   uint64_t* words_to[kMaxRanks];
   const uint64_t* words_from[kMaxRanks];
   PairLayout pairs;  // dispatch(layout="expert"): out.pair_of set; its handed-over words follow the scan's
-  bool one_fence;    // publish_pull_words'
 };
 
 // Where a pulled op's own words go out: the first of the launch's blocks that gets none of `parts` parts dealt one a
@@ -977,21 +978,20 @@ __device__ __forceinline__ int first_block_without_a_part(int parts, int blocks)
 
 // A pulled op's words for each member (write(s, w) fills member s's), then the message's number (which puts our
 // inputs, written by earlier launches on this stream, and the words before it for the member's reads) and the meta
-// count a sent op keeps. By default each number and count is a release of its own, each waiting for the store before
-// it to reach its member; `one_fence`: every member's words, one system fence, then every number and count, so that
-// wait is paid once.
+// count a sent op keeps: each a release of its own, or with `to.one_fence` every member's words, one system fence,
+// then every number and count.
 template <class Write>
 __device__ void publish_pull_words(const SendTo& to, uint64_t* const (&words_to)[kMaxRanks], uint64_t chunks,
-                                   bool one_fence, const Write& write) {
-  if (!one_fence) __threadfence_system();
+                                   const Write& write) {
+  if (!to.one_fence) __threadfence_system();
   for (int s = 0; s < to.num_ranks; ++s) {
     if (s == to.self) continue;
     write(s, static_cast<volatile uint64_t*>(words_to[s]));
-    if (one_fence) continue;
+    if (to.one_fence) continue;
     store_release_sys(words_to[s] + NvlDevice::kPullMessageWord, to.message[s]);
     add_release_sys(to.meta[s], chunks);
   }
-  if (!one_fence) return;
+  if (!to.one_fence) return;
   __threadfence_system();
   for (int s = 0; s < to.num_ranks; ++s) {
     if (s == to.self) continue;
@@ -1004,7 +1004,7 @@ __device__ void publish_pull_words(const SendTo& to, uint64_t* const (&words_to)
 __device__ void publish_dispatch_words(const PullDispatchLaunch& f) {
   const Sources& own = f.d.scan.src;
   const int self = f.d.send.to.self;
-  publish_pull_words(f.d.send.to, f.words_to, uint64_t(f.d.send.chunks), f.one_fence, [&](int, volatile uint64_t* w) {
+  publish_pull_words(f.d.send.to, f.words_to, uint64_t(f.d.send.chunks), [&](int, volatile uint64_t* w) {
     w[0] = reinterpret_cast<uint64_t>(own.x[self]);
     w[1] = reinterpret_cast<uint64_t>(own.scales[self]);
     w[2] = f.d.scan.topk_mode ? reinterpret_cast<uint64_t>(own.topk_idx[self])
@@ -1098,7 +1098,6 @@ struct PullCombineLaunch {
   const uint64_t* words_from[kMaxRanks];  // ours, written by the members
   Handoff handoff;                        // words: as kItemWord etc., then the positions'
   Acks acks;
-  bool one_fence;  // publish_pull_words'
 };
 
 // One block's first thread, first: where our rows of each member are in y.
@@ -1107,7 +1106,7 @@ __device__ void publish_combine_words(const PullCombineLaunch& f) {
   check_combine_capacity(f.send, 0);
   int first[kMaxRanks];
   for (int s = 0, n = 0; s < f.send.to.num_ranks; n += a.recv_counts[s], ++s) first[s] = n;
-  publish_pull_words(f.send.to, f.words_to, uint64_t(a.chunks), f.one_fence, [&](int s, volatile uint64_t* w) {
+  publish_pull_words(f.send.to, f.words_to, uint64_t(a.chunks), [&](int s, volatile uint64_t* w) {
     w[0] = reinterpret_cast<uint64_t>(a.y);
     w[1] = uint64_t(uint32_t(first[s])) | uint64_t(uint32_t(a.capacity)) << 32;
   });
@@ -1182,6 +1181,7 @@ SendTo send_to(NvlDevice& dev, const Group& g) {
     to.ack[s] = dev.ack_flag(p);
     to.message[s] = ++dev.sent(p);
   }
+  to.one_fence = announce_one_fence();
   return to;
 }
 ReceiveFrom receive_from(NvlDevice& dev, const Group& g) {
@@ -1206,6 +1206,7 @@ Acks acks_for(NvlDevice& dev, const Group& g, const ReceiveFrom& from, uint64_t*
       a.value[a.n++] = from.message[s];
     }
   a.finished = finished;
+  a.one_fence = announce_one_fence();
   return a;
 }
 
@@ -1289,7 +1290,6 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
         p.words_from[s] = dev.pull_words(peer);
       }
     if (pairs) p.pairs = *pairs;
-    p.one_fence = pull_words_one_fence();
     launch_fused(pull_dispatch_kernel, p, f.receive_shape.shared_bytes(), stream, "pull_dispatch_kernel");
   } else if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
@@ -1348,7 +1348,6 @@ void launch_pull_combine(NvlDevice& dev, const Group& g, const CombineKernels& k
   f.handoff = Handoff{dev.handoff_words(kFirstHandedOverWord + kMaxRanks), dev.next_launch()};
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.receive_shape = combine_receive_stages(k.receive.row_bytes, k.receive.from.num_ranks, true, num_sms());
-  f.one_fence = pull_words_one_fence();
   launch_fused(bf16 ? pull_combine_kernel<__nv_bfloat16> : pull_combine_kernel<float>, f,
                f.receive_shape.shared_bytes(), stream, "pull_combine_kernel");
 }

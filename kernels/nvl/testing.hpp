@@ -64,15 +64,17 @@ std::vector<std::array<double, 2>> stop_kernel_stamps(int cuda_device);
 // The bulk-copy rings of the normal-mode kernels (0: the default): how many jobs behind its stores a producer refills
 // a stage (1 to 6), how many stages each producer gets (the send and dispatch-receive rings), how many stages each
 // warp of the combine receiver gets, how many threads of a dispatch send block issue copies (4 or 8), and how many
-// consecutive tokens' rows a dispatch send job moves (1 to 4, as far as they fit a stage); and whether the pulled
-// ops publish their words to the members behind one system fence (1) or a release per word (0, the default).
+// consecutive tokens' rows a dispatch send job moves (1 to 4, as far as they fit a stage); and whether the NVLink
+// kernels' words to several members (meta counts, progress, acknowledgements, the pulled ops' words) go out as
+// relaxed stores after the one system fence that orders what they announce (1), or each as a release (0, the
+// default), whose own fence waits for the word before it to reach its member.
 struct BulkTuning {
   int lag = 0;
   int stages_per_producer = 0;
   int combine_stages = 0;
   int send_producers = 0;
   int send_rows = 0;
-  int pull_words_one_fence = 0;
+  int announce_one_fence = 0;
 };
 void set_bulk_tuning(const BulkTuning& tuning);
 // Lets normal-mode ops take an SM budget past the GPU's SMs (tests of what happens when an op's blocks cannot all
