@@ -93,9 +93,16 @@ __device__ void init_stage_barriers(uint64_t* full, int stages) {
   __syncthreads();
 }
 
-// The bulk senders' announcement of chunk c's progress: the word only grows (red.max), and a release is enough.
+// The bulk senders' announcement of chunk c's progress: the word only grows (red.max), and a release is enough;
+// with SendTo::one_fence, one fence for every member's word (fence_acq_rel_sys, then max_relaxed_sys each).
 __device__ __forceinline__ void max_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void max_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void announce_max(const SendTo& to, uint64_t* p, uint64_t v) {
+  to.one_fence ? max_relaxed_sys(p, v) : max_release_sys(p, v);
 }
 
 // A bulk sender's producer `producer` publishes its frontier (its first job or token not yet landed; every one of
@@ -214,8 +221,9 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
         }
         if (thread == 0)
           announce_frontiers(frontier, P, tokens, 0, [&](int least) {
+            if (to.one_fence) fence_acq_rel_sys();
             for (int d = 0; d < to.num_ranks; ++d)
-              if (d != to.self) max_release_sys(to.chunks[d] + c, progress(to.message[d], p0 - t0 + least));
+              if (d != to.self) announce_max(to, to.chunks[d] + c, progress(to.message[d], p0 - t0 + least));
           });
       }
       first_pass = false;
@@ -592,11 +600,12 @@ __device__ void combine_send_bulk(const CombineSendArgs& a, const BulkShape& b, 
     } else if (threadIdx.x == kProducers * kWarp && M > 0) {
       // From -1: a chunk whose rows were all dropped (no jobs) is still announced, as zeros.
       announce_frontiers(frontier, kProducers, jobs, -1, [&](int least) {
+        if (to.one_fence) fence_acq_rel_sys();
         for (int m = 0; m < M; ++m) {
           const int done_pieces = least > m ? (least - m + M - 1) / M : 0;
           const int rows_done =
               done_pieces >= pieces[m] ? j1[m] - j0[m] : int(int64_t(done_pieces) * b.stage_bytes / rb);
-          max_release_sys(to.chunks[members[m]] + c, progress(to.message[members[m]], rows_done));
+          announce_max(to, to.chunks[members[m]] + c, progress(to.message[members[m]], rows_done));
         }
       });
     }
