@@ -67,15 +67,15 @@ def test_exit_while_ops_are_in_flight_never_stalls():
     # slow run says which wait took its time.
     # 120 s: on CI's 2 cores a run's first op once waited past 60 s for its peer (docs/RELIABILITY.md).
     logs = {"UCCL_EP_TIMEOUT_S": "120", "TF_CPP_MIN_LOG_LEVEL": "0"}
+    deadline_s = float(logs["UCCL_EP_TIMEOUT_S"])
     for run in range(6):
         start = time.monotonic()
-        done = _launch(["--verbose", "-n", "2", "--devices-per-process", "2", script], env=logs)
+        # The launcher's own limit past the deadline, so that a stall ends in the bound below, with its logs.
+        done = _launch(["--verbose", "-n", "2", "--devices-per-process", "2", script], env=logs, timeout=2 * deadline_s)
         seconds = time.monotonic() - start
         assert done.returncode == 0, (run, done.stderr[-2000:])
         assert done.stdout.count("(256, 256)") == 6, (run, done.stdout)
-        assert seconds < float(logs["UCCL_EP_TIMEOUT_S"]), (
-            f"run {run} took {seconds:.1f} s: a rank waited at exit\n{done.stderr[-6000:]}"
-        )
+        assert seconds < deadline_s, f"run {run} took {seconds:.1f} s: a rank waited at exit\n{done.stderr[-6000:]}"
         assert "jax_uccl_ep (" not in done.stderr, done.stderr  # nothing to report
 
 
