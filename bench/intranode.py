@@ -412,7 +412,8 @@ def main(argv=None) -> int:
         "--rings",
         default=None,
         help="lag:stages[:combine[:producers[:rows[:one_fence]]]] of the bulk kernels' rings, by the testing hook "
-        "(bench/loopback.py)",
+        "(bench/loopback.py); 0 is each one's default, and one_fence 2 makes the words to several members a release "
+        "each",
     )
     ap.add_argument(
         "--phases",

@@ -80,7 +80,7 @@ BulkShape combine_receive_stages(int64_t row_bytes, int num_ranks, bool pulled, 
   return b;
 }
 
-bool announce_one_fence() { return g_tuning.announce_one_fence == 1; }
+bool announce_one_fence() { return g_tuning.announce_one_fence != 2; }
 
 void set_bulk_tuning(const BulkTuning& tuning) {
   if (tuning.lag < 0 || tuning.lag > kMaxLag || tuning.stages_per_producer < 0 ||
@@ -88,12 +88,12 @@ void set_bulk_tuning(const BulkTuning& tuning) {
       tuning.combine_stages * kTransferWarps > kMaxStages ||
       (tuning.send_producers != 0 && tuning.send_producers != kProducers && tuning.send_producers != kMaxProducers) ||
       tuning.send_rows < 0 || tuning.send_rows > kMaxRowsPerJob || tuning.announce_one_fence < 0 ||
-      tuning.announce_one_fence > 1)
+      tuning.announce_one_fence > 2)
     throw std::invalid_argument("set_bulk_tuning: lag 0 to " + std::to_string(kMaxLag) + ", stages_per_producer 0 to " +
                                 std::to_string(kMaxStages / kProducers) + ", combine_stages 0 to " +
                                 std::to_string(kMaxStages / kTransferWarps) + ", send_producers 0, " +
                                 std::to_string(kProducers) + " or " + std::to_string(kMaxProducers) +
-                                ", send_rows 0 to " + std::to_string(kMaxRowsPerJob) + ", announce_one_fence 0 or 1");
+                                ", send_rows 0 to " + std::to_string(kMaxRowsPerJob) + ", announce_one_fence 0 to 2");
   g_tuning = tuning;
 }
 

@@ -66,8 +66,8 @@ std::vector<std::array<double, 2>> stop_kernel_stamps(int cuda_device);
 // warp of the combine receiver gets, how many threads of a dispatch send block issue copies (4 or 8), and how many
 // consecutive tokens' rows a dispatch send job moves (1 to 4, as far as they fit a stage); and whether the NVLink
 // kernels' words to several members (meta counts, progress, acknowledgements, the pulled ops' words) go out as
-// relaxed stores after the one system fence that orders what they announce (1), or each as a release (0, the
-// default), whose own fence waits for the word before it to reach its member.
+// relaxed stores after the one system fence that orders what they announce (1, the default), or each as a release
+// (2), whose own fence waits for the word before it to reach its member.
 struct BulkTuning {
   int lag = 0;
   int stages_per_producer = 0;
