@@ -140,6 +140,7 @@ NB_MODULE(_uccl_ep, m) {
       .def_rw("max_inflight_writes", &Config::max_inflight_writes)
       .def_rw("max_write_bytes", &Config::max_write_bytes)
       .def_rw("max_inflight_bytes", &Config::max_inflight_bytes)
+      .def_rw("park_after_idle_s", &Config::park_after_idle_s)
       .def_rw("ring_capacity", &Config::ring_capacity);
 
   m.def("start", [](const Config& config, uint32_t num_ranks, const std::vector<std::pair<int, uint32_t>>& local) {

@@ -437,6 +437,9 @@ def _start_proxies(
     proxy.max_inflight_writes = config.max_inflight_writes
     proxy.max_write_bytes = config.max_write_bytes
     proxy.max_inflight_bytes = config.max_inflight_bytes
+    # Parked proxies wake when a host thread pushes or waits; GPU kernels that push commands ring no doorbell.
+    if all(d.platform == "cpu" for d in devices):
+        proxy.park_after_idle_s = config.proxy_park_after_ms / 1000
     _uccl_ep.start(proxy, len(devices), local)
     try:
         infos = dict(zip((r for _, r in local), _uccl_ep.local_infos()))

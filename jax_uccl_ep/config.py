@@ -57,6 +57,13 @@ class Config:
     max_write_bytes: int = field(
         default=1 << 20, metadata=_env("UCCL_EP_MAX_WRITE_BYTES", "largest single RDMA write, in bytes")
     )
+    proxy_park_after_ms: float = field(
+        default=5.0,
+        metadata=_env(
+            "UCCL_EP_PROXY_PARK_AFTER_MS",
+            "CPU devices: a proxy thread idle this many ms sleeps until an op needs it (0: it always polls)",
+        ),
+    )
     gpus_per_node: int | None = field(
         default=None, metadata=_env("UCCL_EP_GPUS_PER_NODE", "ranks per node (default: from host names)")
     )
@@ -159,7 +166,7 @@ class Config:
         ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} ({self.env_name(name)}) must be positive, got {getattr(self, name)}")
-        for name in ("max_inflight_bytes", "ll_buffer_bytes", "kernel_timing", "num_send_sms"):
+        for name in ("max_inflight_bytes", "ll_buffer_bytes", "kernel_timing", "num_send_sms", "proxy_park_after_ms"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} ({self.env_name(name)}) must not be negative, got {getattr(self, name)}")
         if self.timeout_s <= 0:

@@ -2,6 +2,11 @@
 
 #include <sched.h>
 #include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +32,34 @@ void Backoff::pause() {
     nanosleep(&ts, nullptr);
   }
 }
+
+namespace {
+
+// A parked proxy wakes this often anyway, to drain completions and peers' writes (an abort among them) that arrived
+// while no host thread waited.
+constexpr long kParkTimeoutNs = 5'000'000;
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t seen) {
+#if defined(__linux__)
+  timespec ts{0, kParkTimeoutNs};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, seen, &ts, nullptr, 0);
+#else
+  (void)word;
+  (void)seen;
+  timespec ts{0, kParkTimeoutNs};
+  nanosleep(&ts, nullptr);
+#endif
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#else
+  (void)word;
+#endif
+}
+
+}  // namespace
 
 ProxyTestModes& proxy_test_modes() {
   static ProxyTestModes modes;
@@ -83,6 +116,7 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
 
 bool Device::stop(double seconds) {
   running_.store(false);
+  ring_doorbell();
   Deadline deadline(seconds);
   Backoff backoff;
   for (size_t c = 0; c < threads_.size(); ++c) {
@@ -114,6 +148,15 @@ void Device::connect(const std::vector<EndpointInfo>& peers) {
 template <class Done, class Message>
 void Device::wait_until(const Deadline& deadline, uint32_t peer, const char* op, Done&& done,
                         Message&& timeout_message) {
+  // The proxies stay awake while a host thread waits (its commands, its peers' messages, its writes' completions).
+  struct Waiting {
+    Device& device;
+    explicit Waiting(Device& d) : device(d) {
+      device.host_waiters_.fetch_add(1);
+      device.ring_doorbell();
+    }
+    ~Waiting() { device.host_waiters_.fetch_sub(1); }
+  } waiting{*this};
   Backoff backoff;
   std::optional<Deadline> grace;
   while (!done()) {
@@ -232,6 +275,23 @@ void Device::abort(const std::vector<uint32_t>& peers, const std::string& reason
     Backoff backoff;
     while (!rings_[0]->try_push(cmd) && !deadline.expired()) backoff.pause();
   }
+  ring_doorbell();
+}
+
+void Device::ring_doorbell() {
+  // Sequentially consistent with park(): either a parking proxy sees the count move (or a waiter, or the command)
+  // and does not sleep, or this sees it parked and wakes it.
+  doorbell_.fetch_add(1);
+  if (parked_.load() > 0) futex_wake_all(&doorbell_);
+}
+
+bool Device::park(int channel) {
+  parked_.fetch_add(1);
+  const uint32_t seen = doorbell_.load();
+  const bool sleeps = host_waiters_.load() == 0 && rings_[channel]->empty() && running_.load();
+  if (sleeps) futex_wait(&doorbell_, seen);
+  parked_.fetch_sub(1);
+  return sleeps;
 }
 
 void Device::check_usable(const char* op) {
@@ -405,6 +465,7 @@ void Device::proxy_loop(int channel) {
   std::mt19937 rng(1234567u + rank_ * 131u + channel);
   CommandRing& ring = *rings_[channel];
   Backoff idle;
+  std::optional<Deadline> idle_for;  // since the last work, where parking is on
   try {
     while (running_.load(std::memory_order_relaxed)) {
       bool busy = false;
@@ -437,10 +498,13 @@ void Device::proxy_loop(int channel) {
         busy = true;
       }
       if (drain_completions(channel, contexts, free_list) > 0) busy = true;
-      if (busy)
+      if (busy) {
         idle.reset();
-      else
+        idle_for.reset();
+      } else if (!(idle_for && idle_for->expired() && park(channel))) {
+        if (config_.park_after_idle_s > 0 && !idle_for) idle_for.emplace(config_.park_after_idle_s);
         idle.pause();
+      }
     }
   } catch (const std::exception& e) {
     fail(num_ranks_, std::string("proxy thread of channel ") + std::to_string(channel) + " stopped: " + e.what());

@@ -39,6 +39,9 @@ struct Config {
   uint32_t max_write_bytes = 0;
   uint64_t max_inflight_bytes = 0;  // per channel: posted, uncompleted bytes (0: no limit; one write always goes)
   uint32_t ring_capacity = 4096;    // commands per ring
+  // A proxy thread idle this long sleeps until a host thread pushes or waits (0: it always polls). Only where every
+  // producer and consumer is a host thread: a GPU pushing commands or waiting on the words rings no doorbell.
+  double park_after_idle_s = 0;
 };
 
 // Test modes of the proxy threads: set only through the tests' extension (ffi/testing.cpp), never by the package.
@@ -149,6 +152,10 @@ class Device {
   template <class Done, class Message>
   void wait_until(const Deadline& deadline, uint32_t peer, const char* op, Done&& done, Message&& timeout_message);
   void proxy_loop(int channel);
+  // Sleeps until the doorbell rings (or a short timeout, to drain what peers sent meanwhile) unless a host thread
+  // waits or the ring holds commands; returns whether it slept.
+  bool park(int channel);
+  void ring_doorbell();
   void post(int channel, const Command& cmd, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
   int drain_completions(int channel, std::vector<WriteContext>& contexts, std::vector<uint32_t>& free_list);
   void fail(uint32_t peer, const std::string& message);
@@ -168,6 +175,10 @@ class Device {
   std::vector<std::unique_ptr<CommandRing>> rings_;
   std::vector<std::thread> threads_;
   std::atomic<bool> running_{false};
+  // The parked proxies' doorbell (a futex word), how many are parked, and how many host threads wait in
+  // wait_until (the proxies stay awake for them).
+  std::atomic<uint32_t> doorbell_{0};
+  std::atomic<int> parked_{0}, host_waiters_{0};
   std::unique_ptr<std::atomic<bool>[]> exited_;             // per proxy thread
   bool abandoned_ = false;                                  // a proxy thread was left behind by stop()
   std::unique_ptr<std::atomic<int64_t>[]> inflight_;        // posted, uncompleted writes per peer
