@@ -501,9 +501,9 @@ void Device::proxy_loop(int channel) {
       if (busy) {
         idle.reset();
         idle_for.reset();
-      } else if (!(idle_for && idle_for->expired() && park(channel))) {
+      } else {
         if (config_.park_after_idle_s > 0 && !idle_for) idle_for.emplace(config_.park_after_idle_s);
-        idle.pause();
+        if (!(idle_for && idle_for->expired() && park(channel))) idle.pause();  // parks only where it may sleep
       }
     }
   } catch (const std::exception& e) {
