@@ -444,6 +444,34 @@ inline FloatType float_type(const ffi::AnyBuffer& b, const char* op) {
   throw InvalidArgument(std::string("uccl_ep ") + op + ": rows must be float32 or bfloat16");
 }
 
+// Each received row's sum of its pair rows (SumPairsArgs), where a path's receive wrote token rows.
+template <class Binding>
+auto sum_pairs_signature(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // pairs [M, H]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // pair_of [C, K]: the slot of each row's pairs, M where none
+      .template Ret<ffi::AnyBuffer>();        // rows [C, H]
+}
+
+inline SumPairsArgs sum_pairs_args(const ffi::AnyBuffer& pairs, const ffi::Buffer<ffi::S32>& pair_of,
+                                   ffi::AnyBuffer rows) {
+  const auto in = pairs.dimensions(), of = pair_of.dimensions(), out = rows.dimensions();
+  if (in.size() != 2 || of.size() != 2 || out.size() != 2 || out[0] != of[0] || out[1] != in[1])
+    throw InvalidArgument(
+        "uccl_ep sum_pairs: expected pairs [M, H], pair_of [C, K] and rows [C, H] (a row for each of pair_of's)");
+  SumPairsArgs a{};
+  a.pairs = pairs.untyped_data();
+  a.pairs_dtype = float_type(pairs, "sum_pairs");
+  a.num_slots = in[0];
+  a.hidden = in[1];
+  a.pair_of = pair_of.typed_data();
+  a.num_rows = of[0];
+  a.topk = int(of[1]);
+  a.rows = rows.untyped_data();
+  a.rows_dtype = float_type(rows, "sum_pairs");
+  return a;
+}
+
 // The experts' step between their grouped matmuls (SwigluArgs): swiglu, and its gradient swiglu_grad.
 template <class Binding>
 auto swiglu_signature(Binding b) {

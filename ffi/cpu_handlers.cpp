@@ -104,6 +104,10 @@ ffi::Error ExpandPairsImpl(const ffi_common::ExpandPairsAttrs& attrs, ffi::AnyBu
   });
 }
 
+ffi::Error SumPairsImpl(ffi::AnyBuffer pairs, ffi::Buffer<ffi::S32> pair_of, ffi::Result<ffi::AnyBuffer> rows) {
+  return guarded([&] { cpu::sum_pairs(ffi_common::sum_pairs_args(pairs, pair_of, *rows)); });
+}
+
 // The rows past the groups keep whatever the output held: poisoned in test mode.
 ffi::Error SwigluImpl(ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::S32> num_rows,
                       ffi::Result<ffi::AnyBuffer> h) {
@@ -323,6 +327,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCpu, PairCapacityImpl,
                               ffi_common::pair_capacity_signature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpExpandPairsCpu, ExpandPairsImpl,
                               ffi_common::expand_pairs_signature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSumPairsCpu, SumPairsImpl, ffi_common::sum_pairs_signature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluCpu, SwigluImpl, ffi_common::swiglu_signature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluGradCpu, SwigluGradImpl, ffi_common::swiglu_grad_signature(ffi::Ffi::Bind()));
 

@@ -385,6 +385,13 @@ ffi::Error ExpandPairsImpl(cudaStream_t stream, int32_t /*ordinal*/, const uccl_
   });
 }
 
+ffi::Error SumPairsImpl(cudaStream_t stream, int32_t /*ordinal*/, ffi::AnyBuffer pairs, ffi::Buffer<ffi::S32> pair_of,
+                        ffi::Result<ffi::AnyBuffer> rows) {
+  static std::shared_mutex no_runtime;  // local sums: no runtime state
+  return uccl_ep::ffi_common::guarded(
+      no_runtime, [&] { uccl_ep::nvl::sum_pairs(uccl_ep::ffi_common::sum_pairs_args(pairs, pair_of, *rows), stream); });
+}
+
 ffi::Error SwigluImpl(cudaStream_t stream, int32_t /*ordinal*/, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> weight,
                       ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> h) {
   static std::shared_mutex no_runtime;  // local: no runtime state
@@ -423,6 +430,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpPairCapacityCuda, PairCapacityImpl,
                               uccl_ep::ffi_common::pair_capacity_signature(UCCL_EP_CUDA_BIND()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpExpandPairsCuda, ExpandPairsImpl,
                               uccl_ep::ffi_common::expand_pairs_signature(UCCL_EP_CUDA_BIND()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSumPairsCuda, SumPairsImpl,
+                              uccl_ep::ffi_common::sum_pairs_signature(UCCL_EP_CUDA_BIND()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluCuda, SwigluImpl, uccl_ep::ffi_common::swiglu_signature(UCCL_EP_CUDA_BIND()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UcclEpSwigluGradCuda, SwigluGradImpl,
                               uccl_ep::ffi_common::swiglu_grad_signature(UCCL_EP_CUDA_BIND()));

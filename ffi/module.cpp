@@ -47,6 +47,7 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCpu);
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCpu);
     d["uccl_ep_expand_pairs"] = capsule(UcclEpExpandPairsCpu);
+    d["uccl_ep_sum_pairs"] = capsule(UcclEpSumPairsCpu);
     d["uccl_ep_swiglu"] = capsule(UcclEpSwigluCpu);
     d["uccl_ep_swiglu_grad"] = capsule(UcclEpSwigluGradCpu);
 #define UCCL_EP_CPU_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cpu);
@@ -63,6 +64,7 @@ NB_MODULE(_uccl_ep, m) {
     d["uccl_ep_layout"] = capsule(UcclEpLayoutCuda);
     d["uccl_ep_pair_capacity"] = capsule(UcclEpPairCapacityCuda);
     d["uccl_ep_expand_pairs"] = capsule(UcclEpExpandPairsCuda);
+    d["uccl_ep_sum_pairs"] = capsule(UcclEpSumPairsCuda);
     d["uccl_ep_swiglu"] = capsule(UcclEpSwigluCuda);
     d["uccl_ep_swiglu_grad"] = capsule(UcclEpSwigluGradCuda);
 #define UCCL_EP_CUDA_CAPSULE(stem, name, signature) d[name] = capsule(UcclEp##stem##Cuda);

@@ -766,7 +766,7 @@ def _summed_pairs(y: jax.Array, handle: ExpertHandle) -> jax.Array:
     float16 (as float16 rows travel), the same sums the host paths' pair ops send."""
     wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
     with jax.named_scope(_pairs.SCOPE):
-        return _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding).astype(wire)
+        return _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding, wire)
 
 
 @jax.custom_vjp

@@ -107,6 +107,20 @@ struct ExpandPairsArgs {
   bool zero_padding;
 };
 
+// The reverse of ExpandPairsArgs, combine's first step on the paths that lay the pairs out after token rows: row r
+// gets the float32 sum of the pair rows pair_of[r, 0..topk) names (a slot outside [0, num_slots) names none),
+// rounded once to rows_dtype; a row that names none gets zeros. Every row is written.
+struct SumPairsArgs {
+  const void* pairs;  // [num_slots, hidden] of pairs_dtype
+  FloatType pairs_dtype;
+  int64_t num_slots, hidden;
+  const int32_t* pair_of;  // [num_rows, topk]
+  int64_t num_rows;
+  int topk;
+  void* rows;  // [num_rows, hidden] of rows_dtype
+  FloatType rows_dtype;
+};
+
 // The experts' step between their two grouped matmuls, weighted: h = silu(gate) * up * weight of each pair row of
 // gate_up [rows, 2 * features] (gate: its first `features` columns, up: the rest) and weight [rows], in float32, h
 // rounded to the rows' type once; with dh, its gradient: d_gate_up [rows, 2 * features] in the rows' type and

@@ -754,3 +754,50 @@ def check_pair_writers_agree(
     if received[6].sum() == 0 and capacity is not None:
         problems.append("the capacity case dropped no pair: it proves nothing about the drop rule")
     return problems
+
+
+# sum_pairs cases: (received rows, pair slots, hidden, top-k, pairs' dtype, rows' dtype). The layer's wire (bf16
+# rows of 4096 bytes: 16-byte vectors), bf16 summed to float32 (expand's transpose), float32 rows of 48 bytes summed
+# to 24-byte bf16 ones (an element a lane on GPUs), and odd rows with more slots than a warp's lanes.
+SUM_PAIRS_CASES = [
+    (300, 1000, 2048, 8, jnp.bfloat16, jnp.bfloat16),
+    (200, 700, 128, 4, jnp.bfloat16, jnp.float32),
+    (97, 400, 12, 3, jnp.float32, jnp.bfloat16),
+    (50, 200, 7, 40, jnp.float32, jnp.float32),
+]
+
+
+def sum_pairs_problems(seed: int, rows: int, slots: int, hidden: int, topk: int, pairs_dtype, rows_dtype) -> list[str]:
+    """Each received row's sum of its pairs (the FFI's sum_pairs, reduce_pairs without zero padding) against NumPy
+    float64 on random pairs, a random 40% of each row's slots naming none (the layout's M, or past it), rows that
+    name none (zeros), a row naming one slot K times (each naming adds); and XLA's gather and sum (with zero padding)
+    on the same inputs. Returns what disagrees."""
+    from jax_uccl_ep import _pairs
+
+    rng = np.random.default_rng(seed)
+    pairs = jnp.asarray(rng.standard_normal((slots, hidden)) * 4, pairs_dtype)
+    pair_of = rng.integers(0, slots, (rows, topk)).astype(np.int32)
+    pair_of[rng.random((rows, topk)) < 0.4] = slots
+    pair_of[:3] = slots
+    pair_of[3, 0], pair_of[4, 0] = slots + 1, 2**31 - 1
+    pair_of[5] = pair_of[5, 0] if pair_of[5, 0] < slots else 0
+    p64 = np.asarray(pairs.astype(jnp.float32), np.float64)
+    named = (pair_of >= 0) & (pair_of < slots)
+    want = (p64[np.clip(pair_of, 0, slots - 1)] * named[..., None]).sum(axis=1)
+    scale = np.abs(p64).max() * topk
+    rtol = 2.0**-8 if rows_dtype == jnp.bfloat16 else 1e-6
+    problems = []
+    for zero_padding, how in ((False, "sum_pairs"), (True, "XLA")):
+        fn = jax.jit(lambda p, o, z=zero_padding: _pairs.reduce_pairs(p, None, o, z, rows_dtype))
+        got = fn(pairs, jnp.asarray(pair_of))
+        if got.dtype != jnp.dtype(rows_dtype) or got.shape != (rows, hidden):
+            problems.append(f"{how}: {got.dtype}{got.shape}, want {jnp.dtype(rows_dtype)}{(rows, hidden)}")
+            continue
+        got64 = np.asarray(got.astype(jnp.float32), np.float64)
+        if got64[:3].any():
+            problems.append(f"{how}: rows that name no slot are not zeros")
+        bad = np.abs(got64 - want) > rtol * np.abs(want) + 1e-6 * scale
+        if bad.any():
+            r, h = np.argwhere(bad)[0]
+            problems.append(f"{how}: {int(bad.sum())} elements off, first [{r}, {h}] {got64[r, h]} want {want[r, h]}")
+    return problems

@@ -324,6 +324,30 @@ def test_expand_refuses_pair_rows_unlike_the_rows(shape, dtype):
         jax.block_until_ready(jax.jit(copy)(rows, pair_row))
 
 
+@pytest.mark.parametrize("rows,slots,hidden,topk,pairs_dtype,rows_dtype", cases.SUM_PAIRS_CASES)
+def test_sum_pairs_adds_each_rows_slots_in_float32(rows, slots, hidden, topk, pairs_dtype, rows_dtype):
+    """Combine's first step where the pairs were laid out after token rows (reduce_pairs without zero padding: the
+    FFI's sum_pairs) and XLA's gather and sum, against NumPy."""
+    seed = zlib.crc32(repr(("sum", rows, hidden, topk)).encode())
+    assert cases.sum_pairs_problems(seed, rows, slots, hidden, topk, pairs_dtype, rows_dtype) == []
+
+
+@pytest.mark.parametrize("rows_shape", [(5, 9), (4, 8, 1)])
+def test_sum_pairs_refuses_rows_unlike_the_pairs(rows_shape):
+    """The sum op checks its output against its operands (a row for each of pair_of's, the pairs' width), naming
+    what it expected."""
+    from jax_uccl_ep._ffi import ep_call
+
+    pairs, pair_of = jnp.ones((6, 8), jnp.float32), jnp.zeros((4, 2), jnp.int32)
+
+    def total(pairs, pair_of):
+        (out,) = ep_call("sum_pairs", (jax.ShapeDtypeStruct(rows_shape, jnp.float32),), pairs, pair_of, ordered=False)
+        return out
+
+    with pytest.raises(Exception, match=r"sum_pairs: expected pairs \[M, H\], pair_of \[C, K\]"):
+        jax.block_until_ready(jax.jit(total)(pairs, pair_of))
+
+
 def test_combine_refuses_rows_of_another_shape():
     def body(x, idx):
         res = ep.dispatch(x[0], idx[0], num_experts=8, axis_name="ep", layout="expert")

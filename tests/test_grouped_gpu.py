@@ -1,9 +1,9 @@
 """The experts' grouped matmul on one GPU: the Mosaic kernels under the package's VJP against a NumPy float64
 reference and against jax.lax.ragged_dot, forward and both gradients, alone and inside shard_map; the pair rows'
-copy from token rows (expand_pairs); then the layer with its bf16 experts against the float32 dense reference.
-Skipped without an NVIDIA GPU (the tokamax cases also without tokamax; the Mosaic backend runs JAX's own kernel then).
-References run at `jax.default_matmul_precision("highest")`: TF32 would move them by more than the bf16 tolerance
-on its own."""
+copy from token rows (expand_pairs) and the sum back (sum_pairs); then the layer with its bf16 experts against the
+float32 dense reference. Skipped without an NVIDIA GPU (the tokamax cases also without tokamax; the Mosaic backend
+runs JAX's own kernel then). References run at `jax.default_matmul_precision("highest")`: TF32 would move them by
+more than the bf16 tolerance on its own."""
 
 from __future__ import annotations
 
@@ -253,6 +253,37 @@ def test_expand_on_the_gpu_copies_each_slot_its_row():
     res = _child_result("expand_child")
     for name in ("bf16", "f32", "u8"):
         assert res[name] == {"named_rows_wrong": 0, "zeroed_padding_nonzero": 0}, res
+
+
+def sum_child() -> dict:
+    """Child: combine's first step after token rows (reduce_pairs without zero padding: the FFI's sum_pairs) on the
+    GPU against NumPy for the suite's cases (16-byte vectors and an element a lane, bf16 and float32 both ways); then
+    its time beside XLA's gather and sum at the layer's sizes (reported, not checked)."""
+    import cases
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_uccl_ep import _pairs
+
+    res: dict = {
+        "problems": [p for i, case in enumerate(cases.SUM_PAIRS_CASES) for p in cases.sum_pairs_problems(i, *case)]
+    }
+    rng = np.random.default_rng(6)
+    c, m, h, k, valid = 15024, 131072, 2048, 8, 33000
+    pairs = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    pair_of = np.full((c, k), m, np.int32)
+    pair_of.reshape(-1)[rng.choice(c * k, valid, replace=False)] = rng.permutation(valid)
+    pair_of = jnp.asarray(pair_of)
+    for z, label in ((True, "xla"), (False, "sum_pairs")):
+        fn = jax.jit(lambda p, o, z=z: _pairs.reduce_pairs(p, None, o, z, jnp.bfloat16))
+        res[f"us_{label}"] = _median_us(fn, pairs, pair_of)
+    return res
+
+
+def test_sum_pairs_on_the_gpu_matches_numpy():
+    res = _child_result("sum_child")
+    assert res["problems"] == [], res
 
 
 def swiglu_child() -> dict:

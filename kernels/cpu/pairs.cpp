@@ -142,32 +142,36 @@ void expand_pairs(const ExpandPairsArgs& a) {
   }
 }
 
+void sum_pairs(const SumPairsArgs& a) {
+  const int64_t H = a.hidden;
+  std::vector<float> acc(size_t(std::max<int64_t>(H, 1)));
+  for (int64_t r = 0; r < a.num_rows; ++r) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int k = 0; k < a.topk; ++k) {
+      const int32_t s = a.pair_of[r * a.topk + k];
+      if (s < 0 || s >= a.num_slots) continue;
+      if (a.pairs_dtype == FloatType::kF32) {
+        const float* v = static_cast<const float*>(a.pairs) + s * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += v[h];
+      } else {
+        const uint16_t* v = static_cast<const uint16_t*>(a.pairs) + s * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += bf16_to_f32(v[h]);
+      }
+    }
+    if (a.rows_dtype == FloatType::kF32) {
+      std::memcpy(static_cast<float*>(a.rows) + r * H, acc.data(), size_t(H) * 4);
+    } else {
+      uint16_t* o = static_cast<uint16_t*>(a.rows) + r * H;
+      for (int64_t h = 0; h < H; ++h) o[h] = f32_to_bf16(acc[h]);
+    }
+  }
+}
+
 void combine_pairs(Device& dev, const Group& group, CombineArgs rows, const void* pair_y, int num_pairs,
                    const int32_t* pair_of, int topk) {
   const int C = rows.capacity, H = rows.hidden;
-  const bool f32 = rows.dtype == FloatType::kF32;
   std::vector<uint8_t> sums(size_t(C) * H * float_bytes(rows.dtype));
-  std::vector<float> acc(H);
-  for (int r = 0; r < C; ++r) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int k = 0; k < topk; ++k) {
-      const int32_t s = pair_of[size_t(r) * topk + k];
-      if (s < 0 || s >= num_pairs) continue;
-      if (f32) {
-        const float* v = reinterpret_cast<const float*>(pair_y) + size_t(s) * H;
-        for (int h = 0; h < H; ++h) acc[h] += v[h];
-      } else {
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(pair_y) + size_t(s) * H;
-        for (int h = 0; h < H; ++h) acc[h] += bf16_to_f32(v[h]);
-      }
-    }
-    if (f32) {
-      std::memcpy(sums.data() + size_t(r) * H * 4, acc.data(), size_t(H) * 4);
-    } else {
-      uint16_t* o = reinterpret_cast<uint16_t*>(sums.data()) + size_t(r) * H;
-      for (int h = 0; h < H; ++h) o[h] = f32_to_bf16(acc[h]);
-    }
-  }
+  sum_pairs({pair_y, rows.dtype, num_pairs, H, pair_of, C, topk, sums.data(), rows.dtype});
   rows.y = sums.data();
   combine(dev, group, rows);
 }

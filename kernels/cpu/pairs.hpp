@@ -23,13 +23,16 @@ void dispatch_pairs(Device& dev, const Group& group, DispatchArgs rows, const Pa
 // ExpandPairsArgs on the host.
 void expand_pairs(const ExpandPairsArgs& a);
 
+// SumPairsArgs on the host.
+void sum_pairs(const SumPairsArgs& a);
+
 // Sends x by the handle's routing and writes each received row to its pair slots: out [num_pairs, row_bytes], zeros
 // where pair_row (C outside the groups) names no row. `rows`: cached dispatch's arguments, recv_x unset, capacity C.
 void cached_dispatch_pairs(Device& dev, const Group& group, CachedDispatchArgs rows, const int32_t* pair_row,
                            int num_pairs, void* out);
 
-// Sums each received row's pairs (pair_of [C, topk]; slots past num_pairs are none) in float32, rounds the sum once
-// to the pairs' type and combines those rows. `rows`: combine's arguments, y unset, capacity C.
+// Sums each received row's pairs (sum_pairs: pair_of [C, topk], slots past num_pairs are none), the sums in the
+// pairs' type, and combines those rows. `rows`: combine's arguments, y unset, capacity C.
 void combine_pairs(Device& dev, const Group& group, CombineArgs rows, const void* pair_y, int num_pairs,
                    const int32_t* pair_of, int topk);
 

@@ -217,6 +217,9 @@ using uccl_ep::LowLatencyDispatchArgs;
 using uccl_ep::ExpandPairsArgs;
 // Enqueues ExpandPairsArgs's copy on `stream` (no communication).
 void expand_pairs(const ExpandPairsArgs& args, cudaStream_t stream);
+using uccl_ep::SumPairsArgs;
+// Enqueues SumPairsArgs's sums on `stream` (no communication).
+void sum_pairs(const SumPairsArgs& args, cudaStream_t stream);
 
 using uccl_ep::SwigluArgs;
 // Enqueues the experts' elementwise step (SwigluArgs) on `stream` (no communication).
