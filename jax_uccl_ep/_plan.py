@@ -166,7 +166,7 @@ def receive_writes_pairs() -> bool:
     routing: op_path's Path.STAGED), whose handlers run the CPU ops on the host copies, and whose combine sums each
     row's pairs on its way back. The NVLink and GPU-initiated paths receive token rows and lay the pairs out in XLA
     (_pairs.py), slot for slot the same, or where gpu_writes_pairs allows write them in their dispatch's receive;
-    their combine sums the pairs in XLA either way."""
+    their combine sums each row's pairs on its GPU before the rows go back either way (_pairs.reduce_pairs)."""
     plan = _current
     if plan is None:
         return False
@@ -187,7 +187,7 @@ def gpu_writes_pairs(
     Path.NVLINK or Path.PROXY_GPU): where the plan allows it (RuntimePlan.gpu_writes_pairs), flat, with rows of
     16-byte multiples and a buffer no routing can overflow (`capacity` pair rows against `every_slot`: every top-k
     slot of every row), at most GPU_PAIRS_MAX_GROUPS local experts and top-GPU_PAIRS_MAX_TOPK. Its combine sums the
-    pairs in XLA (receive_writes_pairs decides the combine)."""
+    pairs before its rows go back (receive_writes_pairs decides the combine)."""
     plan = _current
     return (
         plan is not None

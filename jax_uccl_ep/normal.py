@@ -333,7 +333,7 @@ def _combine_call(
     if isinstance(handle, ExpertHandle):
         if _plan.receive_writes_pairs():  # the host paths' pair ops sum each received row's pairs
             return _combine_call(y, handle.rows, after, handle.pair_of)
-        # Pairs an NVLink dispatch wrote: summed in XLA, then the rows go back.
+        # Pairs a GPU path laid out (its receive or after it): summed on the GPU, then the rows go back.
         return _combine_call(_summed_pairs(y, handle), handle.rows, after).astype(y.dtype)
     if y.dtype not in FLOAT_DTYPES:  # float16: the kernels sum float32 and bfloat16 rows
         return _combine_call(y.astype(jnp.float32), handle, after, pair_of).astype(y.dtype)
@@ -762,8 +762,9 @@ def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
 
 
 def _summed_pairs(y: jax.Array, handle: ExpertHandle) -> jax.Array:
-    """Each received row's pair rows summed in XLA (float32), in the dtype the row goes back in: y's, float32 for
-    float16 (as float16 rows travel), the same sums the host paths' pair ops send."""
+    """Each received row's pair rows summed in float32 (_pairs.reduce_pairs: the FFI's sum_pairs without zero
+    padding), in the dtype the row goes back in: y's, float32 for float16 (as float16 rows travel), the same sums
+    the host paths' pair ops send."""
     wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
     with jax.named_scope(_pairs.SCOPE):
         return _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding, wire)

@@ -696,9 +696,9 @@ def pairs_laid_out_in_xla():
     return _as_gpu_pair_paths(gpu_writes=False)
 
 
-def pairs_written_then_summed_in_xla():
+def pairs_written_then_summed_before_combine():
     """dispatch(layout="expert") as the GPU paths run it where the receive writes the pairs (where
-    _plan.gpu_writes_pairs allows; combine sums each row's pairs in XLA, then sends token rows back) on CPU
+    _plan.gpu_writes_pairs allows; combine sums each row's pairs first, then sends token rows back) on CPU
     devices, whose receive otherwise sums them too."""
     return _as_gpu_pair_paths(gpu_writes=True)
 

@@ -40,7 +40,7 @@ def writer(request):
         with cases.pairs_laid_out_in_xla():
             yield request.param
     elif request.param == "nvlink":
-        with cases.pairs_written_then_summed_in_xla():
+        with cases.pairs_written_then_summed_before_combine():
             yield request.param
     else:
         yield request.param
@@ -171,7 +171,7 @@ def test_the_capacity_check_runs_only_where_pairs_can_overflow():
 
 
 def test_the_nvlink_writer_takes_the_pairs_it_can_hold_and_leaves_the_rest_to_xla():
-    """Where dispatch pulls over NVLink, dispatch_pairs writes the pair buffer and combine sums it in XLA (no
+    """Where dispatch pulls over NVLink, dispatch_pairs writes the pair buffer and combine sums it first (no
     combine_pairs op), for buffers that hold every top-k slot with rows and scale rows of 16-byte multiples; a
     smaller buffer, 8-byte scale rows or more than 256 local experts go through token rows and XLA's layout."""
 
@@ -185,7 +185,7 @@ def test_the_nvlink_writer_takes_the_pairs_it_can_hold_and_leaves_the_rest_to_xl
         f = jax.shard_map(body, mesh=_mesh(2), in_specs=P("ep"), out_specs=P("ep"))
         return str(jax.make_jaxpr(f)(jnp.ones((2, 4, hidden), jnp.float32), jnp.zeros((2, 4, topk), jnp.int32)))
 
-    with cases.pairs_written_then_summed_in_xla():
+    with cases.pairs_written_then_summed_before_combine():
         for written in (program(), program(hidden=512, use_fp8=True)):
             assert "op='dispatch_pairs'" in written and "combine_pairs" not in written and "expand_pairs" not in written
         for kw in (dict(capacity=20), dict(hidden=256, use_fp8=True), dict(experts=1024, topk=2)):
