@@ -1,8 +1,8 @@
 """The expert layout's steps after token rows on one device, as the NVLink and GPU-initiated paths run them: the
 counting sort of the received (row, slot) pairs, the rows' move into their pair slots (XLA's gather, which writes
 every slot, zeros outside the groups; or the FFI's expand_pairs, which copies the slots inside the groups only:
-zero_padding=False, the layer's), and the sum of each row's pairs back (combine's first step: XLA's gather and sum,
-or without zero padding the FFI's sum_pairs).
+zero_padding=False, the layer's), and the sum of each row's pairs back (combine's first step: the FFI's sum_pairs;
+XLA's gather and sum beside it).
 
 The problem is one rank of the fine-grained config on 4 GPUs (4096 tokens per GPU, top-8 of 64 experts, d_model
 2048): the rows this rank receives (each names 1 to 8 of its 16 local experts) in a buffer of the layer's worst
@@ -84,17 +84,17 @@ def main(argv: list[str] | None = None) -> int:
         ),
         (
             "pairs back to float32 rows (XLA gather, sum)",
-            lambda y, r, p: _pairs.reduce_pairs(y, r, p, True, jnp.float32),
+            lambda y, r, p: _pairs.reduce_pairs(y, r, p, True, jnp.float32, False),
             (pairs_y, layout.pair_row, layout.pair_of),
         ),
         (
             "pairs back to bf16 rows (XLA gather, sum)",
-            lambda y, r, p: _pairs.reduce_pairs(y, r, p, True, jnp.bfloat16),
+            lambda y, r, p: _pairs.reduce_pairs(y, r, p, True, jnp.bfloat16, False),
             (pairs_y, layout.pair_row, layout.pair_of),
         ),
         (
             "pairs back to bf16 rows (sum_pairs)",
-            lambda y, r, p: _pairs.reduce_pairs(y, r, p, False, jnp.bfloat16),
+            lambda y, r, p: _pairs.reduce_pairs(y, r, p, False, jnp.bfloat16, True),
             (pairs_y, layout.pair_row, layout.pair_of),
         ),
     ]

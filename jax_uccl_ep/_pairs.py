@@ -4,8 +4,8 @@ Local expert e's pairs sit at ``[offsets[e], offsets[e] + counts[e])``, offsets 
 increasing with e; within a group, pairs follow the received rows' order (source rank, then token; two-level:
 the two-level order). The layout is a counting sort of the received (row, slot) pairs: per-expert prefix counts
 over the rows, no sort. The rows then move once into their slots (a gather from the received rows, or without zero
-padding a copy of the slots inside the groups only), and back once, by a gather of each row's pairs (without zero
-padding the FFI's sum of them): neither direction scatters rows, forward or backward.
+padding a copy of the slots inside the groups only), and back once, by a gather of each row's pairs (in combine the
+FFI's sum of them): neither direction scatters rows, forward or backward.
 
 Capacity: the pairs of a prefix of the rows (in row order) are kept while their groups, each rounded up to A, fit
 in the buffer; the rows after it lose all their pairs (deterministic, as dispatch's row capacity).
@@ -137,7 +137,8 @@ def _expand_fwd(rows, pair_row, pair_of, zero_padding):
 
 def _expand_bwd(zero_padding, residuals, d_pairs):
     pair_row, pair_of, rows_type = residuals
-    d_rows = reduce_pairs(d_pairs, pair_row, pair_of, zero_padding, rows_type.dtype)
+    # Without zero padding expand ran the FFI's copy (no vmap), so its transpose may run the FFI's sum.
+    d_rows = reduce_pairs(d_pairs, pair_row, pair_of, zero_padding, rows_type.dtype, not zero_padding)
     return like_primal(d_rows, rows_type), None, None
 
 
@@ -148,12 +149,12 @@ expand.defvjp(_expand_fwd, _expand_bwd)
 _SUMMED_BY_THE_FFI = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _from_slots(pairs: jax.Array, pair_of: jax.Array, zero_padding: bool, dtype) -> jax.Array:
+def _from_slots(pairs: jax.Array, pair_of: jax.Array, dtype, ffi: bool) -> jax.Array:
     """``pairs [M, H]`` -> ``[C, H]`` in `dtype`, row r the float32 sum of the slots pair_of[r] names, rounded once:
-    XLA's gather and sum over every (row, slot), or without `zero_padding` (as _to_slots: not under vmap or eager
-    calls) the FFI's sum_pairs, which reads each row's slots once and writes the row once, where XLA's fusion
-    reached ~72 us a call at the fine model's EP4 shapes (bench/pair_layout.py)."""
-    if zero_padding or pairs.dtype not in _SUMMED_BY_THE_FFI or jnp.dtype(dtype) not in _SUMMED_BY_THE_FFI:
+    with `ffi` (not under vmap) the FFI's sum_pairs, which reads each row's slots once and writes the row once, else
+    XLA's gather and sum over every (row, slot), which took 69 us a call against 54 at the fine model's EP4 shapes
+    on an H200 (bench/pair_layout.py)."""
+    if not ffi or pairs.dtype not in _SUMMED_BY_THE_FFI or jnp.dtype(dtype) not in _SUMMED_BY_THE_FFI:
         c, k = pair_of.shape
         per_row = _gather(pairs, pair_of.reshape(-1)).reshape(c, k, pairs.shape[-1])
         return jnp.sum(per_row, axis=1, dtype=jnp.float32).astype(dtype)
@@ -163,19 +164,22 @@ def _from_slots(pairs: jax.Array, pair_of: jax.Array, zero_padding: bool, dtype)
     return rows
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def reduce_pairs(pairs: jax.Array, pair_row: jax.Array, pair_of: jax.Array, zero_padding: bool, dtype) -> jax.Array:
-    """Pair rows ``[M, H]`` -> ``[C, H]`` in `dtype`: each received row's sum of its pairs in float32, rounded once.
-    Its transpose is `expand`: the cotangent's slots outside the groups as _to_slots leaves them (the pairs' own
-    padding was unspecified too without `zero_padding`, so nothing reads it)."""
-    return _from_slots(pairs, pair_of, zero_padding, dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def reduce_pairs(
+    pairs: jax.Array, pair_row: jax.Array, pair_of: jax.Array, zero_padding: bool, dtype, ffi: bool
+) -> jax.Array:
+    """Pair rows ``[M, H]`` -> ``[C, H]`` in `dtype`: each received row's sum of its pairs in float32, rounded once
+    (with `ffi`, by the FFI's sum_pairs: not under vmap). Its transpose is `expand`: the cotangent's slots outside
+    the groups as _to_slots leaves them (the pairs' own padding was unspecified too without `zero_padding`, so
+    nothing reads it)."""
+    return _from_slots(pairs, pair_of, dtype, ffi)
 
 
-def _reduce_fwd(pairs, pair_row, pair_of, zero_padding, dtype):
-    return reduce_pairs(pairs, pair_row, pair_of, zero_padding, dtype), (pair_row, pair_of, pairs[:0])
+def _reduce_fwd(pairs, pair_row, pair_of, zero_padding, dtype, ffi):
+    return reduce_pairs(pairs, pair_row, pair_of, zero_padding, dtype, ffi), (pair_row, pair_of, pairs[:0])
 
 
-def _reduce_bwd(zero_padding, dtype, residuals, d_rows):
+def _reduce_bwd(zero_padding, dtype, ffi, residuals, d_rows):
     pair_row, pair_of, pairs_type = residuals
     d_pairs = _to_slots(d_rows.astype(pairs_type.dtype), pair_row, zero_padding)  # cast the C rows, not M slots
     return like_primal(d_pairs, pairs_type), None, None

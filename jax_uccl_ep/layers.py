@@ -243,7 +243,7 @@ def _through_pairs(params, rows, weights, expert, num_rows, capacity: int, dtype
     y = swiglu_pairs(params, pairs, layout.num_tokens_per_expert, compute_dtype=dtype, backend=backend)
     pair_weights = _pairs.pair_weights(weights, layout.pair_index, layout.pair_of)
     weighted = y.astype(jnp.float32) * pair_weights[:, None]
-    return _pairs.reduce_pairs(weighted, layout.pair_row, layout.pair_of, True, jnp.float32)
+    return _pairs.reduce_pairs(weighted, layout.pair_row, layout.pair_of, True, jnp.float32, False)
 
 
 def _through_pairs_sized(params, rows, weights, expert, num_rows, buffers: tuple[int, int], dtype, backend):

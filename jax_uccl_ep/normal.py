@@ -762,12 +762,12 @@ def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
 
 
 def _summed_pairs(y: jax.Array, handle: ExpertHandle) -> jax.Array:
-    """Each received row's pair rows summed in float32 (_pairs.reduce_pairs: the FFI's sum_pairs without zero
-    padding), in the dtype the row goes back in: y's, float32 for float16 (as float16 rows travel), the same sums
-    the host paths' pair ops send."""
+    """Each received row's pair rows summed in float32 (the FFI's sum_pairs: an EP op never runs under vmap), in the
+    dtype the row goes back in: y's, float32 for float16 (as float16 rows travel), the same sums the host paths'
+    pair ops send."""
     wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
     with jax.named_scope(_pairs.SCOPE):
-        return _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding, wire)
+        return _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding, wire, True)
 
 
 @jax.custom_vjp

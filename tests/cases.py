@@ -768,10 +768,10 @@ SUM_PAIRS_CASES = [
 
 
 def sum_pairs_problems(seed: int, rows: int, slots: int, hidden: int, topk: int, pairs_dtype, rows_dtype) -> list[str]:
-    """Each received row's sum of its pairs (the FFI's sum_pairs, reduce_pairs without zero padding) against NumPy
+    """Each received row's sum of its pairs (the FFI's sum_pairs, as combine runs reduce_pairs) against NumPy
     float64 on random pairs, a random 40% of each row's slots naming none (the layout's M, or past it), rows that
-    name none (zeros), a row naming one slot K times (each naming adds); and XLA's gather and sum (with zero padding)
-    on the same inputs. Returns what disagrees."""
+    name none (zeros), a row naming one slot K times (each naming adds); and XLA's gather and sum on the same
+    inputs. Returns what disagrees."""
     from jax_uccl_ep import _pairs
 
     rng = np.random.default_rng(seed)
@@ -788,7 +788,7 @@ def sum_pairs_problems(seed: int, rows: int, slots: int, hidden: int, topk: int,
     rtol = 2.0**-8 if rows_dtype == jnp.bfloat16 else 1e-6
     problems = []
     for zero_padding, how in ((False, "sum_pairs"), (True, "XLA")):
-        fn = jax.jit(lambda p, o, z=zero_padding: _pairs.reduce_pairs(p, None, o, z, rows_dtype))
+        fn = jax.jit(lambda p, o, z=zero_padding: _pairs.reduce_pairs(p, None, o, z, rows_dtype, not z))
         got = fn(pairs, jnp.asarray(pair_of))
         if got.dtype != jnp.dtype(rows_dtype) or got.shape != (rows, hidden):
             problems.append(f"{how}: {got.dtype}{got.shape}, want {jnp.dtype(rows_dtype)}{(rows, hidden)}")

@@ -326,8 +326,8 @@ def test_expand_refuses_pair_rows_unlike_the_rows(shape, dtype):
 
 @pytest.mark.parametrize("rows,slots,hidden,topk,pairs_dtype,rows_dtype", cases.SUM_PAIRS_CASES)
 def test_sum_pairs_adds_each_rows_slots_in_float32(rows, slots, hidden, topk, pairs_dtype, rows_dtype):
-    """Combine's first step where the pairs were laid out after token rows (reduce_pairs without zero padding: the
-    FFI's sum_pairs) and XLA's gather and sum, against NumPy."""
+    """Combine's first step where the pairs were laid out after token rows (reduce_pairs by the FFI's sum_pairs) and
+    XLA's gather and sum, against NumPy."""
     seed = zlib.crc32(repr(("sum", rows, hidden, topk)).encode())
     assert cases.sum_pairs_problems(seed, rows, slots, hidden, topk, pairs_dtype, rows_dtype) == []
 

@@ -256,9 +256,9 @@ def test_expand_on_the_gpu_copies_each_slot_its_row():
 
 
 def sum_child() -> dict:
-    """Child: combine's first step after token rows (reduce_pairs without zero padding: the FFI's sum_pairs) on the
-    GPU against NumPy for the suite's cases (16-byte vectors and an element a lane, bf16 and float32 both ways); then
-    its time beside XLA's gather and sum at the layer's sizes (reported, not checked)."""
+    """Child: combine's first step after token rows (reduce_pairs by the FFI's sum_pairs) on the GPU against NumPy
+    for the suite's cases (16-byte vectors and an element a lane, bf16 and float32 both ways); then its time beside
+    XLA's gather and sum at the layer's sizes (reported, not checked)."""
     import cases
     import jax
     import jax.numpy as jnp
@@ -276,7 +276,7 @@ def sum_child() -> dict:
     pair_of.reshape(-1)[rng.choice(c * k, valid, replace=False)] = rng.permutation(valid)
     pair_of = jnp.asarray(pair_of)
     for z, label in ((True, "xla"), (False, "sum_pairs")):
-        fn = jax.jit(lambda p, o, z=z: _pairs.reduce_pairs(p, None, o, z, jnp.bfloat16))
+        fn = jax.jit(lambda p, o, z=z: _pairs.reduce_pairs(p, None, o, z, jnp.bfloat16, not z))
         res[f"us_{label}"] = _median_us(fn, pairs, pair_of)
     return res
 
