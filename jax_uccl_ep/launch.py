@@ -15,7 +15,7 @@ SIGTERM (and SIGHUP) are forwarded to every child's process group; the children 
 seconds plus a few more to exit before SIGKILL (a second Ctrl-C kills at once), and the launcher exits with
 128 + the signal number. When a child fails, the others get ``--grace-period`` seconds to finish (or to report
 their own error), then SIGTERM, then SIGKILL; the launcher exits with the first failing child's code (128 + signal
-for a child killed by a signal). Each child runs in its own process group (and session), and the
+for a child killed by a signal). Each child runs in its own process group (in the launcher's session), and the
 launcher kills the whole group when the child ends, so no process outlives the job; on Linux a child also dies if
 the launcher itself is killed.
 
@@ -184,9 +184,9 @@ def start(
 
     Child i's environment is :func:`child_env` (coordinator on `port`, a free one by default; `env`, then
     ``per_rank_env[i]`` on top). stdin is /dev/null; stdout and stderr are pipes the caller must read. Each child
-    leads its own process group and session (signals to this process do not reach it), and on Linux gets SIGKILL
-    when the thread that called start() ends: call it from a thread that outlives the children. If starting one
-    fails, the ones already started are killed.
+    leads its own process group, in this process's session (signals to this process do not reach it), and on Linux
+    gets SIGKILL when the thread that called start() ends: call it from a thread that outlives the children. If
+    starting one fails, the ones already started are killed.
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be at least 1, not {num_processes}")
@@ -203,7 +203,11 @@ def start(
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                start_new_session=True,  # own process group: Ctrl-C reaches it only through the launcher
+                # Own process group (Ctrl-C reaches it only through the launcher) but the launcher's session: a
+                # session of its own would put each rank in its own scheduler autogroup (Linux), and on a host
+                # with fewer cores than proxy threads that starved one rank's proxies for seconds while another
+                # rank's spun on its shm locks (docs/RELIABILITY.md, tests/stress/init_cycles.py).
+                **({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}),
             )
             children.append(Child(rank, proc))
     except BaseException:
