@@ -1,6 +1,7 @@
 """How a job ends under the launcher (CPU processes): no stall at exit while EP ops are still in flight, an op error
 nobody read still printed on its rank with a failing exit status, a peer that never reaches shutdown named within
-the deadline, every rank's ending summarised when all fail, and no library chatter on a clean run."""
+the deadline, every rank's ending summarised when all fail, no library chatter on a clean run, and the children in
+process groups of their own within the launcher's session."""
 
 from __future__ import annotations
 
@@ -196,3 +197,24 @@ def test_the_cancelled_coordination_watch_stays_out_unless_verbose(verbose):
     _pump(io.BytesIO(text.encode()), out, "[rank 0] ", threading.Lock(), verbose=verbose)
     lines = [line[len("[rank 0] ") :] for line in out.getvalue().splitlines()]
     assert lines == ([kept[0]] + watch + kept[1:] if verbose else kept), lines
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 starts each child in a session of its own")
+def test_the_children_share_the_launchers_session_in_groups_of_their_own():
+    """Each child leads its own process group (Ctrl-C and the launcher's kills reach it alone) in the launcher's
+    session: a session of its own would be a scheduler autogroup of its own, which on 2 cores starved one rank's
+    proxies for seconds while a peer spun in libfabric shm's lock (docs/RELIABILITY.md)."""
+    from jax_uccl_ep import launch
+
+    probe = "import os; print(os.getpid(), os.getpgid(0), os.getsid(0))"
+    children = launch.start([sys.executable, "-c", probe], 2)
+    seen = []
+    for child in children:
+        out, _ = child.proc.communicate(timeout=60)
+        child.poll()
+        seen.append(tuple(int(v) for v in out.split()))
+    assert [c.returncode for c in children] == [0, 0], seen
+    for pid, group, session in seen:
+        assert group == pid, seen  # a group of its own
+        assert session == os.getsid(0), seen  # the launcher's session
+    assert seen[0][1] != seen[1][1] != os.getpgid(0), seen
