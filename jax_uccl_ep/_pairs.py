@@ -152,8 +152,7 @@ _SUMMED_BY_THE_FFI = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 def _from_slots(pairs: jax.Array, pair_of: jax.Array, dtype, ffi: bool) -> jax.Array:
     """``pairs [M, H]`` -> ``[C, H]`` in `dtype`, row r the float32 sum of the slots pair_of[r] names, rounded once:
     with `ffi` (not under vmap) the FFI's sum_pairs, which reads each row's slots once and writes the row once, else
-    XLA's gather and sum over every (row, slot), which took 69 us a call against 54 at the fine model's EP4 shapes
-    on an H200 (bench/pair_layout.py)."""
+    XLA's gather and sum over every (row, slot), the slower of the two on GPUs (bench/pair_layout.py)."""
     if not ffi or pairs.dtype not in _SUMMED_BY_THE_FFI or jnp.dtype(dtype) not in _SUMMED_BY_THE_FFI:
         c, k = pair_of.shape
         per_row = _gather(pairs, pair_of.reshape(-1)).reshape(c, k, pairs.shape[-1])

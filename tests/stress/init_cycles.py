@@ -1,8 +1,8 @@
 """Stress: 2 processes x 2 CPU devices, each cycle initialize(), one small round trip, shutdown(); stops at the
 first failure and prints it. Over shm with 3 proxy threads and the reorder mode (the settings of
-tests/test_normal.py::test_across_processes[shm-1-3]) it reproduced the stall in docs/RELIABILITY.md on a 2-core
-machine within ~1-3 minutes while the launcher gave each rank a session (a scheduler autogroup) of its own; with the
-ranks in one session 300 cycles pass in ~70 s. Not collected by pytest.
+tests/test_normal.py::test_across_processes[shm-1-3]) on a 2-core machine it shows the stall in
+docs/RELIABILITY.md wherever the ranks run in Linux sessions (scheduler autogroups) of their own; the launcher keeps
+them in its session. Not collected by pytest.
 
     python tests/stress/init_cycles.py [cycles] [timeout_s]
 """
