@@ -3,8 +3,8 @@ sending its rows into the others' buffers as if they were peers (nvl_loopback_be
 bounds what it can move over NVLink (NV18: 450 GB/s per direction), so at a budget it must move well over that here.
 
 Sweeps the SM budget (UCCL_EP_NUM_SMS: send + receive blocks of each rank) for the SM-store kernels and the bulk-copy
-(TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default, with the ops sent (the ranks are GPUs of one process,
-which pull by default: tests/test_proxy_gpu.py runs the pulled ops here). Per call: BF16 dispatch, FP8 dispatch (rows +
+(TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default, with the ops sent, or with --pulls pulled (the ranks
+are GPUs of one process, which pull by default: every block receives, reading the other ranks' inputs where they lie). Per call: BF16 dispatch, FP8 dispatch (rows +
 scales) and BF16 combine, timed with CUDA events over --iters calls (the slowest rank). GB/s: the rows a rank sends the
 others per call over the time ("remote", the bytes NVLink would carry), and all rows it receives including its own
 ("DeepEP"), and for one more call of each op the bulk kernels' spans over all ranks (start after the op's first kernel /
@@ -67,6 +67,13 @@ def main(argv=None) -> int:
         help="in the spans' call, dispatch's receive side starts only once every rank's rows have landed: each "
         "side's span (and its GB/s) is what it moves with the GPU's memory to itself",
     )
+    ap.add_argument(
+        "--pulls",
+        action="store_true",
+        help="dispatch and combine pull (bulk copies only): the spans then hold the pulled kernels' phases (routing: "
+        "the wait for every rank's words; scan; dispatch_receive; acks: the tail to the end of the wait for the "
+        "ranks' reads)",
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="loopback.json")
     args = ap.parse_args(argv)
@@ -85,20 +92,21 @@ def main(argv=None) -> int:
         for s in args.send_sms.split(",")
     ]
     for copies, ring, budget, send_sms in sweep:
-        if send_sms >= budget:
+        if send_sms >= budget or (args.pulls and copies != "bulk"):
             continue
         _uccl_ep_testing.nvl_set_bulk_tuning(*common.bulk_tuning(ring))
-        label = copies if ring == "0:0" else f"{copies} {ring}"
+        label = (copies if ring == "0:0" else f"{copies} {ring}") + (" pulled" if args.pulls else "")
         _runtime.configure_native(
             Config(
                 num_sms=budget,
                 num_send_sms=send_sms,
                 nvl_bulk=copies == "bulk",
-                nvl_pull_dispatch=False,
-                nvl_pull_combine=False,
+                nvl_pull_dispatch=args.pulls,
+                nvl_pull_combine=args.pulls,
             )
         )
-        split = f"{_uccl_ep_testing.nvl_send_blocks()}+{budget - _uccl_ep_testing.nvl_send_blocks()}"
+        send_blocks = 0 if args.pulls else _uccl_ep_testing.nvl_send_blocks()  # a pulled op's blocks all receive
+        split = f"{send_blocks}+{budget - send_blocks}"
         for fp8 in (False, True):
             r = dict(
                 _uccl_ep_testing.nvl_loopback_bench(
