@@ -94,12 +94,15 @@ __device__ void report(DeviceErrors* err, int code, int rank, int64_t a, int64_t
 // words the senders write would take the memory system from the copies they wait for).
 enum class Sleep { kNone, kFlat, kBackoff };
 enum class Polled { kReached, kTimedOut, kGivenUp };
+// Who writes the word polled: a peer or the host (system scope), or another block of this launch (GPU scope).
+enum class Scope { kSystem, kGpu };
 // Polls `flag` until it reaches `value`; gives up after `timeout_ns`, or once a wait reported a late peer (the op is
 // given up). The clock and the error word (host memory) are read every 256 polls.
 __device__ inline Polled poll_flag(const uint64_t* flag, uint64_t value, uint64_t timeout_ns, const DeviceErrors* err,
-                                   Sleep sleep) {
+                                   Sleep sleep, Scope scope = Scope::kSystem) {
   const uint64_t start = global_ns();
-  for (uint32_t spins = 1; load_acquire_sys(flag) < value; ++spins) {
+  for (uint32_t spins = 1; (scope == Scope::kGpu ? load_acquire_gpu(flag) : load_acquire_sys(flag)) < value;
+       ++spins) {
     if (spins > 32 && sleep != Sleep::kNone)
       __nanosleep(sleep == Sleep::kFlat ? 100u : 100u << min((spins - 33) / 32, 4u));
     if (spins % 256 != 0) continue;

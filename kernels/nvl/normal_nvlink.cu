@@ -35,18 +35,18 @@ struct Handoff {
 constexpr size_t kItemWord = 0, kFinishedWord = 1, kFirstHandedOverWord = 2;
 
 // After the block's units u = first, first + step, ... < count of a pass: their words, once every thread's writes
-// are in (the barrier, then a fence cumulative over them).
+// are in (the barrier, then a fence cumulative over them). Only this launch's blocks read them: GPU scope.
 __device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step, int count) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence();
-  for (int u = first; u < count; u += step) store_release_sys(words + u, h.epoch);
+  for (int u = first; u < count; u += step) store_release_gpu(words + u, h.epoch);
 }
 // Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
 // (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).
 __device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
   return block_waits(count, [&](int u) {
-    const Polled p = poll_flag(words + u, h.epoch, m.timeout_ns, m.err, Sleep::kFlat);
+    const Polled p = poll_flag(words + u, h.epoch, m.timeout_ns, m.err, Sleep::kFlat, Scope::kGpu);
     if (p == Polled::kTimedOut)
       report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
     return p == Polled::kReached;

@@ -1,5 +1,6 @@
-// Device-side synchronization with peers and the host: system-scope acquire loads and release writes on 64-bit
-// words, and the GPU's global nanosecond timer for deadlines. Framework-free; included by the NVLink kernels and
+// Device-side synchronization with peers and the host (system scope) and between the blocks of one launch (GPU
+// scope: a system-scope release fences against every peer and the host, which such words need not wait for):
+// acquire loads and release writes on 64-bit words, and the GPU's global nanosecond timer for deadlines. Framework-free; included by the NVLink kernels and
 // the command-ring producer.
 #pragma once
 #include <cstdint>
@@ -20,6 +21,16 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
 
 __device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // No ordering with the stores before it (the command rings' head: ring_producer.cuh).
