@@ -9,7 +9,8 @@ random normal x), BF16 payload. Measured:
     layout: run once with UCCL_EP_NVL_DISPATCH_PAIRS=1 and once without);
   - jax.lax.all_to_all on the padded [R, capacity_per_peer, H] payload (capacity = the largest src->dst count);
   - jax.lax.ragged_all_to_all on the exact rows (those dispatch moves);
-  - NCCL all_to_all_single, padded and ragged (split sizes = the same counts), BF16, and the FP8 row bytes
+  - NCCL all_to_all_single, padded and ragged (split sizes = the same counts), BF16; BF16 ragged after an exchange
+    of the split sizes that the host reads (what a torch MoE must run: its sizes come from routing); the FP8 row bytes
     (H + 4*H/128 bytes per token, as uint8) ragged — one process per GPU via torch.multiprocessing, timed with
     torch.cuda.Event over --iters calls, median of --repeats; NCCL_NVLS_ENABLE=0. Runs before JAX takes the GPUs.
 JAX ops run --iters times inside one jit (a straight line of calls in jax.shard_map over all R devices of this
@@ -125,6 +126,16 @@ def nccl_worker(rank: int, world: int, port: int, cfg: dict, outdir: str) -> Non
         send = torch.randn(sum(in_splits), h, device=dev, generator=gen).to(dtype)
         recv = torch.empty(sum(out_splits), h, device=dev, dtype=dtype)
         results["ragged"] = timed(lambda: dist.all_to_all_single(recv, send, out_splits, in_splits))
+        # What a torch MoE runs for the same rows: the split sizes are known only on the GPU after routing, so they
+        # are exchanged first and read back to the host, which all_to_all_single needs them on.
+        count_send = torch.tensor(in_splits, device=dev, dtype=torch.int64)
+        count_recv = torch.empty_like(count_send)
+
+        def with_counts() -> None:
+            dist.all_to_all_single(count_recv, count_send)
+            dist.all_to_all_single(recv, send, count_recv.tolist(), in_splits)
+
+        results["ragged_counted"] = timed(with_counts)
         del send, recv
         send = torch.randint(0, 255, (sum(in_splits), fp8_row), device=dev, dtype=torch.uint8, generator=gen)
         recv = torch.empty(sum(out_splits), fp8_row, device=dev, dtype=torch.uint8)
@@ -173,6 +184,12 @@ def nccl_results(prob: common.EPProblem, nccl: dict | None, reason: str | None) 
             f"[R*{prob.capacity_per_peer}, H]",
         ),
         ("ragged", f"NCCL all_to_all_single {prob.dtype} ragged", prob.exact_bytes(False), "exact split sizes"),
+        (
+            "ragged_counted",
+            f"NCCL split sizes + all_to_all_single {prob.dtype}",
+            prob.exact_bytes(False),
+            "the [R] sizes exchanged and read on the host first",
+        ),
         (
             "ragged_fp8",
             "NCCL all_to_all_single fp8 rows ragged",
