@@ -4,22 +4,23 @@ bounds what it can move over NVLink (NV18: 450 GB/s per direction), so at a budg
 
 Sweeps the SM budget (UCCL_EP_NUM_SMS: send + receive blocks of each rank) for the SM-store kernels and the bulk-copy
 (TMA) kernels (UCCL_EP_NVL_BULK), DeepSeek-V3 shapes by default, with the ops sent, or with --pulls pulled (the ranks
-are GPUs of one process, which pull by default: every block receives, reading the other ranks' inputs where they lie). Per call: BF16 dispatch, FP8 dispatch (rows +
-scales) and BF16 combine, timed with CUDA events over --iters calls (the slowest rank). GB/s: the rows a rank sends the
-others per call over the time ("remote", the bytes NVLink would carry), and all rows it receives including its own
-("DeepEP"), and for one more call of each op the bulk kernels' spans over all ranks (start after the op's first kernel /
-length, us; all ranks' kernels start together, behind one gate), each side's GB/s over its span. The ranks run at once,
-so the GPU's memory carries about 4x the remote bytes (send: read + write, receive: read + write) of each rank: with two
-ranks at 24 SMs that saturates one H200's memory (bench/RESULTS.md). --one-way sends from rank 0 only (the others route
-to their own experts), about halving that traffic: rank 0's send side and the others' receive sides. --sides-apart holds
-dispatch's receive side back in the spans' call until every rank's rows have landed, so that its send and receive spans
-are each side with the memory to itself. Each run checks the last call's rows, scales and sums. --rings sweeps the bulk
-kernels' ring shapes (testing hook). --gpus N spreads the ranks over GPUs 0..N-1 of this process (rank r on GPU r % N):
-the same kernels, spans and sides apart over NVLink; the spans over all ranks then mix the GPUs' clocks (which disagree
-by up to milliseconds), so each GPU's own spans print too ("routing": dispatch's receive blocks waiting for every
-member's routing; "scan": the routing scan after it; "acks": the send blocks waiting for the members' acknowledgements;
-"routing_sent": a send block's start until its routing is announced). The stamped call follows three unstamped ones back
-to back, as in the timed loop (the first NVLink traffic after an idle gap is ~110 us slower).
+are GPUs of one process, which pull by default: every block receives, reading the other ranks' inputs where they lie).
+Per call: BF16 dispatch, FP8 dispatch (rows + scales) and BF16 combine, timed with CUDA events over --iters calls (the
+slowest rank). GB/s: the rows a rank sends the others per call over the time ("remote", the bytes NVLink would carry),
+and all rows it receives including its own ("DeepEP"), and for one more call of each op the bulk kernels' spans over all
+ranks (start after the op's first kernel / length, us; all ranks' kernels start together, behind one gate), each side's
+GB/s over its span. The ranks run at once, so the GPU's memory carries about 4x the remote bytes (send: read + write,
+receive: read + write) of each rank: with two ranks at 24 SMs that saturates one H200's memory (bench/RESULTS.md).
+--one-way sends from rank 0 only (the others route to their own experts), about halving that traffic: rank 0's send side
+and the others' receive sides. --sides-apart holds dispatch's receive side back in the spans' call until every rank's
+rows have landed, so that its send and receive spans are each side with the memory to itself. Each run checks the last
+call's rows, scales and sums. --rings sweeps the bulk kernels' ring shapes (testing hook). --gpus N spreads the ranks
+over GPUs 0..N-1 of this process (rank r on GPU r % N): the same kernels, spans and sides apart over NVLink; the spans
+over all ranks then mix the GPUs' clocks (which disagree by up to milliseconds), so each GPU's own spans print too
+("routing": dispatch's receive blocks waiting for every member's routing; "scan": the routing scan after it; "acks": the
+send blocks waiting for the members' acknowledgements; "routing_sent": a send block's start until its routing is
+announced). The stamped call follows three unstamped ones back to back, as in the timed loop (the first NVLink traffic
+after an idle gap is ~110 us slower).
 
     python bench/loopback.py --out $OUT/loopback.json
 """

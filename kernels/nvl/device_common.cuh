@@ -101,8 +101,7 @@ enum class Scope { kSystem, kGpu };
 __device__ inline Polled poll_flag(const uint64_t* flag, uint64_t value, uint64_t timeout_ns, const DeviceErrors* err,
                                    Sleep sleep, Scope scope = Scope::kSystem) {
   const uint64_t start = global_ns();
-  for (uint32_t spins = 1; (scope == Scope::kGpu ? load_acquire_gpu(flag) : load_acquire_sys(flag)) < value;
-       ++spins) {
+  for (uint32_t spins = 1; (scope == Scope::kGpu ? load_acquire_gpu(flag) : load_acquire_sys(flag)) < value; ++spins) {
     if (spins > 32 && sleep != Sleep::kNone)
       __nanosleep(sleep == Sleep::kFlat ? 100u : 100u << min((spins - 33) / 32, 4u));
     if (spins % 256 != 0) continue;

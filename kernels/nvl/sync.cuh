@@ -1,7 +1,7 @@
 // Device-side synchronization with peers and the host (system scope) and between the blocks of one launch (GPU
 // scope: a system-scope release fences against every peer and the host, which such words need not wait for):
-// acquire loads and release writes on 64-bit words, and the GPU's global nanosecond timer for deadlines. Framework-free; included by the NVLink kernels and
-// the command-ring producer.
+// acquire loads and release writes on 64-bit words, and the GPU's global nanosecond timer for deadlines.
+// Framework-free; included by the NVLink kernels and the command-ring producer.
 #pragma once
 #include <cstdint>
 
