@@ -152,6 +152,24 @@ def test_overflow_names_the_rank_by_its_place_on_the_axis(writer):
         jax.block_until_ready(f(cases.shard(mesh, x), cases.shard(mesh, idx)))
 
 
+def test_the_default_capacity_overflowing_on_a_repeated_expert_says_why(writer):
+    """The default capacity holds every pair where each token names an expert once; a router that names one expert in
+    two slots can pass it, and the error says that the default assumes so, rather than that it never drops."""
+    r, t, k, e = 2, 8, 2, 2
+    idx = np.zeros((r, t, k), np.int32)  # every token names expert 0 in both slots: rank 0 needs r * t * k rows
+    x = np.random.default_rng(7).standard_normal((r, t, 16)).astype(np.float32)
+    mesh = cases.mesh_of(jax.devices()[:r])
+
+    def body(x, idx):
+        res = ep.dispatch(x[0], idx[0], num_experts=e, axis_name="ep", layout="expert")
+        return ep.combine(res.x, res.handle)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    message = rf"need {r * t * k} rows .* capacity is {r * t}; .* names an expert at most once"
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(f(cases.shard(mesh, x), cases.shard(mesh, idx)))
+
+
 def test_the_capacity_check_runs_only_where_pairs_can_overflow():
     """The XLA layout's check under overflow="error" costs two pmax and, on GPUs, a wait for the stream: a capacity
     that holds every slot of every row leaves it out; a smaller one keeps it. (The receive checks in its own op.)"""

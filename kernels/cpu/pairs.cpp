@@ -75,7 +75,8 @@ std::vector<int64_t> lay_out(const int32_t* expert, int valid_rows, int K, int g
 std::string pair_overflow_message(const std::string& rank, int64_t needed, int64_t capacity) {
   return "rank " + rank + " received pairs that need " + std::to_string(needed) +
          " rows (each expert's rounded up to expert_alignment) but capacity is " + std::to_string(capacity) +
-         "; pass a larger capacity (the default never drops) or overflow='drop'";
+         "; pass a capacity of at least that (the default holds every pair only where each token names an expert at "
+         "most once) or overflow='drop'";
 }
 
 void dispatch_pairs(Device& dev, const Group& group, DispatchArgs rows, const PairBuffer& pairs) {
