@@ -40,12 +40,20 @@ def check_topk(topk_idx: jax.Array, num_tokens: int | None, name: str = "topk_id
 
 
 def as_expert_indices(topk_idx: jax.Array, name: str = "topk_idx") -> jax.Array:
-    """`topk_idx` of any integer dtype as the int32 the ops take (-1 stays -1; uint32's 0xFFFFFFFF becomes -1)."""
+    """`topk_idx` of any integer dtype as the int32 the ops take (-1 stays -1; uint32's 0xFFFFFFFF becomes -1). Wider
+    indices past int32's range are clamped to its ends, which the ops refuse as experts, rather than wrapped onto
+    one."""
     check(
         hasattr(topk_idx, "dtype") and jnp.issubdtype(topk_idx.dtype, jnp.integer),
         f"{name} must hold integers (expert indices, -1 for none), got {getattr(topk_idx, 'dtype', topk_idx)}",
     )
-    return topk_idx if topk_idx.dtype == jnp.int32 else topk_idx.astype(jnp.int32)
+    if topk_idx.dtype == jnp.int32:
+        return topk_idx
+    if jnp.iinfo(topk_idx.dtype).bits > 32:
+        int32 = jnp.iinfo(jnp.int32)
+        low = int32.min if jnp.issubdtype(topk_idx.dtype, jnp.signedinteger) else 0
+        topk_idx = jnp.clip(topk_idx, low, int32.max)
+    return topk_idx.astype(jnp.int32)
 
 
 def as_router_weights(topk_weights: jax.Array, topk_idx: jax.Array) -> jax.Array:

@@ -290,6 +290,39 @@ def test_bad_expert_index_raises_on_every_rank_and_runtime_stays_usable(bad):
     _ll_still_works()
 
 
+def test_an_expert_named_in_more_slots_than_it_holds_is_named_on_every_rank_and_the_runtime_stays_usable():
+    """A row goes per top-k slot and an expert holds max_tokens_per_rank rows from each rank, so only tokens naming an
+    expert twice can pass it: the ranks refuse the call before any row moves, naming the expert and a token that
+    repeats it, and the next call works."""
+    x, idx, w = _ll_inputs(5)
+    idx[2, :, :] = 3  # every token of rank 2 names expert 3 in both slots: 12 rows for 6
+    idx[2, 4, 1] = 6
+    with pytest.raises(Exception, match=r"rank 2 sends expert 3 11 rows, more than max_tokens_per_rank=6 .*token 0"):
+        _ll_round_trip(x, idx, w)
+    _ll_still_works()
+
+
+def test_a_repeated_expert_that_fits_gets_a_row_per_slot():
+    """Repeats are legal where they fit: the token comes back with the sum of both slots' weights."""
+    x, idx, w = _ll_inputs(6)
+    idx[1, 3, :] = 5
+    out, count = _ll_round_trip(x, idx, w)
+    np.testing.assert_allclose(out, x * np.where(idx >= 0, w, 0).sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    assert count[2].sum() == (idx // 2 == 2).sum(), count  # expert 5's rank: a row per slot, both of token 3's
+
+
+def test_expert_indices_wider_than_int32_are_refused_not_wrapped():
+    """Under jax_enable_x64 an int64 index past int32's range is refused by value, not wrapped onto an expert
+    (2**32 + 1 would wrap to expert 1)."""
+    x, idx, w = _ll_inputs(8)
+    wide = idx.astype(np.int64)
+    wide[0, 1, 0] = 2**32 + 1
+    with jax.enable_x64(True):
+        with pytest.raises(Exception, match=r"topk_idx\[1, 0\] = 2147483647 is outside \[-1, num_experts=8\)"):
+            _ll_round_trip(x, wide, w)
+    _ll_still_works()
+
+
 def test_nan_weights_stay_in_their_tokens():
     x, idx, w = _ll_inputs(4)
     w[0, 1, :] = np.nan

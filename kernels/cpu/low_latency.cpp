@@ -74,6 +74,22 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
     plan.local_error = "rank " + std::to_string(dev.rank()) + " has " + std::to_string(a.num_tokens) +
                        " tokens, more than max_tokens_per_rank=" + std::to_string(N);
   auto slots = slots_by_expert(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
+  // A row goes per slot, and an expert holds N rows from each rank: only a token naming an expert in more than one
+  // slot can pass that. Refused here, on every rank before any row moves, rather than where the rows land.
+  for (int e = 0; e < a.num_experts && plan.local_error.empty(); ++e) {
+    if (int(slots[e].size()) <= N) continue;
+    int repeated = 0;  // a token that names e twice (slots are in token order)
+    for (size_t i = 1; i < slots[e].size(); ++i)
+      if (slots[e][i].first == slots[e][i - 1].first) {
+        repeated = slots[e][i].first;
+        break;
+      }
+    plan.local_error = "rank " + std::to_string(dev.rank()) + " sends expert " + std::to_string(e) + " " +
+                       std::to_string(slots[e].size()) + " rows, more than max_tokens_per_rank=" + std::to_string(N) +
+                       " (a row per top-k slot; token " + std::to_string(repeated) +
+                       " names it in more than one slot): give each token distinct experts, or use normal mode's "
+                       "dispatch, which takes repeats";
+  }
   // Message to member d: for each of its local experts, the tokens that chose it.
   for (int d = 0; d < R; ++d) {
     uint32_t rows = 0;
