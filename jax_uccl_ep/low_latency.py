@@ -159,11 +159,14 @@ def _prepare_dispatch(
         isinstance(max_tokens_per_rank, (int, np.integer)) and max_tokens_per_rank >= t,
         f"max_tokens_per_rank must be an int >= the tokens per rank ({t}), got {max_tokens_per_rank!r}",
     )
-    if use_ue8m0:
+    if use_ue8m0 and use_fp8:  # the scales of an FP8 dispatch, packed four to an int32
         round_scale = True
-        check(h % (4 * FP8_BLOCK) == 0, f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}")
+        check(
+            h % (4 * FP8_BLOCK) == 0,
+            f"use_ue8m0 needs hidden a multiple of {4 * FP8_BLOCK}, got {h}: pass use_ue8m0=False, or use_fp8=False",
+        )
     if use_fp8:  # the dispatch casts on the way, by per_token_cast_to_fp8's rule (one pass over x, no FP8 copy)
-        check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}")
+        check(h % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {h}: pass use_fp8=False")
         cast = "power_of_two_scales" if round_scale else "cast"
         fp8_cast, wire_dtype, scale_width = FP8_CAST_CODES[cast], jnp.float8_e4m3fn, h // FP8_BLOCK
     else:

@@ -577,7 +577,11 @@ def dispatch(
     zero_padding = bool(zero_padding)  # a Python bool from here on: static data of the ops and the handle
     if use_fp8:
         check(not is_fp8, "use_fp8 casts x itself: pass the unquantized rows, not an FP8 pair")
-        check(rows.shape[1] % FP8_BLOCK == 0, f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}")
+        check(
+            rows.shape[1] % FP8_BLOCK == 0,
+            f"use_fp8 needs hidden a multiple of {FP8_BLOCK}, got {rows.shape[1]}: pass use_fp8=False (the layer: "
+            "MoEConfig(fp8_dispatch=False))",
+        )
     if pair_capacity is not None and _receive_writes_pairs(
         x, use_fp8, idx.shape[1], num_experts // num_ranks, expert_alignment, pair_capacity, num_ranks * t
     ):

@@ -67,7 +67,7 @@ def test_too_many_tokens_and_bad_hidden_are_named():
     x = jnp.ones((2, 8, 128), jnp.bfloat16)
     idx = jnp.zeros((2, 8, 1), jnp.int32)
 
-    def call(n, **kw):
+    def call(n, rows=x, **kw):
         f = jax.shard_map(
             lambda x, i: ep.low_latency_dispatch(
                 x[0], i[0], num_experts=2, max_tokens_per_rank=n, axis_name="ep", **kw
@@ -76,12 +76,15 @@ def test_too_many_tokens_and_bad_hidden_are_named():
             in_specs=P("ep"),
             out_specs=P("ep"),
         )
-        return jax.jit(f)(x, idx)
+        return jax.jit(f)(rows, idx)
 
     with pytest.raises(ValueError, match="max_tokens_per_rank must be an int >= the tokens per rank"):
         call(4)
-    with pytest.raises(ValueError, match="use_ue8m0 needs hidden a multiple of 512"):
+    with pytest.raises(ValueError, match="use_ue8m0 needs hidden a multiple of 512, got 128: pass use_ue8m0=False"):
         call(8, use_ue8m0=True)
+    call(8, use_ue8m0=True, use_fp8=False)  # no scales to pack: nothing to refuse
+    with pytest.raises(ValueError, match="use_fp8 needs hidden a multiple of 128, got 64: pass use_fp8=False"):
+        call(8, rows=jnp.ones((2, 8, 64), jnp.bfloat16))
 
 
 def test_combine_with_another_number_of_slots_is_named():
