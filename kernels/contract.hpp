@@ -4,6 +4,7 @@
 // T tokens of this rank, K top-k slots, R group members, E experts, L = E / R local experts, N max tokens per rank.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "fp8.hpp"
 
@@ -207,9 +208,21 @@ enum DeviceErrorCode : int32_t {
   kPeerLate = 5,              // (peer, its message or minus ours it did not acknowledge, seconds)
   kLowLatencyRowCount = 6,    // (rows, local expert, source rank)
   kUnknownRowSource = 7,      // (source rank, token row, slot)
+  kExpertRowsPastN = 8,       // (expert | N << 32, rows, a token naming it twice): low-latency dispatch's send side
   kNoSourceSlot = 9,          // (local expert, row, slot)
   kRingFull = 10,             // (peer or -1, -, seconds)
   kBlocksNotResident = 11,    // (blocks of the launch, -, seconds): an NVLink op's blocks never all ran at once
 };
+
+// Low-latency dispatch sends a row per top-k slot and an expert holds N = max_tokens_per_rank rows from each rank, so
+// only a token naming an expert in several slots can send it more: what the host kernels (which refuse the call) and
+// the GPU kernels (which report it) both say, after "rank r sends " / "sent ".
+inline std::string expert_rows_past_n(int expert, int64_t rows, int max_tokens, int token) {
+  return "expert " + std::to_string(expert) + " " + std::to_string(rows) +
+         " rows, more than max_tokens_per_rank=" + std::to_string(max_tokens) + " (a row per top-k slot; token " +
+         std::to_string(token) +
+         " names it in more than one slot): give each token distinct experts, or use normal mode's dispatch, which "
+         "takes repeats";
+}
 
 }  // namespace uccl_ep

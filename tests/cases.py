@@ -357,6 +357,31 @@ def check_low_latency(
     return problems
 
 
+def low_latency_round_trip(mesh: Mesh, x, idx, w, num_experts: int, *, combine_idx=None, max_tokens=None):
+    """Low-latency dispatch (no FP8), identity experts, combine, on host data [R, ...]: (combined [R, T, H], counts
+    [R, L]) on every process; combine_idx replaces the routing given to combine."""
+
+    def body(x, i, ci, w):
+        recv, count, handle = ep.low_latency_dispatch(
+            x[0],
+            i[0],
+            num_experts=num_experts,
+            max_tokens_per_rank=max_tokens or x.shape[1],
+            axis_name="ep",
+            use_fp8=False,
+        )
+        return ep.low_latency_combine(recv, ci[0], w[0], handle)[None], count[None]
+
+    ci = idx if combine_idx is None else combine_idx
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    return [gather(a) for a in f(*(shard(mesh, a) for a in (x, idx, ci, w)))]
+
+
+def low_latency_weighted_sum(x, idx, w) -> np.ndarray:
+    """What a low-latency round trip through identity experts returns: each token times its slots' weights' sum."""
+    return x * np.where(idx >= 0, w, 0).sum(-1, keepdims=True)
+
+
 def check_low_latency_fp8_cast(
     mesh, seed, num_tokens, hidden, topk, num_experts, *, dtype=jnp.bfloat16, round_scale=False, nonfinite=False
 ) -> list[str]:

@@ -42,6 +42,8 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     if part == "low_latency":
         _low_latency_checks(mesh, problems)
         ep.check_errors()
+        if error_checks == "1":
+            _low_latency_error_checks(mesh, problems, owns_rank0)
         ep.shutdown()
         return {"problems": problems, "ranks": r, "two_level": two_level}
     shapes = [
@@ -179,6 +181,45 @@ def _low_latency_checks(mesh, problems: dict) -> None:
         mesh, 321, 33, 7168, 4, 8 * r, dtype=jnp.float32, round_scale=True
     )
     print(f"ll_cast: {problems['ll_cast']} {problems['ll_cast_f32']}", flush=True)
+
+
+def _low_latency_error_checks(mesh, problems: dict, owns_rank0: bool) -> None:
+    """A token naming an expert in two slots: where it fits, a row a slot; where an expert gets more rows from a rank
+    than it holds (max_tokens_per_rank), the sending rank's check_errors() names the expert and a repeating token
+    (the host paths refuse the call on every rank), and the runtime keeps working."""
+    import cases
+    import reference as ref
+
+    import jax_uccl_ep as ep
+
+    r, n, e = mesh.devices.size, 6, 4 * mesh.devices.size
+    rng = np.random.default_rng(330)
+    x = rng.standard_normal((r, n, 128)).astype(np.float32)
+    w = rng.random((r, n, 2)).astype(np.float32)
+    idx = ref.random_routing(rng, r, n, 2, e)
+    idx[0, 3, :] = 1
+    out, count = cases.low_latency_round_trip(mesh, x, idx, w, e)
+    ok = np.allclose(out, cases.low_latency_weighted_sum(x, idx, w), 1e-5, 1e-6)
+    problems["ll_repeat_fits"] = [] if ok else ["sums"]
+    if count[0, 1] != (idx == 1).sum():
+        problems["ll_repeat_fits"].append(f"expert 1 got {count[0, 1]} rows, {(idx == 1).sum()} slots name it")
+    past = idx.copy()
+    past[past == 2] = -1
+    past[0, :4, :] = 2  # rank 0 sends expert 2 8 rows; it holds 6 from a rank
+    want = "expert 2 8 rows, more than max_tokens_per_rank=6 (a row per top-k slot; token 0 names it"
+    try:
+        cases.low_latency_round_trip(mesh, x, past, w, e)
+        ep.check_errors()
+        problems["ll_rows_past_n"] = ["no error for 8 rows of expert 2"] if owns_rank0 else []
+    except Exception as exc:  # noqa: BLE001
+        problems["ll_rows_past_n"] = [] if want in str(exc) else [str(exc)[:300]]
+    ep.check_errors()
+    x2, idx2, w2 = x[:, ::-1].copy(), ref.random_routing(rng, r, n, 2, e), rng.random((r, n, 2)).astype(np.float32)
+    out2, _ = cases.low_latency_round_trip(mesh, x2, idx2, w2, e)
+    ok = np.allclose(out2, cases.low_latency_weighted_sum(x2, idx2, w2), 1e-5, 1e-6)
+    problems["ll_after_rows_past_n"] = [] if ok else ["sums after the error"]
+    checks = ("ll_repeat_fits", "ll_rows_past_n", "ll_after_rows_past_n")
+    print(f"ll errors: {[problems[k] for k in checks]}", flush=True)
 
 
 def gpu_missing_peer(mode: str = "low_latency") -> dict:

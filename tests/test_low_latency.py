@@ -138,7 +138,7 @@ def multi_process_low_latency(seed: int) -> dict:
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=cases.P("ep"), out_specs=cases.P("ep")))
     out, count = (cases.gather(a) for a in f(*(cases.shard(mesh, a) for a in (x, idx, w))))
     problems = []
-    want = 2 * x * np.where(idx >= 0, w, 0).sum(-1, keepdims=True)
+    want = 2 * cases.low_latency_weighted_sum(x, idx, w)
     if not np.allclose(out, want, rtol=1e-5, atol=1e-5):
         problems.append(f"combine differs by {np.abs(out - want).max()}")
     per_expert = np.bincount(idx[idx >= 0], minlength=e).reshape(r, e // r)
@@ -257,17 +257,7 @@ def test_running_per_expert_counter_adds_up_over_steps():
 def _ll_round_trip(x, idx, w, *, combine_idx=None, num_experts=8, n=None, ranks=4):
     """Dispatch (no FP8), identity experts, combine; combine_idx replaces the routing given to combine."""
     mesh = Mesh(np.array(jax.devices()[:ranks]), ("ep",))
-    n = n or x.shape[1]
-
-    def body(x, i, ci, w):
-        recv, count, handle = ep.low_latency_dispatch(
-            x[0], i[0], num_experts=num_experts, max_tokens_per_rank=n, axis_name="ep", use_fp8=False
-        )
-        return ep.low_latency_combine(recv, ci[0], w[0], handle)[None], count[None]
-
-    ci = idx if combine_idx is None else combine_idx
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    return [np.asarray(a) for a in f(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(ci), jnp.asarray(w))]
+    return cases.low_latency_round_trip(mesh, x, idx, w, num_experts, combine_idx=combine_idx, max_tokens=n)
 
 
 def _ll_inputs(seed, ranks=4, tokens=6, hidden=128, topk=2, experts=8):
@@ -281,7 +271,7 @@ def _ll_inputs(seed, ranks=4, tokens=6, hidden=128, topk=2, experts=8):
 def _ll_still_works():
     x, idx, w = _ll_inputs(77)
     out, _ = _ll_round_trip(x, idx, w)
-    np.testing.assert_allclose(out, x * np.where(idx >= 0, w, 0).sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, cases.low_latency_weighted_sum(x, idx, w), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [8, 1000, -2])
@@ -310,7 +300,7 @@ def test_a_repeated_expert_that_fits_gets_a_row_per_slot():
     x, idx, w = _ll_inputs(6)
     idx[1, 3, :] = 5
     out, count = _ll_round_trip(x, idx, w)
-    np.testing.assert_allclose(out, x * np.where(idx >= 0, w, 0).sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, cases.low_latency_weighted_sum(x, idx, w), rtol=1e-5, atol=1e-6)
     assert count[2].sum() == (idx // 2 == 2).sum(), count  # expert 5's rank: a row per slot, both of token 3's
 
 
@@ -334,7 +324,7 @@ def test_nan_weights_stay_in_their_tokens():
     assert np.isnan(out[0, 1]).all()
     mask = np.ones(out.shape[:2], bool)
     mask[0, 1] = False
-    want = x * np.where(idx >= 0, w, 0).sum(-1, keepdims=True)
+    want = cases.low_latency_weighted_sum(x, idx, w)
     np.testing.assert_allclose(out[mask], want[mask], rtol=1e-5, atol=1e-6)
 
 

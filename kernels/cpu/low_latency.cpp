@@ -84,11 +84,8 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
         repeated = slots[e][i].first;
         break;
       }
-    plan.local_error = "rank " + std::to_string(dev.rank()) + " sends expert " + std::to_string(e) + " " +
-                       std::to_string(slots[e].size()) + " rows, more than max_tokens_per_rank=" + std::to_string(N) +
-                       " (a row per top-k slot; token " + std::to_string(repeated) +
-                       " names it in more than one slot): give each token distinct experts, or use normal mode's "
-                       "dispatch, which takes repeats";
+    plan.local_error = "rank " + std::to_string(dev.rank()) + " sends " +
+                       expert_rows_past_n(e, int64_t(slots[e].size()), N, repeated);
   }
   // Message to member d: for each of its local experts, the tokens that chose it.
   for (int d = 0; d < R; ++d) {

@@ -131,6 +131,23 @@ __device__ void count_by_expert(const int* idx, int pairs, int num_experts, int*
     if (idx[p] >= 0) atomicAdd(&count[idx[p]], 1);
 }
 
+// Block 0, after count_by_expert: an expert holds N rows from each rank, which only a token naming it in several
+// slots can pass (the host kernels refuse such a call on every rank). Reported here, on the sender, with such a
+// token; the rows still go, each receiver keeping what fits its experts' slabs (R * N rows; past it, kOverCapacity).
+__device__ void report_rows_past_n(const int* idx, int num_tokens, int topk, int num_experts, int max_tokens,
+                                   const int* count, DeviceErrors* err, int rank) {
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    if (count[e] <= max_tokens) continue;
+    int token = -1;
+    for (int t = 0; t < num_tokens && token < 0; ++t) {
+      int named = 0;
+      for (int k = 0; k < topk; ++k) named += idx[t * topk + k] == e;
+      if (named > 1) token = t;
+    }
+    report(err, kExpertRowsPastN, rank, int64_t(max_tokens) << 32 | e, count[e], token);
+  }
+}
+
 // After the block's stores: block 0 writes each target's counts (write_counts(), its threads), then every block
 // announces itself to every target: one release fence (ordering all of the block's stores before the adds), then a
 // relaxed add to each target's arrival word. On the
@@ -427,6 +444,7 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
   if (blockIdx.x == 0) {  // the receivers' counts, while the block's stores drain (not before the copies)
     count_by_expert(idx, pairs, in.num_experts, count);
     __syncthreads();
+    report_rows_past_n(idx, in.num_tokens, in.topk, in.num_experts, shape.max_tokens, count, err, shape.rank);
   }
   const bool last = finish_send(to, shape.num_ranks, [&] {
     for (int i = threadIdx.x; i < in.num_experts; i += blockDim.x)

@@ -35,12 +35,13 @@ struct Handoff {
 constexpr size_t kItemWord = 0, kFinishedWord = 1, kFirstHandedOverWord = 2;
 
 // After the block's units u = first, first + step, ... < count of a pass: their words, once every thread's writes
-// are in (the barrier, then a fence cumulative over them). Only this launch's blocks read them: GPU scope.
+// are in (the barrier, then one fence cumulative over them for all of the words, not a release each). Only this
+// launch's blocks read them: GPU scope.
 __device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step, int count) {
   __syncthreads();
   if (threadIdx.x != 0) return;
-  __threadfence();
-  for (int u = first; u < count; u += step) store_release_gpu(words + u, h.epoch);
+  fence_acq_rel_gpu();
+  for (int u = first; u < count; u += step) store_relaxed_gpu(words + u, h.epoch);
 }
 // Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
 // (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).

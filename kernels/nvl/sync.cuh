@@ -29,8 +29,11 @@ __device__ __forceinline__ uint64_t load_acquire_gpu(const uint64_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void store_release_gpu(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+// A release for several words of one launch at once: fence_acq_rel_gpu() once, then store_relaxed_gpu() to each.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+__device__ __forceinline__ void store_relaxed_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // No ordering with the stores before it (the command rings' head: ring_producer.cuh).
