@@ -321,12 +321,14 @@ auto low_latency_dispatch_signature(Binding b) {  // both halves in one call
       .template Arg<ffi::AnyBuffer>()          // x [T, H] (FP8 rows when scales are given)
       .template Arg<ffi::AnyBuffer>()          // scales [T, H / 128] (zero width without FP8)
       .template Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, K], or [T, 0]: not sent
       .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::AnyBuffer>()          // recv_x [L, R * N, H]
       .template Ret<ffi::AnyBuffer>()          // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()   // recv_count [L]
       .template Ret<ffi::Buffer<ffi::S32>>()   // layout [L, R] (handle)
-      .template Ret<ffi::Buffer<ffi::S32>>();  // src_slot [L, R * N] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>()   // src_slot [L, R * N] (handle)
+      .template Ret<ffi::Buffer<ffi::F32>>();  // recv_weights [L, R * N] (handle)
 }
 
 template <class Binding>
@@ -336,6 +338,7 @@ auto low_latency_combine_signature(Binding b) {  // both halves in one call
       .template Arg<ffi::AnyBuffer>()         // y [L, R * N, H]
       .template Arg<ffi::Buffer<ffi::S32>>()  // layout (handle)
       .template Arg<ffi::Buffer<ffi::S32>>()  // src_slot (handle)
+      .template Arg<ffi::Buffer<ffi::F32>>()  // row_weights (handle's recv_weights), or [0]: rows go back per slot
       .template Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
       .template Arg<ffi::Buffer<ffi::F32>>()  // topk_weights
       .template Arg<ffi::AnyBuffer>()         // order: ignored
@@ -349,6 +352,7 @@ auto low_latency_dispatch_send_signature(Binding b) {
       .template Arg<ffi::AnyBuffer>()          // x [T, H] (FP8 rows when scales are given)
       .template Arg<ffi::AnyBuffer>()          // scales [T, H / 128] (zero width without FP8)
       .template Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
+      .template Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, K], or [T, 0]: not sent
       .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::Buffer<ffi::S32>>();  // token for the receive half
 }
@@ -363,7 +367,8 @@ auto low_latency_dispatch_recv_signature(Binding b) {
       .template Ret<ffi::AnyBuffer>()          // recv_scales [L, R * N, H / 128]
       .template Ret<ffi::Buffer<ffi::S32>>()   // recv_count [L]
       .template Ret<ffi::Buffer<ffi::S32>>()   // layout [L, R] (handle)
-      .template Ret<ffi::Buffer<ffi::S32>>();  // src_slot [L, R * N] (handle)
+      .template Ret<ffi::Buffer<ffi::S32>>()   // src_slot [L, R * N] (handle)
+      .template Ret<ffi::Buffer<ffi::F32>>();  // recv_weights [L, R * N] (handle)
 }
 
 template <class Binding>
@@ -373,6 +378,7 @@ auto low_latency_combine_send_signature(Binding b) {
       .template Arg<ffi::AnyBuffer>()          // y [L, R * N, H]
       .template Arg<ffi::Buffer<ffi::S32>>()   // layout (handle)
       .template Arg<ffi::Buffer<ffi::S32>>()   // src_slot (handle)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // row_weights (handle's recv_weights), or [0]: rows go back per slot
       .template Arg<ffi::AnyBuffer>()          // order: ignored
       .template Ret<ffi::Buffer<ffi::S32>>();  // token for the receive half
 }
@@ -642,7 +648,8 @@ inline CombineArgs combine_args(const HandleOpAttrs& attrs, const ffi::AnyBuffer
 // Low-latency ops come in halves; each half fills its part of the arguments.
 inline void set_low_latency_dispatch_inputs(LowLatencyDispatchArgs& a, const LowLatencyDispatchAttrs& attrs,
                                             const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
-                                            const ffi::Buffer<ffi::S32>& topk_idx) {
+                                            const ffi::Buffer<ffi::S32>& topk_idx,
+                                            const ffi::Buffer<ffi::F32>& topk_weights) {
   const DispatchRows rows = dispatch_rows(x, scales, attrs.fp8_cast);
   a.x = x.untyped_data();
   a.x_row_bytes = rows.row_bytes;
@@ -653,6 +660,7 @@ inline void set_low_latency_dispatch_inputs(LowLatencyDispatchArgs& a, const Low
   a.topk_idx = topk_idx.typed_data();
   a.num_tokens = int(topk_idx.dimensions()[0]);
   a.topk = int(topk_idx.dimensions()[1]);
+  a.topk_weights = topk_weights.element_count() == 0 ? nullptr : topk_weights.typed_data();
   a.op_index = uint32_t(attrs.op_index);
 }
 
@@ -660,7 +668,8 @@ inline void set_low_latency_dispatch_outputs(LowLatencyDispatchArgs& a, ffi::Res
                                              ffi::Result<ffi::AnyBuffer>& recv_scales,
                                              ffi::Result<ffi::Buffer<ffi::S32>>& recv_count,
                                              ffi::Result<ffi::Buffer<ffi::S32>>& layout,
-                                             ffi::Result<ffi::Buffer<ffi::S32>>& src_slot) {
+                                             ffi::Result<ffi::Buffer<ffi::S32>>& src_slot,
+                                             ffi::Result<ffi::Buffer<ffi::F32>>& recv_weights) {
   a.x_row_bytes = row_bytes_3d(*recv_x);
   a.scale_row_bytes = row_bytes_3d(*recv_scales);
   a.recv_x = recv_x->untyped_data();
@@ -668,16 +677,18 @@ inline void set_low_latency_dispatch_outputs(LowLatencyDispatchArgs& a, ffi::Res
   a.recv_count = recv_count->typed_data();
   a.layout = layout->typed_data();
   a.src_slot = src_slot->typed_data();
+  a.recv_weights = recv_weights->typed_data();
 }
 
 inline void set_low_latency_combine_send(LowLatencyCombineArgs& a, const ffi::AnyBuffer& y,
                                          const ffi::Buffer<ffi::S32>& layout, const ffi::Buffer<ffi::S32>& src_slot,
-                                         int64_t op_index) {
+                                         const ffi::Buffer<ffi::F32>& row_weights, int64_t op_index) {
   a.y = y.untyped_data();
   a.dtype = float_type(y, "low_latency_combine");
   a.hidden = int(y.dimensions()[2]);
   a.layout = layout.typed_data();
   a.src_slot = src_slot.typed_data();
+  a.row_weights = row_weights.element_count() == 0 ? nullptr : row_weights.typed_data();
   a.op_index = uint32_t(op_index);
 }
 

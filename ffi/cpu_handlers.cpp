@@ -242,26 +242,30 @@ ffi::Error low_latency_op(int32_t ordinal, const Attrs& attrs, const char* op, B
 }
 
 ffi::Error LowLatencyDispatchImpl(int32_t ordinal, const LowLatencyDispatchAttrs& attrs, ffi::AnyBuffer x,
-                                  ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                  ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
+                                  ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                                   ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                  ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
+                                  ffi::Result<ffi::Buffer<ffi::S32>> src_slot,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> recv_weights) {
   return low_latency_op<LowLatencyDispatchArgs>(
       ordinal, attrs, "low_latency_dispatch", [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
-        poison(recv_x, recv_scales, recv_count, layout, src_slot);
-        ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-        ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
+        poison(recv_x, recv_scales, recv_count, layout, src_slot, recv_weights);
+        ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot,
+                                                     recv_weights);
+        ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx, topk_weights);
         cpu::low_latency_dispatch(dev, g, a);
       });
 }
 
 ffi::Error LowLatencyDispatchSendImpl(int32_t ordinal, const LowLatencyDispatchAttrs& attrs, ffi::AnyBuffer x,
-                                      ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx, ffi::AnyBuffer /*order*/,
+                                      ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
+                                      ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
                                       ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return low_latency_op<LowLatencyDispatchArgs>(
       ordinal, attrs, "low_latency_dispatch", [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
-        ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
+        ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx, topk_weights);
         cpu::low_latency_dispatch_send(dev, g, a);
         *token->typed_data() = int32_t(attrs.op_index);
       });
@@ -272,11 +276,13 @@ ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, const LowLatencyTopkAttrs
                                       ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                      ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
+                                      ffi::Result<ffi::Buffer<ffi::S32>> src_slot,
+                                      ffi::Result<ffi::Buffer<ffi::F32>> recv_weights) {
   return low_latency_op<LowLatencyDispatchArgs>(
       ordinal, attrs, "low_latency_dispatch", [&](Device& dev, const Group& g, LowLatencyDispatchArgs& a) {
-        poison(recv_x, recv_scales, recv_count, layout, src_slot);
-        ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+        poison(recv_x, recv_scales, recv_count, layout, src_slot, recv_weights);
+        ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot,
+                                                     recv_weights);
         cpu::low_latency_dispatch_receive(dev, g, a);
       });
 }
@@ -284,23 +290,26 @@ ffi::Error LowLatencyDispatchRecvImpl(int32_t ordinal, const LowLatencyTopkAttrs
 // (src_slot is for the GPU kernels; the CPU exchange returns rows in the layout's order.)
 ffi::Error LowLatencyCombineImpl(int32_t ordinal, const LowLatencyAttrs& attrs, ffi::AnyBuffer y,
                                  ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
-                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                                 ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
+                                 ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> topk_idx,
+                                 ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                 ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<LowLatencyCombineArgs>(
       ordinal, attrs, "low_latency_combine", [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
         poison(out);
         ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
-        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
+        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, row_weights, attrs.op_index);
         cpu::low_latency_combine(dev, g, a);
       });
 }
 
 ffi::Error LowLatencyCombineSendImpl(int32_t ordinal, const LowLatencyTopkAttrs& attrs, ffi::AnyBuffer y,
                                      ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
-                                     ffi::AnyBuffer /*order*/, ffi::Result<ffi::Buffer<ffi::S32>> token) {
+                                     ffi::Buffer<ffi::F32> row_weights, ffi::AnyBuffer /*order*/,
+                                     ffi::Result<ffi::Buffer<ffi::S32>> token) {
   return low_latency_op<LowLatencyCombineArgs>(
       ordinal, attrs, "low_latency_combine", [&](Device& dev, const Group& g, LowLatencyCombineArgs& a) {
-        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
+        ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, row_weights, attrs.op_index);
+        a.topk = int(attrs.topk);
         cpu::low_latency_combine_send(dev, g, a);
         *token->typed_data() = int32_t(attrs.op_index);
       });

@@ -168,15 +168,17 @@ using LLCombine = uccl_ep::nvl::LowLatencyCombineArgs;
 template <class Link>
 ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyDispatchAttrs& attrs,
                                   ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
-                                  ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> recv_x,
-                                  ffi::Result<ffi::AnyBuffer> recv_scales,
+                                  ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                  ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                   ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                   ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                  ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
+                                  ffi::Result<ffi::Buffer<ffi::S32>> src_slot,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> recv_weights) {
   return low_latency_op<Link, LLDispatch>(
       ordinal, attrs, "low_latency_dispatch", [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
-        uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
+        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx, topk_weights);
+        uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot,
+                                                              recv_weights);
         uccl_ep::nvl::low_latency_dispatch(dev, g, a, stream);
       });
 }
@@ -184,10 +186,11 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t ordinal, const Lo
 template <class Link>
 ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyDispatchAttrs& attrs,
                                       ffi::AnyBuffer x, ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> topk_idx,
-                                      ffi::AnyBuffer /*order*/, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+                                      ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                      ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<Link, LLDispatch>(
       ordinal, attrs, "low_latency_dispatch", [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx);
+        uccl_ep::ffi_common::set_low_latency_dispatch_inputs(a, attrs, x, scales, topk_idx, topk_weights);
         uccl_ep::nvl::low_latency_dispatch_send(dev, g, a, stream);
       });
 }
@@ -198,23 +201,26 @@ ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t ordinal, cons
                                       ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_scales,
                                       ffi::Result<ffi::Buffer<ffi::S32>> recv_count,
                                       ffi::Result<ffi::Buffer<ffi::S32>> layout,
-                                      ffi::Result<ffi::Buffer<ffi::S32>> src_slot) {
-  return low_latency_op<Link, LLDispatch>(
-      ordinal, attrs, "low_latency_dispatch", [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
-        uccl_ep::ffi_common::set_low_latency_dispatch_outputs(a, recv_x, recv_scales, recv_count, layout, src_slot);
-        a.topk = int(attrs.topk);
-        uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
-      });
+                                      ffi::Result<ffi::Buffer<ffi::S32>> src_slot,
+                                      ffi::Result<ffi::Buffer<ffi::F32>> recv_weights) {
+  return low_latency_op<Link, LLDispatch>(ordinal, attrs, "low_latency_dispatch",
+                                          [&](auto& dev, const uccl_ep::nvl::Group& g, LLDispatch& a) {
+                                            uccl_ep::ffi_common::set_low_latency_dispatch_outputs(
+                                                a, recv_x, recv_scales, recv_count, layout, src_slot, recv_weights);
+                                            a.topk = int(attrs.topk);
+                                            uccl_ep::nvl::low_latency_dispatch_recv(dev, g, a, stream);
+                                          });
 }
 
 template <class Link>
 ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyAttrs& attrs, ffi::AnyBuffer y,
                                  ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
-                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                                 ffi::AnyBuffer /*order*/, ffi::Result<ffi::AnyBuffer> out) {
+                                 ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> topk_idx,
+                                 ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*order*/,
+                                 ffi::Result<ffi::AnyBuffer> out) {
   return low_latency_op<Link, LLCombine>(
       ordinal, attrs, "low_latency_combine", [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
+        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, row_weights, attrs.op_index);
         uccl_ep::ffi_common::set_low_latency_combine_receive(a, topk_idx, topk_weights, out);
         uccl_ep::nvl::low_latency_combine(dev, g, a, stream);
       });
@@ -223,10 +229,11 @@ ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t ordinal, const Low
 template <class Link>
 ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t ordinal, const LowLatencyTopkAttrs& attrs,
                                      ffi::AnyBuffer y, ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> src_slot,
-                                     ffi::AnyBuffer /*order*/, ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
+                                     ffi::Buffer<ffi::F32> row_weights, ffi::AnyBuffer /*order*/,
+                                     ffi::Result<ffi::Buffer<ffi::S32>> /*token*/) {
   return low_latency_op<Link, LLCombine>(
       ordinal, attrs, "low_latency_combine", [&](auto& dev, const uccl_ep::nvl::Group& g, LLCombine& a) {
-        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, attrs.op_index);
+        uccl_ep::ffi_common::set_low_latency_combine_send(a, y, layout, src_slot, row_weights, attrs.op_index);
         a.topk = int(attrs.topk);
         uccl_ep::nvl::low_latency_combine_send(dev, g, a, stream);
       });

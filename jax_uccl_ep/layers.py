@@ -569,8 +569,9 @@ def moe_ffn_decode(
     """The layer for decoding, inside a ``jax.shard_map``: low-latency dispatch (FP8 rows by default) into static
     per-expert buffers, the local experts over them (`swiglu_expert_slots`: the grouped matmul on the rows received
     where its Mosaic kernels run, batched matmuls over the slots elsewhere) in ``config.compute_dtype``, low-latency
-    combine weighted by the router. ``x [..., D]`` with at most
-    `max_tokens_per_rank` tokens. Forward only."""
+    combine weighted by the router: the dispatch carries the router weights, so each expert's rank weights and sums a
+    token's rows and returns one row per token and rank. ``x [..., D]`` with at most `max_tokens_per_rank` tokens.
+    Forward only."""
     _check_params(params, config.num_experts, axis_name, "moe_ffn_decode")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
@@ -582,6 +583,7 @@ def moe_ffn_decode(
         max_tokens_per_rank=max_tokens_per_rank,
         axis_name=axis_name,
         use_fp8=use_fp8,
+        topk_weights=weights,
     )
     if isinstance(recv, tuple):  # use_fp8: FP8 rows and their scales
         from .fp8 import per_token_cast_back
@@ -594,4 +596,4 @@ def moe_ffn_decode(
         rows = recv
     dtype = config.experts_dtype(params["w_gate"].dtype)
     y = swiglu_expert_slots(params, rows, count, compute_dtype=dtype, backend=config.grouped_matmul).astype(x.dtype)
-    return low_latency_combine(y, idx, weights, handle).reshape(*lead, d)
+    return low_latency_combine(y, idx, None, handle).reshape(*lead, d)

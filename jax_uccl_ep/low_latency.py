@@ -2,7 +2,9 @@
 
 Each token goes to every selected expert (one copy per expert slot) into static expert-major buffers that keep
 their size from step to step: recv_x is [L, R * N, H] for L = num_experts / R local experts and N =
-max_tokens_per_rank. Combine weights each returned row by its router weight on the token's own rank.
+max_tokens_per_rank. Combine weights each returned row by its router weight on the token's own rank; or, where
+the dispatch carried the router weights (``topk_weights=``), on the expert's rank, which then returns one row per
+token and rank (the sum of that token's rows there) instead of one per slot.
 
 Each op also comes in halves (``*_send``, then ``*_recv`` with the ``LowLatencyPending`` it returned), so other
 work can overlap the transfer. CPU devices go through the proxy runtime; GPUs of one node store rows straight into
@@ -54,6 +56,7 @@ class LowLatencyHandle:
         max_tokens_per_rank: int,
         topk: int,
         cumulative_local_expert_recv_stats: jax.Array | None = None,
+        weights: jax.Array | None = None,
     ):
         self.layout = layout  # [L, R] int32: rows of each local expert from each source rank
         # [L, R * N] int32: the row's top-k slot on its source rank (token * K + k), -1 on padding. The combine
@@ -65,6 +68,9 @@ class LowLatencyHandle:
         self.topk = topk  # K of the dispatch's topk_idx
         # [L] int32: the running count passed to the dispatch plus this step's rows (None if none was passed)
         self.cumulative_local_expert_recv_stats = cumulative_local_expert_recv_stats
+        # [L, R * N] float32: each row's router weight, 0 on padding, where the dispatch carried them (else None):
+        # combine then weights and sums a token's rows here and returns one row per token and rank.
+        self.weights = weights
 
     @property
     def src_token(self) -> jax.Array:
@@ -73,14 +79,14 @@ class LowLatencyHandle:
 
     def tree_flatten(self):
         return (
-            (self.layout, self.src_slot, self.cumulative_local_expert_recv_stats),
+            (self.layout, self.src_slot, self.cumulative_local_expert_recv_stats, self.weights),
             (self.axis_name, self.num_experts, self.max_tokens_per_rank, self.topk),
         )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        layout, src_slot, stats = children
-        return cls(layout, src_slot, *aux, stats)
+        layout, src_slot, stats, weights = children
+        return cls(layout, src_slot, *aux, stats, weights)
 
 
 def _check_platform() -> None:
@@ -105,6 +111,7 @@ class _DispatchStatic:
     use_fp8: bool
     use_ue8m0: bool
     topk: int  # K of topk_idx
+    carries_weights: bool  # topk_weights travel with the rows (combine sums on the experts' ranks)
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class _CombineStatic:
     hidden: int
     dtype: str  # of y, and so of the output
     topk: int
+    sums_on_experts: bool  # the dispatch carried the weights: a row per token and rank comes back
 
 
 @jax.tree_util.register_pytree_node_class
@@ -145,8 +153,10 @@ def _prepare_dispatch(
     use_fp8: bool,
     round_scale: bool,
     use_ue8m0: bool,
-) -> tuple[tuple[jax.Array, jax.Array, jax.Array], int, _DispatchStatic]:
-    """Checks the arguments; returns the FFI calls' operands (x, scales, int32 topk_idx), fp8_cast and static."""
+    topk_weights: jax.Array | None,
+) -> tuple[tuple[jax.Array, ...], int, _DispatchStatic]:
+    """Checks the arguments; returns the FFI calls' operands (x, scales, int32 topk_idx, float32 topk_weights or
+    [T, 0]), fp8_cast and static."""
     _check_platform()
     topk_idx = as_expert_indices(topk_idx)
     check(hasattr(x, "ndim") and x.ndim == 2, f"x must be 2-D [tokens, hidden], got {getattr(x, 'shape', x)}")
@@ -182,8 +192,10 @@ def _prepare_dispatch(
         use_fp8=use_fp8,
         use_ue8m0=use_ue8m0,
         topk=topk_idx.shape[1],
+        carries_weights=topk_weights is not None,
     )
-    return (x, jnp.zeros((t, 0), jnp.float32), topk_idx), fp8_cast, static
+    weights = jnp.zeros((t, 0), jnp.float32) if topk_weights is None else as_router_weights(topk_weights, topk_idx)
+    return (x, jnp.zeros((t, 0), jnp.float32), topk_idx, weights), fp8_cast, static
 
 
 def _dispatch_outputs(static: _DispatchStatic) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -194,13 +206,14 @@ def _dispatch_outputs(static: _DispatchStatic) -> tuple[jax.ShapeDtypeStruct, ..
         jax.ShapeDtypeStruct((local,), jnp.int32),
         jax.ShapeDtypeStruct((local, static.num_ranks), jnp.int32),
         jax.ShapeDtypeStruct((local, slab), jnp.int32),
+        jax.ShapeDtypeStruct((local, slab), jnp.float32),
     )
 
 
 def _dispatch_result(
     static: _DispatchStatic, outs: Sequence[jax.Array], cumulative_local_expert_recv_stats: jax.Array | None
 ) -> tuple[RecvX, jax.Array, LowLatencyHandle]:
-    rows, recv_scales, recv_count, layout, src_slot = outs
+    rows, recv_scales, recv_count, layout, src_slot, weights = outs
     recv_x: RecvX = rows
     if static.use_fp8:
         recv_x = (rows, pack_ue8m0(recv_scales) if static.use_ue8m0 else recv_scales)
@@ -213,7 +226,14 @@ def _dispatch_result(
         )
         stats = cumulative_local_expert_recv_stats + recv_count.astype(cumulative_local_expert_recv_stats.dtype)
     handle = LowLatencyHandle(
-        layout, src_slot, static.axis_name, static.num_experts, static.max_tokens_per_rank, static.topk, stats
+        layout,
+        src_slot,
+        static.axis_name,
+        static.num_experts,
+        static.max_tokens_per_rank,
+        static.topk,
+        stats,
+        weights if static.carries_weights else None,
     )
     return recv_x, recv_count, handle
 
@@ -228,6 +248,7 @@ def low_latency_dispatch_send(
     use_fp8: bool = True,
     round_scale: bool = False,
     use_ue8m0: bool = False,
+    topk_weights: jax.Array | None = None,
 ) -> LowLatencyPending:
     """The send half of low_latency_dispatch (same arguments); finish with low_latency_dispatch_recv.
 
@@ -235,7 +256,7 @@ def low_latency_dispatch_send(
     depend on the data so that no other EP op lands in between (that fails with an out-of-step error).
     """
     operands, fp8_cast, static = _prepare_dispatch(
-        x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
+        x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0, topk_weights
     )
     (token,) = ep_call(
         "low_latency_dispatch_send",
@@ -279,6 +300,7 @@ def low_latency_dispatch(
     round_scale: bool = False,
     use_ue8m0: bool = False,
     cumulative_local_expert_recv_stats: jax.Array | None = None,
+    topk_weights: jax.Array | None = None,
 ) -> tuple[RecvX, jax.Array, LowLatencyHandle]:
     """Sends each token to each of its experts (call inside shard_map).
 
@@ -290,6 +312,10 @@ def low_latency_dispatch(
         powers of two; use_ue8m0 (implies round_scale) returns them packed as UE8M0 exponents, four per int32.
       cumulative_local_expert_recv_stats: optional [L] running count of rows received per local expert (load
         statistics for balancing); handle.cumulative_local_expert_recv_stats is it plus this step's recv_count.
+      topk_weights: optional [T, K] router weights, sent with the rows (handle.weights [L, R * N] has each row's):
+        low_latency_combine then weights and sums a token's rows on each expert's rank and sends back one row per
+        token and rank rather than one per slot (at top-8 of 256 experts on 4 ranks ~3.6 rows a token, not 8);
+        call it with topk_weights=None.
 
     Returns:
       (recv_x, recv_count, handle): recv_x [L, R * N, H] (with use_fp8 a pair with scales [L, R * N, H / 128]
@@ -299,7 +325,7 @@ def low_latency_dispatch(
       To overlap other work with the transfer, call low_latency_dispatch_send and low_latency_dispatch_recv.
     """
     operands, fp8_cast, static = _prepare_dispatch(
-        x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0
+        x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, round_scale, use_ue8m0, topk_weights
     )
     outs = ep_call(
         "low_latency_dispatch",
@@ -324,16 +350,34 @@ def _check_combine_send(y, handle):
     )
 
 
-def _combine_routing(topk_idx, topk_weights, topk: int):
+def _combine_routing(topk_idx, topk_weights, topk: int, local_experts: int, sums_on_experts: bool):
     """The receive half's routing as the kernels take it: int32 indices, float32 weights (any int and float
-    dtypes in)."""
+    dtypes in). Where the experts' ranks sum a token's rows, each rank's row comes back at the token's first slot
+    that names one of its experts, weighted 1: the other slots are -1."""
     topk_idx = as_expert_indices(topk_idx)
     check_topk(topk_idx, None)
     check(
         topk_idx.shape[1] == topk,
         f"topk_idx must be the dispatch's, with K = {topk} slots per token, got shape {topk_idx.shape}",
     )
-    return topk_idx, as_router_weights(topk_weights, topk_idx)
+    if not sums_on_experts:
+        check(topk_weights is not None, "topk_weights must be given (the dispatch did not carry them)")
+        return topk_idx, as_router_weights(topk_weights, topk_idx)
+    check(
+        topk_weights is None,
+        "the dispatch carried the router weights (its topk_weights=), and combine applies those on the experts' "
+        "ranks: pass topk_weights=None",
+    )
+    rank = jnp.where(topk_idx >= 0, topk_idx // local_experts, -1)
+    earlier = jnp.tril(jnp.ones((topk, topk), bool), -1)  # [k, k']: k' before k
+    repeats = ((rank[:, :, None] == rank[:, None, :]) & earlier).any(-1)
+    first = (rank >= 0) & ~repeats
+    return jnp.where(first, topk_idx, -1), first.astype(jnp.float32)
+
+
+def _row_weights(handle: LowLatencyHandle) -> jax.Array:
+    """The combine's send-side weights: the handle's, or none ([0]: rows go back one per slot)."""
+    return jnp.zeros((0,), jnp.float32) if handle.weights is None else handle.weights
 
 
 def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLatencyPending:
@@ -345,6 +389,7 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLaten
         y,
         handle.layout,
         handle.src_slot,
+        _row_weights(handle),
         axis_name=handle.axis_name,
         num_experts=handle.num_experts,
         max_tokens_per_rank=handle.max_tokens_per_rank,
@@ -357,16 +402,21 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> LowLaten
         hidden=y.shape[2],
         dtype=np.dtype(y.dtype).name,
         topk=handle.topk,
+        sums_on_experts=handle.weights is not None,
     )
     return LowLatencyPending(token, static)
 
 
-def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, topk_weights: jax.Array) -> jax.Array:
-    """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K], in y's dtype."""
+def low_latency_combine_recv(
+    pending: LowLatencyPending, topk_idx: jax.Array, topk_weights: jax.Array | None
+) -> jax.Array:
+    """The receive half of low_latency_combine: [T, H], weighted by topk_weights [T, K] (None where the dispatch
+    carried them), in y's dtype."""
     static = pending.static
     if not isinstance(static, _CombineStatic):
         raise ValueError("jax_uccl_ep: low_latency_combine_recv takes what low_latency_combine_send returned")
-    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, static.topk)
+    local = static.num_experts // axis_size(static.axis_name)
+    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, static.topk, local, static.sums_on_experts)
     (out,) = ep_call(
         "low_latency_combine_recv",
         (jax.ShapeDtypeStruct((topk_idx.shape[0], static.hidden), jnp.dtype(static.dtype)),),
@@ -381,19 +431,24 @@ def low_latency_combine_recv(pending: LowLatencyPending, topk_idx: jax.Array, to
 
 
 def low_latency_combine(
-    y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, handle: LowLatencyHandle
+    y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array | None, handle: LowLatencyHandle
 ) -> jax.Array:
     """Returns expert outputs y [L, R * N, H] (rows as low_latency_dispatch laid them out) to their tokens and sums
     them weighted by topk_weights [T, K] (slots with topk_idx -1 contribute nothing), in float32; [T, H] in y's
-    dtype. To overlap other work with the transfer, call low_latency_combine_send and low_latency_combine_recv."""
+    dtype. Where the dispatch carried the weights (its topk_weights=), pass None: each expert's rank weights and
+    sums a token's rows in float32 and sends the sum back in y's dtype, one row per token and rank, and the token's
+    rank adds those in float32. To overlap other work with the transfer, call low_latency_combine_send and
+    low_latency_combine_recv."""
     _check_combine_send(y, handle)
-    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, handle.topk)
+    local = handle.num_experts // axis_size(handle.axis_name)
+    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, handle.topk, local, handle.weights is not None)
     (out,) = ep_call(
         "low_latency_combine",
         (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),
         y,
         handle.layout,
         handle.src_slot,
+        _row_weights(handle),
         topk_idx,
         topk_weights,
         axis_name=handle.axis_name,

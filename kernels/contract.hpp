@@ -167,13 +167,14 @@ struct CombineArgs {
 // Low-latency mode: each token goes to every selected expert (one copy per slot) into static expert-major buffers
 // [L, R * N, ...]; rows of local expert l: [0, recv_count[l]) valid, grouped by source (group order), then token.
 struct LowLatencyDispatchArgs {
-  const void* x;            // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
-  int64_t x_row_bytes;      // bytes of a row as sent and received (hidden with `cast`)
-  const void* scales;       // [T, scale_row_bytes] or null (with `cast` the dispatch makes them)
-  int64_t scale_row_bytes;  // hidden / 128 floats with `cast`
-  Fp8Cast cast;             // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
-  bool x_bf16;              // with `cast`: x is bfloat16, else float32
-  const int32_t* topk_idx;  // [T, K]
+  const void* x;              // [T, x_row_bytes], or with `cast` [T, hidden] float32 / bfloat16 (x_bf16)
+  int64_t x_row_bytes;        // bytes of a row as sent and received (hidden with `cast`)
+  const void* scales;         // [T, scale_row_bytes] or null (with `cast` the dispatch makes them)
+  int64_t scale_row_bytes;    // hidden / 128 floats with `cast`
+  Fp8Cast cast;               // send x as given or cast to FP8 on the way (kernels/fp8.hpp)
+  bool x_bf16;                // with `cast`: x is bfloat16, else float32
+  const int32_t* topk_idx;    // [T, K]
+  const float* topk_weights;  // [T, K] router weights sent with the rows, or null (combine weights on the source)
   int num_tokens, topk, num_experts, max_tokens_per_rank;
   uint32_t op_index;
   void* recv_x;         // [L, R * N, x_row_bytes]
@@ -181,14 +182,19 @@ struct LowLatencyDispatchArgs {
   int32_t* recv_count;  // [L]
   int32_t* layout;      // [L, R] rows from each source (handle)
   int32_t* src_slot;    // [L, R * N] the row's slot on its source (token * K + k), -1 on padding (handle)
+  float* recv_weights;  // [L, R * N] the row's router weight, 0 on padding or without topk_weights (handle)
 };
 
 struct LowLatencyCombineArgs {
   const void* y;    // [L, R * N, hidden]
   FloatType dtype;  // of y and out
   int hidden, num_experts, max_tokens_per_rank;
-  const int32_t* layout;      // [L, R] from the dispatch
-  const int32_t* src_slot;    // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
+  const int32_t* layout;    // [L, R] from the dispatch
+  const int32_t* src_slot;  // [L, R * N] from the dispatch: where each row goes back to (token * K + k)
+  // [L, R * N] the dispatch's recv_weights where it carried them, else null. Given, the send side weights and sums
+  // each token's rows and sends one row per (token, source): to the source's first slot t * K + k naming one of
+  // this rank's experts, which the receive side then takes at weight 1 (its topk_idx holds only those slots).
+  const float* row_weights;
   const int32_t* topk_idx;    // [T, K] this rank's routing (as dispatched)
   const float* topk_weights;  // [T, K]
   int num_tokens, topk;       // topk: in every call (the send half gets it from the handle)

@@ -273,10 +273,23 @@ def low_latency_reference(idx, num_experts):
 
 
 def check_low_latency(
-    mesh, seed, num_tokens, n, hidden, topk, num_experts, *, split=False, zero_padding=True, **kw
+    mesh,
+    seed,
+    num_tokens,
+    n,
+    hidden,
+    topk,
+    num_experts,
+    *,
+    split=False,
+    zero_padding=True,
+    carry_weights=False,
+    **kw,
 ) -> list[str]:
     """low_latency_dispatch, a per-expert transform, low_latency_combine (fused or split into halves) against
-    the reference: counts, layout, source tags, rows (FP8 within e4m3's bound) and the weighted combine."""
+    the reference: counts, layout, source tags, rows (FP8 within e4m3's bound) and the weighted combine. With
+    carry_weights the dispatch carries the router weights (each row's in handle.weights) and combine sums on the
+    experts' ranks."""
     num_ranks = mesh.devices.size
     rng = np.random.default_rng(seed)
     idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
@@ -286,10 +299,12 @@ def check_low_latency(
     args = dict(num_experts=num_experts, max_tokens_per_rank=n, axis_name="ep", **kw)
 
     def body(x, idx, w):
+        carried = {"topk_weights": w[0]} if carry_weights else {}
         if split:
-            recv, count, handle = ep.low_latency_dispatch_recv(ep.low_latency_dispatch_send(x[0], idx[0], **args))
+            pending = ep.low_latency_dispatch_send(x[0], idx[0], **args, **carried)
+            recv, count, handle = ep.low_latency_dispatch_recv(pending)
         else:
-            recv, count, handle = ep.low_latency_dispatch(x[0], idx[0], **args)
+            recv, count, handle = ep.low_latency_dispatch(x[0], idx[0], **args, **carried)
         if use_fp8:
             rows, scales = recv
             if kw.get("use_ue8m0"):
@@ -302,14 +317,17 @@ def check_low_latency(
         local = deq.shape[0]
         factor = (jax.lax.axis_index("ep") * local + jnp.arange(local) + 1).astype(jnp.float32)[:, None, None]
         y = (deq * factor).astype(jnp.bfloat16)
+        combine_w = None if carry_weights else w[0]
         if split:
-            out = ep.low_latency_combine_recv(ep.low_latency_combine_send(y, handle), idx[0], w[0])
+            out = ep.low_latency_combine_recv(ep.low_latency_combine_send(y, handle), idx[0], combine_w)
         else:
-            out = ep.low_latency_combine(y, idx[0], w[0], handle)
-        return (deq[None], count[None], handle.layout[None], handle.src_token[None], handle.src_slot[None], out[None])
+            out = ep.low_latency_combine(y, idx[0], combine_w, handle)
+        weights = handle.weights if carry_weights else jnp.zeros(handle.src_slot.shape, jnp.float32)
+        return tuple(a[None] for a in (deq, count, handle.layout, handle.src_token, handle.src_slot, out, weights))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    deq, count, layout, src_token, src_slot, out = (gather(a) for a in f(*(shard(mesh, a) for a in (xb, idx, w))))
+    outs = f(*(shard(mesh, a) for a in (xb, idx, w)))
+    deq, count, layout, src_token, src_slot, out, row_w = (gather(a) for a in outs)
     x32 = xb.astype(np.float32)
     expected = low_latency_reference(idx, num_experts)
     local = num_experts // num_ranks
@@ -336,6 +354,10 @@ def check_low_latency(
             slot = src_slot[r, l, :m]
             if not (np.array_equal(slot // topk, tok) and np.all(idx[src, tok, slot % topk] == r * local + l)):
                 problems.append(f"rank {r} expert {l}: source slots do not name this expert")
+            if carry_weights and not np.array_equal(row_w[r, l, :m], w[src, tok, slot % topk]):
+                problems.append(f"rank {r} expert {l}: the rows' weights are not their slots' router weights")
+            if carry_weights and zero_padding and not np.all(row_w[r, l, m:] == 0):
+                problems.append(f"rank {r} expert {l}: padding rows' weights are not 0")
             got, sent = deq[r, l, :m], x32[src, tok]
             if use_fp8:  # e4m3: relative error <= 2^-4 of the value, plus the block's underflow
                 bound = np.abs(sent) * 2**-4 + 1e-3 * np.abs(sent).max(initial=0)
@@ -357,9 +379,12 @@ def check_low_latency(
     return problems
 
 
-def low_latency_round_trip(mesh: Mesh, x, idx, w, num_experts: int, *, combine_idx=None, max_tokens=None):
+def low_latency_round_trip(
+    mesh: Mesh, x, idx, w, num_experts: int, *, combine_idx=None, max_tokens=None, carry_weights=False
+):
     """Low-latency dispatch (no FP8), identity experts, combine, on host data [R, ...]: (combined [R, T, H], counts
-    [R, L]) on every process; combine_idx replaces the routing given to combine."""
+    [R, L]) on every process; combine_idx replaces the routing given to combine; with carry_weights the dispatch
+    carries the weights and combine sums on the experts' ranks."""
 
     def body(x, i, ci, w):
         recv, count, handle = ep.low_latency_dispatch(
@@ -369,8 +394,9 @@ def low_latency_round_trip(mesh: Mesh, x, idx, w, num_experts: int, *, combine_i
             max_tokens_per_rank=max_tokens or x.shape[1],
             axis_name="ep",
             use_fp8=False,
+            topk_weights=w[0] if carry_weights else None,
         )
-        return ep.low_latency_combine(recv, ci[0], w[0], handle)[None], count[None]
+        return ep.low_latency_combine(recv, ci[0], None if carry_weights else w[0], handle)[None], count[None]
 
     ci = idx if combine_idx is None else combine_idx
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))

@@ -55,6 +55,62 @@ def test_split_halves_match_reference():
     assert cases.check_low_latency(mesh, 5, 10, 12, 256, 3, 8, split=True) == []
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("kw", [dict(use_fp8=False), dict(use_fp8=True)])
+def test_weights_carried_by_the_dispatch_are_applied_on_the_experts_ranks(split, kw):
+    """The dispatch carries the router weights (each row's in handle.weights); combine, given None, returns the
+    same weighted sums: each expert's rank sums a token's rows, the token's rank adds a row per rank."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    problems = cases.check_low_latency(mesh, 41, 11, 12, 256, 4, 8, split=split, carry_weights=True, **kw)
+    assert problems == []
+
+
+def test_weights_carried_by_the_dispatch_sum_repeats_and_several_experts_of_a_rank():
+    """Tokens naming two experts of one rank, an expert twice, unused slots, and a token sent nowhere: the sums
+    match the token times its slots' weights, in float32 rows and bfloat16 rows."""
+    x, idx, w = _ll_inputs(12, topk=4)
+    idx[0, 0] = [1, 0, -1, 3]  # rank 0's experts 0 and 1, then rank 1's expert 3
+    idx[1, 2] = [5, 5, 4, -1]  # expert 5 twice and 4: all on rank 2
+    idx[3, 1] = -1  # sent nowhere
+    for dtype in (np.float32, jnp.bfloat16):
+        xd = np.asarray(jnp.asarray(x, dtype)).astype(np.float32)
+        out, count = cases.low_latency_round_trip(
+            Mesh(np.array(jax.devices()[:4]), ("ep",)), x.astype(dtype), idx, w, 8, carry_weights=True
+        )
+        want = cases.low_latency_weighted_sum(xd, idx, w)
+        tol = 1e-5 if dtype == np.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=tol, atol=tol)
+        assert count.sum() == (idx >= 0).sum()  # still a row per slot on the experts' side
+        assert np.all(np.asarray(out)[3, 1] == 0)
+
+
+def test_combine_after_a_dispatch_that_carried_the_weights_takes_none():
+    """Weights at both ends, or at neither, is refused at trace time naming what to pass."""
+    x, idx, w = _ll_inputs(13)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+
+    def call(carry, at_combine):
+        def body(x, i, w):
+            recv, _, handle = ep.low_latency_dispatch(
+                x[0],
+                i[0],
+                num_experts=8,
+                max_tokens_per_rank=6,
+                axis_name="ep",
+                use_fp8=False,
+                topk_weights=w[0] if carry else None,
+            )
+            return ep.low_latency_combine(recv, i[0], w[0] if at_combine else None, handle)[None]
+
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
+
+    with pytest.raises(ValueError, match="the dispatch carried the router weights .* pass topk_weights=None"):
+        call(True, True)
+    with pytest.raises(ValueError, match="topk_weights must be given"):
+        call(False, False)
+    _ll_still_works()
+
+
 def test_ue8m0_scales_are_powers_of_two():
     scales = jnp.asarray([[0.25, 1.0, 2.0**-20, 8.0]], jnp.float32)
     packed = ep.pack_ue8m0(scales)

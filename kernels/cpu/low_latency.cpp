@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace uccl_ep::cpu {
@@ -46,8 +48,10 @@ std::vector<std::vector<std::pair<int, int>>> slots_by_expert(const int32_t* top
 
 namespace {
 
-// Row: x | scales | local expert (int32) | slot on the source, token * K + k (int32) | padding.
+// Row: x | scales | local expert (int32) | slot on the source, token * K + k (int32) | router weight (float32, 0
+// without topk_weights) | padding.
 uint64_t dispatch_meta_offset(const LowLatencyDispatchArgs& a) { return a.x_row_bytes + a.scale_row_bytes; }
+constexpr uint64_t kDispatchMetaBytes = 12;
 uint64_t dispatch_shape_tag(const LowLatencyDispatchArgs& a) {
   return (uint64_t(a.max_tokens_per_rank) << 40) ^ (uint64_t(a.num_experts) << 20) ^ a.x_row_bytes ^
          (uint64_t(a.scale_row_bytes) << 52);
@@ -68,7 +72,7 @@ template <class Run>
 void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
   ExchangePlan plan{
-      OpKind::kLowLatencyDispatch, a.op_index, round_up16(dispatch_meta_offset(a) + 8),
+      OpKind::kLowLatencyDispatch, a.op_index, round_up16(dispatch_meta_offset(a) + kDispatchMetaBytes),
       dispatch_shape_tag(a),       {},         check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
   if (plan.local_error.empty() && a.num_tokens > N)
     plan.local_error = "rank " + std::to_string(dev.rank()) + " has " + std::to_string(a.num_tokens) +
@@ -84,8 +88,8 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
         repeated = slots[e][i].first;
         break;
       }
-    plan.local_error = "rank " + std::to_string(dev.rank()) + " sends " +
-                       expert_rows_past_n(e, int64_t(slots[e].size()), N, repeated);
+    plan.local_error =
+        "rank " + std::to_string(dev.rank()) + " sends " + expert_rows_past_n(e, int64_t(slots[e].size()), N, repeated);
   }
   // Message to member d: for each of its local experts, the tokens that chose it.
   for (int d = 0; d < R; ++d) {
@@ -106,8 +110,10 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
       if (a.scale_row_bytes)
         std::memcpy(out + a.x_row_bytes, bytes_of(a.scales) + size_t(t) * a.scale_row_bytes, a.scale_row_bytes);
     }
-    int32_t lt[2] = {l, t * a.topk + k};
+    const int32_t lt[2] = {l, t * a.topk + k};
+    const float weight = a.topk_weights ? a.topk_weights[size_t(t) * a.topk + k] : 0.f;
     std::memcpy(out + meta, lt, 8);
+    std::memcpy(out + meta + 8, &weight, 4);
   };
   run(plan, pack);
 }
@@ -117,7 +123,7 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
 template <class Run>
 void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDispatchArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
-  const uint64_t meta = dispatch_meta_offset(a), row_bytes = round_up16(meta + 8);
+  const uint64_t meta = dispatch_meta_offset(a), row_bytes = round_up16(meta + kDispatchMetaBytes);
   const size_t slab = size_t(R) * N;  // rows per local expert
   std::vector<int32_t> fill(L, 0);
   std::memset(a.layout, 0, sizeof(int32_t) * L * R);
@@ -138,6 +144,7 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
       if (a.scale_row_bytes)
         std::memcpy(bytes_of(a.recv_scales) + o * a.scale_row_bytes, in + a.x_row_bytes, a.scale_row_bytes);
       a.src_slot[o] = lt[1];
+      std::memcpy(&a.recv_weights[o], in + meta + 8, 4);
       ++a.layout[size_t(lt[0]) * R + s];
     }
   };
@@ -149,8 +156,43 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
     size_t first = size_t(l) * slab + size_t(fill[l]), pad = slab - size_t(fill[l]);
     std::memset(bytes_of(a.recv_x) + first * a.x_row_bytes, 0, pad * a.x_row_bytes);
     if (a.scale_row_bytes) std::memset(bytes_of(a.recv_scales) + first * a.scale_row_bytes, 0, pad * a.scale_row_bytes);
-    for (size_t i = 0; i < pad; ++i) a.src_slot[first + i] = -1;
+    for (size_t i = 0; i < pad; ++i) {
+      a.src_slot[first + i] = -1;
+      a.recv_weights[first + i] = 0.f;
+    }
   }
+}
+
+// Where the dispatch carried the router weights: source s's rows as one row per token, the sum of the token's rows
+// here weighted (float32, then y's dtype), in the order the source reads them with its topk_idx holding only each
+// rank's first slot (with_combine_receive): by the local expert of the token's first slot here, then token.
+struct TokenSums {
+  std::vector<std::vector<float>> rows;  // by position in the message
+};
+TokenSums sums_for_source(const LowLatencyCombineArgs& a, int s, int R, int L, const std::vector<int32_t>& begin) {
+  const size_t slab = size_t(R) * a.max_tokens_per_rank;
+  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2;
+  // token -> (first slot here, its local expert, sum)
+  std::map<int, std::tuple<int, int, std::vector<float>>> by_token;
+  for (int l = 0; l < L; ++l)
+    for (int i = 0; i < a.layout[size_t(l) * R + s]; ++i) {
+      const size_t o = size_t(l) * slab + size_t(begin[size_t(l) * R + s]) + size_t(i);
+      const int j = a.src_slot[o], t = j / a.topk, k = j % a.topk;
+      auto [it, fresh] = by_token.try_emplace(t, k, l, std::vector<float>(size_t(a.hidden), 0.f));
+      auto& [first, expert, sum] = it->second;
+      if (!fresh && k < first) first = k, expert = l;
+      const float w = a.row_weights[o];
+      const uint8_t* row = bytes_of(a.y) + o * a.hidden * elem;
+      for (int h = 0; h < a.hidden; ++h) sum[size_t(h)] += w * to_f32(row + h * elem, a.dtype);
+    }
+  std::vector<std::tuple<int, int, std::vector<float>*>> order;  // (expert, token, sum)
+  for (auto& [t, entry] : by_token) order.emplace_back(std::get<1>(entry), t, &std::get<2>(entry));
+  std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+    return std::tie(std::get<0>(x), std::get<1>(x)) < std::tie(std::get<0>(y), std::get<1>(y));
+  });
+  TokenSums out;
+  for (auto& [l, t, sum] : order) out.rows.push_back(std::move(*sum));
+  return out;
 }
 
 template <class Run>
@@ -172,8 +214,22 @@ void with_combine_send(const Group& group, const LowLatencyCombineArgs& a, Run&&
     }
     plan.rows_to.push_back(rows);
   }
-  if (!plan.local_error.empty()) plan.rows_to.assign(R, 0);
+  std::vector<TokenSums> sums;
+  if (!plan.local_error.empty()) {
+    plan.rows_to.assign(R, 0);
+  } else if (a.row_weights) {
+    for (int s = 0; s < R; ++s) {
+      sums.push_back(sums_for_source(a, s, R, L, begin));
+      plan.rows_to[s] = uint32_t(sums.back().rows.size());
+    }
+  }
   PackRow pack = [&](int s, uint32_t i, uint8_t* out) {
+    if (a.row_weights) {
+      const auto& sum = sums[size_t(s)].rows[i];
+      const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2;
+      for (int h = 0; h < a.hidden; ++h) from_f32(sum[size_t(h)], out + h * elem, a.dtype);
+      return;
+    }
     int l = 0;
     while (i >= uint32_t(a.layout[size_t(l) * R + s])) i -= uint32_t(a.layout[size_t(l++) * R + s]);
     size_t row = size_t(l) * slab + size_t(begin[size_t(l) * R + s]) + i;
