@@ -119,6 +119,15 @@ def main(argv=None) -> int:
 
         return common.looped(step, args.iters, unroll)(busy_zero(w[0, 0, 0]))[None]
 
+    def ll_combine_carried(x, i, w, y):  # the dispatch carried the weights: a row per token and rank comes back
+        _, _, handle = ep.low_latency_dispatch(x[0], i[0], topk_weights=w[0], **kw)
+
+        def step(tok):
+            out = ep.low_latency_combine(y, jnp.where(tok == jnp.inf, -1, i[0]), None, handle)
+            return out[0, 0].astype(jnp.float32)
+
+        return common.looped(step, args.iters, unroll)(busy_zero(w[0, 0, 0]))[None]
+
     def ll_roundtrip(x, i, w, y):
         def step(tok):
             _, count, handle = ep.low_latency_dispatch(x[0], routing(i, tok), **kw)
@@ -142,13 +151,14 @@ def main(argv=None) -> int:
         ("uccl_ep LL dispatch fp8", ll_dispatch(True), 28.4e-6 if ref else None, d),
         ("uccl_ep LL dispatch bf16", ll_dispatch(False), None, d),
         ("uccl_ep LL combine bf16", ll_combine, 39.8e-6 if ref else None, c),
+        ("uccl_ep LL combine bf16, weights carried", ll_combine_carried, None, c),
         ("uccl_ep LL dispatch fp8 + combine", ll_roundtrip, 68.2e-6 if ref else None, d + c),
         ("jax.lax.all_to_all bf16 [R, N*K, H]", all_to_all, None, []),
     )
     rows, results = [], {}
     for name, body, deepep, labels in ops:
         try:
-            takes_y = body in (ll_combine, ll_roundtrip)
+            takes_y = body in (ll_combine, ll_combine_carried, ll_roundtrip)
             inputs = (x, topk_idx, weights, y_rows) if takes_y else (x, topk_idx, weights)
             kernel_spans(gpu)  # drop earlier spans
             fn = smap(body)

@@ -174,6 +174,14 @@ def _low_latency_checks(mesh, problems: dict) -> None:
         print(f"ll{i}: {problems[f'll{i}']}", flush=True)
     problems["ll_split"] = cases.check_low_latency(mesh, 310, 40, 48, 1024, 4, 8 * r, split=True, zero_padding=False)
     print(f"ll_split: {problems['ll_split']}", flush=True)
+    # The router weights carried by the dispatch: combine sums each token's rows on the experts' ranks.
+    problems["ll_carried"] = cases.check_low_latency(
+        mesh, 311, 128, 128, 7168, 8, 128 * r, zero_padding=False, carry_weights=True
+    )
+    problems["ll_carried_split"] = cases.check_low_latency(
+        mesh, 312, 40, 48, 1024, 4, 8 * r, split=True, zero_padding=False, carry_weights=True, use_fp8=False
+    )
+    print(f"ll_carried: {problems['ll_carried']} {problems['ll_carried_split']}", flush=True)
     # The cast in the send kernel against per_token_cast_to_fp8: several tokens a block, an odd number of 128-channel
     # blocks, float32 input with power-of-two scales.
     problems["ll_cast"] = cases.check_low_latency_fp8_cast(mesh, 320, 200, 384, 8, 16 * r, nonfinite=True)

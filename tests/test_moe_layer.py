@@ -446,6 +446,14 @@ def layer_parity_child(fp8: bool, pair_buffer_factor: float | None = None) -> di
     with jax.default_matmul_precision("highest"):
         y, _, gp, gx = f(params, global_array(x_host, P("ep")))
 
+    # The decode layer (low-latency mode, the router weights carried by the dispatch) computes the same function.
+    def decode(p, x):
+        return layers.moe_ffn_decode(p, x, config, axis_name="ep", max_tokens_per_rank=x.size // d, use_fp8=fp8)
+
+    g = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))
+    with jax.default_matmul_precision("highest"):
+        y_decode = g(params, global_array(x_host, P("ep")))
+
     def dense_loss(p, x):
         y, aux, _ = _per_rank_reference(p, x, config, r)
         return jnp.sum(y.astype(jnp.float32) ** 2) / (b * s * d) + aux, y
@@ -464,6 +472,7 @@ def layer_parity_child(fp8: bool, pair_buffer_factor: float | None = None) -> di
                 problems.append(f"{name} shard {shard.index}: relative error {err:.3g}")
 
     compare("y", y, y_ref)
+    compare("y of the decode layer", y_decode, y_ref)
     compare("dx", gx, gx_ref)
     for k in gp:
         compare(f"d{k}", gp[k], gp_ref[k])

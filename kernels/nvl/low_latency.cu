@@ -20,6 +20,9 @@
 // A combine region: [counts][rows]: each y row at its slot on its source (the handle's src_slot), so the source
 // reads token t's k-th expert output at row t * K + k without working out the routing again. Over the proxy the
 // rows are packed instead (in slot order, packed_position), so a message is one run of bytes, not a write per row.
+// Where the dispatch carried the router weights (each map entry holds its slot's), combine sums each token's rows
+// on the expert's rank, weighted, and sends one row per (token, rank), to the token's first slot naming one of the
+// rank's experts; the counts then count those rows, and the source reads each rank's row at weight 1.
 #include <algorithm>
 #include <any>
 #include <cstring>
@@ -205,6 +208,7 @@ struct DispatchSource {
   Fp8Cast cast;
   bool x_bf16;
   const int32_t* topk_idx;
+  const float* topk_weights;  // or null
   int num_tokens, topk, num_experts;
 };
 struct DispatchTarget {
@@ -214,13 +218,16 @@ struct DispatchTarget {
   int32_t* recv_count;
   int32_t* layout;
   int32_t* src_slot;
+  float* recv_weights;
 };
 // What the combine's send phase reads, and what its receive phase reads and writes.
 struct CombineSource {
   const char* y;
   int64_t row_bytes;
   const int32_t* layout;
-  const int32_t* src_slot;  // [L, R * N]: where each row of y goes on its source
+  const int32_t* src_slot;   // [L, R * N]: where each row of y goes on its source
+  const float* row_weights;  // [L, R * N] or null: sum each token's rows here (combine_send_sums)
+  int topk;                  // K of the dispatch (decodes src_slot)
 };
 struct CombineTarget {
   const int32_t* topk_idx;
@@ -229,6 +236,15 @@ struct CombineTarget {
   int64_t row_bytes;
   char* out;
 };
+
+// A row-map entry: the receiver's token row holding the token, the slot on the source (token * K + k), and the
+// slot's router weight (0 where the dispatch carries none).
+struct MapEntry {
+  int token_row, slot;
+  float weight;
+  int unused;
+};
+static_assert(sizeof(MapEntry) == sizeof(int4), "a map entry is one 16-byte load");
 
 // A token's trip to one rank: which token, to which rank, into which of that rank's token rows.
 struct TokenTrip {
@@ -348,21 +364,18 @@ __device__ void push_dispatch_messages(const DispatchSource& in, const Shape& sh
     push_messages(p, R, shape.rank, err, [&](int d, int piece, uint64_t& begin, uint64_t& bytes) {
       if (piece > 1) return false;
       begin = piece == 0 ? 0 : uint64_t(shape.tokens_at);
-      bytes = piece == 0 ? uint64_t(shape.counts_bytes) + uint64_t(entries[d]) * 8
+      bytes = piece == 0 ? uint64_t(shape.counts_bytes) + uint64_t(entries[d]) * sizeof(MapEntry)
                          : uint64_t(rows[d]) * uint64_t(shape.row_bytes);
       return true;
     });
 }
 
-// Combine: member s's counts and its rows, packed in slot order after them (packed_position): one piece.
-__device__ void push_combine_messages(const Shape& shape, const ProxyOut& p, const int* from_source, bool valid,
-                                      DeviceErrors* err) {
-  const int L = shape.local_experts;
+// Combine: member s's counts and its `sent[s]` rows, packed in slot order after them (packed_position): one piece.
+__device__ void push_combine_messages(const Shape& shape, const ProxyOut& p, const int* sent, DeviceErrors* err) {
   if (threadIdx.x < kWarp)
     push_messages(p, shape.num_ranks, shape.rank, err, [&](int s, int piece, uint64_t& begin, uint64_t& bytes) {
       begin = 0;
-      bytes =
-          uint64_t(shape.counts_bytes) + uint64_t(valid ? from_source[s * (L + 1) + L] : 0) * uint64_t(shape.row_bytes);
+      bytes = uint64_t(shape.counts_bytes) + uint64_t(sent[s]) * uint64_t(shape.row_bytes);
       return piece == 0;
     });
 }
@@ -411,7 +424,9 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
     const SlotPlace at = place_slot(idx, in.num_tokens, in.topk, p, e, local, lane);
     if (lane != 0 || at.entry >= shape.capacity_rows) continue;  // the host refused shapes where it can happen
     const int d = e / local;
-    reinterpret_cast<int2*>(to.region[d] + shape.counts_bytes)[at.entry] = make_int2(at.row, p);
+    const float weight = in.topk_weights ? in.topk_weights[p] : 0.f;
+    reinterpret_cast<int4*>(to.region[d] + shape.counts_bytes)[at.entry] =
+        make_int4(at.row, p, __float_as_int(weight), 0);
     if (at.first_to_rank) trips[atomicAdd(&num_trips, 1)] = TokenTrip{p / in.topk, d, at.row, 0};
   }
   __syncthreads();
@@ -503,8 +518,8 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     while (i >= rows_from[s + 1]) ++s;
     const int r = i - rows_from[s];
     if (r >= shape.capacity_rows) continue;  // the sender refused such shapes already
-    int2 entry = make_int2(0, 0);
-    if (lane == 0) entry = __ldcg(reinterpret_cast<const int2*>(from.region[s] + shape.counts_bytes) + r);
+    int4 entry = make_int4(0, 0, 0, 0);
+    if (lane == 0) entry = __ldcg(reinterpret_cast<const int4*>(from.region[s] + shape.counts_bytes) + r);
     const int token_row = __shfl_sync(0xffffffffu, entry.x, 0), slot = __shfl_sync(0xffffffffu, entry.y, 0);
     // The expert: the last l whose rows start at or before r.
     const int l = group_of(first + s * L, L, r), j = r - first[s * L + l];
@@ -519,26 +534,130 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     if (out.scale_row_bytes)
       warp_copy<Load::kCoherent>(out.recv_scales + o * out.scale_row_bytes, row + out.scales_at, out.scale_row_bytes,
                                  lane);
-    if (lane == 0) out.src_slot[o] = slot;
+    if (lane == 0) {
+      out.src_slot[o] = slot;
+      out.recv_weights[o] = __int_as_float(entry.z);
+    }
   }
   stamp(shape, kDispatchRecv, 3);
   // Padding rows: no source token (their data is not written).
   for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < int64_t(L) * slab;
        o += int64_t(gridDim.x) * blockDim.x)
-    if (o % slab >= total[o / slab]) out.src_slot[o] = -1;
+    if (o % slab >= total[o / slab]) {
+      out.src_slot[o] = -1;
+      out.recv_weights[o] = 0.f;
+    }
   stamp(shape, kDispatchRecv, 4);
 }
 
+// Where the dispatch carried the router weights (in.row_weights): each token's rows here, weighted and summed in
+// float32, go back as one row of T to the token's first slot naming one of this rank's experts, the rows of
+// kRowsInFlight slots loaded before any is added. Every block finds each (source, token)'s first slot here
+// (first_k, K where none) and the count of rows it sends each source by that slot's expert (sums[l * R + s], the
+// counts the source checks); a block sends the tokens of its share of the R * N, whose rows it notes in rows_of.
+template <typename T, int kRowsInFlight>
+__device__ void combine_send_sums(const CombineSource& in, const Shape& shape, const Outbox& to, const int* rows,
+                                  const int* begin, const int* cum, int all_rows, int* sums, int* first_k, int* rows_of,
+                                  DeviceErrors* err) {
+  const int R = shape.num_ranks, L = shape.local_experts, N = shape.max_tokens, K = in.topk;
+  const int64_t slab = int64_t(R) * N;
+  const int tokens = R * N, per_block = (tokens + gridDim.x - 1) / gridDim.x;
+  const int p0 = min(tokens, int(blockIdx.x) * per_block), p1 = min(tokens, p0 + per_block);
+  const bool proxy = to.proxy.ring.slots != nullptr;
+  for (int i = threadIdx.x; i < tokens; i += blockDim.x) first_k[i] = K;
+  for (int i = threadIdx.x; i < (p1 - p0) * K; i += blockDim.x) rows_of[i] = -1;
+  for (int i = threadIdx.x; i < L * R; i += blockDim.x) sums[i] = 0;
+  __syncthreads();
+  // Row i of y's rows: its (source, token) p and slot k, or false where the handle names no slot (reported once).
+  auto decode = [&](int i, int& p, int& k, int64_t& o, int& l, int& s) {
+    l = group_of(cum, L, i);
+    const int r = i - cum[l];
+    s = 0;
+    while (s < R - 1 && r >= begin[l * R + s] + rows[l * R + s]) ++s;
+    o = int64_t(l) * slab + r;
+    const int j = in.src_slot[o];
+    if (j < 0 || j >= N * K) {
+      if (blockIdx.x == 0) report(err, kNoSourceSlot, shape.rank, l, r, j);
+      return false;
+    }
+    p = s * N + j / K;
+    k = j % K;
+    return true;
+  };
+  for (int i = threadIdx.x; i < all_rows; i += blockDim.x) {
+    int p, k, l, s;
+    int64_t o;
+    if (!decode(i, p, k, o, l, s)) continue;
+    atomicMin(&first_k[p], k);
+    if (p >= p0 && p < p1) rows_of[(p - p0) * K + k] = int(o);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < all_rows; i += blockDim.x) {
+    int p, k, l, s;
+    int64_t o;
+    if (decode(i, p, k, o, l, s) && k == first_k[p]) atomicAdd(&sums[l * R + s], 1);
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+  const int64_t row_vecs = in.row_bytes / 16;
+  const int64_t segments = (in.row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
+  constexpr int kVecs = kCombineSegmentBytes / 16 / kWarp;
+  for (int64_t w = threadIdx.x / kWarp; w < int64_t(p1 - p0) * segments; w += warps) {
+    const int q = int(w / segments), p = p0 + q, k0 = first_k[p];
+    if (k0 >= K) continue;  // nothing of this token here
+    const int s = p / N, t = p % N;
+    const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16 + lane;
+    float acc[kVecs][Vec<T>::kN] = {};
+    for (int k1 = k0; k1 < K; k1 += kRowsInFlight) {
+      int4 v[kRowsInFlight][kVecs];
+      float weight[kRowsInFlight];
+      bool used[kRowsInFlight];
+#pragma unroll
+      for (int r = 0; r < kRowsInFlight; ++r) {
+        const int k = k1 + r, o = k < K ? rows_of[q * K + k] : -1;
+        used[r] = o >= 0;
+        weight[r] = used[r] ? in.row_weights[o] : 0.f;
+        const int4* row = reinterpret_cast<const int4*>(in.y + int64_t(used[r] ? o : 0) * in.row_bytes);
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u)
+          if (used[r] && v0 + u * kWarp < row_vecs) v[r][u] = __ldg(row + v0 + u * kWarp);
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsInFlight; ++r)
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u)
+          if (used[r] && v0 + u * kWarp < row_vecs) Vec<T>::add(acc[u], v[r][u], weight[r]);
+    }
+    int64_t at = int64_t(t) * K + k0;
+    if (proxy) {  // packed: after the source's earlier tokens that have a row here (the source's position scan)
+      int below = 0;
+      for (int u = lane; u < t; u += kWarp) below += first_k[s * N + u] < K;
+      for (int d = kWarp / 2; d > 0; d /= 2) below += __shfl_xor_sync(0xffffffffu, below, d);
+      at = below;
+    }
+    int4* dst = reinterpret_cast<int4*>(to.region[s] + shape.counts_bytes + at * shape.row_bytes);
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u)
+      if (v0 + u * kWarp < row_vecs) dst[v0 + u * kWarp] = Vec<T>::pack(acc[u]);
+  }
+}
+
+template <typename T>
 __device__ void combine_send(const CombineSource& in, const Shape& shape, const Outbox& to, DeviceErrors* err,
                              int* smem) {
   const int R = shape.num_ranks, L = shape.local_experts;
   const int64_t slab = int64_t(R) * shape.max_tokens;
-  int* rows = smem;                  // [l * R + s]: the handle's layout
-  int* begin = rows + R * L;         // [l * R + s]: where source s's rows start in y[l]
-  int* cum = begin + R * L;          // [L + 1]: prefix of rows per expert
-  int* in_expert = cum + L + 1;      // [L]: rows of expert l
-  int* from_source = in_expert + L;  // proxy path: [s * (L + 1) + l], source s's rows of experts < l
-  const bool proxy = to.proxy.ring.slots != nullptr;
+  const bool proxy = to.proxy.ring.slots != nullptr, sums_here = in.row_weights != nullptr;
+  int* rows = smem;              // [l * R + s]: the handle's layout
+  int* begin = rows + R * L;     // [l * R + s]: where source s's rows start in y[l]
+  int* cum = begin + R * L;      // [L + 1]: prefix of rows per expert
+  int* in_expert = cum + L + 1;  // [L]: rows of expert l
+  int* sent = in_expert + L;     // [R]: rows sent to each source (its message, on the proxy path)
+  int* from_source = sent + R;   // proxy path: [s * (L + 1) + l], source s's rows of experts < l
+  int* sums = from_source + (proxy ? R * (L + 1) : 0);  // sums_here: [l * R + s], combine_send_sums
+  int* first_k = sums + R * L;                          // sums_here: [R * N]
+  int* rows_of = first_k + R * shape.max_tokens;        // sums_here: [a block's tokens * K]
   __shared__ bool valid;
   stamp(shape, kCombineSend, 0);
   if (threadIdx.x == 0) valid = true;
@@ -553,7 +672,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
     in_expert[l] = in_l;
     if (in_l > slab) valid = false;
   }
-  if (proxy)
+  if (proxy && !sums_here)
     for (int src = threadIdx.x; src < R; src += blockDim.x) {
       int acc = 0;
       for (int l = 0; l < L; ++l) {
@@ -575,25 +694,37 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
   stamp(shape, kCombineSend, 1);
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int all_rows = valid ? cum[L] : 0;
-  for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < all_rows; i += gridDim.x * warps_per_block) {
-    const int l = group_of(cum, L, i), r = i - cum[l];  // the expert: the last l with cum[l] <= i
-    int s = 0;
-    while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
-    const int64_t j = in.src_slot[int64_t(l) * slab + r];
-    if (j < 0 || j >= shape.capacity_rows) {  // the layout counts a row the dispatch did not deliver here
-      if (lane == 0) report(err, kNoSourceSlot, shape.rank, l, r, j);
-      continue;
+  if (sums_here) {
+    combine_send_sums<T, 4>(in, shape, to, rows, begin, cum, all_rows, sums, first_k, rows_of, err);
+  } else {
+    for (int i = blockIdx.x * warps_per_block + threadIdx.x / kWarp; i < all_rows; i += gridDim.x * warps_per_block) {
+      const int l = group_of(cum, L, i), r = i - cum[l];  // the expert: the last l with cum[l] <= i
+      int s = 0;
+      while (r >= begin[l * R + s] + rows[l * R + s]) ++s;
+      const int64_t j = in.src_slot[int64_t(l) * slab + r];
+      if (j < 0 || j >= shape.capacity_rows) {  // the layout counts a row the dispatch did not deliver here
+        if (lane == 0) report(err, kNoSourceSlot, shape.rank, l, r, j);
+        continue;
+      }
+      const int64_t at = proxy ? packed_position(in, shape, begin, from_source, s, j, lane) : j;
+      warp_copy(to.region[s] + shape.counts_bytes + at * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
+                in.row_bytes, lane);
     }
-    const int64_t at = proxy ? packed_position(in, shape, begin, from_source, s, j, lane) : j;
-    warp_copy(to.region[s] + shape.counts_bytes + at * shape.row_bytes, in.y + (int64_t(l) * slab + r) * in.row_bytes,
-              in.row_bytes, lane);
   }
   stamp(shape, kCombineSend, 2);
+  // The counts each source checks: the rows sent it, by local expert (where sums go, the expert of the token's
+  // first slot here).
+  const int* counted = sums_here ? sums : rows;
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    int n = 0;
+    for (int l = 0; l < L && valid; ++l) n += counted[l * R + s];
+    sent[s] = n;
+  }
   const bool last = finish_send(to, R, [&] {
     for (int i = threadIdx.x; i < R * L; i += blockDim.x)
-      reinterpret_cast<int*>(to.region[i / L])[i % L] = valid ? rows[(i % L) * R + i / L] : 0;
+      reinterpret_cast<int*>(to.region[i / L])[i % L] = valid ? counted[(i % L) * R + i / L] : 0;
   });
-  if (last) push_combine_messages(shape, to.proxy, from_source, valid, err);
+  if (last) push_combine_messages(shape, to.proxy, sent, err);
   stamp(shape, kCombineSend, 3);
 }
 
@@ -688,14 +819,14 @@ struct DispatchPhases {
     dispatch_recv(out, shape, from, timeout_ns, err, smem);
   }
 };
-// T: the rows' type, which only the receive phase reads.
+// T: the rows' type (the send phase reads it where it sums a token's rows).
 template <typename T>
 struct CombinePhases {
   using In = CombineSource;
   using Out = CombineTarget;
   template <bool kFused>
   __device__ static void send(const In& in, const Shape& shape, const Outbox& to, DeviceErrors* err, int* smem) {
-    combine_send(in, shape, to, err, smem);
+    combine_send<T>(in, shape, to, err, smem);
   }
   template <bool kFused>
   __device__ static void recv(const Out& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
@@ -723,8 +854,10 @@ int64_t counts_bytes(int local_experts) { return (int64_t(local_experts) * 4 + 2
 int64_t token_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
   return int64_t(align16(x_row_bytes) + align16(scale_row_bytes));
 }
-// A dispatch region: counts, the row map (an int2 per slot), a row per token.
-int64_t row_map_bytes(int max_tokens, int topk) { return int64_t(align16(int64_t(max_tokens) * topk * 8)); }
+// A dispatch region: counts, the row map (a MapEntry per slot), a row per token.
+int64_t row_map_bytes(int max_tokens, int topk) {
+  return int64_t(align16(int64_t(max_tokens) * topk * sizeof(MapEntry)));
+}
 int64_t dispatch_region_bytes(int local_experts, int max_tokens, int topk, int64_t token_row) {
   return counts_bytes(local_experts) + row_map_bytes(max_tokens, topk) + int64_t(max_tokens) * token_row;
 }
@@ -886,6 +1019,7 @@ DispatchSource dispatch_source(const LowLatencyDispatchArgs& a) {
           a.cast,
           a.x_bf16,
           a.topk_idx,
+          a.topk_weights,
           a.num_tokens,
           a.topk,
           a.num_experts};
@@ -898,7 +1032,8 @@ DispatchTarget dispatch_target(const LowLatencyDispatchArgs& a) {
           static_cast<char*>(a.recv_scales),
           a.recv_count,
           a.layout,
-          a.src_slot};
+          a.src_slot,
+          a.recv_weights};
 }
 // Send: the block's token trips, the routing, slots per expert (dispatch_send).
 size_t dispatch_send_shared(const LowLatencyDispatchArgs& a, const Shape& shape) {
@@ -927,16 +1062,25 @@ Shape combine_shape(const Dev& dev, const Group& g, const LowLatencyCombineArgs&
   return shape;
 }
 CombineSource combine_source(const LowLatencyCombineArgs& a) {
-  return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout, a.src_slot};
+  return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout, a.src_slot, a.row_weights, a.topk};
 }
 CombineTarget combine_target(const LowLatencyCombineArgs& a) {
   return {a.topk_idx,           a.topk_weights,           a.num_tokens, a.topk, a.num_experts,
           combine_row_bytes(a), static_cast<char*>(a.out)};
 }
-// Send: the layout, where each source's rows start, prefixes; on the proxy path each source's rows by expert.
-size_t combine_send_shared(const Shape& shape, bool proxy) {
-  const size_t R = shape.num_ranks, L = shape.local_experts;
-  return (2 * R * L + 2 * L + 1 + (proxy ? R * (L + 1) : 0)) * sizeof(int);
+// Send: the layout, where each source's rows start, prefixes, rows to each source; on the proxy path each source's
+// rows by expert; where a token's rows are summed here, combine_send_sums's counts, first slots and rows.
+size_t combine_send_shared(const LowLatencyCombineArgs& a, const Shape& shape, bool proxy) {
+  const size_t R = shape.num_ranks, L = shape.local_experts, N = shape.max_tokens;
+  size_t words = 2 * R * L + 2 * L + 1 + R + (proxy ? R * (L + 1) : 0);
+  if (a.row_weights) words += R * L + R * N + (R * N + kSendBlocks - 1) / kSendBlocks * size_t(a.topk);
+  return words * sizeof(int);
+}
+// The combine kernels by the rows' type.
+template <bool kSend, bool kRecv>
+auto combine_kernel_for(const LowLatencyCombineArgs& a) {
+  return a.dtype == FloatType::kBF16 ? combine_kernel<__nv_bfloat16, kSend, kRecv>
+                                     : combine_kernel<float, kSend, kRecv>;
 }
 // Receive: the routing, slots per expert; packed (proxy path) each slot's row in its message.
 size_t combine_recv_shared(const LowLatencyCombineArgs& a, bool packed) {
@@ -954,10 +1098,8 @@ void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t st
 
 void launch_combine_recv(const LowLatencyCombineArgs& a, const Shape& shape, const Inbox& from, DeviceErrors* err,
                          cudaStream_t stream) {
-  launch(
-      (a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, false, true> : combine_kernel<float, false, true>,
-      low_latency_blocks(), kThreads, combine_recv_shared(a, from.packed), stream, CombineSource{}, combine_target(a),
-      shape, Outbox{}, from, err, "low_latency combine receive kernel");
+  launch(combine_kernel_for<false, true>(a), low_latency_blocks(), kThreads, combine_recv_shared(a, from.packed),
+         stream, CombineSource{}, combine_target(a), shape, Outbox{}, from, err, "low_latency combine receive kernel");
 }
 
 // An op's send and receive as one launch of `kernel`, or through `split()` (its two launches) where the fused
@@ -1020,8 +1162,8 @@ void low_latency_combine_send(NvlDevice& dev, const Group& g, const LowLatencyCo
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
   const Outbox to = outbox(dev, g);
   dev.timing_begin(stream);
-  launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, false),
-         stream, combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev.errors_device(),
+  launch(combine_kernel_for<true, false>(a), kSendBlocks, kSendThreads, combine_send_shared(a, shape, false), stream,
+         combine_source(a), CombineTarget{}, shape, to, Inbox{}, dev.errors_device(),
          "low_latency combine send kernel");
   dev.timing_end(stream, "low_latency_combine send");
   dev.timing_begin(stream);
@@ -1037,14 +1179,12 @@ void low_latency_combine_recv(NvlDevice& dev, const Group& g, const LowLatencyCo
 
 void low_latency_combine(NvlDevice& dev, const Group& g, const LowLatencyCombineArgs& a, cudaStream_t stream) {
   const Shape shape = combine_shape(dev, g, a);
-  run_fused(
-      dev, g, stream,
-      (a.dtype == FloatType::kBF16) ? combine_kernel<__nv_bfloat16, true, true> : combine_kernel<float, true, true>,
-      std::max(combine_send_shared(shape, false), combine_recv_shared(a, false)), shape, combine_source(a),
-      combine_target(a), "low_latency_combine", [&] {
-        low_latency_combine_send(dev, g, a, stream);
-        low_latency_combine_recv(dev, g, a, stream);
-      });
+  run_fused(dev, g, stream, combine_kernel_for<true, true>(a),
+            std::max(combine_send_shared(a, shape, false), combine_recv_shared(a, false)), shape, combine_source(a),
+            combine_target(a), "low_latency_combine", [&] {
+              low_latency_combine_send(dev, g, a, stream);
+              low_latency_combine_recv(dev, g, a, stream);
+            });
 }
 
 // ---- Across nodes: the proxy runtime's registered buffer in place of the NVLink peers (see api.hpp) ----
@@ -1172,8 +1312,8 @@ void low_latency_combine_send(uccl_ep::Device& dev, const Group& g, const LowLat
         "uccl_ep low_latency_combine: UCCL_EP_MAX_WRITE_BYTES is too small for these rows "
         "(a message may hold 2047 writes)");
   half.send(ProxyOp::kLowLatencyCombine, [&] {
-    launch(combine_kernel<__nv_bfloat16, true, false>, kSendBlocks, kSendThreads, combine_send_shared(shape, true),
-           stream, combine_source(a), CombineTarget{}, shape, outbox(half, half.proxy_out()), Inbox{}, half.errors(),
+    launch(combine_kernel_for<true, false>(a), kSendBlocks, kSendThreads, combine_send_shared(a, shape, true), stream,
+           combine_source(a), CombineTarget{}, shape, outbox(half, half.proxy_out()), Inbox{}, half.errors(),
            "low_latency combine send kernel");
   });
 }
@@ -1192,9 +1332,9 @@ void low_latency_combine(uccl_ep::Device& dev, const Group& g, const LowLatencyC
 
 void preload_low_latency_kernels() {
   load_kernels(dispatch_kernel<true, false>, dispatch_kernel<false, true>, dispatch_kernel<true, true>,
-               combine_kernel<__nv_bfloat16, true, false>, combine_kernel<__nv_bfloat16, false, true>,
-               combine_kernel<float, false, true>, combine_kernel<__nv_bfloat16, true, true>,
-               combine_kernel<float, true, true>, acknowledge_kernel);
+               combine_kernel<__nv_bfloat16, true, false>, combine_kernel<float, true, false>,
+               combine_kernel<__nv_bfloat16, false, true>, combine_kernel<float, false, true>,
+               combine_kernel<__nv_bfloat16, true, true>, combine_kernel<float, true, true>, acknowledge_kernel);
 }
 
 }  // namespace uccl_ep::nvl
