@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import _pairs
+from ._checks import check
 from ._ffi import ep_call, like_primal, varying_like, zeros_typed
 from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
@@ -498,6 +499,27 @@ def _moe_ffn_load_sized(
     return y, res.num_tokens.reshape(1), res.num_dropped.reshape(1)
 
 
+def _token_axes(spec: P, axis_name: str, ndim: int) -> tuple[str, ...]:
+    """The mesh axes `spec` (x's PartitionSpec) splits x's tokens over; it must split them over `axis_name` and must
+    not split D (x's last dimension)."""
+    entries = tuple(spec)
+    check(
+        len(entries) < ndim or entries[ndim - 1] is None,
+        f"token_spec {spec} splits D, x's last dimension: the layer needs whole rows of x on every rank",
+    )
+    axes: list[str] = []
+    for entry in entries[: ndim - 1]:
+        for a in entry if isinstance(entry, tuple) else (entry,):
+            if a is not None and a not in axes:
+                axes.append(a)
+    check(
+        axis_name in axes,
+        f"token_spec {spec} does not split x's tokens over the EP axis {axis_name!r}: every EP rank routes its own "
+        "tokens (P(axis_name), or with a data-parallel axis P(('dp', axis_name)))",
+    )
+    return tuple(axes)
+
+
 def moe_ffn(
     params: Params,
     x: jax.Array,
@@ -519,16 +541,22 @@ def moe_ffn(
       axis_name: the EP mesh axis (its size must divide num_experts).
 
     Returns:
-      MoEOutput: y like x; aux_loss averaged over the EP ranks; stats.rows_received [R], stats.pairs_dropped [R]
-      and stats.tokens_per_expert [E] summed over the ranks.
+      MoEOutput: y like x; aux_loss averaged over the ranks that route tokens (each computes it over its own
+      tokens); stats.rows_received [R] and stats.pairs_dropped [R] of each EP rank, and stats.tokens_per_expert [E],
+      summed over the other mesh axes that split the tokens (a data-parallel axis in token_spec).
     """
     spec = token_spec if token_spec is not None else P(axis_name)
+    token_axes = _token_axes(spec, axis_name, x.ndim)
+    others = tuple(a for a in token_axes if a != axis_name)
 
     def body(p, x):
         out = moe_ffn_local(p, x, config, axis_name=axis_name)
-        aux = jax.lax.pmean(out.aux_loss, axis_name)
-        per_expert = jax.lax.psum(out.stats.tokens_per_expert, axis_name)
-        return out.y, aux, out.stats.rows_received, out.stats.pairs_dropped, per_expert
+        aux = jax.lax.pmean(out.aux_loss, token_axes)
+        per_expert = jax.lax.psum(out.stats.tokens_per_expert, token_axes)
+        rows, dropped = out.stats.rows_received, out.stats.pairs_dropped
+        if others:
+            rows, dropped = jax.lax.psum(rows, others), jax.lax.psum(dropped, others)
+        return out.y, aux, rows, dropped, per_expert
 
     f = jax.shard_map(
         body,

@@ -183,6 +183,53 @@ def test_the_config_refuses_buffer_factors_that_cannot_work():
         layers.MoEConfig(num_experts=E, top_k=K, capacity_factor=1.25, pair_buffer_factor=1.5)
 
 
+@pytest.mark.parametrize("spec", [P(("dp", "ep")), P("dp", "ep")], ids=["batch over dp and ep", "sequence over ep"])
+def test_tokens_split_over_a_data_parallel_axis_too(spec):
+    """token_spec splitting the tokens over a data-parallel axis besides the EP axis: each shard routes its own
+    tokens; the aux loss is the mean over the shards, the counts their sums (rows over the dp groups)."""
+    config = layers.MoEConfig(num_experts=8, top_k=2, aux_loss_coef=0.01)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "ep"))
+    params = layers.init_moe_params(jax.random.key(5), d_model=D, d_ff=F, num_experts=8)
+    x = jax.random.normal(jax.random.key(6), (B, S, D))
+    out = jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config, token_spec=spec))(
+        params, jax.device_put(x, NamedSharding(mesh, spec))
+    )
+    y, auxes, per_expert, rows = np.zeros(x.shape, np.float32), [], 0, 0
+    for index in {
+        tuple((i.start, i.stop) for i in v[:2]) for v in NamedSharding(mesh, spec).devices_indices_map(x.shape).values()
+    }:
+        part = x[index[0][0] : index[0][1], index[1][0] : index[1][1]]
+        ref = layers.moe_ffn_reference(params, part, config)
+        y[index[0][0] : index[0][1], index[1][0] : index[1][1]] = np.asarray(ref.y)
+        auxes.append(float(ref.aux_loss))
+        per_expert = per_expert + np.asarray(ref.stats.tokens_per_expert)
+        _, idx, _ = layers.route(params["router"], part.reshape(-1, D), config)
+        rows += sum(len(set(np.asarray(t) // 4)) for t in idx)  # a row per (token, EP rank it goes to)
+    np.testing.assert_allclose(np.asarray(out.y), y, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(float(out.aux_loss), np.mean(auxes), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.stats.tokens_per_expert), per_expert)
+    assert int(np.asarray(out.stats.rows_received).sum()) == rows
+
+
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        (P(), "does not split x's tokens over the EP axis"),
+        (P(None, "ep", None), None),
+        (P("ep", None, "dp"), "splits D"),
+    ],
+)
+def test_a_token_spec_the_layer_cannot_run_is_named(spec, words):
+    params, x, mesh = _inputs(7)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "ep"))
+    config = layers.MoEConfig(num_experts=E, top_k=K)
+    if words is None:  # the sequence over ep: runs
+        layers.moe_ffn(params, x, mesh=mesh, config=config, token_spec=spec)
+        return
+    with pytest.raises(ValueError, match=words):
+        layers.moe_ffn(params, x, mesh=mesh, config=config, token_spec=spec)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_layers_track_the_reference(dtype):
     """bf16 and f16 parameters and tokens (the experts compute in the parameters' dtype on CPU devices): the
