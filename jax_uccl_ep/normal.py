@@ -62,6 +62,7 @@ class DispatchHandle:
         level: str | None = None,
         token_shape: tuple[int, ...] | None = None,
         overflow: Overflow = "error",
+        capacity: int | None = None,
     ):
         self.is_token_in_rank = is_token_in_rank  # [T, R] bool: where this rank's tokens went
         self.recv_counts = recv_counts  # [R] int32: rows each rank sent here, in row order (dropped ones included)
@@ -69,9 +70,11 @@ class DispatchHandle:
         self.level = level  # None (the whole axis), or a level of two-level routing ("node", "across")
         self.token_shape = token_shape  # the leading dimensions of dispatch's x (combine restores them)
         self.overflow = overflow  # the dispatch's policy: under "drop", rows past the capacity come back as zeros
+        self.capacity = capacity  # the dispatch's output rows (combine's y must have them under "drop")
 
     def tree_flatten(self):
-        return (self.is_token_in_rank, self.recv_counts), (self.axis_name, self.level, self.token_shape, self.overflow)
+        aux = (self.axis_name, self.level, self.token_shape, self.overflow, self.capacity)
+        return (self.is_token_in_rank, self.recv_counts), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -292,7 +295,7 @@ def _dispatch_level(x, topk_idx, topk_weights, num_experts, axis_name, capacity,
         topk_weights=recv_w if topk_weights is not None else None,
         num_tokens=n,
         num_tokens_per_expert=per_expert,
-        handle=DispatchHandle(in_rank, counts, axis_name, level, overflow=overflow),
+        handle=DispatchHandle(in_rank, counts, axis_name, level, overflow=overflow, capacity=capacity),
         num_dropped=jnp.sum(counts) - n,
     )
 
@@ -761,7 +764,13 @@ def _with_token_shape(handle: Handle, token_shape: tuple[int, ...]) -> Handle:
     if isinstance(handle, TwoLevelHandle):
         return TwoLevelHandle(handle.across, handle.within, token_shape)
     return DispatchHandle(
-        handle.is_token_in_rank, handle.recv_counts, handle.axis_name, handle.level, token_shape, handle.overflow
+        handle.is_token_in_rank,
+        handle.recv_counts,
+        handle.axis_name,
+        handle.level,
+        token_shape,
+        handle.overflow,
+        handle.capacity,
     )
 
 
@@ -826,6 +835,13 @@ def combine(y: jax.Array, handle: Handle) -> jax.Array:
         else:
             out = _combine(_summed_pairs(y, handle), handle.rows).astype(y.dtype)
     else:
+        rows = handle.within if isinstance(handle, TwoLevelHandle) else handle
+        # Under "drop" the kernels keep y's first rows as the dispatch kept its first: a y of other rows would
+        # return some kept rows as dropped (zeros) or dropped ones as kept, which no count can catch.
+        check(
+            rows.overflow != "drop" or rows.capacity is None or y.shape[0] == rows.capacity,
+            f"y must have the dispatch's {rows.capacity} rows (its capacity, overflow='drop'), got {y.shape[0]}",
+        )
         out = _combine(y, handle)
     token_shape = handle.token_shape
     return out if token_shape is None else out.reshape((*token_shape, out.shape[-1]))

@@ -72,6 +72,34 @@ def test_error_leaves_the_runtime_usable():
     assert not cases.check_drop(mesh, 7, 24, 128, 3, 16, 20)
 
 
+@pytest.mark.parametrize("rows", [3, 24])
+def test_combine_under_drop_takes_y_of_the_dispatch_capacity_only(rows):
+    """Under "drop" combine keeps y's first rows as the dispatch kept its first: a y of other rows would return
+    kept rows as zeros (shorter) or dropped ones as kept (longer), so it is refused, naming the capacity; y of the
+    capacity runs."""
+    mesh = _mesh()
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((R * 6, 16)), jnp.float32)
+    idx = jnp.zeros((R * 6, 1), jnp.int32)  # every token to expert 0: rank 0 receives 24 rows, keeps 8
+
+    def body(x, idx, y_rows):
+        r = ep.dispatch(x, idx, num_experts=8, axis_name="ep", capacity=8, overflow="drop")
+        y = r.x[:y_rows] if y_rows <= 8 else jnp.concatenate([r.x, jnp.ones((y_rows - 8, 16))])
+        return ep.combine(y, r.handle)
+
+    def run(y_rows):
+        f = jax.shard_map(lambda a, b: body(a, b, y_rows), mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        return np.asarray(jax.jit(f)(x, idx))
+
+    with pytest.raises(
+        ValueError, match=rf"y must have the dispatch's 8 rows \(its capacity, overflow='drop'\), got {rows}"
+    ):
+        run(rows)
+    out = run(8)
+    kept = (out != 0).any(-1)
+    np.testing.assert_allclose(out[kept], np.asarray(x)[kept], rtol=1e-6)
+    assert kept.sum() == 8
+
+
 def test_overflow_policy_is_checked():
     mesh = _mesh()
     x = jnp.ones((R, 4, 128))
