@@ -76,10 +76,10 @@ Device::Device(const Config& config, uint32_t rank, uint32_t num_ranks, int ordi
   if (config_.buffer_bytes > kOffsetMask)  // offsets travel through the rings in 48 bits
     throw InvalidArgument("uccl_ep: UCCL_EP_BUFFER_BYTES=" + std::to_string(config_.buffer_bytes) +
                           " is above 2^48 bytes");
-  if (config_.buffer_bytes < kScratchBytes + 2 * num_ranks * 4096ull)
+  if (config_.buffer_bytes < buffer_bytes_for_region(1, num_ranks))
     throw InvalidArgument("uccl_ep: UCCL_EP_BUFFER_BYTES=" + std::to_string(config_.buffer_bytes) +
                           " is too small for " + std::to_string(num_ranks) + " ranks");
-  size_t page = 4096;
+  const size_t page = kRegionPage;
   region_bytes_ = ((config_.buffer_bytes - kScratchBytes) / (2 * size_t(num_ranks))) / page * page;
   buffer_ = static_cast<char*>(host_alloc((config_.buffer_bytes + page - 1) / page * page));
   std::memset(buffer_, 0, config_.buffer_bytes);

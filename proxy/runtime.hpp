@@ -25,6 +25,12 @@ namespace uccl_ep {
 
 // Scratch: [0, 16) fence carriers, [1024, 2048) outgoing abort reason, [2048, 3072) incoming abort reason.
 constexpr size_t kScratchBytes = 4096;
+// Regions are whole pages of the buffer ((buffer - scratch) / (2 * ranks), rounded down to a page).
+constexpr size_t kRegionPage = 4096;
+// The UCCL_EP_BUFFER_BYTES whose regions hold `region_bytes` each, for `num_ranks` ranks: what an error advises.
+inline uint64_t buffer_bytes_for_region(uint64_t region_bytes, uint32_t num_ranks) {
+  return kScratchBytes + 2 * uint64_t(num_ranks) * ((region_bytes + kRegionPage - 1) / kRegionPage * kRegionPage);
+}
 constexpr size_t kAbortOutOffset = 1024;
 constexpr size_t kAbortInOffset = 2048;
 constexpr size_t kAbortReasonBytes = 1024;

@@ -321,3 +321,35 @@ def test_processes_with_different_settings_are_refused_at_initialize():
     assert [x.result for x in launch(HERE, "initialize_outcome", 2, per_rank_env=same, timeout_s=120)] == [
         {"error": None}
     ] * 2
+
+
+def test_the_buffer_size_a_too_large_message_advises_is_enough():
+    """A message past a region of the proxy's buffer names the UCCL_EP_BUFFER_BYTES that holds it; with that buffer
+    the same op runs (regions are whole pages, so the advice rounds the message up to one)."""
+    import dataclasses
+    import re
+
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((R * 60, 1023)), jnp.float32)
+    idx = jnp.zeros((R * 60, 1), jnp.int32)  # every rank sends its 60 rows to rank 0: ~245 KB a message
+
+    def round_trip():
+        mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+        def body(x, i):
+            r = ep.dispatch(x, i, num_experts=R, axis_name="ep")
+            return ep.combine(r.x, r.handle)
+
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx))
+
+    ep.shutdown()
+    try:
+        ep.initialize(config=dataclasses.replace(ep.Config.from_env(), buffer_bytes=1 << 20))
+        with pytest.raises(Exception, match=r"raise UCCL_EP_BUFFER_BYTES to at least \d+") as info:
+            round_trip()
+        advised = int(re.search(r"at least (\d+)", str(info.value)).group(1))
+        ep.shutdown()
+        ep.initialize(config=dataclasses.replace(ep.Config.from_env(), buffer_bytes=advised))
+        np.testing.assert_allclose(round_trip(), np.asarray(x), rtol=1e-6)
+    finally:
+        ep.shutdown()
+        ep.initialize()

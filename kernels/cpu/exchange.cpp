@@ -114,7 +114,7 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
                     std::to_string(plan.rows_to[d]) + " rows to rank " + std::to_string(group.ranks[d]) +
                     ", but a buffer region holds " + std::to_string(dev.region_bytes()) +
                     "; raise UCCL_EP_BUFFER_BYTES to at least " +
-                    std::to_string(kScratchBytes + 2 * uint64_t(dev.num_ranks()) * bytes);
+                    std::to_string(buffer_bytes_for_region(bytes, dev.num_ranks()));
   }
   const bool bad_input = !local_error.empty();
   for (int d = 0; d < group.size; ++d) {

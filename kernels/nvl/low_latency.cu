@@ -892,7 +892,7 @@ void check_area(const uccl_ep::Device& dev, const Group& g, const char* op) {
 std::string bytes_advice(const uccl_ep::Device& dev, int64_t need_per_sender) {
   return "a region of the proxy buffer holds " + std::to_string(dev.region_bytes()) + " bytes, these shapes need " +
          std::to_string(need_per_sender) + "; set UCCL_EP_BUFFER_BYTES >= " +
-         std::to_string(kScratchBytes + 2 * uint64_t(dev.num_ranks()) * uint64_t(need_per_sender));
+         std::to_string(buffer_bytes_for_region(uint64_t(need_per_sender), dev.num_ranks()));
 }
 
 template <class Dev>

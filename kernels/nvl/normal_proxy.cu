@@ -185,11 +185,10 @@ void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t byte
     throw std::invalid_argument(std::string("uccl_ep ") + op + ": GPU-initiated normal mode takes groups of at most " +
                                 std::to_string(kMaxRanks) + " ranks, got " + std::to_string(g.size));
   if (bytes > dev.region_bytes()) {
-    const size_t page = 4096, region = (bytes + page - 1) / page * page;
     throw std::invalid_argument(std::string("uccl_ep ") + op + ": a message of this shape needs " +
                                 std::to_string(bytes) + " bytes per peer but a region of the proxy's buffer holds " +
                                 std::to_string(dev.region_bytes()) + "; raise UCCL_EP_BUFFER_BYTES to at least " +
-                                std::to_string(kScratchBytes + 2 * size_t(dev.num_ranks()) * region));
+                                std::to_string(buffer_bytes_for_region(bytes, dev.num_ranks())));
   }
   if (!fits_writes(dev, pieces, int64_t(bytes)))
     throw std::invalid_argument(
