@@ -353,3 +353,15 @@ def test_the_buffer_size_a_too_large_message_advises_is_enough():
     finally:
         ep.shutdown()
         ep.initialize()
+
+
+def test_forward_mode_derivatives_fail_and_say_so():
+    """Reverse mode only: jax.jvp of dispatch fails (JAX's error for a custom_vjp function names jvp), not with a
+    wrong tangent."""
+    x, idx = jnp.ones((R * T, H)), jnp.zeros((R * T, 1), jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    f = jax.shard_map(
+        lambda x, i: ep.dispatch(x, i, num_experts=E, axis_name="ep").x, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")
+    )
+    with pytest.raises(Exception, match="jvp"):
+        jax.jit(lambda x: jax.jvp(lambda x: f(x, idx), (x,), (x,)))(x)
