@@ -26,11 +26,12 @@ from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import _pairs
-from ._checks import check
+from ._checks import axis_size, check
 from ._ffi import ep_call, like_primal, varying_like, zeros_typed
 from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
@@ -90,10 +91,20 @@ class MoEConfig:
     grouped_matmul: GroupedBackend = "auto"  # the experts' grouped matmuls: Mosaic kernels where they run, else XLA's
 
     def __post_init__(self) -> None:
+        def whole(value: Any) -> bool:
+            return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+        if not whole(self.num_experts) or self.num_experts < 1:
+            raise ValueError(f"jax_uccl_ep: MoEConfig.num_experts must be a positive int, got {self.num_experts!r}")
+        if not whole(self.top_k) or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"jax_uccl_ep: MoEConfig.top_k must be an int in [1, num_experts={self.num_experts}], got "
+                f"{self.top_k!r}"
+            )
         for name in ("capacity_factor", "pair_buffer_factor"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"jax_uccl_ep: MoEConfig.{name} must be positive or None, got {value}")
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"jax_uccl_ep: MoEConfig.{name} must be positive and finite, or None, got {value}")
         if self.capacity_factor is not None and self.pair_buffer_factor is not None:
             raise ValueError(
                 "jax_uccl_ep: MoEConfig sets both capacity_factor (a fixed pair buffer that drops past it) and "
@@ -412,23 +423,46 @@ def swiglu_expert_slots(
     return jnp.where(valid[..., None], y, jnp.zeros((), dtype))
 
 
-def _check_params(params: Params, num_experts: int, axis_name: Any, where: str) -> None:
+def _check_params(params: Params, x: jax.Array, num_experts: int, axis_name: Any, where: str) -> None:
+    """This rank's parameters and tokens as the layer takes them (init_moe_params' shapes, the experts split over
+    the EP axis), each mismatch named."""
     missing = {"router", "w_gate", "w_up", "w_down"} - set(params)
     if missing:
         raise ValueError(f"jax_uccl_ep.{where}: params lack {sorted(missing)} (see init_moe_params)")
-    local, ranks = params["w_gate"].shape[0], jax.lax.axis_size(axis_name)
+    ranks = axis_size(axis_name)  # outside a shard_map: says so
+    shapes = {k: tuple(params[k].shape) for k in ("router", "w_gate", "w_up", "w_down")}
+    for k, v in params.items():
+        if k in shapes and not jnp.issubdtype(v.dtype, jnp.floating):
+            raise ValueError(f"jax_uccl_ep.{where}: params[{k!r}] must be floating point, got {v.dtype}")
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2):
+        raise ValueError(
+            f"jax_uccl_ep.{where}: x must be floating point [..., d_model], got {getattr(x, 'dtype', x)} of shape "
+            f"{getattr(x, 'shape', None)}"
+        )
+    if len(shapes["w_gate"]) != 3 or len(shapes["router"]) != 2:
+        raise ValueError(f"jax_uccl_ep.{where}: params shapes {shapes} are not init_moe_params'")
+    local, d, f = shapes["w_gate"]
     if local * ranks != num_experts:
         raise ValueError(
             f"jax_uccl_ep.{where}: this rank holds {local} experts of {num_experts} on an EP axis of {ranks} ranks; "
             f"shard the expert weights over {axis_name!r} (moe_param_specs)"
         )
+    want = {"router": (d, num_experts), "w_gate": (local, d, f), "w_up": (local, d, f), "w_down": (local, f, d)}
+    for k, shape in want.items():
+        if shapes[k] != shape:
+            raise ValueError(
+                f"jax_uccl_ep.{where}: params[{k!r}] has shape {shapes[k]} on this rank, expected {shape} (d_model "
+                f"{d}, d_ff {f}, {num_experts} experts, {local} a rank; see init_moe_params)"
+            )
+    if x.shape[-1] != d:
+        raise ValueError(f"jax_uccl_ep.{where}: x's last dimension is {x.shape[-1]}, the params' d_model {d}")
 
 
 def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str | tuple[str, ...]) -> MoEOutput:
     """The layer on this rank's shard, inside a ``jax.shard_map`` over `axis_name`: `params` holds this rank's
     experts ([E/R, ...]) and the router; ``x [..., D]`` this rank's tokens. stats hold this rank's counts ([1]
     rows, [E] pairs), aux_loss this rank's loss (moe_ffn averages both over the axis)."""
-    _check_params(params, config.num_experts, axis_name, "moe_ffn_local")
+    _check_params(params, x, config.num_experts, axis_name, "moe_ffn_local")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
     with jax.named_scope(SCOPES["router"]):
@@ -600,7 +634,7 @@ def moe_ffn_decode(
     combine weighted by the router: the dispatch carries the router weights, so each expert's rank weights and sums a
     token's rows and returns one row per token and rank. ``x [..., D]`` with at most `max_tokens_per_rank` tokens.
     Forward only."""
-    _check_params(params, config.num_experts, axis_name, "moe_ffn_decode")
+    _check_params(params, x, config.num_experts, axis_name, "moe_ffn_decode")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
     weights, idx, _ = route(params["router"], tokens, config)

@@ -181,6 +181,50 @@ def test_the_config_refuses_buffer_factors_that_cannot_work():
         layers.MoEConfig(num_experts=E, top_k=K, capacity_factor=-1.0)
     with pytest.raises(ValueError, match="set one"):
         layers.MoEConfig(num_experts=E, top_k=K, capacity_factor=1.25, pair_buffer_factor=1.5)
+    with pytest.raises(ValueError, match="pair_buffer_factor must be positive and finite"):
+        layers.MoEConfig(num_experts=E, top_k=K, pair_buffer_factor=float("inf"))
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        (dict(num_experts=E, top_k=0), r"top_k must be an int in \[1, num_experts=16\], got 0"),
+        (dict(num_experts=E, top_k=E + 1), r"top_k must be an int in \[1, num_experts=16\], got 17"),
+        (dict(num_experts=0, top_k=1), "num_experts must be a positive int, got 0"),
+        (dict(num_experts=8.0, top_k=1), "num_experts must be a positive int, got 8.0"),
+    ],
+)
+def test_the_config_refuses_expert_counts_that_cannot_work(kw, words):
+    with pytest.raises(ValueError, match=words):
+        layers.MoEConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (lambda p, x: ({**p, "router": p["router"][:, :-1]}, x), r"params\['router'\] has shape \(128, 15\)"),
+        (lambda p, x: ({**p, "w_down": jnp.swapaxes(p["w_down"], 1, 2)}, x), r"params\['w_down'\] has shape"),
+        (lambda p, x: ({**p, "w_up": p["w_up"][..., :-1]}, x), r"params\['w_up'\] has shape"),
+        (lambda p, x: (p, x[..., :-1]), "x's last dimension is 127, the params' d_model 128"),
+        (lambda p, x: (p, x.astype(jnp.int32)), "x must be floating point"),
+        (lambda p, x: ({**p, "w_gate": p["w_gate"].astype(jnp.int32)}, x), r"params\['w_gate'\] must be floating"),
+    ],
+    ids=["router short of an expert", "w_down transposed", "w_up narrower", "x narrower", "int x", "int w_gate"],
+)
+def test_parameters_and_tokens_the_layer_cannot_take_are_named(change, words):
+    """Each rank's parameters and tokens are checked against init_moe_params' shapes before anything runs: a
+    router short of an expert would otherwise run, never choosing it; an int x would be truncated."""
+    params, x, mesh = _inputs(8)
+    params, x = change(params, x)
+    config = layers.MoEConfig(num_experts=E, top_k=K)
+    with pytest.raises(ValueError, match=words):
+        layers.moe_ffn(params, x, mesh=mesh, config=config)
+
+
+def test_the_layer_on_one_rank_outside_shard_map_says_where_it_runs():
+    params, x, _ = _inputs(9)
+    with pytest.raises(ValueError, match="the EP ops run inside jax.shard_map"):
+        layers.moe_ffn_local(params, x, layers.MoEConfig(num_experts=E, top_k=K), axis_name="ep")
 
 
 @pytest.mark.parametrize("spec", [P(("dp", "ep")), P("dp", "ep")], ids=["batch over dp and ep", "sequence over ep"])
