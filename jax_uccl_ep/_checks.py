@@ -77,6 +77,11 @@ def flatten_tokens(a: jax.Array, trailing: int = 1) -> tuple[jax.Array, tuple[in
         f"expected [..., tokens, {'...' if trailing > 1 else 'hidden'}] with at least {trailing + 1} dimensions, "
         f"got shape {getattr(a, 'shape', a)}",
     )
+    check(
+        all(n > 0 for n in a.shape[a.ndim - trailing :]),
+        f"the last {'dimensions' if trailing > 1 else 'dimension'} of shape {a.shape} must not be empty (a row "
+        "needs channels)",
+    )
     lead = tuple(a.shape[: a.ndim - trailing])
     return a.reshape((-1, *a.shape[a.ndim - trailing :])), lead
 

@@ -365,3 +365,16 @@ def test_forward_mode_derivatives_fail_and_say_so():
     )
     with pytest.raises(Exception, match="jvp"):
         jax.jit(lambda x: jax.jvp(lambda x: f(x, idx), (x,), (x,)))(x)
+
+
+def test_rows_without_channels_are_named():
+    """x of hidden 0 (or FP8 scales of no columns) is refused by value, not a division by zero."""
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    f = jax.shard_map(
+        lambda x, i: ep.dispatch(x[:, :0], i, num_experts=E, axis_name="ep").x,
+        mesh=mesh,
+        in_specs=P("ep"),
+        out_specs=P("ep"),
+    )
+    with pytest.raises(ValueError, match=r"the last dimension of shape \(\d+, 0\) must not be empty"):
+        jax.jit(f)(jnp.ones((R * T, H)), jnp.zeros((R * T, 1), jnp.int32))
