@@ -77,7 +77,8 @@ class MoEConfig:
     num_experts: int
     top_k: int
     score: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts, or independent sigmoids
-    renormalize: bool = True  # the top-k weights of a token sum to one
+    renormalize: bool = True  # the top-k weights of a token sum to one (at top_k 1 each is 1: the router then
+    # learns from the aux loss only, as Switch's top-1 does not renormalize)
     aux_loss_coef: float = 0.0  # load-balancing loss (Switch Transformer's) times this; 0 leaves it out
     capacity_factor: float | None = None  # (token, expert) pairs a rank may take, per its tokens' top-k slots
     # (None: never drops)
