@@ -174,40 +174,6 @@ __device__ __forceinline__ void warp_copy(char* __restrict__ dst, const char* __
   }
   for (int64_t i = lane; i < bytes; i += kWarp) dst[i] = kLoad == Load::kReadOnly ? src[i] : __ldcg(src + i);
 }
-// One warp: src's first `first` bytes to dst_first and the `second` after them to dst_second (a token row's x and
-// its FP8 scales, adjacent there but in two outputs), as one run of 16-byte vectors: the second part rides in the
-// first's last batch instead of a round trip of its own.
-template <Load kLoad = Load::kReadOnly>
-__device__ __forceinline__ void warp_copy_split(char* __restrict__ dst_first, int64_t first,
-                                                char* __restrict__ dst_second, int64_t second,
-                                                const char* __restrict__ src, int lane) {
-  const uintptr_t misaligned = (reinterpret_cast<uintptr_t>(dst_first) | reinterpret_cast<uintptr_t>(dst_second) |
-                                reinterpret_cast<uintptr_t>(src) | uintptr_t(first) | uintptr_t(second)) %
-                               16;
-  if (misaligned) {
-    warp_copy<kLoad>(dst_first, src, first, lane);
-    warp_copy<kLoad>(dst_second, src + first, second, lane);
-    return;
-  }
-  const int64_t n1 = first / 16, n = n1 + second / 16;
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d1 = reinterpret_cast<int4*>(dst_first);
-  int4* d2 = reinterpret_cast<int4*>(dst_second);
-  for (int64_t i = lane; i < n; i += kUnroll * kWarp) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kWarp < n) v[u] = load16<kLoad>(s + i + u * kWarp);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t j = i + u * kWarp;
-      if (j < n1)
-        d1[j] = v[u];
-      else if (j < n)
-        d2[j - n1] = v[u];
-    }
-  }
-}
 __device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
   if ((bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
     int4* d = reinterpret_cast<int4*>(dst);

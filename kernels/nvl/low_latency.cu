@@ -530,15 +530,10 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
     if (offset[l * R + s] + j >= slab) continue;  // past the capacity: reported above
     const int64_t o = int64_t(l) * slab + offset[l * R + s] + j;
     const char* row = from.region[s] + shape.tokens_at + int64_t(token_row) * shape.row_bytes;
-    if (out.scale_row_bytes && out.scales_at == out.x_row_bytes)  // FP8: the scales right after x in the row
-      warp_copy_split<Load::kCoherent>(out.recv_x + o * out.x_row_bytes, out.x_row_bytes,
-                                       out.recv_scales + o * out.scale_row_bytes, out.scale_row_bytes, row, lane);
-    else {
-      warp_copy<Load::kCoherent>(out.recv_x + o * out.x_row_bytes, row, out.x_row_bytes, lane);
-      if (out.scale_row_bytes)
-        warp_copy<Load::kCoherent>(out.recv_scales + o * out.scale_row_bytes, row + out.scales_at, out.scale_row_bytes,
-                                   lane);
-    }
+    warp_copy<Load::kCoherent>(out.recv_x + o * out.x_row_bytes, row, out.x_row_bytes, lane);
+    if (out.scale_row_bytes)
+      warp_copy<Load::kCoherent>(out.recv_scales + o * out.scale_row_bytes, row + out.scales_at, out.scale_row_bytes,
+                                 lane);
     if (lane == 0) {
       out.src_slot[o] = slot;
       out.recv_weights[o] = __int_as_float(entry.z);
