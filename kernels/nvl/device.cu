@@ -344,7 +344,8 @@ void raise_device_error(const DeviceErrors& e, const std::string& where) {
                              " in low_latency_dispatch, which no sender writes (corrupt or out-of-step low-latency "
                              "buffer); that row was not delivered");
   if (e.code == kExpertRowsPastN)
-    throw std::invalid_argument(where + "sent " + expert_rows_past_n(int(e.a & 0xffffffff), e.b, int(e.a >> 32), int(e.c)) +
+    throw std::invalid_argument(where + "sent " +
+                                expert_rows_past_n(int(e.a & 0xffffffff), e.b, int(e.a >> 32), int(e.c)) +
                                 " (the rows were sent; the op's results are not valid)");
   if (e.code == kNoSourceSlot)
     throw std::invalid_argument(where + "found no source slot (" + std::to_string(e.c) + ") for row " +
