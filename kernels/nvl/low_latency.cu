@@ -550,6 +550,26 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
   stamp(shape, kDispatchRecv, 4);
 }
 
+// A warp's share of a 1 KiB segment of up to kRowsInFlight rows (null: none): each lane loads its vectors of every
+// row before it adds any (one row at a time leaves the loads latency-bound), then adds them weighted into acc.
+constexpr int kSegmentVecs = kCombineSegmentBytes / 16 / kWarp;
+template <typename T, int kRowsInFlight, Load kLoad>
+__device__ __forceinline__ void add_rows(float (&acc)[kSegmentVecs][Vec<T>::kN],
+                                         const int4* const (&rows)[kRowsInFlight], const float (&weight)[kRowsInFlight],
+                                         int64_t v0, int64_t row_vecs) {
+  int4 v[kRowsInFlight][kSegmentVecs];
+#pragma unroll
+  for (int r = 0; r < kRowsInFlight; ++r)
+#pragma unroll
+    for (int u = 0; u < kSegmentVecs; ++u)
+      if (rows[r] && v0 + u * kWarp < row_vecs) v[r][u] = load16<kLoad>(rows[r] + v0 + u * kWarp);
+#pragma unroll
+  for (int r = 0; r < kRowsInFlight; ++r)
+#pragma unroll
+    for (int u = 0; u < kSegmentVecs; ++u)
+      if (rows[r] && v0 + u * kWarp < row_vecs) Vec<T>::add(acc[u], v[r][u], weight[r]);
+}
+
 // Where the dispatch carried the router weights (in.row_weights): each token's rows here, weighted and summed in
 // float32, go back as one row of T to the token's first slot naming one of this rank's experts, the rows of
 // kRowsInFlight slots loaded before any is added. Every block finds each (source, token)'s first slot here
@@ -602,32 +622,22 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
   const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
   const int64_t row_vecs = in.row_bytes / 16;
   const int64_t segments = (in.row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
-  constexpr int kVecs = kCombineSegmentBytes / 16 / kWarp;
   for (int64_t w = threadIdx.x / kWarp; w < int64_t(p1 - p0) * segments; w += warps) {
     const int q = int(w / segments), p = p0 + q, k0 = first_k[p];
     if (k0 >= K) continue;  // nothing of this token here
     const int s = p / N, t = p % N;
     const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16 + lane;
-    float acc[kVecs][Vec<T>::kN] = {};
+    float acc[kSegmentVecs][Vec<T>::kN] = {};
     for (int k1 = k0; k1 < K; k1 += kRowsInFlight) {
-      int4 v[kRowsInFlight][kVecs];
+      const int4* rows[kRowsInFlight];
       float weight[kRowsInFlight];
-      bool used[kRowsInFlight];
 #pragma unroll
       for (int r = 0; r < kRowsInFlight; ++r) {
         const int k = k1 + r, o = k < K ? rows_of[q * K + k] : -1;
-        used[r] = o >= 0;
-        weight[r] = used[r] ? in.row_weights[o] : 0.f;
-        const int4* row = reinterpret_cast<const int4*>(in.y + int64_t(used[r] ? o : 0) * in.row_bytes);
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u)
-          if (used[r] && v0 + u * kWarp < row_vecs) v[r][u] = __ldg(row + v0 + u * kWarp);
+        rows[r] = o >= 0 ? reinterpret_cast<const int4*>(in.y + int64_t(o) * in.row_bytes) : nullptr;
+        weight[r] = o >= 0 ? in.row_weights[o] : 0.f;
       }
-#pragma unroll
-      for (int r = 0; r < kRowsInFlight; ++r)
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u)
-          if (used[r] && v0 + u * kWarp < row_vecs) Vec<T>::add(acc[u], v[r][u], weight[r]);
+      add_rows<T, kRowsInFlight, Load::kReadOnly>(acc, rows, weight, v0, row_vecs);
     }
     int64_t at = int64_t(t) * K + k0;
     if (proxy) {  // packed: after the source's earlier tokens that have a row here (the source's position scan)
@@ -638,7 +648,7 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
     }
     int4* dst = reinterpret_cast<int4*>(to.region[s] + shape.counts_bytes + at * shape.row_bytes);
 #pragma unroll
-    for (int u = 0; u < kVecs; ++u)
+    for (int u = 0; u < kSegmentVecs; ++u)
       if (v0 + u * kWarp < row_vecs) dst[v0 + u * kWarp] = Vec<T>::pack(acc[u]);
   }
 }
@@ -729,8 +739,8 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
 }
 
 // (token, 1 KiB segment) work items: each lane sums two 16-byte vectors of every selected expert's row, weighted,
-// in float32, with the rows of kRowsInFlight experts loaded before any is added (one row at a time leaves the
-// loads latency-bound; 4 rows fit the registers of 512-thread blocks, 2 those of 1024-thread ones).
+// in float32, kRowsInFlight rows at a time (add_rows; 4 rows fit the registers of 512-thread blocks, 2 those of
+// 1024-thread ones).
 template <typename T, int kRowsInFlight>
 __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const Inbox& from, uint64_t timeout_ns,
                              DeviceErrors* err, int* smem) {
@@ -758,39 +768,29 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
   const int64_t row_vecs = out.row_bytes / 16;
   const int64_t segments = (out.row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
-  constexpr int kVecs = kCombineSegmentBytes / 16 / kWarp;
   for (int64_t w = blockIdx.x * warps_per_block + threadIdx.x / kWarp; w < int64_t(out.num_tokens) * segments;
        w += int64_t(gridDim.x) * warps_per_block) {
     const int t = int(w / segments);
     const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16 + lane;
-    float acc[kVecs][Vec<T>::kN] = {};
+    float acc[kSegmentVecs][Vec<T>::kN] = {};
     for (int k0 = 0; k0 < topk; k0 += kRowsInFlight) {
-      int4 v[kRowsInFlight][kVecs];
+      const int4* rows[kRowsInFlight];
       float weight[kRowsInFlight];
-      bool used[kRowsInFlight];
 #pragma unroll
       for (int r = 0; r < kRowsInFlight; ++r) {
         const int k = k0 + r, e = k < topk ? idx[t * topk + k] : -1;
         int64_t j = int64_t(t) * topk + k;  // the row's slot: where the expert's rank put it (or packed)
-        used[r] = e >= 0 && j < shape.capacity_rows;
-        if (from.packed && used[r]) j = position[t * topk + k];
-        weight[r] = used[r] ? out.topk_weights[t * topk + k] : 0.f;
-        const int4* row =
-            used[r] ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes + j * shape.row_bytes)
-                    : nullptr;
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u)
-          if (used[r] && v0 + u * kWarp < row_vecs) v[r][u] = __ldcg(row + v0 + u * kWarp);
+        const bool used = e >= 0 && j < shape.capacity_rows;
+        if (from.packed && used) j = position[t * topk + k];
+        weight[r] = used ? out.topk_weights[t * topk + k] : 0.f;
+        rows[r] = used ? reinterpret_cast<const int4*>(from.region[e / L] + shape.counts_bytes + j * shape.row_bytes)
+                       : nullptr;
       }
-#pragma unroll
-      for (int r = 0; r < kRowsInFlight; ++r)
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u)
-          if (used[r] && v0 + u * kWarp < row_vecs) Vec<T>::add(acc[u], v[r][u], weight[r]);
+      add_rows<T, kRowsInFlight, Load::kCoherent>(acc, rows, weight, v0, row_vecs);
     }
     int4* dst = reinterpret_cast<int4*>(out.out + int64_t(t) * out.row_bytes);
 #pragma unroll
-    for (int u = 0; u < kVecs; ++u)
+    for (int u = 0; u < kSegmentVecs; ++u)
       if (v0 + u * kWarp < row_vecs) dst[v0 + u * kWarp] = Vec<T>::pack(acc[u]);
   }
   // The stale-handle check after block 0's sums, so that its load does not hold back the block's first rows.
