@@ -127,6 +127,20 @@ def _masked_reference(params, x, config, keep):
     return jnp.einsum("te,etd->td", coef, out).reshape(x.shape)
 
 
+def test_the_layer_overflowing_its_capacity_factor_names_what_to_raise():
+    """overflow="error" in the layer: the error speaks of the knob a layer user holds (MoEConfig.capacity_factor),
+    and the runtime stays usable."""
+    config = layers.MoEConfig(num_experts=16, top_k=3, capacity_factor=0.25, overflow="error")
+    mesh = _mesh()
+    specs = layers.moe_param_specs("ep")
+    host = layers.init_moe_params(jax.random.key(10), d_model=128, d_ff=64, num_experts=16)
+    params = {n: jax.device_put(v, NamedSharding(mesh, specs[n])) for n, v in host.items()}
+    x = jax.device_put(jax.random.normal(jax.random.key(11), (8, 6, 128)), NamedSharding(mesh, P("ep")))
+    with pytest.raises(Exception, match=r"the layer: a larger MoEConfig.capacity_factor\) or overflow='drop'"):
+        jax.block_until_ready(jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config).y)(params, x))
+    assert cases.check_case(mesh, 78, 20, 256, 2, 2 * R, jnp.float32) == []
+
+
 def test_layer_with_a_capacity_factor_drops_rows_and_matches_the_masked_reference():
     b, s, d, e, k = 8, 6, 128, 16, 3
     config = layers.MoEConfig(num_experts=e, top_k=k, capacity_factor=0.5)

@@ -76,7 +76,7 @@ std::string pair_overflow_message(const std::string& rank, int64_t needed, int64
   return "rank " + rank + " received pairs that need " + std::to_string(needed) +
          " rows (each expert's rounded up to expert_alignment) but capacity is " + std::to_string(capacity) +
          "; pass a capacity of at least that (the default holds every pair only where each token names an expert at "
-         "most once) or overflow='drop'";
+         "most once; the layer: a larger MoEConfig.capacity_factor) or overflow='drop'";
 }
 
 void dispatch_pairs(Device& dev, const Group& group, DispatchArgs rows, const PairBuffer& pairs) {
