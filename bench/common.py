@@ -703,11 +703,14 @@ class EPBench:
 
         return self._run(name, make, p.exact_bytes(False))
 
-    def uccl_low_latency(self, combine: bool) -> OpResult:
-        """Low-latency dispatch (the FP8 cast inside the op) or combine (bfloat16 rows), max_tokens_per_rank = T.
-        The combine's loop starts with one dispatch (for its handle); its byte counts are normal mode's."""
+    def uccl_low_latency(self, combine: bool, carried: bool = False) -> OpResult:
+        """Low-latency dispatch (the FP8 cast inside the op) or combine (bfloat16 rows), max_tokens_per_rank = T;
+        `carried`: the dispatch carries the router weights, so the combine sums each token's rows on the experts'
+        ranks (a row per token and rank). The combine's loop starts with one dispatch (for its handle); its byte
+        counts are normal mode's."""
         p = self.prob
         name = "uccl_ep LL combine bfloat16" if combine else "uccl_ep LL dispatch fp8"
+        name += ", weights carried" if carried else ""
 
         def make():
             import jax.numpy as jnp
@@ -723,9 +726,14 @@ class EPBench:
                 return looped(step, self.iters, self.unroll)(idx[0, 0] * 0)[None]
 
             def combine_body(x, idx, w):
-                recv, _, handle = ep.low_latency_dispatch(x, idx, use_fp8=False, **kw)
+                recv, _, handle = ep.low_latency_dispatch(
+                    x, idx, use_fp8=False, topk_weights=w if carried else None, **kw
+                )
 
                 def step(tok):
+                    if carried:  # the loop's dependency through the routing (the same on every call)
+                        routing = jnp.where(tok == jnp.inf, -1, idx)
+                        return ep.low_latency_combine(recv, routing, None, handle)[0, 0].astype(jnp.float32)
                     return ep.low_latency_combine(recv, idx, w + tok * 0, handle)[0, 0].astype(jnp.float32)
 
                 return looped(step, self.iters, self.unroll)(w[0, 0] * 0)[None]
@@ -801,7 +809,7 @@ class EPBench:
 
     def op(self, name: str) -> OpResult:
         """Runs one op by name: 'dispatch', 'dispatch_fp8', 'dispatch_expert', 'combine', 'll_dispatch_fp8',
-        'll_combine', 'all_to_all', 'ragged_all_to_all'."""
+        'll_combine', 'll_combine_carried', 'all_to_all', 'ragged_all_to_all'."""
         table = {
             "dispatch": lambda: self.uccl_dispatch(False),
             "dispatch_fp8": lambda: self.uccl_dispatch(True),
@@ -809,6 +817,7 @@ class EPBench:
             "combine": self.uccl_combine,
             "ll_dispatch_fp8": lambda: self.uccl_low_latency(False),
             "ll_combine": lambda: self.uccl_low_latency(True),
+            "ll_combine_carried": lambda: self.uccl_low_latency(True, carried=True),
             "all_to_all": self.all_to_all,
             "ragged_all_to_all": self.ragged_all_to_all,
         }

@@ -36,7 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 DEFAULT_OPS = ["dispatch", "dispatch_fp8", "combine", "all_to_all", "ragged_all_to_all"]
-ALL_OPS = DEFAULT_OPS + ["dispatch_expert", "ll_dispatch_fp8", "ll_combine"]  # ll_*: --tokens is max_tokens_per_rank
+ALL_OPS = DEFAULT_OPS + [
+    "dispatch_expert",
+    "ll_dispatch_fp8",
+    "ll_combine",
+    "ll_combine_carried",
+]  # ll_*: --tokens is max_tokens_per_rank
 
 
 def child(cfg: dict) -> dict:

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -12,24 +11,33 @@
 namespace uccl_ep::cpu {
 namespace {
 
-float to_f32(const uint8_t* p, FloatType t) {
+// n float32 values as type t (the type's loop chosen once).
+void store_as(const float* values, size_t n, uint8_t* out, FloatType t) {
   if (t == FloatType::kF32) {
-    float f;
-    std::memcpy(&f, p, 4);
-    return f;
-  }
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return bf16_to_f32(v);
-}
-
-void from_f32(float f, uint8_t* p, FloatType t) {
-  if (t == FloatType::kF32) {
-    std::memcpy(p, &f, 4);
+    std::memcpy(out, values, n * 4);
     return;
   }
-  uint16_t v = f32_to_bf16(f);
-  std::memcpy(p, &v, 2);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t v = f32_to_bf16(values[i]);
+    std::memcpy(out + i * 2, &v, 2);
+  }
+}
+
+// acc[h] += weight * row[h] over a row of `hidden` values of type t (the type's loop chosen once per row).
+void add_weighted(float* acc, const uint8_t* row, int hidden, FloatType t, float weight) {
+  if (t == FloatType::kF32) {
+    for (int h = 0; h < hidden; ++h) {
+      float f;
+      std::memcpy(&f, row + size_t(h) * 4, 4);
+      acc[h] += weight * f;
+    }
+    return;
+  }
+  for (int h = 0; h < hidden; ++h) {
+    uint16_t v;
+    std::memcpy(&v, row + size_t(h) * 2, 2);
+    acc[h] += weight * bf16_to_f32(v);
+  }
 }
 
 // (token, slot) pairs of this rank's tokens for each global expert, in token then slot order.
@@ -167,31 +175,42 @@ void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDisp
 // here weighted (float32, then y's dtype), in the order the source reads them with its topk_idx holding only each
 // rank's first slot (with_combine_receive): by the local expert of the token's first slot here, then token.
 struct TokenSums {
-  std::vector<std::vector<float>> rows;  // by position in the message
+  int hidden = 0;
+  std::vector<float> sums;   // [tokens here, hidden], in the order the tokens were met
+  std::vector<int> message;  // the message's rows: indices into sums
+  const float* row(uint32_t i) const { return sums.data() + size_t(message[i]) * hidden; }
 };
 TokenSums sums_for_source(const LowLatencyCombineArgs& a, int s, int R, int L, const std::vector<int32_t>& begin) {
   const size_t slab = size_t(R) * a.max_tokens_per_rank;
   const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2;
-  // token -> (first slot here, its local expert, sum)
-  std::map<int, std::tuple<int, int, std::vector<float>>> by_token;
+  TokenSums out;
+  out.hidden = a.hidden;
+  std::vector<int> index(size_t(a.max_tokens_per_rank), -1);  // token -> its sum
+  std::vector<int> token, first, expert;                      // by sum: the token, its first slot here and its expert
+  size_t rows = 0;
+  for (int l = 0; l < L; ++l) rows += size_t(std::max(0, a.layout[size_t(l) * R + s]));
+  out.sums.reserve(std::min(rows, size_t(a.max_tokens_per_rank)) * size_t(a.hidden));
   for (int l = 0; l < L; ++l)
     for (int i = 0; i < a.layout[size_t(l) * R + s]; ++i) {
       const size_t o = size_t(l) * slab + size_t(begin[size_t(l) * R + s]) + size_t(i);
       const int j = a.src_slot[o], t = j / a.topk, k = j % a.topk;
-      auto [it, fresh] = by_token.try_emplace(t, k, l, std::vector<float>(size_t(a.hidden), 0.f));
-      auto& [first, expert, sum] = it->second;
-      if (!fresh && k < first) first = k, expert = l;
-      const float w = a.row_weights[o];
-      const uint8_t* row = bytes_of(a.y) + o * a.hidden * elem;
-      for (int h = 0; h < a.hidden; ++h) sum[size_t(h)] += w * to_f32(row + h * elem, a.dtype);
+      if (j < 0 || t >= a.max_tokens_per_rank) continue;  // no source slot (stale handle): the source's count check
+      int& at = index[size_t(t)];
+      if (at < 0) {
+        at = int(token.size());
+        token.push_back(t), first.push_back(k), expert.push_back(l);
+        out.sums.resize(out.sums.size() + size_t(a.hidden), 0.f);
+      } else if (k < first[size_t(at)]) {
+        first[size_t(at)] = k, expert[size_t(at)] = l;
+      }
+      add_weighted(out.sums.data() + size_t(at) * a.hidden, bytes_of(a.y) + o * a.hidden * elem, a.hidden, a.dtype,
+                   a.row_weights[o]);
     }
-  std::vector<std::tuple<int, int, std::vector<float>*>> order;  // (expert, token, sum)
-  for (auto& [t, entry] : by_token) order.emplace_back(std::get<1>(entry), t, &std::get<2>(entry));
-  std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
-    return std::tie(std::get<0>(x), std::get<1>(x)) < std::tie(std::get<0>(y), std::get<1>(y));
+  out.message.resize(token.size());
+  for (size_t i = 0; i < token.size(); ++i) out.message[i] = int(i);
+  std::sort(out.message.begin(), out.message.end(), [&](int x, int y) {
+    return std::tie(expert[size_t(x)], token[size_t(x)]) < std::tie(expert[size_t(y)], token[size_t(y)]);
   });
-  TokenSums out;
-  for (auto& [l, t, sum] : order) out.rows.push_back(std::move(*sum));
   return out;
 }
 
@@ -220,14 +239,13 @@ void with_combine_send(const Group& group, const LowLatencyCombineArgs& a, Run&&
   } else if (a.row_weights) {
     for (int s = 0; s < R; ++s) {
       sums.push_back(sums_for_source(a, s, R, L, begin));
-      plan.rows_to[s] = uint32_t(sums.back().rows.size());
+      plan.rows_to[s] = uint32_t(sums.back().message.size());
     }
   }
   PackRow pack = [&](int s, uint32_t i, uint8_t* out) {
     if (a.row_weights) {
-      const auto& sum = sums[size_t(s)].rows[i];
-      const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2;
-      for (int h = 0; h < a.hidden; ++h) from_f32(sum[size_t(h)], out + h * elem, a.dtype);
+      const float* sum = sums[size_t(s)].row(i);
+      store_as(sum, size_t(a.hidden), out, a.dtype);
       return;
     }
     int l = 0;
@@ -241,7 +259,7 @@ void with_combine_send(const Group& group, const LowLatencyCombineArgs& a, Run&&
 template <class Run>
 void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombineArgs& a, Run&& run) {
   const int L = a.num_experts / group.size;
-  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2, row_bytes = round_up16(combine_row_bytes(a));
+  const uint64_t row_bytes = round_up16(combine_row_bytes(a));
   std::string bad_input = check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   auto slots = slots_by_expert(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   const size_t values = size_t(a.num_tokens) * a.hidden;
@@ -261,15 +279,14 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
       for (auto [t, k] : slots[r * L + l]) {
         const uint8_t* in = rows + uint64_t(j++) * row_bytes;
         const float w = a.topk_weights[size_t(t) * a.topk + k];
-        float* dst = acc + size_t(t) * a.hidden;
-        for (int h = 0; h < a.hidden; ++h) dst[h] += w * to_f32(in + h * elem, a.dtype);
+        add_weighted(acc + size_t(t) * a.hidden, in, a.hidden, a.dtype, w);
       }
   };
   run(unpack);
   // topk_idx is the dispatch's, checked there; a different one here shows as a row-count mismatch.
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + mismatch + " (stale handle?)");
   if (!bad_input.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + bad_input);
-  for (size_t i = 0; i < values; ++i) from_f32(acc[i], bytes_of(a.out) + i * elem, a.dtype);
+  store_as(acc, values, bytes_of(a.out), a.dtype);
 }
 
 }  // namespace
