@@ -13,7 +13,8 @@
 // A dispatch region: [counts: int32 per local expert of the receiver, 256-byte aligned][row map][token rows].
 // A token goes to each rank once, however many of that rank's experts it chose (at K = 8 of 256 experts on two
 // ranks, a quarter of the NVLink bytes of a copy per expert); the receiver fans it out. The row map lists the
-// receiver's rows grouped by its local expert, then the sender's token order, as (token row, slot = token * K + k);
+// receiver's rows grouped by its local expert, then the sender's token order, as MapEntry (token row, slot =
+// token * K + k, the slot's router weight where the dispatch carries them);
 // the sender computes every position itself (each warp counts over the routing), so no atomics decide the layout
 // and results are deterministic. Token rows: [x | scales], each part 16-byte aligned; with an FP8 cast the
 // sender casts x on the way (kernels/fp8.hpp), so x is read once and no FP8 copy of it is made.
@@ -588,7 +589,8 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
   for (int i = threadIdx.x; i < (p1 - p0) * K; i += blockDim.x) rows_of[i] = -1;
   for (int i = threadIdx.x; i < L * R; i += blockDim.x) sums[i] = 0;
   __syncthreads();
-  // Row i of y's rows: its (source, token) p and slot k, or false where the handle names no slot (reported once).
+  // Row i of y's rows: its (source, token) p and slot k, or false where the handle names no slot (block 0 reports
+  // it; the first report is the one kept).
   auto decode = [&](int i, int& p, int& k, int64_t& o, int& l, int& s) {
     l = group_of(cum, L, i);
     const int r = i - cum[l];
