@@ -432,10 +432,10 @@ def _check_params(params: Params, x: jax.Array, num_experts: int, axis_name: Any
         raise ValueError(f"jax_uccl_ep.{where}: params lack {sorted(missing)} (see init_moe_params)")
     ranks = axis_size(axis_name)  # outside a shard_map: says so
     shapes = {k: tuple(params[k].shape) for k in ("router", "w_gate", "w_up", "w_down")}
-    for k, v in params.items():
-        if k in shapes and not jnp.issubdtype(v.dtype, jnp.floating):
-            raise ValueError(f"jax_uccl_ep.{where}: params[{k!r}] must be floating point, got {v.dtype}")
-    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2):
+    for k in shapes:
+        if not jnp.issubdtype(params[k].dtype, jnp.floating):
+            raise ValueError(f"jax_uccl_ep.{where}: params[{k!r}] must be floating point, got {params[k].dtype}")
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 1):
         raise ValueError(
             f"jax_uccl_ep.{where}: x must be floating point [..., d_model], got {getattr(x, 'dtype', x)} of shape "
             f"{getattr(x, 'shape', None)}"

@@ -221,6 +221,21 @@ def test_parameters_and_tokens_the_layer_cannot_take_are_named(change, words):
         layers.moe_ffn(params, x, mesh=mesh, config=config)
 
 
+def test_one_token_a_rank_as_a_vector_runs():
+    """x [..., D] with no leading dimension (one token on each rank, x [D]): the layer and the decode layer take it."""
+    config = layers.MoEConfig(num_experts=8, top_k=2)
+    params = layers.init_moe_params(jax.random.key(12), d_model=D, d_ff=F, num_experts=8)
+    x = jax.random.normal(jax.random.key(13), (R, D))
+    mesh, specs = _mesh(), layers.moe_param_specs("ep")
+    want = np.asarray(layers.moe_ffn_reference(params, x, config).y)
+    for fn in (
+        lambda p, t: layers.moe_ffn_local(p, t[0], config, axis_name="ep").y[None],
+        lambda p, t: layers.moe_ffn_decode(p, t[0], config, axis_name="ep", max_tokens_per_rank=1, use_fp8=False)[None],
+    ):
+        got = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("ep")), out_specs=P("ep")))(params, x)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
 def test_the_layer_on_one_rank_outside_shard_map_says_where_it_runs():
     params, x, _ = _inputs(9)
     with pytest.raises(ValueError, match="the EP ops run inside jax.shard_map"):
