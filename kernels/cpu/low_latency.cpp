@@ -182,7 +182,6 @@ struct TokenSums {
 };
 TokenSums sums_for_source(const LowLatencyCombineArgs& a, int s, int R, int L, const std::vector<int32_t>& begin) {
   const size_t slab = size_t(R) * a.max_tokens_per_rank;
-  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2;
   TokenSums out;
   out.hidden = a.hidden;
   std::vector<int> index(size_t(a.max_tokens_per_rank), -1);  // token -> its sum
@@ -203,7 +202,7 @@ TokenSums sums_for_source(const LowLatencyCombineArgs& a, int s, int R, int L, c
       } else if (k < first[size_t(at)]) {
         first[size_t(at)] = k, expert[size_t(at)] = l;
       }
-      add_weighted(out.sums.data() + size_t(at) * a.hidden, bytes_of(a.y) + o * a.hidden * elem, a.hidden, a.dtype,
+      add_weighted(out.sums.data() + size_t(at) * a.hidden, bytes_of(a.y) + o * combine_row_bytes(a), a.hidden, a.dtype,
                    a.row_weights[o]);
     }
   out.message.resize(token.size());
