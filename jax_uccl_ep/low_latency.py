@@ -350,7 +350,7 @@ def _check_combine_send(y, handle):
     )
 
 
-def _combine_routing(topk_idx, topk_weights, topk: int, local_experts: int, sums_on_experts: bool):
+def _combine_routing(topk_idx, topk_weights, topk: int, num_experts: int, local_experts: int, sums_on_experts: bool):
     """The receive half's routing as the kernels take it: int32 indices, float32 weights (any int and float
     dtypes in). Where the experts' ranks sum a token's rows, each rank's row comes back at the token's first slot
     that names one of its experts, weighted 1: the other slots are -1."""
@@ -372,7 +372,9 @@ def _combine_routing(topk_idx, topk_weights, topk: int, local_experts: int, sums
     earlier = jnp.tril(jnp.ones((topk, topk), bool), -1)  # [k, k']: k' before k
     repeats = ((rank[:, :, None] == rank[:, None, :]) & earlier).any(-1)
     first = (rank >= 0) & ~repeats
-    return jnp.where(first, topk_idx, -1), first.astype(jnp.float32)
+    # Indices outside [-1, E) stay, masked or not, so the op names them as the per-slot combine does.
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    return jnp.where(first | bad, topk_idx, -1), first.astype(jnp.float32)
 
 
 def _row_weights(handle: LowLatencyHandle) -> jax.Array:
@@ -416,7 +418,9 @@ def low_latency_combine_recv(
     if not isinstance(static, _CombineStatic):
         raise ValueError("jax_uccl_ep: low_latency_combine_recv takes what low_latency_combine_send returned")
     local = static.num_experts // axis_size(static.axis_name)
-    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, static.topk, local, static.sums_on_experts)
+    topk_idx, topk_weights = _combine_routing(
+        topk_idx, topk_weights, static.topk, static.num_experts, local, static.sums_on_experts
+    )
     (out,) = ep_call(
         "low_latency_combine_recv",
         (jax.ShapeDtypeStruct((topk_idx.shape[0], static.hidden), jnp.dtype(static.dtype)),),
@@ -441,7 +445,9 @@ def low_latency_combine(
     low_latency_combine_recv."""
     _check_combine_send(y, handle)
     local = handle.num_experts // axis_size(handle.axis_name)
-    topk_idx, topk_weights = _combine_routing(topk_idx, topk_weights, handle.topk, local, handle.weights is not None)
+    topk_idx, topk_weights = _combine_routing(
+        topk_idx, topk_weights, handle.topk, handle.num_experts, local, handle.weights is not None
+    )
     (out,) = ep_call(
         "low_latency_combine",
         (jax.ShapeDtypeStruct((topk_idx.shape[0], y.shape[2]), y.dtype),),

@@ -380,11 +380,20 @@ def check_low_latency(
 
 
 def low_latency_round_trip(
-    mesh: Mesh, x, idx, w, num_experts: int, *, combine_idx=None, max_tokens=None, carry_weights=False
+    mesh: Mesh,
+    x,
+    idx,
+    w,
+    num_experts: int,
+    *,
+    combine_idx=None,
+    max_tokens=None,
+    carry_weights=False,
+    split_combine=False,
 ):
     """Low-latency dispatch (no FP8), identity experts, combine, on host data [R, ...]: (combined [R, T, H], counts
     [R, L]) on every process; combine_idx replaces the routing given to combine; with carry_weights the dispatch
-    carries the weights and combine sums on the experts' ranks."""
+    carries the weights and combine sums on the experts' ranks; split_combine runs combine as its two halves."""
 
     def body(x, i, ci, w):
         recv, count, handle = ep.low_latency_dispatch(
@@ -396,7 +405,12 @@ def low_latency_round_trip(
             use_fp8=False,
             topk_weights=w[0] if carry_weights else None,
         )
-        return ep.low_latency_combine(recv, ci[0], None if carry_weights else w[0], handle)[None], count[None]
+        weights = None if carry_weights else w[0]
+        if split_combine:
+            out = ep.low_latency_combine_recv(ep.low_latency_combine_send(recv, handle), ci[0], weights)
+        else:
+            out = ep.low_latency_combine(recv, ci[0], weights, handle)
+        return out[None], count[None]
 
     ci = idx if combine_idx is None else combine_idx
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))

@@ -6,6 +6,7 @@ Both process modes: one process driving every GPU (JAX's default) and one proces
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -226,7 +227,46 @@ def _low_latency_error_checks(mesh, problems: dict, owns_rank0: bool) -> None:
     out2, _ = cases.low_latency_round_trip(mesh, x2, idx2, w2, e)
     ok = np.allclose(out2, cases.low_latency_weighted_sum(x2, idx2, w2), 1e-5, 1e-6)
     problems["ll_after_rows_past_n"] = [] if ok else ["sums after the error"]
-    checks = ("ll_repeat_fits", "ll_rows_past_n", "ll_after_rows_past_n")
+    # A bad index given to combine alone (the dispatch had the good routing), in a later slot of a rank the token's
+    # first slot names: with the weights carried that slot is no row's, and must still be named.
+    good = ref.random_routing(rng, r, n, 2, e)
+    good[0, 2] = [0, 1]  # both on rank 0
+    bad = good.copy()
+    bad[0, 2, 1] = 10 * e
+    try:
+        cases.low_latency_round_trip(mesh, x, good, w, e, combine_idx=bad, carry_weights=True)
+        ep.check_errors()
+        problems["ll_combine_bad_index"] = ["no error for a bad index given to combine"] if owns_rank0 else []
+    except Exception as exc:  # noqa: BLE001
+        named = re.search(rf"topk_idx\[2, 1\] = {10 * e} (is )?outside", str(exc))
+        problems["ll_combine_bad_index"] = [] if named else [str(exc)[:300]]
+    ep.check_errors()
+    # Shapes whose combine kernels need more shared memory a block than the GPU gives (the carried weights' first
+    # slots grow with ranks x max_tokens_per_rank) while the dispatch's fit: refused on every rank before anything
+    # moves, and the next call right. Host-run paths have no such limit: there the results must be right.
+    from jax_uccl_ep import _plan
+
+    plan = _plan.current()
+    gpu_kernels = plan.platform == "gpu" and (plan.nvlink or plan.gpu_initiated_low_latency)
+    n_big = 80_000 // r
+    xb = rng.standard_normal((r, n_big, 32)).astype(np.float32)
+    ib = ref.random_routing(rng, r, n_big, 1, 2 * r)
+    wb = rng.random((r, n_big, 1)).astype(np.float32)
+    try:
+        outb, _ = cases.low_latency_round_trip(mesh, xb, ib, wb, 2 * r, carry_weights=True)
+        ep.check_errors()
+        ok = np.allclose(outb, cases.low_latency_weighted_sum(xb, ib, wb), 1e-5, 1e-6)
+        problems["ll_shared_memory"] = ["not refused"] if gpu_kernels else [] if ok else ["sums on a host path"]
+    except Exception as exc:  # noqa: BLE001
+        named = "low_latency_combine: these shapes need" in str(exc) and "ranks x max_tokens_per_rank" in str(exc)
+        problems["ll_shared_memory"] = [] if named and gpu_kernels else [str(exc)[:300]]
+    ep.check_errors()
+    x2, idx2, w2 = x[:, ::-1].copy(), ref.random_routing(rng, r, n, 2, e), rng.random((r, n, 2)).astype(np.float32)
+    out2, _ = cases.low_latency_round_trip(mesh, x2, idx2, w2, e, carry_weights=True)
+    ok = np.allclose(out2, cases.low_latency_weighted_sum(x2, idx2, w2), 1e-5, 1e-6)
+    problems["ll_after_refusals"] = [] if ok else ["sums after the refusals"]
+    checks = ("ll_repeat_fits", "ll_rows_past_n", "ll_after_rows_past_n", "ll_combine_bad_index")
+    checks += ("ll_shared_memory", "ll_after_refusals")
     print(f"ll errors: {[problems[k] for k in checks]}", flush=True)
 
 

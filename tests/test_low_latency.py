@@ -339,6 +339,24 @@ def test_bad_expert_index_raises_on_every_rank_and_runtime_stays_usable(bad):
     _ll_still_works()
 
 
+@pytest.mark.parametrize("bad", [8, -2])
+@pytest.mark.parametrize("carry", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_a_bad_index_given_to_combine_is_named_and_the_runtime_stays_usable(bad, carry, split):
+    """Combine takes the routing again: a bad index there (other than the dispatch's) is named, on every rank where
+    the op is fused, on its own rank in the receive half (the round is done by then), and the next call works. With
+    the weights carried each rank's row comes back at the token's first slot on that rank, so the bad index sits
+    in a later slot of the same rank: it must still be named."""
+    x, idx, w = _ll_inputs(9)
+    idx[1, 4] = [2, 3]  # two experts of rank 1: slot 1 repeats the rank
+    other = idx.copy()
+    other[1, 4, 1] = bad
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    with pytest.raises(Exception, match=rf"topk_idx\[4, 1\] = {bad} is outside \[-1, num_experts=8\)"):
+        cases.low_latency_round_trip(mesh, x, idx, w, 8, combine_idx=other, carry_weights=carry, split_combine=split)
+    _ll_still_works()
+
+
 def test_an_expert_named_in_more_slots_than_it_holds_is_named_on_every_rank_and_the_runtime_stays_usable():
     """A row goes per top-k slot and an expert holds max_tokens_per_rank rows from each rank, so only tokens naming an
     expert twice can pass it: the ranks refuse the call before any row moves, naming the expert and a token that

@@ -232,6 +232,9 @@ void with_combine_send(const Group& group, const LowLatencyCombineArgs& a, Run&&
     }
     plan.rows_to.push_back(rows);
   }
+  // The fused op holds this rank's routing too: a bad index fails the round on every rank, which stay in step.
+  if (plan.local_error.empty() && a.topk_idx)
+    plan.local_error = check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts);
   std::vector<TokenSums> sums;
   if (!plan.local_error.empty()) {
     plan.rows_to.assign(R, 0);
@@ -282,9 +285,11 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
       }
   };
   run(unpack);
-  // topk_idx is the dispatch's, checked there; a different one here shows as a row-count mismatch.
+  // A bad index reaches here only in the receive half (the fused op refuses it in its round): the round is done and
+  // the peers' results do not depend on this rank's routing, so this rank alone raises and all stay in step. Other
+  // routing than the dispatch's shows as a row-count mismatch.
+  if (!bad_input.empty()) throw InvalidArgument("uccl_ep low_latency_combine: " + bad_input);
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + mismatch + " (stale handle?)");
-  if (!bad_input.empty()) abort_group(dev, group, "uccl_ep low_latency_combine: " + bad_input);
   store_as(acc, values, bytes_of(a.out), a.dtype);
 }
 

@@ -26,12 +26,14 @@
 // rank's experts; the counts then count those rows, and the source reads each rank's row at weight 1.
 #include <algorithm>
 #include <any>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_fp8.h>
@@ -573,9 +575,12 @@ __device__ __forceinline__ void add_rows(float (&acc)[kSegmentVecs][Vec<T>::kN],
 
 // Where the dispatch carried the router weights (in.row_weights): each token's rows here, weighted and summed in
 // float32, go back as one row of T to the token's first slot naming one of this rank's experts, the rows of
-// kRowsInFlight slots loaded before any is added. Every block finds each (source, token)'s first slot here
-// (first_k, K where none) and the count of rows it sends each source by that slot's expert (sums[l * R + s], the
-// counts the source checks); a block sends the tokens of its share of the R * N, whose rows it notes in rows_of.
+// kRowsInFlight slots loaded before any is added. Every block finds each (source, token)'s first slot here and that
+// slot's expert (first_k: k * kFirstSlot + l, kNoSlot where none), then counts the rows it sends each source by that
+// expert (sums[l * R + s], the counts the source checks); a block sends the tokens of its share of the R * N, whose
+// rows it notes in rows_of.
+constexpr int kFirstSlot = 1 << 16;  // first_k's slot unit: local experts < 65536
+constexpr int kNoSlot = INT_MAX;
 template <typename T, int kRowsInFlight>
 __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, const Outbox& to, const int* rows,
                                   const int* begin, const int* cum, int all_rows, int* sums, int* first_k, int* rows_of,
@@ -585,7 +590,7 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
   const int tokens = R * N, per_block = (tokens + gridDim.x - 1) / gridDim.x;
   const int p0 = min(tokens, int(blockIdx.x) * per_block), p1 = min(tokens, p0 + per_block);
   const bool proxy = to.proxy.ring.slots != nullptr;
-  for (int i = threadIdx.x; i < tokens; i += blockDim.x) first_k[i] = K;
+  for (int i = threadIdx.x; i < tokens; i += blockDim.x) first_k[i] = kNoSlot;
   for (int i = threadIdx.x; i < (p1 - p0) * K; i += blockDim.x) rows_of[i] = -1;
   for (int i = threadIdx.x; i < L * R; i += blockDim.x) sums[i] = 0;
   __syncthreads();
@@ -610,23 +615,21 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
     int p, k, l, s;
     int64_t o;
     if (!decode(i, p, k, o, l, s)) continue;
-    atomicMin(&first_k[p], k);
+    atomicMin(&first_k[p], k * kFirstSlot + l);
     if (p >= p0 && p < p1) rows_of[(p - p0) * K + k] = int(o);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < all_rows; i += blockDim.x) {
-    int p, k, l, s;
-    int64_t o;
-    if (decode(i, p, k, o, l, s) && k == first_k[p]) atomicAdd(&sums[l * R + s], 1);
-  }
+  for (int p = threadIdx.x; p < tokens; p += blockDim.x)
+    if (first_k[p] != kNoSlot) atomicAdd(&sums[(first_k[p] % kFirstSlot) * R + p / N], 1);
   __syncthreads();
 
   const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
   const int64_t row_vecs = in.row_bytes / 16;
   const int64_t segments = (in.row_bytes + kCombineSegmentBytes - 1) / kCombineSegmentBytes;
   for (int64_t w = threadIdx.x / kWarp; w < int64_t(p1 - p0) * segments; w += warps) {
-    const int q = int(w / segments), p = p0 + q, k0 = first_k[p];
-    if (k0 >= K) continue;  // nothing of this token here
+    const int q = int(w / segments), p = p0 + q;
+    if (first_k[p] == kNoSlot) continue;  // nothing of this token here
+    const int k0 = first_k[p] / kFirstSlot;
     const int s = p / N, t = p % N;
     const int64_t v0 = (w % segments) * kCombineSegmentBytes / 16 + lane;
     float acc[kSegmentVecs][Vec<T>::kN] = {};
@@ -644,7 +647,7 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
     int64_t at = int64_t(t) * K + k0;
     if (proxy) {  // packed: after the source's earlier tokens that have a row here (the source's position scan)
       int below = 0;
-      for (int u = lane; u < t; u += kWarp) below += first_k[s * N + u] < K;
+      for (int u = lane; u < t; u += kWarp) below += first_k[s * N + u] != kNoSlot;
       for (int d = kWarp / 2; d > 0; d /= 2) below += __shfl_xor_sync(0xffffffffu, below, d);
       at = below;
     }
@@ -751,7 +754,7 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   int* count = idx + pairs;                 // [num_experts] (block 0): slots per expert, for the stale-handle check
   int* position = count + out.num_experts;  // packed: [pairs], the slot's row in its expert's rank's message
   stamp(shape, kCombineRecv, 0);
-  load_slots(out.topk_idx, pairs, topk, out.num_experts, idx, err, shape.rank, false);
+  load_slots(out.topk_idx, pairs, topk, out.num_experts, idx, err, shape.rank, blockIdx.x == 0);
   __syncthreads();
   if (from.packed && threadIdx.x / kWarp < shape.num_ranks) {  // warp d: the slots that chose an expert of rank d
     const int d = threadIdx.x / kWarp;
@@ -924,6 +927,28 @@ size_t shared_bytes(Kernel kernel, size_t bytes) {
   return bytes;
 }
 
+// The cuda device an op's kernels run on.
+int cuda_device_of(const NvlDevice& dev) { return dev.cuda_device(); }
+int cuda_device_of(const uccl_ep::Device& dev) { return dev.ordinal(); }
+
+// Refuses shapes whose kernels need more shared memory a block than the GPU gives (the opt-in limit less the
+// kernel's static shared memory), before anything moves: every rank has the same shapes, so every rank refuses,
+// where the launch would fail on some ranks after their counters moved.
+template <class Kernel>
+void check_shared(Kernel kernel, size_t bytes, int cuda_device, const char* op, const std::string& grows_with) {
+  if (bytes <= 32 * 1024) return;  // every GPU these kernels build for gives a block more
+  int optin = 0;
+  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cuda_device), "cudaDeviceGetAttribute");
+  cudaFuncAttributes attributes{};
+  check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
+  const size_t limit = size_t(optin) - attributes.sharedSizeBytes;
+  if (bytes > limit)
+    throw std::invalid_argument(std::string("uccl_ep ") + op + ": these shapes need " + std::to_string(bytes) +
+                                " bytes of shared memory a block, more than the " + std::to_string(limit) +
+                                " this GPU gives (it grows with " + grows_with +
+                                "); call with fewer tokens (max_tokens_per_rank) or experts");
+}
+
 // Send side: the next op of each pair, its half and the peer's region and flag for us.
 Outbox outbox(NvlDevice& dev, const Group& g) {
   Outbox to{};
@@ -992,6 +1017,17 @@ bool fits_at_once(Kernel kernel, int blocks, int threads, size_t smem, int cuda_
   return known[key] = int64_t(per_sm) * sms >= blocks;
 }
 
+// Send: the block's token trips, the routing, slots per expert (dispatch_send).
+size_t dispatch_send_shared(const LowLatencyDispatchArgs& a, const Shape& shape) {
+  const size_t per_block = (size_t(a.num_tokens) + kSendBlocks - 1) / kSendBlocks;
+  return per_block * shape.num_ranks * sizeof(TokenTrip) +
+         (size_t(a.num_tokens) * a.topk + size_t(a.num_experts)) * sizeof(int);
+}
+size_t dispatch_recv_shared(const Shape& shape) {
+  const size_t R = shape.num_ranks, L = shape.local_experts;
+  return (3 * R * L + L + R + 1) * sizeof(int);
+}
+
 template <class Dev>
 Shape dispatch_shape(const Dev& dev, const Group& g, const LowLatencyDispatchArgs& a) {
   const int64_t token_row = token_row_bytes(a.x_row_bytes, a.scale_row_bytes);
@@ -1008,6 +1044,9 @@ Shape dispatch_shape(const Dev& dev, const Group& g, const LowLatencyDispatchArg
                                 " tokens, more than max_tokens_per_rank=" + std::to_string(a.max_tokens_per_rank));
   if (a.cast != Fp8Cast::kNone && (a.x_row_bytes % kFp8Block != 0 || a.x_row_bytes <= 0))
     throw std::invalid_argument("uccl_ep low_latency_dispatch: an FP8 cast needs hidden a multiple of 128");
+  const size_t send = dispatch_send_shared(a, shape), recv = dispatch_recv_shared(shape);
+  check_shared(dispatch_kernel<true, true>, std::max(send, recv), cuda_device_of(dev), "low_latency_dispatch",
+               send >= recv ? "tokens x top-k and experts" : "ranks x local experts");
   return shape;
 }
 DispatchSource dispatch_source(const LowLatencyDispatchArgs& a) {
@@ -1037,39 +1076,7 @@ DispatchTarget dispatch_target(const LowLatencyDispatchArgs& a) {
           a.src_slot,
           a.recv_weights};
 }
-// Send: the block's token trips, the routing, slots per expert (dispatch_send).
-size_t dispatch_send_shared(const LowLatencyDispatchArgs& a, const Shape& shape) {
-  const size_t per_block = (size_t(a.num_tokens) + kSendBlocks - 1) / kSendBlocks;
-  return per_block * shape.num_ranks * sizeof(TokenTrip) +
-         (size_t(a.num_tokens) * a.topk + size_t(a.num_experts)) * sizeof(int);
-}
-size_t dispatch_recv_shared(const Shape& shape) {
-  const size_t R = shape.num_ranks, L = shape.local_experts;
-  return (3 * R * L + L + R + 1) * sizeof(int);
-}
-
 int64_t combine_row_bytes(const LowLatencyCombineArgs& a) { return int64_t(a.hidden) * float_bytes(a.dtype); }
-template <class Dev>
-Shape combine_shape(const Dev& dev, const Group& g, const LowLatencyCombineArgs& a) {
-  if (combine_row_bytes(a) % 16 != 0)
-    throw std::invalid_argument(
-        "uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
-        "a multiple of 8 for bfloat16, 4 for float32), got hidden " +
-        std::to_string(a.hidden));
-  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
-  // Rows go back to slot t * K + k of their source: every region needs room for N * K combine rows. Refuse before
-  // anything moves (every rank has the same shapes and buffer, so every rank refuses, in either half).
-  const int64_t need = combine_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes);
-  if (need > region_stride(dev)) throw std::invalid_argument("uccl_ep low_latency_combine: " + bytes_advice(dev, need));
-  return shape;
-}
-CombineSource combine_source(const LowLatencyCombineArgs& a) {
-  return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout, a.src_slot, a.row_weights, a.topk};
-}
-CombineTarget combine_target(const LowLatencyCombineArgs& a) {
-  return {a.topk_idx,           a.topk_weights,           a.num_tokens, a.topk, a.num_experts,
-          combine_row_bytes(a), static_cast<char*>(a.out)};
-}
 // Send: the layout, where each source's rows start, prefixes, rows to each source; on the proxy path each source's
 // rows by expert; where a token's rows are summed here, combine_send_sums's counts, first slots and rows.
 size_t combine_send_shared(const LowLatencyCombineArgs& a, const Shape& shape, bool proxy) {
@@ -1089,6 +1096,37 @@ size_t combine_recv_shared(const LowLatencyCombineArgs& a, bool packed) {
   return (size_t(a.num_tokens) * a.topk * (packed ? 2 : 1) + a.num_experts) * sizeof(int);
 }
 
+template <class Dev>
+Shape combine_shape(const Dev& dev, const Group& g, const LowLatencyCombineArgs& a) {
+  if (combine_row_bytes(a) % 16 != 0)
+    throw std::invalid_argument(
+        "uccl_ep low_latency_combine: on GPUs rows must be a multiple of 16 bytes (hidden "
+        "a multiple of 8 for bfloat16, 4 for float32), got hidden " +
+        std::to_string(a.hidden));
+  Shape shape = shape_of(dev, g, a.num_experts, a.max_tokens_per_rank, combine_row_bytes(a), "low_latency_combine");
+  // Rows go back to slot t * K + k of their source: every region needs room for N * K combine rows. Refuse before
+  // anything moves (every rank has the same shapes and buffer, so every rank refuses, in either half).
+  const int64_t need = combine_region_bytes(shape.local_experts, a.max_tokens_per_rank, a.topk, shape.row_bytes);
+  if (need > region_stride(dev)) throw std::invalid_argument("uccl_ep low_latency_combine: " + bytes_advice(dev, need));
+  if (a.row_weights && (shape.local_experts >= kFirstSlot || a.topk >= INT_MAX / kFirstSlot))
+    throw std::invalid_argument("uccl_ep low_latency_combine: with the weights carried, at most " +
+                                std::to_string(kFirstSlot - 1) + " local experts and top-" +
+                                std::to_string(INT_MAX / kFirstSlot - 1));
+  constexpr bool proxy = std::is_same_v<Dev, uccl_ep::Device>;  // its rows go packed
+  const size_t send = combine_send_shared(a, shape, proxy), recv = combine_recv_shared(a, proxy);
+  check_shared(combine_kernel_for<true, true>(a), std::max(send, recv), cuda_device_of(dev), "low_latency_combine",
+               send < recv                ? "tokens x top-k"
+               : a.row_weights != nullptr ? "ranks x max_tokens_per_rank, the weights carried"
+                                          : "ranks x local experts");
+  return shape;
+}
+CombineSource combine_source(const LowLatencyCombineArgs& a) {
+  return {static_cast<const char*>(a.y), combine_row_bytes(a), a.layout, a.src_slot, a.row_weights, a.topk};
+}
+CombineTarget combine_target(const LowLatencyCombineArgs& a) {
+  return {a.topk_idx,           a.topk_weights,           a.num_tokens, a.topk, a.num_experts,
+          combine_row_bytes(a), static_cast<char*>(a.out)};
+}
 // One launch of a phase kernel: send-only grids are kSendBlocks x kSendThreads (receivers count arrivals by
 // block), receive-only low_latency_blocks() x kThreads, fused as a send grid.
 template <class Kernel, class In, class Out>
