@@ -22,7 +22,9 @@ struct Header {
   int32_t status;        // 0 fine, 1 the sender's input was bad
   uint32_t error_bytes;  // status 1: length of the sender's error text, which follows the header
   uint32_t op_index;     // the op's position in the sender's program
-  uint32_t reserved[5];
+  uint32_t reserved0;
+  uint64_t need_bytes;  // the sender's largest message of the round (header included), sent or not
+  uint32_t reserved[2];
 };
 constexpr size_t kMaxErrorBytes = 1024;
 static_assert(sizeof(Header) == kHeaderBytes, "header size");
@@ -98,7 +100,18 @@ struct SentRound {
   uint32_t op_index;
   uint64_t row_bytes, shape_tag;
   std::string local_error;  // non-empty: this rank sent an error status instead of rows
+  uint64_t need_bytes;      // this rank's largest message of the round
 };
+
+// What a rank tells a caller whose messages outgrow a region of the buffer: the largest need of the round's ranks
+// (each header carries its sender's), so that one restart with the advised buffer holds every rank's message.
+std::string buffer_advice(const Device& dev, uint64_t need_bytes, uint32_t needing_rank) {
+  return "rank " + std::to_string(needing_rank) + " needs " + std::to_string(need_bytes) +
+         " bytes for its largest message, but a buffer region holds " + std::to_string(dev.region_bytes()) +
+         "; raise UCCL_EP_BUFFER_BYTES to at least " +
+         std::to_string(buffer_bytes_for_region(need_bytes, dev.num_ranks())) +
+         " (the most any rank of the group needs in this op)";
+}
 
 SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack) {
   const char* op = op_name(plan.kind);
@@ -107,15 +120,11 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
 
   // Decide before sending anything: a rank that cannot send still takes part, with an error status.
   std::string local_error = plan.local_error;
-  for (int d = 0; d < group.size && local_error.empty(); ++d) {
-    uint64_t bytes = kHeaderBytes + uint64_t(plan.rows_to[d]) * plan.row_bytes;
-    if (bytes > dev.region_bytes())
-      local_error = "rank " + std::to_string(dev.rank()) + " needs " + std::to_string(bytes) + " bytes to send " +
-                    std::to_string(plan.rows_to[d]) + " rows to rank " + std::to_string(group.ranks[d]) +
-                    ", but a buffer region holds " + std::to_string(dev.region_bytes()) +
-                    "; raise UCCL_EP_BUFFER_BYTES to at least " +
-                    std::to_string(buffer_bytes_for_region(bytes, dev.num_ranks()));
-  }
+  uint64_t need_bytes = 0;
+  if (local_error.empty())
+    for (int d = 0; d < group.size; ++d)
+      need_bytes = std::max(need_bytes, kHeaderBytes + uint64_t(plan.rows_to[d]) * plan.row_bytes);
+  if (need_bytes > dev.region_bytes()) local_error = buffer_advice(dev, need_bytes, dev.rank());
   const bool bad_input = !local_error.empty();
   for (int d = 0; d < group.size; ++d) {
     uint32_t peer = uint32_t(group.ranks[d]);
@@ -128,8 +137,18 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
     }
     uint8_t* region = reinterpret_cast<uint8_t*>(dev.buffer() + dev.send_offset(peer));
     uint32_t error_bytes = bad_input ? uint32_t(std::min(local_error.size(), kMaxErrorBytes)) : 0;
-    Header h{kMagic,         uint32_t(plan.kind), dev.rank(),  rows,          plan.row_bytes,
-             plan.shape_tag, bad_input ? 1 : 0,   error_bytes, plan.op_index, {}};
+    Header h{kMagic,
+             uint32_t(plan.kind),
+             dev.rank(),
+             rows,
+             plan.row_bytes,
+             plan.shape_tag,
+             bad_input ? 1 : 0,
+             error_bytes,
+             plan.op_index,
+             0,
+             need_bytes,
+             {}};
     std::memcpy(region, &h, sizeof(h));
     // A rank with bad input sends its error text in place of rows, so every peer can report the cause.
     std::memcpy(region + kHeaderBytes, local_error.data(), error_bytes);
@@ -140,7 +159,7 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
       dev.post_message(c, peer, dev.send_offset(peer) + begin, dev.recv_offset(dev.rank()) + begin, len, op);
     }
   }
-  return SentRound{plan.kind, plan.op_index, plan.row_bytes, plan.shape_tag, local_error};
+  return SentRound{plan.kind, plan.op_index, plan.row_bytes, plan.shape_tag, local_error, need_bytes};
 }
 
 std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRound& sent, const UnpackRows& unpack) {
@@ -150,12 +169,18 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
   std::vector<uint32_t> received(group.size, 0);
   std::string peer_error;
   bool peer_input_error = false;
+  uint64_t most_needed = sent.need_bytes;  // the group's largest message, and whose
+  uint32_t most_needing = dev.rank();
   for (int s = 0; s < group.size; ++s) {
     uint32_t peer = uint32_t(group.ranks[s]);
     for (int c = 0; c < channels; ++c) dev.wait_message(c, peer, op);
     const uint8_t* region = reinterpret_cast<const uint8_t*>(dev.buffer() + dev.recv_offset(peer));
     Header h;
     std::memcpy(&h, region, sizeof(h));
+    if (h.magic == kMagic && h.need_bytes > most_needed) {
+      most_needed = h.need_bytes;
+      most_needing = peer;
+    }
     std::string problem;
     if (h.magic != kMagic || h.sender != peer)
       problem = "sent a corrupt message header";
@@ -191,6 +216,7 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
 
   // Bad input is announced to every peer, so all ranks fail here together and stay in step.
   std::string where = std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + ": ";
+  if (most_needed > dev.region_bytes()) throw CollectiveError(where + buffer_advice(dev, most_needed, most_needing));
   if (bad_input) throw CollectiveError(where + sent.local_error);
   if (peer_input_error) throw CollectiveError(where + peer_error);
   if (!peer_error.empty()) throw Error(where + peer_error);
