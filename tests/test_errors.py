@@ -371,6 +371,78 @@ def test_the_buffer_size_advised_holds_every_ranks_message():
     _restart_with_the_advised_buffer(x, jnp.asarray(idx.reshape(R * 60, 1)))
 
 
+def test_a_buffer_too_small_and_a_bad_index_in_one_op_are_both_named():
+    """One rank's message past a region, another rank's bad expert index: the restart the buffer needs would
+    meet the bad index next, so every rank names both."""
+    import dataclasses
+
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((R * 60, 1023)), jnp.float32)
+    idx = np.full((R, 60, 1), -1, np.int32)
+    idx[R - 1, :] = 0  # the last rank sends 60 rows to rank 0 (~245 KB)
+    idx[1, 5, 0] = 1000
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+    body = lambda x, i: ep.dispatch(x, i, num_experts=R, axis_name="ep").x  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    ep.shutdown()
+    try:
+        ep.initialize(config=dataclasses.replace(ep.Config.from_env(), buffer_bytes=1 << 20))
+        with pytest.raises(Exception, match=r"raise UCCL_EP_BUFFER_BYTES .*; and .*topk_idx\[5, 0\] = 1000 is outside"):
+            np.asarray(f(x, jnp.asarray(idx.reshape(R * 60, 1))))
+    finally:
+        ep.shutdown()
+        ep.initialize()
+
+
+def test_a_message_past_a_region_in_the_last_hierarchical_round_fails_every_rank_fast():
+    """Two nodes of two ranks, dispatch in two rounds (across nodes, then within): a message past a region that
+    first shows in the within-node round reaches only that node's ranks, while the other node's finished the op.
+    They must not wait out their deadline in the next op: that failure aborts the group, every rank raises at once
+    naming the buffer to set, and a restart with each advice in turn (one per round at most) runs the round trip."""
+    import dataclasses
+    import re
+    import time
+
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((R * 40, 1023)), jnp.float32)
+    idx = np.full((R, 40, 2), -1, np.int32)
+    idx[0] = [2, 3]  # rank 0 (node 0): every token to both ranks of node 1 (the across round's largest)
+    idx[2] = [2, 3]  # rank 2 (node 1): every token within its node, and rank 0's too (the within round's largest)
+    idx = jnp.asarray(idx.reshape(R * 40, 2))
+    want = np.asarray(x) * (np.asarray(idx) >= 0).sum(-1, keepdims=True)
+    two_nodes = dataclasses.replace(ep.Config.from_env(), gpus_per_node=2, hierarchical=True)
+
+    def round_trip():
+        mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+        def body(x, i):
+            r = ep.dispatch(x, i, num_experts=R, axis_name="ep")
+            return ep.combine(r.x, r.handle)
+
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx))
+
+    buffer_bytes, advised = 1 << 20, []
+    try:
+        for _ in range(3):
+            ep.shutdown()
+            ep.initialize(config=dataclasses.replace(two_nodes, buffer_bytes=buffer_bytes))
+            start = time.monotonic()
+            try:
+                out = round_trip()
+                break
+            except Exception as exc:  # noqa: BLE001
+                assert time.monotonic() - start < 10, f"a rank waited for its deadline: {exc}"
+                found = re.search(r"raise UCCL_EP_BUFFER_BYTES to at least (\d+)", str(exc))
+                assert found, str(exc)
+                buffer_bytes = int(found.group(1))
+                advised.append(buffer_bytes)
+        else:
+            pytest.fail(f"three buffers advised and none ran the op: {advised}")
+        assert len(advised) == 2, advised  # the across round's need, then the within round's larger one
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+    finally:
+        ep.shutdown()
+        ep.initialize()
+
+
 def test_forward_mode_derivatives_fail_and_say_so():
     """Reverse mode only: jax.jvp of dispatch fails (JAX's error for a custom_vjp function names jvp), not with a
     wrong tangent."""

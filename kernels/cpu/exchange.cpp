@@ -19,7 +19,7 @@ struct Header {
   uint32_t rows;
   uint64_t row_bytes;
   uint64_t shape_tag;
-  int32_t status;        // 0 fine, 1 the sender's input was bad
+  int32_t status;        // 0 fine, 1 the sender's input was bad, 2 a message of the sender's past a region
   uint32_t error_bytes;  // status 1: length of the sender's error text, which follows the header
   uint32_t op_index;     // the op's position in the sender's program
   uint32_t reserved0;
@@ -99,18 +99,20 @@ struct SentRound {
   OpKind kind;
   uint32_t op_index;
   uint64_t row_bytes, shape_tag;
-  std::string local_error;  // non-empty: this rank sent an error status instead of rows
-  uint64_t need_bytes;      // this rank's largest message of the round
+  std::string input_error;  // non-empty: this rank's input was bad (ExchangePlan::local_error)
+  uint64_t need_bytes;      // this rank's largest message of the round (0 with bad input)
+  bool sent_status;         // this rank sent an error status (bad input or a message too large) instead of rows
 };
 
 // What a rank tells a caller whose messages outgrow a region of the buffer: the largest need of the round's ranks
-// (each header carries its sender's), so that one restart with the advised buffer holds every rank's message.
+// (each header carries its sender's), so that one restart with the advised buffer holds every rank's message of
+// this round.
 std::string buffer_advice(const Device& dev, uint64_t need_bytes, uint32_t needing_rank) {
   return "rank " + std::to_string(needing_rank) + " needs " + std::to_string(need_bytes) +
          " bytes for its largest message, but a buffer region holds " + std::to_string(dev.region_bytes()) +
          "; raise UCCL_EP_BUFFER_BYTES to at least " +
          std::to_string(buffer_bytes_for_region(need_bytes, dev.num_ranks())) +
-         " (the most any rank of the group needs in this op)";
+         " (the most any rank of the group needs in this round)";
 }
 
 SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack) {
@@ -118,57 +120,43 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
   const int channels = dev.num_channels();
   dev.quiet(op);  // send staging is free again only once earlier writes completed
 
-  // Decide before sending anything: a rank that cannot send still takes part, with an error status.
-  std::string local_error = plan.local_error;
+  // Decide before sending anything: a rank that cannot send still takes part, with an error status (1: bad input,
+  // its text follows the header; 2: a message past a region, the header's need_bytes says by how much).
   uint64_t need_bytes = 0;
-  if (local_error.empty())
+  if (plan.local_error.empty())
     for (int d = 0; d < group.size; ++d)
       need_bytes = std::max(need_bytes, kHeaderBytes + uint64_t(plan.rows_to[d]) * plan.row_bytes);
-  if (need_bytes > dev.region_bytes()) local_error = buffer_advice(dev, need_bytes, dev.rank());
-  const bool bad_input = !local_error.empty();
+  const int32_t status = !plan.local_error.empty() ? 1 : need_bytes > dev.region_bytes() ? 2 : 0;
+  const uint32_t error_bytes = status == 1 ? uint32_t(std::min(plan.local_error.size(), kMaxErrorBytes)) : 0;
   for (int d = 0; d < group.size; ++d) {
     uint32_t peer = uint32_t(group.ranks[d]);
-    uint32_t rows = bad_input ? 0 : plan.rows_to[d];
-    uint64_t bytes = kHeaderBytes + uint64_t(rows) * plan.row_bytes;
+    uint32_t rows = status ? 0 : plan.rows_to[d];
+    uint64_t bytes = kHeaderBytes + uint64_t(rows) * plan.row_bytes + error_bytes;
     // The peer must have read our previous message before we overwrite its region.
     if (dev.awaiting_ack(peer)) {
       dev.wait_message(0, peer, op);
       dev.awaiting_ack(peer) = false;
     }
     uint8_t* region = reinterpret_cast<uint8_t*>(dev.buffer() + dev.send_offset(peer));
-    uint32_t error_bytes = bad_input ? uint32_t(std::min(local_error.size(), kMaxErrorBytes)) : 0;
-    Header h{kMagic,
-             uint32_t(plan.kind),
-             dev.rank(),
-             rows,
-             plan.row_bytes,
-             plan.shape_tag,
-             bad_input ? 1 : 0,
-             error_bytes,
-             plan.op_index,
-             0,
-             need_bytes,
-             {}};
+    Header h{kMagic, uint32_t(plan.kind), dev.rank(),    rows, plan.row_bytes, plan.shape_tag,
+             status, error_bytes,         plan.op_index, 0,    need_bytes,     {}};
     std::memcpy(region, &h, sizeof(h));
     // A rank with bad input sends its error text in place of rows, so every peer can report the cause.
-    std::memcpy(region + kHeaderBytes, local_error.data(), error_bytes);
-    if (bad_input) bytes += error_bytes;
+    std::memcpy(region + kHeaderBytes, plan.local_error.data(), error_bytes);
     for (uint32_t i = 0; i < rows; ++i) pack(d, i, region + kHeaderBytes + uint64_t(i) * plan.row_bytes);
     for (int c = 0; c < channels; ++c) {
       auto [begin, len] = stripe(bytes, channels, c);
       dev.post_message(c, peer, dev.send_offset(peer) + begin, dev.recv_offset(dev.rank()) + begin, len, op);
     }
   }
-  return SentRound{plan.kind, plan.op_index, plan.row_bytes, plan.shape_tag, local_error, need_bytes};
+  return SentRound{plan.kind, plan.op_index, plan.row_bytes, plan.shape_tag, plan.local_error, need_bytes, status != 0};
 }
 
 std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRound& sent, const UnpackRows& unpack) {
   const char* op = op_name(sent.kind);
   const int channels = dev.num_channels();
-  const bool bad_input = !sent.local_error.empty();
   std::vector<uint32_t> received(group.size, 0);
-  std::string peer_error;
-  bool peer_input_error = false;
+  std::string out_of_step, peer_input;     // the first peer of each kind
   uint64_t most_needed = sent.need_bytes;  // the group's largest message, and whose
   uint32_t most_needing = dev.rank();
   for (int s = 0; s < group.size; ++s) {
@@ -177,16 +165,9 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
     const uint8_t* region = reinterpret_cast<const uint8_t*>(dev.buffer() + dev.recv_offset(peer));
     Header h;
     std::memcpy(&h, region, sizeof(h));
-    if (h.magic == kMagic && h.need_bytes > most_needed) {
-      most_needed = h.need_bytes;
-      most_needing = peer;
-    }
     std::string problem;
     if (h.magic != kMagic || h.sender != peer)
       problem = "sent a corrupt message header";
-    else if (h.status != 0)
-      problem = "reported invalid input: " + std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
-                                                         std::min<size_t>(h.error_bytes, kMaxErrorBytes));
     else if (h.op_index != sent.op_index)
       problem = std::string("ran op #") + std::to_string(h.op_index) + " (" + op_name(OpKind(h.kind)) +
                 ") of its program while this rank ran op #" + std::to_string(sent.op_index) + " (" + op +
@@ -197,11 +178,18 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
                 std::to_string(sent.row_bytes) + "-byte rows (shape tag " + std::to_string(sent.shape_tag) +
                 "): shapes or op order differ across ranks";
     if (!problem.empty()) {
-      if (peer_error.empty()) {
-        peer_error = "rank " + std::to_string(peer) + " " + problem;
-        peer_input_error = h.magic == kMagic && h.status != 0;
-      }
-    } else if (!bad_input) {
+      if (out_of_step.empty()) out_of_step = "rank " + std::to_string(peer) + " " + problem;
+      continue;
+    }
+    if (h.need_bytes > most_needed) {
+      most_needed = h.need_bytes;
+      most_needing = peer;
+    }
+    if (h.status == 1 && peer_input.empty())
+      peer_input = "rank " + std::to_string(peer) + " reported invalid input: " +
+                   std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
+                               std::min<size_t>(h.error_bytes, kMaxErrorBytes));
+    if (h.status == 0 && !sent.sent_status) {
       received[s] = h.rows;
       unpack(s, h.rows, region + kHeaderBytes);
     }
@@ -214,12 +202,16 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
   for (int d = 0; d < group.size; ++d)
     if (uint32_t(group.ranks[d]) != dev.rank()) dev.awaiting_ack(uint32_t(group.ranks[d])) = true;
 
-  // Bad input is announced to every peer, so all ranks fail here together and stay in step.
+  // A peer out of step first (the caller aborts). Bad input and messages past a region are announced to every
+  // peer, so all ranks fail here together, with the same words, and stay in step: the buffer to set (it needs a
+  // restart), and the bad input too, so that the restart does not meet it next.
   std::string where = std::string("uccl_ep ") + op + ": rank " + std::to_string(dev.rank()) + ": ";
-  if (most_needed > dev.region_bytes()) throw CollectiveError(where + buffer_advice(dev, most_needed, most_needing));
-  if (bad_input) throw CollectiveError(where + sent.local_error);
-  if (peer_input_error) throw CollectiveError(where + peer_error);
-  if (!peer_error.empty()) throw Error(where + peer_error);
+  if (!out_of_step.empty()) throw Error(where + out_of_step);
+  const std::string& input = !sent.input_error.empty() ? sent.input_error : peer_input;
+  if (most_needed > dev.region_bytes())
+    throw RegionTooSmall(where + buffer_advice(dev, most_needed, most_needing) + (input.empty() ? "" : "; and ") +
+                         input);
+  if (!input.empty()) throw CollectiveError(where + input);
   return received;
 }
 

@@ -57,6 +57,12 @@ Group make_group(const Device& dev, const int32_t* ranks, int size, const char* 
 // The group's global ranks (the peers an abort tells).
 std::vector<uint32_t> group_peers(const Group& group);
 
+// A round in which some rank's message outgrows a region of the buffer: raised by every rank of the round (they
+// stay in step), naming the UCCL_EP_BUFFER_BYTES that holds the round's largest message.
+struct RegionTooSmall : CollectiveError {
+  using CollectiveError::CollectiveError;
+};
+
 struct ExchangePlan {
   OpKind kind;
   uint32_t op_index;              // position in the program: the same on every rank

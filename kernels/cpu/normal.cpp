@@ -93,14 +93,21 @@ std::optional<NodeBlocks> node_blocks(const Group& g, int per_node) {
 // Runs the rounds of one op over subgroups of `group`, in order. A round that finds bad input somewhere (a
 // CollectiveError: its ranks stay in step) does not stop the later ones: they run with the error as this rank's
 // status (`error`), so every rank of the group learns of it through the alternating subgroups; then it is
-// raised. (An error that first shows in the last round reaches only that round's subgroup.) Anything else (a
-// timeout, a corrupt row) left this rank out of step: it aborts the whole group, not only the round's subgroup,
-// so every peer fails fast instead of waiting for its deadline.
+// raised. An error that first shows in the last round reaches only that round's subgroup: a message past a region
+// there (RegionTooSmall) aborts the whole group, whose other ranks finished the op and would wait for these in the
+// next one (combine's stale rows do the same where it finds them). Anything else (a timeout, a corrupt row) left
+// this rank out of step: it aborts the whole group, not only the round's subgroup, so every peer fails fast
+// instead of waiting for its deadline.
 void in_rounds(Device& dev, const Group& group, std::initializer_list<std::function<void(const std::string&)>> rounds) {
   std::string error;
+  size_t ran = 0;
   for (const auto& round : rounds) {
+    ++ran;
     try {
       round(error);
+    } catch (const RegionTooSmall& e) {
+      if (error.empty() && ran == rounds.size()) abort_group(dev, group, e.what());
+      if (error.empty()) error = e.what();
     } catch (const CollectiveError& e) {
       if (error.empty()) error = e.what();
     } catch (const std::exception& e) {

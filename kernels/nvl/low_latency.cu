@@ -1092,8 +1092,11 @@ auto combine_kernel_for(const LowLatencyCombineArgs& a) {
                                      : combine_kernel<float, kSend, kRecv>;
 }
 // Receive: the routing, slots per expert; packed (proxy path) each slot's row in its message.
+size_t combine_recv_shared(const LowLatencyCombineArgs& a, bool packed, int num_tokens) {
+  return (size_t(num_tokens) * a.topk * (packed ? 2 : 1) + a.num_experts) * sizeof(int);
+}
 size_t combine_recv_shared(const LowLatencyCombineArgs& a, bool packed) {
-  return (size_t(a.num_tokens) * a.topk * (packed ? 2 : 1) + a.num_experts) * sizeof(int);
+  return combine_recv_shared(a, packed, a.num_tokens);
 }
 
 template <class Dev>
@@ -1113,7 +1116,8 @@ Shape combine_shape(const Dev& dev, const Group& g, const LowLatencyCombineArgs&
                                 std::to_string(kFirstSlot - 1) + " local experts and top-" +
                                 std::to_string(INT_MAX / kFirstSlot - 1));
   constexpr bool proxy = std::is_same_v<Dev, uccl_ep::Device>;  // its rows go packed
-  const size_t send = combine_send_shared(a, shape, proxy), recv = combine_recv_shared(a, proxy);
+  // The receive side at N tokens: a send half does not know T (<= N), and must refuse what its receive half would.
+  const size_t send = combine_send_shared(a, shape, proxy), recv = combine_recv_shared(a, proxy, a.max_tokens_per_rank);
   check_shared(combine_kernel_for<true, true>(a), std::max(send, recv), cuda_device_of(dev), "low_latency_combine",
                send < recv                ? "tokens x top-k"
                : a.row_weights != nullptr ? "ranks x max_tokens_per_rank, the weights carried"
