@@ -323,6 +323,18 @@ def test_processes_with_different_settings_are_refused_at_initialize():
     ] * 2
 
 
+def _dispatch_combine(x, idx) -> np.ndarray:
+    """dispatch then combine of x [R * T, H] routed by idx [R * T, K] over R ranks of one expert each: each token
+    times the ranks it went to."""
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+    def body(x, i):
+        r = ep.dispatch(x, i, num_experts=R, axis_name="ep")
+        return ep.combine(r.x, r.handle)
+
+    return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx))
+
+
 def _restart_with_the_advised_buffer(x, idx) -> None:
     """A dispatch/combine round trip of x [R * T, H] with routing idx [R * T, 1] under a 1 MiB proxy buffer must fail
     naming the UCCL_EP_BUFFER_BYTES to set; restarted with that, the same round trip must return each token once
@@ -330,24 +342,15 @@ def _restart_with_the_advised_buffer(x, idx) -> None:
     import dataclasses
     import re
 
-    def round_trip():
-        mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
-
-        def body(x, i):
-            r = ep.dispatch(x, i, num_experts=R, axis_name="ep")
-            return ep.combine(r.x, r.handle)
-
-        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx))
-
     ep.shutdown()
     try:
         ep.initialize(config=dataclasses.replace(ep.Config.from_env(), buffer_bytes=1 << 20))
         with pytest.raises(Exception, match=r"raise UCCL_EP_BUFFER_BYTES to at least \d+") as info:
-            round_trip()
+            _dispatch_combine(x, idx)
         advised = int(re.search(r"at least (\d+)", str(info.value)).group(1))
         ep.shutdown()
         ep.initialize(config=dataclasses.replace(ep.Config.from_env(), buffer_bytes=advised))
-        np.testing.assert_allclose(round_trip(), np.asarray(x) * (np.asarray(idx) >= 0), rtol=1e-6)
+        np.testing.assert_allclose(_dispatch_combine(x, idx), np.asarray(x) * (np.asarray(idx) >= 0), rtol=1e-6)
     finally:
         ep.shutdown()
         ep.initialize()
@@ -410,15 +413,6 @@ def test_a_message_past_a_region_in_the_last_hierarchical_round_fails_every_rank
     want = np.asarray(x) * (np.asarray(idx) >= 0).sum(-1, keepdims=True)
     two_nodes = dataclasses.replace(ep.Config.from_env(), gpus_per_node=2, hierarchical=True)
 
-    def round_trip():
-        mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
-
-        def body(x, i):
-            r = ep.dispatch(x, i, num_experts=R, axis_name="ep")
-            return ep.combine(r.x, r.handle)
-
-        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx))
-
     buffer_bytes, advised = 1 << 20, []
     try:
         for _ in range(3):
@@ -426,7 +420,7 @@ def test_a_message_past_a_region_in_the_last_hierarchical_round_fails_every_rank
             ep.initialize(config=dataclasses.replace(two_nodes, buffer_bytes=buffer_bytes))
             start = time.monotonic()
             try:
-                out = round_trip()
+                out = _dispatch_combine(x, idx)
                 break
             except Exception as exc:  # noqa: BLE001
                 assert time.monotonic() - start < 10, f"a rank waited for its deadline: {exc}"
