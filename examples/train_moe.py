@@ -30,6 +30,12 @@ float rounding:
 * ``dense``: the package's reference (``jax_uccl_ep.layers.moe_ffn_reference``: every expert on every token, expert
   weights all-gathered).
 
+``--generate N`` then serves the trained model: greedy decoding of N tokens for every sequence of a batch, one
+token a step, with a key/value cache and each MoE layer through ``layers.moe_ffn_decode`` (low-latency dispatch and
+combine into static per-expert buffers, the router weights carried to the experts' ranks; FP8 rows with
+``--decode-fp8``). It checks the decoded logits against the training forward over the finished sequences (the
+same function, computed whole) and reports how many generated transitions the chain allows.
+
 ``bench/train_step.py`` times the four side by side. The printed ``loss`` is the next-token cross-entropy (what the
 chain's entropy bounds); ``aux`` is the load-balancing loss summed over the layers (about ``--layers`` times
 ``--aux-loss-coef`` when the experts are balanced), and the step minimizes their sum.
@@ -56,6 +62,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -252,6 +259,114 @@ def local_loss(params: dict, batch: jax.Array, cfg: Config, moe_fn: MoeFn) -> tu
     return ce + aux, {"ce": ce, "aux": aux, "dropped": jax.lax.psum(dropped, AXIS)}
 
 
+# ----------------------------------------------------------------------------------------------- decoding
+
+
+def layer_list(params: dict, cfg: Config) -> list[dict]:
+    """The layers' parameters, one dict each, stacked (--scan-layers) or not."""
+    if not cfg.scan_layers:
+        return list(params["layers"])
+    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(cfg.num_layers)]
+
+
+def attention_step(
+    layer: dict, x: jax.Array, cache: tuple[jax.Array, jax.Array], t: jax.Array, num_heads: int
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """`attention` for position t alone: x [B, D] the new tokens' inputs, cache (keys, values) [B, S, H, C] holding
+    positions < t; returns its output [B, D] and the cache with position t written."""
+    b, d = x.shape
+    c = d // num_heads
+    q, k, v = (a.reshape(b, num_heads, c) for a in jnp.split(x @ layer["qkv"], 3, axis=-1))
+    keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k[:, None], t, axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(cache[1], v[:, None], t, axis=1)
+    scores = jnp.einsum("bhc,bkhc->bhk", q, keys) * c**-0.5
+    scores = jnp.where(jnp.arange(keys.shape[1]) <= t, scores, -1e30)
+    out = jnp.einsum("bhk,bkhc->bhc", jax.nn.softmax(scores, axis=-1), values).reshape(b, d)
+    return out @ layer["out"], (keys, values)
+
+
+def generate(params: dict, prompts: jax.Array, num_tokens: int, cfg: Config, use_fp8: bool) -> tuple[jax.Array, ...]:
+    """Greedy decoding on this rank (inside shard_map): prompts [B] (one token each) -> (tokens [B, 1 + num_tokens],
+    logits [B, num_tokens, vocab] of each step). A step embeds the B newest tokens at their position, runs each
+    block on them alone (attention against the key/value cache, the MoE feed-forward by `layers.moe_ffn_decode`:
+    B tokens a rank, the low-latency buffers' static size) and appends the argmax."""
+    b, layers_ = prompts.shape[0], layer_list(params, cfg)
+    c = cfg.d_model // cfg.num_heads
+    empty = jnp.zeros((b, cfg.seq_len, cfg.num_heads, c), params["embed"].dtype)
+    tokens = jnp.zeros((b, 1 + num_tokens), jnp.int32).at[:, 0].set(prompts)
+    logits = jnp.zeros((b, num_tokens, cfg.vocab), jnp.float32)
+
+    def step(t, carry):
+        tokens, logits, caches = carry
+        x = params["embed"][tokens[:, t]] + params["pos"][t]
+        written = []
+        for layer, cache in zip(layers_, caches):
+            a, cache = attention_step(layer, rms_norm(x, layer["norm_attn"]), cache, t, cfg.num_heads)
+            x = x + a
+            x = x + layers.moe_ffn_decode(
+                layer["moe"],
+                rms_norm(x, layer["norm_moe"]),
+                cfg.moe(),
+                axis_name=AXIS,
+                max_tokens_per_rank=b,
+                use_fp8=use_fp8,
+            )
+            written.append(cache)
+        out = (rms_norm(x, params["norm_f"]) @ params["head"]).astype(jnp.float32)
+        tokens = tokens.at[:, t + 1].set(jnp.argmax(out, axis=-1).astype(jnp.int32))
+        return tokens, logits.at[:, t].set(out), tuple(written)
+
+    # The loop's carry is this rank's from the start (shard_map checks it).
+    logits, empty = (jax.lax.pcast(a, AXIS, to="varying") for a in (logits, empty))
+    caches = tuple((empty, empty) for _ in layers_)
+    tokens, logits, _ = jax.lax.fori_loop(0, num_tokens, step, (tokens, logits, caches))
+    return tokens, logits
+
+
+def check_generation(
+    params: dict, mesh: Mesh, cfg: Config, moe_fn: MoeFn, data: MarkovData, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Decodes --generate tokens for --batch-per-device prompts a device (twice: the second call is timed), then
+    runs the training forward over the finished sequences: its logits at each position must be the decoded ones
+    (the same function; float rounding apart). Returns the figures the summary reports."""
+    r, n, b = mesh.size, args.generate, args.batch_per_device
+    specs = param_specs(cfg)
+    decode = jax.jit(
+        jax.shard_map(
+            partial(generate, num_tokens=n, cfg=cfg, use_fp8=args.decode_fp8),
+            mesh=mesh,
+            in_specs=(specs, P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS)),
+        )
+    )
+    whole = jax.jit(
+        jax.shard_map(
+            lambda p, t: forward(p, t, cfg, moe_fn)[0], mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=P(AXIS)
+        )
+    )
+    prompts = _global_array(data.batch(10**6, r * b, 1)[:, 0], NamedSharding(mesh, P(AXIS)))
+    jax.block_until_ready(decode(params, prompts))  # compiles
+    start = time.perf_counter()
+    tokens, logits = jax.block_until_ready(decode(params, prompts))
+    elapsed = time.perf_counter() - start
+    full = whole(params, tokens[:, :-1])
+    tokens, logits, full = (
+        np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (tokens, logits, full)
+    )
+    scale = float(np.abs(full).max())
+    steps = tokens[:, :-1], tokens[:, 1:]
+    return {
+        "tokens": n,
+        "sequences": r * b,
+        "decode_ms_per_token": elapsed * 1e3 / n,
+        "decode_tokens_per_s": r * b * n / elapsed,
+        "max_logit_diff": float(np.abs(logits - full).max()) / max(scale, 1e-30),  # relative to the largest logit
+        "argmax_agree": float((full.argmax(-1) == steps[1]).mean()),
+        "legal_transitions": float((data.trans[steps[0], steps[1]] > 0).mean()),
+        "sample": tokens[0].tolist(),
+    }
+
+
 # ----------------------------------------------------------------------------------------------- timing
 
 
@@ -442,6 +557,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="after the last step, profile one more and report the device time of the layer's parts in it (router, "
         "dispatch, the XLA pair layout, experts, combine; forward and backward; ms per device)",
     )
+    p.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        help="after training, decode this many tokens greedily for --batch-per-device prompts a device, one token a "
+        "step with the MoE layers in low-latency mode (layers.moe_ffn_decode), and check them against the training "
+        "forward (at most --seq-len - 1; 0: no decoding)",
+    )
+    p.add_argument("--decode-fp8", action="store_true", help="--generate's dispatch sends FP8 rows (default: bf16/f32)")
     p.add_argument("--json", action="store_true", help=f"print a final '{JSON_MARK}{{...}}' line on process 0")
     return p.parse_args(argv)
 
@@ -469,6 +593,12 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     if args.capacity is not None and args.ep_impl == "uccl":
         raise SystemExit("--capacity counts all_to_all's slots; bound uccl's received rows with --capacity-factor")
     capacity = args.capacity if args.ep_impl == "all_to_all" else None
+    if not 0 <= args.generate < cfg.seq_len:
+        raise SystemExit(f"--generate {args.generate}: at most --seq-len - 1 = {cfg.seq_len - 1} (positions)")
+    if args.decode_fp8 and cfg.d_model % 128:
+        raise SystemExit(
+            f"--decode-fp8 casts rows in blocks of 128 channels: --d-model {cfg.d_model} is not a multiple"
+        )
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mesh = Mesh(np.array(devices), (AXIS,))
     r = mesh.size
@@ -570,6 +700,16 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         for part, heaviest in top_kernels.items():
             if heaviest:
                 say(f"  {part}: " + "; ".join(f"{name[:60]} ({what}) {t:.2f} ms x{n}" for name, t, n, what in heaviest))
+    generation = check_generation(params, mesh, cfg, moe_fn, data, args) if args.generate else None
+    if generation is not None:
+        say(
+            f"generate: {generation['sequences']} sequences x {generation['tokens']} tokens, "
+            f"{generation['decode_ms_per_token']:.2f} ms a token ({generation['decode_tokens_per_s']:.0f} tok/s, "
+            f"low-latency {'FP8' if args.decode_fp8 else 'unquantized'} dispatch); against the training forward: "
+            f"logits within {generation['max_logit_diff']:.1e} of the largest, argmax agrees at "
+            f"{generation['argmax_agree']:.1%}; {generation['legal_transitions']:.1%} of the transitions are the "
+            f"chain's; sequence 0: {' '.join(map(str, generation['sample']))}"
+        )
     ep.check_errors()  # GPU kernels report bad routing or exceeded capacity here (CPU ops raise themselves)
     steady = step_s[1:] or step_s
     summary: dict[str, Any] = {
@@ -594,6 +734,8 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         "step_ms": [t * 1e3 for t in step_s],  # wall time of each step, the first one with compilation
         "tokens_per_s": tokens_per_step / float(np.median(steady)) if steady else 0.0,
     }
+    if generation is not None:
+        summary["generate"] = generation
     if profile is not None:
         summary["profile_ms"] = profile
         summary["profile_top_kernels"] = top_kernels  # {part: [[kernel, ms per device, launches, what], ...]}

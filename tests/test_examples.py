@@ -340,6 +340,22 @@ def test_train_moe_with_its_layers_scanned_gives_the_unrolled_losses(ep_runtime)
     assert scanned["dispatch_ms"] > 0 and scanned["moe_fwd_ms"] > 0
 
 
+def test_train_moe_generates_with_the_decode_layer_what_its_training_forward_computes(ep_runtime):
+    """--generate: greedy decoding with a key/value cache and the MoE layers in low-latency mode (moe_ffn_decode)
+    gives, at every step, the logits the training forward (normal-mode layer, whole sequences) gives at that
+    position: to float rounding unquantized (layers stacked and scanned), to FP8's error with --decode-fp8; and a
+    model trained on the chain generates the chain's transitions (random tokens would be allowed 1 in 16)."""
+    pytest.importorskip("optax")
+    train = _load("train_moe").train
+    base = ["--steps", "40", "--time-every", "0", "--seed", "3", "--generate", "12"]
+    out = train(base + ["--scan-layers"], verbose=False)["generate"]
+    assert out["tokens"] == 12 and out["sequences"] == 4 * 8 and len(out["sample"]) == 13, out
+    assert out["max_logit_diff"] < 1e-5 and out["argmax_agree"] > 0.97, out
+    assert out["legal_transitions"] > 0.9, out
+    fp8 = train(base + ["--decode-fp8", "--d-model", "128"], verbose=False)["generate"]
+    assert 1e-4 < fp8["max_logit_diff"] < 0.3 and fp8["argmax_agree"] > 0.8, fp8  # FP8 rows: not bit-exact
+
+
 def test_train_moe_with_the_load_sized_buffer(ep_runtime):
     """--pair-buffer-factor: the never-dropping layer on the load-sized buffer gives the worst-case buffer's losses
     (nothing drops either way), and its part timings run the layer's own path (token rows, swiglu_experts on the
