@@ -11,35 +11,6 @@
 namespace uccl_ep::cpu {
 namespace {
 
-// n float32 values as type t (the type's loop chosen once).
-void store_as(const float* values, size_t n, uint8_t* out, FloatType t) {
-  if (t == FloatType::kF32) {
-    std::memcpy(out, values, n * 4);
-    return;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const uint16_t v = f32_to_bf16(values[i]);
-    std::memcpy(out + i * 2, &v, 2);
-  }
-}
-
-// acc[h] += weight * row[h] over a row of `hidden` values of type t (the type's loop chosen once per row).
-void add_weighted(float* acc, const uint8_t* row, int hidden, FloatType t, float weight) {
-  if (t == FloatType::kF32) {
-    for (int h = 0; h < hidden; ++h) {
-      float f;
-      std::memcpy(&f, row + size_t(h) * 4, 4);
-      acc[h] += weight * f;
-    }
-    return;
-  }
-  for (int h = 0; h < hidden; ++h) {
-    uint16_t v;
-    std::memcpy(&v, row + size_t(h) * 2, 2);
-    acc[h] += weight * bf16_to_f32(v);
-  }
-}
-
 // (token, slot) pairs of this rank's tokens for each global expert, in token then slot order.
 std::vector<std::vector<std::pair<int, int>>> slots_by_expert(const int32_t* topk_idx, int num_tokens, int topk,
                                                               int num_experts) {
@@ -202,8 +173,8 @@ TokenSums sums_for_source(const LowLatencyCombineArgs& a, int s, int R, int L, c
       } else if (k < first[size_t(at)]) {
         first[size_t(at)] = k, expert[size_t(at)] = l;
       }
-      add_weighted(out.sums.data() + size_t(at) * a.hidden, bytes_of(a.y) + o * combine_row_bytes(a), a.hidden, a.dtype,
-                   a.row_weights[o]);
+      add_row(out.sums.data() + size_t(at) * a.hidden, bytes_of(a.y) + o * combine_row_bytes(a), size_t(a.hidden),
+              a.dtype, a.row_weights[o]);
     }
   out.message.resize(token.size());
   for (size_t i = 0; i < token.size(); ++i) out.message[i] = int(i);
@@ -281,7 +252,7 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
       for (auto [t, k] : slots[r * L + l]) {
         const uint8_t* in = rows + uint64_t(j++) * row_bytes;
         const float w = a.topk_weights[size_t(t) * a.topk + k];
-        add_weighted(acc + size_t(t) * a.hidden, in, a.hidden, a.dtype, w);
+        add_row(acc + size_t(t) * a.hidden, in, size_t(a.hidden), a.dtype, w);
       }
   };
   run(unpack);

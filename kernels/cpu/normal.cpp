@@ -196,7 +196,7 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
 // collective error; returns such a mismatch found by this rank as a source (then out of step), or "".
 template <class CopyYRow, class AddRow>
 std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b, const ExchangePlan& flat,
-                            const CombineArgs& a, CopyYRow&& copy_y_row, AddRow&& add_row, float* acc) {
+                            const CombineArgs& a, CopyYRow&& copy_y_row, AddRow&& add_y_row, float* acc) {
   const int R = group.size, P = b.per_node, H = a.hidden;
   const Group across = make_group(dev, b.across.data(), b.nodes, "combine");
   const Group within = make_group(dev, b.within.data(), P, "combine");
@@ -278,7 +278,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
                        }
                        for (int n = 0; n < b.nodes; ++n)
                          for (uint32_t slot : slots[n * P + l]) {
-                           add_row(partial[n].data() + size_t(slot) * H, rows);
+                           add_y_row(partial[n].data() + size_t(slot) * H, rows);
                            rows += tagged_bytes;
                          }
                      });
@@ -300,13 +300,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
                  exchange(
                      dev, across, plan,
                      [&](int n, uint32_t i, uint8_t* out) {
-                       const float* sum = partial[n].data() + size_t(i) * H;
-                       if (a.dtype == FloatType::kF32) {
-                         std::memcpy(out, sum, size_t(H) * 4);
-                       } else {
-                         uint16_t* o = reinterpret_cast<uint16_t*>(out);
-                         for (int h = 0; h < H; ++h) o[h] = f32_to_bf16(sum[h]);
-                       }
+                       store_as(partial[n].data() + size_t(i) * H, size_t(H), out, a.dtype);
                      },
                      [&](int n, uint32_t count, const uint8_t* rows) {
                        if (count != to_node[n].size()) {
@@ -315,7 +309,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
                          return;
                        }
                        for (uint32_t j = 0; j < count; ++j) {
-                         add_row(acc + size_t(to_node[n][j]) * H, rows + uint64_t(j) * partial_bytes);
+                         add_y_row(acc + size_t(to_node[n][j]) * H, rows + uint64_t(j) * partial_bytes);
                        }
                      });
                }});
@@ -489,21 +483,13 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
     else
       std::memset(out, 0, row_bytes);
   };
-  auto add_row = [&](float* dst, const uint8_t* in) {
-    if (a.dtype == FloatType::kF32) {
-      const float* v = reinterpret_cast<const float*>(in);
-      for (int h = 0; h < H; ++h) dst[h] += v[h];
-    } else {
-      const uint16_t* v = reinterpret_cast<const uint16_t*>(in);
-      for (int h = 0; h < H; ++h) dst[h] += bf16_to_f32(v[h]);
-    }
-  };
+  auto add_y_row = [&](float* dst, const uint8_t* in) { add_row(dst, in, size_t(H), a.dtype); };
 
   const size_t values = size_t(a.num_tokens) * H;
   float* acc = zeroed_accumulator(values);
   std::string mismatch;
   if (auto nodes = node_blocks(group, a.node_size)) {
-    mismatch = combine_by_node(dev, group, *nodes, plan, a, copy_y_row, add_row, acc);
+    mismatch = combine_by_node(dev, group, *nodes, plan, a, copy_y_row, add_y_row, acc);
   } else {
     auto tokens_from = tokens_by_member(a.is_token_in_rank, a.num_tokens, R);
     exchange(
@@ -516,16 +502,11 @@ void combine(Device& dev, const Group& group, const CombineArgs& a) {
             return;
           }
           for (uint32_t j = 0; j < count; ++j)
-            add_row(acc + size_t(tokens_from[s][j]) * H, rows + uint64_t(j) * plan.row_bytes);
+            add_y_row(acc + size_t(tokens_from[s][j]) * H, rows + uint64_t(j) * plan.row_bytes);
         });
   }
   if (!mismatch.empty()) abort_group(dev, group, "uccl_ep combine: " + mismatch + " (stale handle?)");
-  if (a.dtype == FloatType::kF32) {
-    std::memcpy(a.out, acc, values * 4);
-  } else {
-    uint16_t* out = reinterpret_cast<uint16_t*>(a.out);
-    for (size_t i = 0; i < values; ++i) out[i] = f32_to_bf16(acc[i]);
-  }
+  store_as(acc, values, a.out, a.dtype);
 }
 
 }  // namespace uccl_ep::cpu

@@ -151,20 +151,10 @@ void sum_pairs(const SumPairsArgs& a) {
     for (int k = 0; k < a.topk; ++k) {
       const int32_t s = a.pair_of[r * a.topk + k];
       if (s < 0 || s >= a.num_slots) continue;
-      if (a.pairs_dtype == FloatType::kF32) {
-        const float* v = static_cast<const float*>(a.pairs) + s * H;
-        for (int64_t h = 0; h < H; ++h) acc[h] += v[h];
-      } else {
-        const uint16_t* v = static_cast<const uint16_t*>(a.pairs) + s * H;
-        for (int64_t h = 0; h < H; ++h) acc[h] += bf16_to_f32(v[h]);
-      }
+      add_row(acc.data(), static_cast<const uint8_t*>(a.pairs) + s * H * float_bytes(a.pairs_dtype), size_t(H),
+              a.pairs_dtype);
     }
-    if (a.rows_dtype == FloatType::kF32) {
-      std::memcpy(static_cast<float*>(a.rows) + r * H, acc.data(), size_t(H) * 4);
-    } else {
-      uint16_t* o = static_cast<uint16_t*>(a.rows) + r * H;
-      for (int64_t h = 0; h < H; ++h) o[h] = f32_to_bf16(acc[h]);
-    }
+    store_as(acc.data(), size_t(H), static_cast<uint8_t*>(a.rows) + r * H * float_bytes(a.rows_dtype), a.rows_dtype);
   }
 }
 

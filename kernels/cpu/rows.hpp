@@ -1,4 +1,5 @@
-// Small helpers the CPU ops share: row padding, float32 <-> bfloat16, and the check of expert indices.
+// Small helpers the CPU ops share: row padding, float32 <-> bfloat16 (values and rows), and the check of expert
+// indices.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -7,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "../contract.hpp"
 #include "../fp8.hpp"
 
 namespace uccl_ep::cpu {
@@ -36,6 +38,27 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
   if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return uint16_t((bits >> 16) | 0x40);
   bits += 0x7FFFu + ((bits >> 16) & 1u);
   return uint16_t(bits >> 16);
+}
+
+// n float32 values stored as type t at out (bfloat16 rounded to nearest even), the type's loop chosen once.
+inline void store_as(const float* values, size_t n, void* out, FloatType t) {
+  if (t == FloatType::kF32) {
+    std::memcpy(out, values, n * 4);
+    return;
+  }
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (size_t i = 0; i < n; ++i) o[i] = f32_to_bf16(values[i]);
+}
+
+// acc[h] += weight * row[h] over a row of n values of type t (the type's loop chosen once per row).
+inline void add_row(float* acc, const void* row, size_t n, FloatType t, float weight = 1.f) {
+  if (t == FloatType::kF32) {
+    const float* v = static_cast<const float*>(row);
+    for (size_t h = 0; h < n; ++h) acc[h] += weight * v[h];
+    return;
+  }
+  const uint16_t* v = static_cast<const uint16_t*>(row);
+  for (size_t h = 0; h < n; ++h) acc[h] += weight * bf16_to_f32(v[h]);
 }
 
 // float32 -> float8_e4m3fn bits, round to nearest even, finite values past 448 saturated (as the GPU's
