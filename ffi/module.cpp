@@ -8,9 +8,12 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "../kernels/contract.hpp"
 #include "../kernels/fp8.hpp"
+#include "../kernels/nvl/sizes.hpp"
+#include "../kernels/proxy_regions.hpp"
 #include "../kernels/settings.hpp"
 #include "../proxy/host_memory.hpp"
 #include "../proxy/runtime.hpp"
@@ -103,14 +106,6 @@ NB_MODULE(_uccl_ep, m) {
   m.def("proxy_check_errors", [] { nvl::check_proxy_errors("check_errors"); });
   // Every local GPU is checked (and cleared); one error names them all.
   m.def("nvl_check_errors", [] { nvl::NvlRuntime::get().check_errors("check_errors"); });
-  m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
-                               bool weights, int combine_hidden, bool combine_bf16) {
-    size_t msg = std::max(
-        nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
-        nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16 ? FloatType::kBF16 : FloatType::kF32));
-    return nvl::NvlDevice::buffer_bytes_for(num_ranks, msg);
-  });
-  m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
   m.def("nvl_buffer_bytes_held", [] {  // per local GPU: (normal, low-latency) bytes allocated
     std::vector<std::pair<size_t, size_t>> out;
     for (auto* d : nvl::NvlRuntime::get().devices()) out.emplace_back(d->buffer_bytes(), d->low_latency_bytes());
@@ -119,6 +114,29 @@ NB_MODULE(_uccl_ep, m) {
   m.def("install_pinned_host_allocator", &nvl::install_pinned_host_allocator);
 #endif
   m.def("host_allocator", [] { return std::string(host_allocator_name()); });
+
+  // Buffer sizes for shapes, in any build (a job's buffers can be sized where it is planned).
+  m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
+                               bool weights, int combine_hidden, bool combine_bf16) {
+    size_t msg = std::max(
+        nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
+        nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16 ? FloatType::kBF16 : FloatType::kF32));
+    return nvl::nvl_buffer_bytes_for(num_ranks, msg);
+  });
+  m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
+  // routing: 0 flat, 1 hierarchical rounds, 2 two-level (NodeRouting).
+  m.def("proxy_bytes_needed", [](int num_ranks, int ranks_per_node, int routing, bool gpus, int num_tokens, int hidden,
+                                 int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights,
+                                 bool combine_bf16, int low_latency_max_tokens, int num_experts) {
+    if (routing < 0 || routing > 2) throw std::invalid_argument("uccl_ep: routing must be 0, 1 or 2");
+    ProxyShapes s;
+    s.num_ranks = num_ranks, s.ranks_per_node = ranks_per_node, s.routing = NodeRouting(routing), s.gpus = gpus;
+    s.num_tokens = num_tokens, s.hidden = hidden;
+    s.x_row_bytes = x_row_bytes, s.scale_row_bytes = scale_row_bytes, s.topk = topk, s.weights = weights;
+    s.combine_dtype = combine_bf16 ? FloatType::kBF16 : FloatType::kF32;
+    s.low_latency_max_tokens = low_latency_max_tokens, s.num_experts = num_experts;
+    return buffer_bytes_for_region(std::max<uint64_t>(1, proxy_region_bytes(s)), uint32_t(num_ranks));
+  });
 
   nb::class_<Settings>(m, "Settings")
       .def(nb::init<>())

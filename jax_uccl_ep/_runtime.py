@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
@@ -182,6 +182,7 @@ def initialize(
     config: Config | None = None,
     nvl_buffer_bytes: int | None = None,
     low_latency_buffer_bytes: int | None = None,
+    proxy_buffer_bytes: int | None = None,
     buffer_bytes: int | None = None,
     **kwargs: Any,
 ) -> None:
@@ -203,6 +204,9 @@ def initialize(
       low_latency_buffer_bytes: GPUs only: bytes per GPU for low-latency mode (overrides
         ``config.ll_buffer_bytes`` and ``UCCL_EP_LL_BUFFER_BYTES``; default 256 MiB; 0 turns the mode off).
         ``low_latency_buffer_bytes(...)`` gives the need for a shape.
+      proxy_buffer_bytes: bytes of the proxy runtime's registered buffer per device, which carries every op on
+        CPU devices and GPUs' ops across nodes (overrides ``config.buffer_bytes`` and ``UCCL_EP_BUFFER_BYTES``;
+        default 64 MiB). ``proxy_buffer_bytes(...)`` gives what a job's shapes need.
       buffer_bytes: deprecated spelling of ``nvl_buffer_bytes`` (a DeprecationWarning says so): it named the
         NVLink buffer, while ``Config.buffer_bytes`` is the proxy runtime's.
 
@@ -229,6 +233,8 @@ def initialize(
         _maybe_initialize_distributed(kwargs)
         config = Config.from_env(config)
         explicit = {"nvl_buffer_bytes": nvl_buffer_bytes, "low_latency_buffer_bytes": low_latency_buffer_bytes}
+        if proxy_buffer_bytes is not None:
+            config = dataclasses.replace(config, buffer_bytes=int(proxy_buffer_bytes))
         if nvl_buffer_bytes is not None:
             config = dataclasses.replace(config, nvl_buffer_bytes=int(nvl_buffer_bytes))
         if low_latency_buffer_bytes is not None:
@@ -619,11 +625,81 @@ def low_latency_buffer_bytes(
 
     x_row, scale_row = dispatch_row_bytes(hidden, fp8, dispatch_dtype)
     combine_row = hidden * np.dtype(combine_dtype).itemsize
-    if not hasattr(_uccl_ep, "nvl_low_latency_bytes_needed"):
-        raise RuntimeError("jax_uccl_ep: low_latency_buffer_bytes is for GPUs; this build has no CUDA")
     return int(
         _uccl_ep.nvl_low_latency_bytes_needed(
             num_ranks, num_experts, max_tokens_per_rank, topk, x_row, scale_row, combine_row
+        )
+    )
+
+
+def proxy_buffer_bytes(
+    num_tokens: int,
+    hidden: int,
+    *,
+    num_ranks: int,
+    topk: int,
+    dtype: Any = "bfloat16",
+    fp8: bool = False,
+    with_weights: bool = True,
+    combine_dtype: Any = "bfloat16",
+    ranks_per_node: int | None = None,
+    low_latency_max_tokens: int = 0,
+    num_experts: int = 0,
+    platform: Literal["cpu", "gpu"],
+    config: Config | None = None,
+) -> int:
+    """Bytes of the proxy runtime's registered buffer per device (pass to ``initialize(proxy_buffer_bytes=...)``,
+    or set ``Config.buffer_bytes`` / ``UCCL_EP_BUFFER_BYTES``) that a job's ops need whatever their routing: every
+    op on CPU devices, and GPUs' ops across nodes (GPU-initiated or staged through the host). With it no op stops
+    to advise a larger buffer. A region of the buffer holds a message to one peer, and every token of a rank may
+    go to one peer, so jobs with many tokens or wide rows need far more than the default.
+
+    num_tokens: normal mode's tokens per rank (0: no normal-mode ops); hidden: channels; num_ranks: the job's
+    ranks; topk: expert slots per token; dtype: of x and of the gradients' rows (with fp8 the dispatched rows are
+    hidden bytes plus hidden/128 float32 scales); with_weights: dispatch carries the router weights;
+    combine_dtype: of combine's rows (float16 travels as float32); ranks_per_node: ranks on each node where the
+    job spans several (None: one node); low_latency_max_tokens: max_tokens_per_rank of low-latency ops (0: none),
+    whose regions count rows per local expert of num_experts; platform: the devices', "cpu" or "gpu" (given, not
+    asked of JAX: a job sizes its buffer before initialize(), and asking would start JAX's backend too early for
+    jax.distributed); config: the settings that choose how normal mode crosses nodes (hierarchical, two_level;
+    default: the environment's), as initialize() would.
+    """
+    import numpy as np
+
+    if low_latency_max_tokens and num_experts <= 0:
+        raise ValueError("jax_uccl_ep.proxy_buffer_bytes: low-latency ops need num_experts")
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"jax_uccl_ep.proxy_buffer_bytes: platform must be 'cpu' or 'gpu', got {platform!r}")
+    config = Config.from_env(config)
+    per_node = ranks_per_node or num_ranks
+    if num_ranks % per_node:
+        raise ValueError(f"jax_uccl_ep.proxy_buffer_bytes: {num_ranks} ranks do not fill nodes of {per_node}")
+    routing = 0  # NodeRouting: flat
+    if per_node < num_ranks:
+        topo = Topology.build(list(range(num_ranks)), [], per_node)  # a process a rank: no process spans nodes
+        if _plan_two_level(config, topo, platform, list(range(num_ranks))) is not None:
+            routing = 2
+        elif config.hierarchical and per_node > 1:
+            routing = 1
+    x_row, scale_row = dispatch_row_bytes(hidden, fp8, dtype)
+    # The rows combine returns and the backward passes move (x's gradients, combine's cotangents): float32 where
+    # either dtype is wider than bfloat16.
+    rows_bf16 = np.dtype(combine_dtype) == np.dtype(dtype) == np.dtype(jax.numpy.bfloat16)
+    return int(
+        _uccl_ep.proxy_bytes_needed(
+            num_ranks,
+            per_node,
+            routing,
+            platform == "gpu",
+            num_tokens,
+            hidden,
+            x_row,
+            scale_row,
+            topk,
+            with_weights,
+            rows_bf16,
+            low_latency_max_tokens,
+            num_experts,
         )
     )
 

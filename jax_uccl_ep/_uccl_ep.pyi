@@ -1,6 +1,7 @@
 # Types of the package's compiled extension (ffi/module.cpp), for type checkers: written by nanobind's stubgen
 # from a CUDA build (python -m nanobind.stubgen -m jax_uccl_ep._uccl_ep). CPU-only builds lack the cuda_* and nvl_*
-# functions and install_pinned_host_allocator (the package asks with hasattr); tests/test_architecture_layers.py
+# functions but the *_bytes_needed ones, and install_pinned_host_allocator (the package asks with hasattr);
+# tests/test_architecture_layers.py
 # checks that this file and the built extension name the same things.
 from collections.abc import Sequence
 
@@ -26,6 +27,22 @@ def nvl_bytes_needed(
 ) -> int: ...
 def nvl_low_latency_bytes_needed(
     arg0: int, arg1: int, arg2: int, arg3: int, arg4: int, arg5: int, arg6: int, /
+) -> int: ...
+def proxy_bytes_needed(
+    arg0: int,
+    arg1: int,
+    arg2: int,
+    arg3: bool,
+    arg4: int,
+    arg5: int,
+    arg6: int,
+    arg7: int,
+    arg8: int,
+    arg9: bool,
+    arg10: bool,
+    arg11: int,
+    arg12: int,
+    /,
 ) -> int: ...
 def nvl_buffer_bytes_held() -> list[tuple[int, int]]: ...
 def install_pinned_host_allocator() -> bool: ...

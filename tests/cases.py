@@ -184,11 +184,13 @@ def random_case(seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype, *
     return x_dev, x_ref, idx, w
 
 
-def check_case(mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, empty_rank=None) -> list[str]:
+def check_case(mesh, seed, num_tokens, hidden, topk, num_experts, dtype, *, empty_rank=None, routing=None) -> list[str]:
+    """A normal-mode round trip of random rows against the reference; `routing` [R, T, topk] instead of random."""
     num_ranks = mesh.devices.size
     x_dev, x_ref, idx, w = random_case(
         seed, num_ranks, num_tokens, hidden, topk, num_experts, dtype, empty_rank=empty_rank
     )
+    idx = idx if routing is None else np.asarray(routing, np.int32)
     outs = roundtrip(mesh, x_dev, idx, w, num_experts)
     return check_roundtrip(outs, x_ref, idx, w, num_experts, dtype, empty=empty_rank)
 
@@ -284,15 +286,17 @@ def check_low_latency(
     split=False,
     zero_padding=True,
     carry_weights=False,
+    routing=None,
     **kw,
 ) -> list[str]:
     """low_latency_dispatch, a per-expert transform, low_latency_combine (fused or split into halves) against
     the reference: counts, layout, source tags, rows (FP8 within e4m3's bound) and the weighted combine. With
     carry_weights the dispatch carries the router weights (each row's in handle.weights) and combine sums on the
-    experts' ranks."""
+    experts' ranks. `routing` [R, T, topk] in place of a random one."""
     num_ranks = mesh.devices.size
     rng = np.random.default_rng(seed)
     idx = ref.random_routing(rng, num_ranks, num_tokens, topk, num_experts)
+    idx = idx if routing is None else np.asarray(routing, np.int32)
     xb = np.asarray(jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)), jnp.bfloat16))
     w = rng.random((num_ranks, num_tokens, topk)).astype(np.float32)
     use_fp8 = kw.get("use_fp8", True)

@@ -335,10 +335,10 @@ def _dispatch_combine(x, idx) -> np.ndarray:
     return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx))
 
 
-def _restart_with_the_advised_buffer(x, idx) -> None:
+def _restart_with_the_advised_buffer(x, idx) -> int:
     """A dispatch/combine round trip of x [R * T, H] with routing idx [R * T, 1] under a 1 MiB proxy buffer must fail
     naming the UCCL_EP_BUFFER_BYTES to set; restarted with that, the same round trip must return each token once
-    per rank it went to (identity experts; here at most once)."""
+    per rank it went to (identity experts; here at most once). Returns the advised buffer."""
     import dataclasses
     import re
 
@@ -351,6 +351,7 @@ def _restart_with_the_advised_buffer(x, idx) -> None:
         ep.shutdown()
         ep.initialize(config=dataclasses.replace(ep.Config.from_env(), buffer_bytes=advised))
         np.testing.assert_allclose(_dispatch_combine(x, idx), np.asarray(x) * (np.asarray(idx) >= 0), rtol=1e-6)
+        return advised
     finally:
         ep.shutdown()
         ep.initialize()
@@ -361,7 +362,13 @@ def test_the_buffer_size_a_too_large_message_advises_is_enough():
     the same op runs (regions are whole pages, so the advice rounds the message up to one)."""
     x = jnp.asarray(np.random.default_rng(9).standard_normal((R * 60, 1023)), jnp.float32)
     idx = jnp.zeros((R * 60, 1), jnp.int32)  # every rank sends its 60 rows to rank 0: ~245 KB a message
-    _restart_with_the_advised_buffer(x, idx)
+    advised = _restart_with_the_advised_buffer(x, idx)
+    # Every token to one rank is the worst routing there is: what proxy_buffer_bytes gives for these shapes.
+    assert advised == ep.proxy_buffer_bytes(60, 1023, num_ranks=R, topk=1, **_F32_ROWS, platform="cpu")
+
+
+# The rows of _dispatch_combine: float32, no router weights.
+_F32_ROWS = dict(dtype=jnp.float32, with_weights=False, combine_dtype=jnp.float32)
 
 
 def test_the_buffer_size_advised_holds_every_ranks_message():
@@ -432,6 +439,71 @@ def test_a_message_past_a_region_in_the_last_hierarchical_round_fails_every_rank
             pytest.fail(f"three buffers advised and none ran the op: {advised}")
         assert len(advised) == 2, advised  # the across round's need, then the within round's larger one
         np.testing.assert_allclose(out, want, rtol=1e-6)
+        # Rank 2 passed its node both nodes' 40 tokens, the most a rank can: what proxy_buffer_bytes gives.
+        sized = ep.proxy_buffer_bytes(40, 1023, num_ranks=R, topk=2, **_F32_ROWS, ranks_per_node=2, platform="cpu")
+        assert advised[-1] == sized, (advised, sized)
+    finally:
+        ep.shutdown()
+        ep.initialize()
+
+
+def test_a_proxy_buffer_sized_by_the_shapes_runs_the_worst_routing_the_first_time():
+    """proxy_buffer_bytes(shapes) is the buffer the largest message of those shapes needs: with every rank's slots
+    on one rank's experts (normal mode flat, in hierarchical rounds and in two levels, bf16 rows with router weights;
+    low latency, float32 rows), the ops run the first time with it, right against NumPy, and a buffer a page a region
+    smaller makes them advise exactly it."""
+    import dataclasses
+    import re
+
+    rng = np.random.default_rng(13)
+    t, n, h, e = 48, 24, 1000, 2 * R
+    x = rng.standard_normal((R * t, h)).astype(np.float32)
+    w = rng.random((R * t, 2)).astype(np.float32)
+    to_last_rank = np.tile(np.array([[e - 2, e - 1]], np.int32), (R * t, 1))  # both slots on rank R - 1's experts
+    mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+
+    def normal(x, i, w):
+        r = ep.dispatch(x, i, w, num_experts=e, axis_name="ep")
+        return ep.combine(r.x, r.handle)
+
+    def low_latency(x, i, w):
+        recv, _, handle = ep.low_latency_dispatch(
+            x[:n], i[:n], num_experts=e, max_tokens_per_rank=n, axis_name="ep", use_fp8=False
+        )
+        return ep.low_latency_combine(recv, i[:n], w[:n], handle)
+
+    xb = jnp.asarray(x, jnp.bfloat16)
+    per_rank = lambda a: a.reshape(R, t, -1)[:, :n].reshape(R * n, -1)  # noqa: E731
+    base = dataclasses.replace(ep.Config.from_env(), two_level="0")
+    hierarchical = dataclasses.replace(base, gpus_per_node=2, hierarchical=True)
+    two_level = dataclasses.replace(hierarchical, two_level="1")
+    on_two_nodes = dict(num_tokens=t, ranks_per_node=2)
+    cases = [  # name, config, sizes, op, want
+        ("normal, flat", base, dict(num_tokens=t), normal, np.asarray(xb, np.float32)),
+        ("normal, hierarchical rounds", hierarchical, on_two_nodes, normal, np.asarray(xb, np.float32)),
+        ("normal, two levels", two_level, on_two_nodes, normal, np.asarray(xb, np.float32)),
+        (
+            "low latency",
+            base,
+            dict(num_tokens=0, low_latency_max_tokens=n, num_experts=e, dtype=jnp.float32, combine_dtype=jnp.float32),
+            low_latency,
+            per_rank(x) * per_rank(w).sum(-1, keepdims=True),
+        ),
+    ]
+    try:
+        for name, config, sizes, op, want in cases:
+            rows = x if op is low_latency else xb
+            f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+            sized = ep.proxy_buffer_bytes(hidden=h, num_ranks=R, topk=2, platform="cpu", config=config, **sizes)
+            ep.shutdown()
+            ep.initialize(config=dataclasses.replace(config, buffer_bytes=sized))
+            out = np.asarray(f(rows, jnp.asarray(to_last_rank), jnp.asarray(w)), np.float32)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=name)
+            ep.shutdown()
+            ep.initialize(config=dataclasses.replace(config, buffer_bytes=sized - 2 * R * 4096))
+            with pytest.raises(Exception, match=r"raise UCCL_EP_BUFFER_BYTES to at least \d+") as info:
+                np.asarray(f(rows, jnp.asarray(to_last_rank), jnp.asarray(w)))
+            assert int(re.search(r"at least (\d+)", str(info.value)).group(1)) == sized, (name, str(info.value))
     finally:
         ep.shutdown()
         ep.initialize()

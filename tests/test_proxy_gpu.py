@@ -54,6 +54,60 @@ def _suite_across_nodes(
     return results
 
 
+def gpu_sized_proxy_buffer(num_ranks: str) -> dict:
+    """Child: GPU-initiated ops across nodes on a proxy buffer of proxy_buffer_bytes(shapes), every slot of every
+    rank on the last rank's experts (the largest message there is): normal mode (BF16 with weights) and low latency
+    (BF16, the weights carried or not) against the reference; then on a quarter of it, where the first op is refused
+    naming a buffer no larger."""
+    import re
+
+    import cases
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_uccl_ep as ep
+
+    r = int(num_ranks)  # sized before initialize(), which must come before JAX starts its backend
+    t, n, h, k, e = 512, 128, 2048, 2, 8 * r
+    sized = ep.proxy_buffer_bytes(
+        t, h, num_ranks=r, topk=k, ranks_per_node=1, low_latency_max_tokens=n, num_experts=e, platform="gpu"
+    )
+    ep.initialize(proxy_buffer_bytes=sized)
+    mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
+    last = np.tile(np.arange(e - k, e, dtype=np.int32), (r, t, 1))
+    problems = {
+        "normal": cases.check_case(mesh, 40, t, h, k, e, jnp.bfloat16, routing=last),
+        "low_latency": cases.check_low_latency(
+            mesh, 41, n, n, h, k, e, zero_padding=False, use_fp8=False, routing=last[:, :n]
+        ),
+        "low_latency_carried": cases.check_low_latency(
+            mesh, 42, n, n, h, k, e, zero_padding=False, carry_weights=True, use_fp8=False, routing=last[:, :n]
+        ),
+    }
+    ep.check_errors()
+    ep.shutdown()
+    ep.initialize(proxy_buffer_bytes=sized // 4)
+    refusal = ""
+    try:
+        cases.check_case(mesh, 43, t, h, k, e, jnp.bfloat16, routing=last)
+    except Exception as exc:  # noqa: BLE001 - any refusal; its text is checked
+        refusal = str(exc)
+    advised = re.search(r"raise UCCL_EP_BUFFER_BYTES to at least (\d+)", refusal)
+    if not advised or int(advised.group(1)) > sized:
+        problems["refusal"] = [f"a quarter of {sized} bytes: {refusal or 'ran'}"]
+    ep.shutdown()
+    return {"problems": problems, "sized": sized, "ranks": r}
+
+
+def test_a_proxy_buffer_sized_by_the_shapes_holds_the_gpu_initiated_ops():
+    """Two processes on one GPU, each its own node: proxy_buffer_bytes(shapes, platform="gpu") holds the
+    GPU-initiated ops' largest messages (every slot on one rank's experts), and a quarter of it is refused by
+    the first op, naming a size no larger."""
+    results = _on_one_gpu("test_proxy_gpu.py", "gpu_sized_proxy_buffer", 2, args=["2"], UCCL_EP_GPUS_PER_NODE="1")
+    _check(results, 2)
+
+
 def gpu_ring(commands: int, rounds: int) -> dict:
     """Child: GPU warps push numbered commands into host rings; then the ping-pong and one-way rounds."""
     from jax_uccl_ep import _uccl_ep_testing

@@ -10,7 +10,6 @@ namespace uccl_ep::cpu {
 namespace {
 
 constexpr uint32_t kMagic = 0x55455031;  // "UEP1"
-constexpr size_t kHeaderBytes = 64;
 
 struct Header {
   uint32_t magic;
@@ -27,7 +26,7 @@ struct Header {
   uint32_t reserved[2];
 };
 constexpr size_t kMaxErrorBytes = 1024;
-static_assert(sizeof(Header) == kHeaderBytes, "header size");
+static_assert(sizeof(Header) == kMessageHeaderBytes, "header size");
 
 // Splits [0, bytes) into the channels' parts; part c goes over channel c.
 std::pair<uint64_t, uint64_t> stripe(uint64_t bytes, int channels, int c) {
@@ -112,7 +111,8 @@ std::string buffer_advice(const Device& dev, uint64_t need_bytes, uint32_t needi
          " bytes for its largest message, but a buffer region holds " + std::to_string(dev.region_bytes()) +
          "; raise UCCL_EP_BUFFER_BYTES to at least " +
          std::to_string(buffer_bytes_for_region(need_bytes, dev.num_ranks())) +
-         " (the most any rank of the group needs in this round)";
+         " (the most any rank of the group needs in this round; jax_uccl_ep.proxy_buffer_bytes sizes it for every op "
+         "of a job's shapes)";
 }
 
 SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, const PackRow& pack) {
@@ -125,13 +125,13 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
   uint64_t need_bytes = 0;
   if (plan.local_error.empty())
     for (int d = 0; d < group.size; ++d)
-      need_bytes = std::max(need_bytes, kHeaderBytes + uint64_t(plan.rows_to[d]) * plan.row_bytes);
+      need_bytes = std::max(need_bytes, message_bytes(plan.rows_to[d], plan.row_bytes));
   const int32_t status = !plan.local_error.empty() ? 1 : need_bytes > dev.region_bytes() ? 2 : 0;
   const uint32_t error_bytes = status == 1 ? uint32_t(std::min(plan.local_error.size(), kMaxErrorBytes)) : 0;
   for (int d = 0; d < group.size; ++d) {
     uint32_t peer = uint32_t(group.ranks[d]);
     uint32_t rows = status ? 0 : plan.rows_to[d];
-    uint64_t bytes = kHeaderBytes + uint64_t(rows) * plan.row_bytes + error_bytes;
+    uint64_t bytes = message_bytes(rows, plan.row_bytes) + error_bytes;
     // The peer must have read our previous message before we overwrite its region.
     if (dev.awaiting_ack(peer)) {
       dev.wait_message(0, peer, op);
@@ -142,8 +142,8 @@ SentRound send_half(Device& dev, const Group& group, const ExchangePlan& plan, c
              status, error_bytes,         plan.op_index, 0,    need_bytes,     {}};
     std::memcpy(region, &h, sizeof(h));
     // A rank with bad input sends its error text in place of rows, so every peer can report the cause.
-    std::memcpy(region + kHeaderBytes, plan.local_error.data(), error_bytes);
-    for (uint32_t i = 0; i < rows; ++i) pack(d, i, region + kHeaderBytes + uint64_t(i) * plan.row_bytes);
+    std::memcpy(region + kMessageHeaderBytes, plan.local_error.data(), error_bytes);
+    for (uint32_t i = 0; i < rows; ++i) pack(d, i, region + kMessageHeaderBytes + uint64_t(i) * plan.row_bytes);
     for (int c = 0; c < channels; ++c) {
       auto [begin, len] = stripe(bytes, channels, c);
       dev.post_message(c, peer, dev.send_offset(peer) + begin, dev.recv_offset(dev.rank()) + begin, len, op);
@@ -187,11 +187,11 @@ std::vector<uint32_t> receive_half(Device& dev, const Group& group, const SentRo
     }
     if (h.status == 1 && peer_input.empty())
       peer_input = "rank " + std::to_string(peer) + " reported invalid input: " +
-                   std::string(reinterpret_cast<const char*>(region + kHeaderBytes),
+                   std::string(reinterpret_cast<const char*>(region + kMessageHeaderBytes),
                                std::min<size_t>(h.error_bytes, kMaxErrorBytes));
     if (h.status == 0 && !sent.sent_status) {
       received[s] = h.rows;
-      unpack(s, h.rows, region + kHeaderBytes);
+      unpack(s, h.rows, region + kMessageHeaderBytes);
     }
   }
   // Region read: let every remote sender reuse it.

@@ -63,6 +63,10 @@ struct RegionTooSmall : CollectiveError {
   using CollectiveError::CollectiveError;
 };
 
+// A message of a round: a header, then its rows. What a region of the proxy's buffer must hold for it.
+constexpr uint64_t kMessageHeaderBytes = 64;
+inline uint64_t message_bytes(uint64_t rows, uint64_t row_bytes) { return kMessageHeaderBytes + rows * row_bytes; }
+
 struct ExchangePlan {
   OpKind kind;
   uint32_t op_index;              // position in the program: the same on every rank

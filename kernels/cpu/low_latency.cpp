@@ -31,6 +31,12 @@ namespace {
 // without topk_weights) | padding.
 uint64_t dispatch_meta_offset(const LowLatencyDispatchArgs& a) { return a.x_row_bytes + a.scale_row_bytes; }
 constexpr uint64_t kDispatchMetaBytes = 12;
+uint64_t dispatch_row_bytes(uint64_t x_row_bytes, uint64_t scale_row_bytes) {
+  return round_up16(x_row_bytes + scale_row_bytes + kDispatchMetaBytes);
+}
+uint64_t dispatch_row_bytes(const LowLatencyDispatchArgs& a) {
+  return dispatch_row_bytes(a.x_row_bytes, a.scale_row_bytes);
+}
 uint64_t dispatch_shape_tag(const LowLatencyDispatchArgs& a) {
   return (uint64_t(a.max_tokens_per_rank) << 40) ^ (uint64_t(a.num_experts) << 20) ^ a.x_row_bytes ^
          (uint64_t(a.scale_row_bytes) << 52);
@@ -51,7 +57,7 @@ template <class Run>
 void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatchArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
   ExchangePlan plan{
-      OpKind::kLowLatencyDispatch, a.op_index, round_up16(dispatch_meta_offset(a) + kDispatchMetaBytes),
+      OpKind::kLowLatencyDispatch, a.op_index, dispatch_row_bytes(a),
       dispatch_shape_tag(a),       {},         check_topk(a.topk_idx, a.num_tokens, a.topk, a.num_experts)};
   if (plan.local_error.empty() && a.num_tokens > N)
     plan.local_error = "rank " + std::to_string(dev.rank()) + " has " + std::to_string(a.num_tokens) +
@@ -102,7 +108,7 @@ void with_dispatch_send(Device& dev, const Group& group, const LowLatencyDispatc
 template <class Run>
 void with_dispatch_receive(Device& dev, const Group& group, const LowLatencyDispatchArgs& a, Run&& run) {
   const int R = group.size, L = a.num_experts / R, N = a.max_tokens_per_rank;
-  const uint64_t meta = dispatch_meta_offset(a), row_bytes = round_up16(meta + kDispatchMetaBytes);
+  const uint64_t meta = dispatch_meta_offset(a), row_bytes = dispatch_row_bytes(a);
   const size_t slab = size_t(R) * N;  // rows per local expert
   std::vector<int32_t> fill(L, 0);
   std::memset(a.layout, 0, sizeof(int32_t) * L * R);
@@ -265,6 +271,16 @@ void with_combine_receive(Device& dev, const Group& group, const LowLatencyCombi
 }
 
 }  // namespace
+
+uint64_t largest_low_latency_message_bytes(int num_ranks, int num_experts, int max_tokens_per_rank, int topk,
+                                           uint64_t x_row_bytes, uint64_t scale_row_bytes, uint64_t combine_row_bytes) {
+  // A rank sends a member a row per slot naming one of its experts, and an expert takes at most
+  // max_tokens_per_rank rows from a rank; combine returns as many (or, with the weights carried, a sum per token).
+  const int local_experts = num_experts / std::max(1, num_ranks);
+  const uint64_t rows =
+      uint64_t(std::max(0, max_tokens_per_rank)) * uint64_t(std::max(0, std::min(topk, local_experts)));
+  return message_bytes(rows, std::max(dispatch_row_bytes(x_row_bytes, scale_row_bytes), round_up16(combine_row_bytes)));
+}
 
 void low_latency_dispatch(Device& dev, const Group& group, const LowLatencyDispatchArgs& a) {
   with_dispatch_send(dev, group, a, [&](const ExchangePlan& plan, const PackRow& pack) {

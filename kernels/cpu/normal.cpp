@@ -77,9 +77,14 @@ struct NodeBlocks {
   std::vector<int32_t> across;  // ranks (n, local) for every node n
   std::vector<int32_t> within;  // ranks (node, l) for every l
 };
+// The nodes of a group of `size` ranks, `per_node` a node, or 1 where its rounds are flat (one node, a node size
+// of 0 or 1, or one that does not divide the group).
+int nodes_of(int size, int per_node) {
+  return per_node <= 1 || per_node >= size || size % per_node != 0 ? 1 : size / per_node;
+}
 // The blocks of `g` for the plan's node size (0 or 1: flat, no rounds).
 std::optional<NodeBlocks> node_blocks(const Group& g, int per_node) {
-  if (per_node <= 1 || per_node >= g.size || g.size % per_node != 0) return std::nullopt;
+  if (nodes_of(g.size, per_node) == 1) return std::nullopt;
   NodeBlocks b;
   b.per_node = per_node;
   b.nodes = g.size / per_node;
@@ -127,6 +132,14 @@ void in_rounds(Device& dev, const Group& group, std::initializer_list<std::funct
 // payload; the route rides behind it at `tag_off`: (token, source node, one byte per rank of the target node).
 // Returns the rows each source member sent this rank, in its token order (rows of route_row_bytes()).
 uint64_t route_row_bytes(uint64_t tag_off, int per_node) { return round_up16(tag_off + 8 + uint64_t(per_node)); }
+// A row of `payload` bytes as a round moves it: padded to 16 bytes, and across nodes with the route behind it.
+uint64_t travelling_row_bytes(uint64_t payload, int per_node, bool across_nodes) {
+  return across_nodes ? route_row_bytes(payload, per_node) : round_up16(payload);
+}
+// A dispatch row's payload: x | scales | topk_idx (global) | topk_weights.
+uint64_t dispatch_payload_bytes(uint64_t x_row_bytes, uint64_t scale_row_bytes, int topk, bool weights) {
+  return x_row_bytes + scale_row_bytes + 4ull * topk + (weights ? 4ull * topk : 0);
+}
 
 template <class PackRow>
 std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group, const NodeBlocks& b,
@@ -187,6 +200,16 @@ std::vector<std::vector<uint8_t>> route_by_node(Device& dev, const Group& group,
   return by_source;
 }
 
+// The rows of combine's three rounds across nodes (below), for y rows of `y_bytes`.
+struct NodeCombineRows {
+  uint64_t route;    // round 1: a token index and a byte per rank of the node
+  uint64_t tagged;   // round 2: a y row, then its source node
+  uint64_t partial;  // round 3: a partial sum, in y's type (BF16 sums cross back as DeepEP's do)
+};
+NodeCombineRows node_combine_rows(uint64_t y_bytes, int per_node) {
+  return {round_up16(4 + uint64_t(per_node)), round_up16(y_bytes + 4), round_up16(y_bytes)};
+}
+
 // Combine in three rounds, the reverse of route_by_node: (1) each source tells the rank with its local index
 // on every node which of its tokens that node's ranks hold (a token index and a byte per rank there); (2) every
 // rank returns its rows to the rank of its node that forwarded them, which sums the rows of each token in float32;
@@ -200,10 +223,9 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
   const int R = group.size, P = b.per_node, H = a.hidden;
   const Group across = make_group(dev, b.across.data(), b.nodes, "combine");
   const Group within = make_group(dev, b.within.data(), P, "combine");
-  const uint64_t route_bytes = round_up16(4 + uint64_t(P));
   const uint64_t y_bytes = uint64_t(H) * (a.dtype == FloatType::kF32 ? 4 : 2);
-  const uint64_t partial_bytes = round_up16(y_bytes);     // sums cross back in y's type, as DeepEP's do
-  const uint64_t tagged_bytes = round_up16(y_bytes + 4);  // round 2: a y row, then its source node
+  const NodeCombineRows row = node_combine_rows(y_bytes, P);
+  const uint64_t route_bytes = row.route, partial_bytes = row.partial, tagged_bytes = row.tagged;
   std::string mismatch, abort_after;
   auto note = [&](const std::string& what) {
     if (mismatch.empty()) mismatch = what;
@@ -324,6 +346,25 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
 
 }  // namespace
 
+uint64_t largest_message_bytes(const NormalShapes& s) {
+  const uint64_t T = uint64_t(std::max(0, s.num_tokens));
+  const int nodes = nodes_of(s.num_ranks, s.node_size);
+  const bool across_nodes = nodes > 1;
+  // cached_dispatch moves rows of x (and scales), or in combine's backward pass the rows combine returned.
+  const uint64_t sent_row =
+      std::max(travelling_row_bytes(dispatch_payload_bytes(s.x_row_bytes, s.scale_row_bytes, s.topk, s.weights),
+                                    s.node_size, across_nodes),
+               travelling_row_bytes(std::max(s.x_row_bytes + s.scale_row_bytes, s.combine_row_bytes), s.node_size,
+                                    across_nodes));
+  // Flat: a rank sends a member at most its T tokens, and combine returns a source at most the T rows it sent.
+  if (!across_nodes) return message_bytes(T, std::max(sent_row, round_up16(s.combine_row_bytes)));
+  // Across nodes a rank sends each node at most T rows; within its node it passes one rank the rows of every node's
+  // rank of its local index (at most nodes x T), and combine's rounds mirror that.
+  const NodeCombineRows row = node_combine_rows(s.combine_row_bytes, s.node_size);
+  return std::max({message_bytes(uint64_t(nodes) * T, std::max(sent_row, row.tagged)),
+                   message_bytes(T, std::max(row.route, row.partial))});
+}
+
 void get_dispatch_layout(const int32_t* topk_idx, int num_tokens, int topk, int num_experts, int num_ranks,
                          int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, bool* is_token_in_rank) {
   std::string err = check_topk(topk_idx, num_tokens, topk, num_experts);
@@ -361,9 +402,9 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
   // Row: x | scales | topk_idx (global) | topk_weights | padding to 16 bytes (| the route, across nodes).
   const uint64_t idx_off = a.x_row_bytes + a.scale_row_bytes;
   const uint64_t w_off = idx_off + 4ull * K;
-  const uint64_t tag_off = w_off + (a.topk_weights ? 4ull * K : 0);
+  const uint64_t tag_off = dispatch_payload_bytes(a.x_row_bytes, a.scale_row_bytes, K, a.topk_weights != nullptr);
   const auto nodes = node_blocks(group, a.node_size);
-  plan.row_bytes = nodes ? route_row_bytes(tag_off, nodes->per_node) : round_up16(tag_off);
+  plan.row_bytes = travelling_row_bytes(tag_off, a.node_size, nodes.has_value());
   plan.shape_tag = (uint64_t(K) << 48) ^ (uint64_t(a.num_experts) << 24) ^ uint64_t(a.x_row_bytes) ^
                    (uint64_t(a.topk_weights != nullptr) << 62);
   auto pack_token = [&](uint32_t t, uint8_t* out) {
@@ -425,7 +466,7 @@ void dispatch(Device& dev, const Group& group, const DispatchArgs& a) {
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& a) {
   const int R = group.size;
   const auto nodes = node_blocks(group, a.node_size);
-  const uint64_t row_bytes = nodes ? route_row_bytes(a.row_bytes, nodes->per_node) : round_up16(a.row_bytes);
+  const uint64_t row_bytes = travelling_row_bytes(uint64_t(a.row_bytes), a.node_size, nodes.has_value());
   ExchangePlan plan{OpKind::kCachedDispatch, a.op_index, row_bytes, uint64_t(a.row_bytes), {}, ""};
   RowSink sink{a.capacity};
   std::string mismatch;

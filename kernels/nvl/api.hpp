@@ -31,6 +31,7 @@
 
 #include "../../proxy/command.hpp"
 #include "../contract.hpp"
+#include "sizes.hpp"
 
 namespace uccl_ep {
 class Device;     // proxy/runtime.hpp: a GPU's state in the proxy runtime (GPUs on several nodes)
@@ -43,7 +44,6 @@ constexpr int kMaxRanks = 8;  // GPUs of one host (NVLink)
 // Ranks the low-latency kernels' per-member tables hold (by value, in a launch's parameters: 32 keep them under
 // the classic 4 KiB): NVLink groups stop at kMaxRanks; groups across nodes (the proxy path) at this.
 constexpr int kMaxLowLatencyRanks = 32;
-constexpr size_t kFlagBytes = 4096;
 // Most chunks a normal-mode message's rows are announced in (a flag each per peer; a chunk per send block): the
 // receiver copies or reduces a chunk as soon as it landed.
 constexpr int kChunks = 48;
@@ -83,8 +83,6 @@ class NvlDevice {
   int local_of(int global) const;  // -1 when `global` is not in this group
   size_t buffer_bytes() const { return buffer_bytes_; }
   size_t region_bytes() const { return region_bytes_; }
-  // Bytes a buffer must hold for messages of `message_bytes` among `num_ranks` GPUs.
-  static size_t buffer_bytes_for(int num_ranks, size_t message_bytes);
 
   std::vector<uint8_t> ipc_handle() const;
   // `peers[r]`: the IPC handle of rank r, or empty for ranks whose buffer is in `local_buffers` (same process).
@@ -230,8 +228,6 @@ using uccl_ep::PairBuffer;
 // Enqueues the layout on `stream`; a bad expert index is skipped and recorded in `err` (raised by check_errors()).
 void get_dispatch_layout(const LayoutArgs& args, DeviceErrors* err, int rank, cudaStream_t stream);
 
-// Bytes of the message one rank sends another for a dispatch of this shape.
-size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights);
 void dispatch(NvlDevice& dev, const Group& group, const DispatchArgs& args, cudaStream_t stream);
 
 // dispatch(layout="expert") where the dispatch pulls (pulls() below): the receive copies each row straight into
@@ -242,7 +238,6 @@ void dispatch_pairs(NvlDevice& dev, const Group& group, DispatchArgs args, const
 
 void cached_dispatch(NvlDevice& dev, const Group& group, const CachedDispatchArgs& args, cudaStream_t stream);
 
-size_t combine_message_bytes(int num_tokens, int hidden, FloatType dtype);
 void combine(NvlDevice& dev, const Group& group, const CombineArgs& args, cudaStream_t stream);
 
 // Loads every kernel of normal and low-latency mode on the current device. CUDA loads modules lazily, at a
@@ -332,9 +327,5 @@ void dispatch_pairs(Device& dev, const Group& group, DispatchArgs args, const Pa
 void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& args, cudaStream_t stream);
 void combine(Device& dev, const Group& group, const CombineArgs& args, cudaStream_t stream);
 bool gpu_initiated_normal(uint32_t num_ranks);
-
-// Bytes of low-latency area per GPU for these shapes (rows: the larger of a dispatch row and a combine row).
-size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk, int64_t x_row_bytes,
-                             int64_t scale_row_bytes, int64_t combine_row_bytes);
 
 }  // namespace uccl_ep::nvl

@@ -70,11 +70,6 @@ bool gpu_initiated_normal(uint32_t num_ranks) { return gpu_initiated(num_ranks, 
 
 uint64_t timeout_ns() { return uint64_t(settings().timeout_s * 1e9); }
 
-size_t NvlDevice::buffer_bytes_for(int num_ranks, size_t message_bytes) {
-  size_t region = (message_bytes + 4095) / 4096 * 4096;
-  return kFlagBytes + size_t(num_ranks) * region;
-}
-
 NvlDevice::NvlDevice(int cuda_device, int rank, int num_ranks, size_t buffer_bytes, size_t low_latency_bytes)
     : device_(cuda_device), rank_(rank), num_ranks_(num_ranks), buffer_bytes_(buffer_bytes) {
   if (num_ranks < 1 || num_ranks > kMaxRanks)

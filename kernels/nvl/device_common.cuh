@@ -34,8 +34,6 @@ inline void enable_peer_access(int device, int peer) {
   check(e, "cudaDeviceEnablePeerAccess to GPU " + std::to_string(peer));
 }
 
-inline size_t align16(size_t n) { return (n + 15) / 16 * 16; }
-
 // The peer a group position stands for, checked against this GPU's ranks.
 inline int peer_of(const NvlDevice& dev, const Group& g, int s) {
   int p = g.ranks[s];

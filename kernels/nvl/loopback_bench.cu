@@ -106,7 +106,7 @@ LoopbackResult loopback_bench(const LoopbackArgs& a) {
   const int64_t x_row = a.fp8 ? H : int64_t(H) * 2, scale_row = a.fp8 ? int64_t(H / 128) * 4 : 0;
   const size_t message =
       std::max(dispatch_message_bytes(T, x_row, scale_row, K, true), combine_message_bytes(T, H, FloatType::kBF16));
-  const size_t buffer = NvlDevice::buffer_bytes_for(R, message);
+  const size_t buffer = nvl_buffer_bytes_for(R, message);
   std::vector<std::unique_ptr<NvlDevice>> devs;
   for (int r = 0; r < R; ++r) devs.push_back(std::make_unique<NvlDevice>(gpu_of(r), r, R, buffer, 0));
   std::vector<NvlDevice*> same;

@@ -34,6 +34,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <cuda_fp8.h>
@@ -247,7 +248,8 @@ struct MapEntry {
   float weight;
   int unused;
 };
-static_assert(sizeof(MapEntry) == sizeof(int4), "a map entry is one 16-byte load");
+static_assert(sizeof(MapEntry) == sizeof(int4) && sizeof(MapEntry) == kMapEntryBytes,
+              "a map entry is one 16-byte load");
 
 // A token's trip to one rank: which token, to which rank, into which of that rank's token rows.
 struct TokenTrip {
@@ -855,22 +857,6 @@ constexpr auto dispatch_kernel = phase_kernel<DispatchPhases, kSend, kRecv>;
 template <typename T, bool kSend, bool kRecv>
 constexpr auto combine_kernel = phase_kernel<CombinePhases<T>, kSend, kRecv>;
 
-int64_t counts_bytes(int local_experts) { return (int64_t(local_experts) * 4 + 255) / 256 * 256; }
-int64_t token_row_bytes(int64_t x_row_bytes, int64_t scale_row_bytes) {
-  return int64_t(align16(x_row_bytes) + align16(scale_row_bytes));
-}
-// A dispatch region: counts, the row map (a MapEntry per slot), a row per token.
-int64_t row_map_bytes(int max_tokens, int topk) {
-  return int64_t(align16(int64_t(max_tokens) * topk * sizeof(MapEntry)));
-}
-int64_t dispatch_region_bytes(int local_experts, int max_tokens, int topk, int64_t token_row) {
-  return counts_bytes(local_experts) + row_map_bytes(max_tokens, topk) + int64_t(max_tokens) * token_row;
-}
-// A combine region: counts, then a row per slot (rows go back to slot t * K + k of their source).
-int64_t combine_region_bytes(int local_experts, int max_tokens, int topk, int64_t combine_row) {
-  return counts_bytes(local_experts) + int64_t(max_tokens) * topk * combine_row;
-}
-
 // Where an op's low-latency regions live: the NVLink buffers (NvlDevice) or the proxy runtime's registered buffer
 // (Device, GPUs on several nodes). Each gives a sender's region bytes and what to tell a caller whose shapes need more.
 int64_t region_stride(const NvlDevice& dev) { return int64_t(dev.low_latency_stride()); }
@@ -897,7 +883,8 @@ void check_area(const uccl_ep::Device& dev, const Group& g, const char* op) {
 std::string bytes_advice(const uccl_ep::Device& dev, int64_t need_per_sender) {
   return "a region of the proxy buffer holds " + std::to_string(dev.region_bytes()) + " bytes, these shapes need " +
          std::to_string(need_per_sender) + "; set UCCL_EP_BUFFER_BYTES >= " +
-         std::to_string(buffer_bytes_for_region(uint64_t(need_per_sender), dev.num_ranks()));
+         std::to_string(buffer_bytes_for_region(uint64_t(need_per_sender), dev.num_ranks())) +
+         " (jax_uccl_ep.proxy_buffer_bytes gives it for a job's shapes)";
 }
 
 template <class Dev>
@@ -937,11 +924,23 @@ int cuda_device_of(const uccl_ep::Device& dev) { return dev.ordinal(); }
 template <class Kernel>
 void check_shared(Kernel kernel, size_t bytes, int cuda_device, const char* op, const std::string& grows_with) {
   if (bytes <= 32 * 1024) return;  // every GPU these kernels build for gives a block more
-  int optin = 0;
-  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cuda_device), "cudaDeviceGetAttribute");
-  cudaFuncAttributes attributes{};
-  check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
-  const size_t limit = size_t(optin) - attributes.sharedSizeBytes;
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> limits;  // the driver's answer, per kernel and GPU
+  size_t limit = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), cuda_device);
+    auto it = limits.find(key);
+    if (it == limits.end()) {
+      int optin = 0;
+      check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cuda_device),
+            "cudaDeviceGetAttribute");
+      cudaFuncAttributes attributes{};
+      check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
+      it = limits.emplace(key, size_t(optin) - attributes.sharedSizeBytes).first;
+    }
+    limit = it->second;
+  }
   if (bytes > limit)
     throw std::invalid_argument(std::string("uccl_ep ") + op + ": these shapes need " + std::to_string(bytes) +
                                 " bytes of shared memory a block, more than the " + std::to_string(limit) +
@@ -983,20 +982,6 @@ std::string bytes_advice(const NvlDevice& dev, int64_t need_per_sender) {
          "; initialize with low_latency_buffer_bytes >= " + std::to_string((need + 8191) / 8192 * 8192) +
          " (jax_uccl_ep.low_latency_buffer_bytes gives it)";
 }
-
-}  // namespace
-
-size_t low_latency_bytes_for(int num_ranks, int num_experts, int max_tokens_per_rank, int topk, int64_t x_row_bytes,
-                             int64_t scale_row_bytes, int64_t combine_row) {
-  const int local = num_experts / std::max(1, num_ranks);
-  const int64_t region =
-      std::max(dispatch_region_bytes(local, max_tokens_per_rank, topk, token_row_bytes(x_row_bytes, scale_row_bytes)),
-               combine_region_bytes(local, max_tokens_per_rank, topk, int64_t(align16(combine_row))));
-  const size_t half = size_t(num_ranks) * ((region + 255) / 256 * 256);
-  return 2 * ((half + 4095) / 4096 * 4096);
-}
-
-namespace {
 
 // A fused launch's blocks wait for each other's sends, so all of them must be resident at once; where they are
 // not (a small GPU, or a partition of one), the op runs as its two launches instead.
@@ -1306,8 +1291,6 @@ ProxyGpu& proxy_gpu(int cuda_device) {
   }
   return g;
 }
-
-namespace {}  // namespace
 
 DeviceErrors* proxy_error_word(int cuda_device) { return proxy_gpu(cuda_device).errors_device; }
 

@@ -612,25 +612,6 @@ inline int send_blocks() {
 }
 inline int receive_blocks() { return std::max(1, num_sms() - send_blocks()); }
 
-struct DispatchLayoutBytes {
-  size_t x, scales, idx, weights, total;
-};
-inline DispatchLayoutBytes dispatch_layout(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
-                                           bool weights) {
-  DispatchLayoutBytes l;
-  l.x = 0;
-  l.scales = l.x + align16(size_t(num_tokens) * x_row_bytes);
-  l.idx = l.scales + align16(size_t(num_tokens) * scale_row_bytes);
-  l.weights = l.idx + align16(size_t(num_tokens) * topk * 4);
-  l.total = l.weights + (weights ? align16(size_t(num_tokens) * topk * 4) : 0);
-  return l;
-}
-// A cached dispatch's message: the rows, then the token-in-rank mask [T, R].
-inline size_t cached_mask_offset(int num_tokens, int64_t row_bytes) { return align16(size_t(num_tokens) * row_bytes); }
-inline size_t cached_message_bytes(int num_tokens, int64_t row_bytes, int num_ranks) {
-  return cached_mask_offset(num_tokens, row_bytes) + align16(size_t(num_tokens) * num_ranks);
-}
-
 // A (cached) dispatch's kernels, given where its messages go (`to`) and come from (`from`): the NVLink buffers of
 // the members, or regions of the proxy's buffer.
 struct DispatchKernels {

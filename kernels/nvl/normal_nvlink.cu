@@ -749,7 +749,7 @@ void check_fits(const NvlDevice& dev, size_t message, const char* op) {
     throw std::invalid_argument(
         std::string("uccl_ep ") + op + ": a message of this shape needs " + std::to_string(message) +
         " bytes per peer but the NVLink buffer holds " + std::to_string(dev.region_bytes()) +
-        "; initialize with buffer_bytes >= " + std::to_string(NvlDevice::buffer_bytes_for(dev.num_ranks(), message)) +
+        "; initialize with buffer_bytes >= " + std::to_string(nvl_buffer_bytes_for(dev.num_ranks(), message)) +
         " (jax_uccl_ep.nvl_buffer_bytes gives it for your shapes)");
 }
 
@@ -1380,14 +1380,6 @@ void set_kernel_stamps(int cuda_device, uint64_t* stamps, bool sides_apart, cuda
 }
 
 void allow_budget_past_the_gpu(bool allow) { g_allow_budget_past_the_gpu = allow; }
-
-size_t dispatch_message_bytes(int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights) {
-  return dispatch_layout(num_tokens, x_row_bytes, scale_row_bytes, topk, weights).total;
-}
-
-size_t combine_message_bytes(int num_tokens, int hidden, FloatType dtype) {
-  return align16(size_t(num_tokens) * hidden * size_t(float_bytes(dtype)));
-}
 
 void dispatch(NvlDevice& dev, const Group& g, const DispatchArgs& a, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(dev.op_mutex());

@@ -188,7 +188,8 @@ void check_proxy_message(const uccl_ep::Device& dev, const Group& g, size_t byte
     throw std::invalid_argument(std::string("uccl_ep ") + op + ": a message of this shape needs " +
                                 std::to_string(bytes) + " bytes per peer but a region of the proxy's buffer holds " +
                                 std::to_string(dev.region_bytes()) + "; raise UCCL_EP_BUFFER_BYTES to at least " +
-                                std::to_string(buffer_bytes_for_region(bytes, dev.num_ranks())));
+                                std::to_string(buffer_bytes_for_region(bytes, dev.num_ranks())) +
+                                " (jax_uccl_ep.proxy_buffer_bytes gives it for a job's shapes)");
   }
   if (!fits_writes(dev, pieces, int64_t(bytes)))
     throw std::invalid_argument(

@@ -1,0 +1,54 @@
+#include "proxy_regions.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "cpu/low_latency.hpp"
+#include "cpu/normal.hpp"
+#include "nvl/sizes.hpp"
+
+namespace uccl_ep {
+
+uint64_t proxy_region_bytes(const ProxyShapes& s) {
+  const int T = std::max(0, s.num_tokens), P = s.ranks_per_node;
+  const int64_t combine_row = int64_t(s.hidden) * float_bytes(s.combine_dtype);
+  uint64_t need = 0;
+  if (T > 0) {
+    cpu::NormalShapes host;
+    host.num_ranks = s.num_ranks, host.num_tokens = T, host.topk = s.topk, host.weights = s.weights;
+    host.x_row_bytes = uint64_t(s.x_row_bytes), host.scale_row_bytes = uint64_t(s.scale_row_bytes);
+    host.combine_row_bytes = uint64_t(combine_row);
+    int group = s.num_ranks;  // the ranks of a normal-mode op through the proxies
+    if (s.routing != NodeRouting::kFlat && (P < 2 || P >= s.num_ranks || s.num_ranks % P != 0))
+      throw std::invalid_argument("uccl_ep: routing across nodes needs 2 or more equal nodes of 2 or more ranks");
+    if (s.routing == NodeRouting::kHierarchical) host.node_size = P;
+    if (s.routing == NodeRouting::kTwoLevel) {
+      // The op across the nodes has a rank a node; on CPU devices the op within a node runs through the proxies
+      // too, on the rows a rank got from every node.
+      group = host.num_ranks = s.num_ranks / P;
+      if (!s.gpus) {
+        cpu::NormalShapes within = host;
+        within.num_ranks = P, within.num_tokens = group * T;
+        need = cpu::largest_message_bytes(within);
+      }
+    }
+    need = std::max(need, cpu::largest_message_bytes(host));
+    if (s.gpus)  // GPU-initiated: a message has room for every token's rows and the sender's routing
+      need = std::max<uint64_t>(
+          {need, nvl::dispatch_message_bytes(T, s.x_row_bytes, s.scale_row_bytes, s.topk, s.weights),
+           nvl::cached_message_bytes(T, std::max(s.x_row_bytes + s.scale_row_bytes, combine_row), group),
+           nvl::combine_message_bytes(T, s.hidden, s.combine_dtype)});
+  }
+  if (s.low_latency_max_tokens > 0) {  // flat over the job
+    need = std::max(need, cpu::largest_low_latency_message_bytes(s.num_ranks, s.num_experts, s.low_latency_max_tokens,
+                                                                 s.topk, uint64_t(s.x_row_bytes),
+                                                                 uint64_t(s.scale_row_bytes), uint64_t(combine_row)));
+    if (s.gpus)
+      need = std::max(
+          need, uint64_t(nvl::low_latency_region_bytes(s.num_ranks, s.num_experts, s.low_latency_max_tokens, s.topk,
+                                                       s.x_row_bytes, s.scale_row_bytes, combine_row)));
+  }
+  return need;
+}
+
+}  // namespace uccl_ep
