@@ -185,9 +185,9 @@ def param_specs(cfg: Config) -> dict:
     return {"embed": P(), "pos": P(), "head": P(), "norm_f": P(), "layers": [layer] * cfg.num_layers}
 
 
-def first_layer(params: dict, cfg: Config) -> dict:
-    """The first layer's parameters, stacked or not."""
-    return jax.tree.map(lambda a: a[0], params["layers"]) if cfg.scan_layers else params["layers"][0]
+def layer_params(params: dict, cfg: Config, i: int) -> dict:
+    """Layer i's parameters, stacked (--scan-layers) or not."""
+    return jax.tree.map(lambda a: a[i], params["layers"]) if cfg.scan_layers else params["layers"][i]
 
 
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -262,13 +262,6 @@ def local_loss(params: dict, batch: jax.Array, cfg: Config, moe_fn: MoeFn) -> tu
 # ----------------------------------------------------------------------------------------------- decoding
 
 
-def layer_list(params: dict, cfg: Config) -> list[dict]:
-    """The layers' parameters, one dict each, stacked (--scan-layers) or not."""
-    if not cfg.scan_layers:
-        return list(params["layers"])
-    return [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(cfg.num_layers)]
-
-
 def attention_step(
     layer: dict, x: jax.Array, cache: tuple[jax.Array, jax.Array], t: jax.Array, num_heads: int
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -290,7 +283,7 @@ def generate(params: dict, prompts: jax.Array, num_tokens: int, cfg: Config, use
     logits [B, num_tokens, vocab] of each step). A step embeds the B newest tokens at their position, runs each
     block on them alone (attention against the key/value cache, the MoE feed-forward by `layers.moe_ffn_decode`:
     B tokens a rank, the low-latency buffers' static size) and appends the argmax."""
-    b, layers_ = prompts.shape[0], layer_list(params, cfg)
+    b, layers_ = prompts.shape[0], [layer_params(params, cfg, i) for i in range(cfg.num_layers)]
     c = cfg.d_model // cfg.num_heads
     empty = jnp.zeros((b, cfg.seq_len, cfg.num_heads, c), params["embed"].dtype)
     tokens = jnp.zeros((b, 1 + num_tokens), jnp.int32).at[:, 0].set(prompts)
@@ -680,7 +673,7 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
             f"{elapsed * 1e3:8.1f} ms/step" + ("  (includes compilation)" if step == 1 else "")
         )
         if timer is not None and (step % args.time_every == 0 or step == args.steps):
-            t = timer.measure(first_layer(params, cfg)["moe"])
+            t = timer.measure(layer_params(params, cfg, 0)["moe"])
             timings.append(t)
             line += f"  | moe fwd {t['moe_fwd_ms']:.2f} ms, fwd+bwd {t['moe_fwd_bwd_ms']:.2f} ms"
             if "dispatch_ms" in t:
