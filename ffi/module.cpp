@@ -127,7 +127,9 @@ NB_MODULE(_uccl_ep, m) {
   // routing: 0 flat, 1 hierarchical rounds, 2 two-level (NodeRouting).
   m.def("proxy_bytes_needed", [](int num_ranks, int ranks_per_node, int routing, bool gpus, int num_tokens, int hidden,
                                  int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights,
-                                 bool combine_bf16, int low_latency_max_tokens, int num_experts) {
+                                 bool combine_bf16, int low_latency_max_tokens, int num_experts,
+                                 int64_t low_latency_x_row_bytes, int64_t low_latency_scale_row_bytes,
+                                 bool low_latency_combine_bf16) {
     if (routing < 0 || routing > 2) throw std::invalid_argument("uccl_ep: routing must be 0, 1 or 2");
     ProxyShapes s;
     s.num_ranks = num_ranks, s.ranks_per_node = ranks_per_node, s.routing = NodeRouting(routing), s.gpus = gpus;
@@ -135,6 +137,8 @@ NB_MODULE(_uccl_ep, m) {
     s.x_row_bytes = x_row_bytes, s.scale_row_bytes = scale_row_bytes, s.topk = topk, s.weights = weights;
     s.combine_dtype = combine_bf16 ? FloatType::kBF16 : FloatType::kF32;
     s.low_latency_max_tokens = low_latency_max_tokens, s.num_experts = num_experts;
+    s.low_latency_x_row_bytes = low_latency_x_row_bytes, s.low_latency_scale_row_bytes = low_latency_scale_row_bytes;
+    s.low_latency_combine_dtype = low_latency_combine_bf16 ? FloatType::kBF16 : FloatType::kF32;
     return buffer_bytes_for_region(std::max<uint64_t>(1, proxy_region_bytes(s)), uint32_t(num_ranks));
   });
 

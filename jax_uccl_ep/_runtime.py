@@ -642,9 +642,11 @@ def proxy_buffer_bytes(
     fp8: bool = False,
     with_weights: bool = True,
     combine_dtype: Any = "bfloat16",
+    backward: bool = True,
     ranks_per_node: int | None = None,
     low_latency_max_tokens: int = 0,
     num_experts: int = 0,
+    low_latency_fp8: bool = True,
     platform: Literal["cpu", "gpu"],
     config: Config | None = None,
 ) -> int:
@@ -654,14 +656,18 @@ def proxy_buffer_bytes(
     to advise a larger buffer. A region of the buffer holds a message to one peer, and every token of a rank may
     go to one peer, so jobs with many tokens or wide rows need far more than the default.
 
-    num_tokens: normal mode's tokens per rank (0: no normal-mode ops); hidden: channels; num_ranks: the job's
-    ranks; topk: expert slots per token; dtype: of x and of the gradients' rows (with fp8 the dispatched rows are
-    hidden bytes plus hidden/128 float32 scales); with_weights: dispatch carries the router weights;
-    combine_dtype: of combine's rows (float16 travels as float32); ranks_per_node: ranks on each node where the
-    job spans several (None: one node); low_latency_max_tokens: max_tokens_per_rank of low-latency ops (0: none),
-    whose regions count rows per local expert of num_experts; platform: the devices', "cpu" or "gpu" (given, not
-    asked of JAX: a job sizes its buffer before initialize(), and asking would start JAX's backend too early for
-    jax.distributed); config: the settings that choose how normal mode crosses nodes (hierarchical, two_level;
+    Normal mode: num_tokens tokens per rank (0: no normal-mode ops) of `hidden` channels; topk expert slots per
+    token; dtype: of x (with fp8, the dtype x is cast from: the dispatched rows are then hidden bytes plus
+    hidden/128 float32 scales); with_weights: dispatch carries the router weights; combine_dtype: of combine's rows
+    (float16 travels as float32); backward: the job takes gradients, whose passes move rows of x's dtype and of
+    combine's (False: forward only, as an inference server).
+    Low-latency mode: low_latency_max_tokens, its max_tokens_per_rank (0: no low-latency ops), with num_experts
+    experts (its regions count rows per local expert), the same hidden and topk; low_latency_fp8: its dispatch
+    sends FP8 rows (low_latency_dispatch's default), else rows of dtype; its combine's rows are of combine_dtype.
+    The job: num_ranks ranks, ranks_per_node on each node where it spans several (default:
+    ``config.gpus_per_node``, else one node); platform: the devices', "cpu" or "gpu" (given, not asked of JAX: a
+    job sizes its buffer before initialize(), and asking would start JAX's backend too early for jax.distributed);
+    config: the settings that choose how normal mode crosses nodes (gpus_per_node, hierarchical, two_level;
     default: the environment's), as initialize() would.
     """
     import numpy as np
@@ -671,7 +677,7 @@ def proxy_buffer_bytes(
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"jax_uccl_ep.proxy_buffer_bytes: platform must be 'cpu' or 'gpu', got {platform!r}")
     config = Config.from_env(config)
-    per_node = ranks_per_node or num_ranks
+    per_node = min(ranks_per_node or config.gpus_per_node or num_ranks, num_ranks)
     if num_ranks % per_node:
         raise ValueError(f"jax_uccl_ep.proxy_buffer_bytes: {num_ranks} ranks do not fill nodes of {per_node}")
     routing = 0  # NodeRouting: flat
@@ -681,10 +687,11 @@ def proxy_buffer_bytes(
             routing = 2
         elif config.hierarchical and per_node > 1:
             routing = 1
+    bf16 = np.dtype(jax.numpy.bfloat16)
     x_row, scale_row = dispatch_row_bytes(hidden, fp8, dtype)
-    # The rows combine returns and the backward passes move (x's gradients, combine's cotangents): float32 where
-    # either dtype is wider than bfloat16.
-    rows_bf16 = np.dtype(combine_dtype) == np.dtype(dtype) == np.dtype(jax.numpy.bfloat16)
+    # The rows combine returns, and with gradients x's: float32 where either is wider than bfloat16.
+    rows_bf16 = np.dtype(combine_dtype) == bf16 and (not backward or np.dtype(dtype) == bf16)
+    ll_x_row, ll_scale_row = dispatch_row_bytes(hidden, low_latency_fp8, dtype)
     return int(
         _uccl_ep.proxy_bytes_needed(
             num_ranks,
@@ -700,6 +707,9 @@ def proxy_buffer_bytes(
             rows_bf16,
             low_latency_max_tokens,
             num_experts,
+            ll_x_row,
+            ll_scale_row,
+            np.dtype(combine_dtype) == bf16,
         )
     )
 

@@ -42,6 +42,9 @@ def proxy_bytes_needed(
     arg10: bool,
     arg11: int,
     arg12: int,
+    arg13: int,
+    arg14: int,
+    arg15: bool,
     /,
 ) -> int: ...
 def nvl_buffer_bytes_held() -> list[tuple[int, int]]: ...

@@ -40,13 +40,14 @@ uint64_t proxy_region_bytes(const ProxyShapes& s) {
            nvl::combine_message_bytes(T, s.hidden, s.combine_dtype)});
   }
   if (s.low_latency_max_tokens > 0) {  // flat over the job
-    need = std::max(need, cpu::largest_low_latency_message_bytes(s.num_ranks, s.num_experts, s.low_latency_max_tokens,
-                                                                 s.topk, uint64_t(s.x_row_bytes),
-                                                                 uint64_t(s.scale_row_bytes), uint64_t(combine_row)));
+    const int64_t x_row = s.low_latency_x_row_bytes, scale_row = s.low_latency_scale_row_bytes;
+    const int64_t y_row = int64_t(s.hidden) * float_bytes(s.low_latency_combine_dtype);
+    need = std::max(need,
+                    cpu::largest_low_latency_message_bytes(s.num_ranks, s.num_experts, s.low_latency_max_tokens, s.topk,
+                                                           uint64_t(x_row), uint64_t(scale_row), uint64_t(y_row)));
     if (s.gpus)
-      need = std::max(
-          need, uint64_t(nvl::low_latency_region_bytes(s.num_ranks, s.num_experts, s.low_latency_max_tokens, s.topk,
-                                                       s.x_row_bytes, s.scale_row_bytes, combine_row)));
+      need = std::max(need, uint64_t(nvl::low_latency_region_bytes(s.num_ranks, s.num_experts, s.low_latency_max_tokens,
+                                                                   s.topk, x_row, scale_row, y_row)));
   }
   return need;
 }

@@ -28,6 +28,8 @@ struct ProxyShapes {
   FloatType combine_dtype = FloatType::kBF16;  // combine's rows, and the gradients' rows of the backward passes
   int low_latency_max_tokens = 0;              // max_tokens_per_rank of low-latency ops (0: none)
   int num_experts = 0;                         // low-latency ops' (their regions count rows per local expert)
+  int64_t low_latency_x_row_bytes = 0, low_latency_scale_row_bytes = 0;  // a low-latency dispatch's rows
+  FloatType low_latency_combine_dtype = FloatType::kBF16;
 };
 
 // The largest message of any op of these shapes, whatever the routing of tokens, on those paths.

@@ -450,13 +450,14 @@ def test_a_message_past_a_region_in_the_last_hierarchical_round_fails_every_rank
 def test_a_proxy_buffer_sized_by_the_shapes_runs_the_worst_routing_the_first_time():
     """proxy_buffer_bytes(shapes) is the buffer the largest message of those shapes needs: with every rank's slots
     on one rank's experts (normal mode flat, in hierarchical rounds and in two levels, bf16 rows with router weights;
-    low latency, float32 rows), the ops run the first time with it, right against NumPy, and a buffer a page a region
-    smaller makes them advise exactly it."""
+    low latency with float32 rows; a job of both, its low-latency dispatch in FP8), the ops run the first time with
+    it, right against NumPy, and a buffer a page a region smaller makes them advise exactly it. The node size comes
+    from the config where the call does not give it."""
     import dataclasses
     import re
 
     rng = np.random.default_rng(13)
-    t, n, h, e = 48, 24, 1000, 2 * R
+    t, n, h, e = 48, 24, 1024, 2 * R
     x = rng.standard_normal((R * t, h)).astype(np.float32)
     w = rng.random((R * t, 2)).astype(np.float32)
     to_last_rank = np.tile(np.array([[e - 2, e - 1]], np.int32), (R * t, 1))  # both slots on rank R - 1's experts
@@ -464,45 +465,67 @@ def test_a_proxy_buffer_sized_by_the_shapes_runs_the_worst_routing_the_first_tim
 
     def normal(x, i, w):
         r = ep.dispatch(x, i, w, num_experts=e, axis_name="ep")
-        return ep.combine(r.x, r.handle)
+        return (ep.combine(r.x, r.handle),)
 
-    def low_latency(x, i, w):
+    def low_latency(x, i, w, fp8=False):
         recv, _, handle = ep.low_latency_dispatch(
-            x[:n], i[:n], num_experts=e, max_tokens_per_rank=n, axis_name="ep", use_fp8=False
+            x[:n], i[:n], num_experts=e, max_tokens_per_rank=n, axis_name="ep", use_fp8=fp8
         )
-        return ep.low_latency_combine(recv, i[:n], w[:n], handle)
+        if fp8:
+            rows, scales = recv
+            blocks = rows.astype(jnp.float32).reshape(*rows.shape[:2], h // 128, 128) * scales[..., None]
+            recv = blocks.reshape(rows.shape).astype(jnp.bfloat16)
+        return (ep.low_latency_combine(recv, i[:n], w[:n], handle),)
+
+    def both(x, i, w):
+        return normal(x, i, w) + low_latency(x, i, w, fp8=True)
 
     xb = jnp.asarray(x, jnp.bfloat16)
     per_rank = lambda a: a.reshape(R, t, -1)[:, :n].reshape(R * n, -1)  # noqa: E731
+    want_normal = np.asarray(xb, np.float32)
+    want_ll = per_rank(x) * per_rank(w).sum(-1, keepdims=True)
+    want_ll_bf16 = per_rank(np.asarray(xb, np.float32)) * per_rank(w).sum(-1, keepdims=True)
     base = dataclasses.replace(ep.Config.from_env(), two_level="0")
     hierarchical = dataclasses.replace(base, gpus_per_node=2, hierarchical=True)
     two_level = dataclasses.replace(hierarchical, two_level="1")
-    on_two_nodes = dict(num_tokens=t, ranks_per_node=2)
-    cases = [  # name, config, sizes, op, want
-        ("normal, flat", base, dict(num_tokens=t), normal, np.asarray(xb, np.float32)),
-        ("normal, hierarchical rounds", hierarchical, on_two_nodes, normal, np.asarray(xb, np.float32)),
-        ("normal, two levels", two_level, on_two_nodes, normal, np.asarray(xb, np.float32)),
+    ll = dict(low_latency_max_tokens=n, num_experts=e)
+    cases = [  # name, config, sizes, op, inputs, wants, tolerance
+        ("normal, flat", base, dict(num_tokens=t), normal, xb, [want_normal], 1e-5),
+        (
+            "normal, hierarchical rounds",
+            hierarchical,
+            dict(num_tokens=t, ranks_per_node=2),
+            normal,
+            xb,
+            [want_normal],
+            1e-5,
+        ),
+        ("normal, two levels", two_level, dict(num_tokens=t), normal, xb, [want_normal], 1e-5),
         (
             "low latency",
             base,
-            dict(num_tokens=0, low_latency_max_tokens=n, num_experts=e, dtype=jnp.float32, combine_dtype=jnp.float32),
+            dict(num_tokens=0, **ll, low_latency_fp8=False, dtype=jnp.float32, combine_dtype=jnp.float32),
             low_latency,
-            per_rank(x) * per_rank(w).sum(-1, keepdims=True),
+            x,
+            [want_ll],
+            1e-5,
         ),
+        ("both, FP8 low latency", hierarchical, dict(num_tokens=t, **ll), both, xb, [want_normal, want_ll_bf16], 0.1),
     ]
     try:
-        for name, config, sizes, op, want in cases:
-            rows = x if op is low_latency else xb
+        for name, config, sizes, op, rows, wants, tolerance in cases:
             f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
             sized = ep.proxy_buffer_bytes(hidden=h, num_ranks=R, topk=2, platform="cpu", config=config, **sizes)
             ep.shutdown()
             ep.initialize(config=dataclasses.replace(config, buffer_bytes=sized))
-            out = np.asarray(f(rows, jnp.asarray(to_last_rank), jnp.asarray(w)), np.float32)
-            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=name)
+            for out, want in zip(f(rows, jnp.asarray(to_last_rank), jnp.asarray(w)), wants, strict=True):
+                np.testing.assert_allclose(
+                    np.asarray(out, np.float32), want, rtol=tolerance, atol=tolerance, err_msg=name
+                )
             ep.shutdown()
             ep.initialize(config=dataclasses.replace(config, buffer_bytes=sized - 2 * R * 4096))
             with pytest.raises(Exception, match=r"raise UCCL_EP_BUFFER_BYTES to at least \d+") as info:
-                np.asarray(f(rows, jnp.asarray(to_last_rank), jnp.asarray(w)))
+                jax.block_until_ready(f(rows, jnp.asarray(to_last_rank), jnp.asarray(w)))
             assert int(re.search(r"at least (\d+)", str(info.value)).group(1)) == sized, (name, str(info.value))
     finally:
         ep.shutdown()

@@ -71,7 +71,15 @@ def gpu_sized_proxy_buffer(num_ranks: str) -> dict:
     r = int(num_ranks)  # sized before initialize(), which must come before JAX starts its backend
     t, n, h, k, e = 512, 128, 2048, 2, 8 * r
     sized = ep.proxy_buffer_bytes(
-        t, h, num_ranks=r, topk=k, ranks_per_node=1, low_latency_max_tokens=n, num_experts=e, platform="gpu"
+        t,
+        h,
+        num_ranks=r,
+        topk=k,
+        ranks_per_node=1,
+        low_latency_max_tokens=n,
+        num_experts=e,
+        low_latency_fp8=False,
+        platform="gpu",
     )
     ep.initialize(proxy_buffer_bytes=sized)
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
