@@ -362,19 +362,17 @@ class EPProblem:
         per_pair = self.capacity_per_peer * self.token_bytes()
         return received_bytes(np.full((self.ranks, self.ranks), per_pair))
 
-    def uccl_buffer_bytes(self) -> int:
-        """UCCL_EP_BUFFER_BYTES that fits one dispatch (x, scales, top-k, weights per row) and one combine."""
+    def uccl_buffer_bytes(self, platform: str = "cpu") -> int:
+        """UCCL_EP_BUFFER_BYTES for the benches' ops on these shapes (jax_uccl_ep.proxy_buffer_bytes): rows in the
+        problem's dtype or FP8, combines in float32, low-latency ops of max_tokens_per_rank = tokens."""
+        import jax_uccl_ep as ep
 
-        def r16(n):
-            return (n + 15) // 16 * 16
-
-        row = max(
-            r16(self.hidden * max(self.elem_bytes, 2) + 4 * (self.hidden // FP8_BLOCK) + 8 * self.topk),
-            r16(self.hidden * 4),
+        shapes = dict(num_ranks=self.ranks, topk=self.topk, dtype=self.dtype, combine_dtype="float32")
+        low_latency = dict(low_latency_max_tokens=self.tokens, num_experts=self.experts, low_latency_fp8=False)
+        return max(
+            ep.proxy_buffer_bytes(self.tokens, self.hidden, fp8=fp8, **shapes, **low_latency, platform=platform)
+            for fp8 in (False, True)
         )
-        region = 64 + self.tokens * row
-        region = (region + 4095) // 4096 * 4096 + 4096
-        return 4096 + 2 * self.ranks * region + (1 << 20)
 
     def describe(self) -> dict:
         c = self.counts
@@ -408,9 +406,9 @@ class OpResult:
         return d
 
 
-def set_uccl_env_defaults(prob: EPProblem) -> None:
+def set_uccl_env_defaults(prob: EPProblem, platform: str = "cpu") -> None:
     """Sizes the runtime's buffer for `prob` unless the caller set it; a short deadline keeps failures quick."""
-    os.environ.setdefault("UCCL_EP_BUFFER_BYTES", str(prob.uccl_buffer_bytes()))
+    os.environ.setdefault("UCCL_EP_BUFFER_BYTES", str(prob.uccl_buffer_bytes(platform)))
     os.environ.setdefault("UCCL_EP_TIMEOUT_S", "60")
 
 

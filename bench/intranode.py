@@ -299,7 +299,7 @@ def run_jax(
                 os.environ[name] = "1" if pull else "0"
         uccl_error = None
         try:
-            common.set_uccl_env_defaults(prob)
+            common.set_uccl_env_defaults(prob, devices[0].platform)
             import jax_uccl_ep as ep
 
             if devices[0].platform == "gpu":

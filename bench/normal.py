@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     print(f"# problem: {prob.describe()}", flush=True)
 
     rows, record = [], {"header": header, "problem": prob.describe(), "layouts": {}}
-    env = {"UCCL_EP_BUFFER_BYTES": os.environ.get("UCCL_EP_BUFFER_BYTES", str(prob.uccl_buffer_bytes()))}
+    platform = "gpu" if args.gpus else "cpu"
+    env = {"UCCL_EP_BUFFER_BYTES": os.environ.get("UCCL_EP_BUFFER_BYTES", str(prob.uccl_buffer_bytes(platform)))}
     if args.gpus:
         env["UCCL_EP_GPUS_PER_NODE"] = os.environ.get("UCCL_EP_GPUS_PER_NODE", "1")
     for p in layouts:

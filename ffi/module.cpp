@@ -118,9 +118,12 @@ NB_MODULE(_uccl_ep, m) {
   // Buffer sizes for shapes, in any build (a job's buffers can be sized where it is planned).
   m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
                                bool weights, int combine_hidden, bool combine_bf16) {
-    size_t msg = std::max(
-        nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
-        nvl::combine_message_bytes(num_tokens, combine_hidden, combine_bf16 ? FloatType::kBF16 : FloatType::kF32));
+    const FloatType combine_dtype = combine_bf16 ? FloatType::kBF16 : FloatType::kF32;
+    // cached_dispatch (combine's backward) sends combine's rows with the token-in-rank mask.
+    const size_t msg =
+        std::max({nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
+                  nvl::combine_message_bytes(num_tokens, combine_hidden, combine_dtype),
+                  nvl::cached_message_bytes(num_tokens, combine_hidden * float_bytes(combine_dtype), num_ranks)});
     return nvl::nvl_buffer_bytes_for(num_ranks, msg);
   });
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);

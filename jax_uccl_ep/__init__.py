@@ -37,6 +37,7 @@ _find_extension()
 _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 from . import layers
 from ._runtime import (
+    JobShapes,
     Topology,
     TwoLevel,
     buffer_bytes_held,
@@ -80,6 +81,7 @@ __all__ = [
     "Config",
     "config",
     "initialize",
+    "JobShapes",
     "shutdown",
     "is_initialized",
     "check_errors",

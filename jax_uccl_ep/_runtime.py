@@ -177,9 +177,105 @@ def configure_native(config: Config) -> None:
     _uccl_ep.configure(settings)
 
 
+@dataclasses.dataclass(frozen=True)
+class JobShapes:
+    """What a job's EP ops move, for ``initialize(shapes=...)`` to size every buffer of the runtimes it starts
+    (the NVLink and low-latency buffers of GPUs, the proxy runtime's buffer) once it knows the ranks and nodes.
+
+    num_tokens: normal mode's tokens per rank (0: none); hidden: channels; topk: expert slots per token;
+    num_experts: the experts (low-latency regions count rows per local expert); dtype: of x (with fp8, the dtype x
+    is cast from); fp8: normal mode's dispatch sends FP8 rows; with_weights: dispatch carries the router weights;
+    combine_dtype: of combine's rows; backward: the job takes gradients (their rows are of x's dtype and
+    combine's); low_latency_max_tokens: max_tokens_per_rank of low-latency ops (0: none, and GPUs keep no
+    low-latency buffer); low_latency_fp8: their dispatch sends FP8 rows (the op's default).
+    """
+
+    num_tokens: int
+    hidden: int
+    topk: int
+    num_experts: int = 0
+    dtype: Any = "bfloat16"
+    fp8: bool = False
+    with_weights: bool = True
+    combine_dtype: Any = "bfloat16"
+    backward: bool = True
+    low_latency_max_tokens: int = 0
+    low_latency_fp8: bool = True
+
+    def setting(self) -> str:
+        """The fields as one canonical line (compared across processes, which must size alike)."""
+        import numpy as np
+
+        values = dataclasses.asdict(self)
+        values["dtype"], values["combine_dtype"] = np.dtype(self.dtype).name, np.dtype(self.combine_dtype).name
+        return ", ".join(f"{name}={value}" for name, value in values.items())
+
+
+def _sized(
+    config: Config, shapes: JobShapes, topo: Topology, gpu: bool, process_of_rank: list[int], given: dict
+) -> Config:
+    """`config` with each buffer `shapes` need on this job, where neither an argument of initialize() nor its
+    environment variable gave the size."""
+    import numpy as np
+
+    num_ranks, nodes = len(topo.node_of_rank), topo.num_nodes
+    on_node = {len(topo.ranks_on(n)) for n in range(nodes)}
+    per_node = on_node.pop() if nodes > 1 and len(on_node) == 1 else num_ranks  # unequal nodes route flat
+    s = shapes
+    sizes: dict[str, Any] = {}
+    if not gpu or nodes > 1:  # the proxy runtime runs
+        sizes["buffer_bytes"] = proxy_buffer_bytes(
+            s.num_tokens,
+            s.hidden,
+            num_ranks=num_ranks,
+            topk=s.topk,
+            dtype=s.dtype,
+            fp8=s.fp8,
+            with_weights=s.with_weights,
+            combine_dtype=s.combine_dtype,
+            backward=s.backward,
+            ranks_per_node=per_node,
+            low_latency_max_tokens=s.low_latency_max_tokens,
+            num_experts=s.num_experts,
+            low_latency_fp8=s.low_latency_fp8,
+            platform="gpu" if gpu else "cpu",
+            config=config,
+        )
+    two = gpu and nodes > 1 and _plan_two_level(config, topo, "gpu", process_of_rank) is not None
+    if gpu and (nodes == 1 or two):  # an NVLink runtime: the job's, or each node's under two-level routing
+        bf16 = np.dtype(jax.numpy.bfloat16)
+        wide = np.dtype(s.combine_dtype) != bf16 or (s.backward and np.dtype(s.dtype) != bf16)
+        sizes["nvl_buffer_bytes"] = nvl_buffer_bytes(
+            s.num_tokens * (nodes if two else 1),
+            s.hidden,
+            num_ranks=per_node if two else num_ranks,
+            topk=s.topk,
+            dtype=s.dtype,
+            fp8=s.fp8,
+            with_weights=s.with_weights,
+            combine_dtype="float32" if wide else "bfloat16",
+        )
+    if gpu and nodes == 1:
+        sizes["ll_buffer_bytes"] = 0
+        if s.low_latency_max_tokens:
+            sizes["ll_buffer_bytes"] = low_latency_buffer_bytes(
+                s.low_latency_max_tokens,
+                s.hidden,
+                num_ranks=num_ranks,
+                num_experts=s.num_experts,
+                topk=s.topk,
+                fp8=s.low_latency_fp8,
+                dispatch_dtype=s.dtype,
+                combine_dtype=s.combine_dtype,
+            )
+    kept = {name for name in sizes if given.get(name) is not None} | set(Config.set_in_env())
+    return dataclasses.replace(config, **{k: v for k, v in sizes.items() if k not in kept})
+
+
 def initialize(
     *,
     config: Config | None = None,
+    shapes: JobShapes | None = None,
     nvl_buffer_bytes: int | None = None,
     low_latency_buffer_bytes: int | None = None,
     proxy_buffer_bytes: int | None = None,
@@ -198,6 +294,9 @@ def initialize(
       config: the settings (``jax_uccl_ep.Config``; default: its defaults); environment variables that are set
         override its fields. Every process must use the same values where peers depend on them (initialize()
         compares them and names any that differ).
+      shapes: what the job's ops move (``JobShapes``): every buffer of the runtimes started is then sized for
+        them, whatever the routing, on this job's ranks and nodes, except those that an argument below or its
+        environment variable sizes.
       nvl_buffer_bytes: GPUs only: bytes of the NVLink buffer per GPU (overrides ``config.nvl_buffer_bytes`` and
         ``UCCL_EP_NVL_BUFFER_BYTES``; default 1 GiB). ``nvl_buffer_bytes(...)`` gives the exact need for a shape.
         CPU devices size their buffers from ``config.buffer_bytes`` (``UCCL_EP_BUFFER_BYTES``).
@@ -254,7 +353,7 @@ def initialize(
         hosts = [socket.gethostname().encode()]
         if num_processes > 1:
             hosts = _exchange(client, f"{key}/host", {jax.process_index(): hosts[0]}, num_processes, timeout_ms)
-            mine = json.dumps(config.shared(), sort_keys=True).encode()
+            mine = json.dumps({**config.shared(), "shapes": shapes and shapes.setting()}, sort_keys=True).encode()
             _check_settings_agree(
                 _exchange(client, f"{key}/settings", {jax.process_index(): mine}, num_processes, timeout_ms)
             )
@@ -262,6 +361,9 @@ def initialize(
         process_of_rank = [d.process_index for d in devices]
         topo = Topology.build(process_of_rank, [h.decode() for h in hosts], config.gpus_per_node)
         gpu = devices[0].platform == "gpu"
+        if shapes is not None:
+            given = {"nvl_buffer_bytes": nvl_buffer_bytes, "ll_buffer_bytes": low_latency_buffer_bytes}
+            config = _sized(config, shapes, topo, gpu, process_of_rank, {**given, "buffer_bytes": proxy_buffer_bytes})
         two = None
         if gpu and topo.num_nodes == 1:
             _require_cuda_build()

@@ -191,17 +191,22 @@ class Config:
         return {f.metadata["env"]: f.name for f in _FIELDS.values()}
 
     @classmethod
+    def set_in_env(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """{field name: its variable's value} of every field whose variable is set (non-empty) in `environ`
+        (default: os.environ)."""
+        environ = os.environ if environ is None else environ
+        raw = {f.name: environ.get(f.metadata["env"], "").strip() for f in _FIELDS.values()}
+        return {name: value for name, value in raw.items() if value}
+
+    @classmethod
     def from_env(cls, base: Config | None = None, environ: Mapping[str, str] | None = None) -> Config:
         """`base` (default: the defaults) with every field whose variable is set (non-empty) in `environ`
         (default: os.environ) taken from it. Raises ValueError naming a variable that does not parse."""
-        environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in _FIELDS.values():
-            raw = environ.get(f.metadata["env"])
-            if raw is None or raw.strip() == "":
-                continue
+        for name, raw in cls.set_in_env(environ).items():
+            f = _FIELDS[name]
             try:
-                values[f.name] = _parse(f, raw.strip())
+                values[f.name] = _parse(f, raw)
             except ValueError:
                 raise ValueError(f"jax_uccl_ep: {f.metadata['env']}={raw!r} is not a valid {_kind(f)}") from None
         return dataclasses.replace(base or cls(), **values)

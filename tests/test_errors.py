@@ -292,13 +292,16 @@ def test_mismatched_shapes_across_ranks_are_detected_not_hung(mode):
 
 
 def initialize_outcome() -> dict:
-    """Child: initialize() and report what it raised (None if it did not)."""
+    """Child: initialize() (with JobShapes of UCCL_EP_TEST_SHAPES_TOKENS tokens where that is set) and report what
+    it raised (None if it did not) and the proxy buffer it started with."""
+    tokens = os.environ.get("UCCL_EP_TEST_SHAPES_TOKENS")
     try:
-        ep.initialize()
+        ep.initialize(shapes=ep.JobShapes(int(tokens), 256, 2) if tokens else None)
     except ValueError as exc:
         return {"error": str(exc)}
+    buffer_bytes = ep.config().buffer_bytes
     ep.shutdown()
-    return {"error": None}
+    return {"error": None, "buffer_bytes": buffer_bytes}
 
 
 def test_processes_with_different_settings_are_refused_at_initialize():
@@ -319,8 +322,58 @@ def test_processes_with_different_settings_are_refused_at_initialize():
     # The same settings everywhere: no complaint.
     same = [{"UCCL_EP_BUFFER_BYTES": str(8 << 20)}] * 2
     assert [x.result for x in launch(HERE, "initialize_outcome", 2, per_rank_env=same, timeout_s=120)] == [
-        {"error": None}
+        {"error": None, "buffer_bytes": 8 << 20}
     ] * 2
+
+
+def test_processes_sizing_their_buffers_for_different_shapes_are_refused_at_initialize():
+    """initialize(shapes=...) sizes the buffers from each process's JobShapes: processes that pass different ones
+    would size differently, so every process refuses, naming them; with the same shapes both start on the buffer
+    proxy_buffer_bytes gives for the job (2 ranks, one node)."""
+    per_rank = [{"UCCL_EP_TEST_SHAPES_TOKENS": "100"}, {"UCCL_EP_TEST_SHAPES_TOKENS": "300"}]
+    results = launch(HERE, "initialize_outcome", 2, per_rank_env=per_rank, timeout_s=120)
+    assert all(x.ok for x in results), describe(results)
+    for x in results:
+        msg = x.result["error"]
+        assert msg and "shapes: process 0 num_tokens=100, hidden=256" in msg and "process 1 num_tokens=300" in msg, msg
+    results = launch(HERE, "initialize_outcome", 2, per_rank_env=[per_rank[1]] * 2, timeout_s=120)
+    sized = ep.proxy_buffer_bytes(300, 256, num_ranks=2, topk=2, ranks_per_node=2, platform="cpu")
+    assert [x.result for x in results] == [{"error": None, "buffer_bytes": sized}] * 2, describe(results)
+
+
+def test_initialize_sizes_the_proxy_buffer_from_the_shapes_unless_told():
+    """initialize(shapes=...) on CPU devices starts the proxy runtime on what the shapes need on this job's ranks
+    and nodes (one node; two nodes of two in hierarchical rounds), where the worst routing runs the first time; a
+    buffer given to initialize() or by UCCL_EP_BUFFER_BYTES wins."""
+    import dataclasses
+
+    t, h = 60, 1023
+    x = jnp.asarray(np.random.default_rng(14).standard_normal((R * t, h)), jnp.float32)
+    idx = jnp.zeros((R * t, 1), jnp.int32)  # every token to rank 0
+    shapes = ep.JobShapes(t, h, 1, dtype=jnp.float32, with_weights=False, combine_dtype=jnp.float32)
+    two_nodes = dataclasses.replace(ep.Config.from_env(), gpus_per_node=2, hierarchical=True, two_level="0")
+    sizes = dict(num_ranks=R, topk=1, **_F32_ROWS, platform="cpu")
+    try:
+        for config, per_node in ((None, R), (two_nodes, 2)):
+            ep.shutdown()
+            ep.initialize(config=config, shapes=shapes)
+            assert ep.config().buffer_bytes == ep.proxy_buffer_bytes(
+                t, h, **sizes, ranks_per_node=per_node, config=config
+            )
+            np.testing.assert_allclose(_dispatch_combine(x, idx), np.asarray(x), rtol=1e-6)
+        ep.shutdown()
+        ep.initialize(shapes=shapes, proxy_buffer_bytes=9 << 20)
+        assert ep.config().buffer_bytes == 9 << 20
+        ep.shutdown()
+        os.environ["UCCL_EP_BUFFER_BYTES"] = str(10 << 20)
+        try:
+            ep.initialize(shapes=shapes)
+        finally:
+            del os.environ["UCCL_EP_BUFFER_BYTES"]
+        assert ep.config().buffer_bytes == 10 << 20
+    finally:
+        ep.shutdown()
+        ep.initialize()
 
 
 def _dispatch_combine(x, idx) -> np.ndarray:
