@@ -224,20 +224,10 @@ def _sized(
     s = shapes
     sizes: dict[str, Any] = {}
     if not gpu or nodes > 1:  # the proxy runtime runs
-        sizes["buffer_bytes"] = proxy_buffer_bytes(
-            s.num_tokens,
-            s.hidden,
+        sizes["buffer_bytes"] = proxy_buffer_bytes(  # JobShapes' fields are its parameters
+            **dataclasses.asdict(s),
             num_ranks=num_ranks,
-            topk=s.topk,
-            dtype=s.dtype,
-            fp8=s.fp8,
-            with_weights=s.with_weights,
-            combine_dtype=s.combine_dtype,
-            backward=s.backward,
             ranks_per_node=per_node,
-            low_latency_max_tokens=s.low_latency_max_tokens,
-            num_experts=s.num_experts,
-            low_latency_fp8=s.low_latency_fp8,
             platform="gpu" if gpu else "cpu",
             config=config,
         )
@@ -245,8 +235,8 @@ def _sized(
     if gpu and (nodes == 1 or two):  # an NVLink runtime: the job's, or each node's under two-level routing
         bf16 = np.dtype(jax.numpy.bfloat16)
         wide = np.dtype(s.combine_dtype) != bf16 or (s.backward and np.dtype(s.dtype) != bf16)
-        sizes["nvl_buffer_bytes"] = nvl_buffer_bytes(
-            s.num_tokens * (nodes if two else 1),
+        sizes["nvl_buffer_bytes"] = nvl_buffer_bytes(  # a token at least: the runtime takes no empty regions
+            max(1, s.num_tokens) * (nodes if two else 1),
             s.hidden,
             num_ranks=per_node if two else num_ranks,
             topk=s.topk,

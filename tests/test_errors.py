@@ -361,6 +361,25 @@ def test_initialize_sizes_the_proxy_buffer_from_the_shapes_unless_told():
                 t, h, **sizes, ranks_per_node=per_node, config=config
             )
             np.testing.assert_allclose(_dispatch_combine(x, idx), np.asarray(x), rtol=1e-6)
+        # Low-latency ops alone: their worst routing (both slots on the last rank's experts) runs the first time.
+        n, e = 24, 2 * R
+        ep.shutdown()
+        ep.initialize(shapes=ep.JobShapes(0, h, 2, num_experts=e, low_latency_max_tokens=n, low_latency_fp8=False))
+        assert ep.config().buffer_bytes == ep.proxy_buffer_bytes(
+            0, h, num_ranks=R, topk=2, num_experts=e, low_latency_max_tokens=n, low_latency_fp8=False, platform="cpu"
+        )
+        mesh = Mesh(np.array(jax.devices()[:R]), ("ep",))
+        i, w = np.tile([[e - 2, e - 1]], (R * n, 1)).astype(np.int32), np.full((R * n, 2), 0.5, np.float32)
+
+        def low_latency(x, i, w):
+            recv, _, handle = ep.low_latency_dispatch(
+                x, i, num_experts=e, max_tokens_per_rank=n, axis_name="ep", use_fp8=False
+            )
+            return ep.low_latency_combine(recv, i, w, handle)
+
+        f = jax.jit(jax.shard_map(low_latency, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        xb = jnp.asarray(x[: R * n], jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(f(xb, i, w), np.float32), np.asarray(xb, np.float32), rtol=1e-2)
         ep.shutdown()
         ep.initialize(shapes=shapes, proxy_buffer_bytes=9 << 20)
         assert ep.config().buffer_bytes == 9 << 20

@@ -116,11 +116,11 @@ def test_a_proxy_buffer_sized_by_the_shapes_holds_the_gpu_initiated_ops():
     _check(results, 2)
 
 
-def gpu_initialize_with_shapes(num_ranks: str, per_node: str) -> dict:
+def gpu_initialize_with_shapes(num_ranks: str, per_node: str, tokens: str) -> dict:
     """Child: initialize(shapes=...) on processes sharing the GPU, per_node a node: the buffers it started are those
     the sizing helpers give for this job (one node: NVLink and low latency; two: the proxy's, and each node's
     NVLink buffer for its nodes' tokens), and the worst routing (every slot on the last rank's experts) runs on them
-    against the reference, low latency too where the job is one node."""
+    against the reference, low latency too where the job is one node (`tokens` 0: low latency alone)."""
     import cases
     import jax
     import jax.numpy as jnp
@@ -128,15 +128,15 @@ def gpu_initialize_with_shapes(num_ranks: str, per_node: str) -> dict:
 
     import jax_uccl_ep as ep
 
-    r, p = int(num_ranks), int(per_node)
-    t, n, h, k, e = 256, 64, 2048, 2, 8 * r
+    r, p, t = int(num_ranks), int(per_node), int(tokens)
+    n, h, k, e = 64, 2048, 2, 8 * r
     one_node = p == r
     ll = dict(low_latency_max_tokens=n, low_latency_fp8=False) if one_node else {}
     ep.initialize(shapes=ep.JobShapes(t, h, k, num_experts=e, **ll))
     problems: dict = {}
     if one_node:
         ll_bytes = ep.low_latency_buffer_bytes(n, h, num_ranks=r, num_experts=e, topk=k, fp8=False)
-        want = (ep.nvl_buffer_bytes(t, h, num_ranks=r, topk=k), ll_bytes)
+        want = (ep.nvl_buffer_bytes(max(t, 1), h, num_ranks=r, topk=k), ll_bytes)
     else:
         want = (ep.nvl_buffer_bytes(r // p * t, h, num_ranks=p, topk=k), 0)
         proxy = ep.proxy_buffer_bytes(t, h, num_ranks=r, topk=k, num_experts=e, ranks_per_node=p, platform="gpu")
@@ -146,8 +146,9 @@ def gpu_initialize_with_shapes(num_ranks: str, per_node: str) -> dict:
     held = ep.buffer_bytes_held()
     problems["buffers held"] = [] if set(held.values()) == {want} else [f"{held} != {want}"]
     mesh = cases.mesh_of(sorted(jax.devices(), key=lambda d: d.id))
-    last = np.tile(np.arange(e - k, e, dtype=np.int32), (r, t, 1))
-    problems["normal"] = cases.check_case(mesh, 50, t, h, k, e, jnp.bfloat16, routing=last)
+    last = np.tile(np.arange(e - k, e, dtype=np.int32), (r, max(t, n), 1))
+    if t:
+        problems["normal"] = cases.check_case(mesh, 50, t, h, k, e, jnp.bfloat16, routing=last[:, :t])
     if one_node:
         problems["low_latency"] = cases.check_low_latency(
             mesh, 51, n, n, h, k, e, zero_padding=False, use_fp8=False, routing=last[:, :n]
@@ -157,16 +158,17 @@ def gpu_initialize_with_shapes(num_ranks: str, per_node: str) -> dict:
     return {"problems": problems, "ranks": r}
 
 
-@pytest.mark.parametrize("ranks,per_node", [(2, 2), (4, 2)])
-def test_initialize_sizes_the_gpu_buffers_from_the_shapes(ranks, per_node):
-    """initialize(shapes=...) with processes sharing one GPU, as one node (NVLink and low-latency buffers) and as
-    two nodes of two (the proxy's buffer and each node's NVLink buffer under two-level routing): each buffer is
-    what the sizing helpers give for this job, and the worst routing runs on them against the reference."""
+@pytest.mark.parametrize("ranks,per_node,tokens", [(2, 2, 256), (2, 2, 0), (4, 2, 256)])
+def test_initialize_sizes_the_gpu_buffers_from_the_shapes(ranks, per_node, tokens):
+    """initialize(shapes=...) with processes sharing one GPU, as one node (NVLink and low-latency buffers; also a
+    job of low-latency ops alone) and as two nodes of two (the proxy's buffer and each node's NVLink buffer under
+    two-level routing): each buffer is what the sizing helpers give for this job, and the worst routing runs on
+    them against the reference."""
     results = _on_one_gpu(
         "test_proxy_gpu.py",
         "gpu_initialize_with_shapes",
         ranks,
-        args=[str(ranks), str(per_node)],
+        args=[str(ranks), str(per_node), str(tokens)],
         timeout_s=300,
         UCCL_EP_GPUS_PER_NODE=str(per_node),
         UCCL_EP_NVL_BUFFER_BYTES="",  # the suite's setting would win over the shapes
