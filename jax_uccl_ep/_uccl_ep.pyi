@@ -1,8 +1,7 @@
 # Types of the package's compiled extension (ffi/module.cpp), for type checkers: written by nanobind's stubgen
 # from a CUDA build (python -m nanobind.stubgen -m jax_uccl_ep._uccl_ep). CPU-only builds lack the cuda_* and nvl_*
 # functions but the *_bytes_needed ones, and install_pinned_host_allocator (the package asks with hasattr);
-# tests/test_architecture_layers.py
-# checks that this file and the built extension name the same things.
+# tests/test_architecture_layers.py checks that this file and the built extension name the same things.
 from collections.abc import Sequence
 
 def cpu_registrations() -> dict: ...
