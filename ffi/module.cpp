@@ -128,14 +128,15 @@ NB_MODULE(_uccl_ep, m) {
   });
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
   // routing: 0 flat, 1 hierarchical rounds, 2 two-level (NodeRouting).
-  m.def("proxy_bytes_needed", [](int num_ranks, int ranks_per_node, int routing, bool gpus, int num_tokens, int hidden,
-                                 int64_t x_row_bytes, int64_t scale_row_bytes, int topk, bool weights,
-                                 bool combine_bf16, int low_latency_max_tokens, int num_experts,
+  m.def("proxy_bytes_needed", [](int num_ranks, int group_ranks, int routing, int ranks_per_node, int group_nodes,
+                                 bool gpus, int num_tokens, int hidden, int64_t x_row_bytes, int64_t scale_row_bytes,
+                                 int topk, bool weights, bool combine_bf16, int low_latency_max_tokens, int num_experts,
                                  int64_t low_latency_x_row_bytes, int64_t low_latency_scale_row_bytes,
                                  bool low_latency_combine_bf16) {
     if (routing < 0 || routing > 2) throw std::invalid_argument("uccl_ep: routing must be 0, 1 or 2");
     ProxyShapes s;
-    s.num_ranks = num_ranks, s.ranks_per_node = ranks_per_node, s.routing = NodeRouting(routing), s.gpus = gpus;
+    s.num_ranks = num_ranks, s.group_ranks = group_ranks, s.routing = NodeRouting(routing);
+    s.ranks_per_node = ranks_per_node, s.group_nodes = group_nodes, s.gpus = gpus;
     s.num_tokens = num_tokens, s.hidden = hidden;
     s.x_row_bytes = x_row_bytes, s.scale_row_bytes = scale_row_bytes, s.topk = topk, s.weights = weights;
     s.combine_dtype = combine_bf16 ? FloatType::kBF16 : FloatType::kF32;

@@ -187,7 +187,9 @@ class JobShapes:
     is cast from); fp8: normal mode's dispatch sends FP8 rows; with_weights: dispatch carries the router weights;
     combine_dtype: of combine's rows; backward: the job takes gradients (their rows are of x's dtype and
     combine's); low_latency_max_tokens: max_tokens_per_rank of low-latency ops (0: none, and GPUs keep no
-    low-latency buffer); low_latency_fp8: their dispatch sends FP8 rows (the op's default).
+    low-latency buffer); low_latency_fp8: their dispatch sends FP8 rows (the op's default); ep_ranks: the ranks of
+    the EP axis the ops run over (default: every rank of the job; with data parallelism across EP groups, a
+    group's).
     """
 
     num_tokens: int
@@ -201,6 +203,11 @@ class JobShapes:
     backward: bool = True
     low_latency_max_tokens: int = 0
     low_latency_fp8: bool = True
+    ep_ranks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.low_latency_max_tokens and self.num_experts <= 0:
+            raise ValueError("jax_uccl_ep.JobShapes: low-latency ops (low_latency_max_tokens) need num_experts")
 
     def setting(self) -> str:
         """The fields as one canonical line (compared across processes, which must size alike)."""
@@ -224,13 +231,7 @@ def _sized(
     s = shapes
     sizes: dict[str, Any] = {}
     if not gpu or nodes > 1:  # the proxy runtime runs
-        sizes["buffer_bytes"] = proxy_buffer_bytes(  # JobShapes' fields are its parameters
-            **dataclasses.asdict(s),
-            num_ranks=num_ranks,
-            ranks_per_node=per_node,
-            platform="gpu" if gpu else "cpu",
-            config=config,
-        )
+        sizes["buffer_bytes"] = _proxy_bytes(s, num_ranks, per_node, "gpu" if gpu else "cpu", config, process_of_rank)
     two = gpu and nodes > 1 and _plan_two_level(config, topo, "gpu", process_of_rank) is not None
     if gpu and (nodes == 1 or two):  # an NVLink runtime: the job's, or each node's under two-level routing
         bf16 = np.dtype(jax.numpy.bfloat16)
@@ -285,8 +286,9 @@ def initialize(
         override its fields. Every process must use the same values where peers depend on them (initialize()
         compares them and names any that differ).
       shapes: what the job's ops move (``JobShapes``): every buffer of the runtimes started is then sized for
-        them, whatever the routing, on this job's ranks and nodes, except those that an argument below or its
-        environment variable sizes.
+        them, whatever the routing of their tokens, on this job's ranks and nodes, except those that an argument
+        below or its environment variable sizes (a buffer size in `config` is replaced). Processes must pass the
+        same shapes, and end with the same sizes (both compared).
       nvl_buffer_bytes: GPUs only: bytes of the NVLink buffer per GPU (overrides ``config.nvl_buffer_bytes`` and
         ``UCCL_EP_NVL_BUFFER_BYTES``; default 1 GiB). ``nvl_buffer_bytes(...)`` gives the exact need for a shape.
         CPU devices size their buffers from ``config.buffer_bytes`` (``UCCL_EP_BUFFER_BYTES``).
@@ -354,6 +356,11 @@ def initialize(
         if shapes is not None:
             given = {"nvl_buffer_bytes": nvl_buffer_bytes, "ll_buffer_bytes": low_latency_buffer_bytes}
             config = _sized(config, shapes, topo, gpu, process_of_rank, {**given, "buffer_bytes": proxy_buffer_bytes})
+            if num_processes > 1:  # a size one process was given and another sized would corrupt messages
+                mine = json.dumps(config.shared(), sort_keys=True).encode()
+                _check_settings_agree(
+                    _exchange(client, f"{key}/sized", {jax.process_index(): mine}, num_processes, timeout_ms)
+                )
         two = None
         if gpu and topo.num_nodes == 1:
             _require_cuda_build()
@@ -736,6 +743,7 @@ def proxy_buffer_bytes(
     combine_dtype: Any = "bfloat16",
     backward: bool = True,
     ranks_per_node: int | None = None,
+    ep_ranks: int | None = None,
     low_latency_max_tokens: int = 0,
     num_experts: int = 0,
     low_latency_fp8: bool = True,
@@ -743,10 +751,11 @@ def proxy_buffer_bytes(
     config: Config | None = None,
 ) -> int:
     """Bytes of the proxy runtime's registered buffer per device (pass to ``initialize(proxy_buffer_bytes=...)``,
-    or set ``Config.buffer_bytes`` / ``UCCL_EP_BUFFER_BYTES``) that a job's ops need whatever their routing: every
-    op on CPU devices, and GPUs' ops across nodes (GPU-initiated or staged through the host). With it no op stops
-    to advise a larger buffer. A region of the buffer holds a message to one peer, and every token of a rank may
-    go to one peer, so jobs with many tokens or wide rows need far more than the default.
+    or set ``Config.buffer_bytes`` / ``UCCL_EP_BUFFER_BYTES``; ``initialize(shapes=...)`` applies it itself) that a
+    job's ops need whatever the routing of their tokens: every op on CPU devices, and GPUs' ops across nodes
+    (GPU-initiated or staged through the host). With it no op stops to advise a larger buffer. A region of the
+    buffer holds a message to one peer, and every token of a rank may go to one peer, so jobs with many tokens or
+    wide rows need far more than the default.
 
     Normal mode: num_tokens tokens per rank (0: no normal-mode ops) of `hidden` channels; topk expert slots per
     token; dtype: of x (with fp8, the dtype x is cast from: the dispatched rows are then hidden bytes plus
@@ -756,52 +765,83 @@ def proxy_buffer_bytes(
     Low-latency mode: low_latency_max_tokens, its max_tokens_per_rank (0: no low-latency ops), with num_experts
     experts (its regions count rows per local expert), the same hidden and topk; low_latency_fp8: its dispatch
     sends FP8 rows (low_latency_dispatch's default), else rows of dtype; its combine's rows are of combine_dtype.
-    The job: num_ranks ranks, ranks_per_node on each node where it spans several (default:
-    ``config.gpus_per_node``, else one node); platform: the devices', "cpu" or "gpu" (given, not asked of JAX: a
-    job sizes its buffer before initialize(), and asking would start JAX's backend too early for jax.distributed);
-    config: the settings that choose how normal mode crosses nodes (gpus_per_node, hierarchical, two_level;
-    default: the environment's), as initialize() would.
+    The job: num_ranks ranks; ranks_per_node on each node where it spans several (default:
+    ``config.gpus_per_node``, else one node: give it for jobs on several hosts); ep_ranks: the EP axis's ranks
+    (default: every rank; with data parallelism across EP groups, a group's); platform: the devices', "cpu" or
+    "gpu" (given, not asked of JAX: a job sizes its buffer before initialize(), and asking would start JAX's
+    backend too early for jax.distributed); config: the settings that choose how normal mode crosses nodes
+    (gpus_per_node, hierarchical, two_level, gpu_initiated; default: the environment's), as initialize() would.
     """
-    import numpy as np
-
-    if low_latency_max_tokens and num_experts <= 0:
-        raise ValueError("jax_uccl_ep.proxy_buffer_bytes: low-latency ops need num_experts")
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"jax_uccl_ep.proxy_buffer_bytes: platform must be 'cpu' or 'gpu', got {platform!r}")
     config = Config.from_env(config)
     per_node = min(ranks_per_node or config.gpus_per_node or num_ranks, num_ranks)
-    if num_ranks % per_node:
-        raise ValueError(f"jax_uccl_ep.proxy_buffer_bytes: {num_ranks} ranks do not fill nodes of {per_node}")
-    routing = 0  # NodeRouting: flat
-    if per_node < num_ranks:
-        topo = Topology.build(list(range(num_ranks)), [], per_node)  # a process a rank: no process spans nodes
-        if _plan_two_level(config, topo, platform, list(range(num_ranks))) is not None:
+    shapes = JobShapes(
+        num_tokens,
+        hidden,
+        topk,
+        num_experts=num_experts,
+        dtype=dtype,
+        fp8=fp8,
+        with_weights=with_weights,
+        combine_dtype=combine_dtype,
+        backward=backward,
+        low_latency_max_tokens=low_latency_max_tokens,
+        low_latency_fp8=low_latency_fp8,
+        ep_ranks=ep_ranks,
+    )
+    return _proxy_bytes(shapes, num_ranks, per_node, platform, config, list(range(num_ranks)))
+
+
+def _proxy_bytes(
+    s: JobShapes, num_ranks: int, per_node: int, platform: str, config: Config, process_of_rank: list[int]
+) -> int:
+    """proxy_buffer_bytes for `s` on a job of num_ranks ranks, per_node a node, process_of_rank[r] driving rank r:
+    the routing of an EP group's normal-mode ops as initialize() and the plan would choose it."""
+    import numpy as np
+
+    group = s.ep_ranks or num_ranks
+    if num_ranks % per_node or num_ranks % group:
+        raise ValueError(
+            f"jax_uccl_ep.proxy_buffer_bytes: {num_ranks} ranks do not fill nodes of {per_node} or EP groups of {group}"
+        )
+    nodes = num_ranks // per_node
+    routing, group_nodes = 0, 1  # NodeRouting: flat
+    if nodes > 1:
+        topo = Topology.build(process_of_rank, [], per_node)
+        # Hierarchical rounds run on the host paths: CPU devices, and GPUs whose ops cannot be GPU-initiated
+        # (kernels/nvl: groups of at most 8 ranks, pinned memory); a group spans at most nodes, 2 ranks a node.
+        staged = platform == "cpu" or group > 8 or not (config.gpu_initiated and config.pinned)
+        group_nodes = nodes if group == num_ranks else min(nodes, group // 2)
+        if group == num_ranks and _plan_two_level(config, topo, platform, process_of_rank) is not None:
             routing = 2
-        elif config.hierarchical and per_node > 1:
+        elif config.hierarchical and staged and per_node > 1 and group_nodes > 1:
             routing = 1
     bf16 = np.dtype(jax.numpy.bfloat16)
-    x_row, scale_row = dispatch_row_bytes(hidden, fp8, dtype)
+    x_row, scale_row = dispatch_row_bytes(s.hidden, s.fp8, s.dtype)
     # The rows combine returns, and with gradients x's: float32 where either is wider than bfloat16.
-    rows_bf16 = np.dtype(combine_dtype) == bf16 and (not backward or np.dtype(dtype) == bf16)
-    ll_x_row, ll_scale_row = dispatch_row_bytes(hidden, low_latency_fp8, dtype)
+    rows_bf16 = np.dtype(s.combine_dtype) == bf16 and (not s.backward or np.dtype(s.dtype) == bf16)
+    ll_x_row, ll_scale_row = dispatch_row_bytes(s.hidden, s.low_latency_fp8, s.dtype)
     return int(
         _uccl_ep.proxy_bytes_needed(
             num_ranks,
-            per_node,
+            group,
             routing,
+            per_node,
+            group_nodes,
             platform == "gpu",
-            num_tokens,
-            hidden,
+            s.num_tokens,
+            s.hidden,
             x_row,
             scale_row,
-            topk,
-            with_weights,
+            s.topk,
+            s.with_weights,
             rows_bf16,
-            low_latency_max_tokens,
-            num_experts,
+            s.low_latency_max_tokens,
+            s.num_experts,
             ll_x_row,
             ll_scale_row,
-            np.dtype(combine_dtype) == bf16,
+            np.dtype(s.combine_dtype) == bf16,
         )
     )
 

@@ -8,7 +8,7 @@
 
 namespace uccl_ep {
 
-// How normal mode crosses nodes (jax_uccl_ep decides, at initialize).
+// How an EP group's normal-mode ops cross nodes (jax_uccl_ep decides, as initialize() and the plan would).
 enum class NodeRouting {
   kFlat,          // every rank sends every rank
   kHierarchical,  // kernels/cpu's rounds: across nodes to the rank of one's own local index, then within the node
@@ -16,11 +16,13 @@ enum class NodeRouting {
 };
 
 struct ProxyShapes {
-  int num_ranks = 1;       // the job's
-  int ranks_per_node = 0;  // where routing is not flat
+  int num_ranks = 1;    // the job's (the buffer holds a region per rank)
+  int group_ranks = 1;  // an EP group's: the ranks its ops run over
   NodeRouting routing = NodeRouting::kFlat;
-  bool gpus = false;   // GPU ranks (their ops across nodes may be GPU-initiated)
-  int num_tokens = 0;  // per rank, normal mode (0: no normal-mode ops)
+  int ranks_per_node = 0;  // hierarchical and two-level: a node's ranks
+  int group_nodes = 1;     // hierarchical: the most nodes a group's rounds span
+  bool gpus = false;       // GPU ranks (their ops across nodes may be GPU-initiated)
+  int num_tokens = 0;      // per rank, normal mode (0: no normal-mode ops)
   int hidden = 0;
   int64_t x_row_bytes = 0, scale_row_bytes = 0;  // a dispatched row and its scales (FP8)
   int topk = 0;

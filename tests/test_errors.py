@@ -292,11 +292,15 @@ def test_mismatched_shapes_across_ranks_are_detected_not_hung(mode):
 
 
 def initialize_outcome() -> dict:
-    """Child: initialize() (with JobShapes of UCCL_EP_TEST_SHAPES_TOKENS tokens where that is set) and report what
-    it raised (None if it did not) and the proxy buffer it started with."""
-    tokens = os.environ.get("UCCL_EP_TEST_SHAPES_TOKENS")
+    """Child: initialize() (with JobShapes of UCCL_EP_TEST_SHAPES_TOKENS tokens where that is set, and a proxy buffer
+    of UCCL_EP_TEST_PROXY_BYTES where that is) and report what it raised (None if it did not) and the proxy buffer
+    it started with."""
+    tokens, proxy_bytes = os.environ.get("UCCL_EP_TEST_SHAPES_TOKENS"), os.environ.get("UCCL_EP_TEST_PROXY_BYTES")
     try:
-        ep.initialize(shapes=ep.JobShapes(int(tokens), 256, 2) if tokens else None)
+        ep.initialize(
+            shapes=ep.JobShapes(int(tokens), 256, 2) if tokens else None,
+            proxy_buffer_bytes=int(proxy_bytes) if proxy_bytes else None,
+        )
     except ValueError as exc:
         return {"error": str(exc)}
     buffer_bytes = ep.config().buffer_bytes
@@ -339,6 +343,71 @@ def test_processes_sizing_their_buffers_for_different_shapes_are_refused_at_init
     results = launch(HERE, "initialize_outcome", 2, per_rank_env=[per_rank[1]] * 2, timeout_s=120)
     sized = ep.proxy_buffer_bytes(300, 256, num_ranks=2, topk=2, ranks_per_node=2, platform="cpu")
     assert [x.result for x in results] == [{"error": None, "buffer_bytes": sized}] * 2, describe(results)
+    # The same shapes, but one process gives its buffer: the sizes that result differ, and both refuse.
+    given = [{**per_rank[1], "UCCL_EP_TEST_PROXY_BYTES": str(64 << 20)}, per_rank[1]]
+    for x in launch(HERE, "initialize_outcome", 2, per_rank_env=given, timeout_s=120):
+        msg = x.result["error"]
+        assert msg and f"UCCL_EP_BUFFER_BYTES: process 0 {64 << 20}, process 1 {sized}" in msg, x.result
+
+
+def sub_axis_outcome(ep_ranks: str) -> dict:
+    """Child (8 CPU devices as 2 nodes of 4): initialize(shapes=...) for EP groups of `ep_ranks` ranks ("" for the
+    default, the whole job), then normal mode (weights carried) and low latency, BF16, over groups of 4 that span
+    both nodes, 2 ranks on each (ranks 0, 1, 4, 5 and 2, 3, 6, 7), every slot on a group's last rank; the largest
+    relative errors against NumPy, or the error raised."""
+    t, n, h, k, e = (
+        128,
+        128,
+        512,
+        4,
+        16,
+    )  # top-4: a token's slots fill a rank of a group (4 experts), not of the job (2)
+    size = int(ep_ranks) if ep_ranks else None
+    ep.initialize(
+        shapes=ep.JobShapes(
+            t, h, k, num_experts=e, ep_ranks=size, low_latency_max_tokens=n, low_latency_fp8=False, backward=False
+        )
+    )
+    d = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array([[d[0], d[1], d[4], d[5]], [d[2], d[3], d[6], d[7]]]), ("dp", "ep"))
+    idx = jnp.asarray(np.tile(np.arange(e - k, e, dtype=np.int32), (8 * t, 1)))
+    w = jnp.asarray(np.random.default_rng(15).random((8 * t, k)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(16).standard_normal((8 * t, h)), jnp.bfloat16)
+
+    def body(x, i, w):
+        r = ep.dispatch(x, i, w, num_experts=e, axis_name="ep")
+        recv, _, handle = ep.low_latency_dispatch(
+            x[:n], i[:n], num_experts=e, max_tokens_per_rank=n, axis_name="ep", use_fp8=False
+        )
+        return ep.combine(r.x, r.handle), ep.low_latency_combine(recv, i[:n], w[:n], handle)
+
+    spec = P(("dp", "ep"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    try:
+        out, out_ll = (np.asarray(a, np.float32) for a in f(x, idx, w))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        ep.shutdown()
+        return {"error": str(exc)}
+    xf = np.asarray(x, np.float32)
+    per_rank = lambda a: a.reshape(8, t, -1)[:, :n].reshape(8 * n, -1)  # noqa: E731
+    want_ll = per_rank(xf) * per_rank(np.asarray(w)).sum(-1, keepdims=True)
+    errors = [float(np.abs(out - xf).max()), float((np.abs(out_ll - want_ll) / (np.abs(want_ll) + 1)).max())]
+    ep.shutdown()
+    return {"error": None, "errors": errors}
+
+
+@pytest.mark.parametrize("two_level", ["1", "0"])
+def test_shapes_of_ep_groups_smaller_than_the_job_size_the_buffer_for_their_rounds(two_level):
+    """EP groups that span nodes but not the whole job run flat or in hierarchical rounds (two-level routing is for
+    an axis over every rank), and low latency counts the group's local experts: JobShapes(ep_ranks=...) sizes for
+    that, and the ops run the first time with every slot on a group's last rank; sized for the whole job (the
+    default), the same ops outgrow the buffer."""
+    env = {"UCCL_EP_GPUS_PER_NODE": "4", "UCCL_EP_TWO_LEVEL": two_level}
+    kw = dict(devices_per_process=8, timeout_s=180, env=env)
+    (sized,) = launch_ok(HERE, "sub_axis_outcome", 1, args=["4"], **kw)
+    assert sized["error"] is None and sized["errors"][0] == 0 and sized["errors"][1] < 1e-2, sized
+    (whole,) = launch_ok(HERE, "sub_axis_outcome", 1, args=[""], **kw)
+    assert whole["error"] and "raise UCCL_EP_BUFFER_BYTES to at least" in whole["error"], whole
 
 
 def test_initialize_sizes_the_proxy_buffer_from_the_shapes_unless_told():
