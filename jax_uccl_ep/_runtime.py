@@ -209,6 +209,14 @@ class JobShapes:
         if self.low_latency_max_tokens and self.num_experts <= 0:
             raise ValueError("jax_uccl_ep.JobShapes: low-latency ops (low_latency_max_tokens) need num_experts")
 
+    def combine_rows_bf16(self) -> bool:
+        """Whether the rows combine returns (and, with gradients, x's) travel as bfloat16: else as float32, where
+        either dtype is wider (float16 rows travel as float32)."""
+        import numpy as np
+
+        bf16 = np.dtype(jax.numpy.bfloat16)
+        return np.dtype(self.combine_dtype) == bf16 and (not self.backward or np.dtype(self.dtype) == bf16)
+
     def setting(self) -> str:
         """The fields as one canonical line (compared across processes, which must size alike)."""
         import numpy as np
@@ -223,8 +231,6 @@ def _sized(
 ) -> Config:
     """`config` with each buffer `shapes` need on this job, where neither an argument of initialize() nor its
     environment variable gave the size."""
-    import numpy as np
-
     num_ranks, nodes = len(topo.node_of_rank), topo.num_nodes
     on_node = {len(topo.ranks_on(n)) for n in range(nodes)}
     per_node = on_node.pop() if nodes > 1 and len(on_node) == 1 else num_ranks  # unequal nodes route flat
@@ -234,8 +240,6 @@ def _sized(
         sizes["buffer_bytes"] = _proxy_bytes(s, num_ranks, per_node, "gpu" if gpu else "cpu", config, process_of_rank)
     two = gpu and nodes > 1 and _plan_two_level(config, topo, "gpu", process_of_rank) is not None
     if gpu and (nodes == 1 or two):  # an NVLink runtime: the job's, or each node's under two-level routing
-        bf16 = np.dtype(jax.numpy.bfloat16)
-        wide = np.dtype(s.combine_dtype) != bf16 or (s.backward and np.dtype(s.dtype) != bf16)
         sizes["nvl_buffer_bytes"] = nvl_buffer_bytes(  # a token at least: the runtime takes no empty regions
             max(1, s.num_tokens) * (nodes if two else 1),
             s.hidden,
@@ -244,7 +248,7 @@ def _sized(
             dtype=s.dtype,
             fp8=s.fp8,
             with_weights=s.with_weights,
-            combine_dtype="float32" if wide else "bfloat16",
+            combine_dtype="bfloat16" if s.combine_rows_bf16() else "float32",
         )
     if gpu and nodes == 1:
         sizes["ll_buffer_bytes"] = 0
@@ -817,10 +821,7 @@ def _proxy_bytes(
             routing = 2
         elif config.hierarchical and staged and per_node > 1 and group_nodes > 1:
             routing = 1
-    bf16 = np.dtype(jax.numpy.bfloat16)
     x_row, scale_row = dispatch_row_bytes(s.hidden, s.fp8, s.dtype)
-    # The rows combine returns, and with gradients x's: float32 where either is wider than bfloat16.
-    rows_bf16 = np.dtype(s.combine_dtype) == bf16 and (not s.backward or np.dtype(s.dtype) == bf16)
     ll_x_row, ll_scale_row = dispatch_row_bytes(s.hidden, s.low_latency_fp8, s.dtype)
     return int(
         _uccl_ep.proxy_bytes_needed(
@@ -836,12 +837,12 @@ def _proxy_bytes(
             scale_row,
             s.topk,
             s.with_weights,
-            rows_bf16,
+            s.combine_rows_bf16(),
             s.low_latency_max_tokens,
             s.num_experts,
             ll_x_row,
             ll_scale_row,
-            np.dtype(s.combine_dtype) == bf16,
+            np.dtype(s.combine_dtype) == np.dtype(jax.numpy.bfloat16),  # low latency's combine: no backward
         )
     )
 
