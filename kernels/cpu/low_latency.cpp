@@ -42,7 +42,7 @@ uint64_t dispatch_shape_tag(const LowLatencyDispatchArgs& a) {
          (uint64_t(a.scale_row_bytes) << 52);
 }
 uint64_t combine_row_bytes(const LowLatencyCombineArgs& a) {
-  return uint64_t(a.hidden) * (a.dtype == FloatType::kF32 ? 4 : 2);
+  return uint64_t(a.hidden) * uint64_t(float_bytes(a.dtype));
 }
 uint64_t combine_shape_tag(const LowLatencyCombineArgs& a) {
   return (uint64_t(a.max_tokens_per_rank) << 40) ^ (uint64_t(a.num_experts) << 20) ^ combine_row_bytes(a);

@@ -223,7 +223,7 @@ std::string combine_by_node(Device& dev, const Group& group, const NodeBlocks& b
   const int R = group.size, P = b.per_node, H = a.hidden;
   const Group across = make_group(dev, b.across.data(), b.nodes, "combine");
   const Group within = make_group(dev, b.within.data(), P, "combine");
-  const uint64_t y_bytes = uint64_t(H) * (a.dtype == FloatType::kF32 ? 4 : 2);
+  const uint64_t y_bytes = uint64_t(H) * uint64_t(float_bytes(a.dtype));
   const NodeCombineRows row = node_combine_rows(y_bytes, P);
   const uint64_t route_bytes = row.route, partial_bytes = row.partial, tagged_bytes = row.tagged;
   std::string mismatch, abort_after;
@@ -503,8 +503,7 @@ void cached_dispatch(Device& dev, const Group& group, const CachedDispatchArgs& 
 
 void combine(Device& dev, const Group& group, const CombineArgs& a) {
   const int R = group.size, H = a.hidden;
-  const uint64_t elem = a.dtype == FloatType::kF32 ? 4 : 2;
-  const uint64_t row_bytes = uint64_t(H) * elem;
+  const uint64_t row_bytes = uint64_t(H) * uint64_t(float_bytes(a.dtype));
 
   // Rows received from member s sit at [offset[s], offset[s] + recv_counts[s]) of y, in dispatch order.
   std::vector<uint64_t> offset(R + 1, 0);
