@@ -119,12 +119,9 @@ NB_MODULE(_uccl_ep, m) {
   m.def("nvl_bytes_needed", [](int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes, int topk,
                                bool weights, int combine_hidden, bool combine_bf16) {
     const FloatType combine_dtype = combine_bf16 ? FloatType::kBF16 : FloatType::kF32;
-    // cached_dispatch (combine's backward) sends combine's rows with the token-in-rank mask.
-    const size_t msg =
-        std::max({nvl::dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
-                  nvl::combine_message_bytes(num_tokens, combine_hidden, combine_dtype),
-                  nvl::cached_message_bytes(num_tokens, combine_hidden * float_bytes(combine_dtype), num_ranks)});
-    return nvl::nvl_buffer_bytes_for(num_ranks, msg);
+    return nvl::nvl_buffer_bytes_for(
+        num_ranks, nvl::normal_message_bytes(num_ranks, num_tokens, x_row_bytes, scale_row_bytes, topk, weights,
+                                             combine_hidden, combine_dtype));
   });
   m.def("nvl_low_latency_bytes_needed", &nvl::low_latency_bytes_for);
   // routing: 0 flat, 1 hierarchical rounds, 2 two-level (NodeRouting).

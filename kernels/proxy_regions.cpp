@@ -34,11 +34,14 @@ uint64_t proxy_region_bytes(const ProxyShapes& s) {
       }
     }
     need = std::max(need, cpu::largest_message_bytes(host));
-    if (s.gpus)  // GPU-initiated: a message has room for every token's rows and the sender's routing
+    // GPU-initiated: NVLink's messages (room for every token's rows and the sender's routing), and the wider rows
+    // of the backward passes besides (cached_dispatch's of x's width; the weights' gradients in combine).
+    if (s.gpus)
       need = std::max<uint64_t>(
-          {need, nvl::dispatch_message_bytes(T, s.x_row_bytes, s.scale_row_bytes, s.topk, s.weights),
+          {need,
+           nvl::normal_message_bytes(group, T, s.x_row_bytes, s.scale_row_bytes, s.topk, s.weights, s.hidden,
+                                     s.combine_dtype),
            nvl::cached_message_bytes(T, std::max(s.x_row_bytes + s.scale_row_bytes, combine_row), group),
-           nvl::combine_message_bytes(T, s.hidden, s.combine_dtype),
            nvl::combine_message_bytes(T, s.topk, FloatType::kF32)});
   }
   if (s.low_latency_max_tokens > 0) {  // flat over the group

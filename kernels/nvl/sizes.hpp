@@ -44,6 +44,14 @@ inline size_t cached_message_bytes(int num_tokens, int64_t row_bytes, int num_ra
 inline size_t combine_message_bytes(int num_tokens, int hidden, FloatType dtype) {
   return align16(size_t(num_tokens) * hidden * size_t(float_bytes(dtype)));
 }
+// The largest message normal mode sends a member: a dispatch's, a combine's, or a cached dispatch's (combine's
+// backward: combine's rows with the token-in-rank mask).
+inline size_t normal_message_bytes(int num_ranks, int num_tokens, int64_t x_row_bytes, int64_t scale_row_bytes,
+                                   int topk, bool weights, int hidden, FloatType combine_dtype) {
+  return std::max({dispatch_message_bytes(num_tokens, x_row_bytes, scale_row_bytes, topk, weights),
+                   combine_message_bytes(num_tokens, hidden, combine_dtype),
+                   cached_message_bytes(num_tokens, hidden * float_bytes(combine_dtype), num_ranks)});
+}
 // The NVLink buffer a GPU needs for messages of `message_bytes`: the flags, then a whole-page region per peer.
 inline size_t nvl_buffer_bytes_for(int num_ranks, size_t message_bytes) {
   const size_t region = (message_bytes + 4095) / 4096 * 4096;
