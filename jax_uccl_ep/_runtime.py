@@ -21,6 +21,7 @@ from typing import Any, Literal
 import jax
 
 from . import _ffi, _plan, _uccl_ep
+from ._checks import FLOAT_DTYPES
 from ._plan import Topology, TwoLevel
 from .config import Config, cluster_launcher, distributed_env
 from .fp8 import dispatch_row_bytes
@@ -217,6 +218,14 @@ class JobShapes:
         bf16 = np.dtype(jax.numpy.bfloat16)
         return np.dtype(self.combine_dtype) == bf16 and (not self.backward or np.dtype(self.dtype) == bf16)
 
+    def low_latency_dtypes(self) -> tuple[Any, Any]:
+        """(dispatch, combine) dtypes low-latency rows travel as: the job's where low-latency ops take it (float32,
+        bfloat16), else float32, which bounds whatever a float16 job casts its low-latency rows to."""
+        import numpy as np
+
+        taken = {np.dtype(d) for d in FLOAT_DTYPES}
+        return tuple(d if np.dtype(d) in taken else "float32" for d in (self.dtype, self.combine_dtype))
+
     def setting(self) -> str:
         """The fields as one canonical line (compared across processes, which must size alike)."""
         import numpy as np
@@ -260,8 +269,8 @@ def _sized(
                 num_experts=s.num_experts,
                 topk=s.topk,
                 fp8=s.low_latency_fp8,
-                dispatch_dtype=s.dtype,
-                combine_dtype=s.combine_dtype,
+                dispatch_dtype=s.low_latency_dtypes()[0],
+                combine_dtype=s.low_latency_dtypes()[1],
             )
     kept = {name for name in sizes if given.get(name) is not None} | set(Config.set_in_env())
     return dataclasses.replace(config, **{k: v for k, v in sizes.items() if k not in kept})
@@ -726,6 +735,12 @@ def low_latency_buffer_bytes(
     """
     import numpy as np
 
+    for name, dtype in (("dispatch_dtype", dispatch_dtype), ("combine_dtype", combine_dtype)):
+        if np.dtype(dtype) not in {np.dtype(d) for d in FLOAT_DTYPES}:
+            raise ValueError(
+                f"jax_uccl_ep.low_latency_buffer_bytes: {name} must be float32 or bfloat16 (what low-latency ops "
+                f"take), got {np.dtype(dtype).name}"
+            )
     x_row, scale_row = dispatch_row_bytes(hidden, fp8, dispatch_dtype)
     combine_row = hidden * np.dtype(combine_dtype).itemsize
     return int(
@@ -768,7 +783,8 @@ def proxy_buffer_bytes(
     combine's (False: forward only, as an inference server).
     Low-latency mode: low_latency_max_tokens, its max_tokens_per_rank (0: no low-latency ops), with num_experts
     experts (its regions count rows per local expert), the same hidden and topk; low_latency_fp8: its dispatch
-    sends FP8 rows (low_latency_dispatch's default), else rows of dtype; its combine's rows are of combine_dtype.
+    sends FP8 rows (low_latency_dispatch's default), else rows of dtype; its combine's rows are of combine_dtype
+    (low-latency ops take float32 and bfloat16: a float16 dtype is sized as float32 there).
     The job: num_ranks ranks; ranks_per_node on each node where it spans several (default:
     ``config.gpus_per_node``, else one node: give it for jobs on several hosts); ep_ranks: the EP axis's ranks
     (default: every rank; with data parallelism across EP groups, a group's); platform: the devices', "cpu" or
@@ -822,7 +838,8 @@ def _proxy_bytes(
         elif config.hierarchical and staged and per_node > 1 and group_nodes > 1:
             routing = 1
     x_row, scale_row = dispatch_row_bytes(s.hidden, s.fp8, s.dtype)
-    ll_x_row, ll_scale_row = dispatch_row_bytes(s.hidden, s.low_latency_fp8, s.dtype)
+    ll_dtype, ll_combine_dtype = s.low_latency_dtypes()
+    ll_x_row, ll_scale_row = dispatch_row_bytes(s.hidden, s.low_latency_fp8, ll_dtype)
     return int(
         _uccl_ep.proxy_bytes_needed(
             num_ranks,
@@ -842,7 +859,7 @@ def _proxy_bytes(
             s.num_experts,
             ll_x_row,
             ll_scale_row,
-            np.dtype(s.combine_dtype) == np.dtype(jax.numpy.bfloat16),  # low latency's combine: no backward
+            np.dtype(ll_combine_dtype) == np.dtype(jax.numpy.bfloat16),  # low latency's combine: no backward
         )
     )
 

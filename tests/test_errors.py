@@ -652,6 +652,15 @@ def test_a_proxy_buffer_sized_by_the_shapes_runs_the_worst_routing_the_first_tim
             1e-5,
         ),
         ("both, FP8 low latency", hierarchical, dict(num_tokens=t, **ll), both, xb, [want_normal, want_ll_bf16], 0.1),
+        (  # low-latency ops take no float16: a float16 job's low-latency rows are sized as float32, the widest
+            "a float16 job's low latency, in float32",
+            base,
+            dict(num_tokens=0, **ll, low_latency_fp8=False, dtype=jnp.float16, combine_dtype=jnp.float16),
+            low_latency,
+            x,
+            [want_ll],
+            1e-5,
+        ),
     ]
     try:
         for name, config, sizes, op, rows, wants, tolerance in cases:
@@ -671,6 +680,17 @@ def test_a_proxy_buffer_sized_by_the_shapes_runs_the_worst_routing_the_first_tim
     finally:
         ep.shutdown()
         ep.initialize()
+
+
+def test_low_latency_sizes_refuse_dtypes_low_latency_ops_do_not_take():
+    """low_latency_buffer_bytes of float16 rows would size for rows no low-latency op takes: refused, naming it."""
+    sizes = dict(num_ranks=R, num_experts=2 * R, topk=2, fp8=False)
+    assert ep.low_latency_buffer_bytes(16, 256, **sizes, combine_dtype=jnp.float32) > ep.low_latency_buffer_bytes(
+        16, 256, **sizes
+    )
+    for name in ("dispatch_dtype", "combine_dtype"):
+        with pytest.raises(ValueError, match=f"{name} must be float32 or bfloat16 .* got float16"):
+            ep.low_latency_buffer_bytes(16, 256, **sizes, **{name: jnp.float16})
 
 
 def test_forward_mode_derivatives_fail_and_say_so():
