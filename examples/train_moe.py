@@ -568,7 +568,6 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
     import optax
 
     args = parse_args(argv)
-    ep.initialize()  # joins jax.distributed when a launcher set JAX_COORDINATOR_ADDRESS
     cfg = Config(
         seq_len=args.seq_len,
         d_model=args.d_model,
@@ -582,6 +581,19 @@ def train(argv: Sequence[str] | None = None, *, verbose: bool = True) -> dict:
         pair_buffer_factor=args.pair_buffer_factor,
         compute_dtype=None if args.compute_dtype == "auto" else args.compute_dtype,
         scan_layers=args.scan_layers,
+    )
+    # Every buffer sized for what this run's EP ops move, whatever the routing: the uccl layer's dispatch and
+    # combine (the other implementations run none) and the decoding's low-latency ops. initialize() joins
+    # jax.distributed when a launcher set JAX_COORDINATOR_ADDRESS, then calls this with the platform.
+    ep.initialize(
+        shapes=lambda platform: layers.moe_job_shapes(
+            cfg.moe(),
+            tokens_per_rank=args.batch_per_device * cfg.seq_len if args.ep_impl == "uccl" else 0,
+            d_model=cfg.d_model,
+            platform=platform,
+            decode_tokens_per_rank=args.batch_per_device if args.generate else 0,
+            decode_fp8=args.decode_fp8,
+        )
     )
     if args.capacity is not None and args.ep_impl == "uccl":
         raise SystemExit("--capacity counts all_to_all's slots; bound uccl's received rows with --capacity-factor")

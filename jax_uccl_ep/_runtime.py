@@ -279,7 +279,7 @@ def _sized(
 def initialize(
     *,
     config: Config | None = None,
-    shapes: JobShapes | None = None,
+    shapes: JobShapes | Callable[[Literal["cpu", "gpu"]], JobShapes] | None = None,
     nvl_buffer_bytes: int | None = None,
     low_latency_buffer_bytes: int | None = None,
     proxy_buffer_bytes: int | None = None,
@@ -301,7 +301,8 @@ def initialize(
       shapes: what the job's ops move (``JobShapes``): every buffer of the runtimes started is then sized for
         them, whatever the routing of their tokens, on this job's ranks and nodes, except those that an argument
         below or its environment variable sizes (a buffer size in `config` is replaced). Processes must pass the
-        same shapes, and end with the same sizes (both compared).
+        same shapes, and end with the same sizes (both compared). A function of the platform ("cpu" or "gpu")
+        returning them is called once JAX's devices are known (``layers.moe_job_shapes`` takes the platform).
       nvl_buffer_bytes: GPUs only: bytes of the NVLink buffer per GPU (overrides ``config.nvl_buffer_bytes`` and
         ``UCCL_EP_NVL_BUFFER_BYTES``; default 1 GiB). ``nvl_buffer_bytes(...)`` gives the exact need for a shape.
         CPU devices size their buffers from ``config.buffer_bytes`` (``UCCL_EP_BUFFER_BYTES``).
@@ -352,6 +353,15 @@ def initialize(
         rank_of = _ffi.global_ranks()  # the numbering the lowering's group tables use
         local = [(_ffi_device_ordinal(d), rank_of[d.id]) for d in jax.local_devices()]
         num_processes = jax.process_count()
+        gpu = devices[0].platform == "gpu"
+        if shapes is not None:
+            if callable(shapes):
+                shapes = shapes("gpu" if gpu else "cpu")
+            if not isinstance(shapes, JobShapes):
+                raise TypeError(
+                    f"jax_uccl_ep.initialize: shapes must be a JobShapes (or a function of the platform returning "
+                    f"one), got {type(shapes).__name__}"
+                )
         if num_processes > 1 and client is None:
             raise RuntimeError("jax_uccl_ep.initialize: several processes but no jax.distributed client")
 
@@ -365,7 +375,6 @@ def initialize(
         configure_native(config)
         process_of_rank = [d.process_index for d in devices]
         topo = Topology.build(process_of_rank, [h.decode() for h in hosts], config.gpus_per_node)
-        gpu = devices[0].platform == "gpu"
         if shapes is not None:
             given = {"nvl_buffer_bytes": nvl_buffer_bytes, "ll_buffer_bytes": low_latency_buffer_bytes}
             config = _sized(config, shapes, topo, gpu, process_of_rank, {**given, "buffer_bytes": proxy_buffer_bytes})

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from . import _pairs
 from ._checks import axis_size, check
 from ._ffi import ep_call, like_primal, varying_like, zeros_typed
+from ._runtime import JobShapes
 from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
 from .normal import combine, dispatch
@@ -50,6 +51,7 @@ __all__ = [
     "moe_ffn_decode",
     "moe_ffn_local",
     "moe_ffn_reference",
+    "moe_job_shapes",
     "moe_param_specs",
     "route",
     "swiglu_expert_slots",
@@ -112,12 +114,14 @@ class MoEConfig:
                 "pair_buffer_factor (a never-dropping layer's buffer for the common case): set one"
             )
 
-    def experts_dtype(self, param_dtype: Any) -> jnp.dtype:
-        """The dtype the experts compute in for parameters of `param_dtype`: compute_dtype, else bfloat16 on
-        GPUs (as models train) and the parameters' own elsewhere."""
+    def experts_dtype(self, param_dtype: Any, platform: Literal["cpu", "gpu"] | None = None) -> jnp.dtype:
+        """The dtype the experts compute in (and the layer's rows travel in) for parameters of `param_dtype`:
+        compute_dtype, else bfloat16 on GPUs (as models train) and the parameters' own elsewhere. `platform`
+        (default: JAX's backend, which starts it) names where the layer runs."""
         if self.compute_dtype is not None:
             return jnp.dtype(self.compute_dtype)
-        return jnp.dtype(jnp.bfloat16) if jax.default_backend() == "gpu" else jnp.dtype(param_dtype)
+        gpu = (platform or jax.default_backend()) == "gpu"
+        return jnp.dtype(jnp.bfloat16) if gpu else jnp.dtype(param_dtype)
 
 
 class MoEStats(NamedTuple):
@@ -132,6 +136,43 @@ class MoEOutput(NamedTuple):
     y: jax.Array  # like x
     aux_loss: jax.Array  # float32 scalar (0 when aux_loss_coef is 0)
     stats: MoEStats
+
+
+def moe_job_shapes(
+    config: MoEConfig,
+    *,
+    tokens_per_rank: int,
+    d_model: int,
+    platform: Literal["cpu", "gpu"],
+    param_dtype: Any = jnp.float32,
+    backward: bool = True,
+    decode_tokens_per_rank: int = 0,
+    decode_fp8: bool = True,
+    ep_ranks: int | None = None,
+) -> JobShapes:
+    """What this layer's EP ops move, for ``jax_uccl_ep.initialize(shapes=...)`` to size every buffer for it:
+    moe_ffn / moe_ffn_local on `tokens_per_rank` tokens of `d_model` channels a rank (a shard's tokens, the EP
+    axis's and any data axis's split taken off), rows in the experts' dtype with their router weights, FP8 where
+    ``config.fp8_dispatch``, gradients where `backward`; and moe_ffn_decode at ``max_tokens_per_rank =
+    decode_tokens_per_rank`` (0: no decoding) with ``use_fp8 = decode_fp8``. `platform` ("cpu" or "gpu") decides
+    the experts' dtype where ``config.compute_dtype`` does not; initialize() can pass it:
+    ``initialize(shapes=lambda platform: moe_job_shapes(..., platform=platform))``. ep_ranks: the EP axis's ranks
+    where it is not every rank of the job."""
+    dtype = config.experts_dtype(param_dtype, platform)
+    return JobShapes(
+        num_tokens=tokens_per_rank,
+        hidden=d_model,
+        topk=config.top_k,
+        num_experts=config.num_experts,
+        dtype=dtype,
+        fp8=config.fp8_dispatch,
+        with_weights=True,
+        combine_dtype=dtype,
+        backward=backward,
+        low_latency_max_tokens=decode_tokens_per_rank,
+        low_latency_fp8=decode_fp8,
+        ep_ranks=ep_ranks,
+    )
 
 
 def init_moe_params(key: jax.Array, *, d_model: int, d_ff: int, num_experts: int, dtype: Any = jnp.float32) -> Params:
@@ -629,7 +670,8 @@ def moe_ffn_decode(
     max_tokens_per_rank: int,
     use_fp8: bool = True,
 ) -> jax.Array:
-    """The layer for decoding, inside a ``jax.shard_map``: low-latency dispatch (FP8 rows by default) into static
+    """The layer for decoding, inside a ``jax.shard_map``: low-latency dispatch (FP8 rows by default, else rows in
+    the experts' dtype, as moe_ffn's) into static
     per-expert buffers, the local experts over them (`swiglu_expert_slots`: the grouped matmul on the rows received
     where its Mosaic kernels run, batched matmuls over the slots elsewhere) in ``config.compute_dtype``, low-latency
     combine weighted by the router: the dispatch carries the router weights, so each expert's rank weights and sums a
@@ -639,8 +681,9 @@ def moe_ffn_decode(
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
     weights, idx, _ = route(params["router"], tokens, config)
+    dtype = config.experts_dtype(params["w_gate"].dtype)
     recv, count, handle = low_latency_dispatch(
-        tokens,
+        tokens.astype(dtype),  # the rows travel in the experts' dtype, as moe_ffn's do
         idx,
         num_experts=config.num_experts,
         max_tokens_per_rank=max_tokens_per_rank,
@@ -654,9 +697,8 @@ def moe_ffn_decode(
         rows, scales = recv
         local, slots = rows.shape[:2]
         rows = per_token_cast_back(rows.reshape(local * slots, d), scales.reshape(local * slots, -1))
-        rows = rows.reshape(local, slots, d).astype(x.dtype)
+        rows = rows.reshape(local, slots, d).astype(dtype)
     else:
         rows = recv
-    dtype = config.experts_dtype(params["w_gate"].dtype)
-    y = swiglu_expert_slots(params, rows, count, compute_dtype=dtype, backend=config.grouped_matmul).astype(x.dtype)
-    return low_latency_combine(y, idx, None, handle).reshape(*lead, d)
+    y = swiglu_expert_slots(params, rows, count, compute_dtype=dtype, backend=config.grouped_matmul).astype(dtype)
+    return low_latency_combine(y, idx, None, handle).astype(x.dtype).reshape(*lead, d)

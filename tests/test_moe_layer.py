@@ -719,3 +719,82 @@ def test_the_weighted_swiglu_refuses_mismatched_shapes():
 
     with pytest.raises(Exception, match="swiglu: expected gate_up"):
         jax.block_until_ready(jax.jit(step)(gate_up, weights, n))
+
+
+def test_buffers_sized_by_the_layers_shapes_run_its_worst_routing_the_first_time():
+    """initialize(shapes=lambda platform: moe_job_shapes(...)) sizes the proxy buffer for the layer's ops: with every
+    token's slots on the last rank's experts, the training step (forward and gradients) and the decoding layer
+    run the first time on it, right against the dense reference; a page a region less makes an op advise more."""
+    import dataclasses
+    import re
+
+    config = layers.MoEConfig(num_experts=E, top_k=K)
+    params, _, mesh = _inputs(11)
+    batch, seq = 4 * R, 16  # 64 tokens a rank: messages of many pages, so a page a region is sharp
+    x = jnp.abs(jax.random.normal(jax.random.key(13), (batch, seq, D), jnp.float32))  # positive channels: the
+    x = jax.device_put(x, NamedSharding(mesh, P("ep")))  # router's positive columns win for every token
+    router = -jnp.abs(jax.random.normal(jax.random.key(12), (D, E), jnp.float32))
+    router = router.at[:, E - E // R :].set(jnp.abs(router[:, E - E // R :]) + 1.0)
+    params = dict(params, router=jax.device_put(router, params["router"].sharding))
+    tokens_per_rank, decode_tokens = batch // R * seq, batch // R
+
+    def shapes(platform):
+        assert platform == "cpu"
+        return layers.moe_job_shapes(
+            config,
+            tokens_per_rank=tokens_per_rank,
+            d_model=D,
+            platform=platform,
+            decode_tokens_per_rank=decode_tokens,
+            decode_fp8=False,
+        )
+
+    def loss(p, x):
+        return jnp.sum(layers.moe_ffn(p, x, mesh=mesh, config=config).y ** 2)
+
+    def decode(p, t):
+        return layers.moe_ffn_decode(p, t[0], config, axis_name="ep", max_tokens_per_rank=decode_tokens, use_fp8=False)
+
+    specs = (layers.moe_param_specs("ep"), P("ep"))
+    decode_f = jax.jit(jax.shard_map(lambda p, t: decode(p, t)[None], mesh=mesh, in_specs=specs, out_specs=P("ep")))
+    step = jax.jit(jax.value_and_grad(loss))
+    first = x[:, :1].reshape(R, decode_tokens, D)  # each rank's decode tokens: the first position of its sequences
+    try:
+        ep.shutdown()
+        with pytest.raises(TypeError, match="shapes must be a JobShapes .* got NoneType"):
+            ep.initialize(shapes=lambda platform: None)
+        ep.initialize(shapes=shapes)
+        sized = ep.config().buffer_bytes
+        assert sized == ep.proxy_buffer_bytes(
+            tokens_per_rank,
+            D,
+            num_ranks=R,
+            topk=K,
+            dtype=jnp.float32,
+            combine_dtype=jnp.float32,
+            low_latency_max_tokens=decode_tokens,
+            num_experts=E,
+            low_latency_fp8=False,
+            platform="cpu",
+        )
+        out = jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config))(params, x)
+        assert int(np.asarray(out.stats.rows_received)[-1]) == R * tokens_per_rank  # the worst routing, as meant
+        value, grads = step(params, x)
+        want = lambda p: jnp.sum(layers.moe_ffn_reference(p, x, config).y ** 2)  # noqa: E731
+        want_value, want_grads = jax.value_and_grad(want)(params)
+        np.testing.assert_allclose(float(value), float(want_value), rtol=1e-4)
+        for k in want_grads:
+            np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want_grads[k]), rtol=2e-3, atol=2e-4)
+        got = np.asarray(decode_f(params, first)).reshape(-1, D)
+        np.testing.assert_allclose(
+            got, np.asarray(layers.moe_ffn_reference(params, first, config).y).reshape(-1, D), rtol=2e-5, atol=2e-5
+        )
+        ep.shutdown()
+        smaller = sized - 2 * R * 4096
+        ep.initialize(config=dataclasses.replace(ep.config(), buffer_bytes=smaller))
+        with pytest.raises(Exception, match=r"raise UCCL_EP_BUFFER_BYTES to at least \d+") as info:
+            jax.block_until_ready(step(params, x))
+        assert int(re.search(r"at least (\d+)", str(info.value)).group(1)) == sized, str(info.value)
+    finally:
+        ep.shutdown()
+        ep.initialize()
