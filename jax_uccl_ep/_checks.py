@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,13 @@ import numpy as np
 AxisName = Union[str, Sequence[str]]
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)  # what the kernels sum
+
+
+def low_latency_row_dtype(dtype: Any) -> np.dtype:
+    """The dtype rows of `dtype` travel as in low-latency ops, which take FLOAT_DTYPES: their own, else float32."""
+    return np.dtype(dtype) if np.dtype(dtype) in {np.dtype(d) for d in FLOAT_DTYPES} else np.dtype(np.float32)
+
+
 ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what dispatch carries (float16 sums as float32)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import jax
 
 from . import _ffi, _plan, _uccl_ep
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, low_latency_row_dtype
 from ._plan import Topology, TwoLevel
 from .config import Config, cluster_launcher, distributed_env
 from .fp8 import dispatch_row_bytes
@@ -220,11 +220,8 @@ class JobShapes:
 
     def low_latency_dtypes(self) -> tuple[Any, Any]:
         """(dispatch, combine) dtypes low-latency rows travel as: the job's where low-latency ops take it (float32,
-        bfloat16), else float32, which bounds whatever a float16 job casts its low-latency rows to."""
-        import numpy as np
-
-        taken = {np.dtype(d) for d in FLOAT_DTYPES}
-        return tuple(d if np.dtype(d) in taken else "float32" for d in (self.dtype, self.combine_dtype))
+        bfloat16), else float32, as the layer's decoding sends a float16 job's rows."""
+        return low_latency_row_dtype(self.dtype), low_latency_row_dtype(self.combine_dtype)
 
     def setting(self) -> str:
         """The fields as one canonical line (compared across processes, which must size alike)."""

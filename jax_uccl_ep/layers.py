@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import _pairs
-from ._checks import axis_size, check
+from ._checks import axis_size, check, low_latency_row_dtype
 from ._ffi import ep_call, like_primal, varying_like, zeros_typed
 from ._runtime import JobShapes
 from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
@@ -682,8 +682,9 @@ def moe_ffn_decode(
     tokens = x.reshape(-1, d)
     weights, idx, _ = route(params["router"], tokens, config)
     dtype = config.experts_dtype(params["w_gate"].dtype)
+    rows_dtype = low_latency_row_dtype(dtype)  # the experts' dtype, as moe_ffn's rows, where low latency takes it
     recv, count, handle = low_latency_dispatch(
-        tokens.astype(dtype),  # the rows travel in the experts' dtype, as moe_ffn's do
+        tokens.astype(rows_dtype),
         idx,
         num_experts=config.num_experts,
         max_tokens_per_rank=max_tokens_per_rank,
@@ -700,5 +701,5 @@ def moe_ffn_decode(
         rows = rows.reshape(local, slots, d).astype(dtype)
     else:
         rows = recv
-    y = swiglu_expert_slots(params, rows, count, compute_dtype=dtype, backend=config.grouped_matmul).astype(dtype)
-    return low_latency_combine(y, idx, None, handle).astype(x.dtype).reshape(*lead, d)
+    y = swiglu_expert_slots(params, rows, count, compute_dtype=dtype, backend=config.grouped_matmul)
+    return low_latency_combine(y.astype(rows_dtype), idx, None, handle).astype(x.dtype).reshape(*lead, d)

@@ -292,13 +292,26 @@ def test_a_token_spec_the_layer_cannot_run_is_named(spec, words):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_layers_track_the_reference(dtype):
     """bf16 and f16 parameters and tokens (the experts compute in the parameters' dtype on CPU devices): the
-    layer's output near the float32-computed reference."""
+    layer's output near the float32-computed reference, and the decoding layer's (low-latency ops take no float16:
+    its rows travel as float32 there)."""
     config = layers.MoEConfig(num_experts=E, top_k=K)
     params, x, mesh = _inputs(3, dtype)
     out = jax.jit(lambda p, x: layers.moe_ffn(p, x, mesh=mesh, config=config))(params, x)
     y, _, _ = _per_rank_reference(params, x, config)
     assert out.y.dtype == dtype
     np.testing.assert_allclose(np.asarray(out.y, np.float32), np.asarray(y, np.float32), rtol=5e-2, atol=5e-2)
+
+    def decode(p, t):
+        return layers.moe_ffn_decode(p, t[0], config, axis_name="ep", max_tokens_per_rank=t.shape[1], use_fp8=False)
+
+    specs = (layers.moe_param_specs("ep"), P("ep"))
+    f = jax.jit(jax.shard_map(lambda p, t: decode(p, t)[None], mesh=mesh, in_specs=specs, out_specs=P("ep")))
+    got = f(params, x.reshape(R, B // R * S, D))
+    assert got.dtype == dtype
+    want = layers.moe_ffn_reference(params, x, config).y
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32).reshape(B, S, D), np.asarray(want, np.float32), rtol=5e-2, atol=5e-2
+    )
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])
