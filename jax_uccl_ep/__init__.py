@@ -35,6 +35,10 @@ _find_extension()
 # waits for a peer; with one process driving several GPUs that can deadlock. Load eagerly (read when CUDA starts,
 # so this takes effect if jax_uccl_ep is imported before JAX first touches a GPU).
 _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+from ._signals import kept_signal_handlers as _kept_signal_handlers
+
+with _kept_signal_handlers():  # the extension loads libfabric, whose providers take over signals as they load
+    from . import _uccl_ep  # noqa: F401
 from . import layers
 from ._runtime import (
     JobShapes,

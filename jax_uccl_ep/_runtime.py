@@ -23,6 +23,7 @@ import jax
 from . import _ffi, _plan, _uccl_ep
 from ._checks import FLOAT_DTYPES, low_latency_row_dtype
 from ._plan import Topology, TwoLevel
+from ._signals import kept_signal_handlers
 from .config import Config, cluster_launcher, distributed_env
 from .fp8 import dispatch_row_bytes
 
@@ -329,7 +330,7 @@ def initialize(
         )
         nvl_buffer_bytes = buffer_bytes
     global _generation, _atexit_registered, _previous_plan, _config
-    with _lock:
+    with _lock, kept_signal_handlers():  # starting a fabric installs libfabric's handlers: the process keeps its own
         if _is_initialized():
             return
         _maybe_initialize_distributed(kwargs)

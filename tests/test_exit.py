@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,39 @@ def test_without_the_launcher_the_error_is_printed_and_the_status_kept():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "an EP op failed and no check_errors() ran after it" in done.stderr, done.stderr[-2000:]
     assert "topk_idx[3, 1] = 23 is outside [-1, num_experts=16)" in done.stderr, done.stderr[-2000:]
+
+
+def test_ctrl_c_and_an_abort_end_the_process_as_they_would_without_the_library():
+    """Loading and starting libfabric installs its providers' signal handlers (Debian's links libinfinipath, whose
+    handlers call exit() inside the signal): Ctrl-C stopped raising KeyboardInterrupt, and an abort, which XLA's
+    stuck-collective check raises, could hang the process in its exit handlers. After import, initialize() and ops,
+    SIGINT raises KeyboardInterrupt and os.abort() ends the process by SIGABRT, as in a process without the
+    library."""
+    ending = textwrap.dedent(
+        """
+        import signal, time
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(10)
+            print("no KeyboardInterrupt", flush=True)
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt", flush=True)
+        os.abort()
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, _script(UNAWAITED + "import os\n" + ending)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd="/",
+    )
+    assert done.stdout.count("(128, 256)") == 3, (done.stdout, done.stderr[-2000:])
+    assert "\nKeyboardInterrupt\n" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-2000:])
 
 
 def test_a_peer_that_never_reaches_shutdown_is_named_in_time():
