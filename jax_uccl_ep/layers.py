@@ -625,8 +625,23 @@ def moe_ffn(
     token_axes = _token_axes(spec, axis_name, x.ndim)
     others = tuple(a for a in token_axes if a != axis_name)
 
+    # XLA:CPU runs a device's ops on a pool shared by every device, an all-reduce and an EP op each holding a thread
+    # while it waits for the other devices, and starts ops that do not depend on each other in any order: a device in
+    # the statistics' or the gradients' all-reduces while its peers sit in an EP op stopped the step (8 devices, a
+    # (dp, ep) mesh: about half the runs; tests/stress/collectives_beside_ep_ops.py). On CPU devices the layer
+    # orders them after its EP ops: the statistics after combine, and the parameters made varying over the other
+    # token axes and tied to x, so that their gradients' reductions wait for the last EP op of the backward pass.
+    # GPUs run each device's ops in one stream order, the same on every device.
+    ordered = mesh.devices.flat[0].platform == "cpu"
+
     def body(p, x):
+        if ordered:
+            if others:
+                p = jax.tree.map(lambda a: jax.lax.pcast(a, others, to="varying"), p)
+            p, x = jax.lax.optimization_barrier((p, x))
         out = moe_ffn_local(p, x, config, axis_name=axis_name)
+        if ordered:
+            out = jax.lax.optimization_barrier(out)
         aux = jax.lax.pmean(out.aux_loss, token_axes)
         per_expert = jax.lax.psum(out.stats.tokens_per_expert, token_axes)
         rows, dropped = out.stats.rows_received, out.stats.pairs_dropped

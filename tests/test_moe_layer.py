@@ -811,3 +811,13 @@ def test_buffers_sized_by_the_layers_shapes_run_its_worst_routing_the_first_time
     finally:
         ep.shutdown()
         ep.initialize()
+
+
+def test_the_training_step_on_a_dp_by_ep_mesh_of_8_cpu_devices_never_stops():
+    """XLA:CPU's all-reduces (the layer's statistics, the dp reductions of its gradients) beside its EP ops, on a
+    (dp 2, ep 4) mesh of 8 CPU devices, each run a fresh process: before the layer ordered them after its EP ops,
+    about half the runs stopped until XLA aborted them after 40 s."""
+    from stress.collectives_beside_ep_ops import run_once
+
+    outcomes = [run_once(timeout_s=120.0) for _ in range(4)]
+    assert all(ok for ok, _ in outcomes), outcomes

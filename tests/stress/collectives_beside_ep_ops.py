@@ -1,9 +1,10 @@
 """Stress: the layer's training step (forward and gradients of layers.moe_ffn) on 8 CPU devices of one process, a
 (dp 2, ep 4) mesh, each run a fresh process. XLA's all-reduces (the layer's statistics, the dp reduction of the
 expert weights' gradients) do not depend on the EP ops through data, and both hold a thread of XLA:CPU's shared
-pool while they wait for the other devices: some runs stop in an all-reduce that one device never reaches, until
-XLA aborts the process (docs/RELIABILITY.md, "XLA collectives beside EP ops"). Prints each run's outcome and the
-count that stopped. Not collected by pytest.
+pool while they wait for the other devices: before moe_ffn ordered them after its EP ops on CPU devices, about
+half the runs stopped in an all-reduce that some devices never reached, until XLA aborted the process
+(docs/RELIABILITY.md, "XLA collectives beside EP ops"). Prints each run's outcome and the count that stopped.
+Not collected by pytest (tests/test_moe_layer.py runs a few).
 
     python tests/stress/collectives_beside_ep_ops.py [runs] [timeout_s]
 """
@@ -50,25 +51,29 @@ print("step done", float(value), flush=True)
 """
 
 
+def run_once(timeout_s: float) -> tuple[bool, str]:
+    """One training step in a fresh process: (whether it ended with its result, what it said if not)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    script = RUN.format(tests=os.path.dirname(HERE))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"no end within {timeout_s:.0f} s"
+    if done.returncode == 0 and "step done" in done.stdout:
+        return True, "done"
+    said = [line for line in done.stderr.splitlines() if "Termination timeout" in line or "Error" in line]
+    return False, f"exit {done.returncode}: {(said or done.stderr.splitlines() or [''])[-1][:300]}"
+
+
 def main() -> None:
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     timeout_s = float(sys.argv[2]) if len(sys.argv) > 2 else 180.0
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
-    script = RUN.format(tests=os.path.dirname(HERE))
     stopped = 0
     for run in range(runs):
         start = time.monotonic()
-        try:
-            done = subprocess.run(
-                [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout_s
-            )
-            ok = done.returncode == 0 and "step done" in done.stdout
-            said = [line for line in done.stderr.splitlines() if "Termination timeout" in line or "Error" in line]
-            outcome = (
-                "done" if ok else f"exit {done.returncode}: {(said or done.stderr.splitlines() or [''])[-1][:300]}"
-            )
-        except subprocess.TimeoutExpired:
-            ok, outcome = False, f"no end within {timeout_s:.0f} s"
+        ok, outcome = run_once(timeout_s)
         stopped += not ok
         print(f"run {run}: {outcome} ({time.monotonic() - start:.1f} s)", flush=True)
     print(f"{stopped} of {runs} runs stopped")
