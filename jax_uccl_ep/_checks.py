@@ -12,14 +12,12 @@ import numpy as np
 AxisName = Union[str, Sequence[str]]
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)  # what the kernels sum
+ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what dispatch carries (float16 sums as float32)
 
 
 def low_latency_row_dtype(dtype: Any) -> np.dtype:
     """The dtype rows of `dtype` travel as in low-latency ops, which take FLOAT_DTYPES: their own, else float32."""
     return np.dtype(dtype) if np.dtype(dtype) in {np.dtype(d) for d in FLOAT_DTYPES} else np.dtype(np.float32)
-
-
-ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what dispatch carries (float16 sums as float32)
 
 
 def check(cond: bool, message: str) -> None:

@@ -260,6 +260,7 @@ def _sized(
     if gpu and nodes == 1:
         sizes["ll_buffer_bytes"] = 0
         if s.low_latency_max_tokens:
+            ll_dispatch_dtype, ll_combine_dtype = s.low_latency_dtypes()
             sizes["ll_buffer_bytes"] = low_latency_buffer_bytes(
                 s.low_latency_max_tokens,
                 s.hidden,
@@ -267,8 +268,8 @@ def _sized(
                 num_experts=s.num_experts,
                 topk=s.topk,
                 fp8=s.low_latency_fp8,
-                dispatch_dtype=s.low_latency_dtypes()[0],
-                combine_dtype=s.low_latency_dtypes()[1],
+                dispatch_dtype=ll_dispatch_dtype,
+                combine_dtype=ll_combine_dtype,
             )
     kept = {name for name in sizes if given.get(name) is not None} | set(Config.set_in_env())
     return dataclasses.replace(config, **{k: v for k, v in sizes.items() if k not in kept})
