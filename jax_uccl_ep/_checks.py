@@ -15,9 +15,10 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)  # what the kernels sum
 ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # what dispatch carries (float16 sums as float32)
 
 
-def low_latency_row_dtype(dtype: Any) -> np.dtype:
-    """The dtype rows of `dtype` travel as in low-latency ops, which take FLOAT_DTYPES: their own, else float32."""
-    return np.dtype(dtype) if np.dtype(dtype) in {np.dtype(d) for d in FLOAT_DTYPES} else np.dtype(np.float32)
+def summed_row_dtype(dtype: Any) -> np.dtype:
+    """The dtype rows of `dtype` travel in where the kernels sum them: their own where it is one of FLOAT_DTYPES,
+    else (float16) float32."""
+    return np.dtype(dtype) if np.dtype(dtype) in FLOAT_DTYPES else np.dtype(np.float32)
 
 
 def check(cond: bool, message: str) -> None:

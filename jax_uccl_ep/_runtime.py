@@ -21,7 +21,7 @@ from typing import Any, Literal
 import jax
 
 from . import _ffi, _plan, _uccl_ep
-from ._checks import FLOAT_DTYPES, low_latency_row_dtype
+from ._checks import FLOAT_DTYPES, summed_row_dtype
 from ._plan import Topology, TwoLevel
 from ._signals import kept_signal_handlers
 from .config import Config, cluster_launcher, distributed_env
@@ -222,7 +222,7 @@ class JobShapes:
     def low_latency_dtypes(self) -> tuple[Any, Any]:
         """(dispatch, combine) dtypes low-latency rows travel as: the job's where low-latency ops take it (float32,
         bfloat16), else float32, as the layer's decoding sends a float16 job's rows."""
-        return low_latency_row_dtype(self.dtype), low_latency_row_dtype(self.combine_dtype)
+        return summed_row_dtype(self.dtype), summed_row_dtype(self.combine_dtype)
 
     def setting(self) -> str:
         """The fields as one canonical line (compared across processes, which must size alike)."""
@@ -744,7 +744,7 @@ def low_latency_buffer_bytes(
     import numpy as np
 
     for name, dtype in (("dispatch_dtype", dispatch_dtype), ("combine_dtype", combine_dtype)):
-        if np.dtype(dtype) not in {np.dtype(d) for d in FLOAT_DTYPES}:
+        if np.dtype(dtype) not in FLOAT_DTYPES:
             raise ValueError(
                 f"jax_uccl_ep.low_latency_buffer_bytes: {name} must be float32 or bfloat16 (what low-latency ops "
                 f"take), got {np.dtype(dtype).name}"

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from . import _pairs
-from ._checks import axis_size, check, low_latency_row_dtype
+from ._checks import axis_size, check, summed_row_dtype
 from ._ffi import ep_call, like_primal, varying_like, zeros_typed
 from ._runtime import JobShapes
 from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
@@ -697,7 +697,7 @@ def moe_ffn_decode(
     tokens = x.reshape(-1, d)
     weights, idx, _ = route(params["router"], tokens, config)
     dtype = config.experts_dtype(params["w_gate"].dtype)
-    rows_dtype = low_latency_row_dtype(dtype)  # the experts' dtype, as moe_ffn's rows, where low latency takes it
+    rows_dtype = summed_row_dtype(dtype)  # the experts' dtype, as moe_ffn's rows, where low latency takes it
     recv, count, handle = low_latency_dispatch(
         tokens.astype(rows_dtype),
         idx,

@@ -31,6 +31,7 @@ from ._checks import (
     check,
     check_experts,
     flatten_tokens,
+    summed_row_dtype,
 )
 from ._ffi import ep_call
 from .fp8 import FP8_BLOCK, dispatch_row_bytes, per_token_cast_back, per_token_cast_to_fp8
@@ -778,7 +779,7 @@ def _summed_pairs(y: jax.Array, handle: ExpertHandle) -> jax.Array:
     """Each received row's pair rows summed in float32 (the FFI's sum_pairs: an EP op never runs under vmap), in the
     dtype the row goes back in: y's, float32 for float16 (as float16 rows travel), the same sums the host paths'
     pair ops send."""
-    wire = y.dtype if y.dtype in FLOAT_DTYPES else jnp.float32
+    wire = summed_row_dtype(y.dtype)
     with jax.named_scope(_pairs.SCOPE):
         return _pairs.reduce_pairs(y, handle.pair_row, handle.pair_of, handle.zero_padding, wire, True)
 
