@@ -6,7 +6,7 @@ random normal x), BF16 payload. Measured:
   - jax_uccl_ep dispatch BF16, dispatch FP8 (x float8_e4m3fn + scales [T, H/128] float32), combine BF16 — "n/a"
     rows (with the reason) where the package or its ops are not available on this platform yet; with --ops
     dispatch_expert, dispatch(layout="expert") as the layer calls it (the pair writer against token rows and the XLA
-    layout: run once with UCCL_EP_NVL_DISPATCH_PAIRS=1 and once without);
+    layout: run once as it is and once with UCCL_EP_NVL_DISPATCH_PAIRS=0);
   - jax.lax.all_to_all on the padded [R, capacity_per_peer, H] payload (capacity = the largest src->dst count);
   - jax.lax.ragged_all_to_all on the exact rows (those dispatch moves);
   - NCCL all_to_all_single, padded and ragged (split sizes = the same counts), BF16; BF16 ragged after an exchange

@@ -120,7 +120,7 @@ class Config:
         ),
     )
     nvl_dispatch_pairs: bool = field(
-        default=False,
+        default=True,
         metadata=_env(
             "UCCL_EP_NVL_DISPATCH_PAIRS",
             "dispatch(layout='expert') where dispatch pulls (one process) writes each row straight into its pair "
@@ -128,7 +128,7 @@ class Config:
         ),
     )
     proxy_dispatch_pairs: bool = field(
-        default=False,
+        default=True,
         metadata=_env(
             "UCCL_EP_PROXY_DISPATCH_PAIRS",
             "dispatch(layout='expert') over the GPU-initiated proxy (flat) copies each received row straight into "

@@ -333,9 +333,8 @@ def _check(results, num_ranks):
         assert {k: v for k, v in x.result["problems"].items() if v} == {}
 
 
-# Waits on peers end after UCCL_EP_TIMEOUT_S (low-latency kernels); the launch limit bounds the rest. The NVLink pair
-# writer (off by default until timed) runs wherever the suite's dispatch pulls.
-SUITE_ENV = {"UCCL_EP_NVL_BUFFER_BYTES": str(256 << 20), "UCCL_EP_TIMEOUT_S": "30", "UCCL_EP_NVL_DISPATCH_PAIRS": "1"}
+# Waits on peers end after UCCL_EP_TIMEOUT_S (low-latency kernels); the launch limit bounds the rest.
+SUITE_ENV = {"UCCL_EP_NVL_BUFFER_BYTES": str(256 << 20), "UCCL_EP_TIMEOUT_S": "30"}
 
 
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
@@ -366,6 +365,7 @@ NORMAL_VARIANTS = {
     "pulled combine only": {"UCCL_EP_NVL_PULL_DISPATCH": "0"},
     "pulled dispatch only": {"UCCL_EP_NVL_PULL_COMBINE": "0"},
     "pulled, 6 SMs": {"UCCL_EP_NUM_SMS": "6"},
+    "token rows, then XLA's pair layout": {"UCCL_EP_NVL_DISPATCH_PAIRS": "0"},
 }
 
 
@@ -376,10 +376,13 @@ def test_normal_mode_variants(variant):
     the full budget and at 6 SMs (a message in 3 chunks, a send block each, and 3 receive blocks, each working
     through several (chunk, source) pieces); the SM-store kernels (always sent); each op pulled alone, between the
     other op's sent messages (message numbers, meta counts and acknowledgements must stay in step; the suite's FP8
-    case with 8-byte scale rows is sent in every variant); and both pulled at 6 SMs."""
+    case with 8-byte scale rows is sent in every variant); both pulled at 6 SMs; and the expert layout from token
+    rows and XLA's pair layout where the pulled receive would write the pairs."""
     env = dict(SUITE_ENV, **NORMAL_VARIANTS[variant])
     results = launch(HERE, "gpu_suite", 1, args=["normal"], platform="gpu", timeout_s=150, env=env)
     _check(results, NUM_GPUS)
+    if env.get("UCCL_EP_NVL_DISPATCH_PAIRS") == "0":
+        assert not results[0].result["gpu_writes_pairs"], results[0].result
 
 
 @pytest.mark.parametrize("reorder", ["0", "1"])

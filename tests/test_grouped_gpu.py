@@ -358,6 +358,7 @@ def layer_child() -> dict:
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jax_uccl_ep as ep
     from jax_uccl_ep import layers
@@ -381,6 +382,7 @@ def layer_child() -> dict:
     with jax.default_matmul_precision("highest"):
         ref_config = layers.MoEConfig(num_experts=experts, top_k=4, compute_dtype=jnp.float32)
         ref = grads(lambda p, x: layers.moe_ffn_reference(p, x, ref_config).y)
+        ref_y = jax.jit(lambda p, x: layers.moe_ffn_reference(p, x, ref_config).y)(params, x)
         for backend in ("mosaic", "xla"):
             config = layers.MoEConfig(num_experts=experts, top_k=4, grouped_matmul=backend)
             if backend == "mosaic" and grouped_backend("auto", config.experts_dtype(jnp.float32)) != backend:
@@ -393,19 +395,34 @@ def layer_child() -> dict:
                 "dx": _relative_error(gx, rx),
                 **{f"d{k}": _relative_error(gp[k], rp[k]) for k in ("router", "w_gate", "w_up", "w_down")},
             }
+            # The decoding layer (low latency, rows in the experts' dtype or FP8, the router weights carried) on
+            # the same parameters and tokens, against the reference's forward.
+            per_rank = x.reshape(len(devices), -1, d_model)
+            for use_fp8 in (False, True):
+
+                def decode(p, t, c=config, f=use_fp8):
+                    y = layers.moe_ffn_decode(p, t[0], c, axis_name="ep", max_tokens_per_rank=t.shape[1], use_fp8=f)
+                    return y[None]
+
+                specs = (layers.moe_param_specs("ep"), P("ep"))
+                got = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=specs, out_specs=P("ep")))(params, per_rank)
+                out[backend]["decode_fp8" if use_fp8 else "decode"] = _relative_error(got.reshape(x.shape), ref_y)
     ep.shutdown()
     return out
 
 
 @pytest.mark.parametrize("pairs", ["token rows", "pair writer"])
 def test_the_layer_with_bf16_experts_follows_the_float32_reference(pairs):
-    """The layer over every GPU of one process, its pair rows from token rows and XLA's layout, or written by the
-    NVLink receive (UCCL_EP_NVL_DISPATCH_PAIRS=1, where dispatch pulls)."""
+    """The layer over every GPU of one process, its pair rows written by the NVLink receive (the default where
+    dispatch pulls), or from token rows and XLA's layout (UCCL_EP_NVL_DISPATCH_PAIRS=0); and the decoding layer
+    (low latency, bf16 and FP8 rows) on the same parameters and tokens."""
     res = _child_result("layer_child", env={"UCCL_EP_NVL_DISPATCH_PAIRS": "1" if pairs == "pair writer" else "0"})
     res.pop("ranks")
     for backend, errors in res.items():
         if errors == "skip":
             continue
-        # bf16 rows and weights against float32 everywhere: relative errors of a few 1e-3.
+        # bf16 rows and weights against float32 everywhere: relative errors of a few 1e-3; FP8 rows (e4m3, a scale
+        # per 128 values) a few 1e-2.
+        assert {"loss", "dx", "decode", "decode_fp8"} <= errors.keys(), errors
         for name, err in errors.items():
-            assert err < 3e-2, (backend, name, errors)
+            assert err < (0.1 if name == "decode_fp8" else 3e-2), (backend, name, errors)

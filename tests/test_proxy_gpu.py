@@ -212,12 +212,14 @@ def test_gpu_initiated_ops_across_nodes_on_one_shared_gpu(part, reorder):
     _suite_across_nodes(part, UCCL_EP_REORDER=reorder)
 
 
-def test_gpu_initiated_dispatch_writes_the_pairs_across_nodes_on_one_shared_gpu():
-    """As above, normal mode, with UCCL_EP_PROXY_DISPATCH_PAIRS=1: dispatch(layout="expert")'s receive lays the pairs
-    out and copies each row from the receive region straight into its slots; the suite's expert-layout cases (units
-    of 512 rows, repeated experts, FP8 pairs, top-12) against the NumPy reference."""
-    results = _suite_across_nodes("normal", UCCL_EP_PROXY_DISPATCH_PAIRS="1")
-    assert all(x.result["gpu_writes_pairs"] for x in results), describe(results)
+@pytest.mark.parametrize("writer", ["1", "0"])
+def test_gpu_initiated_dispatch_writes_the_pairs_across_nodes_on_one_shared_gpu(writer):
+    """As above, normal mode: dispatch(layout="expert")'s receive lays the pairs out and copies each row from the
+    receive region straight into its slots (the default), or with UCCL_EP_PROXY_DISPATCH_PAIRS=0 returns token rows
+    that XLA lays out; the suite's expert-layout cases (units of 512 rows, repeated experts, FP8 pairs, top-12)
+    against the NumPy reference, each run asserting which of the two wrote the pairs."""
+    results = _suite_across_nodes("normal", UCCL_EP_PROXY_DISPATCH_PAIRS=writer)
+    assert all(x.result["gpu_writes_pairs"] == (writer == "1") for x in results), describe(results)
 
 
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
