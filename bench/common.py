@@ -629,9 +629,9 @@ class EPBench:
 
     def uccl_dispatch_expert(self) -> OpResult:
         """dispatch(layout="expert") as the layer calls it (bf16, alignment 1, padding left unwritten, the
-        default never-dropping pair buffer): the receive writing the pairs where it can (the default; UCCL_EP_NVL_DISPATCH_PAIRS=0
-        turns it off), else token rows and then the layout after them (a counting sort in XLA and the copy of the rows into
-        their slots, inside the timed span)."""
+        default never-dropping pair buffer): the receive writing the pairs where it can (the default;
+        UCCL_EP_NVL_DISPATCH_PAIRS=0 turns it off), else token rows and then the layout after them (a counting sort
+        in XLA and the copy of the rows into their slots, inside the timed span)."""
         p = self.prob
         name = f"uccl_ep dispatch expert-major {p.dtype}"
 
