@@ -413,7 +413,13 @@ def initialize(
             two_level=two,
             gpu_writes_pairs=gpu
             and (
-                (topo.num_nodes == 1 and config.nvl_bulk and config.nvl_dispatch_pairs)
+                (
+                    topo.num_nodes == 1
+                    and jax.process_count() == 1
+                    and config.nvl_pull_dispatch
+                    and config.nvl_bulk
+                    and config.nvl_dispatch_pairs
+                )
                 or (topo.num_nodes > 1 and gpu_initiated_normal and two is None and config.proxy_dispatch_pairs)
             ),
         )
