@@ -18,7 +18,7 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 __device__ __forceinline__ void barrier_init(uint64_t* bar, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
 }
-// After barrier_init and before any bulk copy completes on the barrier (then a __syncthreads for the other threads).
+// After barrier_init and before any bulk copy completes on the barrier (then a block_sync for the other threads).
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }

@@ -38,11 +38,11 @@ __device__ float block_sum(float v) {
   __shared__ float warp_sums[kSwigluThreads / kWarp];
   for (int d = kWarp / 2; d > 0; d /= 2) v += __shfl_xor_sync(0xffffffffu, v, d);
   if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = v;
-  __syncthreads();
+  block_sync();
   float sum = 0.0f;
   if (threadIdx.x == 0)
     for (int w = 0; w < kSwigluThreads / kWarp; ++w) sum += warp_sums[w];
-  __syncthreads();  // warp_sums is the next row's
+  block_sync();  // warp_sums is the next row's
   return sum;
 }
 

@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     for (int s = 0; s < stages * producers; ++s) barrier_init(full + s, 1);
     fence_barrier_init();
   }
-  __syncthreads();
+  block_sync();
   if (lane != 0 || warp >= producers) return;
   StageRing ring{smem + size_t(warp) * stages * stage_bytes, stage_bytes, stages, full + warp * stages, 1};
   const int64_t pieces = bytes_per_block / stage_bytes;

@@ -133,7 +133,7 @@ __device__ void load_slots(const int32_t* topk_idx, int pairs, int topk, int num
 // Block 0 only (the whole block): count[e] = the slots of idx ([pairs], -1 unused) that chose expert e.
 __device__ void count_by_expert(const int* idx, int pairs, int num_experts, int* count) {
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
-  __syncthreads();
+  block_sync();
   for (int p = threadIdx.x; p < pairs; p += blockDim.x)
     if (idx[p] >= 0) atomicAdd(&count[idx[p]], 1);
 }
@@ -163,7 +163,7 @@ __device__ void report_rows_past_n(const int* idx, int num_tokens, int topk, int
 template <class WriteCounts>
 __device__ bool finish_send(const Outbox& to, int num_ranks, WriteCounts&& write_counts) {
   if (blockIdx.x == 0) write_counts();
-  __syncthreads();
+  block_sync();
   if (!to.proxy.ring.slots) {
     if (threadIdx.x == 0) {
       fence_acq_rel_sys();
@@ -180,7 +180,7 @@ __device__ bool finish_send(const Outbox& to, int num_ranks, WriteCounts&& write
       __threadfence_system();
     }
   }
-  __syncthreads();
+  block_sync();
   return last;
 }
 
@@ -198,7 +198,7 @@ __device__ bool wait_sources(const Inbox& from, int num_ranks, uint64_t timeout_
     const bool all = __all_sync(0xffffffffu, arrived);
     if (s == 0) ok = all;
   }
-  __syncthreads();
+  block_sync();
   return ok;
 }
 
@@ -352,7 +352,7 @@ __device__ void push_dispatch_messages(const DispatchSource& in, const Shape& sh
   __shared__ int entries[kMaxLowLatencyRanks], rows[kMaxLowLatencyRanks];
   const int R = shape.num_ranks, local = shape.local_experts;
   for (int d = threadIdx.x; d < R; d += blockDim.x) entries[d] = rows[d] = 0;
-  __syncthreads();
+  block_sync();
   for (int t = threadIdx.x; t < in.num_tokens; t += blockDim.x) {
     unsigned to_rank = 0;
     for (int k = 0; k < in.topk; ++k) {
@@ -364,7 +364,7 @@ __device__ void push_dispatch_messages(const DispatchSource& in, const Shape& sh
     for (int d = 0; d < R; ++d)
       if (to_rank >> d & 1) atomicAdd(&rows[d], 1);
   }
-  __syncthreads();
+  block_sync();
   if (threadIdx.x < kWarp)
     push_messages(p, R, shape.rank, err, [&](int d, int piece, uint64_t& begin, uint64_t& bytes) {
       if (piece > 1) return false;
@@ -420,7 +420,7 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
   stamp(shape, kDispatchSend, 0);
   if (threadIdx.x == 0) num_trips = 0;
   load_slots(in.topk_idx, pairs, in.topk, in.num_experts, idx, err, shape.rank, blockIdx.x == 0);
-  __syncthreads();
+  block_sync();
 
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   for (int p = t0 * in.topk + warp; p < t1 * in.topk; p += warps) {
@@ -434,7 +434,7 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
         make_int4(at.row, p, __float_as_int(weight), 0);
     if (at.first_to_rank) trips[atomicAdd(&num_trips, 1)] = TokenTrip{p / in.topk, d, at.row, 0};
   }
-  __syncthreads();
+  block_sync();
   stamp(shape, kDispatchSend, 1);
 
   // Pieces per trip: enough for every warp, each at least a 256-channel step (cast) or 512 bytes (copy).
@@ -463,7 +463,7 @@ __device__ void dispatch_send(const DispatchSource& in, const Shape& shape, cons
   stamp(shape, kDispatchSend, 2);
   if (blockIdx.x == 0) {  // the receivers' counts, while the block's stores drain (not before the copies)
     count_by_expert(idx, pairs, in.num_experts, count);
-    __syncthreads();
+    block_sync();
     report_rows_past_n(idx, in.num_tokens, in.topk, in.num_experts, shape.max_tokens, count, err, shape.rank);
   }
   const bool last = finish_send(to, shape.num_ranks, [&] {
@@ -488,7 +488,7 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
   stamp(shape, kDispatchRecv, 1);
   for (int i = threadIdx.x; i < R * L; i += blockDim.x)
     count[i] = __ldcg(reinterpret_cast<const int*>(from.region[i / L]) + i % L);
-  __syncthreads();
+  block_sync();
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int acc = 0;
     for (int s = 0; s < R; ++s) {
@@ -508,12 +508,12 @@ __device__ void dispatch_recv(const DispatchTarget& out, const Shape& shape, con
         L, [&](int l) { return count[warp * L + l]; }, [&](int l, int v) { first[warp * L + l] = v; });
     if (threadIdx.x % kWarp == 0) rows_from[warp + 1] = rows;
   }
-  __syncthreads();
+  block_sync();
   if (threadIdx.x == 0) {
     rows_from[0] = 0;
     for (int s = 0; s < R; ++s) rows_from[s + 1] += rows_from[s];
   }
-  __syncthreads();
+  block_sync();
 
   stamp(shape, kDispatchRecv, 2);
   // One warp a row: its expert and position follow from the counts; the map names the token row and the slot.
@@ -595,7 +595,7 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
   for (int i = threadIdx.x; i < tokens; i += blockDim.x) first_k[i] = kNoSlot;
   for (int i = threadIdx.x; i < (p1 - p0) * K; i += blockDim.x) rows_of[i] = -1;
   for (int i = threadIdx.x; i < L * R; i += blockDim.x) sums[i] = 0;
-  __syncthreads();
+  block_sync();
   // Row i of y's rows: its (source, token) p and slot k, or false where the handle names no slot (block 0 reports
   // it; the first report is the one kept).
   auto decode = [&](int i, int& p, int& k, int64_t& o, int& l, int& s) {
@@ -620,10 +620,10 @@ __device__ void combine_send_sums(const CombineSource& in, const Shape& shape, c
     atomicMin(&first_k[p], k * kFirstSlot + l);
     if (p >= p0 && p < p1) rows_of[(p - p0) * K + k] = int(o);
   }
-  __syncthreads();
+  block_sync();
   for (int p = threadIdx.x; p < tokens; p += blockDim.x)
     if (first_k[p] != kNoSlot) atomicAdd(&sums[(first_k[p] % kFirstSlot) * R + p / N], 1);
-  __syncthreads();
+  block_sync();
 
   const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
   const int64_t row_vecs = in.row_bytes / 16;
@@ -679,7 +679,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
   stamp(shape, kCombineSend, 0);
   if (threadIdx.x == 0) valid = true;
   for (int i = threadIdx.x; i < R * L; i += blockDim.x) rows[i] = max(0, in.layout[i]);
-  __syncthreads();
+  block_sync();
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int in_l = 0;
     for (int s = 0; s < R; ++s) {
@@ -698,7 +698,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
       }
       from_source[src * (L + 1) + L] = acc;
     }
-  __syncthreads();
+  block_sync();
   if (threadIdx.x < kWarp) {
     const int all = warp_exclusive_scan(L, [&](int l) { return in_expert[l]; }, [&](int l, int v) { cum[l] = v; });
     if (threadIdx.x == 0) {
@@ -706,7 +706,7 @@ __device__ void combine_send(const CombineSource& in, const Shape& shape, const 
       if (!valid && blockIdx.x == 0) report(err, kHandleDisagreesWithY, shape.rank, all, int64_t(L) * slab, 0);
     }
   }
-  __syncthreads();
+  block_sync();
 
   stamp(shape, kCombineSend, 1);
   const int lane = threadIdx.x % kWarp, warps_per_block = blockDim.x / kWarp;
@@ -757,7 +757,7 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
   int* position = count + out.num_experts;  // packed: [pairs], the slot's row in its expert's rank's message
   stamp(shape, kCombineRecv, 0);
   load_slots(out.topk_idx, pairs, topk, out.num_experts, idx, err, shape.rank, blockIdx.x == 0);
-  __syncthreads();
+  block_sync();
   if (from.packed && threadIdx.x / kWarp < shape.num_ranks) {  // warp d: the slots that chose an expert of rank d
     const int d = threadIdx.x / kWarp;
     auto to_d = [&](int i) { return int(idx[i] >= 0 && idx[i] / L == d); };
@@ -765,9 +765,9 @@ __device__ void combine_recv(const CombineTarget& out, const Shape& shape, const
       if (to_d(i)) position[i] = v;
     });
   }
-  __syncthreads();
+  block_sync();
   if (blockIdx.x == 0) count_by_expert(idx, pairs, out.num_experts, count);
-  __syncthreads();
+  block_sync();
   stamp(shape, kCombineRecv, 1);
   if (!wait_sources(from, shape.num_ranks, timeout_ns, err, shape.rank)) return;
   stamp(shape, kCombineRecv, 2);
@@ -849,7 +849,7 @@ __global__ void __launch_bounds__(kMaxThreads<kSend, kRecv>, 1)
                  uint64_t timeout_ns, DeviceErrors* err) {
   extern __shared__ int smem[];
   if constexpr (kSend) Phases::template send<kRecv>(in, shape, to, err, smem);
-  if constexpr (kSend && kRecv) __syncthreads();
+  if constexpr (kSend && kRecv) block_sync();
   if constexpr (kRecv) Phases::template recv<kSend>(out, shape, from, timeout_ns, err, smem);
 }
 template <bool kSend, bool kRecv>

@@ -51,13 +51,13 @@ template <class Wait>
 __device__ bool block_waits(int count, const Wait& wait) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
+  block_sync();
   for (int u = threadIdx.x; u < count && !failed; u += blockDim.x)
     if (!wait(u)) failed = 1;
   __threadfence();
-  __syncthreads();
+  block_sync();
   const bool ok = !failed;
-  __syncthreads();  // `failed` is reused
+  block_sync();  // `failed` is reused
   return ok;
 }
 
@@ -71,7 +71,7 @@ __device__ bool wait_acks(const SendTo& to) {
         ok = wait_flag(to.ack[s], to.message[s] - 1, -int64_t(to.message[s] - 1), to.timeout_ns, to.err, to.rank,
                        to.rank_of[s]);  // negative: an acknowledgement of ours, not a message of theirs
   }
-  __syncthreads();
+  block_sync();
   return ok;
 }
 
@@ -82,7 +82,7 @@ __device__ __forceinline__ uint64_t progress(uint64_t message, int done) { retur
 // A barrier among the block's threads [first, first + threads) (whole warps): named barrier 1, or 0 for the whole
 // block.
 __device__ __forceinline__ void group_barrier(int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(threads == int(blockDim.x) ? 0 : 1), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;" ::"r"(threads == int(blockDim.x) ? 0 : 1), "r"(threads) : "memory");
 }
 
 // After the writes of `threads` threads of the block (this one is `thread`): a system fence by the first of them
@@ -97,7 +97,7 @@ __device__ void announce_meta(const SendTo& to, int chunks = 1, int thread = thr
 }
 template <class DoneFor>
 __device__ void announce_progress(const SendTo& to, int c, const DoneFor& done_for) {
-  __syncthreads();
+  block_sync();
   if (threadIdx.x != 0) return;
   __threadfence_system();
   for (int s = 0; s < to.num_ranks; ++s) {
@@ -188,7 +188,7 @@ __device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
   const int R = a.to.num_ranks;
   __shared__ int counted[kMaxRanks];
   if (threadIdx.x < kMaxRanks) counted[threadIdx.x] = 0;
-  __syncthreads();
+  block_sync();
   int mine[kMaxRanks] = {};
   int t = threadIdx.x;
   for (; t + 3 * int(blockDim.x) < t0; t += 4 * blockDim.x) {  // four tokens' loads in flight
@@ -205,9 +205,9 @@ __device__ void rows_before(const DispatchSendArgs& a, int t0, int* base) {
   }
   for (int d = 0; d < R; ++d)
     if (mine[d]) atomicAdd(&counted[d], mine[d]);
-  __syncthreads();
+  block_sync();
   for (int d = 0; d < R; ++d) base[d] = counted[d];
-  __syncthreads();  // `counted` is reused by the next chunk's call
+  block_sync();  // `counted` is reused by the next chunk's call
 }
 
 // One pass of blockDim.x tokens from p0 (< t1): mask_out for them, and for packed rows their rows in excl, from
@@ -229,7 +229,7 @@ __device__ void chunk_layout(const DispatchSendArgs& a, int t0, int t1) {
   int base[kMaxRanks];
   if (!a.token_slots) rows_before(a, t0, base);
   for (int p0 = t0; p0 < t1; p0 += blockDim.x) layout_pass(a, p0, t1, base);
-  __syncthreads();  // excl and mask_out are read by other warps of the block
+  block_sync();  // excl and mask_out are read by other warps of the block
 }
 
 // The routing of every chunk of send block `block` to every member, by `threads` threads of the block (this one is
@@ -416,9 +416,9 @@ __device__ void dispatch_receive(const DispatchReceiveArgs& a, int block, int bl
     if (o0 == o1) continue;
     if (s != from.self) {  // a member's rows once its chunk's progress covers them
       if (threadIdx.x == 0) ok = wait_progress(from, s, c, a.row_map[o1 - 1].y - c0 + 1) >= 0;
-      __syncthreads();
+      block_sync();
       const bool arrived = ok;
-      __syncthreads();  // ok is reused
+      block_sync();  // ok is reused
       if (!arrived) continue;
     }
     copy_rows(a, s, o0, o1, offset, warp, warps, lane, first, local_experts);
@@ -540,9 +540,9 @@ __device__ void combine_receive(const CombineReceiveArgs& a, int block, int bloc
     const int t0 = chunk_begin(T_, a.chunks, c) + item / a.chunks * kPieceTokens;
     const int t1 = min(chunk_begin(T_, a.chunks, c + 1), t0 + kPieceTokens);
     if (t0 >= t1) continue;
-    __syncthreads();  // the previous item's readers of `failed` are done
+    block_sync();  // the previous item's readers of `failed` are done
     if (threadIdx.x == 0) failed = 0;
-    __syncthreads();
+    block_sync();
     if (threadIdx.x < R * a.chunks) {
       const int d = threadIdx.x / a.chunks, c = threadIdx.x % a.chunks;
       const int lo = a.excl[t0 * R + d], hi = a.excl[t1 * R + d], n = a.excl[T_ * R + d];
@@ -550,7 +550,7 @@ __device__ void combine_receive(const CombineReceiveArgs& a, int block, int bloc
       if (d != from.self && lo < hi && c0 < c1 && c0 < hi && c1 > lo && wait_progress(from, d, c, min(hi, c1) - c0) < 0)
         failed = 1;
     }
-    __syncthreads();
+    block_sync();
     if (failed) continue;
     for (int64_t w = warp; w < int64_t(t1 - t0) * segments; w += warps) {
       const int t = t0 + int(w / segments);

@@ -38,7 +38,7 @@ constexpr size_t kItemWord = 0, kFinishedWord = 1, kFirstHandedOverWord = 2;
 // are in (the barrier, then one fence cumulative over them for all of the words, not a release each). Only this
 // launch's blocks read them: GPU scope.
 __device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step, int count) {
-  __syncthreads();
+  block_sync();
   if (threadIdx.x != 0) return;
   fence_acq_rel_gpu();
   for (int u = first; u < count; u += step) store_relaxed_gpu(words + u, h.epoch);
@@ -66,7 +66,7 @@ struct Acks {
 };
 // Returns true to the thread that wrote them (the last block's first).
 __device__ bool acknowledge_when_last(const Handoff& h, const Acks& a) {
-  __syncthreads();  // every thread of the block is done with the messages
+  block_sync();  // every thread of the block is done with the messages
   if (threadIdx.x != 0) return false;
   __threadfence();
   auto* word = reinterpret_cast<unsigned long long*>(a.finished);
@@ -91,7 +91,7 @@ __device__ void init_stage_barriers(uint64_t* full, int stages) {
     for (int s = 0; s < stages; ++s) barrier_init(full + s, 1);
     fence_barrier_init();
   }
-  __syncthreads();
+  block_sync();
 }
 
 // The bulk senders' announcement of chunk c's progress: the word only grows (red.max), and a release is enough;
@@ -205,7 +205,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
         const KernelStamp acks(KernelKind::kAcks);
         if (!wait_acks(to)) return;
       } else {
-        __syncthreads();
+        block_sync();
       }
       if (warp >= P) {
         const int threads = int(blockDim.x) - first_helper, thread = int(threadIdx.x) - first_helper;
@@ -291,7 +291,7 @@ __device__ void dispatch_send_bulk(const DispatchSendArgs& a, const BulkShape& b
               publish_frontier(frontier, warp, min(tokens, (warp + k / segs * P) * g));
             });
       }
-      __syncthreads();  // the table is the next pass's
+      block_sync();  // the table is the next pass's
     }
   }
   // A block whose chunk has no tokens still announces its routing (empty), which every member's scan waits for.
@@ -564,7 +564,7 @@ __device__ void combine_send_bulk(const CombineSendArgs& a, const BulkShape& b, 
     }
     const int jobs = most * M;
     if (threadIdx.x < kProducers) frontier[threadIdx.x] = min(int(threadIdx.x), jobs);
-    __syncthreads();  // the zeros are written before the producers' announcements (the barrier, then releases)
+    block_sync();  // the zeros are written before the producers' announcements (the barrier, then releases)
     if (producer && M > 0) {
       // The producer's job i is job warp + i * kProducers.
       const auto piece = [&](int j, int m, int64_t& at, uint32_t& bytes) {
@@ -649,7 +649,7 @@ __device__ void combine_receive_bulk(const CombineReceiveArgs& a, const BulkShap
     for (int s = 0; s < b.stages; ++s) barrier_init(full + s, 1);
     fence_barrier_init();
   }
-  __syncthreads();
+  block_sync();
   int own_offset = 0;
   for (int q = 0; q < from.self; ++q) own_offset += a.recv_counts[q];
   const int64_t rb = a.row_bytes;
@@ -861,7 +861,7 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
   if (int(blockIdx.x) < send_blocks) {
     if constexpr (kBulk) {
       dispatch_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
-      __syncthreads();  // every stage has been read (the rings end with their stores complete)
+      block_sync();  // every stage has been read (the rings end with their stores complete)
       fence_shared_for_bulk();
       if (wait_handed_over(f.handoff, placed, units, m))
         dispatch_receive_bulk(f.receive, f.receive_shape, items, 0, 1, /*joined=*/true);
@@ -924,7 +924,7 @@ __device__ void combine_blocks(const CombineLaunch& f) {
   if (int(blockIdx.x) < send_blocks) {
     if constexpr (kBulk) {
       combine_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
-      __syncthreads();  // every stage has been read (the rings end with their stores complete)
+      block_sync();  // every stage has been read (the rings end with their stores complete)
       fence_shared_for_bulk();
       if (wait_handed_over(f.handoff, positioned, a.from.num_ranks, a.from))
         combine_receive_bulk<T>(a, f.receive_shape, items);
@@ -1081,7 +1081,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
       receive.src = src;
       receive.pulled = true;
     }
-    __syncthreads();
+    block_sync();
     bool laid_out = scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m);
     if (laid_out && f.pairs.out.pair_of) {
       uint64_t* pairs_counted = placed + units;

@@ -47,7 +47,7 @@ __device__ __forceinline__ void block_exclusive_scans(int (&v)[N], int (&total)[
     }
     if (lane == kWarp - 1) warp_sums[j][warp] = inclusive[j];
   }
-  __syncthreads();
+  block_sync();
   if (warp < N) {  // warp j scans the warps' sums of value j
     int w = lane < warps ? warp_sums[warp][lane] : 0;
 #pragma unroll
@@ -57,13 +57,13 @@ __device__ __forceinline__ void block_exclusive_scans(int (&v)[N], int (&total)[
     }
     warp_sums[warp][lane] = w;  // inclusive over warps
   }
-  __syncthreads();
+  block_sync();
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     total[j] = warp_sums[j][warps - 1];
     v[j] = (warp == 0 ? 0 : warp_sums[j][warp - 1]) + inclusive[j] - v[j];
   }
-  __syncthreads();  // warp_sums is reused by the next call
+  block_sync();  // warp_sums is reused by the next call
 }
 // One value's exclusive scan over the block; returns the prefix and sets *total.
 __device__ int block_exclusive_scan(int value, int* total) {
@@ -175,7 +175,7 @@ __device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
     takes = unit_takes<kRun>(a, x, s);
     int rows = 0;
 #pragma unroll
-    for (int j = 0; j < kRun; ++j) rows += __syncthreads_count(takes >> j & 1);
+    for (int j = 0; j < kRun; ++j) rows += block_count(takes >> j & 1);
     if (threadIdx.x == 0) a.block_counts[s * units + x] = rows;
   } else {
     unsigned members[kRun];

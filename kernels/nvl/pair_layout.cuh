@@ -127,7 +127,7 @@ __device__ void count_unit_pairs(const PairLayout& p, const ScanArgs& scan, cons
   const int K = scan.topk, G = p.groups, tid = int(threadIdx.x), threads = int(blockDim.x);
   const int kept = *scan.recv_num_tokens;
   for (int e = tid; e < G; e += threads) t.total[e] = 0;
-  __syncthreads();
+  block_sync();
   const int r = v * threads + tid;
   for (int k0 = 0; r < kept && k0 < K; k0 += kPairSlotsAtOnce) {
     int e[kPairSlotsAtOnce];
@@ -136,9 +136,9 @@ __device__ void count_unit_pairs(const PairLayout& p, const ScanArgs& scan, cons
     for (int q = 0; q < kPairSlotsAtOnce; ++q)
       if (e[q] >= 0) atomicAdd(t.total + e[q], 1);
   }
-  __syncthreads();
+  block_sync();
   for (int e = tid; e < G; e += threads) p.unit_counts[int64_t(v) * G + e] = t.total[e];
-  __syncthreads();
+  block_sync();
 }
 
 // Once every unit is counted (the whole block): each expert's pairs and first slot into the tables; `writes`
@@ -152,7 +152,7 @@ __device__ void pair_offsets(const PairLayout& p, const PairTables& t, bool writ
     for (int v = 0; v < p.units; ++v) n += p.unit_counts[int64_t(v) * G + e];
     t.total[e] = n;
   }
-  __syncthreads();
+  block_sync();
   if (tid == 0) {
     int at = 0;
     for (int e = 0; e < G; ++e) {
@@ -161,7 +161,7 @@ __device__ void pair_offsets(const PairLayout& p, const PairTables& t, bool writ
     }
     needed = at;
   }
-  __syncthreads();
+  block_sync();
   if (writes) {
     for (int e = tid; e < G; e += threads) {
       o.expert_offsets[e] = t.offs[e];
@@ -187,7 +187,7 @@ __device__ void place_unit_pairs(const PairLayout& p, const ScanArgs& scan, cons
     t.base[e] = b;
   }
   for (int i = tid; i < warps * G; i += threads) t.warp_first[i] = 0, t.lanes_of[i] = 0;
-  __syncthreads();
+  block_sync();
   const int r = v * threads + tid;
   bool repeats = false;  // this row names one local expert twice
   for (int k0 = 0; k0 < K; k0 += kPairSlotsAtOnce) {
@@ -209,14 +209,14 @@ __device__ void place_unit_pairs(const PairLayout& p, const ScanArgs& scan, cons
   // Where no row of the warp repeats an expert, a lane's earlier pairs of e are its earlier lanes with e: a
   // popcount, where the general count reads every earlier lane's K experts (~K * 32 shared loads a slot).
   const bool one_pair_a_lane = !__any_sync(0xffffffffu, repeats);
-  __syncthreads();
+  block_sync();
   for (int e = tid; e < G; e += threads)
     for (int w = 0, at = t.base[e]; w < warps; ++w) {
       const int n = t.warp_first[w * G + e];
       t.warp_first[w * G + e] = at;
       at += n;
     }
-  __syncthreads();
+  block_sync();
   for (int k0 = 0; r < o.rows && k0 < K; k0 += kPairSlotsAtOnce) {
     float w[kPairSlotsAtOnce] = {};  // the chunk's router weights, loaded together as the experts were
     if (o.weights && r < kept) {
@@ -248,7 +248,7 @@ __device__ void place_unit_pairs(const PairLayout& p, const ScanArgs& scan, cons
       o.pair_of[int64_t(r) * K + k] = slot;
     }
   }
-  __syncthreads();
+  block_sync();
 }
 
 // The slots outside the groups (block `block` of `blocks`' share, after pair_offsets): no row, weight 0, and zeros

@@ -7,6 +7,23 @@
 
 namespace uccl_ep::nvl {
 
+// The block's barrier (and its count of the threads whose `pred` holds), for code that threads may reach with their
+// warp diverged: these kernels leave work to one lane (thread 0's handovers and announcements, the bulk rings'
+// issuing lanes) and the compiler need not bring the warp back together before the next barrier. block_sync() is
+// bar.sync, i.e. barrier.sync.aligned: a warp that reaches it diverged is let through early, and from then on its
+// threads are a barrier out of step with the block (seen on H200: issuing lanes arming stage barriers that thread 0
+// had not initialized yet). Without .aligned, each thread first waits for its warp's other non-exited threads.
+__device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }
+__device__ __forceinline__ int block_count(bool pred) {
+  int n;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n barrier.red.popc.u32 %0, 0, p;\n}\n"
+      : "=r"(n)
+      : "r"(uint32_t(pred))
+      : "memory");
+  return n;
+}
+
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
