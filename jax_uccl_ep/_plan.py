@@ -97,8 +97,8 @@ class RuntimePlan:
     gpu_initiated_low_latency: bool  # likewise for low-latency mode
     two_level: TwoLevel | None
     # dispatch(layout="expert")'s receive can write the pair buffer itself on this GPU path (gpu_writes_pairs): over
-    # NVLink where one process drives every GPU and dispatch pulls with bulk copies (UCCL_EP_NVL_DISPATCH_PAIRS), or
-    # over the GPU-initiated proxy, flat (UCCL_EP_PROXY_DISPATCH_PAIRS).
+    # NVLink with bulk copies, pulled or sent (UCCL_EP_NVL_DISPATCH_PAIRS), or over the GPU-initiated proxy, flat
+    # (UCCL_EP_PROXY_DISPATCH_PAIRS).
     gpu_writes_pairs: bool = False
 
 

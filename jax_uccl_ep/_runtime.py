@@ -82,16 +82,14 @@ def _gpu_initiated(config: Config, mode: str, num_ranks: int) -> bool:
     return bool(can(num_ranks))
 
 
-def _gpu_writes_pairs(
-    config: Config, num_nodes: int, num_processes: int, gpu_initiated_normal: bool, two: TwoLevel | None
-) -> bool:
+def _gpu_writes_pairs(config: Config, num_nodes: int, gpu_initiated_normal: bool, two: TwoLevel | None) -> bool:
     """Whether a GPU job's dispatch(layout="expert") may have its receive write the pair buffer (the plan's
-    gpu_writes_pairs; _plan.gpu_writes_pairs adds each op's own limits): over NVLink where dispatch pulls (one
-    process, pulls and bulk copies on: the pulled launch lays the pairs out), or flat over the GPU-initiated proxy;
-    each unless its setting turns it off. Elsewhere (GPUs of several processes on one node, two-level routing) token
-    rows, then XLA's layout."""
+    gpu_writes_pairs; _plan.gpu_writes_pairs adds each op's own limits): over NVLink with bulk copies (the launch
+    lays the pairs out, pulled by one process or sent between processes), or flat over the GPU-initiated proxy;
+    each unless its setting turns it off. Elsewhere (SM-store copies, two-level routing, host-staged proxy ops)
+    token rows, then XLA's layout."""
     if num_nodes == 1:
-        return num_processes == 1 and config.nvl_pull_dispatch and config.nvl_bulk and config.nvl_dispatch_pairs
+        return config.nvl_bulk and config.nvl_dispatch_pairs
     return gpu_initiated_normal and two is None and config.proxy_dispatch_pairs
 
 
@@ -425,7 +423,7 @@ def initialize(
             gpu_initiated_low_latency=gpu and _gpu_initiated(config, "low_latency", num_ranks),
             two_level=two,
             gpu_writes_pairs=gpu
-            and _gpu_writes_pairs(config, topo.num_nodes, num_processes, gpu_initiated_normal, two),
+            and _gpu_writes_pairs(config, topo.num_nodes, gpu_initiated_normal, two),
         )
         if _previous_plan is not None and plan != _previous_plan:
             jax.clear_caches()  # compiled programs carry the paths of the plan they were lowered under

@@ -123,8 +123,8 @@ class Config:
         default=True,
         metadata=_env(
             "UCCL_EP_NVL_DISPATCH_PAIRS",
-            "dispatch(layout='expert') where dispatch pulls (one process) writes each row straight into its pair "
-            "slots, instead of token rows and then the pair layout in XLA",
+            "dispatch(layout='expert') over NVLink with bulk copies writes each row straight into its pair slots, "
+            "instead of token rows and then the pair layout in XLA",
         ),
     )
     proxy_dispatch_pairs: bool = field(

@@ -136,28 +136,23 @@ def test_initialize_takes_the_old_name_of_the_nvlink_buffer_with_a_warning(monke
 
 def test_the_gpu_pair_writers_run_by_default_where_their_launches_can_and_nowhere_else():
     """Which GPU jobs have dispatch(layout="expert")'s receive write the pairs, from the variables a user sets: by
-    default one process over one node's GPUs (the pulled NVLink launch) and a flat job across nodes (the
-    GPU-initiated proxy); not with pulls or bulk copies off, not with the writer's own variable at 0, not for
-    several processes on one node (their launch is sent), not under two-level routing nor where the proxy ops are
-    staged through the host."""
+    default every job over one node's GPUs with bulk copies (the NVLink launch, pulled or sent) and a flat job across
+    nodes (the GPU-initiated proxy); not with bulk copies off, not with the writer's own variable at 0, not under
+    two-level routing nor where the proxy ops are staged through the host."""
     from jax_uccl_ep._plan import TwoLevel
     from jax_uccl_ep._runtime import _gpu_writes_pairs
 
     two = TwoLevel(2, 2, (0, 0, 1, 1), nvlink=True, across_gpu_initiated=True)
 
-    def writes(env, nodes=1, processes=1, gpu_initiated=True, two_level=None):
-        return _gpu_writes_pairs(Config.from_env(None, env), nodes, processes, gpu_initiated, two_level)
+    def writes(env, nodes=1, gpu_initiated=True, two_level=None):
+        return _gpu_writes_pairs(Config.from_env(None, env), nodes, gpu_initiated, two_level)
 
-    assert writes({}) and writes({}, nodes=2, processes=2)
-    for env in (
-        {"UCCL_EP_NVL_DISPATCH_PAIRS": "0"},
-        {"UCCL_EP_NVL_PULL_DISPATCH": "0"},
-        {"UCCL_EP_NVL_BULK": "0"},
-    ):
+    assert writes({}) and writes({}, nodes=2)
+    assert writes({"UCCL_EP_NVL_PULL_DISPATCH": "0"})  # the sent launch writes them too
+    for env in ({"UCCL_EP_NVL_DISPATCH_PAIRS": "0"}, {"UCCL_EP_NVL_BULK": "0"}):
         assert not writes(env), env
-        assert writes(env, nodes=2, processes=2), env  # NVLink settings leave the proxy's writer alone
-    assert not writes({}, processes=2)
-    assert not writes({"UCCL_EP_PROXY_DISPATCH_PAIRS": "0"}, nodes=2, processes=2)
+        assert writes(env, nodes=2), env  # NVLink settings leave the proxy's writer alone
+    assert not writes({"UCCL_EP_PROXY_DISPATCH_PAIRS": "0"}, nodes=2)
     assert writes({"UCCL_EP_PROXY_DISPATCH_PAIRS": "0"})  # and the proxy's setting leaves NVLink's alone
-    assert not writes({}, nodes=2, processes=2, two_level=two)
-    assert not writes({}, nodes=2, processes=2, gpu_initiated=False)
+    assert not writes({}, nodes=2, two_level=two)
+    assert not writes({}, nodes=2, gpu_initiated=False)

@@ -339,7 +339,7 @@ SUITE_ENV = {"UCCL_EP_NVL_BUFFER_BYTES": str(256 << 20), "UCCL_EP_TIMEOUT_S": "3
 
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
 def test_one_process_drives_all_gpus(part):
-    """Every reference check over all GPUs from one process; there dispatch pulls, so the expert layout's cases that
+    """Every reference check over all GPUs from one process; there dispatch pulls, and the expert layout's cases that
     fit the NVLink pair writer (a pair buffer of every top-k slot, 16-byte rows and scale rows) have the receive write
     the pair buffer, the others token rows then XLA's layout."""
     results = launch(HERE, "gpu_suite", 1, args=[part], platform="gpu", timeout_s=150, env=SUITE_ENV)
@@ -355,6 +355,8 @@ def test_one_process_per_gpu(part):
         HERE, "gpu_suite", NUM_GPUS, args=[part], platform="gpu", per_rank_env=per_rank, timeout_s=150, env=SUITE_ENV
     )
     _check(results, NUM_GPUS)
+    if part == "normal":  # the sent receive writes the pairs
+        assert all(x.result["gpu_writes_pairs"] for x in results), describe(results)
 
 
 SENT = {"UCCL_EP_NVL_PULL_DISPATCH": "0", "UCCL_EP_NVL_PULL_COMBINE": "0"}
@@ -377,12 +379,14 @@ def test_normal_mode_variants(variant):
     through several (chunk, source) pieces); the SM-store kernels (always sent); each op pulled alone, between the
     other op's sent messages (message numbers, meta counts and acknowledgements must stay in step; the suite's FP8
     case with 8-byte scale rows is sent in every variant); both pulled at 6 SMs; and the expert layout from token
-    rows and XLA's pair layout where the pulled receive would write the pairs."""
+    rows and XLA's pair layout where the receive would write the pairs (as it does in every variant with bulk
+    copies, the sent receive too)."""
     env = dict(SUITE_ENV, **NORMAL_VARIANTS[variant])
     results = launch(HERE, "gpu_suite", 1, args=["normal"], platform="gpu", timeout_s=150, env=env)
     _check(results, NUM_GPUS)
-    if env.get("UCCL_EP_NVL_DISPATCH_PAIRS") == "0":
-        assert not results[0].result["gpu_writes_pairs"], results[0].result
+    # The receive writes the pairs wherever rows move by bulk copies, pulled or sent, unless turned off.
+    writes = env.get("UCCL_EP_NVL_DISPATCH_PAIRS") != "0" and env.get("UCCL_EP_NVL_BULK") != "0"
+    assert results[0].result["gpu_writes_pairs"] == writes, results[0].result
 
 
 @pytest.mark.parametrize("reorder", ["0", "1"])

@@ -262,9 +262,12 @@ def test_ep_within_nodes_runs_over_the_node_runtime_on_one_shared_gpu():
 @pytest.mark.parametrize("part", ["normal", "low_latency"])
 def test_nvlink_path_between_two_processes_on_one_gpu(part):
     """Two processes on one GPU as one node: the NVLink runtime's path (CUDA IPC between the processes), each op
-    lowered to Path.NVLINK, the layout included, then the kernel-found errors from check_errors()."""
+    lowered to Path.NVLINK, the layout included (the sent receive writing the pairs), then the kernel-found errors
+    from check_errors()."""
     results = _on_one_gpu("test_gpu.py", "gpu_suite", 2, args=[part, "1", "0"], UCCL_EP_NVL_BUFFER_BYTES=str(256 << 20))
     _check(results, 2)
+    if part == "normal":
+        assert all(x.result["gpu_writes_pairs"] for x in results), describe(results)
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])

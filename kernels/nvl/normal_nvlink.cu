@@ -769,10 +769,17 @@ struct DispatchLaunch {
   DispatchReceiveArgs receive;
   BulkShape send_shape, receive_shape;  // with bulk copies
   FlagWaits routing;                    // every member's routing has landed
-  Handoff handoff;                      // words: as kItemWord etc., then [2 passes][units * R]
+  Handoff handoff;  // words: as kItemWord etc., then [2 passes][units * R], then the pair layout's [2][pairs.units]
   Acks acks;
-  int run;    // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
-  int units;  // scan units per source, of kTransferThreads * run tokens
+  int run;           // the scan's tokens per thread: 1, 2, 4 or kMaxScanRun (scan_run)
+  int units;         // scan units per source, of kTransferThreads * run tokens
+  PairLayout pairs;  // dispatch(layout="expert") with bulk copies: out.pair_of set, the receive writes the pairs
+
+  __device__ uint64_t* counted() const { return handoff.words + kFirstHandedOverWord; }
+  __device__ int scan_units() const { return units * scan.num_ranks; }
+  __device__ uint64_t* placed() const { return counted() + scan_units(); }
+  __device__ uint64_t* pairs_counted() const { return placed() + scan_units(); }
+  __device__ uint64_t* pairs_placed() const { return pairs_counted() + pairs.units; }
 };
 
 // Both scan passes of the receive blocks over the units u = block, block + blocks, ... of every source (`units` a
@@ -825,9 +832,9 @@ __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Han
   }
 }
 
-// dispatch(layout="expert") among GPUs of one process (pull_dispatch_kernel): pair_layout.cuh's two passes, every
-// block taking units, each pass's units handed over before the next reads them; the tables in the dynamic shared
-// memory the stages take later. False (to the whole block) once the op is given up.
+// dispatch(layout="expert"): pair_layout.cuh's two passes, every receive block taking units, each pass's units handed
+// over before the next reads them; the tables in the dynamic shared memory the stages take later. False (to the
+// whole block) once the op is given up.
 __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const Handoff& h, uint64_t* counted,
                               uint64_t* placed, int block, int blocks, const Members& m) {
   extern __shared__ __align__(128) char smem[];
@@ -846,6 +853,23 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
   return true;
 }
 
+// The receive blocks' tables, before any row moves: the routing scan (over `scan`: the launch's, or with the
+// members' inputs as sources where it pulls), then where the receive writes the pairs their layout. False (to the
+// whole block) once the op is given up.
+__device__ bool lay_out_receive(const DispatchLaunch& d, const ScanArgs& scan, const ItemCounter& items, int block,
+                                int blocks) {
+  const Members& m = d.receive.from;
+  if (!scan_routing(scan, d.run, d.units, d.handoff, d.counted(), d.placed(), items, block, blocks, m)) return false;
+  return !d.pairs.out.pair_of ||
+         lay_out_pairs(d.pairs, scan, d.handoff, d.pairs_counted(), d.pairs_placed(), block, blocks, m);
+}
+// A send block that joins the copies once its sends are done: until the receive blocks' last pass is handed over.
+__device__ bool wait_laid_out(const DispatchLaunch& d) {
+  const Members& m = d.receive.from;
+  return d.pairs.out.pair_of ? wait_handed_over(d.handoff, d.pairs_placed(), d.pairs.units, m)
+                             : wait_handed_over(d.handoff, d.placed(), d.scan_units(), m);
+}
+
 // (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
 // counts the rows of its scan units, places them once every unit is counted, and copies once every unit is placed. With
 // bulk copies a send block whose sends are done joins the copies (the items come from one counter of the launch), so
@@ -854,17 +878,13 @@ template <bool kBulk>
 __device__ void dispatch_blocks(const DispatchLaunch& f) {
   const int send_blocks = f.send.chunks;
   const Members& m = f.receive.from;
-  const int units = f.units * f.scan.num_ranks;
   const ItemCounter items{f.handoff.words + kItemWord};
-  uint64_t* counted = f.handoff.words + kFirstHandedOverWord;
-  uint64_t* placed = counted + units;
   if (int(blockIdx.x) < send_blocks) {
     if constexpr (kBulk) {
       dispatch_send_bulk(f.send, f.send_shape, blockIdx.x, send_blocks);
       block_sync();  // every stage has been read (the rings end with their stores complete)
       fence_shared_for_bulk();
-      if (wait_handed_over(f.handoff, placed, units, m))
-        dispatch_receive_bulk(f.receive, f.receive_shape, items, 0, 1, /*joined=*/true);
+      if (wait_laid_out(f)) dispatch_receive_bulk(f.receive, f.receive_shape, items, 0, 1, /*joined=*/true);
     } else {
       dispatch_send(f.send, blockIdx.x, send_blocks);
     }
@@ -878,7 +898,7 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
       // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
       wait_all(f.routing, m.timeout_ns, m.err, m.rank);
     }
-    if (!scan_routing(f.scan, f.run, f.units, f.handoff, counted, placed, items, block, blocks, m)) return;
+    if (!lay_out_receive(f, f.scan, items, block, blocks)) return;
   }
   if constexpr (kBulk)
     dispatch_receive_bulk(f.receive, f.receive_shape, items, block, blocks, /*joined=*/false);
@@ -978,7 +998,6 @@ struct PullDispatchLaunch {
   DispatchLaunch d;  // its send: our inputs, message numbers, the members' meta and acknowledgement words
   uint64_t* words_to[kMaxRanks];
   const uint64_t* words_from[kMaxRanks];
-  PairLayout pairs;  // dispatch(layout="expert"): out.pair_of set; its handed-over words follow the scan's
 };
 
 // Where a pulled op's own words go out: the first of the launch's blocks that gets none of `parts` parts dealt one a
@@ -1058,13 +1077,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
   __shared__ ScanArgs scan;
   __shared__ DispatchReceiveArgs receive;
   const DispatchLaunch& d = f.d;
-  const Members& m = d.receive.from;
   const int block = int(blockIdx.x), blocks = int(gridDim.x);
   const ItemCounter items{d.handoff.words + kItemWord};
-  uint64_t* counted = d.handoff.words + kFirstHandedOverWord;
-  const int units = d.units * d.scan.num_ranks;
-  uint64_t* placed = counted + units;
-  if (block == first_block_without_a_part(units, blocks) && threadIdx.x == 0) publish_dispatch_words(f);
+  if (block == first_block_without_a_part(d.scan_units(), blocks) && threadIdx.x == 0) publish_dispatch_words(f);
   if (d.send.topk_idx)
     for (int t = block * int(blockDim.x) + int(threadIdx.x); t < d.send.num_tokens; t += blocks * int(blockDim.x))
       token_members(d.send, t, /*own=*/true);
@@ -1082,13 +1097,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
       receive.pulled = true;
     }
     block_sync();
-    bool laid_out = scan_routing(scan, d.run, d.units, d.handoff, counted, placed, items, block, blocks, m);
-    if (laid_out && f.pairs.out.pair_of) {
-      uint64_t* pairs_counted = placed + units;
-      laid_out =
-          lay_out_pairs(f.pairs, scan, d.handoff, pairs_counted, pairs_counted + f.pairs.units, block, blocks, m);
-    }
-    if (laid_out) dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
+    if (lay_out_receive(d, scan, items, block, blocks))
+      dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
   }
   const KernelStamp stamp(KernelKind::kAcks);
   if (acknowledge_when_last(d.handoff, d.acks)) wait_members_read(d.send.to);  // before our inputs may go
@@ -1230,9 +1240,13 @@ int scan_run(int num_tokens, int num_ranks, int blocks) {
 
 // Bulk copies move 16-byte aligned runs of 16-byte multiples: rows that are not take the SM-store kernels.
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool bulk_dispatch(int64_t x_row_bytes, const void* x, const void* recv_x, int64_t scale_row_bytes,
+                   const void* scales, const void* recv_scales) {
+  return bulk_copies() && x_row_bytes % 16 == 0 && aligned16(x) && aligned16(recv_x) &&
+         (!scales || (scale_row_bytes % 16 == 0 && aligned16(scales) && aligned16(recv_scales)));
+}
 bool bulk_dispatch(const DispatchSendArgs& s, const DispatchReceiveArgs& r) {
-  return bulk_copies() && s.x_row_bytes % 16 == 0 && aligned16(s.x) && aligned16(r.recv_x) &&
-         (!s.scales || (s.scale_row_bytes % 16 == 0 && aligned16(s.scales) && aligned16(r.recv_scales)));
+  return bulk_dispatch(s.x_row_bytes, s.x, r.recv_x, s.scale_row_bytes, s.scales, r.recv_scales);
 }
 bool bulk_combine(const CombineSendArgs& s, const CombineReceiveArgs& r) {
   return bulk_copies() && s.row_bytes % 16 == 0 && aligned16(s.y) && aligned16(r.out);
@@ -1276,7 +1290,8 @@ Scratch op_scratch(NvlDevice& dev, int capacity, int num_tokens) {
 // The NVLink op: its one launch (its last block to finish acknowledges the messages it read).
 void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, bool pull, cudaStream_t stream,
                      const PairLayout* pairs = nullptr) {
-  if (pairs && !pull) throw std::logic_error("uccl_ep dispatch: the pair layout runs in the pulled launch only");
+  if (pairs && !pull && !bulk_dispatch(k.send, k.receive))
+    throw std::logic_error("uccl_ep dispatch: the pair layout runs in the launches with bulk copies only");
   DispatchLaunch f{};
   f.send = k.send;
   f.scan = k.scan;
@@ -1289,6 +1304,9 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
   f.acks = acks_for(dev, g, k.receive.from, f.handoff.words + kFinishedWord);
   f.send.token_slots = f.receive.token_slots = true;
   f.receive_shape = piece_stages(k.receive.x_row_bytes, k.receive.recv_scales ? k.receive.scale_row_bytes : 0);
+  // The pair layout's tables take the dynamic shared memory before the stages do.
+  const uint32_t tables = pairs ? uint32_t(pair_tables_bytes(pairs->groups, k.scan.topk, kTransferThreads)) : 0;
+  if (pairs) f.pairs = *pairs;
   uint32_t shared = 0;
   if (pull) {  // pulls() checked what bulk copies need
     PullDispatchLaunch p{};
@@ -1299,11 +1317,11 @@ void launch_dispatch(NvlDevice& dev, const Group& g, const DispatchKernels& k, b
         p.words_to[s] = dev.peer_pull_words(peer);
         p.words_from[s] = dev.pull_words(peer);
       }
-    if (pairs) p.pairs = *pairs;
-    launch_fused(pull_dispatch_kernel, p, f.receive_shape.shared_bytes(), stream, "pull_dispatch_kernel");
+    launch_fused(pull_dispatch_kernel, p, std::max(f.receive_shape.shared_bytes(), tables), stream,
+                 "pull_dispatch_kernel");
   } else if (bulk_dispatch(k.send, k.receive)) {
     f.send_shape = row_stages(k.send.x_row_bytes, kSendTablesBytes);
-    shared = std::max(f.send_shape.shared_bytes(), f.receive_shape.shared_bytes());
+    shared = std::max({f.send_shape.shared_bytes(), f.receive_shape.shared_bytes(), tables});
     launch_fused(dispatch_kernel<true>, f, shared, stream, "dispatch_kernel");
   } else {
     launch_fused(dispatch_kernel<false>, f, shared, stream, "dispatch_kernel");
@@ -1413,18 +1431,21 @@ void dispatch_pairs(NvlDevice& dev, const Group& g, DispatchArgs a, const PairBu
   const Scratch scratch = scratch_at(dev.scratch(), a.capacity, a.num_tokens);
   const PairLayout pairs = pair_layout(a, p, G, static_cast<char*>(dev.scratch()) + scratch_bytes_rows);
   check(cudaSetDevice(dev.cuda_device()), "cudaSetDevice");
-  if (!pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
-             {a.x, p.x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? p.scales : nullptr}, op,
-             "UCCL_EP_NVL_PULL_DISPATCH"))
+  // Decided before any message number is taken, so that a refusal leaves this rank in step with its members.
+  const bool pull = pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
+                          {a.x, p.x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? p.scales : nullptr},
+                          op, "UCCL_EP_NVL_PULL_DISPATCH");
+  if (!pull && !bulk_dispatch(a.x_row_bytes, a.x, p.x, a.scale_row_bytes, a.scale_row_bytes ? a.scales : nullptr,
+                              p.scales))
     throw std::invalid_argument(std::string("uccl_ep ") + op +
-                                " over NVLink writes the pair buffer where it pulls (one process driving every GPU of "
-                                "the group, UCCL_EP_NVL_PULL_DISPATCH=1, bulk copies, rows of 16-byte multiples); "
-                                "jax_uccl_ep lays other pairs out after token rows");
+                                " over NVLink writes the pair buffer with bulk copies (UCCL_EP_NVL_BULK=1, rows and "
+                                "scale rows of 16-byte multiples, 16-byte aligned buffers); jax_uccl_ep lays other "
+                                "pairs out after token rows");
   DispatchKernels k = dispatch_kernels(a, g, l, scratch, send_to(dev, g), receive_from(dev, g));
   k.receive.pair_of = p.pair_of;
   k.receive.pair_capacity = p.capacity;
   dev.timing_begin(stream);
-  launch_dispatch(dev, g, k, true, stream, &pairs);
+  launch_dispatch(dev, g, k, pull, stream, &pairs);
   dev.timing_end(stream, "dispatch");
 }
 

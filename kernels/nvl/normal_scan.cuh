@@ -173,9 +173,7 @@ __device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
   unsigned takes = 0;
   if (!a.receiver_counts) {
     takes = unit_takes<kRun>(a, x, s);
-    int rows = 0;
-#pragma unroll
-    for (int j = 0; j < kRun; ++j) rows += block_count(takes >> j & 1);
+    const int rows = block_sum(__popc(takes));
     if (threadIdx.x == 0) a.block_counts[s * units + x] = rows;
   } else {
     unsigned members[kRun];

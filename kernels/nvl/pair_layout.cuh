@@ -3,9 +3,9 @@
 // after the routing scan has placed the rows and before any row moves, so that the receive copies each row straight
 // into its slots. Two passes over units of blockDim.x received rows: count each unit's pairs of each local expert,
 // then, once every unit is counted, give each pair its slot (its expert's offset, then every earlier unit's pairs of
-// that expert, then the earlier rows' of its unit, in row order, a row's slots in k order). The NVLink path's pulled
-// launch runs both passes in one launch with hand-overs between them (normal_nvlink.cu: lay_out_pairs); the proxy
-// path runs them as kernels of their own (normal_proxy.cu). The buffer holds every top-k slot of every row (the
+// that expert, then the earlier rows' of its unit, in row order, a row's slots in k order). The NVLink path's launch
+// (pulled or sent, with bulk copies) runs both passes with hand-overs between them (normal_nvlink.cu: lay_out_pairs);
+// the proxy path runs them as kernels of their own (normal_proxy.cu). The buffer holds every top-k slot of every row (the
 // callers check), so every received row is kept. Included by those two .cu files only (anonymous namespace).
 #pragma once
 #include <cstddef>
@@ -30,7 +30,7 @@ constexpr int kMaxPairTopk = 32;     // a row's slots, one lane each where a war
 __host__ __device__ constexpr size_t pair_tables_bytes(int groups, int topk, int threads) {
   return (size_t(3) + size_t(2) * size_t(threads / kWarp)) * size_t(groups) * 4 + size_t(threads) * size_t(topk) * 4;
 }
-// The pulled NVLink launch lays the pairs out in the shared memory its stages take later.
+// The NVLink launch lays the pairs out in the shared memory its stages take later.
 static_assert(pair_tables_bytes(kMaxPairGroups, kMaxPairTopk, kTransferThreads) <= kBulkSharedBytes / 2,
               "the pair layout's tables must fit a block's stages");
 

@@ -7,21 +7,28 @@
 
 namespace uccl_ep::nvl {
 
-// The block's barrier (and its count of the threads whose `pred` holds), for code that threads may reach with their
-// warp diverged: these kernels leave work to one lane (thread 0's handovers and announcements, the bulk rings'
-// issuing lanes) and the compiler need not bring the warp back together before the next barrier. block_sync() is
-// bar.sync, i.e. barrier.sync.aligned: a warp that reaches it diverged is let through early, and from then on its
-// threads are a barrier out of step with the block (seen on H200: issuing lanes arming stage barriers that thread 0
-// had not initialized yet). Without .aligned, each thread first waits for its warp's other non-exited threads.
+// The block's barrier, for code that threads may reach with their warp diverged: these kernels leave work to one
+// lane (thread 0's handovers and announcements, the bulk rings' issuing lanes), and the compiler need not bring the
+// warp back together before the next barrier, nor keep one copy of it (it may duplicate the code after a branch).
+// __syncthreads() is bar.sync, i.e. barrier.sync.aligned, which requires the whole warp at one instruction: a warp
+// that reaches it diverged is let through early, and its threads run a barrier out of step with the block from then
+// on (seen on H200: issuing lanes arming stage barriers that thread 0 had not initialized yet; a __syncwarp() first
+// did not keep the warp together). Without .aligned, each thread waits for its warp's other non-exited threads at
+// whichever barrier instruction they reach.
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }
-__device__ __forceinline__ int block_count(bool pred) {
-  int n;
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n barrier.red.popc.u32 %0, 0, p;\n}\n"
-      : "=r"(n)
-      : "r"(uint32_t(pred))
-      : "memory");
-  return n;
+// The sum of `value` over the block's threads (every thread calls it): each warp's sum, added in shared memory between
+// block_sync()s, rather than a reduction barrier (barrier.red), which a warp split over two copies of it would meet
+// apart from the block's plain barriers.
+__device__ __forceinline__ int block_sum(int value) {
+  __shared__ int sum;
+  if (threadIdx.x == 0) sum = 0;
+  block_sync();
+  const int of_warp = __reduce_add_sync(0xffffffffu, value);
+  if (threadIdx.x % 32 == 0) atomicAdd(&sum, of_warp);
+  block_sync();
+  const int total = sum;
+  block_sync();  // `sum` is the next call's
+  return total;
 }
 
 __device__ __forceinline__ uint64_t global_ns() {
