@@ -422,8 +422,7 @@ def initialize(
             gpu_initiated_normal=gpu_initiated_normal,
             gpu_initiated_low_latency=gpu and _gpu_initiated(config, "low_latency", num_ranks),
             two_level=two,
-            gpu_writes_pairs=gpu
-            and _gpu_writes_pairs(config, topo.num_nodes, gpu_initiated_normal, two),
+            gpu_writes_pairs=gpu and _gpu_writes_pairs(config, topo.num_nodes, gpu_initiated_normal, two),
         )
         if _previous_plan is not None and plan != _previous_plan:
             jax.clear_caches()  # compiled programs carry the paths of the plan they were lowered under

@@ -35,7 +35,7 @@ def _mesh(num_ranks: int) -> Mesh:
 @pytest.fixture(params=["receive", "xla", "nvlink"])
 def writer(request):
     """Who writes the pair buffer and sums it back: the receive both (CPU devices' default); XLA both, after token
-    rows (the GPU paths'); the receive writes and XLA sums (the NVLink path's where dispatch pulls)."""
+    rows (the GPU paths'); the receive writes and XLA sums (the NVLink path's with bulk copies)."""
     if request.param == "xla":
         with cases.pairs_laid_out_in_xla():
             yield request.param

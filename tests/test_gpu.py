@@ -73,7 +73,7 @@ def gpu_suite(part: str, error_checks: str = "1", gradients: str = "1") -> dict:
     )
     problems["expert_layout_drop"] = cases.check_expert_layout(mesh, 14, 30, 128, 3, 4 * r, jnp.float32, capacity=25)
     problems["expert_layout_fp8"] = cases.check_expert_layout(mesh, 15, 19, 256, 3, 4 * r, jnp.float32, fp8_pair=True)
-    # Scale rows of 16 bytes: where dispatch pulls, the receive writes these FP8 pairs too (8-byte ones: token rows).
+    # Scale rows of 16 bytes: with bulk copies the receive writes these FP8 pairs too (8-byte ones: token rows).
     problems["expert_layout_fp8_wide"] = cases.check_expert_layout(
         mesh, 17, 23, 512, 3, 4 * r, jnp.float32, fp8_pair=True, alignment=4
     )

@@ -1240,8 +1240,8 @@ int scan_run(int num_tokens, int num_ranks, int blocks) {
 
 // Bulk copies move 16-byte aligned runs of 16-byte multiples: rows that are not take the SM-store kernels.
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-bool bulk_dispatch(int64_t x_row_bytes, const void* x, const void* recv_x, int64_t scale_row_bytes,
-                   const void* scales, const void* recv_scales) {
+bool bulk_dispatch(int64_t x_row_bytes, const void* x, const void* recv_x, int64_t scale_row_bytes, const void* scales,
+                   const void* recv_scales) {
   return bulk_copies() && x_row_bytes % 16 == 0 && aligned16(x) && aligned16(recv_x) &&
          (!scales || (scale_row_bytes % 16 == 0 && aligned16(scales) && aligned16(recv_scales)));
 }
@@ -1435,8 +1435,8 @@ void dispatch_pairs(NvlDevice& dev, const Group& g, DispatchArgs a, const PairBu
   const bool pull = pulls(dev, g, pull_dispatch(), a.x_row_bytes % 16 == 0 && a.scale_row_bytes % 16 == 0,
                           {a.x, p.x, a.scale_row_bytes ? a.scales : nullptr, a.scale_row_bytes ? p.scales : nullptr},
                           op, "UCCL_EP_NVL_PULL_DISPATCH");
-  if (!pull && !bulk_dispatch(a.x_row_bytes, a.x, p.x, a.scale_row_bytes, a.scale_row_bytes ? a.scales : nullptr,
-                              p.scales))
+  if (!pull &&
+      !bulk_dispatch(a.x_row_bytes, a.x, p.x, a.scale_row_bytes, a.scale_row_bytes ? a.scales : nullptr, p.scales))
     throw std::invalid_argument(std::string("uccl_ep ") + op +
                                 " over NVLink writes the pair buffer with bulk copies (UCCL_EP_NVL_BULK=1, rows and "
                                 "scale rows of 16-byte multiples, 16-byte aligned buffers); jax_uccl_ep lays other "

@@ -5,8 +5,8 @@
 // then, once every unit is counted, give each pair its slot (its expert's offset, then every earlier unit's pairs of
 // that expert, then the earlier rows' of its unit, in row order, a row's slots in k order). The NVLink path's launch
 // (pulled or sent, with bulk copies) runs both passes with hand-overs between them (normal_nvlink.cu: lay_out_pairs);
-// the proxy path runs them as kernels of their own (normal_proxy.cu). The buffer holds every top-k slot of every row (the
-// callers check), so every received row is kept. Included by those two .cu files only (anonymous namespace).
+// the proxy path runs them as kernels of their own (normal_proxy.cu). The buffer holds every top-k slot of every row
+// (the callers check), so every received row is kept. Included by those two .cu files only (anonymous namespace).
 #pragma once
 #include <cstddef>
 #include <cstdint>
