@@ -1,12 +1,13 @@
-"""Stress: the layer's training step (forward and gradients of layers.moe_ffn) on 8 CPU devices of one process, a
-(dp 2, ep 4) mesh, each run a fresh process. XLA's all-reduces (the layer's statistics, the dp reduction of the
-expert weights' gradients) do not depend on the EP ops through data, and both hold a thread of XLA:CPU's shared
-pool while they wait for the other devices: before moe_ffn ordered them after its EP ops on CPU devices, about
-half the runs stopped in an all-reduce that some devices never reached, until XLA aborted the process
+"""Stress: the layer's training step (forward and gradients of layers.moe_ffn, or of moe_ffn_local inside the
+script's own shard_map) on 8 CPU devices of one process, a (dp 2, ep 4) mesh, each run a fresh process. XLA's
+all-reduces (the statistics, the dp reduction of the weights' gradients) do not depend on the EP ops through data,
+and both hold a thread of XLA:CPU's shared pool while they wait for the other devices: before the layer ordered
+them after its EP ops on CPU devices, about half the runs stopped in an all-reduce that some devices never reached,
+until XLA aborted the process
 (docs/RELIABILITY.md, "XLA collectives beside EP ops"). Prints each run's outcome and the count that stopped.
 Not collected by pytest (tests/test_moe_layer.py runs a few).
 
-    python tests/stress/collectives_beside_ep_ops.py [runs] [timeout_s]
+    python tests/stress/collectives_beside_ep_ops.py [runs] [timeout_s] [local]
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ params = {{k: jax.device_put(v.astype(jnp.bfloat16), NamedSharding(mesh, specs[k
 x = jnp.abs(jax.random.normal(kx, (8 * tokens, d_model))).astype(jnp.bfloat16)
 x = jax.device_put(x, NamedSharding(mesh, spec))
 
-def loss(p, x):
-    y = layers.moe_ffn(p, x, mesh=mesh, config=config, token_spec=spec).y
-    return jnp.sum(y.astype(jnp.float32))
+if {local!r}:  # the layer inside the user's own shard_map, the loss reduced there
+    def body(p, x):
+        y = layers.moe_ffn_local(p, x, config, axis_name="ep").y
+        return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), ("dp", "ep"))
+
+    loss = jax.shard_map(body, mesh=mesh, in_specs=(specs, spec), out_specs=P())
+else:
+    def loss(p, x):
+        y = layers.moe_ffn(p, x, mesh=mesh, config=config, token_spec=spec).y
+        return jnp.sum(y.astype(jnp.float32))
 
 value, grads = jax.jit(jax.value_and_grad(loss))(params, x)
 jax.block_until_ready(grads)
@@ -51,10 +59,11 @@ print("step done", float(value), flush=True)
 """
 
 
-def run_once(timeout_s: float) -> tuple[bool, str]:
-    """One training step in a fresh process: (whether it ended with its result, what it said if not)."""
+def run_once(timeout_s: float, local: bool = False) -> tuple[bool, str]:
+    """One training step in a fresh process (`local`: moe_ffn_local in the script's own shard_map, else moe_ffn):
+    (whether it ended with its result, what it said if not)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
-    script = RUN.format(tests=os.path.dirname(HERE))
+    script = RUN.format(tests=os.path.dirname(HERE), local=local)
     try:
         done = subprocess.run(
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout_s
@@ -70,10 +79,11 @@ def run_once(timeout_s: float) -> tuple[bool, str]:
 def main() -> None:
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     timeout_s = float(sys.argv[2]) if len(sys.argv) > 2 else 180.0
+    local = len(sys.argv) > 3 and sys.argv[3] == "local"
     stopped = 0
     for run in range(runs):
         start = time.monotonic()
-        ok, outcome = run_once(timeout_s)
+        ok, outcome = run_once(timeout_s, local)
         stopped += not ok
         print(f"run {run}: {outcome} ({time.monotonic() - start:.1f} s)", flush=True)
     print(f"{stopped} of {runs} runs stopped")
