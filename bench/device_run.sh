@@ -10,6 +10,8 @@
 #   "one_process_per_gpu or separate_nodes_over_the_proxy or staged_through"
 #   "two_level or bad_expert or drives_gpus_on_separate_nodes or kernel_sends or missing_peer or soak or
 #    low_latency_variants or loopback or copy_bench"
+# After a change to a kernel (its code layout may split a warp at a barrier): TESTS=tests/test_synccheck_gpu.py,
+# one GPU, compute-sanitizer synccheck on the expert-layout dispatch, pulled and sent.
 #
 # The GPU machine has no package registry and (seen 2026-11-22) neither libfabric headers, scikit-build-core nor
 # tokamax. bench/device_prepare.sh puts them on the dev machine in folders git ignores; name them in the device
