@@ -503,7 +503,13 @@ def _check_params(params: Params, x: jax.Array, num_experts: int, axis_name: Any
 def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name: str | tuple[str, ...]) -> MoEOutput:
     """The layer on this rank's shard, inside a ``jax.shard_map`` over `axis_name`: `params` holds this rank's
     experts ([E/R, ...]) and the router; ``x [..., D]`` this rank's tokens. stats hold this rank's counts ([1]
-    rows, [E] pairs), aux_loss this rank's loss (moe_ffn averages both over the axis)."""
+    rows, [E] pairs), aux_loss this rank's loss (moe_ffn averages both over the axis).
+
+    On CPU devices of one process, XLA may start the shard_map's own collectives (a data-parallel reduction of the
+    gradients, say) on some devices while their peers wait in this layer's EP ops, and stop (1 in 10 training steps
+    on a (dp 2, ep 4) mesh of 8 devices): moe_ffn orders its collectives after its EP ops; here, make a collective
+    that need not run earlier depend on the layer's output (jax.lax.optimization_barrier) or use moe_ffn
+    (docs/RELIABILITY.md). GPUs run each device's ops in one order."""
     _check_params(params, x, config.num_experts, axis_name, "moe_ffn_local")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
