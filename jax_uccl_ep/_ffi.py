@@ -277,7 +277,8 @@ def call(
     return ep_call_p.bind(*operands, params=params)
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes `x` varies over inside shard_map (empty outside it, or where shard_map tracks none)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
     if manual is not None:
@@ -291,14 +292,16 @@ def zeros_typed(like) -> jax.Array:
     a value only the other branch computes."""
     manual = getattr(like, "manual_axis_type", None)
     axes = frozenset(manual.varying) if manual is not None else frozenset(getattr(like, "vma", ()))
-    return _varying(jnp.zeros(like.shape, like.dtype), tuple(sorted(axes)))
+    return mark_varying(jnp.zeros(like.shape, like.dtype), tuple(sorted(axes)))
 
 
-def _varying(outputs, axes):
-    """Marks FFI outputs as varying over `axes` inside shard_map: each device computes its own values."""
+def mark_varying(outputs, axes):
+    """`outputs` (an array or a tree of them) marked varying over `axes` inside shard_map, where not already: each
+    device holds its own values (FFI outputs; parameters whose gradients should reduce where the mark's transpose
+    runs)."""
 
     def cast(x):
-        missing = tuple(a for a in axes if a not in _varying_axes(x))
+        missing = tuple(a for a in axes if a not in varying_axes(x))
         if not missing:
             return x
         if hasattr(jax.lax, "pcast"):
@@ -312,18 +315,18 @@ def varying_like(value, *like: jax.Array):
     """`value` (an array or a tree of them) marked varying over every manual mesh axis any of `like` varies over:
     what an op computed from them holds its own values on each device, whether or not JAX could see it (an FFI
     call's or a Pallas kernel's outputs carry no varying axes)."""
-    return _varying(value, tuple(sorted(frozenset().union(*map(_varying_axes, like)))))
+    return mark_varying(value, tuple(sorted(frozenset().union(*map(varying_axes, like)))))
 
 
 def like_primal(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
     """`cotangent` with exactly `primal`'s varying manual axes, as JAX checks a custom VJP's outputs: summed over
     the axes only it varies over (the transpose of broadcasting an invariant value), marked varying over those only
     the primal varies over (a kernel's outputs carry none)."""
-    have, want = _varying_axes(cotangent), _varying_axes(primal)
+    have, want = varying_axes(cotangent), varying_axes(primal)
     extra = tuple(sorted(have - want))
     if extra:
         cotangent = jax.lax.psum(cotangent, extra)
-    return _varying(cotangent, tuple(sorted(want)))
+    return mark_varying(cotangent, tuple(sorted(want)))
 
 
 def ep_call(op, results, *operands, axis_name=None, varying_over=(), ordered=True, after=None, **attrs):
@@ -331,5 +334,5 @@ def ep_call(op, results, *operands, axis_name=None, varying_over=(), ordered=Tru
     outs = call(op, results, *operands, axis_name=axis_name, ordered=ordered, after=after, **attrs)
     axes = set(varying_over) | set(axes_of(axis_name) if axis_name is not None else ())
     for a in operands:
-        axes |= _varying_axes(a)
-    return _varying(outs, tuple(sorted(axes)))
+        axes |= varying_axes(a)
+    return mark_varying(outs, tuple(sorted(axes)))

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _pairs
 from ._checks import axis_size, check, summed_row_dtype
-from ._ffi import ep_call, like_primal, varying_like, zeros_typed
+from ._ffi import ep_call, like_primal, mark_varying, varying_axes, varying_like, zeros_typed
 from ._runtime import JobShapes
 from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
@@ -505,12 +505,39 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
     experts ([E/R, ...]) and the router; ``x [..., D]`` this rank's tokens. stats hold this rank's counts ([1]
     rows, [E] pairs), aux_loss this rank's loss (moe_ffn averages both over the axis).
 
-    On CPU devices of one process, XLA may start the shard_map's own collectives (a data-parallel reduction of the
-    gradients, say) on some devices while their peers wait in this layer's EP ops, and stop (1 in 10 training steps
-    on a (dp 2, ep 4) mesh of 8 devices): moe_ffn orders its collectives after its EP ops; here, make a collective
-    that need not run earlier depend on the layer's output (jax.lax.optimization_barrier) or use moe_ffn
-    (docs/RELIABILITY.md). GPUs run each device's ops in one order."""
+    On CPU devices XLA may start an all-reduce on some devices while their peers wait in an EP op, and stop (a
+    (dp 2, ep 4) mesh of 8 devices: 1 training step in 10 with moe_ffn_local in the user's shard_map, about half
+    with moe_ffn's own statistics), so there the layer orders what touches it after its EP ops: whatever reads its
+    outputs comes after combine, and its parameters' gradients reduce over the other axes x varies over (a
+    data-parallel axis) after the last EP op of the backward pass. The model's other collectives are the model's
+    to order (docs/RELIABILITY.md). GPUs run each device's ops in one order, the same on every device."""
     _check_params(params, x, config.num_experts, axis_name, "moe_ffn_local")
+    ordered = _orders_collectives_after_ep_ops()
+    if ordered:
+        params, x = _tied_to_tokens(params, x, axis_name)
+    out = _moe_ffn_local(params, x, config, axis_name)
+    return jax.lax.optimization_barrier(out) if ordered else out
+
+
+def _orders_collectives_after_ep_ops() -> bool:
+    """Whether the layer orders XLA's collectives after its EP ops: on CPU devices (the runtime's platform, or JAX's
+    default backend before initialize())."""
+    from . import _plan
+
+    plan = _plan.current()
+    return (plan.platform if plan is not None else jax.default_backend()) == "cpu"
+
+
+def _tied_to_tokens(params: Params, x: jax.Array, axis_name: str | tuple[str, ...]) -> tuple[Params, jax.Array]:
+    """The parameters made varying over the axes other than `axis_name` that x varies over (their gradients then
+    reduce over those axes where this cast's transpose runs, after the layer's backward, rather than where the
+    weights first meet the tokens inside it), then tied to x by a barrier."""
+    ep_axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    others = tuple(sorted(a for a in varying_axes(x) if a not in ep_axes))
+    return jax.lax.optimization_barrier((mark_varying(params, others), x))
+
+
+def _moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, axis_name: str | tuple[str, ...]) -> MoEOutput:
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
     with jax.named_scope(SCOPES["router"]):
@@ -631,23 +658,10 @@ def moe_ffn(
     token_axes = _token_axes(spec, axis_name, x.ndim)
     others = tuple(a for a in token_axes if a != axis_name)
 
-    # XLA:CPU runs a device's ops on a pool shared by every device, an all-reduce and an EP op each holding a thread
-    # while it waits for the other devices, and starts ops that do not depend on each other in any order: a device in
-    # the statistics' or the gradients' all-reduces while its peers sit in an EP op stopped the step (8 devices, a
-    # (dp, ep) mesh: about half the runs; tests/stress/collectives_beside_ep_ops.py). On CPU devices the layer
-    # orders them after its EP ops: the statistics after combine, and the parameters made varying over the other
-    # token axes and tied to x, so that their gradients' reductions wait for the last EP op of the backward pass.
-    # GPUs run each device's ops in one stream order, the same on every device.
-    ordered = mesh.devices.flat[0].platform == "cpu"
-
+    # On CPU devices moe_ffn_local puts the statistics' reductions below (they read its outputs) and its parameters'
+    # gradient reductions after its EP ops (tests/stress/collectives_beside_ep_ops.py).
     def body(p, x):
-        if ordered:
-            if others:
-                p = jax.tree.map(lambda a: jax.lax.pcast(a, others, to="varying"), p)
-            p, x = jax.lax.optimization_barrier((p, x))
         out = moe_ffn_local(p, x, config, axis_name=axis_name)
-        if ordered:
-            out = jax.lax.optimization_barrier(out)
         aux = jax.lax.pmean(out.aux_loss, token_axes)
         per_expert = jax.lax.psum(out.stats.tokens_per_expert, token_axes)
         rows, dropped = out.stats.rows_received, out.stats.pairs_dropped

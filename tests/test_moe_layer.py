@@ -815,9 +815,10 @@ def test_buffers_sized_by_the_layers_shapes_run_its_worst_routing_the_first_time
 
 def test_the_training_step_on_a_dp_by_ep_mesh_of_8_cpu_devices_never_stops():
     """XLA:CPU's all-reduces (the layer's statistics, the dp reductions of its gradients) beside its EP ops, on a
-    (dp 2, ep 4) mesh of 8 CPU devices, each run a fresh process: before the layer ordered them after its EP ops,
-    about half the runs stopped until XLA aborted them after 40 s."""
+    (dp 2, ep 4) mesh of 8 CPU devices, each run a fresh process, through moe_ffn and through moe_ffn_local inside
+    the script's own shard_map: before the layer ordered them after its EP ops, about half the moe_ffn runs and 1
+    in 10 of the moe_ffn_local ones stopped until XLA aborted them after 40 s."""
     from stress.collectives_beside_ep_ops import run_once
 
-    outcomes = [run_once(timeout_s=120.0) for _ in range(4)]
+    outcomes = [run_once(timeout_s=120.0, local=local) for local in (False, True) for _ in range(3)]
     assert all(ok for ok, _ in outcomes), outcomes
