@@ -81,9 +81,10 @@ def test_each_folder_includes_only_what_its_layer_may():
 
 
 def test_the_gpu_kernels_meet_at_barriers_that_tolerate_a_split_warp():
-    """kernels/nvl's block barriers are sync.cuh's block_sync / block_sum: the aligned barrier (__syncthreads and
-    its _count/_and/_or forms, bar.sync, bar.red, barrier.*.aligned) lets a warp that reaches it split through early,
-    and these kernels leave work to single lanes all over (docs/ARCHITECTURE.md, the path of one op)."""
+    """kernels/nvl's block barriers are sync.cuh's block_sync (sums in shared memory between them): the aligned
+    barrier (__syncthreads and its _count/_and/_or forms, bar.sync, bar.red, barrier.*.aligned) lets a warp that
+    reaches it split through early, and these kernels leave work to single lanes all over (docs/ARCHITECTURE.md, the
+    path of one op)."""
     aligned = re.compile(r"__syncthreads\w*\s*\(|\bbar\.(sync|red|arrive)\b|barrier\.\w+\.aligned|\.aligned\b")
     offences = []
     for dirpath, _, files in os.walk(os.path.join(ROOT, "kernels", "nvl")):

@@ -173,7 +173,8 @@ __device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
   unsigned takes = 0;
   if (!a.receiver_counts) {
     takes = unit_takes<kRun>(a, x, s);
-    const int rows = block_sum(__popc(takes));
+    int rows;
+    block_exclusive_scan(__popc(takes), &rows);  // the block's rows (no reduction barrier: sync.cuh)
     if (threadIdx.x == 0) a.block_counts[s * units + x] = rows;
   } else {
     unsigned members[kRun];

@@ -14,22 +14,10 @@ namespace uccl_ep::nvl {
 // that reaches it diverged is let through early, and its threads run a barrier out of step with the block from then
 // on (seen on H200: issuing lanes arming stage barriers that thread 0 had not initialized yet; a __syncwarp() first
 // did not keep the warp together). Without .aligned, each thread waits for its warp's other non-exited threads at
-// whichever barrier instruction they reach.
+// whichever barrier instruction they reach. A block's sums go through shared memory between these
+// (normal_scan.cuh's block_exclusive_scan), not a reduction barrier (barrier.red, __syncthreads_count), which a
+// warp split over two copies of it would meet apart from the block's plain barriers.
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }
-// The sum of `value` over the block's threads (every thread calls it): each warp's sum, added in shared memory between
-// block_sync()s, rather than a reduction barrier (barrier.red), which a warp split over two copies of it would meet
-// apart from the block's plain barriers.
-__device__ __forceinline__ int block_sum(int value) {
-  __shared__ int sum;
-  if (threadIdx.x == 0) sum = 0;
-  block_sync();
-  const int of_warp = __reduce_add_sync(0xffffffffu, value);
-  if (threadIdx.x % 32 == 0) atomicAdd(&sum, of_warp);
-  block_sync();
-  const int total = sum;
-  block_sync();  // `sum` is the next call's
-  return total;
-}
 
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
