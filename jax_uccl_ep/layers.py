@@ -30,9 +30,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from . import _pairs
+from . import _pairs, _plan
 from ._checks import axis_size, check, summed_row_dtype
-from ._ffi import ep_call, like_primal, mark_varying, varying_axes, varying_like, zeros_typed
+from ._ffi import axes_of, ep_call, like_primal, mark_varying, varying_axes, varying_like, zeros_typed
 from ._runtime import JobShapes
 from .grouped import GroupedBackend, _rows_in_groups, grouped_backend, grouped_matmul
 from .low_latency import low_latency_combine, low_latency_dispatch
@@ -522,8 +522,6 @@ def moe_ffn_local(params: Params, x: jax.Array, config: MoEConfig, *, axis_name:
 def _orders_collectives_after_ep_ops() -> bool:
     """Whether the layer orders XLA's collectives after its EP ops: on CPU devices (the runtime's platform, or JAX's
     default backend before initialize())."""
-    from . import _plan
-
     plan = _plan.current()
     return (plan.platform if plan is not None else jax.default_backend()) == "cpu"
 
@@ -532,8 +530,7 @@ def _tied_to_tokens(params: Params, x: jax.Array, axis_name: str | tuple[str, ..
     """The parameters made varying over the axes other than `axis_name` that x varies over (their gradients then
     reduce over those axes where this cast's transpose runs, after the layer's backward, rather than where the
     weights first meet the tokens inside it), then tied to x by a barrier."""
-    ep_axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    others = tuple(sorted(a for a in varying_axes(x) if a not in ep_axes))
+    others = tuple(sorted(a for a in varying_axes(x) if a not in axes_of(axis_name)))
     return jax.lax.optimization_barrier((mark_varying(params, others), x))
 
 
