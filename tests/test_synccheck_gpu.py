@@ -60,6 +60,7 @@ print("rows OK", flush=True)
 def test_the_expert_layout_dispatch_passes_synccheck(pull):
     env = dict(
         os.environ,
+        JAX_PLATFORMS="cuda",  # the suite's conftest sets cpu for its own process
         CUDA_VISIBLE_DEVICES=detect_gpus()[0],
         UCCL_EP_NVL_PULL_DISPATCH=pull,
         UCCL_EP_TIMEOUT_S="30",
