@@ -341,6 +341,34 @@ __device__ __forceinline__ void localize_slot(const DispatchReceiveArgs& a, int 
   if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[s][t * a.topk + k] : 0.f;
 }
 
+// Output row o's every slot as localize_slot, by one thread, the row's indices and weights loaded before any is
+// stored: a member's routing is read over NVLink, where a load behind each store waits a round trip per slot, and
+// with the copies' traffic those round trips outlast the copies of a small dispatch.
+__device__ __forceinline__ void localize_row(const DispatchReceiveArgs& a, int o, int s, int t, int first,
+                                             int local_experts) {
+  constexpr int kAtOnce = 8;
+  const int K = a.topk;
+  const int32_t* idx = a.src.topk_idx[s] + int64_t(t) * K;
+  const float* weights = a.recv_topk_weights ? a.src.weights[s] + int64_t(t) * K : nullptr;
+  for (int k0 = 0; k0 < K; k0 += kAtOnce) {
+    int e[kAtOnce];
+    float w[kAtOnce];
+#pragma unroll
+    for (int q = 0; q < kAtOnce; ++q) {
+      e[q] = k0 + q < K ? idx[k0 + q] : -1;
+      w[q] = weights && k0 + q < K ? weights[k0 + q] : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < kAtOnce; ++q) {
+      if (k0 + q >= K) break;
+      const bool mine = e[q] >= first && e[q] < first + local_experts;
+      if (mine) atomicAdd(a.num_tokens_per_expert + e[q] - first, 1);
+      a.recv_topk_idx[o * K + k0 + q] = mine ? e[q] - first : -1;
+      if (weights) a.recv_topk_weights[o * K + k0 + q] = mine ? w[q] : 0.f;
+    }
+  }
+}
+
 // Output row o past the kept rows, by one warp: zeros, expert indices -1.
 __device__ void pad_row(const DispatchReceiveArgs& a, int o, int lane) {
   warp_zero(a.recv_x + int64_t(o) * a.x_row_bytes, a.x_row_bytes, lane);

@@ -518,7 +518,7 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
   const int local_experts = a.topk_mode ? a.num_experts / R : 0, first = from.self * local_experts;
   for (int o = block * helpers + helper; a.topk_mode && o < kept; o += blocks * helpers) {
     const int2 st = a.row_map[o];
-    for (int k = 0; k < a.topk; ++k) localize_slot(a, o, st.x, st.y, k, first, local_experts);
+    localize_row(a, o, st.x, st.y, first, local_experts);
   }
   for (int o = kept + block * helper_warps + warp - kProducers; o < a.capacity; o += blocks * helper_warps)
     pad_row(a, o, lane);
