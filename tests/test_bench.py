@@ -1,0 +1,77 @@
+"""The benchmarks' own arithmetic, on CPU: bench/fixed_cost.py's line through intranode.py's results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(name: str, megabytes: float, us: float, sms: str | None = None, span: bool = True) -> dict:
+    """One entry of intranode.py's results: ours carry GPU 0's span (and a wall time that must not be used)."""
+    extra = {"sms": sms} if sms else {}
+    wall_s = us * 1e-6
+    if span:
+        extra["device_span_us_per_call"] = us
+        wall_s = us * 1e-6 + 40e-6  # the jit's own cost, which the fit must not see
+    return {
+        "name": name,
+        "error": None,
+        "bytes_deepep": megabytes * 1e6,
+        "extra": extra,
+        "timing": {"median_s": wall_s},
+    }
+
+
+def test_the_fixed_cost_fit_recovers_each_sides_line_and_where_they_cross(tmp_path):
+    rng = np.random.default_rng(53)
+    ours_fixed, ours_rate = rng.uniform(25, 45), rng.uniform(600, 700)  # us, GB/s
+    nccl_fixed, nccl_rate = rng.uniform(15, 25), rng.uniform(450, 590)
+    paths = []
+    for i, row_bytes in enumerate((14336, 4096)):  # two jobs' shapes, each a BF16 and an FP8 dispatch
+        rows = rng.integers(7000, 8200)
+        results = []
+        for dtype, nccl_name, share in (
+            ("bfloat16", "NCCL all_to_all_single bfloat16 ragged", 1.0),
+            ("fp8", "NCCL all_to_all_single fp8 rows ragged", 0.5156),
+        ):
+            mb = rows * row_bytes * share / 1e6
+            noise = rng.uniform(-0.3, 0.3, 2)
+            results.append(_result(f"uccl_ep dispatch {dtype}", mb, ours_fixed + mb * 1e3 / ours_rate + noise[0], "24"))
+            results.append(_result(nccl_name, mb, nccl_fixed + mb * 1e3 / nccl_rate + noise[1], span=False))
+        if i == 0:  # combine in one run only: one size, no line
+            results.append(_result("uccl_ep combine bfloat16", rows * row_bytes / 1e6, 99.0, "24"))
+        results.append(dict(_result("uccl_ep dispatch bfloat16", 1.0, 1e6, "24"), error="n/a"))  # skipped
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps({"results": results}))
+        paths.append(str(path))
+
+    fixed_cost = _load("fixed_cost")
+    found = {f.series: f for f in fixed_cost.main(paths)}
+    ours, nccl = found["ours dispatch, 24 SMs"], found["NCCL"]
+    assert len(ours.points) == len(nccl.points) == 4
+    assert abs(ours.fixed_us - ours_fixed) < 1.0 and abs(ours.rate_gbps / ours_rate - 1) < 0.02, ours
+    assert abs(nccl.fixed_us - nccl_fixed) < 1.0 and abs(nccl.rate_gbps / nccl_rate - 1) < 0.02, nccl
+    assert ours.worst_residual_us < 0.7 and nccl.worst_residual_us < 0.7
+    meets = fixed_cost.crossing_mb(ours, nccl)
+    expected = (ours_fixed - nccl_fixed) / (1e3 / nccl_rate - 1e3 / ours_rate)
+    assert meets is not None and abs(meets - expected) < 0.1 * expected, (meets, expected)
+    assert abs(ours.time_us(meets) - nccl.time_us(meets)) < 1e-6
+    one_size = found["ours combine, 24 SMs"]
+    assert (
+        len(one_size.points) == 1 and math.isnan(one_size.fixed_us) and fixed_cost.crossing_mb(one_size, nccl) is None
+    )
