@@ -10,6 +10,8 @@
 #   "one_process_per_gpu or separate_nodes_over_the_proxy or staged_through"
 #   "two_level or bad_expert or drives_gpus_on_separate_nodes or kernel_sends or missing_peer or soak or
 #    low_latency_variants or loopback or copy_bench"
+# To read a sweep as a fixed cost and a copy rate (ours and NCCL's): bench/fixed_cost.py over intranode.py's --out files
+# of one lease at two sizes at least (V3's and the layer's: --tokens 4096 --hidden 2048 --topk 8 --experts 64).
 # After a change to a kernel (its code layout may split a warp at a barrier): TESTS=tests/test_synccheck_gpu.py,
 # one GPU, compute-sanitizer synccheck on the expert-layout dispatch, pulled and sent.
 #
