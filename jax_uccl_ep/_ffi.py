@@ -277,22 +277,25 @@ def call(
     return ep_call_p.bind(*operands, params=params)
 
 
-def varying_axes(x: jax.Array) -> frozenset:
-    """The manual mesh axes `x` varies over inside shard_map (empty outside it, or where shard_map tracks none)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+def _varying_axes_of_type(t) -> frozenset:
+    """The manual mesh axes a type (an aval, or a ShapeDtypeStruct from ``jax.eval_shape``) says its value varies
+    over: jax 0.10 keeps them in manual_axis_type, later versions in vma."""
+    manual = getattr(t, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
+    return frozenset(getattr(t, "vma", ()))
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes `x` varies over inside shard_map (empty outside it, or where shard_map tracks none)."""
+    return _varying_axes_of_type(jax.typeof(x))
 
 
 def zeros_typed(like) -> jax.Array:
     """Zeros of `like`'s shape and dtype, varying over the manual axes `like` varies over (`like`: an array, or a
     ShapeDtypeStruct from ``jax.eval_shape`` inside shard_map): what a branch of ``lax.cond`` returns in place of
     a value only the other branch computes."""
-    manual = getattr(like, "manual_axis_type", None)
-    axes = frozenset(manual.varying) if manual is not None else frozenset(getattr(like, "vma", ()))
-    return mark_varying(jnp.zeros(like.shape, like.dtype), tuple(sorted(axes)))
+    return mark_varying(jnp.zeros(like.shape, like.dtype), tuple(sorted(_varying_axes_of_type(like))))
 
 
 def mark_varying(outputs, axes):
