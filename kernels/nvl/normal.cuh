@@ -330,20 +330,24 @@ __device__ __forceinline__ bool rows_at_tokens(const DispatchReceiveArgs& a, int
   return s == a.from.self || a.token_slots;
 }
 
-// Output row o's expert slot k (from source s's token t): the index among our local experts with its weight, or -1
-// and 0 for another GPU's expert; a local expert's row is counted (each kept row's slots are localized once).
-__device__ __forceinline__ void localize_slot(const DispatchReceiveArgs& a, int o, int s, int t, int k, int first,
-                                              int local_experts) {
-  const int e = a.src.topk_idx[s][t * a.topk + k];
-  const bool mine = e >= first && e < first + local_experts;
-  if (mine) atomicAdd(a.num_tokens_per_expert + e - first, 1);
-  a.recv_topk_idx[o * a.topk + k] = mine ? e - first : -1;
-  if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = mine ? a.src.weights[s][t * a.topk + k] : 0.f;
+// Output row o's expert slot k: local expert l (-1: another GPU's expert) and weight w (0 for another GPU's); a
+// local expert's row is counted (each kept row's slots are localized once).
+__device__ __forceinline__ void put_localized(const DispatchReceiveArgs& a, int o, int k, int l, float w) {
+  if (l >= 0) atomicAdd(a.num_tokens_per_expert + l, 1);
+  a.recv_topk_idx[o * a.topk + k] = l;
+  if (a.recv_topk_weights) a.recv_topk_weights[o * a.topk + k] = l >= 0 ? w : 0.f;
 }
 
-// Output row o's every slot as localize_slot, by one thread, the row's indices and weights loaded before any is
-// stored: a member's routing is read over NVLink, where a load behind each store waits a round trip per slot, and
-// with the copies' traffic those round trips outlast the copies of a small dispatch.
+// Output row o's expert slot k, from source s's token t (its weight loaded only for a local expert).
+__device__ __forceinline__ void localize_slot(const DispatchReceiveArgs& a, int o, int s, int t, int k, int first,
+                                              int local_experts) {
+  const int l = local_index(a.src.topk_idx[s][t * a.topk + k], first, local_experts);
+  put_localized(a, o, k, l, a.recv_topk_weights && l >= 0 ? a.src.weights[s][t * a.topk + k] : 0.f);
+}
+
+// Output row o's every slot, by one thread, the row's indices and weights loaded before any is stored: a member's
+// routing is read over NVLink, where a load behind each store waits a round trip per slot, and with the copies'
+// traffic those round trips outlast the copies of a small dispatch.
 __device__ __forceinline__ void localize_row(const DispatchReceiveArgs& a, int o, int s, int t, int first,
                                              int local_experts) {
   constexpr int kAtOnce = 8;
@@ -359,13 +363,8 @@ __device__ __forceinline__ void localize_row(const DispatchReceiveArgs& a, int o
       w[q] = weights && k0 + q < K ? weights[k0 + q] : 0.f;
     }
 #pragma unroll
-    for (int q = 0; q < kAtOnce; ++q) {
-      if (k0 + q >= K) break;
-      const bool mine = e[q] >= first && e[q] < first + local_experts;
-      if (mine) atomicAdd(a.num_tokens_per_expert + e[q] - first, 1);
-      a.recv_topk_idx[o * K + k0 + q] = mine ? e[q] - first : -1;
-      if (weights) a.recv_topk_weights[o * K + k0 + q] = mine ? w[q] : 0.f;
-    }
+    for (int q = 0; q < kAtOnce; ++q)
+      if (k0 + q < K) put_localized(a, o, k0 + q, local_index(e[q], first, local_experts), w[q]);
   }
 }
 

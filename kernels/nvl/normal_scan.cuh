@@ -127,6 +127,11 @@ __device__ __forceinline__ void for_expert_indices(const ScanArgs& a, int x, int
   }
 }
 
+// Expert e's index among our local experts [first, first + local_experts), or -1 for another GPU's expert.
+__device__ __forceinline__ int local_index(int e, int first, int local_experts) {
+  return e >= first && e < first + local_experts ? e - first : -1;
+}
+
 // Bit j: the thread's token j of unit x of source s comes to us (a row of ours). The loads of all kRun tokens go out
 // together.
 template <int kRun>
@@ -143,7 +148,7 @@ __device__ __forceinline__ unsigned unit_takes(const ScanArgs& a, int x, int s) 
   }
   const int local_experts = a.num_experts / a.num_ranks, first = a.self * local_experts;
   for_expert_indices<kRun>(a, x, s, [&](int j, int e) {
-    if (e >= first && e < first + local_experts) takes |= 1u << j;
+    if (local_index(e, first, local_experts) >= 0) takes |= 1u << j;
   });
 #pragma unroll
   for (int j = 0; j < kRun; ++j)
