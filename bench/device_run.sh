@@ -12,6 +12,8 @@
 #    low_latency_variants or loopback or copy_bench"
 # To read a sweep as a fixed cost and a copy rate (ours and NCCL's): bench/fixed_cost.py over intranode.py's --out files
 # of one lease at two sizes at least (V3's and the layer's: --tokens 4096 --hidden 2048 --topk 8 --experts 64).
+# The device tool returns at most 8 files from $OUT: a call that writes more (a setup log, several benches) packs them
+# last, e.g. `cd $OUT && tar czf /tmp/all.tgz . && rm -f *.json *.log && mv /tmp/all.tgz .`.
 # After a change to a kernel (its code layout may split a warp at a barrier): TESTS=tests/test_synccheck_gpu.py,
 # one GPU, compute-sanitizer synccheck on the expert-layout dispatch, pulled and sent.
 #
