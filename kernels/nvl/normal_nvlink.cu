@@ -327,6 +327,36 @@ __device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
   });
 }
 
+// Where a copy waits for the rows' tables of the units it reads (scan_routing_run's items_wait): the launch's placed
+// words, [R sources][units] of unit_tokens tokens each, stamped with its epoch; null words where every unit was
+// placed before the copies began.
+struct PlacedUnits {
+  const uint64_t* words;
+  uint64_t epoch;
+  int units, unit_tokens;
+
+  // Units [first, last] of source s; false once the op is given up or a block of the launch never ran (reported).
+  __device__ bool wait(int s, int first, int last, const ReceiveFrom& from) const {
+    for (int x = first; x <= last; ++x) {
+      const Polled p = poll_flag(words + s * units + x, epoch, from.timeout_ns, from.err, Sleep::kFlat, Scope::kGpu);
+      if (p == Polled::kTimedOut)
+        report(from.err, kBlocksNotResident, from.rank, gridDim.x, 0, int64_t(from.timeout_ns / 1000000000ull));
+      if (p != Polled::kReached) return false;
+    }
+    return true;
+  }
+  // The units that wrote the rows of source s's tokens [t0, t1) and where its rows from t1 on start.
+  __device__ bool wait_tokens(int s, int t0, int t1, int num_tokens, const ReceiveFrom& from) const {
+    return !words || wait(s, t0 / unit_tokens, min(t1, num_tokens - 1) / unit_tokens, from);
+  }
+  // Every unit (by one thread).
+  __device__ bool wait_all(int sources, const ReceiveFrom& from) const {
+    for (int s = 0; words && s < sources; ++s)
+      if (!wait(s, 0, units - 1, from)) return false;
+    return true;
+  }
+};
+
 // Receive side of (cached) dispatch with bulk copies: the work items of dispatch_receive_kernel, taken in order from
 // the launch's counter by kProducers threads (lane 0 of the first warps), each with its own stages, so one's wait for a
 // member or for the next item's bounds leaves the others' copies in flight (and a producer whose items were our own
@@ -336,8 +366,9 @@ __device__ bool wait_every_chunk(const DispatchReceiveArgs& a) {
 // as many whole rows a job as a stage holds, a load per run of consecutive tokens (a segment a job of larger rows). The
 // other warps of receive block `block` (of `blocks`) localize the expert indices of its share of the kept rows and
 // write its share of the padding past the kept count; a send block that `joined` once its sends were done only copies.
+// With `placed` words, an item first waits for the units that placed its rows, and the other warps for every unit.
 __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkShape& b, const ItemCounter& items,
-                                      int block, int blocks, bool joined) {
+                                      int block, int blocks, bool joined, const PlacedUnits& placed = {}) {
   if (g_sides_apart && !a.pulled && !wait_every_chunk(a)) return;
   const KernelStamp stamp(KernelKind::kDispatchReceive);
   extern __shared__ __align__(128) char smem[];
@@ -352,7 +383,6 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
   __shared__ int part_row[kMaxStages];     // pair slots: the job's first received row,
   __shared__ int part_rows[kMaxStages];    // its whole rows (1 for a segment)
   __shared__ int64_t part_at[kMaxStages];  // and where in the row its x bytes go
-  const int kept = *a.num_kept;
   const int64_t xrb = a.x_row_bytes, srb = a.recv_scales ? a.scale_row_bytes : 0;
   const bool pairs = a.pair_of != nullptr;  // each row to its pair slots, from a stage of rows (or a segment)
   if (warp < kProducers && lane == 0) {
@@ -383,9 +413,12 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
               t0 = c0 + item / (R * a.chunks) * kPieceTokens;
               const int t1 = min(c1, t0 + kPieceTokens);
               if (t0 >= t1) continue;
+              if (!placed.wait_tokens(s, t0, t1, T, from)) return kNoMoreJobs;
+              // Rows past the capacity are dropped: min(row, capacity) is min(row, rows kept), as no row passes
+              // the total, and the capacity needs no unit's count.
               const int32_t* before = a.row_before + int64_t(s) * (T + 1);
-              o0 = min(before[t0], kept);
-              o1 = min(before[t1], kept);
+              o0 = min(before[t0], a.capacity);
+              o1 = min(before[t1], a.capacity);
               if (o0 >= o1) continue;
               if (s != from.self && !a.pulled && wait_progress(from, s, c, t1 - c0) < 0) continue;
               // Rows at their tokens' rows (token slots) are contiguous where every token of the item comes to us
@@ -515,6 +548,16 @@ __device__ void dispatch_receive_bulk(const DispatchReceiveArgs& a, const BulkSh
   // The other warps: the kept rows' expert indices (and weights), localized, a row per thread; then the padding.
   const int helper_warps = warps - kProducers;
   const int helpers = helper_warps * kWarp, helper = (warp - kProducers) * kWarp + lane;
+  if (placed.words) {  // the tables are whole once every unit is placed
+    __shared__ bool whole;
+    if (helper == 0) {
+      whole = placed.wait_all(R, from);
+      __threadfence();
+    }
+    group_barrier(helpers);
+    if (!whole) return;
+  }
+  const int kept = *a.num_kept;
   const int local_experts = a.topk_mode ? a.num_experts / R : 0, first = from.self * local_experts;
   for (int o = block * helpers + helper; a.topk_mode && o < kept; o += blocks * helpers) {
     const int2 st = a.row_map[o];
@@ -784,12 +827,14 @@ struct DispatchLaunch {
 
 // Both scan passes of the receive blocks over the units u = block, block + blocks, ... of every source (`units` a
 // source, kRun tokens per thread), each unit handed over once done: counted, then placed (`counted`, `placed`:
-// [units * R] words of the launch's handoff); false (to the whole block) once the op is given up. A block keeps its
-// first unit's routing bits from one pass to the next, so where the units are no more than the blocks (scan_run)
-// placing reads no routing again.
+// [units * R] words of the launch's handoff); false (to the whole block) once the op is given up. A unit places its
+// rows once the units before it are counted (not every unit), and the block with the last unit writes the totals.
+// With `items_wait` the block goes on to the copies without waiting for the other units' placing: each copy item
+// waits for the units it reads (PlacedUnits). A block keeps its first unit's routing bits from one pass to the next,
+// so where the units are no more than the blocks (scan_run) placing reads no routing again.
 template <int kRun>
 __device__ bool scan_routing_run(const ScanArgs& scan, int units, const Handoff& h, uint64_t* counted, uint64_t* placed,
-                                 const ItemCounter& items, int block, int blocks, const Members& m) {
+                                 const ItemCounter& items, int block, int blocks, const Members& m, bool items_wait) {
   const int all = units * scan.num_ranks;
   const KernelStamp stamp(KernelKind::kScan);
   unsigned first_takes = 0;
@@ -800,35 +845,40 @@ __device__ bool scan_routing_run(const ScanArgs& scan, int units, const Handoff&
       if (u == block) first_takes = takes;
     }
   }
-  if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (they wait for `counted`)
-  {
-    const KernelStamp counted_stamp(KernelKind::kScanCounted);
-    hand_over(h, counted, block, blocks, all);
-    if (!wait_handed_over(h, counted, all, m)) return false;
-  }
+  if (block == 0 && threadIdx.x == 0) items.reset();  // before the copies' first take (after unit 0's count)
+  hand_over(h, counted, block, blocks, all);
+  // A block without a unit waits for every count (its copies take items once the counter is reset).
+  if (block >= all && !wait_handed_over(h, counted, all, m)) return false;
   {
     const KernelStamp placing(KernelKind::kScanPlacing);
     for (int u = block; u < all; u += blocks) {
       const int x = u % units, s = u / units;
-      place_unit<kRun>(scan, x, s, units, u == block ? first_takes : unit_takes<kRun>(scan, x, s));
+      {
+        const KernelStamp counted_stamp(KernelKind::kScanCounted);
+        if (!wait_handed_over(h, counted, u, m)) return false;  // the units before u
+      }
+      place_unit<kRun>(scan, x, s, units, u == block ? first_takes : unit_takes<kRun>(scan, x, s), false);
     }
+    if (block == (all - 1) % blocks && threadIdx.x == 0)  // every unit counted: the units before the last, and it
+      for (int s = 0; s < scan.num_ranks; ++s) source_totals(scan, s, units);
   }
   hand_over(h, placed, block, blocks, all);
-  if (!wait_handed_over(h, placed, all, m)) return false;
+  if (!items_wait && !wait_handed_over(h, placed, all, m)) return false;
   fence_shared_for_bulk();
   return true;
 }
 __device__ bool scan_routing(const ScanArgs& scan, int run, int units, const Handoff& h, uint64_t* counted,
-                             uint64_t* placed, const ItemCounter& items, int block, int blocks, const Members& m) {
+                             uint64_t* placed, const ItemCounter& items, int block, int blocks, const Members& m,
+                             bool items_wait) {
   switch (run) {
     case 1:
-      return scan_routing_run<1>(scan, units, h, counted, placed, items, block, blocks, m);
+      return scan_routing_run<1>(scan, units, h, counted, placed, items, block, blocks, m, items_wait);
     case 2:
-      return scan_routing_run<2>(scan, units, h, counted, placed, items, block, blocks, m);
+      return scan_routing_run<2>(scan, units, h, counted, placed, items, block, blocks, m, items_wait);
     case 4:
-      return scan_routing_run<4>(scan, units, h, counted, placed, items, block, blocks, m);
+      return scan_routing_run<4>(scan, units, h, counted, placed, items, block, blocks, m, items_wait);
     default:
-      return scan_routing_run<kMaxScanRun>(scan, units, h, counted, placed, items, block, blocks, m);
+      return scan_routing_run<kMaxScanRun>(scan, units, h, counted, placed, items, block, blocks, m, items_wait);
   }
 }
 
@@ -857,11 +907,17 @@ __device__ bool lay_out_pairs(const PairLayout& p, const ScanArgs& scan, const H
 // members' inputs as sources where it pulls), then where the receive writes the pairs their layout. False (to the
 // whole block) once the op is given up.
 __device__ bool lay_out_receive(const DispatchLaunch& d, const ScanArgs& scan, const ItemCounter& items, int block,
-                                int blocks) {
+                                int blocks, bool items_wait) {
   const Members& m = d.receive.from;
-  if (!scan_routing(scan, d.run, d.units, d.handoff, d.counted(), d.placed(), items, block, blocks, m)) return false;
+  if (!scan_routing(scan, d.run, d.units, d.handoff, d.counted(), d.placed(), items, block, blocks, m, items_wait))
+    return false;
   return !d.pairs.out.pair_of ||
          lay_out_pairs(d.pairs, scan, d.handoff, d.pairs_counted(), d.pairs_placed(), block, blocks, m);
+}
+// The copies' waits for the units' placing where they wait item by item (bulk copies without the pair layout, whose
+// passes read every unit's rows).
+__device__ PlacedUnits placed_units(const DispatchLaunch& d, bool items_wait) {
+  return items_wait ? PlacedUnits{d.placed(), d.handoff.epoch, d.units, kTransferThreads * d.run} : PlacedUnits{};
 }
 // A send block that joins the copies once its sends are done: until the receive blocks' last pass is handed over.
 __device__ bool wait_laid_out(const DispatchLaunch& d) {
@@ -891,6 +947,7 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
     return;
   }
   const int block = int(blockIdx.x) - send_blocks, blocks = int(gridDim.x) - send_blocks;
+  const bool items_wait = kBulk && !f.pairs.out.pair_of;
   {
     {
       const KernelStamp stamp(KernelKind::kRouting);
@@ -898,10 +955,11 @@ __device__ void dispatch_blocks(const DispatchLaunch& f) {
       // and write stays in bounds), so that every unit is handed over and no block waits for another in vain.
       wait_all(f.routing, m.timeout_ns, m.err, m.rank);
     }
-    if (!lay_out_receive(f, f.scan, items, block, blocks)) return;
+    if (!lay_out_receive(f, f.scan, items, block, blocks, items_wait)) return;
   }
   if constexpr (kBulk)
-    dispatch_receive_bulk(f.receive, f.receive_shape, items, block, blocks, /*joined=*/false);
+    dispatch_receive_bulk(f.receive, f.receive_shape, items, block, blocks, /*joined=*/false,
+                          placed_units(f, items_wait));
   else
     dispatch_receive(f.receive, block, blocks);
 }
@@ -1097,8 +1155,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1) pull_dispatch_kernel(Pull
       receive.pulled = true;
     }
     block_sync();
-    if (lay_out_receive(d, scan, items, block, blocks))
-      dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false);
+    const bool items_wait = !d.pairs.out.pair_of;
+    if (lay_out_receive(d, scan, items, block, blocks, items_wait))
+      dispatch_receive_bulk(receive, d.receive_shape, items, block, blocks, /*joined=*/false,
+                            placed_units(d, items_wait));
   }
   const KernelStamp stamp(KernelKind::kAcks);
   if (acknowledge_when_last(d.handoff, d.acks)) wait_members_read(d.send.to);  // before our inputs may go

@@ -208,12 +208,39 @@ __device__ unsigned count_unit(const ScanArgs& a, int x, int s, int units) {
   return takes;
 }
 
-// Pass 2: each unit places its rows (`takes`: the thread's unit_takes) after those of every earlier unit.
+// Once every unit of source s is counted (thread 0): its rows (checked against the handle's in cached mode); for
+// s = 0, once every unit is, the rows kept and the capacity's check.
+__device__ void source_totals(const ScanArgs& a, int s, int units) {
+  int from_source = 0;
+  for (int b = 0; b < units; ++b) from_source += a.block_counts[s * units + b];
+  a.recv_counts[s] = from_source;
+  if (a.expected_counts && a.expected_counts[s] != from_source)
+    report(a.err, kRowsDifferFromHandle, a.rank, s, from_source, a.expected_counts[s]);
+  if (s != 0) return;
+  int total = 0;
+  for (int i = 0; i < a.num_ranks * units; ++i) total += a.block_counts[i];
+  if (a.receiver_counts) {
+    for (int d = 0; d < a.num_ranks; ++d) {
+      int to_d = 0;
+      for (int i = 0; i < a.num_ranks * units; ++i) to_d += a.receiver_counts[d * a.num_ranks * units + i];
+      if (to_d > a.capacity) {
+        report(a.err, kOverCapacity, a.rank_of[d], to_d, a.capacity, 0);
+        break;
+      }
+    }
+  } else if (total > a.capacity && !a.drop_overflow) {
+    report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
+  }
+  *a.recv_num_tokens = min(total, a.capacity);
+}
+
+// Pass 2: each unit places its rows (`takes`: the thread's unit_takes) after those of every earlier unit, which
+// must be counted. With `totals`, where every unit is counted, unit (0, s) also writes source s's totals.
 template <int kRun>
-__device__ void place_unit(const ScanArgs& a, int x, int s, int units, unsigned takes) {
-  const int blocks = units, T = a.num_tokens;
+__device__ void place_unit(const ScanArgs& a, int x, int s, int units, unsigned takes, bool totals = true) {
+  const int T = a.num_tokens;
   int earlier = 0;
-  for (int i = threadIdx.x; i < s * blocks + x; i += blockDim.x) earlier += a.block_counts[i];
+  for (int i = threadIdx.x; i < s * units + x; i += blockDim.x) earlier += a.block_counts[i];
   int base;
   block_exclusive_scan(earlier, &base);
   int o[kRun], rows[kRun];
@@ -231,28 +258,7 @@ __device__ void place_unit(const ScanArgs& a, int x, int s, int units, unsigned 
     if (t == T - 1) before[T] = row + take;
     if (take && row < a.capacity) a.row_map[row] = make_int2(s, t);
   }
-  if (threadIdx.x != 0 || x != 0) return;
-  int from_source = 0;
-  for (int b = 0; b < blocks; ++b) from_source += a.block_counts[s * blocks + b];
-  a.recv_counts[s] = from_source;
-  if (a.expected_counts && a.expected_counts[s] != from_source)
-    report(a.err, kRowsDifferFromHandle, a.rank, s, from_source, a.expected_counts[s]);
-  if (s != 0) return;
-  int total = 0;
-  for (int i = 0; i < a.num_ranks * blocks; ++i) total += a.block_counts[i];
-  if (a.receiver_counts) {
-    for (int d = 0; d < a.num_ranks; ++d) {
-      int to_d = 0;
-      for (int i = 0; i < a.num_ranks * blocks; ++i) to_d += a.receiver_counts[d * a.num_ranks * blocks + i];
-      if (to_d > a.capacity) {
-        report(a.err, kOverCapacity, a.rank_of[d], to_d, a.capacity, 0);
-        break;
-      }
-    }
-  } else if (total > a.capacity && !a.drop_overflow) {
-    report(a.err, kOverCapacity, a.rank, total, a.capacity, 0);
-  }
-  *a.recv_num_tokens = min(total, a.capacity);
+  if (totals && threadIdx.x == 0 && x == 0) source_totals(a, s, units);
 }
 
 // Scan units per source, of `tokens_per_unit` tokens each (the standalone scan's blocks take kScanThreads, a fused
