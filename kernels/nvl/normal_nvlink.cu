@@ -927,9 +927,10 @@ __device__ bool wait_laid_out(const DispatchLaunch& d) {
 }
 
 // (Cached) dispatch: the send blocks as dispatch_send(_bulk); each receive block waits for every member's routing,
-// counts the rows of its scan units, places them once every unit is counted, and copies once every unit is placed. With
-// bulk copies a send block whose sends are done joins the copies (the items come from one counter of the launch), so
-// that neither side idles while the other still works.
+// counts the rows of its scan units, places them once the units before them are counted, and copies (with bulk copies
+// an item once the units it reads are placed, else once every unit is). With bulk copies a send block whose sends are
+// done joins the copies (the items come from one counter of the launch), so that neither side idles while the other
+// still works.
 template <bool kBulk>
 __device__ void dispatch_blocks(const DispatchLaunch& f) {
   const int send_blocks = f.send.chunks;
