@@ -10,6 +10,9 @@
 #   "one_process_per_gpu or separate_nodes_over_the_proxy or staged_through"
 #   "two_level or bad_expert or drives_gpus_on_separate_nodes or kernel_sends or missing_peer or soak or
 #    low_latency_variants or loopback or copy_bench"
+# At R = 2 (2x H200, 2026-11-30) the whole file is ~600 s in three selections: "(one_process_drives_all_gpus or
+# one_process_per_gpu) and normal or normal_mode_variants" (~200 s), "separate_nodes_over_the_proxy or staged_through
+# or two_level" (~225 s), and the rest (~220 s).
 # To read a sweep as a fixed cost and a copy rate (ours and NCCL's): bench/fixed_cost.py over intranode.py's --out files
 # of one lease at two sizes at least (V3's and the layer's: --tokens 4096 --hidden 2048 --topk 8 --experts 64).
 # The device tool returns at most 8 files from $OUT: a call that writes more (a setup log, several benches) packs them
