@@ -50,7 +50,7 @@ class Fit:
         return self.fixed_us + megabytes * 1e3 / self.rate_gbps
 
 
-def _time_us(result: dict) -> float | None:
+def time_us_of(result: dict) -> float | None:
     """A result's time a call: GPU 0's device span where the run measured it, else its median wall time."""
     span = (result.get("extra") or {}).get("device_span_us_per_call")
     if span:
@@ -64,7 +64,7 @@ def collect(runs: list[dict]) -> dict[str, list[tuple[float, float]]]:
     points: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for run in runs:
         for r in run.get("results", []):
-            t = _time_us(r)
+            t = time_us_of(r)
             if r.get("error") or t is None or not r.get("bytes_deepep"):
                 continue
             megabytes, kind = float(r["bytes_deepep"]) / 1e6, family(r["name"])

@@ -42,6 +42,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import against_nccl  # noqa: E402
 import common  # noqa: E402
 
 # Reference figures from the project's design notes (not in this repository; bench/RESULTS.md lists them beside
@@ -542,6 +543,10 @@ def main(argv=None) -> int:
         f"H={args.hidden}, top-{args.topk} of {args.experts}, {args.iters} "
         f"calls/loop, median of {args.repeats}",
     )
+    found = against_nccl.ratios(record)
+    if found:
+        print()
+        common.print_table(against_nccl.HEADERS, against_nccl.rows(found), title=against_nccl.TITLE)
     return 0
 
 

@@ -75,3 +75,37 @@ def test_the_fixed_cost_fit_recovers_each_sides_line_and_where_they_cross(tmp_pa
     assert (
         len(one_size.points) == 1 and math.isnan(one_size.fixed_us) and fixed_cost.crossing_mb(one_size, nccl) is None
     )
+
+
+def test_the_nccl_ratios_set_each_op_beside_the_nccl_row_of_its_rows():
+    rng = np.random.default_rng(55)
+    nccl_bf16, nccl_fp8 = rng.uniform(200, 240), rng.uniform(110, 140)
+    ours = {  # (op, SMs label): GPU 0's span a call
+        (op, sms): rng.uniform(100, 400)
+        for op in ("dispatch bfloat16", "dispatch fp8", "combine bfloat16")
+        for sms in ("8 pulled", "24 pulled", "12+12 bulk")
+    }
+    results = [_result(f"uccl_ep {op}", 100.0, us, sms) for (op, sms), us in ours.items()]
+    results.append(_result("uccl_ep dispatch fp8", 100.0, 1.0, "16 pulled") | {"error": "n/a (skipped)"})
+    results.append(_result("uccl_ep dispatch bfloat16", 100.0, 50.0, "4 pulled", span=False))  # no --cupti
+    results.append(_result("uccl_ep dispatch expert-major bfloat16", 100.0, 77.0, "24 pulled"))  # no NCCL peer
+    results.append(_result("NCCL all_to_all_single bfloat16 ragged", 100.0, nccl_bf16, span=False))
+    results.append(_result("NCCL all_to_all_single bfloat16 padded", 100.0, 1.0, span=False))
+    results.append(_result("NCCL all_to_all_single fp8 rows ragged", 100.0, nccl_fp8, span=False))
+
+    against = _load("against_nccl")
+    found = {(r.op, r.sms): r for r in against.ratios({"results": results})}
+    assert set(found) == set(ours) | {("dispatch bfloat16", "4 pulled")}, sorted(found)
+    for (op, sms), us in ours.items():
+        r = found[(op, sms)]
+        peer = nccl_fp8 if op == "dispatch fp8" else nccl_bf16
+        assert r.span and r.ours_us == us and r.nccl_us == peer, r
+        assert abs(r.to_nccl - us / peer) < 1e-12
+        assert abs(r.to_most_sms - us / ours[(op, "24 pulled")]) < 1e-12, r  # 24 SMs is the most, 12+12 too
+    wall = found[("dispatch bfloat16", "4 pulled")]
+    assert not wall.span and abs(wall.ours_us - 50.0) < 1e-9  # the median wall time, marked as such in the rows
+    assert any("(wall)" in row[2] for row in against.rows([wall]))
+    # Without NCCL's rows (an --cpu run, or NCCL failed) the ratio is n/a, the SM one stays.
+    no_peer = against.ratios({"results": [r for r in results if not r["name"].startswith("NCCL")]})
+    assert all(r.nccl_us is None and r.to_nccl is None for r in no_peer)
+    assert all(row[3] == "n/a" and row[4] == "n/a" for row in against.rows(no_peer))

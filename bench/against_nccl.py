@@ -1,0 +1,122 @@
+"""Our ops against NCCL's all_to_all_single of the same rows, in one bench/intranode.py run: the ratio a RESULTS.md
+table carries, with the SM budget beside each time.
+
+Each of our dispatches and combines (at every SM budget the run swept) is set beside the NCCL row that moves the same
+rows in the same run: BF16 dispatch and combine beside NCCL's ragged BF16 all_to_all_single, FP8 dispatch beside its
+ragged uint8 rows of H + H/32 bytes. Ours is GPU 0's device span a call where the run had --cupti (NCCL's time is its
+CUDA events, so a wall time of ours, which carries the jit call's own cost, is marked as such); "/ most SMs" is the
+time against the same op's at the largest budget of the run, the SM economy figure.
+
+    python bench/intranode.py --sms 8,12,16,24 --cupti --out $OUT/v3.json   # prints this table last
+    python bench/against_nccl.py $OUT/v3.json                              # the same from the file
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import fixed_cost  # noqa: E402
+
+
+def peer_name(name: str) -> str | None:
+    """The NCCL row moving the rows our op `name` moves, or None where it has none (the expert-major dispatch,
+    whose pair rows are more bytes than a rank receives, and the non-ours rows)."""
+    family = fixed_cost.family(name)
+    if family not in ("dispatch", "combine"):
+        return None
+    dtype = name.split()[-1]
+    return "NCCL all_to_all_single fp8 rows ragged" if dtype == "fp8" else f"NCCL all_to_all_single {dtype} ragged"
+
+
+def sm_count(label: str) -> int | None:
+    """SMs of a budget label as intranode.py writes it ("24 pulled", "12+12 bulk"), or None ("?")."""
+    m = re.match(r"\s*(\d+)(?:\+(\d+))?", label or "")
+    return None if m is None else int(m.group(1)) + int(m.group(2) or 0)
+
+
+@dataclasses.dataclass
+class Ratio:
+    op: str
+    sms: str  # the budget as the run labelled it
+    ours_us: float
+    span: bool  # ours_us is GPU 0's device span (else a wall time)
+    nccl_us: float | None
+    to_most_sms: float | None  # ours_us / the same op's at the run's largest budget
+
+    @property
+    def to_nccl(self) -> float | None:
+        return None if self.nccl_us is None else self.ours_us / self.nccl_us
+
+
+def ratios(run: dict) -> list[Ratio]:
+    """Every timed dispatch and combine of ours in one intranode.py run (its JSON record), in the run's order."""
+    results = [r for r in run.get("results", []) if not r.get("error") and fixed_cost.time_us_of(r) is not None]
+    by_name = {r["name"]: fixed_cost.time_us_of(r) for r in results if not r["name"].startswith("uccl_ep")}
+    ours = [r for r in results if peer_name(r["name"]) is not None]
+    most: dict[str, tuple[int, float]] = {}  # op -> (SMs, us) at its largest budget
+    for r in ours:
+        n, t = sm_count(r.get("extra", {}).get("sms", "")), fixed_cost.time_us_of(r)
+        if n is not None and (r["name"] not in most or n > most[r["name"]][0]):
+            most[r["name"]] = (n, t)
+    out = []
+    for r in ours:
+        t, extra = fixed_cost.time_us_of(r), r.get("extra") or {}
+        top = most.get(r["name"])
+        out.append(
+            Ratio(
+                op=r["name"].removeprefix("uccl_ep "),
+                sms=extra.get("sms", "?"),
+                ours_us=t,
+                span=bool(extra.get("device_span_us_per_call")),
+                nccl_us=by_name.get(peer_name(r["name"])),
+                to_most_sms=t / top[1] if top and sm_count(extra.get("sms", "")) is not None else None,
+            )
+        )
+    return out
+
+
+HEADERS = ["op", "SMs", "ours us", "NCCL us", "ours / NCCL", "/ most SMs"]
+
+
+def rows(found: list[Ratio]) -> list[list[str]]:
+    def num(x: float | None, f: str) -> str:
+        return "n/a" if x is None else format(x, f)
+
+    return [
+        [
+            r.op,
+            r.sms,
+            f"{r.ours_us:.1f}" + ("" if r.span else " (wall)"),
+            num(r.nccl_us, ".1f"),
+            num(r.to_nccl, ".2f"),
+            num(r.to_most_sms, ".2f"),
+        ]
+        for r in found
+    ]
+
+
+TITLE = "ours against NCCL all_to_all_single of the same rows (ours: GPU 0's span a call, or wall; NCCL: CUDA events)"
+
+
+def main(argv: list[str] | None = None) -> list[Ratio]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="bench/intranode.py --out files")
+    args = parser.parse_args(argv)
+    found = []
+    for path in args.runs:
+        with open(path) as f:
+            run_ratios = ratios(json.load(f))
+        common.print_table(HEADERS, rows(run_ratios), title=f"{path}: {TITLE}")
+        found += run_ratios
+    return found
+
+
+if __name__ == "__main__":
+    main()
