@@ -5,7 +5,8 @@ Each of our dispatches and combines (at every SM budget the run swept) is set be
 rows in the same run: BF16 dispatch and combine beside NCCL's ragged BF16 all_to_all_single, FP8 dispatch beside its
 ragged uint8 rows of H + H/32 bytes. Ours is GPU 0's device span a call where the run had --cupti (NCCL's time is its
 CUDA events, so a wall time of ours, which carries the jit call's own cost, is marked as such); "/ most SMs" is the
-time against the same op's at the largest budget of the run, the SM economy figure.
+time against the same op's run the same way (pulled, or sent with bulk copies or SM stores) and timed alike at the
+run's largest budget (the best there, where several send splits of it ran): the SM economy figure.
 
     python bench/intranode.py --sms 8,12,16,24 --cupti --out $OUT/v3.json   # prints this table last
     python bench/against_nccl.py $OUT/v3.json                              # the same from the file
@@ -41,6 +42,11 @@ def sm_count(label: str) -> int | None:
     return None if m is None else int(m.group(1)) + int(m.group(2) or 0)
 
 
+def setting(label: str) -> str:
+    """How a budget's ops ran, without its SMs: "pulled", "bulk" (sent with bulk copies) or "stores"."""
+    return re.sub(r"^\s*[\d+]+\s*", "", label or "")
+
+
 @dataclasses.dataclass
 class Ratio:
     op: str
@@ -48,7 +54,7 @@ class Ratio:
     ours_us: float
     span: bool  # ours_us is GPU 0's device span (else a wall time)
     nccl_us: float | None
-    to_most_sms: float | None  # ours_us / the same op's at the run's largest budget
+    to_most_sms: float | None  # ours_us / the same op's, run the same way, at the run's largest budget
 
     @property
     def to_nccl(self) -> float | None:
@@ -59,27 +65,33 @@ def ratios(run: dict) -> list[Ratio]:
     """Every timed dispatch and combine of ours in one intranode.py run (its JSON record), in the run's order."""
     results = [r for r in run.get("results", []) if not r.get("error") and fixed_cost.time_us_of(r) is not None]
     by_name = {r["name"]: fixed_cost.time_us_of(r) for r in results if not r["name"].startswith("uccl_ep")}
-    ours = [r for r in results if peer_name(r["name"]) is not None]
-    most: dict[str, tuple[int, float]] = {}  # op -> (SMs, us) at its largest budget
-    for r in ours:
-        n, t = sm_count(r.get("extra", {}).get("sms", "")), fixed_cost.time_us_of(r)
-        if n is not None and (r["name"] not in most or n > most[r["name"]][0]):
-            most[r["name"]] = (n, t)
-    out = []
-    for r in ours:
-        t, extra = fixed_cost.time_us_of(r), r.get("extra") or {}
-        top = most.get(r["name"])
-        out.append(
+    found = []
+    for r in results:
+        if peer_name(r["name"]) is None:
+            continue
+        extra = r.get("extra") or {}
+        found.append(
             Ratio(
                 op=r["name"].removeprefix("uccl_ep "),
                 sms=extra.get("sms", "?"),
-                ours_us=t,
+                ours_us=fixed_cost.time_us_of(r),
                 span=bool(extra.get("device_span_us_per_call")),
                 nccl_us=by_name.get(peer_name(r["name"])),
-                to_most_sms=t / top[1] if top and sm_count(extra.get("sms", "")) is not None else None,
+                to_most_sms=None,
             )
         )
-    return out
+    # The SM economy baseline of each op and setting: its time at the largest budget (the best there, where
+    # several splits of it ran), timed the same way.
+    most: dict[tuple[str, str, bool], tuple[int, float]] = {}
+    for f in found:
+        n, key = sm_count(f.sms), (f.op, setting(f.sms), f.span)
+        if n is not None and (key not in most or (n, -f.ours_us) > (most[key][0], -most[key][1])):
+            most[key] = (n, f.ours_us)
+    for f in found:
+        top = most.get((f.op, setting(f.sms), f.span))
+        if top is not None and sm_count(f.sms) is not None:
+            f.to_most_sms = f.ours_us / top[1]
+    return found
 
 
 HEADERS = ["op", "SMs", "ours us", "NCCL us", "ours / NCCL", "/ most SMs"]

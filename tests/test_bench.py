@@ -80,10 +80,11 @@ def test_the_fixed_cost_fit_recovers_each_sides_line_and_where_they_cross(tmp_pa
 def test_the_nccl_ratios_set_each_op_beside_the_nccl_row_of_its_rows():
     rng = np.random.default_rng(55)
     nccl_bf16, nccl_fp8 = rng.uniform(200, 240), rng.uniform(110, 140)
+    labels = ("8 pulled", "24 pulled", "6+6 bulk", "12+12 bulk", "13+11 bulk")
     ours = {  # (op, SMs label): GPU 0's span a call
         (op, sms): rng.uniform(100, 400)
         for op in ("dispatch bfloat16", "dispatch fp8", "combine bfloat16")
-        for sms in ("8 pulled", "24 pulled", "12+12 bulk")
+        for sms in labels
     }
     results = [_result(f"uccl_ep {op}", 100.0, us, sms) for (op, sms), us in ours.items()]
     results.append(_result("uccl_ep dispatch fp8", 100.0, 1.0, "16 pulled") | {"error": "n/a (skipped)"})
@@ -94,6 +95,7 @@ def test_the_nccl_ratios_set_each_op_beside_the_nccl_row_of_its_rows():
     results.append(_result("NCCL all_to_all_single fp8 rows ragged", 100.0, nccl_fp8, span=False))
 
     against = _load("against_nccl")
+    assert [against.sm_count(s) for s in labels] == [8, 24, 12, 24, 24] and against.sm_count("?") is None
     found = {(r.op, r.sms): r for r in against.ratios({"results": results})}
     assert set(found) == set(ours) | {("dispatch bfloat16", "4 pulled")}, sorted(found)
     for (op, sms), us in ours.items():
@@ -101,11 +103,14 @@ def test_the_nccl_ratios_set_each_op_beside_the_nccl_row_of_its_rows():
         peer = nccl_fp8 if op == "dispatch fp8" else nccl_bf16
         assert r.span and r.ours_us == us and r.nccl_us == peer, r
         assert abs(r.to_nccl - us / peer) < 1e-12
-        assert abs(r.to_most_sms - us / ours[(op, "24 pulled")]) < 1e-12, r  # 24 SMs is the most, 12+12 too
+        # Pulled against pulled at 24 SMs; sent against the faster of its two 24-SM splits.
+        base = ours[(op, "24 pulled")] if "pulled" in sms else min(ours[(op, "12+12 bulk")], ours[(op, "13+11 bulk")])
+        assert abs(r.to_most_sms - us / base) < 1e-12, (r, base)
     wall = found[("dispatch bfloat16", "4 pulled")]
     assert not wall.span and abs(wall.ours_us - 50.0) < 1e-9  # the median wall time, marked as such in the rows
+    assert wall.to_most_sms == 1.0  # a wall time is set beside wall times only (here none but its own)
     assert any("(wall)" in row[2] for row in against.rows([wall]))
     # Without NCCL's rows (an --cpu run, or NCCL failed) the ratio is n/a, the SM one stays.
     no_peer = against.ratios({"results": [r for r in results if not r["name"].startswith("NCCL")]})
-    assert all(r.nccl_us is None and r.to_nccl is None for r in no_peer)
+    assert all(r.nccl_us is None and r.to_nccl is None and r.to_most_sms is not None for r in no_peer)
     assert all(row[3] == "n/a" and row[4] == "n/a" for row in against.rows(no_peer))
