@@ -114,3 +114,22 @@ def test_the_nccl_ratios_set_each_op_beside_the_nccl_row_of_its_rows():
     no_peer = against.ratios({"results": [r for r in results if not r["name"].startswith("NCCL")]})
     assert all(r.nccl_us is None and r.to_nccl is None and r.to_most_sms is not None for r in no_peer)
     assert all(row[3] == "n/a" and row[4] == "n/a" for row in against.rows(no_peer))
+
+
+def test_intranode_on_cpu_devices_ends_with_the_table_against_nccl(tmp_path):
+    """The bench end to end on 2 CPU devices (its smoke mode): our three ops timed, NCCL's rows n/a (--cpu), and
+    the last table sets each op beside them."""
+    import subprocess
+
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, os.path.join(BENCH, "intranode.py"), "--cpu", "--tokens", "64", "--hidden", "256"]
+    cmd += ["--iters", "2", "--repeats", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    for name in ("uccl_ep dispatch bfloat16", "uccl_ep dispatch fp8", "uccl_ep combine bfloat16"):
+        assert results[name]["error"] is None and results[name]["timing"]["median_s"] > 0, results[name]
+    table = proc.stdout[proc.stdout.index("ours against NCCL") :].splitlines()
+    rows = [line.split() for line in table if line.startswith(("dispatch", "combine"))]
+    assert sorted(r[0] + " " + r[1] for r in rows) == ["combine bfloat16", "dispatch bfloat16", "dispatch fp8"], table
+    assert all("(wall)" in " ".join(r) and r[-3:-1] == ["n/a", "n/a"] for r in rows), table
