@@ -43,15 +43,17 @@ __device__ void hand_over(const Handoff& h, uint64_t* words, int first, int step
   fence_acq_rel_gpu();
   for (int u = first; u < count; u += step) store_relaxed_gpu(words + u, h.epoch);
 }
-// Waits until every unit of a pass has been handed over; false (to the whole block) once a peer was reported late
-// (the op is given up) or after the deadline, when a block of the launch never ran beside the others (reported).
+// Waits (one thread) until `word` carries the launch's epoch; false once a peer was reported late (the op is given
+// up) or after the deadline, when a block of the launch never ran beside the others (reported).
+__device__ bool wait_word_handed_over(const uint64_t* word, uint64_t epoch, const Members& m) {
+  const Polled p = poll_flag(word, epoch, m.timeout_ns, m.err, Sleep::kFlat, Scope::kGpu);
+  if (p == Polled::kTimedOut)
+    report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
+  return p == Polled::kReached;
+}
+// Waits until every unit of a pass has been handed over; false (to the whole block) as wait_word_handed_over.
 __device__ bool wait_handed_over(const Handoff& h, const uint64_t* words, int count, const Members& m) {
-  return block_waits(count, [&](int u) {
-    const Polled p = poll_flag(words + u, h.epoch, m.timeout_ns, m.err, Sleep::kFlat, Scope::kGpu);
-    if (p == Polled::kTimedOut)
-      report(m.err, kBlocksNotResident, m.rank, gridDim.x, 0, int64_t(m.timeout_ns / 1000000000ull));
-    return p == Polled::kReached;
-  });
+  return block_waits(count, [&](int u) { return wait_word_handed_over(words + u, h.epoch, m); });
 }
 
 // The op's acknowledgements to the members whose messages it read (their regions in our buffer are free again),
@@ -337,12 +339,8 @@ struct PlacedUnits {
 
   // Units [first, last] of source s; false once the op is given up or a block of the launch never ran (reported).
   __device__ bool wait(int s, int first, int last, const ReceiveFrom& from) const {
-    for (int x = first; x <= last; ++x) {
-      const Polled p = poll_flag(words + s * units + x, epoch, from.timeout_ns, from.err, Sleep::kFlat, Scope::kGpu);
-      if (p == Polled::kTimedOut)
-        report(from.err, kBlocksNotResident, from.rank, gridDim.x, 0, int64_t(from.timeout_ns / 1000000000ull));
-      if (p != Polled::kReached) return false;
-    }
+    for (int x = first; x <= last; ++x)
+      if (!wait_word_handed_over(words + s * units + x, epoch, from)) return false;
     return true;
   }
   // The units that wrote the rows of source s's tokens [t0, t1) and where its rows from t1 on start.
