@@ -67,7 +67,8 @@ def ratios(run: dict) -> list[Ratio]:
     by_name = {r["name"]: fixed_cost.time_us_of(r) for r in results if not r["name"].startswith("uccl_ep")}
     found = []
     for r in results:
-        if peer_name(r["name"]) is None:
+        peer = peer_name(r["name"])
+        if peer is None:
             continue
         extra = r.get("extra") or {}
         found.append(
@@ -76,7 +77,7 @@ def ratios(run: dict) -> list[Ratio]:
                 sms=extra.get("sms", "?"),
                 ours_us=fixed_cost.time_us_of(r),
                 span=bool(extra.get("device_span_us_per_call")),
-                nccl_us=by_name.get(peer_name(r["name"])),
+                nccl_us=by_name.get(peer),
                 to_most_sms=None,
             )
         )
